@@ -1,0 +1,7 @@
+"""``python -m qkov`` runs the command line (also what ``torchrun -m qkov`` starts)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

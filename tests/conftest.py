@@ -1,0 +1,30 @@
+"""Shared fixtures: a small text corpus and an isolated token cache."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+# A handful of standard-library modules: real Python source, small enough to train on in seconds.
+SMALL_CORPUS_MODULES = [
+    "abc.py", "bisect.py", "calendar.py", "colorsys.py", "copy.py", "dataclasses.py", "fnmatch.py",
+    "fractions.py", "functools.py", "glob.py", "heapq.py", "keyword.py", "numbers.py", "operator.py",
+    "queue.py", "random.py", "shlex.py", "string.py", "textwrap.py", "types.py",
+]
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QKOV_CACHE", str(tmp_path_factory.getbasetemp() / "qkov-cache"))
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = tmp_path_factory.mktemp("corpus")
+    for name in SMALL_CORPUS_MODULES:
+        shutil.copy(root / name, out / name)
+    return out

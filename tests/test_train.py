@@ -1,0 +1,158 @@
+"""Training: the loss falls, same seed gives the same run, resume (also after SIGKILL) is exact."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import qkov
+from qkov import ModelConfig, QkovError, TrainConfig
+from qkov.train import _CrossEntropy, lm_loss, lr_at, model_loss
+
+TINY = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
+
+
+def tiny_train(corpus: Path, **kw: object) -> TrainConfig:
+    base = dict(steps=40, batch=4, lr=3e-3, warmup=5, corpus=str(corpus), eval_interval=10,
+                ckpt_interval=10, log_interval=5, eval_examples=4)
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+def test_fused_loss_matches_cross_entropy_and_its_gradient() -> None:
+    logits = torch.randn(20, 11, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, 11, (20,))
+    ours = _CrossEntropy.apply(logits, target)
+    ref = torch.nn.functional.cross_entropy(logits, target)
+    assert abs(float(ours.detach()) - float(ref.detach())) < 1e-12
+    assert torch.autograd.gradcheck(lambda x: _CrossEntropy.apply(x, target), (logits,))
+    model = qkov.Transformer(TINY, seed=0)
+    toks = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        assert abs(float(model_loss(model, toks)) - float(lm_loss(model(toks), toks))) < 1e-5
+
+
+def test_schedules() -> None:
+    tc = TrainConfig(steps=100, lr=1.0, warmup=10, schedule="wsd", decay_frac=0.2, min_lr_frac=0.1)
+    assert lr_at(0, tc) == pytest.approx(0.1) and lr_at(9, tc) == pytest.approx(1.0)
+    assert lr_at(50, tc) == 1.0 and lr_at(80, tc) == 1.0
+    assert lr_at(99, tc) == pytest.approx(0.1 + 0.9 * (1 / 20), abs=1e-9)
+    cos = TrainConfig(steps=100, lr=1.0, warmup=10, schedule="cosine", min_lr_frac=0.0)
+    assert lr_at(55, cos) == pytest.approx(0.5)
+    assert lr_at(50, TrainConfig(steps=100, lr=1.0, warmup=10, schedule="constant")) == 1.0
+
+
+def test_training_lowers_loss_and_writes_a_checkpoint(tmp_path: Path, small_corpus: Path) -> None:
+    events: list[dict] = []
+    out = tmp_path / "run"
+    model = qkov.train(out, TINY, tiny_train(small_corpus), device="cpu", callback=events.append)
+    evals = [e for e in events if e["event"] == "eval"]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
+    assert evals[0]["val_loss"] < math.log(300) + 0.5
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "metrics.jsonl", "train_state.safetensors"):
+        assert (out / name).is_file(), name
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")], "temporary files left behind"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows and rows[-1]["step"] == 40
+    loaded = qkov.load(out)
+    assert loaded.tokenizer is not None and loaded.bos_token_id == 0
+    toks = loaded.to_tokens("def f(x):\n    return x")
+    assert toks[0, 0] == 0
+    with torch.no_grad():
+        assert torch.allclose(loaded(toks), model(toks), atol=1e-6)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["training"]["step"] == 40 and cfg["training"]["tokens"] == 40 * 4 * 32
+
+
+def test_same_seed_same_run_and_resume_is_exact(tmp_path: Path, small_corpus: Path) -> None:
+    tc = tiny_train(small_corpus)
+    a = qkov.train(tmp_path / "a", TINY, tc, device="cpu")
+    b = qkov.train(tmp_path / "b", TINY, tc, device="cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    # stop at step 20, then resume: identical weights and metrics to the uninterrupted run
+    qkov.train(tmp_path / "c", TINY, tc, device="cpu", stop_after=20)
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["training"]["step"] == 20
+    c = qkov.train(tmp_path / "c", device="cpu", resume=True)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), c.parameters()))
+    ma = (tmp_path / "a" / "metrics.jsonl").read_text()
+    mc = (tmp_path / "c" / "metrics.jsonl").read_text()
+    strip = lambda text: [{k: v for k, v in json.loads(r).items() if k != "tokens_per_s"} for r in text.splitlines()]  # noqa: E731
+    assert strip(ma) == strip(mc)
+
+
+def test_refuses_to_overwrite_and_to_resume_nothing(tmp_path: Path, small_corpus: Path) -> None:
+    tc = tiny_train(small_corpus, steps=5)
+    qkov.train(tmp_path / "r", TINY, tc, device="cpu")
+    with pytest.raises(QkovError, match="already holds a run"):
+        qkov.train(tmp_path / "r", TINY, tc, device="cpu")
+    with pytest.raises(QkovError, match="nothing to resume"):
+        qkov.train(tmp_path / "empty", device="cpu", resume=True)
+    with pytest.raises(QkovError, match="differ"):
+        qkov.train(tmp_path / "r", TINY.replace(n_heads=4), None, device="cpu", resume=True)
+
+
+def test_zero_and_one_layer_models_train(tmp_path: Path, small_corpus: Path) -> None:
+    for layers in (0, 1):
+        m = qkov.train(tmp_path / f"l{layers}", TINY.replace(n_layers=layers), tiny_train(small_corpus, steps=10),
+                       device="cpu")
+        assert m.cfg.n_layers == layers
+        assert qkov.load(tmp_path / f"l{layers}").cfg.n_layers == layers
+
+
+def test_unavailable_device_is_a_user_error(tmp_path: Path, small_corpus: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(QkovError, match="cuda"):
+        qkov.train(tmp_path / "x", TINY, tiny_train(small_corpus), device="cuda")
+    with pytest.raises(QkovError, match="device"):
+        qkov.train(tmp_path / "x", TINY, tiny_train(small_corpus), device="tpu9")
+
+
+def _cli(*args: str, env: dict[str, str]) -> list[str]:
+    return [sys.executable, "-m", "qkov", *args]
+
+
+def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path: Path, small_corpus: Path) -> None:
+    env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
+    flags = ["--layers", "2", "--heads", "2", "--d-model", "32", "--d-head", "16", "--ctx", "32", "--vocab", "300",
+             "--batch", "4", "--steps", "400", "--ckpt-interval", "20", "--eval-interval", "100",
+             "--corpus", str(small_corpus), "--device", "cpu", "--quiet"]
+    full = tmp_path / "full"
+    subprocess.run(_cli("train", *flags, "--out", str(full), env=env), env=env, check=True, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_cli("train", *flags, "--out", str(killed), env=env), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    state = killed / "train_state.safetensors"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        cfg = killed / "config.json"
+        if state.exists() and cfg.exists() and json.loads(cfg.read_text())["training"].get("step", 0) >= 60:
+            break
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    step_at_kill = json.loads((killed / "config.json").read_text())["training"]["step"]
+    assert 0 < step_at_kill < 400, "the kill should land mid-run"
+    # nothing corrupt: every file parses
+    load_file(str(state))
+    qkov.load(killed)
+    for line in (killed / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
+    res = subprocess.run(_cli("train", "--resume", "--out", str(killed), "--quiet", env=env), env=env,
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    a, b = qkov.load(full), qkov.load(killed)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    ia = json.loads((full / "config.json").read_text())["training"]
+    ib = json.loads((killed / "config.json").read_text())["training"]
+    assert ib["step"] == 400 and ia["val_loss"] == ib["val_loss"]
