@@ -28,3 +28,14 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for name in SMALL_CORPUS_MODULES:
         shutil.copy(root / name, out / name)
     return out
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow tests (full default training runs) run only when asked for: ``pytest -m slow``."""
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    keep = [i for i in items if "slow" not in i.keywords]
+    dropped = [i for i in items if "slow" in i.keywords]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

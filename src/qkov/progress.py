@@ -44,7 +44,7 @@ class TrainProgress:
 
     def say(self, text: str) -> None:
         if not self.quiet:
-            self.console.print(text, highlight=False)
+            self.console.print(text, highlight=False, soft_wrap=True)
 
     def __call__(self, ev: dict[str, Any]) -> None:
         kind = ev["event"]

@@ -1,0 +1,133 @@
+"""The command line: train/info round trip, --help everywhere, one-line errors with exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkov
+from qkov import ModelConfig
+from qkov.cli import main
+
+SMALL = ["--layers", "2", "--heads", "4", "--d-model", "64", "--d-head", "16", "--ctx", "128", "--vocab", "512",
+         "--batch", "8", "--steps", "60", "--device", "cpu"]
+
+
+def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "qkov", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**os.environ}, timeout=600)
+
+
+def test_small_flags_train_in_seconds_and_info_reads_back(tmp_path: Path, small_corpus: Path) -> None:
+    out = tmp_path / "small"
+    res = run_cli("train", *SMALL, "--corpus", str(small_corpus), "--out", str(out))
+    assert res.returncode == 0, res.stderr
+    assert "val loss" in res.stderr  # progress lines (not a terminal: plain lines)
+    assert "validation loss" in res.stdout  # the info table at the end
+    info = run_cli("info", str(out), "--json")
+    assert info.returncode == 0, info.stderr
+    data = json.loads(info.stdout)
+    assert data["model"]["n_layers"] == 2 and data["model"]["d_vocab"] == 512
+    assert data["steps"] == 60 and data["complete"] is True
+    assert data["tokens"] == 60 * 8 * 128
+    assert data["parameters"] == qkov.load(out).num_parameters()
+    assert 0 < data["val_loss"] < 7 and 0 < data["train_loss"] < 7
+    table = run_cli("info", str(out))
+    assert table.returncode == 0 and "parameters" in table.stdout
+
+
+def test_token_budget_sets_steps(tmp_path: Path, small_corpus: Path) -> None:
+    assert main(["train", "--layers", "0", "--d-model", "16", "--ctx", "32", "--vocab", "300", "--batch", "4",
+                 "--tokens", "1k", "--corpus", str(small_corpus), "--out", str(tmp_path / "t"), "--quiet",
+                 "--device", "cpu"]) == 0
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["training"]["config"]["steps"] == 8  # ceil(1000 / (4 * 32))
+
+
+@pytest.mark.parametrize("cmd", [[], ["train"], ["info"]])
+def test_help(cmd: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*cmd, "--help"])
+    assert exc.value.code == 0
+    assert "usage" in capsys.readouterr().out
+
+
+def _one_line_error(res: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    errors = [line for line in lines if "error:" in line]
+    assert len(errors) == 1 and errors[0] == lines[-1], res.stderr  # progress may precede; the error is one line
+    assert "Traceback" not in res.stderr
+    assert needle in errors[0], errors[0]
+
+
+def test_user_errors_are_one_line_exit_2(tmp_path: Path, small_corpus: Path) -> None:
+    _one_line_error(run_cli("info", str(tmp_path / "missing")), "does not exist")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    _one_line_error(run_cli("info", str(bad)), "config.json")
+    (bad / "config.json").write_text("{not json")
+    _one_line_error(run_cli("info", str(bad)), "not valid JSON")
+    _one_line_error(run_cli("train", "--positional", "rotary"), "invalid choice")
+    _one_line_error(run_cli("train", "--layers", "-1"), "integer >= 0")
+    _one_line_error(run_cli("train", "--lr", "abc"), "positive number")
+    _one_line_error(run_cli("train", "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "o")), "corpus")
+    empty = tmp_path / "emptycorpus"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    _one_line_error(run_cli("train", "--corpus", str(empty), "--out", str(tmp_path / "o2")), "no non-empty")
+    assert not (tmp_path / "o2").exists(), "nothing half-written for a bad corpus"
+    _one_line_error(run_cli("train", "--resume", "--out", str(tmp_path / "none")), "nothing to resume")
+    _one_line_error(run_cli("nonsense"), "invalid choice")
+
+
+def _save_tiny(path: Path) -> qkov.Transformer:
+    model = qkov.Transformer(ModelConfig(n_layers=1, n_heads=2, d_model=8, d_head=4, d_vocab=20, n_ctx=8), seed=0)
+    qkov.save_checkpoint(path, model)
+    return model
+
+
+def test_corrupt_and_mismatched_checkpoints(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    _save_tiny(ck)
+    assert run_cli("info", str(ck)).returncode == 0
+    weights = (ck / "model.safetensors").read_bytes()
+    (ck / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    _one_line_error(run_cli("info", str(ck)), "corrupt")
+    (ck / "model.safetensors").write_bytes(weights)
+    cfg = json.loads((ck / "config.json").read_text())
+    cfg["model"]["d_model"] = 16
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _one_line_error(run_cli("info", str(ck)), "shape")
+    cfg["model"]["d_model"] = 8
+    cfg["model"]["positional"] = "weird"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _one_line_error(run_cli("info", str(ck)), "positional")
+    (ck / "model.safetensors").unlink()
+    cfg["model"]["positional"] = "shortformer"
+    (ck / "config.json").write_text(json.dumps(cfg))
+    _one_line_error(run_cli("info", str(ck)), "model.safetensors")
+
+
+def test_checkpoint_round_trip_without_pickle(tmp_path: Path) -> None:
+    model = _save_tiny(tmp_path / "ck")
+    loaded = qkov.load(tmp_path / "ck")
+    assert loaded.tokenizer is None
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), loaded.parameters()))
+    # the weights file is safetensors, not a pickle
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes()[8:9] == b"{"
+
+
+def test_resume_with_conflicting_flags_is_refused(tmp_path: Path, small_corpus: Path) -> None:
+    out = tmp_path / "r"
+    assert main(["train", "--layers", "1", "--d-model", "16", "--d-head", "8", "--heads", "2", "--ctx", "32",
+                 "--vocab", "300", "--batch", "4", "--steps", "4", "--corpus", str(small_corpus), "--out", str(out),
+                 "--quiet", "--device", "cpu"]) == 0
+    res = run_cli("train", "--resume", "--out", str(out), "--heads", "4")
+    _one_line_error(res, "n_heads")

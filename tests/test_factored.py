@@ -1,0 +1,97 @@
+"""LowRank: every factored operation against the materialised matrix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkov import QkovError
+from qkov.factored import LowRank
+
+torch.manual_seed(0)
+
+
+def make(batch=(2, 3), m=40, r=5, n=40, dtype=torch.float64) -> tuple[LowRank, torch.Tensor]:
+    A = torch.randn(*batch, m, r, dtype=dtype)
+    B = torch.randn(*batch, r, n, dtype=dtype)
+    return LowRank(A, B), A @ B
+
+
+def test_shape_and_indexing() -> None:
+    f, full = make()
+    assert f.shape == full.shape and f.batch_shape == (2, 3) and f.rdim == 5
+    assert torch.allclose(f[1, 2].materialize(), full[1, 2])
+    assert torch.allclose(f[1].materialize(), full[1])
+    with pytest.raises(QkovError, match="inner"):
+        LowRank(torch.zeros(3, 4), torch.zeros(5, 3))
+
+
+def test_algebra() -> None:
+    f, full = make()
+    g, gfull = make(m=40, r=3, n=30)
+    x = torch.randn(40, 7, dtype=torch.float64)
+    assert torch.allclose(f.T.materialize(), full.transpose(-1, -2))
+    assert torch.allclose((f @ g).materialize(), full @ gfull)
+    assert (f @ g).rdim == 3
+    assert torch.allclose((f @ x).materialize(), full @ x)
+    assert torch.allclose((x.T @ f).materialize(), x.T @ full)
+    assert torch.allclose((2.5 * f).materialize(), 2.5 * full)
+    assert torch.allclose((-f).materialize(), -full)
+
+
+def test_eigenvalues_match_the_full_matrix() -> None:
+    f, full = make()
+    ours = f.eigenvalues()  # [2, 3, 5]
+    ref = torch.linalg.eigvals(full)  # [2, 3, 40], 35 of them ~0
+    for b in range(2):
+        for h in range(3):
+            nz = ref[b, h][ref[b, h].abs() > 1e-8]
+            assert len(nz) == 5
+            key = lambda z: (round(z.real.item(), 6), round(z.imag.item(), 6))  # noqa: E731
+            assert sorted(map(key, nz)) == pytest.approx(sorted(map(key, ours[b, h])), abs=1e-6)
+
+
+def test_svd_norm_trace_diag() -> None:
+    f, full = make(m=40, n=30)
+    u, s, vh = f.svd()
+    assert torch.allclose(u @ torch.diag_embed(s) @ vh, full, atol=1e-10)
+    assert torch.allclose(s, torch.linalg.svdvals(full)[..., :5], atol=1e-10)
+    assert torch.allclose(f.norm(), torch.linalg.matrix_norm(full), atol=1e-10)
+    sq, sqfull = make()
+    assert torch.allclose(sq.trace(), sqfull.diagonal(dim1=-2, dim2=-1).sum(-1))
+    assert torch.allclose(sq.diag(), sqfull.diagonal(dim1=-2, dim2=-1))
+    assert torch.allclose(f.rows([3, 7]), full[..., [3, 7], :])
+    assert torch.allclose(f.cols([0, 29]), full[..., :, [0, 29]])
+
+
+@pytest.mark.parametrize("max_bytes", [1, 2000, 10**9])
+def test_topk_whole_matrix_and_per_row_in_chunks(max_bytes: int) -> None:
+    f, full = make(batch=(3,), m=50, n=60, dtype=torch.float32)
+    top = f.topk(7, max_bytes=max_bytes)
+    ref_v, ref_i = torch.topk(full.reshape(3, -1), 7)
+    assert torch.allclose(top.values, ref_v)
+    assert torch.equal(top.rows * 60 + top.cols, ref_i)
+    low = f.topk(4, largest=False, max_bytes=max_bytes)
+    assert torch.allclose(low.values, torch.topk(full.reshape(3, -1), 4, largest=False).values)
+    v, i = f.topk_rows(3, max_bytes=max_bytes)
+    rv, ri = torch.topk(full, 3, dim=-1)
+    assert torch.allclose(v, rv) and torch.equal(i, ri)
+
+
+def test_diag_rank() -> None:
+    f, full = make(batch=(2,), m=30, n=30, dtype=torch.float64)
+    ranks = f.diag_rank(max_bytes=500)
+    ref = (full > full.diagonal(dim1=-2, dim2=-1)[..., None]).sum(-1)
+    assert torch.equal(ranks, ref)
+    eye = LowRank(torch.eye(6, dtype=torch.float64), torch.eye(6, dtype=torch.float64))
+    assert eye.diag_rank().max() == 0
+
+
+def test_bad_k_and_materialise_bound() -> None:
+    f, _ = make(batch=(), m=4, n=4)
+    with pytest.raises(QkovError):
+        f.topk(0)
+    with pytest.raises(QkovError):
+        f.topk(17)
+    with pytest.raises(QkovError, match="MiB"):
+        make(batch=(), m=1000, r=2, n=1000)[0].materialize(max_bytes=1000)
