@@ -1,0 +1,111 @@
+"""The canonical weights view: exact against the model, folding/centring, rotation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkov import ModelConfig, QkovError, Transformer
+from qkov.weights import Weights, forward
+
+CONFIGS = {
+    "attn-shortformer": ModelConfig(n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=50, n_ctx=16),
+    "attn-standard": ModelConfig(n_layers=3, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12,
+                                 positional="standard"),
+    "ln-mlp-bias": ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12,
+                               normalization="layernorm", d_mlp=32, bias=True),
+    "ln-mlp-standard": ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12,
+                                   positional="standard", normalization="layernorm", d_mlp=32, bias=True),
+}
+
+
+def model_for(cfg: ModelConfig, dtype=torch.float64) -> Transformer:
+    m = Transformer(cfg, seed=0).to(dtype).eval()
+    with torch.no_grad():  # non-trivial LN gains/biases and biases
+        for name, p in m.named_parameters():
+            if not name.rsplit(".", 1)[-1].startswith("W_"):
+                p.add_(torch.randn_like(p) * 0.2)
+    return m
+
+
+def random_orthogonal(d: int, dtype=torch.float64) -> torch.Tensor:
+    q, r = torch.linalg.qr(torch.randn(d, d, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))
+    return (q * torch.sign(torch.diagonal(r))).to(dtype)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_views_reproduce_the_model(name: str) -> None:
+    cfg = CONFIGS[name]
+    model = model_for(cfg)
+    tokens = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx))
+    with torch.no_grad():
+        ref = model(tokens)
+    for fold in (False, True):
+        w = Weights.from_model(model, fold_ln=fold, dtype=torch.float64)
+        assert w.W_Q.shape == (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head)
+        assert w.W_O.shape == (cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_model)
+        logits, _ = forward(w, tokens)
+        assert (logits - ref).abs().max() < 1e-10, (name, fold)
+    if cfg.normalization == "layernorm":
+        w = Weights.from_model(model, fold_ln=True, center_writing=True, center_unembed=True, dtype=torch.float64)
+        logits, _ = forward(w, tokens)
+        # centring the unembedding shifts each position's logits by a constant: compare log-probs
+        assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-10
+        assert w.W_E.mean(-1).abs().max() < 1e-12 and w.W_O.mean(-1).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("name", ["attn-shortformer", "attn-standard"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
+def test_rotation_leaves_logits_unchanged(name: str, dtype: torch.dtype, tol: float) -> None:
+    cfg = CONFIGS[name]
+    model = model_for(cfg, dtype)
+    tokens = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx))
+    w = Weights.from_model(model, dtype=dtype)
+    R = random_orthogonal(cfg.d_model, dtype)
+    ref, _ = forward(w, tokens)
+    rot, _ = forward(w.rotate(R), tokens)
+    rel = (rot - ref).abs().max() / ref.abs().max()
+    assert rel <= tol
+    assert (w.rotate(R).W_E - w.W_E).abs().max() > 0.01  # the weights did change
+
+
+def test_layernorm_breaks_rotation_unless_folded_and_centred() -> None:
+    cfg = CONFIGS["ln-mlp-bias"]
+    model = model_for(cfg)
+    tokens = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx))
+    R = random_orthogonal(cfg.d_model)
+    with torch.no_grad():
+        ref = model(tokens)
+    # Folded but not centred: refused. Forcing it (centre-and-scale LN after rotating) changes the logits.
+    folded = Weights.from_model(model, fold_ln=True, dtype=torch.float64)
+    with pytest.raises(QkovError, match="centred"):
+        folded.rotate(R)
+    forced = folded.replace(centered_writing=True).rotate(R).replace(norm="folded")
+    assert (forward(forced, tokens)[0] - ref).abs().max() > 1e-2
+    # Unfolded: refused.
+    with pytest.raises(QkovError, match="fold"):
+        Weights.from_model(model, fold_ln=False).rotate(R)
+    # Folded and centred: exact.
+    good = Weights.from_model(model, fold_ln=True, center_writing=True, dtype=torch.float64)
+    out = forward(good.rotate(R), tokens)[0]
+    assert (out.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-10
+
+
+def test_rotate_checks_its_argument() -> None:
+    w = Weights.from_model(Transformer(CONFIGS["attn-shortformer"], seed=0))
+    with pytest.raises(QkovError, match="shape"):
+        w.rotate(torch.eye(5))
+    with pytest.raises(QkovError, match="orthogonal"):
+        w.rotate(2 * torch.eye(24))
+
+
+def test_frozen_patterns_through_the_view() -> None:
+    cfg = CONFIGS["attn-shortformer"]
+    model = model_for(cfg)
+    tokens = torch.randint(0, cfg.d_vocab, (2, 10))
+    w = Weights.from_model(model, dtype=torch.float64)
+    logits, patterns = forward(w, tokens, return_patterns=True)
+    with torch.no_grad():
+        out = model.run(tokens, return_patterns=True)
+    assert (patterns - out.patterns).abs().max() < 1e-12
+    assert (forward(w, tokens, patterns=patterns)[0] - logits).abs().max() < 1e-12
