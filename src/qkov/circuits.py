@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from .errors import QkovError
-from .factored import DEFAULT_MAX_BYTES, LowRank
+from .factored import DEFAULT_MAX_BYTES, LowRank, serial_linalg
 from .weights import Weights
 
 CompositionKind = Literal["q", "k", "v"]
@@ -137,26 +137,39 @@ def virtual_weights(w: Weights, writer: Component, reader: Component) -> LowRank
 
 
 # ------------------------------------------------------------------ composition
-def _gram_left(A: Tensor) -> Tensor:
-    return A.transpose(-1, -2) @ A
+def _gram_sqrt(G: Tensor) -> Tensor:
+    """``S`` with ``S^T S = G`` for a PSD Gram matrix ``G [..., r, r]`` (via eigh; safe when singular)."""
+    with serial_linalg():
+        evals, evecs = torch.linalg.eigh(G)
+    return evals.clamp_min(0).sqrt()[..., :, None] * evecs.transpose(-1, -2)
 
 
-def _gram_right(B: Tensor) -> Tensor:
-    return B @ B.transpose(-1, -2)
+def _absorb_left(A: Tensor, B: Tensor) -> Tensor:
+    """``S_A @ B`` with ``S_A^T S_A = A^T A``: then ``||A @ B @ X||_F = ||S_A @ B @ X||_F`` for any ``X``."""
+    return _gram_sqrt(A.transpose(-1, -2) @ A) @ B
 
 
-def _pair_norms(
-    left_A: Tensor, left_B: Tensor, right_A: Tensor, right_B: Tensor
-) -> Tensor:
-    """``||(left_A left_B)(right_A right_B)||_F`` for all pairs: left ``[H1, m, r1]``/``[H1, r1, D]``,
-    right ``[H2, D, r2]``/``[H2, r2, n]`` -> ``[H1, H2]``, through ``r x r`` matrices only."""
-    ga = _gram_left(left_A)  # [H1, r1, r1]
-    gb = _gram_right(right_B)  # [H2, r2, r2]
-    M = torch.einsum("ard,bds->abrs", left_B, right_A)  # [H1, H2, r1, r2]
-    # ||A M B||^2 = sum((M^T Ga M) * Gb)
-    t = torch.einsum("arq,abqs->abrs", ga, M)  # Ga M
-    sq = torch.einsum("abrs,abrt,bst->ab", M, t, gb)
-    return sq.clamp_min(0).sqrt()
+def _absorb_right(A: Tensor, B: Tensor) -> Tensor:
+    """``A @ S_B^T`` with ``S_B^T S_B = B B^T``: then ``||X @ A @ B||_F = ||X @ A @ S_B^T||_F``."""
+    return A @ _gram_sqrt(B @ B.transpose(-1, -2)).transpose(-1, -2)
+
+
+def _pair_norms(left_A: Tensor, left_B: Tensor, right_A: Tensor, right_B: Tensor) -> Tensor:
+    """``||(left_A left_B)(right_A right_B)||_F`` for all pairs, through small factors only.
+
+    Left factors ``[H1, m, r1]``/``[H1, r1, D]``, right ``[H2, D, r2]``/``[H2, r2, n]`` ->
+    ``[H1, H2]``. The outer factors' triangular parts are absorbed (QR), leaving
+    ``||R_A left_B right_A R_B^T||_F``: one ``[H1 r1, D] @ [D, H2 r2]`` product for all pairs.
+    """
+    return _absorbed_pair_norms(_absorb_left(left_A, left_B), _absorb_right(right_A, right_B))
+
+
+def _absorbed_pair_norms(lb: Tensor, ra: Tensor) -> Tensor:
+    """``||lb[i] @ ra[j]||_F`` for all ``i, j``: ``lb [H1, r1, D]``, ``ra [H2, D, r2]`` -> ``[H1, H2]``."""
+    h1, r1, d = lb.shape
+    h2, _, r2 = ra.shape
+    M = lb.reshape(h1 * r1, d) @ ra.permute(1, 0, 2).reshape(d, h2 * r2)
+    return M.square_().reshape(h1, r1, h2, r2).sum(dim=(1, 3)).sqrt()
 
 
 def _composition_factors(w: Weights, kind: CompositionKind) -> tuple[Tensor, Tensor]:
@@ -184,10 +197,14 @@ def composition_raw(w: Weights, kind: CompositionKind) -> Tensor:
     RA, RB = _composition_factors(w, kind)
     ov_norm = LowRank(w.W_V, w.W_O).norm()  # [L, H]
     r_norm = LowRank(RA, RB).norm()
-    for l1 in range(L - 1):
-        for l2 in range(l1 + 1, L):
-            num = _pair_norms(w.W_V[l1], w.W_O[l1], RA[l2], RB[l2])
-            out[l1, :, l2, :] = num / (ov_norm[l1][:, None] * r_norm[l2][None, :])
+    left = _absorb_left(w.W_V, w.W_O)  # [L, H, r, D]
+    right = _absorb_right(RA, RB)  # [L, H, D, r]
+    for l1 in range(L - 1):  # all later layers' heads at once: one matrix product per writer layer
+        later = L - 1 - l1
+        right_l = right[l1 + 1 :].reshape(later * H, *right.shape[2:])
+        num = _absorbed_pair_norms(left[l1], right_l).reshape(H, later, H)
+        den = ov_norm[l1][:, None, None] * r_norm[l1 + 1 :][None]
+        out[l1, :, l1 + 1 :, :] = num / den
     return out
 
 
@@ -272,7 +289,8 @@ def ov_eigenvalues(w: Weights) -> Tensor:
     """
     G = w.W_U @ w.W_E  # [d_model, d_model]
     small = w.W_O @ G @ w.W_V  # [L, H, d_head, d_head]
-    return torch.linalg.eigvals(small)
+    with serial_linalg():
+        return torch.linalg.eigvals(small)
 
 
 def eigen_copying_score(eigenvalues: Tensor) -> Tensor:
@@ -282,7 +300,9 @@ def eigen_copying_score(eigenvalues: Tensor) -> Tensor:
 
 def residual_ov_eigenvalues(w: Weights) -> Tensor:
     """Eigenvalues of every head's ``W_OV`` in the residual stream (``W_O W_V``, ``[L, H, d_head]``)."""
-    return torch.linalg.eigvals(w.W_O @ w.W_V)
+    small = w.W_O @ w.W_V
+    with serial_linalg():
+        return torch.linalg.eigvals(small)
 
 
 def diagonal_topk_rate(
@@ -365,8 +385,11 @@ def write_overlap(w: Weights) -> WriteOverlap:
     """Principal angles between every pair of heads' write subspaces in the residual stream."""
     L, H, E, D = w.W_O.shape
     flat = w.W_O.reshape(L * H, E, D).transpose(-1, -2)  # [n, D, E] columns span the write space
-    q, _ = torch.linalg.qr(flat)
-    cos = torch.linalg.svdvals(torch.einsum("ade,bdf->abef", q, q))  # [n, n, E]
+    with serial_linalg():
+        q, _ = torch.linalg.qr(flat)
+    inner = torch.einsum("ade,bdf->abef", q, q)
+    with serial_linalg():
+        cos = torch.linalg.svdvals(inner)  # [n, n, E]
     overlap = cos.pow(2).mean(-1)
     labels = [f"{l}.{h}" for l in range(L) for h in range(H)]
     return WriteOverlap(labels, overlap, cos, random_expectation=min(1.0, E / D))

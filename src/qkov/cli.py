@@ -262,6 +262,85 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+# ------------------------------------------------------------------------ circuits
+def _add_circuits(sub: Any) -> None:
+    p = sub.add_parser(
+        "circuits",
+        help="copying and Q/K/V composition scores of every head, from the weights alone",
+        description=(
+            "Weight-based circuit analysis (Elhage et al., 2021): per head, the eigenvalue copying score "
+            "of the full OV circuit W_E W_OV W_U and the rate at which a token's own logit is in the top k "
+            "of its OV row (exact over the whole vocabulary); for every pair of heads in increasing layers, "
+            "Q-, K- and V-composition scores with the random-matrix baseline subtracted (raw and baseline "
+            "shown too); and the residual-stream bandwidth per layer."
+        ),
+    )
+    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("--top", type=_positive_int, default=5, help="composition pairs to show per kind (default 5)")
+    p.add_argument("--diag-k", type=_nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
+    p.add_argument("--float64", action="store_true", help="compute in float64")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--json", action="store_true", help="print every score as JSON")
+    p.set_defaults(func=_cmd_circuits)
+
+
+def _cmd_circuits(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import load
+    from .circuits import analyse
+    from .train import pick_device
+    from .weights import Weights
+
+    model = load(args.ckpt)
+    if model.cfg.n_layers == 0:
+        raise QkovError("circuits: the model has no attention layers")
+    dtype = torch.float64 if args.float64 else torch.float32
+    w = Weights.from_model(model, dtype=dtype, device=pick_device(args.device))
+    report = analyse(w, diag_k=args.diag_k or None)
+    data = report.to_dict()
+    if args.json:
+        print(json.dumps({"path": str(args.ckpt), **data}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title="copying (full OV circuit W_E W_OV W_U)")
+    for col in ("head", "eigen score", f"own logit in top {args.diag_k}" if args.diag_k else None, "residual eig"):
+        if col:
+            t.add_column(col, justify="right")
+    for h in report.copying:
+        row = [f"{h.layer}.{h.head}", f"{h.eigen_score:+.3f}"]
+        if args.diag_k:
+            row.append(f"{h.diag_topk_rate:.1%}")
+        row.append(f"{h.residual_eigen_score:+.3f}")
+        t.add_row(*row)
+    con.print(t)
+    for kind, comp in report.composition.items():
+        pairs = comp.pairs()
+        if not pairs:
+            continue
+        b = comp.baseline
+        t = Table(title=f"{kind.upper()}-composition, strongest {min(args.top, len(pairs))} of {len(pairs)} "
+                        f"(baseline {b.mean:.3f} ± {b.std:.3f})")
+        for col in ("writer", "reader", "adjusted", "raw", "z"):
+            t.add_column(col, justify="right")
+        for row in pairs[: args.top]:
+            z = (row["raw"] - b.mean) / b.std if b.std > 0 else float("nan")
+            t.add_row(row["writer"], row["reader"], f"{row['adjusted']:+.3f}", f"{row['raw']:.3f}", f"{z:+.1f}")
+        con.print(t)
+    t = Table(title="residual-stream bandwidth (computational dimensions / d_model)")
+    for col in ("layer", "own", "before", "after", "before/d_model", "after/d_model"):
+        t.add_column(col, justify="right")
+    for bw in report.bandwidth:
+        d = bw.to_dict()
+        t.add_row(str(bw.layer), str(bw.own), str(bw.before), str(bw.after),
+                  f"{d['before_ratio']:.2f}", f"{d['after_ratio']:.2f}")
+    con.print(t)
+    return 0
+
+
 # ---------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
@@ -275,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_train(sub)
     _add_info(sub)
+    _add_circuits(sub)
     return parser
 
 

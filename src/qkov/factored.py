@@ -13,6 +13,7 @@ operation works through the factors ``A [..., m, r]`` and ``B [..., r, n]``:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -22,6 +23,22 @@ from torch import Tensor
 from .errors import QkovError
 
 DEFAULT_MAX_BYTES = 256 * 2**20  # working memory of one chunk
+
+
+@contextlib.contextmanager
+def serial_linalg() -> Iterator[None]:
+    """Run batched small decompositions (eig, eigh, QR, SVD) on one CPU thread.
+
+    Measured on a 2-core machine: ``eigh`` of 144 matrices of 64 x 64 takes 0.02 s on
+    one thread and 6 s on two (the batch loop and the LAPACK kernel both spawn threads
+    and oversubscribe the cores). The matrices are small, so one thread loses nothing.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -121,13 +138,16 @@ class LowRank:
         """The ``r`` eigenvalues of ``A @ B`` that can be non-zero (complex ``[..., r]``), via ``B @ A``."""
         if self.shape[-1] != self.shape[-2]:
             raise QkovError(f"eigenvalues need a square matrix, got {tuple(self.shape[-2:])}")
-        return torch.linalg.eigvals(self.B @ self.A)
+        small = self.B @ self.A
+        with serial_linalg():
+            return torch.linalg.eigvals(small)
 
     def svd(self) -> tuple[Tensor, Tensor, Tensor]:
         """``U [..., m, r]``, ``S [..., r]``, ``Vh [..., r, n]`` with ``A @ B = U diag(S) Vh``."""
-        qa, ra = torch.linalg.qr(self.A)
-        qb, rb = torch.linalg.qr(self.B.transpose(-1, -2))
-        u, s, vh = torch.linalg.svd(ra @ rb.transpose(-1, -2))
+        with serial_linalg():
+            qa, ra = torch.linalg.qr(self.A)
+            qb, rb = torch.linalg.qr(self.B.transpose(-1, -2))
+            u, s, vh = torch.linalg.svd(ra @ rb.transpose(-1, -2))
         return qa @ u, s, vh @ qb.transpose(-1, -2)
 
     def norm(self) -> Tensor:
@@ -165,27 +185,49 @@ class LowRank:
     def topk(self, k: int, *, largest: bool = True, max_bytes: int = DEFAULT_MAX_BYTES) -> TopK:
         """The ``k`` largest (or smallest) entries of the whole matrix, per batch element.
 
-        Computed in row chunks of at most ``max_bytes``; ``values/rows/cols [..., k]``.
+        Computed in small row chunks (at most ``max_bytes``, and at most 8 MiB so a chunk
+        stays in cache). A running threshold (the k-th best value so far) lets a chunk's
+        row maxima rule out almost every row, so the cost is about one matrix product.
+        ``values/rows/cols [..., k]``.
         """
         m, n = self.shape[-2], self.shape[-1]
         k = _check_k(k, m * n)
         batch = self.batch_shape
-        best_v: Tensor | None = None
-        best_i: Tensor | None = None
-        for lo, hi in self._row_chunks(max_bytes):
-            block = (self.A[..., lo:hi, :] @ self.B).reshape(*batch, -1)
-            kk = min(k, block.shape[-1])
-            v, i = torch.topk(block, kk, dim=-1, largest=largest)
-            i = i + lo * n
-            if best_v is None:
-                best_v, best_i = v, i
-            else:
-                assert best_i is not None
-                cat_v, cat_i = torch.cat([best_v, v], -1), torch.cat([best_i, i], -1)
-                v, pos = torch.topk(cat_v, min(k, cat_v.shape[-1]), dim=-1, largest=largest)
-                best_v, best_i = v, cat_i.gather(-1, pos)
-        assert best_v is not None and best_i is not None
-        return TopK(best_v, best_i // n, best_i % n)
+        flat_A = self.A.reshape(-1, m, self.rdim)
+        flat_B = self.B.reshape(-1, self.rdim, n)
+        if not largest:  # smallest entries of AB are the largest of (-A)B
+            flat_A = -flat_A
+        chunk = max(1, min(m, min(max_bytes, 8 * 2**20) // max(1, n * self.A.element_size())))
+        values, rows, cols = [], [], []
+        buf = flat_A.new_empty(chunk, n)
+        for b in range(flat_A.shape[0]):
+            best_v = flat_A.new_empty(0)
+            best_i = torch.empty(0, dtype=torch.long, device=flat_A.device)
+            for lo in range(0, m, chunk):
+                hi = min(m, lo + chunk)
+                block = torch.matmul(flat_A[b, lo:hi], flat_B[b], out=buf[: hi - lo])
+                row_max = block.amax(dim=-1)
+                if best_v.numel() >= k:
+                    live = torch.nonzero(row_max > best_v[-1]).squeeze(-1)
+                    if live.numel() == 0:
+                        continue
+                    sub = block[live]
+                else:
+                    live = torch.arange(hi - lo, device=block.device)
+                    sub = block
+                kk = min(k, n)
+                v, c = torch.topk(sub, kk, dim=-1)  # [rows, kk]
+                idx = (live[:, None] + lo) * n + c
+                cat_v = torch.cat([best_v, v.reshape(-1)])
+                cat_i = torch.cat([best_i, idx.reshape(-1)])
+                v, pos = torch.topk(cat_v, min(k, cat_v.numel()))
+                best_v, best_i = v, cat_i[pos]
+            values.append(best_v if largest else -best_v)
+            rows.append(best_i // n)
+            cols.append(best_i % n)
+        shape = (*batch, k)
+        return TopK(torch.stack(values).reshape(shape), torch.stack(rows).reshape(shape),
+                    torch.stack(cols).reshape(shape))
 
     def topk_rows(
         self, k: int, *, largest: bool = True, max_bytes: int = DEFAULT_MAX_BYTES
