@@ -87,7 +87,8 @@ def worker(lib: str, task: str) -> dict[str, object]:
         if task == "copying":
             out = C.eigen_copying_score(C.ov_eigenvalues(w)).flatten().tolist()
         elif task == "composition":
-            out = {k: C.composition_raw(w, k).nan_to_num(0.0).flatten()[:5].tolist() for k in ("q", "k", "v")}
+            # all scores computed; the first writer head's row (valid pairs, invalid ones 0 like TL) is compared
+            out = {k: C.composition_raw(w, k).nan_to_num(0.0)[0, 0].flatten().tolist() for k in ("q", "k", "v")}
         else:
             top = C.full_ov(w, 5, 7).topk(50)
             out = top.values[:3].tolist()
@@ -98,7 +99,7 @@ def worker(lib: str, task: str) -> dict[str, object]:
             ev = (model.W_E @ model.OV @ model.W_U).eigenvalues
             out = (ev.sum(-1).real / ev.abs().sum(-1)).flatten().tolist()
         elif task == "composition":
-            out = {k.lower(): model.all_composition_scores(k).flatten()[:5].tolist() for k in ("Q", "K", "V")}
+            out = {k.lower(): model.all_composition_scores(k)[0, 0].flatten().tolist() for k in ("Q", "K", "V")}
         else:
             raise SystemExit(3)
     dt = time.perf_counter() - t0

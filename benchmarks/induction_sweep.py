@@ -27,14 +27,19 @@ from qkov.train import TrainConfig
 MODEL_KEYS = {"n_layers", "n_heads", "d_model", "d_head", "d_vocab", "n_ctx", "positional"}
 
 GRIDS: dict[str, list[dict[str, object]]] = {
-    # the settings compared when choosing the defaults (README, "Default training")
-    "default": [
-        {},
-        {"lr": 3e-3},
-        {"d_vocab": 1024},
-        {"batch": 8, "steps": 3000},
-        {"lr": 2e-2},
+    # The settings compared when choosing the defaults (README, "Default training"): constant
+    # learning rate after the 100-step warm-up, so the curve shows when heads form, not when
+    # a schedule happens to decay. Run with: --grid defaults --steps 4000 --stop-at 0.4
+    "defaults": [
+        {"schedule": "constant", "lr": 1e-2, "d_vocab": 2048},
+        {"schedule": "constant", "lr": 2e-2, "d_vocab": 2048},
+        {"schedule": "constant", "lr": 1e-2, "d_vocab": 2048, "batch": 8, "steps": 8000},
+        {"schedule": "constant", "lr": 1e-2, "d_vocab": 1024},
+        {"schedule": "constant", "lr": 1e-2, "d_vocab": 1024, "n_heads": 8, "d_head": 16},
+        {"schedule": "constant", "lr": 1e-2, "d_vocab": 512},
     ],
+    # the shipped defaults themselves (warm-up, stable, decay over the last 20%)
+    "shipped": [{}],
 }
 
 

@@ -131,3 +131,25 @@ def test_resume_with_conflicting_flags_is_refused(tmp_path: Path, small_corpus: 
                  "--quiet", "--device", "cpu"]) == 0
     res = run_cli("train", "--resume", "--out", str(out), "--heads", "4")
     _one_line_error(res, "n_heads")
+
+
+def test_circuits_command(tmp_path: Path) -> None:
+    model = qkov.Transformer(ModelConfig(n_layers=2, n_heads=3, d_model=16, d_head=4, d_vocab=40, n_ctx=8), seed=1)
+    with torch.no_grad():  # plant a K-composition: head 1.2's keys read what head 0.1 writes
+        model.blocks[1].attn.W_K[2].copy_(model.blocks[0].attn.W_O[1].T * 3)
+    qkov.save_checkpoint(tmp_path / "ck", model)
+    res = run_cli("circuits", str(tmp_path / "ck"), "--json")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert [c["head"] for c in data["copying"]] == ["0.0", "0.1", "0.2", "1.0", "1.1", "1.2"]
+    assert all(-1 <= c["eigen_score"] <= 1 and 0 <= c["diag_topk_rate"] <= 1 for c in data["copying"])
+    top_k = data["composition"]["k"]["pairs"][0]
+    assert (top_k["writer"], top_k["reader"]) == ("0.1", "1.2")
+    assert len(data["composition"]["q"]["pairs"]) == 9
+    assert data["composition"]["v"]["baseline"]["samples"] > 0
+    assert [b["before"] for b in data["bandwidth"]] == [0, 12]
+    table = run_cli("circuits", str(tmp_path / "ck"), "--top", "2")
+    assert table.returncode == 0 and "K-composition" in table.stdout and "copying" in table.stdout
+    zero = tmp_path / "zero"
+    qkov.save_checkpoint(zero, qkov.Transformer(ModelConfig(n_layers=0, d_model=8, d_vocab=10, n_ctx=4), seed=0))
+    _one_line_error(run_cli("circuits", str(zero)), "no attention layers")

@@ -25,9 +25,9 @@ def test_split_by_file_is_deterministic_and_disjoint() -> None:
     assert 0.01 < len(val) / len(files) < 0.12
 
 
-def test_directory_corpus_tokenises_with_bos_and_caches(small_corpus: Path) -> None:
+def test_directory_corpus_tokenises_with_bos_and_caches(small_corpus: Path, tmp_path: Path) -> None:
     messages: list[str] = []
-    c = load_corpus(str(small_corpus), vocab_size=512, progress=messages.append)
+    c = load_corpus(str(small_corpus), vocab_size=512, progress=messages.append, cache_dir=tmp_path)
     tok = c.tokenizer()
     assert tok is not None and tok.token_to_id(BOS_TOKEN) == c.bos_token_id == 0
     assert c.d_vocab == 512
@@ -40,11 +40,11 @@ def test_directory_corpus_tokenises_with_bos_and_caches(small_corpus: Path) -> N
     assert any("training a byte-level BPE" in m for m in messages)
     # second load comes from the cache, identical
     again: list[str] = []
-    c2 = load_corpus(str(small_corpus), vocab_size=512, progress=again.append)
+    c2 = load_corpus(str(small_corpus), vocab_size=512, progress=again.append, cache_dir=tmp_path)
     assert any("cached" in m for m in again)
     assert np.array_equal(c.train, c2.train) and np.array_equal(c.val, c2.val)
     # a different vocabulary is a different cache entry
-    c3 = load_corpus(str(small_corpus), vocab_size=300)
+    c3 = load_corpus(str(small_corpus), vocab_size=300, cache_dir=tmp_path)
     assert c3.d_vocab == 300
 
 

@@ -328,7 +328,7 @@ class HeadCopying:
     residual_eigen_score: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"head": f"{self.layer}.{self.head}", **vars(self)}
+        return {**vars(self), "head": f"{self.layer}.{self.head}"}
 
 
 def copying_scores(

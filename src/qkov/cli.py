@@ -26,24 +26,21 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _int_at_least(lo: int, what: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+_positive_int = _int_at_least(1, "a positive integer")
+_nonneg_int = _int_at_least(0, "an integer >= 0")
 
 
 def _positive_float(text: str) -> float:
@@ -95,6 +92,7 @@ TRAIN_FLAGS = {  # flag dest -> TrainConfig field
     "eval_interval": "eval_interval",
     "ckpt_interval": "ckpt_interval",
     "weight_decay": "weight_decay",
+    "precision": "precision",
 }
 
 
@@ -139,6 +137,13 @@ def _add_train(sub: Any) -> None:
     )
     o.add_argument("--eval-interval", type=_positive_int, help=f"steps between evaluations (default {t.eval_interval})")
     o.add_argument("--ckpt-interval", type=_positive_int, help=f"steps between checkpoints (default {t.ckpt_interval})")
+    o.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        help="matrix products in training (default fp32). bf16 (autocast; weights, optimizer and "
+        "evaluation stay fp32) is ~1.4x faster for wide models on CPUs with AMX and on GPUs, but was "
+        "measured to delay induction heads on the default model",
+    )
     p.add_argument("--device", default="auto", help="auto (default: cuda if present), cpu, cuda, cuda:N")
     p.add_argument("--out", type=Path, default=None, help="checkpoint directory (default runs/qkov-<layers>l)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")

@@ -46,7 +46,7 @@ class ModelConfig:
     n_heads: int = 4
     d_model: int = 128
     d_head: int = 32
-    d_vocab: int = 2048
+    d_vocab: int = 1024
     n_ctx: int = 256
     positional: Positional = "shortformer"
     normalization: Normalization = "none"

@@ -53,7 +53,7 @@ class TrainProgress:
         elif kind == "start":
             what = "resuming at step" if ev["resumed"] else "starting at step"
             self.say(
-                f"{what} {ev['step']} of {ev['steps']}: {ev['params']:,} parameters on {ev['device']}, "
+                f"{what} {ev['step']} of {ev['steps']}: {ev['params']:,} parameters on {ev['device']} ({ev['precision']}), "
                 f"{ev['train_tokens']:,} training tokens"
             )
             if self.progress is not None:

@@ -30,6 +30,7 @@ from .checkpoint import (
     METRICS_FILE,
     STATE_FILE,
     read_config,
+    read_metrics,
     save_checkpoint,
     save_tensors,
 )
@@ -42,13 +43,14 @@ from .model import Transformer
 
 Callback = Callable[[dict[str, Any]], None]
 SCHEDULES = ("wsd", "cosine", "constant")
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """How to train. Defaults were chosen by measurement (see README, "Default training")."""
 
-    steps: int = 1500
+    steps: int = 5000
     batch: int = 16
     lr: float = 1e-2
     warmup: int = 100
@@ -64,8 +66,11 @@ class TrainConfig:
     val_fraction: float = 0.05
     eval_interval: int = 100
     eval_examples: int = 32
-    ckpt_interval: int = 250
+    ckpt_interval: int = 500
     log_interval: int = 10
+    # fp32 by default: bf16 matrix products were measured to delay induction heads on the
+    # default model (none by 12.3M tokens vs 10.2M in fp32, val loss 2.73 vs 2.48 there).
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         positive = ("steps", "batch", "eval_interval", "eval_examples", "ckpt_interval", "log_interval")
@@ -77,6 +82,8 @@ class TrainConfig:
             raise QkovError(f"train: lr must be a positive number, got {self.lr!r}")
         if self.warmup < 0:
             raise QkovError(f"train: warmup must be >= 0, got {self.warmup}")
+        if self.precision not in PRECISIONS:
+            raise QkovError(f"train: precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.schedule not in SCHEDULES:
             raise QkovError(f"train: schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
 
@@ -130,25 +137,28 @@ def lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 class _CrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``logits [n, v]`` against ``target [n]`` with a one-pass backward.
 
-    The gradient ``(softmax - onehot) / n`` is written straight into one buffer, with
-    no zero-filled intermediate: on a CPU, large fresh zero buffers cost as much as
-    the softmax itself.
+    The forward keeps the softmax it computes anyway; the backward is then
+    ``(softmax - onehot) / n`` in one pass, with no zero-filled intermediate (on a CPU,
+    large fresh zero buffers cost as much as the softmax itself).
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        lse = torch.logsumexp(logits, dim=-1)
+        top = logits.amax(dim=-1, keepdim=True)
+        probs = (logits - top).exp_()
+        total = probs.sum(dim=-1, keepdim=True)
+        probs.div_(total)
+        lse = total.log_().add_(top)[:, 0]
         picked = logits.gather(-1, target[:, None])[:, 0]
-        ctx.save_for_backward(logits, target, lse)
+        ctx.save_for_backward(probs, target)
         return (lse - picked).mean()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        logits, target, lse = ctx.saved_tensors
-        n = logits.shape[0]
-        g = torch.exp(logits - lse[:, None])
-        g.scatter_add_(-1, target[:, None], torch.full_like(lse[:, None], -1.0))
-        g.mul_(grad / n)
+        probs, target = ctx.saved_tensors
+        n = probs.shape[0]
+        g = probs * (grad / n)
+        g.scatter_add_(-1, target[:, None], torch.full((n, 1), -1.0, dtype=g.dtype, device=g.device) * (grad / n))
         return g, None
 
 
@@ -238,7 +248,8 @@ def _make_optimizer(model: Transformer, tc: TrainConfig) -> torch.optim.Optimize
     groups = [{"params": decay, "weight_decay": tc.weight_decay}]
     if other:
         groups.append({"params": other, "weight_decay": 0.0})
-    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=True)
+    # fused=True: one kernel per step for all parameters (measured ~5% of a CPU step faster than foreach)
+    return torch.optim.AdamW(groups, lr=tc.lr, betas=(tc.beta1, tc.beta2), fused=True)
 
 
 def train(
@@ -286,6 +297,10 @@ def train(
     if dev.type == "cpu":
         torch.set_num_threads(max(1, os.cpu_count() or 1))
         tune_cpu_allocator()
+        # Overconfident softmaxes produce denormal floats, which run ~20x slower on x86.
+        torch.set_flush_denormal(True)
+    precision = tc.precision
+    autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
     if corpus is None:
         corpus = load_corpus(
@@ -312,12 +327,12 @@ def train(
     if resume:
         step, extra = _State.load(state_path, model, opt)
         wall = float(extra.get("wall_s", 0.0))
-        metrics = [r for r in _read_jsonl(out / METRICS_FILE) if r.get("step", 0) <= step]
+        metrics = [r for r in read_metrics(out) if r.get("step", 0) <= step]
     else:
         torch.manual_seed(tc.seed)
     out.mkdir(parents=True, exist_ok=True)
     emit({"event": "start", "step": step, "steps": tc.steps, "params": model.num_parameters(),
-          "device": str(dev), "train_tokens": int(corpus.train.size), "resumed": resume})
+          "device": str(dev), "precision": precision, "train_tokens": int(corpus.train.size), "resumed": resume})
 
     last = {k: v for r in metrics for k, v in r.items()}
 
@@ -333,6 +348,7 @@ def train(
             "corpus": corpus.source,
             "corpus_stats": corpus.stats,
             "device": str(dev),
+            "precision": precision,
         }
 
     def checkpoint() -> None:
@@ -360,7 +376,8 @@ def train(
         for g in opt.param_groups:
             g["lr"] = lr
         toks = torch.from_numpy(batches.step(step)).to(dev, non_blocking=True)
-        loss = model_loss(model, toks)
+        with autocast:  # bf16 matrix products, fp32 weights/optimizer; evaluation stays fp32
+            loss = model_loss(model, toks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if tc.grad_clip > 0:
@@ -393,13 +410,3 @@ def train(
     model.eval()
     return model
 
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-    return rows
