@@ -153,3 +153,25 @@ def test_circuits_command(tmp_path: Path) -> None:
     zero = tmp_path / "zero"
     qkov.save_checkpoint(zero, qkov.Transformer(ModelConfig(n_layers=0, d_model=8, d_vocab=10, n_ctx=4), seed=0))
     _one_line_error(run_cli("circuits", str(zero)), "no attention layers")
+
+
+def test_paths_command(tmp_path: Path, small_corpus: Path) -> None:
+    out = tmp_path / "m"
+    assert main(["train", "--layers", "2", "--heads", "2", "--d-model", "32", "--d-head", "16", "--ctx", "32",
+                 "--vocab", "300", "--batch", "4", "--steps", "20", "--corpus", str(small_corpus), "--out", str(out),
+                 "--quiet", "--device", "cpu"]) == 0
+    res = run_cli("paths", str(out), "--json", "--batch", "4")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["tokens"] == [4, 32]
+    assert data["reconstruction_max_abs_error"] < 1e-4
+    ti = data["term_importance"]
+    assert len(ti["run_losses"]) == 3 and len(ti["marginal_by_order"]) == 3
+    assert abs(ti["run_losses"][-1] - ti["full_loss"]) < 1e-4
+    assert sorted(e["name"] for e in data["single_head_terms"]) == ["0.0", "0.1", "1.0", "1.1"]
+    assert len(data["virtual_head_terms"]) == 4
+    text = tmp_path / "t.py"
+    text.write_text("def f(self):\n    return self.x\n" * 40)
+    res = run_cli("paths", str(out), "--text", str(text), "--batch", "2")
+    assert res.returncode == 0 and "term importance" in res.stdout
+    _one_line_error(run_cli("paths", str(out), "--text", str(tmp_path / "missing.txt")), "cannot read")

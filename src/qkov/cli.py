@@ -346,6 +346,123 @@ def _cmd_circuits(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- paths
+def _add_paths(sub: Any) -> None:
+    p = sub.add_parser(
+        "paths",
+        help="logits as direct + single-head + virtual-head paths; the paper's term importance",
+        description=(
+            "Path expansion (Elhage et al., 2021) of an attention-only model on validation text: with "
+            "attention patterns frozen from a real forward pass, the logits split exactly into the direct "
+            "path, one term per head and one per virtual head (pairs of heads in increasing layers). Prints "
+            "the reconstruction error, the loss after each run of the paper's term-importance procedure and "
+            "the marginal loss of each order, and the terms whose removal costs the most loss."
+        ),
+    )
+    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("--text", type=Path, help="a text file to analyse (default: the validation split of the "
+                   "checkpoint's training corpus)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="sequences of n_ctx tokens (default 8)")
+    p.add_argument("--top", type=_positive_int, default=10, help="terms to list per order (default 10)")
+    p.add_argument("--float64", action="store_true", help="compute in float64")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--json", action="store_true", help="print every number as JSON")
+    p.set_defaults(func=_cmd_paths)
+
+
+def analysis_tokens(ckpt: Path, model: Any, text: Path | None, batch: int) -> Any:
+    """``[batch, n_ctx]`` token ids: from ``text`` (with the model's tokenizer) or the validation split."""
+    import numpy as np
+    import torch
+
+    from .checkpoint import read_config
+    from .data import load_corpus, val_batches
+
+    n_ctx = model.cfg.n_ctx
+    if text is not None:
+        if model.tokenizer is None:
+            raise QkovError("--text needs a checkpoint with a tokenizer")
+        try:
+            ids = model.tokenizer.encode(text.read_text(encoding="utf-8", errors="replace")).ids
+        except OSError as exc:
+            raise QkovError(f"--text: cannot read {str(text)!r} ({exc.strerror})") from None
+        stream = np.asarray(ids, dtype=np.int64)
+    else:
+        training = read_config(ckpt).get("training", {})
+        spec = training.get("corpus")
+        if not spec:
+            raise QkovError("the checkpoint records no training corpus: pass --text FILE")
+        cfg = training.get("config", {})
+        corpus = load_corpus(spec, vocab_size=model.cfg.d_vocab, val_fraction=cfg.get("val_fraction", 0.05))
+        stream = corpus.val
+    examples = val_batches(stream, n_ctx, model.bos_token_id, batch)
+    return torch.from_numpy(examples)
+
+
+def _cmd_paths(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from . import paths as P
+    from .checkpoint import load
+    from .train import pick_device
+    from .weights import Weights
+
+    model = load(args.ckpt)
+    if model.cfg.n_layers == 0:
+        raise QkovError("paths: the model has no attention layers (its logits are the direct path alone)")
+    tokens = analysis_tokens(args.ckpt, model, args.text, args.batch)
+    dtype = torch.float64 if args.float64 else torch.float32
+    dev = pick_device(args.device)
+    w = Weights.from_model(model, dtype=dtype, device=dev)
+    tokens = tokens.to(dev)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        exp = P.expand(w, tokens, virtual_heads=model.cfg.n_layers >= 2)
+        ti = P.term_importance(w, tokens)
+        singles, virtual = P.term_effects(exp, top_virtual=args.top)
+    seconds = time.perf_counter() - t0
+    data = {
+        "path": str(args.ckpt),
+        "tokens": list(tokens.shape),
+        "reconstruction_max_abs_error": exp.reconstruction_error(),
+        "term_importance": ti.to_dict(),
+        "single_head_terms": [e.to_dict() for e in singles],
+        "virtual_head_terms": [e.to_dict() for e in virtual],
+        "seconds": seconds,
+    }
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(f"{tokens.shape[0]} x {tokens.shape[1]} tokens; sum of all path terms vs the model's logits: "
+              f"max |difference| {data['reconstruction_max_abs_error']:.2e}; {seconds:.1f} s")
+    t = Table(title="term importance (the paper's runs; loss in nats)")
+    for col in ("run", "what is in", "loss", "order entering", "marginal loss"):
+        t.add_column(col, justify="right")
+    t.add_row("-", "uniform", f"{ti.uniform_loss:.3f}", "0 (direct path)", f"{ti.marginal_by_order[0]:+.3f}")
+    for i, loss in enumerate(ti.run_losses):
+        inside = "direct path" if i == 0 else f"orders 0..{i}"
+        nxt = f"{i + 1}" if i + 1 < len(ti.run_losses) else "-"
+        marg = f"{ti.marginal_by_order[i + 1]:+.3f}" if i + 1 < len(ti.marginal_by_order) else ""
+        t.add_row(str(i + 1), inside, f"{loss:.3f}", nxt, marg)
+    con.print(t)
+    for title, rows in (("single-head terms", singles), ("virtual-head terms (largest by size)", virtual)):
+        if not rows:
+            continue
+        t = Table(title=f"{title}: loss increase when removed")
+        for col in ("term", "loss change", "RMS logit"):
+            t.add_column(col, justify="right")
+        for e in rows[: args.top]:
+            t.add_row(e.name, f"{e.loss_change:+.4f}", f"{e.size:.3f}")
+        con.print(t)
+    return 0
+
+
 # ---------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
@@ -360,6 +477,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_info(sub)
     _add_circuits(sub)
+    _add_paths(sub)
     return parser
 
 

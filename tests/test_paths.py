@@ -1,0 +1,161 @@
+"""Path expansion: exact reconstruction, the paper's term-importance runs, the QK-side split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import qkov
+from qkov import ModelConfig, Transformer
+from qkov import paths as P
+from qkov.weights import Weights
+
+
+def make(layers: int, positional: str, dtype: torch.dtype, seed: int = 0, **kw) -> tuple[Transformer, Weights]:
+    cfg = ModelConfig(n_layers=layers, n_heads=3, d_model=32, d_head=8, d_vocab=50, n_ctx=16,
+                      positional=positional, **kw)
+    m = Transformer(cfg, seed=seed).to(dtype).eval()
+    with torch.no_grad():  # larger weights than init: sharper patterns, bigger higher-order terms
+        for p in m.parameters():
+            p.mul_(2.0)
+    return m, Weights.from_model(m, dtype=dtype)
+
+
+TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+@pytest.mark.parametrize("positional", ["shortformer", "standard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_paths_sum_to_logits(layers: int, positional: str, dtype: torch.dtype) -> None:
+    m, w = make(layers, positional, dtype)
+    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    exp = P.expand(w, tokens, virtual_heads=True)
+    with torch.no_grad():
+        ref = m(tokens)
+    assert len(exp.orders) == layers + 1
+    assert (exp.total_logits() - ref).abs().max() <= TOL[dtype]
+    # order 1 = the sum of the per-head terms; order 2 = the sum of the virtual heads
+    assert (sum(exp.heads.values()) - exp.orders[1]).abs().max() <= TOL[dtype]
+    if layers >= 2:
+        assert len(exp.virtual) == (layers * (layers - 1) // 2) * 9
+        assert (sum(exp.virtual.values()) - exp.orders[2]).abs().max() <= TOL[dtype]
+        assert exp.orders[2].abs().max() > 1e-3  # the virtual heads are not trivially zero here
+
+
+def test_order_one_term_by_hand() -> None:
+    m, w = make(1, "shortformer", torch.float64)
+    tokens = torch.randint(0, 50, (1, 10))
+    exp = P.expand(w, tokens)
+    with torch.no_grad():
+        A = m.run(tokens, return_patterns=True).patterns[0, 0, 2]  # layer 0, head 2: [T, T]
+    E, OV, U = w.W_E[tokens[0]], w.W_V[0, 2] @ w.W_O[0, 2], w.W_U
+    assert torch.allclose(exp.logits_of(exp.heads[(0, 2)])[0], A @ E @ OV @ U, atol=1e-10)
+    assert torch.allclose(exp.order_logits()[0][0], E @ U, atol=1e-10)
+
+
+def test_zero_ov_head_has_zero_paths() -> None:
+    m, _ = make(2, "shortformer", torch.float64)
+    with torch.no_grad():
+        m.blocks[0].attn.W_O[1].zero_()
+    w = Weights.from_model(m, dtype=torch.float64)
+    exp = P.expand(w, torch.randint(0, 50, (2, 12)), virtual_heads=True)
+    assert exp.heads[(0, 1)].abs().max() == 0
+    for h2 in range(3):
+        assert exp.virtual[(0, 1, 1, h2)].abs().max() == 0
+    assert exp.virtual[(0, 0, 1, 0)].abs().max() > 0
+
+
+@pytest.mark.parametrize("kw", [dict(normalization="layernorm", d_mlp=64, bias=True),
+                                dict(normalization="layernorm", bias=True), dict(d_mlp=64, bias=True)])
+def test_layernorm_mlp_bias_models_reconstruct(kw: dict) -> None:
+    m, _ = make(2, "shortformer", torch.float64, **kw)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if not name.rsplit(".", 1)[-1].startswith("W_"):
+                p.add_(torch.randn_like(p) * 0.3)
+    w = Weights.from_model(m, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (2, 16))
+    exp = P.expand(w, tokens)
+    with torch.no_grad():
+        ref = m(tokens)
+    assert (exp.total_logits() - ref).abs().max() <= 1e-9
+    assert exp.bias.abs().max() > 0
+    ti = P.term_importance(w, tokens)
+    assert ti.run_losses[-1] == pytest.approx(ti.full_loss, abs=1e-9)
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3])
+def test_term_importance_runs(layers: int) -> None:
+    _, w = make(layers, "shortformer", torch.float64)
+    tokens = torch.randint(0, 50, (4, 16))
+    ti = P.term_importance(w, tokens)
+    assert len(ti.run_losses) == layers + 1
+    assert ti.run_losses[-1] == pytest.approx(ti.full_loss, abs=1e-9)  # everything in: the model's loss
+    # marginal losses of orders >= 1 add up exactly to (heads zeroed) - (everything)
+    assert sum(ti.marginal_by_order[1:]) == pytest.approx(ti.run_losses[0] - ti.full_loss, abs=1e-12)
+    # independent check: run n's logits are the cumulative sum of orders 0..n-1
+    exp = P.expand(w, tokens)
+    cumulative = torch.zeros_like(exp.orders[0])
+    for n, order in enumerate(exp.orders[:-1]):
+        cumulative = cumulative + order
+        assert ti.run_losses[n] == pytest.approx(P._loss(exp.logits_of(cumulative) + w.b_U, exp.run.tokens),
+                                                 abs=1e-9)
+
+
+def test_term_effects() -> None:
+    _, w = make(2, "shortformer", torch.float64)
+    exp = P.expand(w, torch.randint(0, 50, (2, 16)), virtual_heads=True)
+    singles, virtual = P.term_effects(exp, top_virtual=4)
+    assert len(singles) == 6 and len(virtual) == 4
+    assert all(e.size > 0 for e in singles + virtual)
+    assert singles == sorted(singles, key=lambda e: -e.loss_change)
+
+
+@pytest.mark.parametrize("positional", ["shortformer", "standard", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> None:
+    m, w = make(3, positional, dtype)
+    tokens = torch.randint(0, 50, (2, 12))
+    with torch.no_grad():  # the real scores, from the model's own attention module
+        x = m.W_E[tokens] + (m.W_pos[:12] if positional == "standard" else 0)
+        for l in range(2):
+            x, _ = m.blocks[l](x, m.W_pos[:12] if positional == "shortformer" else None)
+        qk_in = x + m.W_pos[:12] if positional == "shortformer" else x
+        q, k, _ = m.blocks[2].attn.qkv(qk_in, x)
+        real = (q @ k.transpose(-1, -2)) / (8 ** 0.5)
+    split = P.qk_split(w, tokens, 2, 1)
+    assert split.earlier == [f"{l}.{h}" for l in range(2) for h in range(3)]
+    assert (split.total() - real[:, 1]).abs().max() <= TOL[dtype]
+    assert (split.scores - real[:, 1]).abs().max() <= TOL[dtype]
+    assert split.k_comp.shape == (6, 2, 12, 12)
+
+
+def test_qk_split_with_layernorm() -> None:
+    m, _ = make(2, "shortformer", torch.float64, normalization="layernorm", bias=True, d_mlp=32)
+    w = Weights.from_model(m, dtype=torch.float64)
+    tokens = torch.randint(0, 50, (2, 12))
+    split = P.qk_split(w, tokens, 1, 0)
+    assert (split.total() - split.scores).abs().max() < 1e-10
+    with torch.no_grad():
+        pats = m.run(tokens, return_patterns=True).patterns[1, :, 0]
+    mask = torch.ones(12, 12, dtype=torch.bool).triu(1)
+    assert torch.allclose(torch.softmax(split.scores.masked_fill(mask, float("-inf")), -1), pats, atol=1e-10)
+
+
+def test_trained_model_reconstructs(tmp_path: Path, small_corpus: Path) -> None:
+    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
+    tc = qkov.TrainConfig(steps=30, batch=4, lr=1e-2, warmup=5, corpus=str(small_corpus), eval_interval=30,
+                          ckpt_interval=30, log_interval=10, eval_examples=4)
+    model = qkov.train(tmp_path / "run", cfg, tc, device="cpu")
+    w = Weights.from_model(model)
+    tokens = torch.randint(0, 300, (2, 32))
+    with torch.no_grad():
+        ref = model(tokens)
+    assert (P.expand(w, tokens).total_logits() - ref).abs().max() <= 1e-4
+    w64 = Weights.from_model(model, dtype=torch.float64)
+    with torch.no_grad():
+        ref64 = model.double()(tokens)
+    assert (P.expand(w64, tokens).total_logits() - ref64).abs().max() <= 1e-9
