@@ -175,3 +175,30 @@ def test_paths_command(tmp_path: Path, small_corpus: Path) -> None:
     res = run_cli("paths", str(out), "--text", str(text), "--batch", "2")
     assert res.returncode == 0 and "term importance" in res.stdout
     _one_line_error(run_cli("paths", str(out), "--text", str(tmp_path / "missing.txt")), "cannot read")
+
+
+def test_heads_and_trigrams_commands(tmp_path: Path, small_corpus: Path) -> None:
+    out = tmp_path / "m"
+    assert main(["train", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-head", "16", "--ctx", "128",
+                 "--vocab", "300", "--batch", "4", "--steps", "20", "--corpus", str(small_corpus), "--out", str(out),
+                 "--quiet", "--device", "cpu"]) == 0
+    res = run_cli("heads", str(out), "--json", "--batch", "2")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert [r["head"] for r in data["heads"]] == ["0.0", "0.1"]
+    for key in ("previous_token", "prefix_matching", "copying", "eigen_copying", "sink", "roles", "diag_top5"):
+        assert key in data["heads"][0]
+    assert data["icl"]["late"] == 126 and len(data["icl"]["loss_by_position"]) == 127
+    assert data["thresholds"]["induction"] == 0.3
+    assert run_cli("heads", str(out), "--batch", "2").returncode == 0
+    res = run_cli("trigrams", str(out), "--head", "0.1", "--json", "--top", "5")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert len(data["trigrams"]) == 5 and len(data["bigrams"]) == 5
+    assert all(t["score"] > 0 and t["source_str"] for t in data["trigrams"])
+    res = run_cli("trigrams", str(out), "--head", "0.0", "--source", "e", "--top", "3")
+    assert res.returncode == 0, res.stderr
+    assert "top outputs" in res.stdout and "skip-trigrams" in res.stdout
+    _one_line_error(run_cli("trigrams", str(out), "--head", "3.0"), "layers")
+    _one_line_error(run_cli("trigrams", str(out), "--head", "x"), "LAYER.HEAD")
+    _one_line_error(run_cli("trigrams", str(out), "--head", "0.0", "--source", "def foo(self, x)"), "one token")

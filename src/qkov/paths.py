@@ -56,6 +56,8 @@ class FrozenRun:
     ln2_std: Tensor | None  # [L, B, T, 1]
     lnf_std: Tensor | None  # [B, T, 1]
     mlp_out: Tensor | None  # [L, B, T, D]
+    values: Tensor | None = None  # [L, B, H, T, d_head] (only when asked: keep_values=True)
+    qk_inputs: Tensor | None = None  # [L, B, T, D] each layer's (normalised) query/key input (keep_values)
 
 
 def _std(x: Tensor, eps: float) -> Tensor:
@@ -72,7 +74,7 @@ def _act(cfg_act: str, x: Tensor) -> Tensor:
     return F.gelu(x, approximate="tanh" if cfg_act == "gelu_new" else "none")
 
 
-def frozen_run(w: Weights, tokens: Tensor) -> FrozenRun:
+def frozen_run(w: Weights, tokens: Tensor, *, keep_values: bool = False) -> FrozenRun:
     """Run the model from a weights view and record everything the expansion freezes.
 
     LayerNorm models must come folded (``Weights.from_model(..., fold_ln=True)``).
@@ -89,7 +91,7 @@ def frozen_run(w: Weights, tokens: Tensor) -> FrozenRun:
     if cfg.positional == "standard":
         x = x + pos
     mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
-    pats, s1, s2, mlps = [], [], [], []
+    pats, s1, s2, mlps, vals, qks = [], [], [], [], [], []
     for l in range(cfg.n_layers):
         qk_raw = x + pos if cfg.positional == "shortformer" else x
         if ln:
@@ -104,6 +106,9 @@ def frozen_run(w: Weights, tokens: Tensor) -> FrozenRun:
         s = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.d_head)
         p = torch.softmax(s.masked_fill(mask, float("-inf")), dim=-1)
         pats.append(p)
+        if keep_values:
+            vals.append(v)
+            qks.append(qk_in)
         x = x + torch.einsum("bhte,hed->btd", p @ v, w.W_O[l]) + w.b_O[l]
         if w.W_in is not None:
             assert w.b_in is not None and w.W_out is not None and w.b_out is not None
@@ -128,6 +133,8 @@ def frozen_run(w: Weights, tokens: Tensor) -> FrozenRun:
         ln2_std=torch.stack(s2) if s2 else None,
         lnf_std=sf,
         mlp_out=torch.stack(mlps) if mlps else None,
+        values=torch.stack(vals) if vals else None,
+        qk_inputs=torch.stack(qks) if qks else None,
     )
 
 

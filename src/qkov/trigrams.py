@@ -1,0 +1,197 @@
+"""Skip-trigram and bigram tables read off the weights ([F], "One-Layer Attention-Only Transformers").
+
+A head contributes skip-trigrams ``[source] ... [destination] -> [output]``: the QK circuit
+decides how much a destination token attends to a source token, the OV circuit what the
+source then promotes. Scoring (documented choice, see SPEC.md):
+
+* ``qk[d, s]`` — the full QK circuit ``W_E W_QK W_E^T``, **centred per destination** (the
+  mean over sources subtracted: softmax only sees differences between a destination's keys);
+* ``ov[s, o]`` — the full OV circuit ``W_E W_OV W_U``, **centred per source** (the mean over
+  outputs subtracted: softmax only sees differences between logits);
+* ``score = qk[d, s] * ov[s, o]`` over pairs where both are positive (the destination
+  attends to the source more than average *and* the source raises the output more than
+  average). This is the token-token part only: positions and other heads are left out,
+  which is exact for the paper's layer-0 heads up to the positional term.
+* The start token is excluded as source, destination and output (it is every example's
+  first token and the default place for heads to park attention).
+
+Because the table is a product of two factors, raising ``(s, d1, o1)`` and ``(s, d2, o2)``
+raises the crossed ``(s, d1, o2)`` and ``(s, d2, o1)`` too: the paper's "skip-trigram bugs"
+(:func:`crossed_trigrams`). Everything is computed factored and in chunks (never a full
+``d_vocab x d_vocab`` matrix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .circuits import full_ov, full_qk
+from .errors import QkovError
+from .factored import DEFAULT_MAX_BYTES, LowRank
+from .weights import Weights
+
+
+@dataclass(frozen=True)
+class SkipTrigram:
+    source: int
+    destination: int
+    output: int
+    qk: float  # centred QK score of (destination, source)
+    ov: float  # centred OV logit of (source, output)
+
+    @property
+    def score(self) -> float:
+        return self.qk * self.ov
+
+    def to_dict(self, decode: Any = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"source": self.source, "destination": self.destination, "output": self.output,
+                             "qk": self.qk, "ov": self.ov, "score": self.score}
+        if decode is not None:
+            d.update(source_str=decode(self.source), destination_str=decode(self.destination),
+                     output_str=decode(self.output))
+        return d
+
+
+def centred_ov(w: Weights, layer: int, head: int) -> LowRank:
+    """Full OV ``[source, output]`` with each row's mean over outputs removed."""
+    f = full_ov(w, layer, head)
+    return LowRank(f.A, f.B - f.B.mean(dim=-1, keepdim=True))
+
+
+def centred_qk_by_source(w: Weights, layer: int, head: int) -> LowRank:
+    """Full QK transposed, ``[source, destination]``, each destination's mean over sources removed."""
+    f = full_qk(w, layer, head)  # [destination, source] = A @ B
+    B = f.B - f.B.mean(dim=-1, keepdim=True)  # centre over sources, per destination row
+    return LowRank(B.T, f.A.T)
+
+
+def _top_excluding(f: LowRank, k: int, exclude: list[int], max_bytes: int) -> tuple[Tensor, Tensor]:
+    """Per-row top-k with the ``exclude`` columns dropped: ``values, cols [m, k]``."""
+    v, i = f.topk_rows(min(f.shape[-1], k + len(exclude)), max_bytes=max_bytes)
+    if exclude:
+        bad = torch.zeros_like(i, dtype=torch.bool)
+        for e in exclude:
+            bad |= i == e
+        v = v.masked_fill(bad, float("-inf"))
+        v, pos = torch.topk(v, k, dim=-1)
+        i = i.gather(-1, pos)
+    return v, i
+
+
+def skip_trigrams(
+    w: Weights,
+    layer: int,
+    head: int,
+    *,
+    top: int = 20,
+    per_source: int = 8,
+    exclude: tuple[int, ...] = (0,),
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> list[SkipTrigram]:
+    """The ``top`` skip-trigrams of one head over the whole vocabulary, strongest first.
+
+    For every source token the ``per_source`` best destinations (QK column) and outputs
+    (OV row) are found in chunks; the best products among those candidates are exact
+    top-scoring trigrams (a trigram outside a source's top destinations or outputs cannot
+    beat one inside, since scores are products of non-negative factors).
+    """
+    V = w.cfg.d_vocab
+    k = min(per_source, V - len(exclude))
+    if k < 1:
+        raise QkovError("skip_trigrams: vocabulary too small")
+    qv, qi = _top_excluding(centred_qk_by_source(w, layer, head), k, list(exclude), max_bytes)  # [V, k]
+    ov, oi = _top_excluding(centred_ov(w, layer, head), k, list(exclude), max_bytes)
+    prod = qv[:, :, None].clamp_min(0) * ov[:, None, :].clamp_min(0)  # [V, k, k]
+    for e in exclude:
+        prod[e] = 0
+    n = min(top, prod.numel())
+    vals, flat = torch.topk(prod.reshape(-1), n)
+    out = []
+    for val, f in zip(vals.tolist(), flat.tolist()):
+        if val <= 0:
+            break
+        s, rem = divmod(f, k * k)
+        a, b = divmod(rem, k)
+        out.append(SkipTrigram(s, int(qi[s, a]), int(oi[s, b]), float(qv[s, a]), float(ov[s, b])))
+    return out
+
+
+@dataclass
+class SourceView:
+    """For one source token: what it promotes (OV row) and who attends to it (QK column)."""
+
+    source: int
+    outputs: list[tuple[int, float]]  # (output token, centred logit), best first
+    destinations: list[tuple[int, float]]  # (destination token, centred QK score), best first
+
+
+def source_view(w: Weights, layer: int, head: int, source: int, *, top: int = 10,
+                exclude: tuple[int, ...] = (0,)) -> SourceView:
+    V = w.cfg.d_vocab
+    if not 0 <= source < V:
+        raise QkovError(f"source token id {source} out of range [0, {V})")
+    ov_row = centred_ov(w, layer, head).rows([source])[0]
+    qk_col = centred_qk_by_source(w, layer, head).rows([source])[0]
+    for e in exclude:
+        ov_row[e] = float("-inf")
+        qk_col[e] = float("-inf")
+    k = min(top, V - len(exclude))
+    ov_v, ov_i = torch.topk(ov_row, k)
+    qk_v, qk_i = torch.topk(qk_col, k)
+    return SourceView(source, list(zip(ov_i.tolist(), ov_v.tolist())), list(zip(qk_i.tolist(), qk_v.tolist())))
+
+
+def crossed_trigrams(w: Weights, layer: int, head: int, a: SkipTrigram, b: SkipTrigram) -> list[SkipTrigram]:
+    """The skip-trigram bug: two trigrams sharing a source imply the two crossed ones.
+
+    Returns ``[(s, d_a, o_b), (s, d_b, o_a)]`` with their scores, which the factored
+    table assigns whether or not the data supports them.
+    """
+    if a.source != b.source:
+        raise QkovError("crossed trigrams need two trigrams with the same source")
+    s = a.source
+    ov_row = centred_ov(w, layer, head).rows([s])[0]
+    qk_col = centred_qk_by_source(w, layer, head).rows([s])[0]
+    return [
+        SkipTrigram(s, a.destination, b.output, float(qk_col[a.destination]), float(ov_row[b.output])),
+        SkipTrigram(s, b.destination, a.output, float(qk_col[b.destination]), float(ov_row[a.output])),
+    ]
+
+
+def first_bug(w: Weights, layer: int, head: int, trigrams: list[SkipTrigram]) -> tuple[SkipTrigram, SkipTrigram] | None:
+    """Two trigrams of ``trigrams`` with the same source but different destination and output."""
+    for i, a in enumerate(trigrams):
+        for b in trigrams[i + 1 :]:
+            if a.source == b.source and a.destination != b.destination and a.output != b.output:
+                return a, b
+    return None
+
+
+@dataclass(frozen=True)
+class Bigram:
+    token: int
+    next: int
+    logit: float  # direct-path logit, centred per row
+
+
+def bigrams(w: Weights, *, top: int = 20, exclude: tuple[int, ...] = (0,),
+            max_bytes: int = DEFAULT_MAX_BYTES) -> list[Bigram]:
+    """The strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram model."""
+    B = w.W_U - w.W_U.mean(dim=-1, keepdim=True)
+    A = w.W_E.clone()
+    for e in exclude:
+        A[e] = 0.0  # the start token's row is not a bigram
+    f = LowRank(A, B)
+    res = f.topk(min(top + 4 * len(exclude), f.shape[0] * f.shape[1]), max_bytes=max_bytes)
+    out = []
+    for v, r, c in zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist()):
+        if r in exclude or c in exclude:
+            continue
+        out.append(Bigram(r, c, v))
+        if len(out) == top:
+            break
+    return out
