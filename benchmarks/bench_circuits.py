@@ -8,7 +8,8 @@ both libraries (same seed). Tasks:
       (TransformerLens: ``(model.W_E @ model.OV @ model.W_U).eigenvalues``);
   (b) all-pairs Q-, K- and V-composition scores (TL: ``all_composition_scores``);
   (c) the top-50 entries of one head's full 50257 x 50257 OV circuit (qkov only: TL has
-      no factored top-k; it would have to materialise the 10 GB matrix).
+      no factored top-k; it would have to materialise the 10 GB matrix);
+  (d) the top-50 skip-trigrams of one head over the whole vocabulary (qkov only).
 
 Every measurement runs in its own subprocess, so its peak memory (max RSS) is its own.
 
@@ -89,9 +90,13 @@ def worker(lib: str, task: str) -> dict[str, object]:
         elif task == "composition":
             # all scores computed; the first writer head's row (valid pairs, invalid ones 0 like TL) is compared
             out = {k: C.composition_raw(w, k).nan_to_num(0.0)[0, 0].flatten().tolist() for k in ("q", "k", "v")}
-        else:
+        elif task == "topk":
             top = C.full_ov(w, 5, 7).topk(50)
             out = top.values[:3].tolist()
+        else:
+            from qkov.trigrams import skip_trigrams
+
+            out = [t.score for t in skip_trigrams(w, 5, 7, top=50)[:3]]
     else:
         model = _tl_model()
         t0 = time.perf_counter()
@@ -127,9 +132,9 @@ def main(argv: list[str] | None = None) -> int:
         print("transformer-lens is not installed: pip install -e '.[peer]'", file=sys.stderr)
         return 2
     rows = {}
-    for task in ("copying", "composition", "topk"):
+    for task in ("copying", "composition", "topk", "trigrams"):
         q = measure("qkov", task)
-        t = measure("transformer_lens", task) if task != "topk" else None
+        t = measure("transformer_lens", task) if task in ("copying", "composition") else None
         if t is not None:  # same weights, same answers
             if task == "copying":
                 diff = max(abs(a - b) for a, b in zip(q["out"], t["out"]))  # type: ignore[arg-type]

@@ -34,12 +34,12 @@ def brute(w: Weights, head: int) -> list[tuple[float, int, int, int]]:
 @pytest.mark.parametrize("head", [0, 1])
 def test_top_trigrams_match_brute_force(head: int) -> None:
     w = weights()
-    ours = T.skip_trigrams(w, 0, head, top=15, per_source=23)
+    ours = T.skip_trigrams(w, 0, head, top=15)
     ref = brute(w, head)[:15]
     assert [round(t.score, 9) for t in ours] == [round(r[0], 9) for r in ref]
     assert [(t.source, t.destination, t.output) for t in ours] == [r[1:] for r in ref]
-    # with few candidates per source the top of the table is still exact
-    few = T.skip_trigrams(w, 0, head, top=3, per_source=3)
+    # small batches of sources: the bound stops the search early and the table is still exact
+    few = T.skip_trigrams(w, 0, head, top=3, batch=2)
     assert [(t.source, t.destination, t.output) for t in few] == [r[1:] for r in ref[:3]]
     assert all(0 not in (t.source, t.destination, t.output) for t in ours)
 
@@ -52,7 +52,7 @@ def test_source_view_and_crossed_trigrams() -> None:
     ov = ov - ov.mean()
     ov[0] = float("-inf")
     assert [i for i, _ in view.outputs] == torch.topk(ov, 4).indices.tolist()
-    tr = T.skip_trigrams(w, 0, 0, top=40, per_source=6)
+    tr = T.skip_trigrams(w, 0, 0, top=40)
     pair = T.first_bug(w, 0, 0, tr)
     assert pair is not None
     a, b = pair

@@ -241,6 +241,12 @@ class LowRank:
             idx.append(i)
         return torch.cat(vals, -2), torch.cat(idx, -2)
 
+    def row_max(self, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tensor:
+        """Largest entry of every row ``[..., m]``, in cache-sized row chunks (one pass, no top-k)."""
+        m, n = self.shape[-2], self.shape[-1]
+        chunk = max(1, min(m, min(max_bytes, 8 * 2**20) // max(1, n * self.A.element_size())))
+        return torch.cat([(self.A[..., lo : lo + chunk, :] @ self.B).amax(dim=-1) for lo in range(0, m, chunk)], -1)
+
     def diag_rank(self, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tensor:
         """For each row ``i``, how many entries of row ``i`` exceed the diagonal entry ``(i, i)``.
 

@@ -69,55 +69,59 @@ def centred_qk_by_source(w: Weights, layer: int, head: int) -> LowRank:
     return LowRank(B.T, f.A.T)
 
 
-def _top_excluding(f: LowRank, k: int, exclude: list[int], max_bytes: int) -> tuple[Tensor, Tensor]:
-    """Per-row top-k with the ``exclude`` columns dropped: ``values, cols [m, k]``."""
-    v, i = f.topk_rows(min(f.shape[-1], k + len(exclude)), max_bytes=max_bytes)
-    if exclude:
-        bad = torch.zeros_like(i, dtype=torch.bool)
-        for e in exclude:
-            bad |= i == e
-        v = v.masked_fill(bad, float("-inf"))
-        v, pos = torch.topk(v, k, dim=-1)
-        i = i.gather(-1, pos)
-    return v, i
-
-
 def skip_trigrams(
     w: Weights,
     layer: int,
     head: int,
     *,
     top: int = 20,
-    per_source: int = 8,
     exclude: tuple[int, ...] = (0,),
     max_bytes: int = DEFAULT_MAX_BYTES,
+    batch: int = 256,
 ) -> list[SkipTrigram]:
-    """The ``top`` skip-trigrams of one head over the whole vocabulary, strongest first.
+    """The ``top`` skip-trigrams of one head over the whole vocabulary, strongest first (exact).
 
-    For every source token the ``per_source`` best destinations (QK column) and outputs
-    (OV row) are found in chunks; the best products among those candidates are exact
-    top-scoring trigrams (a trigram outside a source's top destinations or outputs cannot
-    beat one inside, since scores are products of non-negative factors).
+    Branch and bound: a source's best trigram scores at most ``max_d qk[d, s] * max_o ov[s, o]``
+    (one cheap row-maximum pass over each factored circuit). Sources are visited from the
+    largest bound down, ``batch`` at a time; each visited source contributes its best
+    ``top`` destinations x ``top`` outputs; the search stops once the ``top``-th best score
+    found beats every remaining bound.
     """
     V = w.cfg.d_vocab
-    k = min(per_source, V - len(exclude))
+    k = min(top, V - len(exclude))
     if k < 1:
         raise QkovError("skip_trigrams: vocabulary too small")
-    qv, qi = _top_excluding(centred_qk_by_source(w, layer, head), k, list(exclude), max_bytes)  # [V, k]
-    ov, oi = _top_excluding(centred_ov(w, layer, head), k, list(exclude), max_bytes)
-    prod = qv[:, :, None].clamp_min(0) * ov[:, None, :].clamp_min(0)  # [V, k, k]
+    qk, ov = centred_qk_by_source(w, layer, head), centred_ov(w, layer, head)
+    bound = qk.row_max(max_bytes=max_bytes).clamp_min(0) * ov.row_max(max_bytes=max_bytes).clamp_min(0)
     for e in exclude:
-        prod[e] = 0
-    n = min(top, prod.numel())
-    vals, flat = torch.topk(prod.reshape(-1), n)
-    out = []
-    for val, f in zip(vals.tolist(), flat.tolist()):
-        if val <= 0:
+        bound[e] = 0
+    order = torch.argsort(bound, descending=True)
+    best: list[tuple[float, int, int, int, float, float]] = []
+    excl = torch.tensor(list(exclude), dtype=torch.long, device=bound.device)
+    for lo in range(0, V, batch):
+        srcs = order[lo : lo + batch]
+        if len(best) >= top and best[top - 1][0] >= float(bound[srcs[0]]):
             break
-        s, rem = divmod(f, k * k)
-        a, b = divmod(rem, k)
-        out.append(SkipTrigram(s, int(qi[s, a]), int(oi[s, b]), float(qv[s, a]), float(ov[s, b])))
-    return out
+        srcs = srcs[bound[srcs] > 0]
+        if srcs.numel() == 0:
+            break
+        q_rows, o_rows = qk.rows(srcs), ov.rows(srcs)  # [b, V]
+        if excl.numel():
+            q_rows[:, excl] = float("-inf")
+            o_rows[:, excl] = float("-inf")
+        qv, qi = torch.topk(q_rows, k, dim=-1)
+        ovv, oi = torch.topk(o_rows, k, dim=-1)
+        prod = qv[:, :, None].clamp_min(0) * ovv[:, None, :].clamp_min(0)  # [b, k, k]
+        vals, flat = torch.topk(prod.reshape(-1), min(top, prod.numel()))
+        for val, f in zip(vals.tolist(), flat.tolist()):
+            if val <= 0:
+                break
+            r, rem = divmod(f, k * k)
+            a, b = divmod(rem, k)
+            best.append((val, int(srcs[r]), int(qi[r, a]), int(oi[r, b]), float(qv[r, a]), float(ovv[r, b])))
+        best.sort(key=lambda t: -t[0])
+        best = best[:top]
+    return [SkipTrigram(s, d, o, q, v) for _, s, d, o, q, v in best]
 
 
 @dataclass
