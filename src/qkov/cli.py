@@ -171,11 +171,15 @@ def _cmd_train(args: argparse.Namespace) -> int:
         train_cfg = TrainConfig(**train_over)
     from .progress import TrainProgress
 
-    with TrainProgress(quiet=args.quiet) as progress:
-        train(out, model_cfg, train_cfg, device=args.device, resume=args.resume, callback=progress)
-    from .checkpoint import load
+    from .distributed import from_env
 
-    _print_info(out, load(out), as_json=False)
+    main_rank = from_env().main  # under torchrun only rank 0 shows progress and the summary
+    with TrainProgress(quiet=args.quiet or not main_rank) as progress:
+        train(out, model_cfg, train_cfg, device=args.device, resume=args.resume, callback=progress)
+    if main_rank:
+        from .checkpoint import load
+
+        _print_info(out, load(out), as_json=False)
     return 0
 
 

@@ -35,6 +35,7 @@ from .checkpoint import (
     save_tensors,
 )
 from .config import ModelConfig
+from . import distributed as D
 from .data import Batches, Corpus, load_corpus, val_batches
 from .errors import QkovError
 from .fileio import atomic_write_text
@@ -274,7 +275,9 @@ def train(
         stop_after: stop (after checkpointing) once this step is reached; for tests and tools.
     """
     out = Path(out)
-    emit = callback or (lambda _e: None)
+    dist_info = D.from_env()
+    # under torchrun only rank 0 reports, writes checkpoints and metrics
+    emit = (callback if dist_info.main else None) or (lambda _e: None)
     state_path = out / STATE_FILE
     if resume:
         if not state_path.is_file():
@@ -293,15 +296,20 @@ def train(
         model_cfg = model_cfg or ModelConfig()
         train_cfg = train_cfg or TrainConfig()
     tc = train_cfg
-    dev = pick_device(device)
+    dist_info, dev = D.setup(pick_device(device))
+    if tc.batch % dist_info.world:
+        raise QkovError(f"train: the global batch ({tc.batch}) must divide evenly over {dist_info.world} ranks")
     if dev.type == "cpu":
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_info.local_world))
         tune_cpu_allocator()
         # Overconfident softmaxes produce denormal floats, which run ~20x slower on x86.
         torch.set_flush_denormal(True)
     precision = tc.precision
     autocast = torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
+    sync_cache = corpus is None and dist_info.enabled
+    if sync_cache and not dist_info.main:
+        D.barrier(dist_info)  # rank 0 builds the token cache first; the others then read it
     if corpus is None:
         corpus = load_corpus(
             tc.corpus,
@@ -311,6 +319,8 @@ def train(
         )
     if corpus.d_vocab > model_cfg.d_vocab:
         raise QkovError(f"corpus vocabulary ({corpus.d_vocab}) exceeds the model's d_vocab ({model_cfg.d_vocab})")
+    if sync_cache and dist_info.main:
+        D.barrier(dist_info)
     batches = Batches(corpus.train, model_cfg.n_ctx, tc.batch, tc.seed, corpus.bos_token_id)
     val_examples = val_batches(corpus.val, model_cfg.n_ctx, corpus.bos_token_id, tc.eval_examples)
 
@@ -319,6 +329,11 @@ def train(
     model.tokenizer = corpus.tokenizer()
     model.train()
     opt = _make_optimizer(model, tc)
+    step_model: torch.nn.Module = _LossModule(model)
+    if dist_info.enabled:  # gradients are averaged over ranks: the global batch's mean loss
+        from torch.nn.parallel import DistributedDataParallel
+
+        step_model = DistributedDataParallel(step_model, device_ids=[dev.index] if dev.type == "cuda" else None)
     tokens_per_step = tc.batch * model_cfg.n_ctx
 
     metrics: list[dict[str, Any]] = []
@@ -330,7 +345,8 @@ def train(
         metrics = [r for r in read_metrics(out) if r.get("step", 0) <= step]
     else:
         torch.manual_seed(tc.seed)
-    out.mkdir(parents=True, exist_ok=True)
+    if dist_info.main:
+        out.mkdir(parents=True, exist_ok=True)
     emit({"event": "start", "step": step, "steps": tc.steps, "params": model.num_parameters(),
           "device": str(dev), "precision": precision, "train_tokens": int(corpus.train.size), "resumed": resume})
 
@@ -375,9 +391,9 @@ def train(
         lr = lr_at(step, tc)
         for g in opt.param_groups:
             g["lr"] = lr
-        toks = torch.from_numpy(batches.step(step)).to(dev, non_blocking=True)
+        toks = torch.from_numpy(batches.step(step, dist_info.rank, dist_info.world)).to(dev, non_blocking=True)
         with autocast:  # bf16 matrix products, fp32 weights/optimizer; evaluation stays fp32
-            loss = model_loss(model, toks)
+            loss = step_model(toks)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if tc.grad_clip > 0:
@@ -392,21 +408,37 @@ def train(
         n_acc += 1
         if step % tc.log_interval == 0 or step == tc.steps:
             now = time.perf_counter()
-            row = {"step": step, "tokens": step * tokens_per_step, "train_loss": loss_acc / n_acc, "lr": lr,
+            mean_loss = D.mean_across(dist_info, loss_acc / n_acc, dev)
+            row = {"step": step, "tokens": step * tokens_per_step, "train_loss": mean_loss, "lr": lr,
                    "tokens_per_s": n_acc * tokens_per_step / max(1e-9, now - t_log)}
             metrics.append(row)
             last.update(row)
             emit({"event": "log", **row})
             loss_acc, n_acc = 0.0, 0
-        if step % tc.eval_interval == 0 or step == tc.steps:
+        if dist_info.main and (step % tc.eval_interval == 0 or step == tc.steps):
             run_eval()
-        if step % tc.ckpt_interval == 0 or step == tc.steps or (stop_after is not None and step >= stop_after):
+        if dist_info.main and (
+            step % tc.ckpt_interval == 0 or step == tc.steps or (stop_after is not None and step >= stop_after)
+        ):
             checkpoint()
         if step % tc.log_interval == 0:
             t_log = time.perf_counter()
         if stop_after is not None and step >= stop_after:
             break
     emit({"event": "done", **summary()})
+    D.barrier(dist_info)
+    D.teardown(dist_info)
     model.eval()
     return model
+
+
+class _LossModule(torch.nn.Module):
+    """The training loss as a module's forward, so DistributedDataParallel can hook it."""
+
+    def __init__(self, model: Transformer) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return model_loss(self.model, tokens)
 

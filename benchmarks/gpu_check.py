@@ -1,0 +1,68 @@
+"""GPU check (run on a machine with an NVIDIA GPU): default training speed and the tour's models.
+
+Trains the default 0-, 1- and 2-layer attention-only models on the built-in corpus on the
+GPU (``--device cuda``), one after another, and prints each run's wall time, training
+tokens/s, validation loss and (2 layers) induction score. With ``--ddp N`` it also runs the
+2-layer model under ``torchrun --nproc_per_node N`` (N GPUs on this node) and prints the
+same figures, so scaling can be read off directly.
+
+    python benchmarks/gpu_check.py --out /tmp/qkov-gpu [--ddp 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def run(cmd: list[str]) -> float:
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(res.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(res.returncode)
+    return time.perf_counter() - t0
+
+
+def summary(path: Path) -> dict[str, object]:
+    cfg = json.loads((path / "config.json").read_text())["training"]
+    rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    speeds = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
+    return {"val_loss": cfg.get("val_loss"), "induction": cfg.get("induction_score"),
+            "median_tokens_per_s": speeds[len(speeds) // 2] if speeds else None, "train_s": cfg.get("wall_s")}
+
+
+def main() -> int:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("gpu-check"))
+    ap.add_argument("--ddp", type=int, default=0, help="also run the 2-layer model on this many GPUs")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA GPU here: this check is for a GPU machine", file=sys.stderr)
+        return 2
+    print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+    total = 0.0
+    for layers in (0, 1, 2):
+        out = args.out / f"qkov-{layers}l"
+        wall = run([sys.executable, "-m", "qkov", "train", "--layers", str(layers), "--device", "cuda",
+                    "--out", str(out), "--quiet"])
+        total += wall
+        print(f"{layers} layers: {wall:.1f} s wall, {summary(out)}")
+    print(f"the tour's three models: {total:.1f} s")
+    if args.ddp > 1:
+        out = args.out / f"qkov-2l-ddp{args.ddp}"
+        wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                    str(args.ddp), "-m", "qkov", "train", "--layers", "2", "--device", "cuda", "--out", str(out),
+                    "--quiet"])
+        print(f"2 layers on {args.ddp} GPUs: {wall:.1f} s wall, {summary(out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
