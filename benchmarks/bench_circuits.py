@@ -54,16 +54,34 @@ def _qkov_weights():
     t = _tensors()
     L, H, D, E = SHAPE["n_layers"], SHAPE["n_heads"], SHAPE["d_model"], SHAPE["d_head"]
     cfg = qkov.ModelConfig(**SHAPE)
-    return Weights(cfg=cfg, W_E=t["W_E"], W_pos=t["W_pos"], W_Q=t["W_Q"], W_K=t["W_K"], W_V=t["W_V"], W_O=t["W_O"],
-                   b_Q=torch.zeros(L, H, E), b_K=torch.zeros(L, H, E), b_V=torch.zeros(L, H, E),
-                   b_O=torch.zeros(L, D), W_U=t["W_U"], b_U=torch.zeros(SHAPE["d_vocab"]))
+    return Weights(
+        cfg=cfg,
+        W_E=t["W_E"],
+        W_pos=t["W_pos"],
+        W_Q=t["W_Q"],
+        W_K=t["W_K"],
+        W_V=t["W_V"],
+        W_O=t["W_O"],
+        b_Q=torch.zeros(L, H, E),
+        b_K=torch.zeros(L, H, E),
+        b_V=torch.zeros(L, H, E),
+        b_O=torch.zeros(L, D),
+        W_U=t["W_U"],
+        b_U=torch.zeros(SHAPE["d_vocab"]),
+    )
 
 
 def _tl_model():
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-    cfg = HookedTransformerConfig(**SHAPE, attn_only=True, normalization_type=None, act_fn=None,
-                                  positional_embedding_type="standard", device="cpu")
+    cfg = HookedTransformerConfig(
+        **SHAPE,
+        attn_only=True,
+        normalization_type=None,
+        act_fn=None,
+        positional_embedding_type="standard",
+        device="cpu",
+    )
     model = HookedTransformer(cfg)
     t = _tensors()
     sd = dict(model.state_dict())
@@ -151,8 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ratio = t["seconds"] / q["seconds"]
         r["ratio"] = ratio
-        print(f"{task:<13} {q['seconds']:>8.3f} {t['seconds']:>8.3f} {ratio:>7.1f}x {q['peak_rss_mib']:>9.0f} "
-              f"{t['peak_rss_mib']:>8.0f} {t['max_abs_diff_vs_qkov']:>9.1e}")
+        print(
+            f"{task:<13} {q['seconds']:>8.3f} {t['seconds']:>8.3f} {ratio:>7.1f}x {q['peak_rss_mib']:>9.0f} "
+            f"{t['peak_rss_mib']:>8.0f} {t['max_abs_diff_vs_qkov']:>9.1e}"
+        )
     if args.json:
         for r in rows.values():
             for v in r.values():

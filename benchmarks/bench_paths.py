@@ -66,9 +66,13 @@ def main() -> int:
         rows[lib] = json.loads(res.stdout.strip().splitlines()[-1])
     q, t = rows["qkov"], rows["transformer_lens"]
     print(f"model {CFG}, batch 8 x 256")
-    print(f"qkov: expansion (all single and virtual heads) + term importance + term effects: "
-          f"{q['seconds']:.2f} s, peak {q['peak_rss_mib']:.0f} MiB, reconstruction error {q['reconstruction_error']:.1e}")
-    print(f"TransformerLens run_with_cache alone (no expansion): {t['seconds']:.2f} s, peak {t['peak_rss_mib']:.0f} MiB")
+    print(
+        f"qkov: expansion (all single and virtual heads) + term importance + term effects: "
+        f"{q['seconds']:.2f} s, peak {q['peak_rss_mib']:.0f} MiB, reconstruction error {q['reconstruction_error']:.1e}"
+    )
+    print(
+        f"TransformerLens run_with_cache alone (no expansion): {t['seconds']:.2f} s, peak {t['peak_rss_mib']:.0f} MiB"
+    )
     return 0
 
 

@@ -57,9 +57,17 @@ def _build(lib: str):
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     cfg = HookedTransformerConfig(
-        n_layers=CFG["n_layers"], n_heads=CFG["n_heads"], d_model=CFG["d_model"], d_head=CFG["d_head"],
-        d_vocab=CFG["d_vocab"], n_ctx=CFG["n_ctx"], attn_only=True, normalization_type=None,
-        positional_embedding_type="shortformer", device="cpu", seed=0,
+        n_layers=CFG["n_layers"],
+        n_heads=CFG["n_heads"],
+        d_model=CFG["d_model"],
+        d_head=CFG["d_head"],
+        d_vocab=CFG["d_vocab"],
+        n_ctx=CFG["n_ctx"],
+        attn_only=True,
+        normalization_type=None,
+        positional_embedding_type="shortformer",
+        device="cpu",
+        seed=0,
     )
     model = HookedTransformer(cfg)
 

@@ -32,8 +32,12 @@ def summary(path: Path) -> dict[str, object]:
     cfg = json.loads((path / "config.json").read_text())["training"]
     rows = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
     speeds = sorted(r["tokens_per_s"] for r in rows if "tokens_per_s" in r)
-    return {"val_loss": cfg.get("val_loss"), "induction": cfg.get("induction_score"),
-            "median_tokens_per_s": speeds[len(speeds) // 2] if speeds else None, "train_s": cfg.get("wall_s")}
+    return {
+        "val_loss": cfg.get("val_loss"),
+        "induction": cfg.get("induction_score"),
+        "median_tokens_per_s": speeds[len(speeds) // 2] if speeds else None,
+        "train_s": cfg.get("wall_s"),
+    }
 
 
 def main() -> int:
@@ -50,16 +54,46 @@ def main() -> int:
     total = 0.0
     for layers in (0, 1, 2):
         out = args.out / f"qkov-{layers}l"
-        wall = run([sys.executable, "-m", "qkov", "train", "--layers", str(layers), "--device", "cuda",
-                    "--out", str(out), "--quiet"])
+        wall = run(
+            [
+                sys.executable,
+                "-m",
+                "qkov",
+                "train",
+                "--layers",
+                str(layers),
+                "--device",
+                "cuda",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
         total += wall
         print(f"{layers} layers: {wall:.1f} s wall, {summary(out)}")
     print(f"the tour's three models: {total:.1f} s")
     if args.ddp > 1:
         out = args.out / f"qkov-2l-ddp{args.ddp}"
-        wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                    str(args.ddp), "-m", "qkov", "train", "--layers", "2", "--device", "cuda", "--out", str(out),
-                    "--quiet"])
+        wall = run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                str(args.ddp),
+                "-m",
+                "qkov",
+                "train",
+                "--layers",
+                "2",
+                "--device",
+                "cuda",
+                "--out",
+                str(out),
+                "--quiet",
+            ]
+        )
         print(f"2 layers on {args.ddp} GPUs: {wall:.1f} s wall, {summary(out)}")
     return 0
 

@@ -70,7 +70,7 @@ def run_one(setting: dict[str, object], base_steps: int | None, stop_at: float |
         if ev["event"] == "eval":
             curve.append({k: ev[k] for k in ("step", "tokens", "val_loss", "induction_score", "repeat_loss")})
             print(
-                f"  step {ev['step']:>5} tokens {ev['tokens']/1e6:6.2f}M val {ev['val_loss']:.3f} "
+                f"  step {ev['step']:>5} tokens {ev['tokens'] / 1e6:6.2f}M val {ev['val_loss']:.3f} "
                 f"induction {ev['induction_score']:.3f}",
                 flush=True,
             )

@@ -10,9 +10,26 @@ import pytest
 
 # A handful of standard-library modules: real Python source, small enough to train on in seconds.
 SMALL_CORPUS_MODULES = [
-    "abc.py", "bisect.py", "calendar.py", "colorsys.py", "copy.py", "dataclasses.py", "fnmatch.py",
-    "fractions.py", "functools.py", "glob.py", "heapq.py", "keyword.py", "numbers.py", "operator.py",
-    "queue.py", "random.py", "shlex.py", "string.py", "textwrap.py", "types.py",
+    "abc.py",
+    "bisect.py",
+    "calendar.py",
+    "colorsys.py",
+    "copy.py",
+    "dataclasses.py",
+    "fnmatch.py",
+    "fractions.py",
+    "functools.py",
+    "glob.py",
+    "heapq.py",
+    "keyword.py",
+    "numbers.py",
+    "operator.py",
+    "queue.py",
+    "random.py",
+    "shlex.py",
+    "string.py",
+    "textwrap.py",
+    "types.py",
 ]
 
 

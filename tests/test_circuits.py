@@ -66,12 +66,16 @@ def test_token_and_position_terms_sum_to_real_scores() -> None:
     layer, head = 0, 1
     with torch.no_grad():
         q, k, _ = m.blocks[0].attn.qkv(m.W_E[tokens] + m.W_pos[:12], m.W_E[tokens])
-    real = (q[0, head] @ k[0, head].T)
+    real = q[0, head] @ k[0, head].T
     t = tokens[0]
     pos = torch.arange(12)
     tp, pt = C.token_position_qk(w, layer, head)
-    total = (C.full_qk(w, layer, head).materialize()[t][:, t] + tp.materialize()[t][:, pos]
-             + pt.materialize()[pos][:, t] + C.positional_qk(w, layer, head).materialize()[:12, :12])
+    total = (
+        C.full_qk(w, layer, head).materialize()[t][:, t]
+        + tp.materialize()[t][:, pos]
+        + pt.materialize()[pos][:, t]
+        + C.positional_qk(w, layer, head).materialize()[:12, :12]
+    )
     assert torch.allclose(total, real, atol=1e-10)
 
 
@@ -91,8 +95,8 @@ def test_virtual_weights() -> None:
 
 def test_composition_against_materialised_formula() -> None:
     _, w = weights()
-    OV = (w.W_V @ w.W_O)
-    QK = (w.W_Q @ w.W_K.transpose(-1, -2))
+    OV = w.W_V @ w.W_O
+    QK = w.W_Q @ w.W_K.transpose(-1, -2)
     fro = torch.linalg.matrix_norm
     for kind, right in (("q", QK), ("k", QK.transpose(-1, -2)), ("v", OV)):
         raw = C.composition_raw(w, kind)
@@ -172,7 +176,7 @@ def test_tl_ov_eigenvalues_and_copying_scores(pair) -> None:
         for h in range(4):
             assert torch.allclose(_sorted(ours[l, h]), _sorted(theirs[l, h]), atol=1e-5)
             assert torch.allclose(_sorted(full_ours[l, h]), _sorted(full_theirs[l, h]), atol=1e-5)
-    tl_copy = (full_theirs.sum(-1).real / full_theirs.abs().sum(-1))
+    tl_copy = full_theirs.sum(-1).real / full_theirs.abs().sum(-1)
     ours_copy = torch.tensor([h.eigen_score for h in C.copying_scores(w, diag_k=None)]).reshape(3, 4)
     assert (tl_copy - ours_copy).abs().max() < 1e-5
 

@@ -15,13 +15,32 @@ import qkov
 from qkov import ModelConfig
 from qkov.cli import main
 
-SMALL = ["--layers", "2", "--heads", "4", "--d-model", "64", "--d-head", "16", "--ctx", "128", "--vocab", "512",
-         "--batch", "8", "--steps", "60", "--device", "cpu"]
+SMALL = [
+    "--layers",
+    "2",
+    "--heads",
+    "4",
+    "--d-model",
+    "64",
+    "--d-head",
+    "16",
+    "--ctx",
+    "128",
+    "--vocab",
+    "512",
+    "--batch",
+    "8",
+    "--steps",
+    "60",
+    "--device",
+    "cpu",
+]
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qkov", *args], capture_output=True, text=True, cwd=cwd,
-                          env={**os.environ}, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "qkov", *args], capture_output=True, text=True, cwd=cwd, env={**os.environ}, timeout=600
+    )
 
 
 def test_small_flags_train_in_seconds_and_info_reads_back(tmp_path: Path, small_corpus: Path) -> None:
@@ -43,9 +62,33 @@ def test_small_flags_train_in_seconds_and_info_reads_back(tmp_path: Path, small_
 
 
 def test_token_budget_sets_steps(tmp_path: Path, small_corpus: Path) -> None:
-    assert main(["train", "--layers", "0", "--d-model", "16", "--ctx", "32", "--vocab", "300", "--batch", "4",
-                 "--tokens", "1k", "--corpus", str(small_corpus), "--out", str(tmp_path / "t"), "--quiet",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--layers",
+                "0",
+                "--d-model",
+                "16",
+                "--ctx",
+                "32",
+                "--vocab",
+                "300",
+                "--batch",
+                "4",
+                "--tokens",
+                "1k",
+                "--corpus",
+                str(small_corpus),
+                "--out",
+                str(tmp_path / "t"),
+                "--quiet",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     cfg = json.loads((tmp_path / "t" / "config.json").read_text())
     assert cfg["training"]["config"]["steps"] == 8  # ceil(1000 / (4 * 32))
 
@@ -126,9 +169,37 @@ def test_checkpoint_round_trip_without_pickle(tmp_path: Path) -> None:
 
 def test_resume_with_conflicting_flags_is_refused(tmp_path: Path, small_corpus: Path) -> None:
     out = tmp_path / "r"
-    assert main(["train", "--layers", "1", "--d-model", "16", "--d-head", "8", "--heads", "2", "--ctx", "32",
-                 "--vocab", "300", "--batch", "4", "--steps", "4", "--corpus", str(small_corpus), "--out", str(out),
-                 "--quiet", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--layers",
+                "1",
+                "--d-model",
+                "16",
+                "--d-head",
+                "8",
+                "--heads",
+                "2",
+                "--ctx",
+                "32",
+                "--vocab",
+                "300",
+                "--batch",
+                "4",
+                "--steps",
+                "4",
+                "--corpus",
+                str(small_corpus),
+                "--out",
+                str(out),
+                "--quiet",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     res = run_cli("train", "--resume", "--out", str(out), "--heads", "4")
     _one_line_error(res, "n_heads")
 
@@ -157,9 +228,37 @@ def test_circuits_command(tmp_path: Path) -> None:
 
 def test_paths_command(tmp_path: Path, small_corpus: Path) -> None:
     out = tmp_path / "m"
-    assert main(["train", "--layers", "2", "--heads", "2", "--d-model", "32", "--d-head", "16", "--ctx", "32",
-                 "--vocab", "300", "--batch", "4", "--steps", "20", "--corpus", str(small_corpus), "--out", str(out),
-                 "--quiet", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--layers",
+                "2",
+                "--heads",
+                "2",
+                "--d-model",
+                "32",
+                "--d-head",
+                "16",
+                "--ctx",
+                "32",
+                "--vocab",
+                "300",
+                "--batch",
+                "4",
+                "--steps",
+                "20",
+                "--corpus",
+                str(small_corpus),
+                "--out",
+                str(out),
+                "--quiet",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     res = run_cli("paths", str(out), "--json", "--batch", "4")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
@@ -179,9 +278,37 @@ def test_paths_command(tmp_path: Path, small_corpus: Path) -> None:
 
 def test_heads_and_trigrams_commands(tmp_path: Path, small_corpus: Path) -> None:
     out = tmp_path / "m"
-    assert main(["train", "--layers", "1", "--heads", "2", "--d-model", "32", "--d-head", "16", "--ctx", "128",
-                 "--vocab", "300", "--batch", "4", "--steps", "20", "--corpus", str(small_corpus), "--out", str(out),
-                 "--quiet", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--layers",
+                "1",
+                "--heads",
+                "2",
+                "--d-model",
+                "32",
+                "--d-head",
+                "16",
+                "--ctx",
+                "128",
+                "--vocab",
+                "300",
+                "--batch",
+                "4",
+                "--steps",
+                "20",
+                "--corpus",
+                str(small_corpus),
+                "--out",
+                str(out),
+                "--quiet",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     res = run_cli("heads", str(out), "--json", "--batch", "2")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)

@@ -22,14 +22,18 @@ import qkov
 def test_default_two_layer_run_forms_induction_heads(tmp_path: Path) -> None:
     out = tmp_path / "qkov-2l"
     t0 = time.time()
-    res = subprocess.run([sys.executable, "-m", "qkov", "train", "--layers", "2", "--out", str(out)],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "qkov", "train", "--layers", "2", "--out", str(out)], capture_output=True, text=True
+    )
     minutes = (time.time() - t0) / 60
     assert res.returncode == 0, res.stderr[-2000:]
     assert "val loss" in res.stderr
     assert minutes <= 20, f"took {minutes:.1f} min"
-    info = json.loads(subprocess.run([sys.executable, "-m", "qkov", "info", str(out), "--json"],
-                                     capture_output=True, text=True, check=True).stdout)
+    info = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "qkov", "info", str(out), "--json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert info["complete"] and info["induction_score"] >= 0.3, info
     # independent re-measurement on the loaded model, with a different seed of random tokens
     probe = qkov.induction_probe(qkov.load(out), seed=123, batch=16)
@@ -52,13 +56,15 @@ def test_default_models_reproduce_the_papers_head_findings(tmp_path: Path) -> No
     reports = {}
     for layers in (1, 2):
         out = tmp_path / f"qkov-{layers}l"
-        subprocess.run([sys.executable, "-m", "qkov", "train", "--layers", str(layers), "--out", str(out), "--quiet"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "qkov", "train", "--layers", str(layers), "--out", str(out), "--quiet"],
+            check=True,
+            capture_output=True,
+        )
         model = qkov.load(out)
         corpus = load_corpus("stdlib", vocab_size=model.cfg.d_vocab)
         text = torch.from_numpy(val_batches(corpus.val, model.cfg.n_ctx, 0, 256))
-        reports[layers] = (model, head_report(model, text[:8], frequencies=np.bincount(corpus.train),
-                                              icl_text=text))
+        reports[layers] = (model, head_report(model, text[:8], frequencies=np.bincount(corpus.train), icl_text=text))
     one = reports[1][1].scores
     assert (one["eigen_copying"] > 0.5).float().mean() > 0.5  # mostly copying
     assert one["prefix_matching"].max() < 0.3

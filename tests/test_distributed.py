@@ -13,28 +13,62 @@ import torch
 import qkov
 from qkov import ModelConfig, TrainConfig
 
-FLAGS = ["--layers", "2", "--heads", "2", "--d-model", "32", "--d-head", "16", "--ctx", "32", "--vocab", "300",
-         "--batch", "4", "--steps", "30", "--ckpt-interval", "10", "--eval-interval", "10", "--device", "cpu",
-         "--quiet"]
+FLAGS = [
+    "--layers",
+    "2",
+    "--heads",
+    "2",
+    "--d-model",
+    "32",
+    "--d-head",
+    "16",
+    "--ctx",
+    "32",
+    "--vocab",
+    "300",
+    "--batch",
+    "4",
+    "--steps",
+    "30",
+    "--ckpt-interval",
+    "10",
+    "--eval-interval",
+    "10",
+    "--device",
+    "cpu",
+    "--quiet",
+]
 
 
 def _torchrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "qkov", "train", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "qkov",
+        "train",
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
 def _losses(path: Path) -> list[float]:
-    return [r["train_loss"] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines())
-            if "train_loss" in r]
+    return [
+        r["train_loss"] for r in map(json.loads, (path / "metrics.jsonl").read_text().splitlines()) if "train_loss" in r
+    ]
 
 
 def test_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_path: Path, small_corpus: Path) -> None:
     env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
     flags = [*FLAGS, "--corpus", str(small_corpus)]
     single = tmp_path / "single"
-    subprocess.run([sys.executable, "-m", "qkov", "train", *flags, "--out", str(single)], env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "qkov", "train", *flags, "--out", str(single)], env=env, check=True, capture_output=True
+    )
     ddp = tmp_path / "ddp"
     res = _torchrun([*flags, "--out", str(ddp)], env)
     assert res.returncode == 0, res.stderr[-3000:]

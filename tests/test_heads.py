@@ -33,7 +33,7 @@ def hand_built() -> Transformer:
         m.W_pos[:, pos] = torch.eye(CTX)
         m.W_U[tok, :] = torch.eye(V)
         a0, a1 = m.blocks[0].attn, m.blocks[1].attn
-        scale = C * CTX ** 0.5  # scores are divided by sqrt(d_head)
+        scale = C * CTX**0.5  # scores are divided by sqrt(d_head)
         # 0.0: q_i = e_i, k_j = e_{j+1}: score(i, j) = C [i == j + 1]
         a0.W_Q[0, pos, :] = torch.eye(CTX) * scale
         a0.W_K[0, pos, :] = torch.diag(torch.ones(CTX - 1), 1)  # position j -> e_{j+1}

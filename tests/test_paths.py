@@ -14,8 +14,9 @@ from qkov.weights import Weights
 
 
 def make(layers: int, positional: str, dtype: torch.dtype, seed: int = 0, **kw) -> tuple[Transformer, Weights]:
-    cfg = ModelConfig(n_layers=layers, n_heads=3, d_model=32, d_head=8, d_vocab=50, n_ctx=16,
-                      positional=positional, **kw)
+    cfg = ModelConfig(
+        n_layers=layers, n_heads=3, d_model=32, d_head=8, d_vocab=50, n_ctx=16, positional=positional, **kw
+    )
     m = Transformer(cfg, seed=seed).to(dtype).eval()
     with torch.no_grad():  # larger weights than init: sharper patterns, bigger higher-order terms
         for p in m.parameters():
@@ -68,8 +69,14 @@ def test_zero_ov_head_has_zero_paths() -> None:
     assert exp.virtual[(0, 0, 1, 0)].abs().max() > 0
 
 
-@pytest.mark.parametrize("kw", [dict(normalization="layernorm", d_mlp=64, bias=True),
-                                dict(normalization="layernorm", bias=True), dict(d_mlp=64, bias=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(normalization="layernorm", d_mlp=64, bias=True),
+        dict(normalization="layernorm", bias=True),
+        dict(d_mlp=64, bias=True),
+    ],
+)
 def test_layernorm_mlp_bias_models_reconstruct(kw: dict) -> None:
     m, _ = make(2, "shortformer", torch.float64, **kw)
     with torch.no_grad():
@@ -101,8 +108,7 @@ def test_term_importance_runs(layers: int) -> None:
     cumulative = torch.zeros_like(exp.orders[0])
     for n, order in enumerate(exp.orders[:-1]):
         cumulative = cumulative + order
-        assert ti.run_losses[n] == pytest.approx(P._loss(exp.logits_of(cumulative) + w.b_U, exp.run.tokens),
-                                                 abs=1e-9)
+        assert ti.run_losses[n] == pytest.approx(P._loss(exp.logits_of(cumulative) + w.b_U, exp.run.tokens), abs=1e-9)
 
 
 def test_term_effects() -> None:
@@ -125,7 +131,7 @@ def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> No
             x, _ = m.blocks[l](x, m.W_pos[:12] if positional == "shortformer" else None)
         qk_in = x + m.W_pos[:12] if positional == "shortformer" else x
         q, k, _ = m.blocks[2].attn.qkv(qk_in, x)
-        real = (q @ k.transpose(-1, -2)) / (8 ** 0.5)
+        real = (q @ k.transpose(-1, -2)) / (8**0.5)
     split = P.qk_split(w, tokens, 2, 1)
     assert split.earlier == [f"{l}.{h}" for l in range(2) for h in range(3)]
     assert (split.total() - real[:, 1]).abs().max() <= TOL[dtype]
@@ -147,8 +153,17 @@ def test_qk_split_with_layernorm() -> None:
 
 def test_trained_model_reconstructs(tmp_path: Path, small_corpus: Path) -> None:
     cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
-    tc = qkov.TrainConfig(steps=30, batch=4, lr=1e-2, warmup=5, corpus=str(small_corpus), eval_interval=30,
-                          ckpt_interval=30, log_interval=10, eval_examples=4)
+    tc = qkov.TrainConfig(
+        steps=30,
+        batch=4,
+        lr=1e-2,
+        warmup=5,
+        corpus=str(small_corpus),
+        eval_interval=30,
+        ckpt_interval=30,
+        log_interval=10,
+        eval_examples=4,
+    )
     model = qkov.train(tmp_path / "run", cfg, tc, device="cpu")
     w = Weights.from_model(model)
     tokens = torch.randint(0, 300, (2, 32))

@@ -23,8 +23,17 @@ TINY = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_
 
 
 def tiny_train(corpus: Path, **kw: object) -> TrainConfig:
-    base = dict(steps=40, batch=4, lr=3e-3, warmup=5, corpus=str(corpus), eval_interval=10,
-                ckpt_interval=10, log_interval=5, eval_examples=4)
+    base = dict(
+        steps=40,
+        batch=4,
+        lr=3e-3,
+        warmup=5,
+        corpus=str(corpus),
+        eval_interval=10,
+        ckpt_interval=10,
+        log_interval=5,
+        eval_examples=4,
+    )
     base.update(kw)
     return TrainConfig(**base)  # type: ignore[arg-type]
 
@@ -103,8 +112,9 @@ def test_refuses_to_overwrite_and_to_resume_nothing(tmp_path: Path, small_corpus
 
 def test_zero_and_one_layer_models_train(tmp_path: Path, small_corpus: Path) -> None:
     for layers in (0, 1):
-        m = qkov.train(tmp_path / f"l{layers}", TINY.replace(n_layers=layers), tiny_train(small_corpus, steps=10),
-                       device="cpu")
+        m = qkov.train(
+            tmp_path / f"l{layers}", TINY.replace(n_layers=layers), tiny_train(small_corpus, steps=10), device="cpu"
+        )
         assert m.cfg.n_layers == layers
         assert qkov.load(tmp_path / f"l{layers}").cfg.n_layers == layers
 
@@ -124,14 +134,42 @@ def _cli(*args: str, env: dict[str, str]) -> list[str]:
 
 def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path: Path, small_corpus: Path) -> None:
     env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
-    flags = ["--layers", "2", "--heads", "2", "--d-model", "32", "--d-head", "16", "--ctx", "32", "--vocab", "300",
-             "--batch", "4", "--steps", "400", "--ckpt-interval", "20", "--eval-interval", "100",
-             "--corpus", str(small_corpus), "--device", "cpu", "--quiet"]
+    flags = [
+        "--layers",
+        "2",
+        "--heads",
+        "2",
+        "--d-model",
+        "32",
+        "--d-head",
+        "16",
+        "--ctx",
+        "32",
+        "--vocab",
+        "300",
+        "--batch",
+        "4",
+        "--steps",
+        "400",
+        "--ckpt-interval",
+        "20",
+        "--eval-interval",
+        "100",
+        "--corpus",
+        str(small_corpus),
+        "--device",
+        "cpu",
+        "--quiet",
+    ]
     full = tmp_path / "full"
     subprocess.run(_cli("train", *flags, "--out", str(full), env=env), env=env, check=True, capture_output=True)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_cli("train", *flags, "--out", str(killed), env=env), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _cli("train", *flags, "--out", str(killed), env=env),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     state = killed / "train_state.safetensors"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -148,8 +186,9 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path: Path, small
     qkov.load(killed)
     for line in (killed / "metrics.jsonl").read_text().splitlines():
         json.loads(line)
-    res = subprocess.run(_cli("train", "--resume", "--out", str(killed), "--quiet", env=env), env=env,
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        _cli("train", "--resume", "--out", str(killed), "--quiet", env=env), env=env, capture_output=True, text=True
+    )
     assert res.returncode == 0, res.stderr
     a, b = qkov.load(full), qkov.load(killed)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))

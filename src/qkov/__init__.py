@@ -1,4 +1,9 @@
-"""qkov: transformer circuits (Elhage et al., 2021) and induction heads (Olsson et al., 2022) as tested software."""
+"""qkov: transformer circuits (Elhage et al., 2021) and induction heads (Olsson et al., 2022) as tested software.
+
+Submodules: ``qkov.circuits`` (QK/OV, composition, copying), ``qkov.paths`` (path expansion),
+``qkov.heads`` (detectors and roles), ``qkov.trigrams`` (skip-trigram tables),
+``qkov.factored`` (low-rank products), ``qkov.weights`` (the canonical weights view).
+"""
 
 from .checkpoint import load, save_checkpoint
 from .config import ModelConfig
@@ -7,6 +12,7 @@ from .errors import QkovError
 from .heads import InductionProbe, induction_probe, repeated_random_tokens
 from .model import ForwardOutput, Transformer
 from .train import TrainConfig, train
+from .weights import Weights
 
 __all__ = [
     "Corpus",
@@ -16,6 +22,7 @@ __all__ = [
     "QkovError",
     "TrainConfig",
     "Transformer",
+    "Weights",
     "induction_probe",
     "load",
     "load_corpus",

@@ -231,7 +231,10 @@ def composition_baseline(
     g = torch.Generator().manual_seed(seed)
     n = samples
     shape_in, shape_out = (n, d_model, d_head), (n, d_head, d_model)
-    V1, O1 = torch.randn(shape_in, generator=g, dtype=torch.float64), torch.randn(shape_out, generator=g, dtype=torch.float64)
+    V1, O1 = (
+        torch.randn(shape_in, generator=g, dtype=torch.float64),
+        torch.randn(shape_out, generator=g, dtype=torch.float64),
+    )
     A = torch.randn(shape_in, generator=g, dtype=torch.float64)
     B = torch.randn(shape_in, generator=g, dtype=torch.float64) if kind != "v" else None
     RB = B.transpose(-1, -2) if B is not None else torch.randn(shape_out, generator=g, dtype=torch.float64)
@@ -261,8 +264,14 @@ class Composition:
                 for l2 in range(l1 + 1, L):
                     for h2 in range(H):
                         r = float(self.raw[l1, h1, l2, h2])
-                        rows.append({"writer": f"{l1}.{h1}", "reader": f"{l2}.{h2}", "raw": r,
-                                     "adjusted": r - self.baseline.mean})
+                        rows.append(
+                            {
+                                "writer": f"{l1}.{h1}",
+                                "reader": f"{l2}.{h2}",
+                                "raw": r,
+                                "adjusted": r - self.baseline.mean,
+                            }
+                        )
         rows.sort(key=lambda d: -d[sort_by])
         return rows
 
@@ -270,9 +279,7 @@ class Composition:
         return {"kind": self.kind, "baseline": vars(self.baseline), "pairs": self.pairs()}
 
 
-def composition_scores(
-    w: Weights, kind: CompositionKind, *, baseline_samples: int = 256, seed: int = 0
-) -> Composition:
+def composition_scores(w: Weights, kind: CompositionKind, *, baseline_samples: int = 256, seed: int = 0) -> Composition:
     """Raw scores for every pair of heads in increasing layers, plus the random-matrix baseline."""
     return Composition(
         kind=kind,
@@ -331,9 +338,7 @@ class HeadCopying:
         return {**vars(self), "head": f"{self.layer}.{self.head}"}
 
 
-def copying_scores(
-    w: Weights, *, diag_k: int | None = 5, max_bytes: int = DEFAULT_MAX_BYTES
-) -> list[HeadCopying]:
+def copying_scores(w: Weights, *, diag_k: int | None = 5, max_bytes: int = DEFAULT_MAX_BYTES) -> list[HeadCopying]:
     """Per head: eigenvalue copying score of the full OV circuit, diagonal top-k rate, residual-space score."""
     eig = eigen_copying_score(ov_eigenvalues(w))
     res = eigen_copying_score(residual_ov_eigenvalues(w))

@@ -68,8 +68,7 @@ class ModelConfig:
             )
         if self.normalization not in NORMALIZATION_CHOICES:
             raise QkovError(
-                f"config: normalization must be one of {', '.join(NORMALIZATION_CHOICES)}, "
-                f"got {self.normalization!r}"
+                f"config: normalization must be one of {', '.join(NORMALIZATION_CHOICES)}, got {self.normalization!r}"
             )
         if self.d_mlp is not None and (not isinstance(self.d_mlp, int) or self.d_mlp < 1):
             raise QkovError(f"config: d_mlp must be a positive integer or null, got {self.d_mlp!r}")

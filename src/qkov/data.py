@@ -86,7 +86,9 @@ def _text_files(spec: str) -> tuple[Path, list[TextFile]]:
     path = Path(spec)
     if path.is_dir():
         root = path.resolve()
-        found = sorted(p for p in root.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts))
+        found = sorted(
+            p for p in root.rglob("*") if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts)
+        )
         return root, [TextFile(p, p.relative_to(root).as_posix()) for p in found]
     if path.is_file():
         return path.resolve().parent, [TextFile(path.resolve(), path.name)]
@@ -187,7 +189,13 @@ def load_corpus(
     if not files:
         raise QkovError(f"corpus: {spec!r} holds no files")
     key_src = json.dumps(
-        {"v": TOKENIZER_VERSION, "root": str(root), "files": _fingerprint(files), "vocab": vocab_size, "val": val_fraction}
+        {
+            "v": TOKENIZER_VERSION,
+            "root": str(root),
+            "files": _fingerprint(files),
+            "vocab": vocab_size,
+            "val": val_fraction,
+        }
     )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     cdir = (cache_dir or default_cache_dir()) / f"corpus-{key}"

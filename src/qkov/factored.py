@@ -226,12 +226,11 @@ class LowRank:
             rows.append(best_i // n)
             cols.append(best_i % n)
         shape = (*batch, k)
-        return TopK(torch.stack(values).reshape(shape), torch.stack(rows).reshape(shape),
-                    torch.stack(cols).reshape(shape))
+        return TopK(
+            torch.stack(values).reshape(shape), torch.stack(rows).reshape(shape), torch.stack(cols).reshape(shape)
+        )
 
-    def topk_rows(
-        self, k: int, *, largest: bool = True, max_bytes: int = DEFAULT_MAX_BYTES
-    ) -> tuple[Tensor, Tensor]:
+    def topk_rows(self, k: int, *, largest: bool = True, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[Tensor, Tensor]:
         """Per row: the ``k`` largest entries ``values [..., m, k]`` and their columns ``[..., m, k]``."""
         k = _check_k(k, self.shape[-1])
         vals, idx = [], []

@@ -138,7 +138,7 @@ def value_weighted_sink_scores(patterns: Tensor, value_norms: Tensor) -> Tensor:
     (a "do nothing" default) scores low here even when its attention to position 0 is high.
     """
     weighted = patterns[..., 1:, :] * value_norms[..., None, :]
-    return (weighted[..., 0].sum(dim=(1, 3)) / weighted.sum(dim=(1, 3, 4)).clamp_min(1e-30))
+    return weighted[..., 0].sum(dim=(1, 3)) / weighted.sum(dim=(1, 3, 4)).clamp_min(1e-30)
 
 
 def sample_repeat_tokens(
@@ -385,8 +385,10 @@ def assign_roles(scores: dict[str, Tensor], thresholds: dict[str, float] = THRES
                 r.append("induction")
             if scores["sink"][l, h] > thresholds["sink"]:
                 r.append("sink")
-            if (scores["residual_eigen"][l, h] < thresholds["memory_eigen"]
-                    and scores["self_attention"][l, h] > thresholds["memory_self"]):
+            if (
+                scores["residual_eigen"][l, h] < thresholds["memory_eigen"]
+                and scores["self_attention"][l, h] > thresholds["memory_self"]
+            ):
                 r.append("memory-management")
             layer.append(r)
         roles.append(layer)
@@ -424,8 +426,9 @@ def head_report(
     assert run.values is not None
     value_norms = torch.einsum("lbhte,lhed->lbhtd", run.values, w.W_O).norm(dim=-1)
     length = min(25, (model.cfg.n_ctx - 1) // 4)
-    rep = sample_repeat_tokens(model.cfg.d_vocab, length=length, seed=seed, bos=model.bos_token_id,
-                               frequencies=frequencies)
+    rep = sample_repeat_tokens(
+        model.cfg.d_vocab, length=length, seed=seed, bos=model.bos_token_id, frequencies=frequencies
+    )
     rs = repeat_scores(w, rep.to(w.W_E.device), length)
     copying = C.copying_scores(w, diag_k=diag_k)
     L, H = model.cfg.n_layers, model.cfg.n_heads

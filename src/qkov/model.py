@@ -306,9 +306,7 @@ class Transformer(nn.Module):
     def _positions(self, seq: int) -> Tensor | None:
         return None if self.W_pos is None else self.W_pos[:seq]
 
-    def _run(
-        self, tokens: Tensor, patterns: Tensor | None, want_patterns: bool
-    ) -> tuple[Tensor, list[Tensor] | None]:
+    def _run(self, tokens: Tensor, patterns: Tensor | None, want_patterns: bool) -> tuple[Tensor, list[Tensor] | None]:
         x, kept = self._stream(tokens, patterns, want_patterns)
         return self.unembed(x), kept
 

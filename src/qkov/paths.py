@@ -266,9 +266,7 @@ def _loss(logits: Tensor, tokens: Tensor) -> float:
     return float(-lp.gather(-1, tokens[:, 1:, None]).mean())
 
 
-def run_with_head_outputs(
-    w: Weights, run: FrozenRun, head_out: Tensor | None
-) -> tuple[Tensor, Tensor]:
+def run_with_head_outputs(w: Weights, run: FrozenRun, head_out: Tensor | None) -> tuple[Tensor, Tensor]:
     """One run of the paper's procedure: patterns (and LN scales, MLP outputs) frozen.
 
     Each head *adds* ``head_out [L, H, B, T, D]`` (zeros when ``None``) to the stream
@@ -311,8 +309,12 @@ class TermImportance:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run_losses": self.run_losses, "full_loss": self.full_loss, "uniform_loss": self.uniform_loss,
-                "marginal_by_order": self.marginal_by_order}
+        return {
+            "run_losses": self.run_losses,
+            "full_loss": self.full_loss,
+            "uniform_loss": self.uniform_loss,
+            "marginal_by_order": self.marginal_by_order,
+        }
 
 
 def term_importance(w: Weights, tokens: Tensor) -> TermImportance:
@@ -359,8 +361,9 @@ def term_effects(exp: Expansion, *, top_virtual: int = 10) -> tuple[list[TermEff
     virtual = []
     for (l1, h1, l2, h2), term in sized:
         tl = exp.logits_of(term)
-        virtual.append(TermEffect(f"{l1}.{h1}->{l2}.{h2}", _loss(full - tl, toks) - base,
-                                  float(tl.pow(2).mean().sqrt())))
+        virtual.append(
+            TermEffect(f"{l1}.{h1}->{l2}.{h2}", _loss(full - tl, toks) - base, float(tl.pow(2).mean().sqrt()))
+        )
     singles.sort(key=lambda e: -e.loss_change)
     virtual.sort(key=lambda e: -e.loss_change)
     return singles, virtual
@@ -413,7 +416,9 @@ def qk_split(w: Weights, tokens: Tensor, layer: int, head: int) -> QKSplit:
     x_heads: list[Tensor] = []
     for l in range(layer):
         # live per-head outputs of layer l on the real stream (patterns as in the real run)
-        stream = w.W_E[toks] + (pos if cfg.positional == "standard" else 0) + x_bias + sum(x_heads, torch.zeros_like(direct))
+        stream = (
+            w.W_E[toks] + (pos if cfg.positional == "standard" else 0) + x_bias + sum(x_heads, torch.zeros_like(direct))
+        )
         v = torch.einsum("btd,hde->bhte", _read(w, run, l, stream, 0), w.W_V[l])
         outs = torch.einsum("bhte,hed->hbtd", run.patterns[l] @ v, w.W_O[l])
         b_v = torch.einsum("he,hed->d", w.b_V[l], w.W_O[l])

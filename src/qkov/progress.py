@@ -53,8 +53,8 @@ class TrainProgress:
         elif kind == "start":
             what = "resuming at step" if ev["resumed"] else "starting at step"
             self.say(
-                f"{what} {ev['step']} of {ev['steps']}: {ev['params']:,} parameters on {ev['device']} ({ev['precision']}), "
-                f"{ev['train_tokens']:,} training tokens"
+                f"{what} {ev['step']} of {ev['steps']}: {ev['params']:,} parameters on {ev['device']} "
+                f"({ev['precision']}), {ev['train_tokens']:,} training tokens"
             )
             if self.progress is not None:
                 self.task = self.progress.add_task("train", total=ev["steps"], completed=ev["step"], **self.fields)

@@ -347,8 +347,18 @@ def train(
         torch.manual_seed(tc.seed)
     if dist_info.main:
         out.mkdir(parents=True, exist_ok=True)
-    emit({"event": "start", "step": step, "steps": tc.steps, "params": model.num_parameters(),
-          "device": str(dev), "precision": precision, "train_tokens": int(corpus.train.size), "resumed": resume})
+    emit(
+        {
+            "event": "start",
+            "step": step,
+            "steps": tc.steps,
+            "params": model.num_parameters(),
+            "device": str(dev),
+            "precision": precision,
+            "train_tokens": int(corpus.train.size),
+            "resumed": resume,
+        }
+    )
 
     last = {k: v for r in metrics for k, v in r.items()}
 
@@ -374,7 +384,11 @@ def train(
         emit({"event": "checkpoint", "step": step})
 
     def run_eval() -> None:
-        row: dict[str, Any] = {"step": step, "tokens": step * tokens_per_step, "val_loss": evaluate(model, val_examples, dev)}
+        row: dict[str, Any] = {
+            "step": step,
+            "tokens": step * tokens_per_step,
+            "val_loss": evaluate(model, val_examples, dev),
+        }
         if model_cfg.n_layers >= 1:
             model.eval()
             probe = induction_probe(model, seed=tc.seed)
@@ -409,8 +423,13 @@ def train(
         if step % tc.log_interval == 0 or step == tc.steps:
             now = time.perf_counter()
             mean_loss = D.mean_across(dist_info, loss_acc / n_acc, dev)
-            row = {"step": step, "tokens": step * tokens_per_step, "train_loss": mean_loss, "lr": lr,
-                   "tokens_per_s": n_acc * tokens_per_step / max(1e-9, now - t_log)}
+            row = {
+                "step": step,
+                "tokens": step * tokens_per_step,
+                "train_loss": mean_loss,
+                "lr": lr,
+                "tokens_per_s": n_acc * tokens_per_step / max(1e-9, now - t_log),
+            }
             metrics.append(row)
             last.update(row)
             emit({"event": "log", **row})
@@ -441,4 +460,3 @@ class _LossModule(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return model_loss(self.model, tokens)
-

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from .circuits import full_ov, full_qk
 from .errors import QkovError
@@ -48,11 +47,18 @@ class SkipTrigram:
         return self.qk * self.ov
 
     def to_dict(self, decode: Any = None) -> dict[str, Any]:
-        d: dict[str, Any] = {"source": self.source, "destination": self.destination, "output": self.output,
-                             "qk": self.qk, "ov": self.ov, "score": self.score}
+        d: dict[str, Any] = {
+            "source": self.source,
+            "destination": self.destination,
+            "output": self.output,
+            "qk": self.qk,
+            "ov": self.ov,
+            "score": self.score,
+        }
         if decode is not None:
-            d.update(source_str=decode(self.source), destination_str=decode(self.destination),
-                     output_str=decode(self.output))
+            d.update(
+                source_str=decode(self.source), destination_str=decode(self.destination), output_str=decode(self.output)
+            )
         return d
 
 
@@ -133,8 +139,9 @@ class SourceView:
     destinations: list[tuple[int, float]]  # (destination token, centred QK score), best first
 
 
-def source_view(w: Weights, layer: int, head: int, source: int, *, top: int = 10,
-                exclude: tuple[int, ...] = (0,)) -> SourceView:
+def source_view(
+    w: Weights, layer: int, head: int, source: int, *, top: int = 10, exclude: tuple[int, ...] = (0,)
+) -> SourceView:
     V = w.cfg.d_vocab
     if not 0 <= source < V:
         raise QkovError(f"source token id {source} out of range [0, {V})")
@@ -182,8 +189,9 @@ class Bigram:
     logit: float  # direct-path logit, centred per row
 
 
-def bigrams(w: Weights, *, top: int = 20, exclude: tuple[int, ...] = (0,),
-            max_bytes: int = DEFAULT_MAX_BYTES) -> list[Bigram]:
+def bigrams(
+    w: Weights, *, top: int = 20, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES
+) -> list[Bigram]:
     """The strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram model."""
     B = w.W_U - w.W_U.mean(dim=-1, keepdim=True)
     A = w.W_E.clone()

@@ -1,0 +1,423 @@
+"""The analysis commands: ``qkov circuits``, ``paths``, ``heads``, ``trigrams``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import QkovError
+
+from .common import _nonneg_int, _positive_int
+
+
+# ------------------------------------------------------------------------ circuits
+def _add_circuits(sub: Any) -> None:
+    p = sub.add_parser(
+        "circuits",
+        help="copying and Q/K/V composition scores of every head, from the weights alone",
+        description=(
+            "Weight-based circuit analysis (Elhage et al., 2021): per head, the eigenvalue copying score "
+            "of the full OV circuit W_E W_OV W_U and the rate at which a token's own logit is in the top k "
+            "of its OV row (exact over the whole vocabulary); for every pair of heads in increasing layers, "
+            "Q-, K- and V-composition scores with the random-matrix baseline subtracted (raw and baseline "
+            "shown too); and the residual-stream bandwidth per layer."
+        ),
+    )
+    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("--top", type=_positive_int, default=5, help="composition pairs to show per kind (default 5)")
+    p.add_argument("--diag-k", type=_nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
+    p.add_argument("--float64", action="store_true", help="compute in float64")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--json", action="store_true", help="print every score as JSON")
+    p.set_defaults(func=_cmd_circuits)
+
+
+def _cmd_circuits(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..checkpoint import load
+    from ..circuits import analyse
+    from ..train import pick_device
+    from ..weights import Weights
+
+    model = load(args.ckpt)
+    if model.cfg.n_layers == 0:
+        raise QkovError("circuits: the model has no attention layers")
+    dtype = torch.float64 if args.float64 else torch.float32
+    w = Weights.from_model(model, dtype=dtype, device=pick_device(args.device))
+    report = analyse(w, diag_k=args.diag_k or None)
+    data = report.to_dict()
+    if args.json:
+        print(json.dumps({"path": str(args.ckpt), **data}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    t = Table(title="copying (full OV circuit W_E W_OV W_U)")
+    for col in ("head", "eigen score", f"own logit in top {args.diag_k}" if args.diag_k else None, "residual eig"):
+        if col:
+            t.add_column(col, justify="right")
+    for h in report.copying:
+        row = [f"{h.layer}.{h.head}", f"{h.eigen_score:+.3f}"]
+        if args.diag_k:
+            row.append(f"{h.diag_topk_rate:.1%}")
+        row.append(f"{h.residual_eigen_score:+.3f}")
+        t.add_row(*row)
+    con.print(t)
+    for kind, comp in report.composition.items():
+        pairs = comp.pairs()
+        if not pairs:
+            continue
+        b = comp.baseline
+        t = Table(
+            title=f"{kind.upper()}-composition, strongest {min(args.top, len(pairs))} of {len(pairs)} "
+            f"(baseline {b.mean:.3f} ± {b.std:.3f})"
+        )
+        for col in ("writer", "reader", "adjusted", "raw", "z"):
+            t.add_column(col, justify="right")
+        for row in pairs[: args.top]:
+            z = (row["raw"] - b.mean) / b.std if b.std > 0 else float("nan")
+            t.add_row(row["writer"], row["reader"], f"{row['adjusted']:+.3f}", f"{row['raw']:.3f}", f"{z:+.1f}")
+        con.print(t)
+    t = Table(title="residual-stream bandwidth (computational dimensions / d_model)")
+    for col in ("layer", "own", "before", "after", "before/d_model", "after/d_model"):
+        t.add_column(col, justify="right")
+    for bw in report.bandwidth:
+        d = bw.to_dict()
+        t.add_row(
+            str(bw.layer),
+            str(bw.own),
+            str(bw.before),
+            str(bw.after),
+            f"{d['before_ratio']:.2f}",
+            f"{d['after_ratio']:.2f}",
+        )
+    con.print(t)
+    return 0
+
+
+# --------------------------------------------------------------------------- paths
+def _add_paths(sub: Any) -> None:
+    p = sub.add_parser(
+        "paths",
+        help="logits as direct + single-head + virtual-head paths; the paper's term importance",
+        description=(
+            "Path expansion (Elhage et al., 2021) of an attention-only model on validation text: with "
+            "attention patterns frozen from a real forward pass, the logits split exactly into the direct "
+            "path, one term per head and one per virtual head (pairs of heads in increasing layers). Prints "
+            "the reconstruction error, the loss after each run of the paper's term-importance procedure and "
+            "the marginal loss of each order, and the terms whose removal costs the most loss."
+        ),
+    )
+    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument(
+        "--text",
+        type=Path,
+        help="a text file to analyse (default: the validation split of the checkpoint's training corpus)",
+    )
+    p.add_argument("--batch", type=_positive_int, default=8, help="sequences of n_ctx tokens (default 8)")
+    p.add_argument("--top", type=_positive_int, default=10, help="terms to list per order (default 10)")
+    p.add_argument("--float64", action="store_true", help="compute in float64")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    p.add_argument("--json", action="store_true", help="print every number as JSON")
+    p.set_defaults(func=_cmd_paths)
+
+
+def _analysis_inputs(ckpt: Path, model: Any, text: Path | None, batch: int) -> tuple[Any, Any]:
+    """``[batch, n_ctx]`` token ids from ``text`` (with the model's tokenizer) or from the
+    validation split of the checkpoint's training corpus, and that corpus (or ``None``)."""
+    import numpy as np
+    import torch
+
+    from ..checkpoint import read_config
+    from ..data import load_corpus, val_batches
+
+    corpus = None
+    training = read_config(ckpt).get("training", {})
+    spec = training.get("corpus")
+    if spec:
+        try:
+            corpus = load_corpus(
+                spec, vocab_size=model.cfg.d_vocab, val_fraction=training.get("config", {}).get("val_fraction", 0.05)
+            )
+        except QkovError:
+            if text is None:
+                raise
+    if text is not None:
+        if model.tokenizer is None:
+            raise QkovError("--text needs a checkpoint with a tokenizer")
+        try:
+            ids = model.tokenizer.encode(text.read_text(encoding="utf-8", errors="replace")).ids
+        except OSError as exc:
+            raise QkovError(f"--text: cannot read {str(text)!r} ({exc.strerror})") from None
+        stream = np.asarray(ids, dtype=np.int64)
+    elif corpus is not None:
+        stream = corpus.val
+    else:
+        raise QkovError("the checkpoint records no training corpus: pass --text FILE")
+    return torch.from_numpy(val_batches(stream, model.cfg.n_ctx, model.bos_token_id, batch)), corpus
+
+
+def _cmd_paths(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from .. import paths as P
+    from ..checkpoint import load
+    from ..train import pick_device
+    from ..weights import Weights
+
+    model = load(args.ckpt)
+    if model.cfg.n_layers == 0:
+        raise QkovError("paths: the model has no attention layers (its logits are the direct path alone)")
+    tokens, _ = _analysis_inputs(args.ckpt, model, args.text, args.batch)
+    dtype = torch.float64 if args.float64 else torch.float32
+    dev = pick_device(args.device)
+    w = Weights.from_model(model, dtype=dtype, device=dev)
+    tokens = tokens.to(dev)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        exp = P.expand(w, tokens, virtual_heads=model.cfg.n_layers >= 2)
+        ti = P.term_importance(w, tokens)
+        singles, virtual = P.term_effects(exp, top_virtual=args.top)
+    seconds = time.perf_counter() - t0
+    data = {
+        "path": str(args.ckpt),
+        "tokens": list(tokens.shape),
+        "reconstruction_max_abs_error": exp.reconstruction_error(),
+        "term_importance": ti.to_dict(),
+        "single_head_terms": [e.to_dict() for e in singles],
+        "virtual_head_terms": [e.to_dict() for e in virtual],
+        "seconds": seconds,
+    }
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    con.print(
+        f"{tokens.shape[0]} x {tokens.shape[1]} tokens; sum of all path terms vs the model's logits: "
+        f"max |difference| {data['reconstruction_max_abs_error']:.2e}; {seconds:.1f} s"
+    )
+    t = Table(title="term importance (the paper's runs; loss in nats)")
+    for col in ("run", "what is in", "loss", "order entering", "marginal loss"):
+        t.add_column(col, justify="right")
+    t.add_row("-", "uniform", f"{ti.uniform_loss:.3f}", "0 (direct path)", f"{ti.marginal_by_order[0]:+.3f}")
+    for i, loss in enumerate(ti.run_losses):
+        inside = "direct path" if i == 0 else f"orders 0..{i}"
+        nxt = f"{i + 1}" if i + 1 < len(ti.run_losses) else "-"
+        marg = f"{ti.marginal_by_order[i + 1]:+.3f}" if i + 1 < len(ti.marginal_by_order) else ""
+        t.add_row(str(i + 1), inside, f"{loss:.3f}", nxt, marg)
+    con.print(t)
+    for title, rows in (("single-head terms", singles), ("virtual-head terms (largest by size)", virtual)):
+        if not rows:
+            continue
+        t = Table(title=f"{title}: loss increase when removed")
+        for col in ("term", "loss change", "RMS logit"):
+            t.add_column(col, justify="right")
+        for e in rows[: args.top]:
+            t.add_row(e.name, f"{e.loss_change:+.4f}", f"{e.size:.3f}")
+        con.print(t)
+    return 0
+
+
+# --------------------------------------------------------------------------- heads
+def _add_heads(sub: Any) -> None:
+    p = sub.add_parser(
+        "heads",
+        help="every head's scores (copying, previous-token, induction, sinks, ...) and its roles",
+        description=(
+            "Head taxonomy: previous-token, self-attention, sink and positional scores on validation text; "
+            "prefix-matching, induction, duplicate-token and copying scores on repeated random tokens "
+            "(Olsson et al. 2022: 25 tokens, not among the 5%% most or 20%% least frequent, repeated 4 times "
+            "after the start token, 10 examples); eigenvalue copying scores from the weights; the in-context "
+            "learning score; memory-management neurons. Roles come from documented thresholds."
+        ),
+    )
+    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("--text", type=Path, help="a text file (default: the validation split of the training corpus)")
+    p.add_argument("--batch", type=_positive_int, default=8, help="sequences of validation text (default 8)")
+    p.add_argument(
+        "--icl-examples",
+        type=_positive_int,
+        default=256,
+        help="validation sequences for the in-context-learning score (default 256)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the repeated random tokens (default 0)")
+    p.add_argument("--diag-k", type=_nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
+    p.add_argument("--json", action="store_true", help="print every score as JSON")
+    p.set_defaults(func=_cmd_heads)
+
+
+def _cmd_heads(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ..checkpoint import load
+    from ..heads import THRESHOLDS, head_report
+
+    model = load(args.ckpt)
+    if model.cfg.n_layers == 0:
+        raise QkovError("heads: the model has no attention layers")
+    text, corpus = _analysis_inputs(args.ckpt, model, args.text, max(args.batch, args.icl_examples))
+    freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
+    report = head_report(
+        model,
+        text[: args.batch],
+        frequencies=freqs,
+        seed=args.seed,
+        diag_k=args.diag_k or None,
+        icl_text=text[: args.icl_examples],
+    )
+    if args.json:
+        print(json.dumps({"path": str(args.ckpt), **report.to_dict()}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    cols = [
+        ("prev", "previous_token"),
+        ("self", "self_attention"),
+        ("sink", "sink"),
+        ("pos", "positional_fraction"),
+        ("prefix", "prefix_matching"),
+        ("induct", "induction"),
+        ("dup", "duplicate_token"),
+        ("copy[I]", "copying"),
+        ("eig", "eigen_copying"),
+        ("res eig", "residual_eigen"),
+    ]
+    t = Table(title=f"heads of {args.ckpt}")
+    t.add_column("head")
+    for name, _ in cols:
+        t.add_column(name, justify="right")
+    t.add_column("roles")
+    for row in report.rows():
+        t.add_row(str(row["head"]), *[f"{row[key]:.2f}" for _, key in cols], ", ".join(row["roles"]) or "-")
+    con.print(t)
+    if report.icl is not None:
+        con.print(
+            f"in-context learning score: {report.icl.score:+.3f} nats "
+            f"(loss at token {report.icl.late} minus loss at token {report.icl.early})"
+        )
+    if report.memory_neurons:
+        con.print(f"memory-management neurons (cos(W_in, W_out) < -0.5): {len(report.memory_neurons)}")
+    con.print("thresholds: " + ", ".join(f"{k} {v:g}" for k, v in THRESHOLDS.items()))
+    return 0
+
+
+# ------------------------------------------------------------------------ trigrams
+def _add_trigrams(sub: Any) -> None:
+    p = sub.add_parser(
+        "trigrams",
+        help="a head's skip-trigrams [source] ... [destination] -> [output], and the bigram table",
+        description=(
+            "Skip-trigram table of one head from its QK and OV circuits over the whole vocabulary "
+            "(score = centred QK x centred OV; the start token excluded), the crossed trigrams a factored "
+            "table implies ('skip-trigram bugs'), and the direct path's bigram table. With --source, that "
+            "token's top outputs (OV row) and the destinations that attend to it most (QK column)."
+        ),
+    )
+    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("--head", required=True, metavar="L.H", help="the head, e.g. 0.3")
+    p.add_argument("--source", metavar="TOKEN", help="a token string (it must encode to exactly one token)")
+    p.add_argument("--top", type=_positive_int, default=20, help="rows to show (default 20)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_trigrams)
+
+
+def _parse_head(text: str, model: Any) -> tuple[int, int]:
+    try:
+        l_text, h_text = text.split(".")
+        layer, head = int(l_text), int(h_text)
+    except ValueError:
+        raise QkovError(f"--head: expected LAYER.HEAD like 0.3, got {text!r}") from None
+    if not (0 <= layer < model.cfg.n_layers and 0 <= head < model.cfg.n_heads):
+        raise QkovError(f"--head {text}: the model has {model.cfg.n_layers} layers x {model.cfg.n_heads} heads")
+    return layer, head
+
+
+def _cmd_trigrams(args: argparse.Namespace) -> int:
+    from .. import trigrams as T
+    from ..checkpoint import load
+    from ..weights import Weights
+
+    model = load(args.ckpt)
+    if model.tokenizer is None:
+        raise QkovError("trigrams: the checkpoint has no tokenizer to show tokens with")
+    layer, head = _parse_head(args.head, model)
+    w = Weights.from_model(model)
+    bos = model.bos_token_id
+    decode = lambda i: model.tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+    data: dict[str, Any] = {"path": str(args.ckpt), "head": args.head}
+    if args.source is not None:
+        ids = model.tokenizer.encode(args.source).ids
+        if len(ids) != 1:
+            raise QkovError(
+                f"--source {args.source!r} encodes to {len(ids)} tokens {[decode(i) for i in ids]}; give one token"
+            )
+        view = T.source_view(w, layer, head, ids[0], top=args.top, exclude=(bos,))
+        data["source"] = {
+            "token": ids[0],
+            "string": decode(ids[0]),
+            "outputs": [{"token": i, "string": decode(i), "ov": v} for i, v in view.outputs],
+            "destinations": [{"token": i, "string": decode(i), "qk": v} for i, v in view.destinations],
+        }
+    tri = T.skip_trigrams(w, layer, head, top=max(args.top, 40), exclude=(bos,))
+    data["trigrams"] = [t.to_dict(decode) for t in tri[: args.top]]
+    bug = T.first_bug(w, layer, head, tri)
+    if bug is not None:
+        data["bug"] = {
+            "trigrams": [t.to_dict(decode) for t in bug],
+            "crossed": [t.to_dict(decode) for t in T.crossed_trigrams(w, layer, head, *bug)],
+        }
+    data["bigrams"] = [
+        {"token": b.token, "next": b.next, "logit": b.logit, "token_str": decode(b.token), "next_str": decode(b.next)}
+        for b in T.bigrams(w, top=args.top, exclude=(bos,))
+    ]
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    if "source" in data:
+        src = data["source"]
+        t = Table(title=f"head {args.head}, source {src['string']!r}")
+        for col in ("top outputs (OV row)", "centred logit", "top destinations (QK column)", "centred score"):
+            t.add_column(col, justify="right")
+        for o, d in zip(src["outputs"], src["destinations"]):
+            t.add_row(repr(o["string"]), f"{o['ov']:.2f}", repr(d["string"]), f"{d['qk']:.2f}")
+        con.print(t)
+    t = Table(title=f"head {args.head}: skip-trigrams [source] ... [destination] -> [output]")
+    for col in ("source", "destination", "output", "qk", "ov", "score"):
+        t.add_column(col, justify="right")
+    for r in data["trigrams"]:
+        t.add_row(
+            repr(r["source_str"]),
+            repr(r["destination_str"]),
+            repr(r["output_str"]),
+            f"{r['qk']:.2f}",
+            f"{r['ov']:.2f}",
+            f"{r['score']:.1f}",
+        )
+    con.print(t)
+    if "bug" in data:
+        a, b = data["bug"]["trigrams"]
+        c1, c2 = data["bug"]["crossed"]
+        fmt = lambda r: f"{r['source_str']!r} ... {r['destination_str']!r} -> {r['output_str']!r} ({r['score']:.1f})"  # noqa: E731
+        con.print(f"skip-trigram bug: {fmt(a)} and {fmt(b)} imply {fmt(c1)} and {fmt(c2)}", highlight=False)
+    t = Table(title="bigrams (direct path W_E W_U, centred per row)")
+    for col in ("token", "next", "logit"):
+        t.add_column(col, justify="right")
+    for r in data["bigrams"]:
+        t.add_row(repr(r["token_str"]), repr(r["next_str"]), f"{r['logit']:.2f}")
+    con.print(t)
+    return 0
