@@ -389,7 +389,7 @@ def train(
             "tokens": step * tokens_per_step,
             "val_loss": evaluate(model, val_examples, dev),
         }
-        if model_cfg.n_layers >= 1:
+        if model_cfg.n_layers >= 2:  # induction heads need two layers
             model.eval()
             probe = induction_probe(model, seed=tc.seed)
             model.train()
