@@ -9,7 +9,7 @@ from typing import Any
 
 from ..errors import QkovError
 
-from .common import _nonneg_int, _positive_int
+from .common import console, _nonneg_int, _positive_int
 
 
 # ------------------------------------------------------------------------ circuits
@@ -52,10 +52,9 @@ def _cmd_circuits(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"path": str(args.ckpt), **data}, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = console()
     t = Table(title="copying (full OV circuit W_E W_OV W_U)")
     for col in ("head", "eigen score", f"own logit in top {args.diag_k}" if args.diag_k else None, "residual eig"):
         if col:
@@ -197,10 +196,9 @@ def _cmd_paths(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = console()
     con.print(
         f"{tokens.shape[0]} x {tokens.shape[1]} tokens; sum of all path terms vs the model's logits: "
         f"max |difference| {data['reconstruction_max_abs_error']:.2e}; {seconds:.1f} s"
@@ -277,10 +275,9 @@ def _cmd_heads(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"path": str(args.ckpt), **report.to_dict()}, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = console()
     cols = [
         ("prev", "previous_token"),
         ("self", "self_attention"),
@@ -384,10 +381,9 @@ def _cmd_trigrams(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = console()
     if "source" in data:
         src = data["source"]
         t = Table(title=f"head {args.head}, source {src['string']!r}")

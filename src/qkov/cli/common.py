@@ -60,3 +60,11 @@ def _token_count(text: str) -> int:
     if not (value >= 1 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
     return int(value)
+
+
+def console():  # -> rich.console.Console
+    """A console for tables: the terminal's width, or 160 columns when output is piped."""
+    from rich.console import Console
+
+    con = Console()
+    return con if con.is_terminal else Console(width=160)

@@ -11,7 +11,7 @@ from typing import Any
 from ..config import NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
 from ..errors import QkovError
 
-from .common import _nonneg_int, _positive_float, _positive_int, _token_count
+from .common import console, _nonneg_int, _positive_float, _positive_int, _token_count
 
 # --------------------------------------------------------------------------- train
 MODEL_FLAGS = {  # flag dest -> ModelConfig field
@@ -188,7 +188,6 @@ def _print_info(path: Path, model: Any, *, as_json: bool) -> None:
     if as_json:
         print(json.dumps(info, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"qkov checkpoint {path}", show_header=False)
@@ -214,7 +213,7 @@ def _print_info(path: Path, model: Any, *, as_json: bool) -> None:
         )
     table.add_row("time", f"{fmt(info['wall_s'], '.0f')} s on {info['device'] or '-'}")
     table.add_row("corpus", str(info["corpus"]))
-    Console().print(table)
+    console().print(table)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
