@@ -81,6 +81,8 @@ class TrainConfig:
                 raise QkovError(f"train: {name} must be a positive integer, got {v!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise QkovError(f"train: lr must be a positive number, got {self.lr!r}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise QkovError(f"train: weight_decay must be >= 0, got {self.weight_decay!r}")
         if self.warmup < 0:
             raise QkovError(f"train: warmup must be >= 0, got {self.warmup}")
         if self.precision not in PRECISIONS:

@@ -65,7 +65,9 @@ def _add_train(sub: Any) -> None:
     a.add_argument("--norm", choices=NORMALIZATION_CHOICES, help="normalization (default none)")
     a.add_argument("--mlp", type=_positive_int, metavar="WIDTH", help="add an MLP of this width to every layer")
     o = p.add_argument_group("training")
-    o.add_argument("--batch", type=_positive_int, help=f"sequences per step (default {t.batch})")
+    o.add_argument(
+        "--batch", type=_positive_int, help=f"sequences per step, the global batch under torchrun (default {t.batch})"
+    )
     o.add_argument("--lr", type=_positive_float, help=f"peak learning rate (default {t.lr:g})")
     o.add_argument("--warmup", type=_nonneg_int, help=f"linear warm-up steps (default {t.warmup})")
     o.add_argument("--schedule", choices=SCHEDULES, help=f"after warm-up (default {t.schedule})")
