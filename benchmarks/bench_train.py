@@ -38,7 +38,8 @@ def _build(lib: str):
 
     if lib.startswith("qkov"):
         import qkov
-        from qkov.train import model_loss, tune_cpu_allocator
+        from qkov.losses import model_loss
+        from qkov.train import tune_cpu_allocator
 
         tune_cpu_allocator()  # part of qkov's training path on CPU (so is flushing denormals)
         torch.set_flush_denormal(True)
