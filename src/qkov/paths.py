@@ -402,34 +402,27 @@ def qk_split(w: Weights, tokens: Tensor, layer: int, head: int) -> QKSplit:
     if not (0 <= layer < w.n_layers and 0 <= head < w.n_heads):
         raise QkovError(f"no head {layer}.{head}: the model has {w.n_layers} layers x {w.n_heads} heads")
     cfg = w.cfg
-    run = frozen_run(w, tokens)
+    run = frozen_run(w, tokens, keep_values=True)
+    assert run.values is not None
     toks = run.tokens
     T = toks.shape[1]
     direct = w.W_E[toks]
-    pos = w.W_pos[:T] if w.W_pos is not None else None
     if cfg.positional in ("standard", "shortformer"):
-        direct = direct + pos  # shortformer: positions enter the query/key input only
-    other = torch.zeros_like(direct)
-    comps: list[Tensor] = []
+        direct = direct + w.W_pos[:T]  # type: ignore[index]  # shortformer: positions enter the query/key input only
     labels: list[str] = []
-    x_bias = torch.zeros_like(direct)  # the stream's bias/MLP part
-    x_heads: list[Tensor] = []
+    other = torch.zeros_like(direct)  # the stream's bias/MLP part
+    comps: list[Tensor] = []
     for l in range(layer):
-        # live per-head outputs of layer l on the real stream (patterns as in the real run)
-        stream = (
-            w.W_E[toks] + (pos if cfg.positional == "standard" else 0) + x_bias + sum(x_heads, torch.zeros_like(direct))
-        )
-        v = torch.einsum("btd,hde->bhte", _read(w, run, l, stream, 0), w.W_V[l])
-        outs = torch.einsum("bhte,hed->hbtd", run.patterns[l] @ v, w.W_O[l])
-        b_v = torch.einsum("he,hed->d", w.b_V[l], w.W_O[l])
+        # each head's output on the real run, from the values it recorded; b_V moves to `other`
+        # (patterns are row-stochastic, so a head's b_V contributes exactly b_V @ W_O at every position)
+        outs = torch.einsum("bhte,hed->hbtd", run.patterns[l] @ run.values[l], w.W_O[l])
+        b_v = torch.einsum("he,hed->hd", w.b_V[l], w.W_O[l])  # [H, D]
         for h in range(cfg.n_heads):
-            x_heads.append(outs[h])
+            comps.append(outs[h] - b_v[h])
             labels.append(f"{l}.{h}")
-        x_bias = x_bias + b_v + w.b_O[l]
+        other = other + b_v.sum(0) + w.b_O[l]
         if run.mlp_out is not None:
-            x_bias = x_bias + run.mlp_out[l]
-    comps = x_heads
-    other = x_bias
+            other = other + run.mlp_out[l]
 
     def proj(x: Tensor, W: Tensor) -> Tensor:
         if run.ln1_std is not None:
