@@ -13,6 +13,16 @@ from .common import console, _nonneg_int, _positive_int
 
 
 # ------------------------------------------------------------------------ circuits
+def _load_with_attention(ckpt: Path, command: str, why: str = "") -> Any:
+    """Load a checkpoint for an analysis that needs attention layers (one-line error otherwise)."""
+    from ..checkpoint import load
+
+    model = load(ckpt)
+    if model.cfg.n_layers == 0:
+        raise QkovError(f"{command}: the model has no attention layers{why}")
+    return model
+
+
 def _add_circuits(sub: Any) -> None:
     p = sub.add_parser(
         "circuits",
@@ -37,14 +47,11 @@ def _add_circuits(sub: Any) -> None:
 def _cmd_circuits(args: argparse.Namespace) -> int:
     import torch
 
-    from ..checkpoint import load
     from ..circuits import analyse
     from ..train import pick_device
     from ..weights import Weights
 
-    model = load(args.ckpt)
-    if model.cfg.n_layers == 0:
-        raise QkovError("circuits: the model has no attention layers")
+    model = _load_with_attention(args.ckpt, "circuits")
     dtype = torch.float64 if args.float64 else torch.float32
     w = Weights.from_model(model, dtype=dtype, device=pick_device(args.device))
     report = analyse(w, diag_k=args.diag_k or None)
@@ -166,13 +173,10 @@ def _cmd_paths(args: argparse.Namespace) -> int:
     import torch
 
     from .. import paths as P
-    from ..checkpoint import load
     from ..train import pick_device
     from ..weights import Weights
 
-    model = load(args.ckpt)
-    if model.cfg.n_layers == 0:
-        raise QkovError("paths: the model has no attention layers (its logits are the direct path alone)")
+    model = _load_with_attention(args.ckpt, "paths", " (its logits are the direct path alone)")
     tokens, _ = _analysis_inputs(args.ckpt, model, args.text, args.batch)
     dtype = torch.float64 if args.float64 else torch.float32
     dev = pick_device(args.device)
@@ -256,12 +260,9 @@ def _add_heads(sub: Any) -> None:
 def _cmd_heads(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from ..checkpoint import load
     from ..heads import THRESHOLDS, head_report
 
-    model = load(args.ckpt)
-    if model.cfg.n_layers == 0:
-        raise QkovError("heads: the model has no attention layers")
+    model = _load_with_attention(args.ckpt, "heads")
     text, corpus = _analysis_inputs(args.ckpt, model, args.text, max(args.batch, args.icl_examples))
     freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
     report = head_report(
