@@ -15,26 +15,9 @@ import qkov
 from qkov import ModelConfig
 from qkov.cli import main
 
-SMALL = [
-    "--layers",
-    "2",
-    "--heads",
-    "4",
-    "--d-model",
-    "64",
-    "--d-head",
-    "16",
-    "--ctx",
-    "128",
-    "--vocab",
-    "512",
-    "--batch",
-    "8",
-    "--steps",
-    "60",
-    "--device",
-    "cpu",
-]
+from helpers import train_flags
+
+SMALL = train_flags(heads=4, d_model=64, ctx=128, vocab=512, batch=8, steps=60, quiet=None)
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
@@ -66,25 +49,16 @@ def test_token_budget_sets_steps(tmp_path: Path, small_corpus: Path) -> None:
         main(
             [
                 "train",
-                "--layers",
-                "0",
-                "--d-model",
-                "16",
-                "--ctx",
-                "32",
-                "--vocab",
-                "300",
-                "--batch",
-                "4",
-                "--tokens",
-                "1k",
-                "--corpus",
-                str(small_corpus),
-                "--out",
-                str(tmp_path / "t"),
-                "--quiet",
-                "--device",
-                "cpu",
+                *train_flags(
+                    layers=0,
+                    heads=None,
+                    d_model=16,
+                    d_head=None,
+                    steps=None,
+                    tokens="1k",
+                    corpus=small_corpus,
+                    out=tmp_path / "t",
+                ),
             ]
         )
         == 0
@@ -169,37 +143,7 @@ def test_checkpoint_round_trip_without_pickle(tmp_path: Path) -> None:
 
 def test_resume_with_conflicting_flags_is_refused(tmp_path: Path, small_corpus: Path) -> None:
     out = tmp_path / "r"
-    assert (
-        main(
-            [
-                "train",
-                "--layers",
-                "1",
-                "--d-model",
-                "16",
-                "--d-head",
-                "8",
-                "--heads",
-                "2",
-                "--ctx",
-                "32",
-                "--vocab",
-                "300",
-                "--batch",
-                "4",
-                "--steps",
-                "4",
-                "--corpus",
-                str(small_corpus),
-                "--out",
-                str(out),
-                "--quiet",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", *train_flags(layers=1, d_model=16, d_head=8, steps=4, corpus=small_corpus, out=out)]) == 0
     res = run_cli("train", "--resume", "--out", str(out), "--heads", "4")
     _one_line_error(res, "n_heads")
 
@@ -228,37 +172,7 @@ def test_circuits_command(tmp_path: Path) -> None:
 
 def test_paths_command(tmp_path: Path, small_corpus: Path) -> None:
     out = tmp_path / "m"
-    assert (
-        main(
-            [
-                "train",
-                "--layers",
-                "2",
-                "--heads",
-                "2",
-                "--d-model",
-                "32",
-                "--d-head",
-                "16",
-                "--ctx",
-                "32",
-                "--vocab",
-                "300",
-                "--batch",
-                "4",
-                "--steps",
-                "20",
-                "--corpus",
-                str(small_corpus),
-                "--out",
-                str(out),
-                "--quiet",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", *train_flags(corpus=small_corpus, out=out)]) == 0
     res = run_cli("paths", str(out), "--json", "--batch", "4")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
@@ -278,37 +192,7 @@ def test_paths_command(tmp_path: Path, small_corpus: Path) -> None:
 
 def test_heads_and_trigrams_commands(tmp_path: Path, small_corpus: Path) -> None:
     out = tmp_path / "m"
-    assert (
-        main(
-            [
-                "train",
-                "--layers",
-                "1",
-                "--heads",
-                "2",
-                "--d-model",
-                "32",
-                "--d-head",
-                "16",
-                "--ctx",
-                "128",
-                "--vocab",
-                "300",
-                "--batch",
-                "4",
-                "--steps",
-                "20",
-                "--corpus",
-                str(small_corpus),
-                "--out",
-                str(out),
-                "--quiet",
-                "--device",
-                "cpu",
-            ]
-        )
-        == 0
-    )
+    assert main(["train", *train_flags(layers=1, ctx=128, corpus=small_corpus, out=out)]) == 0
     res = run_cli("heads", str(out), "--json", "--batch", "2")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)

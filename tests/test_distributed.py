@@ -13,31 +13,9 @@ import torch
 import qkov
 from qkov import ModelConfig, TrainConfig
 
-FLAGS = [
-    "--layers",
-    "2",
-    "--heads",
-    "2",
-    "--d-model",
-    "32",
-    "--d-head",
-    "16",
-    "--ctx",
-    "32",
-    "--vocab",
-    "300",
-    "--batch",
-    "4",
-    "--steps",
-    "30",
-    "--ckpt-interval",
-    "10",
-    "--eval-interval",
-    "10",
-    "--device",
-    "cpu",
-    "--quiet",
-]
+from helpers import train_flags
+
+FLAGS = train_flags(steps=30, ckpt_interval=10, eval_interval=10)
 
 
 def _torchrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -100,7 +78,7 @@ def test_two_ranks_match_one_process_and_resume_across_world_sizes(tmp_path: Pat
 
 def test_uneven_global_batch_is_refused(tmp_path: Path, small_corpus: Path) -> None:
     env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
-    flags = [f if f != "4" else "3" for f in FLAGS]  # --batch 3 over 2 ranks
+    flags = train_flags(steps=30, ckpt_interval=10, eval_interval=10, batch=3)  # --batch 3 over 2 ranks
     res = _torchrun([*flags, "--corpus", str(small_corpus), "--out", str(tmp_path / "x")], env)
     assert res.returncode != 0
     # each rank says it in one line (torchrun then adds its own report of the failed children)

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import qkov
 from qkov import ModelConfig, QkovError, Transformer
 
+from helpers import perturb_non_matrices
+
 CONFIGS = [
     ModelConfig(n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=50, n_ctx=16),
     ModelConfig(n_layers=1, n_heads=2, d_model=16, d_head=4, d_vocab=30, n_ctx=12, positional="standard"),
@@ -42,17 +44,10 @@ CONFIGS = [
 ]
 
 
-def _randomise_biases(model: Transformer) -> None:
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.rsplit(".", 1)[-1].startswith("W_"):
-                p.add_(torch.randn_like(p) * 0.1)
-
-
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.n_layers}L-{c.positional}-{c.normalization}-mlp{c.d_mlp}")
 def test_frozen_patterns_reproduce_logits(cfg: ModelConfig) -> None:
     model = Transformer(cfg, seed=1).eval()
-    _randomise_biases(model)
+    perturb_non_matrices(model, 0.1)
     tokens = torch.randint(0, cfg.d_vocab, (3, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         fused = model(tokens)
@@ -146,7 +141,7 @@ def test_zero_layers_is_a_bigram_model() -> None:
 def test_layernorm_mlp_model_matches_manual_forward() -> None:
     cfg = CONFIGS[3]
     model = Transformer(cfg, seed=6).eval()
-    _randomise_biases(model)
+    perturb_non_matrices(model, 0.1)
     tokens = torch.randint(0, cfg.d_vocab, (2, 9))
     with torch.no_grad():
         x = model.W_E[tokens]

@@ -12,6 +12,8 @@ from qkov import ModelConfig, Transformer
 from qkov import paths as P
 from qkov.weights import Weights
 
+from helpers import TINY, perturb_non_matrices, tiny_train
+
 
 def make(layers: int, positional: str, dtype: torch.dtype, seed: int = 0, **kw) -> tuple[Transformer, Weights]:
     cfg = ModelConfig(
@@ -79,10 +81,7 @@ def test_zero_ov_head_has_zero_paths() -> None:
 )
 def test_layernorm_mlp_bias_models_reconstruct(kw: dict) -> None:
     m, _ = make(2, "shortformer", torch.float64, **kw)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if not name.rsplit(".", 1)[-1].startswith("W_"):
-                p.add_(torch.randn_like(p) * 0.3)
+    perturb_non_matrices(m, 0.3)
     w = Weights.from_model(m, dtype=torch.float64)
     tokens = torch.randint(0, 50, (2, 16))
     exp = P.expand(w, tokens)
@@ -152,19 +151,8 @@ def test_qk_split_with_layernorm() -> None:
 
 
 def test_trained_model_reconstructs(tmp_path: Path, small_corpus: Path) -> None:
-    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
-    tc = qkov.TrainConfig(
-        steps=30,
-        batch=4,
-        lr=1e-2,
-        warmup=5,
-        corpus=str(small_corpus),
-        eval_interval=30,
-        ckpt_interval=30,
-        log_interval=10,
-        eval_examples=4,
-    )
-    model = qkov.train(tmp_path / "run", cfg, tc, device="cpu")
+    tc = tiny_train(small_corpus, steps=30, lr=1e-2, eval_interval=30, ckpt_interval=30, log_interval=10)
+    model = qkov.train(tmp_path / "run", TINY, tc, device="cpu")
     w = Weights.from_model(model)
     tokens = torch.randint(0, 300, (2, 32))
     with torch.no_grad():

@@ -16,26 +16,10 @@ import torch
 from safetensors.torch import load_file
 
 import qkov
+from helpers import TINY, tiny_train, train_flags
 from qkov import ModelConfig, QkovError, TrainConfig
-from qkov.train import _CrossEntropy, lm_loss, lr_at, model_loss
-
-TINY = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
-
-
-def tiny_train(corpus: Path, **kw: object) -> TrainConfig:
-    base = dict(
-        steps=40,
-        batch=4,
-        lr=3e-3,
-        warmup=5,
-        corpus=str(corpus),
-        eval_interval=10,
-        ckpt_interval=10,
-        log_interval=5,
-        eval_examples=4,
-    )
-    base.update(kw)
-    return TrainConfig(**base)  # type: ignore[arg-type]
+from qkov.losses import _CrossEntropy, lm_loss, model_loss
+from qkov.train import lr_at
 
 
 def test_fused_loss_matches_cross_entropy_and_its_gradient() -> None:
@@ -53,8 +37,16 @@ def test_fused_loss_matches_cross_entropy_and_its_gradient() -> None:
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_unembed_loss_matches_reference_gradients(bias: bool) -> None:
-    cfg = ModelConfig(n_layers=1, n_heads=2, d_model=16, d_head=8, d_vocab=50, n_ctx=40, bias=bias,
-                      normalization="layernorm" if bias else "none")
+    cfg = ModelConfig(
+        n_layers=1,
+        n_heads=2,
+        d_model=16,
+        d_head=8,
+        d_vocab=50,
+        n_ctx=40,
+        bias=bias,
+        normalization="layernorm" if bias else "none",
+    )
     m = qkov.Transformer(cfg, seed=0).double()
     toks = torch.randint(0, 50, (3, 40))  # 117 rows, one chunk; many chunks are checked below
     ours = model_loss(m, toks)
@@ -65,7 +57,7 @@ def test_fused_unembed_loss_matches_reference_gradients(bias: bool) -> None:
     assert abs(float(ours.detach()) - float(ref.detach())) < 1e-12
     assert all((a - b).abs().max() < 1e-12 for a, b in zip(g1, g2))
     # chunking: many small chunks give the same loss and gradients
-    from qkov.train import _UnembedCrossEntropy
+    from qkov.losses import _UnembedCrossEntropy
 
     x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
     W = torch.randn(16, 50, dtype=torch.float64, requires_grad=True)
@@ -152,44 +144,18 @@ def test_unavailable_device_is_a_user_error(tmp_path: Path, small_corpus: Path) 
         qkov.train(tmp_path / "x", TINY, tiny_train(small_corpus), device="tpu9")
 
 
-def _cli(*args: str, env: dict[str, str]) -> list[str]:
+def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "qkov", *args]
 
 
 def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path: Path, small_corpus: Path) -> None:
     env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
-    flags = [
-        "--layers",
-        "2",
-        "--heads",
-        "2",
-        "--d-model",
-        "32",
-        "--d-head",
-        "16",
-        "--ctx",
-        "32",
-        "--vocab",
-        "300",
-        "--batch",
-        "4",
-        "--steps",
-        "400",
-        "--ckpt-interval",
-        "20",
-        "--eval-interval",
-        "100",
-        "--corpus",
-        str(small_corpus),
-        "--device",
-        "cpu",
-        "--quiet",
-    ]
+    flags = train_flags(steps=400, ckpt_interval=20, eval_interval=100, corpus=small_corpus)
     full = tmp_path / "full"
-    subprocess.run(_cli("train", *flags, "--out", str(full), env=env), env=env, check=True, capture_output=True)
+    subprocess.run(_cli("train", *flags, "--out", str(full)), env=env, check=True, capture_output=True)
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        _cli("train", *flags, "--out", str(killed), env=env),
+        _cli("train", *flags, "--out", str(killed)),
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -211,7 +177,7 @@ def test_sigkill_mid_run_then_resume_matches_uninterrupted(tmp_path: Path, small
     for line in (killed / "metrics.jsonl").read_text().splitlines():
         json.loads(line)
     res = subprocess.run(
-        _cli("train", "--resume", "--out", str(killed), "--quiet", env=env), env=env, capture_output=True, text=True
+        _cli("train", "--resume", "--out", str(killed), "--quiet"), env=env, capture_output=True, text=True
     )
     assert res.returncode == 0, res.stderr
     a, b = qkov.load(full), qkov.load(killed)

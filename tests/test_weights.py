@@ -8,6 +8,8 @@ import torch
 from qkov import ModelConfig, QkovError, Transformer
 from qkov.weights import Weights, forward
 
+from helpers import perturb_non_matrices
+
 CONFIGS = {
     "attn-shortformer": ModelConfig(n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=50, n_ctx=16),
     "attn-standard": ModelConfig(
@@ -40,12 +42,7 @@ CONFIGS = {
 
 
 def model_for(cfg: ModelConfig, dtype=torch.float64) -> Transformer:
-    m = Transformer(cfg, seed=0).to(dtype).eval()
-    with torch.no_grad():  # non-trivial LN gains/biases and biases
-        for name, p in m.named_parameters():
-            if not name.rsplit(".", 1)[-1].startswith("W_"):
-                p.add_(torch.randn_like(p) * 0.2)
-    return m
+    return perturb_non_matrices(Transformer(cfg, seed=0).to(dtype).eval(), 0.2)  # non-trivial LN and biases
 
 
 def random_orthogonal(d: int, dtype=torch.float64) -> torch.Tensor:

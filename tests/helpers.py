@@ -1,0 +1,56 @@
+"""Small builders shared by the tests: tiny training flags and configs, non-trivial biases."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from qkov import ModelConfig, TrainConfig, Transformer
+
+# the tiny model most tests train: seconds on a CPU
+TINY = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
+TINY_FLAGS: dict[str, object] = dict(
+    layers=2, heads=2, d_model=32, d_head=16, ctx=32, vocab=300, batch=4, steps=20, device="cpu", quiet=True
+)
+
+
+def train_flags(**opts: object) -> list[str]:
+    """``qkov train`` flags: the tiny model's, overridden by ``opts``.
+
+    ``d_model=64`` becomes ``--d-model 64``; ``True`` gives a bare flag; ``None`` drops one.
+    """
+    flags: list[str] = []
+    for key, value in {**TINY_FLAGS, **opts}.items():
+        if value is None or value is False:
+            continue
+        flags.append("--" + key.replace("_", "-"))
+        if value is not True:
+            flags.append(str(value))
+    return flags
+
+
+def tiny_train(corpus: Path, **kw: object) -> TrainConfig:
+    """A TrainConfig for the tiny model on ``corpus``; ``kw`` overrides."""
+    base: dict[str, object] = dict(
+        steps=40,
+        batch=4,
+        lr=3e-3,
+        warmup=5,
+        corpus=str(corpus),
+        eval_interval=10,
+        ckpt_interval=10,
+        log_interval=5,
+        eval_examples=4,
+    )
+    base.update(kw)
+    return TrainConfig(**base)  # type: ignore[arg-type]
+
+
+def perturb_non_matrices(model: Transformer, scale: float) -> Transformer:
+    """Add ``scale`` x N(0, 1) to every bias and LayerNorm parameter (init leaves them trivial)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.rsplit(".", 1)[-1].startswith("W_"):
+                p.add_(torch.randn_like(p) * scale)
+    return model
