@@ -14,6 +14,11 @@ TINY_FLAGS: dict[str, object] = dict(
     layers=2, heads=2, d_model=32, d_head=16, ctx=32, vocab=300, batch=4, steps=20, device="cpu", quiet=True
 )
 
+# a GPT-2-like small model: pre-norm LayerNorm, MLPs, biases
+LN_MLP = ModelConfig(
+    n_layers=2, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12, normalization="layernorm", d_mlp=32, bias=True
+)
+
 
 def train_flags(**opts: object) -> list[str]:
     """``qkov train`` flags: the tiny model's, overridden by ``opts``.

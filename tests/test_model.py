@@ -11,36 +11,14 @@ import torch.nn.functional as F
 import qkov
 from qkov import ModelConfig, QkovError, Transformer
 
-from helpers import perturb_non_matrices
+from helpers import LN_MLP, perturb_non_matrices
 
 CONFIGS = [
     ModelConfig(n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=50, n_ctx=16),
     ModelConfig(n_layers=1, n_heads=2, d_model=16, d_head=4, d_vocab=30, n_ctx=12, positional="standard"),
     ModelConfig(n_layers=3, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12, positional="none"),
-    ModelConfig(
-        n_layers=2,
-        n_heads=2,
-        d_model=16,
-        d_head=8,
-        d_vocab=30,
-        n_ctx=12,
-        normalization="layernorm",
-        d_mlp=32,
-        bias=True,
-    ),
-    ModelConfig(
-        n_layers=2,
-        n_heads=2,
-        d_model=16,
-        d_head=8,
-        d_vocab=30,
-        n_ctx=12,
-        positional="standard",
-        normalization="layernorm",
-        d_mlp=32,
-        bias=True,
-        act_fn="gelu_new",
-    ),
+    LN_MLP,
+    LN_MLP.replace(positional="standard", act_fn="gelu_new"),
 ]
 
 

@@ -8,36 +8,15 @@ import torch
 from qkov import ModelConfig, QkovError, Transformer
 from qkov.weights import Weights, forward
 
-from helpers import perturb_non_matrices
+from helpers import LN_MLP, perturb_non_matrices
 
 CONFIGS = {
     "attn-shortformer": ModelConfig(n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=50, n_ctx=16),
     "attn-standard": ModelConfig(
         n_layers=3, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12, positional="standard"
     ),
-    "ln-mlp-bias": ModelConfig(
-        n_layers=2,
-        n_heads=2,
-        d_model=16,
-        d_head=8,
-        d_vocab=30,
-        n_ctx=12,
-        normalization="layernorm",
-        d_mlp=32,
-        bias=True,
-    ),
-    "ln-mlp-standard": ModelConfig(
-        n_layers=2,
-        n_heads=2,
-        d_model=16,
-        d_head=8,
-        d_vocab=30,
-        n_ctx=12,
-        positional="standard",
-        normalization="layernorm",
-        d_mlp=32,
-        bias=True,
-    ),
+    "ln-mlp-bias": LN_MLP,
+    "ln-mlp-standard": LN_MLP.replace(positional="standard"),
 }
 
 
