@@ -132,9 +132,14 @@ def _add_paths(sub: Any) -> None:
     p.set_defaults(func=_cmd_paths)
 
 
-def _analysis_inputs(ckpt: Path, model: Any, text: Path | None, batch: int) -> tuple[Any, Any]:
+def _analysis_inputs(
+    ckpt: Path, model: Any, text: Path | None, batch: int, *, want_corpus: bool = False
+) -> tuple[Any, Any]:
     """``[batch, n_ctx]`` token ids from ``text`` (with the model's tokenizer) or from the
-    validation split of the checkpoint's training corpus, and that corpus (or ``None``)."""
+    validation split of the checkpoint's training corpus, and that corpus (or ``None``).
+
+    With ``text`` the corpus is loaded only when ``want_corpus`` (e.g. for token frequencies),
+    and then only if it can be: loading may mean tokenising the whole corpus."""
     import numpy as np
     import torch
 
@@ -144,7 +149,7 @@ def _analysis_inputs(ckpt: Path, model: Any, text: Path | None, batch: int) -> t
     corpus = None
     training = read_config(ckpt).get("training", {})
     spec = training.get("corpus")
-    if spec:
+    if spec and (text is None or want_corpus):
         try:
             corpus = load_corpus(
                 spec, vocab_size=model.cfg.d_vocab, val_fraction=training.get("config", {}).get("val_fraction", 0.05)
@@ -263,7 +268,7 @@ def _cmd_heads(args: argparse.Namespace) -> int:
     from ..heads import THRESHOLDS, head_report
 
     model = _load_with_attention(args.ckpt, "heads")
-    text, corpus = _analysis_inputs(args.ckpt, model, args.text, max(args.batch, args.icl_examples))
+    text, corpus = _analysis_inputs(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
     freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
     report = head_report(
         model,
