@@ -12,6 +12,12 @@ from pathlib import Path
 from typing import Callable
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: Path | str, writer: Callable[[str], None]) -> None:
     """Call ``writer(tmp_path)`` to fill a temporary file, then rename it onto ``path``."""
     path = Path(path)
@@ -22,6 +28,7 @@ def atomic_write(path: Path | str, writer: Callable[[str], None]) -> None:
         writer(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the mode a plain open() would
         os.replace(tmp, path)
     except BaseException:
         try:

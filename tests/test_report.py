@@ -1,0 +1,282 @@
+"""``qkov report``: the numbers against independent computations, the page in a real browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from qkov import circuits as C
+from qkov import heads as Hd
+from qkov.checkpoint import load, save_checkpoint
+from qkov.cli import main
+from qkov.report import collect, write_report
+from qkov.train import train
+from qkov.weights import Weights
+from qkov import ModelConfig
+
+from helpers import tiny_train
+from test_heads import CTX, V, hand_built
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARTIFACTS = Path(os.environ.get("QKOV_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
+SECTIONS = ("card", "heads", "composition", "paths", "attention", "icl", "trigrams")
+
+
+@pytest.fixture(scope="module")
+def tiny2(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny2") / "ckpt"
+    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=80)
+    train(out, cfg, tiny_train(small_corpus, steps=20), device="cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny2_report(tiny2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("tiny2-report")
+    data = write_report(tiny2, out, icl_examples=32, batch=4, viewer_tokens=40)
+    return out, data
+
+
+def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report: tuple[Path, dict]) -> None:
+    out, data = tiny2_report
+    on_disk = json.loads((out / "report.json").read_text())
+    assert on_disk["card"]["parameters"] == data["card"]["parameters"]
+    assert set(SECTIONS) <= set(on_disk)
+    model = load(tiny2)
+    w = Weights.from_model(model)
+    # composition heatmap cells = the raw scores of circuits.composition_raw, baseline-subtracted
+    raw = C.composition_raw(w, "k")
+    comp = data["composition"]["k"]
+    assert comp["writers"] == ["0.0", "0.1"] and comp["readers"] == ["1.0", "1.1"]
+    for i in range(2):
+        for j in range(2):
+            assert comp["raw"][i][j] == pytest.approx(float(raw[0, i, 1, j]), rel=1e-3)
+            assert comp["adjusted"][i][j] == pytest.approx(comp["raw"][i][j] - comp["baseline_mean"], abs=2e-3)
+    # the viewer's patterns are the forward pass's on the same tokens (lower triangle, 3 decimals)
+    att = data["attention"]
+    assert len(att["tokens"]) == len(att["ids"]) == 40 and att["ids"][0] == model.bos_token_id
+    with torch.no_grad():
+        pat = model.run(torch.tensor([att["ids"]]), return_patterns=True).patterns[:, 0]
+    for l in range(2):
+        for h in range(2):
+            rows = att["patterns"][l][h]
+            assert [len(r) for r in rows] == list(range(1, 41))
+            for q in (0, 7, 39):
+                assert rows[q] == pytest.approx(pat[l, h, q, : q + 1].tolist(), abs=6e-4)
+    # eigenvalue copying scores agree with circuits (and with the heads table)
+    ev = C.eigen_copying_score(C.ov_eigenvalues(w))
+    for e, row in zip(data["eigenvalues"]["heads"], data["heads"]["rows"]):
+        l, h = map(int, e["head"].split("."))
+        assert e["score"] == pytest.approx(float(ev[l, h]), abs=1e-3)
+        assert row["eigen_copying"] == pytest.approx(float(ev[l, h]), abs=1e-3)
+    # paths: the expansion is exact and the runs end at the model's own loss
+    p = data["paths"]
+    assert p["reconstruction_max_abs_error"] < 1e-3
+    ti = p["term_importance"]
+    assert ti["run_losses"][-1] == pytest.approx(ti["full_loss"], abs=1e-4)
+    # the repeated-token curves: recompute the second-copy mean loss by hand
+    rep = data["icl"]["repeat"]
+    n = rep["length"]
+    toks = Hd.repeated_random_tokens(model.cfg.d_vocab, length=n, repeats=2, batch=16, seed=0)
+    with torch.no_grad():
+        lp = model(toks)[:, :-1].log_softmax(-1)
+    nll = -lp.gather(-1, toks[:, 1:, None])[..., 0].mean(0)
+    assert rep["second_mean"] == pytest.approx(float(nll[n + 1 : 2 * n].mean()), abs=1e-4)
+    assert rep["first_mean"] == pytest.approx(float(nll[1:n].mean()), abs=1e-4)
+
+
+def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
+    """The hand-built 2-layer model: previous-token head 0.0, sink 0.1, induction head 1.0
+    K-composing with 0.0. The report (and the tour's claims) must say exactly that."""
+    from qkov.tour import claims
+
+    save_checkpoint(tmp_path / "hand", hand_built())
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(1, V, (8, CTX), generator=g)
+    toks[:, 0] = 0
+    data = collect(tmp_path / "hand", tokens=toks, batch=4)
+    roles = {r["head"]: r["roles"] for r in data["heads"]["rows"]}
+    assert "previous-token" in roles["0.0"] and "sink" in roles["0.1"] and "induction" in roles["1.0"]
+    assert "induction" not in roles["1.1"] and "induction" not in roles["0.0"]
+    assert data["composition"]["k"]["top"][0]["writer"] == "0.0"
+    assert data["composition"]["k"]["top"][0]["reader"] == "1.0"
+    (induction,) = [c for c in claims({2: data}) if c.claim.startswith("2-layer: induction")]
+    assert induction.holds is True
+    assert [f["head"] for f in induction.values["induction_heads"]] == ["1.0"]
+    assert induction.values["induction_heads"][0]["k_writer"] == "0.0"
+    # an untrained model of the same shape has no induction head: the claim does not hold
+    from qkov import Transformer
+
+    save_checkpoint(tmp_path / "random", Transformer(hand_built().cfg, seed=1))
+    rnd = collect(tmp_path / "random", tokens=toks, batch=4)
+    (c,) = [c for c in claims({2: rnd}) if c.claim.startswith("2-layer: induction")]
+    assert c.holds is False
+
+
+def test_report_page_is_self_contained(tiny2_report: tuple[Path, dict]) -> None:
+    out, _ = tiny2_report
+    page = (out / "index.html").read_text()
+    assert not re.search(r"<script[^>]+src=", page), "scripts must be inline"
+    assert not re.search(r"<link[^>]+href=", page), "no external stylesheets"
+    assert "Plotly.newPlot(" in page  # the report's script calls the embedded bundle
+    assert page.count("</script>") == 3  # plotly, the data, the report's script
+    size = (out / "index.html").stat().st_size
+    assert size < 10e6
+    assert oct((out / "index.html").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def _chromium(url: str, profile: Path, *extra: str) -> subprocess.CompletedProcess:
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        f"--user-data-dir={profile}",
+        "--enable-logging=stderr",
+        "--v=0",
+        "--virtual-time-budget=10000",
+    ]
+    assert CHROMIUM is not None
+    return subprocess.run([CHROMIUM, *flags, *extra, url], capture_output=True, text=True, timeout=120)
+
+
+def _need_browser() -> None:
+    if CHROMIUM is None:
+        if os.environ.get("QKOV_REQUIRE_BROWSER") == "1":
+            pytest.fail("chromium is required (QKOV_REQUIRE_BROWSER=1) but not installed: apt-get install chromium")
+        pytest.skip("chromium not installed (apt-get install chromium); .ci/run installs it and requires this test")
+
+
+def _check_page(index: Path, profile: Path, name: str, sections: tuple[str, ...], hash_: str = "") -> str:
+    res = _chromium(index.as_uri() + hash_, profile, "--dump-dom")
+    assert res.returncode == 0, res.stderr[-2000:]
+    console = [line for line in res.stderr.splitlines() if ":CONSOLE" in line]
+    assert not console, "console output from the page:\n" + "\n".join(console)
+    dom = res.stdout
+    assert 'data-ready="1"' in dom
+    assert "data-errors" not in dom
+    for s in sections:
+        assert re.search(rf'data-section="{s}" data-rendered="ok"', dom), f"section {s} did not render"
+    assert not re.search(r"<p class=\"error\"", dom)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    shot = ARTIFACTS / f"report-{name}.png"
+    res = _chromium(index.as_uri(), profile, f"--screenshot={shot}", "--window-size=1400,6000")
+    assert res.returncode == 0 and shot.stat().st_size > 50_000
+    return dom
+
+
+def test_report_renders_in_headless_chromium(tiny2_report: tuple[Path, dict], tmp_path: Path) -> None:
+    _need_browser()
+    out, data = tiny2_report
+    dom = _check_page(out / "index.html", tmp_path / "profile", "tiny-2l", SECTIONS, "#attend=1.1.30")
+    # the viewer, opened on head 1.1 and token 30, names the key that token attends to most
+    row = data["attention"]["patterns"][1][1][30]
+    best = max(range(len(row)), key=lambda i: row[i])
+    status = re.search(r'id="viewer-status"[^>]*>([^<]*)<', dom)
+    assert status is not None and "head 1.1, token 30 " in status.group(1)
+    assert f"attends most to token {best} " in status.group(1)
+    # every token of the viewer is on the page, shaded by its weight from that row
+    weights = re.findall(r'data-pos="(\d+)"[^>]*data-weight="([^"]*)"', dom)
+    assert len(weights) == 40
+    for pos, wt in weights[:31]:
+        assert float(wt) == pytest.approx(row[int(pos)], abs=1e-6)
+
+
+def test_zero_layer_report_renders(small_corpus: Path, tmp_path: Path) -> None:
+    cfg = ModelConfig(n_layers=0, d_model=32, d_head=16, d_vocab=300, n_ctx=80)
+    train(tmp_path / "ckpt", cfg, tiny_train(small_corpus, steps=10), device="cpu")
+    assert main(["report", str(tmp_path / "ckpt"), "-o", str(tmp_path / "rep"), "--icl-examples", "16", "--quiet"]) == 0
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert data["heads"]["absent"] and data["attention"]["absent"]
+    assert data["trigrams"]["heads"] == [] and len(data["trigrams"]["bigrams"]) == 20
+    assert len(data["paths"]["term_importance"]["run_losses"]) == 1
+    if CHROMIUM is not None:
+        _check_page(tmp_path / "rep" / "index.html", tmp_path / "profile", "tiny-0l", SECTIONS)
+
+
+def test_report_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("qkov: error:") and err.count("\n") == 1
+    (tmp_path / "file").write_text("x")
+    save_checkpoint(tmp_path / "hand", hand_built())
+    assert main(["report", str(tmp_path / "hand"), "-o", str(tmp_path / "file")]) == 2
+    err = capsys.readouterr().err
+    assert "not a directory" in err and err.count("\n") == 1
+    # a model with no training corpus and no --text: say what to pass
+    assert main(["report", str(tmp_path / "hand")]) == 2
+    assert "--text" in capsys.readouterr().err
+    assert not (tmp_path / "hand" / "report").exists()
+
+
+def test_tour_trains_reports_and_reuses(small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The main job end to end on a short budget: models, reports, comparison page, claims;
+    a second run reuses the finished models instead of retraining them."""
+    args = ["tour", "--out", str(tmp_path / "t"), "--layers", "0,1", "--steps", "8", "--device", "cpu", "--quiet"]
+    assert main([*args, "--corpus", str(small_corpus)]) == 0
+    text = capsys.readouterr().out
+    assert "training in" in text and "1-layer models have no induction heads" in text
+    for n in (0, 1):
+        assert (tmp_path / "t" / f"qkov-{n}l" / "report" / "index.html").is_file()
+    summary = json.loads((tmp_path / "t" / "tour.json").read_text())
+    assert [m["layers"] for m in summary["models"]] == [0, 1]
+    assert summary["models"][1]["heads"] == 4
+    page = (tmp_path / "t" / "index.html").read_text()
+    assert "qkov-1l/report/index.html" in page and "1-layer models have no induction heads" in page
+    weights = tmp_path / "t" / "qkov-1l" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert main(args) == 0
+    assert "reusing the finished run" in capsys.readouterr().out
+    assert weights.stat().st_mtime_ns == stamp
+    assert main(["tour", "--layers", "1,x"]) == 2
+    assert "--layers" in capsys.readouterr().err
+
+
+def test_claims_verdicts_follow_the_numbers() -> None:
+    """claims() on hand-written report data: each verdict flips with the number behind it."""
+    from qkov.tour import claims
+
+    def rows(prefix: float, eig: list[float]) -> list[dict]:
+        return [
+            {"head": f"0.{h}", "layer": 0, "prefix_matching": prefix, "induction": 0.0, "eigen_copying": e,
+             "roles": ["copying"] if e > 0.5 else []}
+            for h, e in enumerate(eig)
+        ]
+
+    tri = {"source_str": "def", "destination_str": "(", "output_str": " self", "score": 9.0}
+    one = {
+        "heads": {"rows": rows(0.02, [0.9, 0.8, 0.1, 0.7])},
+        "trigrams": {"heads": [{"head": "0.0", "rows": [tri]}]},
+        "icl": {"score": 0.01},
+    }
+    two = {
+        "heads": {"rows": []},
+        "composition": {"k": {"top": []}},
+        "paths": {"term_importance": {"marginal_by_order": [1.8, 5.2, 0.3]}},
+        "icl": {"score": -0.4},
+    }
+    by = {c.claim.split(":")[0] + c.claim[:12]: c for c in claims({1: one, 2: two})}
+    verdicts = [c.holds for c in claims({1: one, 2: two})]
+    assert verdicts == [True, True, True, False, None, True]
+    assert "3 of 4 heads copying" in claims({1: one})[0].measured and len(by) == 6
+    one["heads"]["rows"] = rows(0.6, [0.1, 0.1, 0.1, 0.9])
+    two["icl"]["score"] = 0.0
+    assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, None, False]
