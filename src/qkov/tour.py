@@ -11,6 +11,7 @@ checked on any set of reports.
 from __future__ import annotations
 
 import html
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,8 +172,44 @@ def _cell(v: Any, spec: str = "") -> str:
     return html.escape(format(v, spec) if spec else str(v))
 
 
-def render_page(models: list[dict[str, Any]], table: list[Claim], meta: dict[str, Any]) -> str:
-    """The comparison page: the models side by side, the claims table, links to each report."""
+def svg_curves(series: dict[str, list[float]], *, title: str, width: int = 640, height: int = 320) -> str:
+    """A small static line chart (log x axis: token index 1..n; y: loss) as inline SVG."""
+    colors = ("#8a8f99", "#3056d3", "#d3562f", "#2a9d5b", "#9b59b6")
+    pts = {k: v for k, v in series.items() if v}
+    if not pts:
+        return ""
+    ys = [y for v in pts.values() for y in v if y is not None]
+    lo, hi = min(ys), max(ys)
+    n = max(len(v) for v in pts.values())
+    L, R, T, B = 50, 130, 30, 40
+    fx = lambda i: L + (width - L - R) * math.log(i + 1) / math.log(n)  # noqa: E731
+    fy = lambda y: T + (height - T - B) * (hi - y) / ((hi - lo) or 1.0)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="12">']
+    parts.append(f'<text x="{width / 2 - R / 2}" y="18" text-anchor="middle">{html.escape(title)}</text>')
+    parts.append(f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#999"/>')
+    parts.append(f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#999"/>')
+    for tick in (1, 10, 100, 1000):
+        if tick <= n:
+            x = fx(tick - 1)
+            parts.append(f'<text x="{x:.1f}" y="{height - B + 15}" text-anchor="middle">{tick}</text>')
+    for frac in (0.0, 0.5, 1.0):
+        y = lo + frac * (hi - lo)
+        parts.append(f'<text x="{L - 6}" y="{fy(y) + 4:.1f}" text-anchor="end">{y:.1f}</text>')
+    parts.append(f'<text x="{(L + width - R) / 2}" y="{height - 6}" text-anchor="middle">token index</text>')
+    for k, (name, v) in enumerate(pts.items()):
+        c = colors[k % len(colors)]
+        d = " ".join(f"{fx(i):.1f},{fy(y):.1f}" for i, y in enumerate(v) if y is not None)
+        parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{d}"/>')
+        parts.append(f'<text x="{width - R + 8}" y="{T + 16 * k + 10}" fill="{c}">{html.escape(name)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_page(
+    models: list[dict[str, Any]], table: list[Claim], meta: dict[str, Any], curves: dict[str, list[float]] | None = None
+) -> str:
+    """The comparison page: the models side by side, the claims table, the models' loss by
+    token position (static SVG), links to each report."""
     verdict = {True: "agrees", False: "differs", None: "compare"}
     model_rows = "\n".join(
         f"<tr><td><a href='{html.escape(m['report'])}'>{m['layers']}-layer</a></td>"
@@ -207,6 +244,10 @@ to its full report. Numbers are in <code>tour.json</code>.</p>
 <th>repeated tokens: loss 1st / 2nd copy</th><th>max prefix matching</th><th>copying heads</th><th>training s</th></tr>
 {model_rows}
 </table>
+<h2>Loss by token position</h2>
+<p class="note">Mean loss on validation text at each token index: models with induction heads keep improving
+late in the context (the in-context-learning score is the drop from token 50 to the last tokens).</p>
+{svg_curves(curves or {}, title="validation loss by token position")}
 <h2>The paper's claims, measured here</h2>
 <table><tr><th class="l">claim (paper)</th><th class="l">measured here</th><th></th></tr>
 {claim_rows}
@@ -281,7 +322,8 @@ def run_tour(
         "corpus": reports[layers[0]]["card"].get("corpus") if layers else None,
         "seconds": time.perf_counter() - t0,
     }
-    atomic_write_text(out / "index.html", render_page(models, table, meta))
+    curves = {f"{n}-layer": reports[n]["icl"].get("loss_by_position") or [] for n in layers}
+    atomic_write_text(out / "index.html", render_page(models, table, meta, curves))
     atomic_write_text(
         out / "tour.json", to_json({"models": models, "claims": [c.to_dict() for c in table], **meta}, indent=1)
     )

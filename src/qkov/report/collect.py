@@ -72,11 +72,14 @@ def _card(ckpt: Path, model: Any, w: Any) -> dict[str, Any]:
     info = checkpoint_info(ckpt, model)
     metrics = read_metrics(ckpt)
     evals = [m for m in metrics if "val_loss" in m]
+    logs = [m for m in metrics if "train_loss" in m and "val_loss" not in m]
+    logs = logs[:: max(1, len(logs) // 250)]  # a readable curve, not every logged step
     curve = {
         "tokens": [m.get("tokens") for m in evals],
         "val_loss": _rl([m["val_loss"] for m in evals]),
-        "train_loss": _rl([m.get("train_loss", float("nan")) for m in evals]),
         "induction": _rl([m.get("induction_score", float("nan")) for m in evals]),
+        "train_tokens": [m.get("tokens") for m in logs],
+        "train_loss": _rl([m["train_loss"] for m in logs]),
     }
     info["curve"] = curve
     info["bandwidth"] = [b.to_dict() for b in bandwidth(w)] if model.cfg.n_layers else []

@@ -5,7 +5,8 @@
 "use strict";
 (function () {
   const D = JSON.parse(document.getElementById("qkov-data").textContent);
-  const CONFIG = { displaylogo: false, responsive: true };
+  // no mode bar: it hides titles and axis labels; drag to zoom and double-click to reset still work
+  const CONFIG = { displaylogo: false, responsive: true, displayModeBar: false };
   const errors = [];
   window.addEventListener("error", (e) => {
     errors.push(String(e.message));
@@ -77,7 +78,7 @@
     if (cv && cv.tokens.length) {
       plot(sec, [
         { x: cv.tokens, y: cv.val_loss, name: "validation loss", mode: "lines+markers" },
-        { x: cv.tokens, y: cv.train_loss, name: "train loss", mode: "lines" },
+        { x: cv.train_tokens, y: cv.train_loss, name: "train loss", mode: "lines", opacity: 0.6 },
         { x: cv.tokens, y: cv.induction, name: "induction score", yaxis: "y2", mode: "lines", line: { dash: "dot" } },
       ], {
         title: { text: "training curve" }, height: 330,
@@ -119,7 +120,7 @@
       const rs = h.rows.filter((r) => r.layer === l);
       return {
         x: rs.map((r) => r.prefix_matching), y: rs.map((r) => r.eigen_copying), text: rs.map((r) => r.head),
-        name: `layer ${l}`, mode: "markers+text", textposition: "top center",
+        name: `layer ${l}`, mode: "markers+text", textposition: "middle right",
         marker: { size: 11, color: cols[i % cols.length] },
         hovertemplate: "head %{text}<br>prefix matching %{x:.3f}<br>eigen copying %{y:.3f}<extra></extra>",
       };
