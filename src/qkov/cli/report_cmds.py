@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .common import _positive_int, console
+from .common import _nonneg_int, _positive_int, console
 
 
 def _add_report(sub: Any) -> None:
@@ -29,6 +29,11 @@ def _add_report(sub: Any) -> None:
     p.add_argument("--icl-examples", type=_positive_int, default=256, help="validation sequences for the ICL curve")
     p.add_argument("--viewer-tokens", type=_positive_int, default=128, help="tokens in the attention viewer")
     p.add_argument("--top", type=_positive_int, default=20, help="rows per skip-trigram / bigram table")
+    p.add_argument(
+        "--diag-k",
+        type=_nonneg_int,
+        help="k of the own-logit-in-top-k copying rate; 0 = skip (default 5, skipped above 8192 tokens)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
     p.add_argument("--quiet", action="store_true", help="print only where the report went")
     p.set_defaults(func=_cmd_report)
@@ -51,6 +56,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         top=args.top,
         device=args.device,
         text=args.text,
+        diag_k=args.diag_k,
     )
     size = (out / "index.html").stat().st_size
     print(f"wrote {out / 'index.html'} ({size / 1e6:.1f} MB) and report.json in {time.perf_counter() - t0:.1f} s")

@@ -86,10 +86,12 @@ def _card(ckpt: Path, model: Any, w: Any) -> dict[str, Any]:
     return info
 
 
-def _heads(model: Any, w: Any, text: torch.Tensor, freqs: np.ndarray | None, icl_text: torch.Tensor) -> dict:
+def _heads(
+    model: Any, w: Any, text: torch.Tensor, freqs: np.ndarray | None, icl_text: torch.Tensor, diag_k: int
+) -> dict:
     from ..heads import head_report
 
-    rep = head_report(model, text, frequencies=freqs, icl_text=icl_text)
+    rep = head_report(model, text, frequencies=freqs, icl_text=icl_text, diag_k=diag_k or None)
     rows = []
     for row in rep.rows():
         rows.append(_rd(row))
@@ -235,6 +237,7 @@ def collect(
     device: str = "cpu",
     text: Path | None = None,
     tokens: torch.Tensor | None = None,
+    diag_k: int | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Compute every number of the report of checkpoint ``ckpt``.
@@ -249,6 +252,8 @@ def collect(
         tokens: ``[B, n_ctx]`` token ids to analyse instead (for models without a corpus or
             tokenizer); the first ``batch`` rows serve the paths and head scores, all of them
             the ICL curve.
+        diag_k: k of the heads' "own logit in the top k of its OV row" rate (exact, ~V^2 d_head
+            work per head); ``None`` = 5 up to a vocabulary of 8192, else skipped (0).
         progress: called with the name of each stage as it starts.
     Raises:
         QkovError: the checkpoint cannot be read, or has no corpus to take text from.
@@ -284,7 +289,8 @@ def collect(
     with torch.no_grad():
         if L >= 1:
             with _stage(timings, "heads", progress):
-                heads = _heads(model, w, text[:batch], freqs, text[:icl_examples])
+                k = diag_k if diag_k is not None else (5 if model.cfg.d_vocab <= 8192 else 0)
+                heads = _heads(model, w, text[:batch], freqs, text[:icl_examples], k)
                 icl_curve = heads.pop("_icl_curve")
                 icl_info = heads["icl"]
                 data["heads"] = heads
