@@ -108,13 +108,13 @@
       "circuit W_E W_OV W_U (1 = copies its input, −1 = suppresses it); own in topk = share of tokens whose own " +
       "logit is among the k largest of their OV row. Roles use the thresholds listed below.");
     const diag = Object.keys(h.rows[0] || {}).find((k) => k.startsWith("diag_top"));
-    const cols = diag ? [...HEAD_COLS, [diag.replace("diag_", "own in "), diag]] : HEAD_COLS;
-    table(sec, ["head", ...cols.map((c) => c[0]), "roles"],
+    const shown = diag ? [...HEAD_COLS, [diag.replace("diag_", "own in "), diag]] : HEAD_COLS;
+    table(sec, ["head", ...shown.map((c) => c[0]), "roles"],
       h.rows.map((r) => {
         const roles = el("span");
         (r.roles.length ? r.roles : ["–"]).forEach((x) => roles.append(el("span", { class: "role", text: x })));
-        return [r.head, ...cols.map((c) => fmt(r[c[1]], 2)), roles];
-      }), [cols.length + 1]);
+        return [r.head, ...shown.map((c) => fmt(r[c[1]], 2)), roles];
+      }), [shown.length + 1]);
     note(sec, "Thresholds: " + Object.entries(h.thresholds).map(([k, v]) => `${k} ${v}`).join(", ") +
       (h.memory_neurons ? `; memory-management neurons: ${h.memory_neurons}` : ""));
     const layers = [...new Set(h.rows.map((r) => r.layer))];
