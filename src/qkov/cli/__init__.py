@@ -1,8 +1,8 @@
 """The ``qkov`` command line: parse, call the public API, print. Nothing else lives here.
 
 User mistakes (:class:`qkov.QkovError`, bad options) print one line and exit 2.
-Commands live in ``train_cmds`` (train, info) and ``analysis_cmds`` (circuits, paths,
-heads, trigrams).
+Commands live in ``train_cmds`` (train, info), ``analysis_cmds`` (circuits, paths,
+heads, trigrams) and ``interop_cmds`` (import, export).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Sequence
 from ..errors import QkovError
 from .analysis_cmds import _add_circuits, _add_heads, _add_paths, _add_trigrams
 from .common import EXIT_USAGE, _Parser
+from .interop_cmds import _add_export, _add_import
 from .train_cmds import _add_info, _add_train, checkpoint_info
 
 __all__ = ["build_parser", "checkpoint_info", "main"]
@@ -36,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_paths(sub)
     _add_heads(sub)
     _add_trigrams(sub)
+    _add_import(sub)
+    _add_export(sub)
     return parser
 
 

@@ -10,14 +10,18 @@ from typing import Any
 from ..errors import QkovError
 
 from .common import console, _nonneg_int, _positive_int
+from .interop_cmds import load_source
+
+SOURCE_HELP = (
+    "checkpoint directory, or a Hugging Face GPT-2 directory, TransformerLens file (with its config) or Hub "
+    "name, as qkov import reads"
+)
 
 
 # ------------------------------------------------------------------------ circuits
 def _load_with_attention(ckpt: Path, command: str, why: str = "") -> Any:
     """Load a checkpoint for an analysis that needs attention layers (one-line error otherwise)."""
-    from ..checkpoint import load
-
-    model = load(ckpt)
+    model = load_source(ckpt)
     if model.cfg.n_layers == 0:
         raise QkovError(f"{command}: the model has no attention layers{why}")
     return model
@@ -35,7 +39,7 @@ def _add_circuits(sub: Any) -> None:
             "shown too); and the residual-stream bandwidth per layer."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("ckpt", type=Path, metavar="SOURCE", help=SOURCE_HELP)
     p.add_argument("--top", type=_positive_int, default=5, help="composition pairs to show per kind (default 5)")
     p.add_argument("--diag-k", type=_nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
     p.add_argument("--float64", action="store_true", help="compute in float64")
@@ -118,7 +122,7 @@ def _add_paths(sub: Any) -> None:
             "the marginal loss of each order, and the terms whose removal costs the most loss."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("ckpt", type=Path, metavar="SOURCE", help=SOURCE_HELP)
     p.add_argument(
         "--text",
         type=Path,
@@ -145,9 +149,10 @@ def _analysis_inputs(
 
     from ..checkpoint import read_config
     from ..data import load_corpus, val_batches
+    from ..interop import source_kind
 
     corpus = None
-    training = read_config(ckpt).get("training", {})
+    training = read_config(ckpt).get("training", {}) if source_kind(ckpt) == "qkov" else {}
     spec = training.get("corpus")
     if spec and (text is None or want_corpus):
         try:
@@ -247,7 +252,7 @@ def _add_heads(sub: Any) -> None:
             "learning score; memory-management neurons. Roles come from documented thresholds."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("ckpt", type=Path, metavar="SOURCE", help=SOURCE_HELP)
     p.add_argument("--text", type=Path, help="a text file (default: the validation split of the training corpus)")
     p.add_argument("--batch", type=_positive_int, default=8, help="sequences of validation text (default 8)")
     p.add_argument(
@@ -327,7 +332,7 @@ def _add_trigrams(sub: Any) -> None:
             "token's top outputs (OV row) and the destinations that attend to it most (QK column)."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    p.add_argument("ckpt", type=Path, metavar="SOURCE", help=SOURCE_HELP)
     p.add_argument("--head", required=True, metavar="L.H", help="the head, e.g. 0.3")
     p.add_argument("--source", metavar="TOKEN", help="a token string (it must encode to exactly one token)")
     p.add_argument("--top", type=_positive_int, default=20, help="rows to show (default 20)")
@@ -348,10 +353,9 @@ def _parse_head(text: str, model: Any) -> tuple[int, int]:
 
 def _cmd_trigrams(args: argparse.Namespace) -> int:
     from .. import trigrams as T
-    from ..checkpoint import load
     from ..weights import Weights
 
-    model = load(args.ckpt)
+    model = load_source(args.ckpt)
     if model.tokenizer is None:
         raise QkovError("trigrams: the checkpoint has no tokenizer to show tokens with")
     layer, head = _parse_head(args.head, model)
