@@ -82,6 +82,13 @@ def test_import_matches_transformers_forward(tmp_path: Path, tied: bool, act: st
             assert (m.run(tokens, return_patterns=True).logits - expected).abs().max() < 1e-10
 
 
+def test_import_headless_gpt2model_ties_the_unembedding() -> None:
+    hf = _hf_model(tied=True)
+    m = from_hf(hf.transformer, dtype=D)  # a GPT2Model: no lm_head, so W_U = wte.T
+    tokens = _tokens(3)
+    assert (m(tokens) - _hf_logits(hf, tokens)).abs().max() < 1e-10
+
+
 def test_import_attention_patterns_match_transformers(hf_dir: Path) -> None:
     hf = transformers.GPT2LMHeadModel.from_pretrained(hf_dir, dtype=D, attn_implementation="eager").eval()
     tokens = _tokens(1)

@@ -273,6 +273,11 @@ def test_plain_state_dict_file_with_separate_config(tmp_path: Path) -> None:
     (tmp_path / "cfg.json").write_text(json.dumps(fields))
     with pytest.raises(QkovError, match="carries no config: pass one"):
         load_tl(tmp_path / "attn_only_2L.pth")
+    wrong = {**fields, "attn_only": False, "d_mlp": 64, "act_fn": "relu"}
+    with pytest.raises(QkovError, match="missing weight 'blocks.0.mlp.W_in'"):
+        load_tl(tmp_path / "attn_only_2L.pth", wrong)
+    with pytest.raises(QkovError, match="are not explained by the config"):  # a 1-layer config: layer 1 left over
+        load_tl(tmp_path / "attn_only_2L.pth", {**fields, "n_layers": 1})
     m = load_tl(tmp_path / "attn_only_2L.pth", tmp_path / "cfg.json")
     assert m.cfg.positional == "shortformer" and m.cfg.normalization == "none" and m.cfg.attn_only
     tokens = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(5))

@@ -150,25 +150,31 @@ def _is_bias(name: str) -> bool:
 
 
 def _from_tl_state(c: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> Transformer:
-    """A qkov model from a TransformerLens config and a HookedTransformer-named state dict."""
+    """A qkov model from a TransformerLens config and a HookedTransformer-named state dict.
+
+    Every tensor must be used: one the config does not explain (say MLP weights under an
+    ``attn_only`` config) means config and file disagree, and is refused rather than dropped.
+    """
     bias = any(_is_bias(k) and v.is_floating_point() and bool(v.abs().max() > 0) for k, v in sd.items() if v.numel())
     cfg = tl_config_to_qkov(c, bias=bias)
+    used: set[str] = set()
 
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
+    def take(name: str, default: torch.Tensor | None = None) -> torch.Tensor:
+        if name in sd:
+            used.add(name)
+            return sd[name]
+        if default is None:
             raise QkovError(f"{where}: missing weight {name!r}")
-        return sd[name]
+        return default
 
     def ln(name: str) -> dict[str, torch.Tensor]:  # LNPre has no parameters: gain 1, bias 0
-        w, b = sd.get(name + ".w"), sd.get(name + ".b")
-        return {
-            name + ".w": torch.ones(cfg.d_model) if w is None else w,
-            name + ".b": torch.zeros(cfg.d_model) if b is None else b,
-        }
+        ones, zeros = torch.ones(cfg.d_model), torch.zeros(cfg.d_model)
+        return {name + ".w": take(name + ".w", ones), name + ".b": take(name + ".b", zeros)}
 
+    H, e, d = cfg.n_heads, cfg.d_head, cfg.d_model
     state = {"W_E": take("embed.W_E"), "W_U": take("unembed.W_U")}
     if bias:
-        state["b_U"] = sd.get("unembed.b_U", torch.zeros(cfg.d_vocab))
+        state["b_U"] = take("unembed.b_U", torch.zeros(cfg.d_vocab))
     if cfg.positional != "none":
         state["W_pos"] = take("pos_embed.W_pos")
     for l in range(cfg.n_layers):
@@ -176,24 +182,27 @@ def _from_tl_state(c: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, wher
         for n in ("W_Q", "W_K", "W_V", "W_O"):
             state[p + "attn." + n] = take(p + "attn." + n)
         if bias:
-            for n, shape in (
-                ("b_Q", (cfg.n_heads, cfg.d_head)),
-                ("b_K", (cfg.n_heads, cfg.d_head)),
-                ("b_V", (cfg.n_heads, cfg.d_head)),
-                ("b_O", (cfg.d_model,)),
-            ):
-                state[p + "attn." + n] = sd.get(p + "attn." + n, torch.zeros(shape))
+            for n, zeros in (("b_Q", (H, e)), ("b_K", (H, e)), ("b_V", (H, e)), ("b_O", (d,))):
+                state[p + "attn." + n] = take(p + "attn." + n, torch.zeros(zeros))
         if cfg.d_mlp is not None:
             state[p + "mlp.W_in"], state[p + "mlp.W_out"] = take(p + "mlp.W_in"), take(p + "mlp.W_out")
             if bias:
-                state[p + "mlp.b_in"] = sd.get(p + "mlp.b_in", torch.zeros(cfg.d_mlp))
-                state[p + "mlp.b_out"] = sd.get(p + "mlp.b_out", torch.zeros(cfg.d_model))
+                state[p + "mlp.b_in"] = take(p + "mlp.b_in", torch.zeros(cfg.d_mlp))
+                state[p + "mlp.b_out"] = take(p + "mlp.b_out", torch.zeros(d))
         if cfg.normalization == "layernorm":
             state.update(ln(p + "ln1"))
             if cfg.d_mlp is not None:
                 state.update(ln(p + "ln2"))
     if cfg.normalization == "layernorm":
         state.update(ln("ln_final"))
+    # TransformerLens' own buffers, and all-zero biases of a bias-free model, carry no weights
+    ignorable = {k for k in sd if k.rsplit(".", 1)[-1] in ("mask", "IGNORE") or (not bias and _is_bias(k))}
+    extra = sorted(set(sd) - used - ignorable)
+    if extra:
+        raise QkovError(
+            f"{where}: weight(s) {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} are not explained by "
+            "the config (does the config belong to this file?)"
+        )
     model = Transformer(cfg, seed=0).to(dtype=dtype)  # before loading: a float64 source keeps its precision
     load_state(model, state, where=where)
     return model.eval()
@@ -203,12 +212,8 @@ def _bridge_state(bridge: Any) -> dict[str, torch.Tensor]:
     """A TransformerBridge's weights under HookedTransformer names, from its stacked views."""
     raw = bridge.state_dict()
     sd: dict[str, torch.Tensor] = {"embed.W_E": bridge.W_E, "unembed.W_U": bridge.W_U}
-    optional = {"unembed.b_U": "b_U"}
-    for name, attr in optional.items():
-        try:
-            sd[name] = getattr(bridge, attr)
-        except AttributeError:
-            pass
+    if getattr(bridge, "b_U", None) is not None:
+        sd["unembed.b_U"] = bridge.b_U
     if "pos_embed.weight" in raw:
         sd["pos_embed.W_pos"] = raw["pos_embed.weight"]
     stacked = ["W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"]
