@@ -158,6 +158,8 @@ def test_plain_tl_file_needs_its_config(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "cfg.json").write_text(json.dumps(fields))
     rc, _, err = _run(capsys, "circuits", tmp_path / "m.pth")
     assert rc == 2 and "carries no config: pass one (--config CONFIG.json)" in err
+    rc, stdout, _ = _run(capsys, "circuits", tmp_path / "m.pth", "--config", tmp_path / "cfg.json", "--json")
+    assert rc == 0 and len(json.loads(stdout)["copying"]) == 2
     rc, stdout, _ = _run(
         capsys, "import", tmp_path / "m.pth", "--config", tmp_path / "cfg.json", "--out", tmp_path / "ck"
     )

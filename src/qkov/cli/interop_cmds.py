@@ -21,6 +21,17 @@ def _check_out(out: Path) -> None:
         raise QkovError(f"--out {str(out)!r} already exists" + (" and is not empty" if out.is_dir() else ""))
 
 
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    """The model argument of the analysis commands: any source, and the config a bare TransformerLens file needs."""
+    p.add_argument(
+        "ckpt",
+        type=Path,
+        metavar="SOURCE",
+        help="a qkov checkpoint, Hugging Face GPT-2 directory, TransformerLens file (.pt/.pth/.safetensors), Hub name",
+    )
+    p.add_argument("--config", type=Path, help="TransformerLens config JSON, for a state-dict file that carries none")
+
+
 def load_source(source: Path, config: Path | None = None) -> Any:
     """The model of any source the analyses accept (a qkov checkpoint, HF directory, TL file, Hub name)."""
     from ..interop import load_any
@@ -40,9 +51,8 @@ def _add_import(sub: Any) -> None:
             "with the reason (e.g. rotary positions, RMSNorm, LayerNorm with shortformer positions)."
         ),
     )
-    p.add_argument("src", type=Path, metavar="SOURCE", help="what to import")
+    add_source_args(p)
     p.add_argument("--out", type=Path, required=True, help="new checkpoint directory")
-    p.add_argument("--config", type=Path, help="TransformerLens config JSON, for a state-dict file that carries none")
     p.set_defaults(func=_cmd_import)
 
 
@@ -51,12 +61,12 @@ def _cmd_import(args: argparse.Namespace) -> int:
     from ..interop import source_kind
 
     _check_out(args.out)
-    kind = source_kind(args.src)
-    model = load_source(args.src, args.config)
-    save_checkpoint(args.out, model, training={"imported_from": {"format": kind, "path": str(args.src)}})
+    kind = source_kind(args.ckpt)
+    model = load_source(args.ckpt, args.config)
+    save_checkpoint(args.out, model, training={"imported_from": {"format": kind, "path": str(args.ckpt)}})
     c = model.cfg
     print(
-        f"imported {args.src} ({kind}) -> {args.out}: {c.n_layers} layers x {c.n_heads} heads, d_model {c.d_model}, "
+        f"imported {args.ckpt} ({kind}) -> {args.out}: {c.n_layers} layers x {c.n_heads} heads, d_model {c.d_model}, "
         f"vocab {c.d_vocab}, ctx {c.n_ctx}, positions {c.positional}, norm {c.normalization}, "
         f"mlp {c.d_mlp or 'none'}, {model.num_parameters():,} parameters"
         + ("" if model.tokenizer is not None else " (no tokenizer: token ids only)")
