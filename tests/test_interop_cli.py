@@ -77,6 +77,22 @@ def test_hub_name_fails_clearly_without_the_model(capsys: pytest.CaptureFixture,
     assert not (tmp_path / "ck").exists()
 
 
+def test_hub_name_loads_what_the_hub_client_fetched(monkeypatch, sources: dict[str, Path]) -> None:
+    """The success path without a network: snapshot_download stood in for by a local directory."""
+    hub = pytest.importorskip("huggingface_hub")
+    calls = []
+
+    def fake_snapshot_download(name: str, allow_patterns: list[str]) -> str:
+        calls.append((name, allow_patterns))
+        return str(sources["hf"])
+
+    monkeypatch.setattr(hub, "snapshot_download", fake_snapshot_download)
+    m = load_any("openai-community/gpt2")
+    assert calls[0][0] == "openai-community/gpt2" and "*.safetensors" in calls[0][1]
+    assert not any(p.endswith((".bin", ".pt", ".h5")) for p in calls[0][1])  # never a pickle
+    assert m.cfg.n_layers == 2 and m.tokenizer is not None
+
+
 def test_import_analyse_export_hf(tmp_path: Path, sources: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "back"
     rc, stdout, _ = _run(capsys, "import", sources["hf"], "--out", ckpt)

@@ -295,7 +295,7 @@ def load_tl(
         embedded = meta.get(CONFIG_KEY)
         if embedded is not None:
             embedded = _parse_json(embedded, f"{path}: metadata {CONFIG_KEY}")
-    elif path.suffix in (".pt", ".pth", ".bin"):
+    elif path.suffix in (".pt", ".pth"):
         try:
             obj = torch.load(str(path), map_location="cpu", weights_only=True)
         except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError ...
