@@ -41,8 +41,7 @@ def worker(lib: str) -> dict[str, float]:
         dt = time.perf_counter() - t0
         extra = {"reconstruction_error": exp.reconstruction_error(), "runs": ti.run_losses}
     else:
-        sys.path.insert(0, "tests")
-        from tl_util import to_hooked
+        from qkov.interop import to_hooked
 
         hooked = to_hooked(model, dtype=torch.float32)
         hooked.run_with_cache(tokens)

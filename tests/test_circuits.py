@@ -149,10 +149,10 @@ tl = pytest.importorskip("transformer_lens", reason="transformer-lens is a test 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Transformer, object, Weights]:
-    from tl_util import to_hooked
+    from qkov.interop import to_hooked
 
     m = Transformer(ModelConfig(n_layers=3, n_heads=4, d_model=32, d_head=8, d_vocab=60, n_ctx=20), seed=3).double()
-    return m, to_hooked(m), Weights.from_model(m, dtype=torch.float64)
+    return m, to_hooked(m, dtype=torch.float64), Weights.from_model(m, dtype=torch.float64)
 
 
 def test_tl_logits_match(pair) -> None:

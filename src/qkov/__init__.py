@@ -2,7 +2,8 @@
 
 Submodules: ``qkov.circuits`` (QK/OV, composition, copying), ``qkov.paths`` (path expansion),
 ``qkov.heads`` (detectors and roles), ``qkov.trigrams`` (skip-trigram tables),
-``qkov.factored`` (low-rank products), ``qkov.weights`` (the canonical weights view).
+``qkov.factored`` (low-rank products), ``qkov.weights`` (the canonical weights view),
+``qkov.interop`` (import from / export to TransformerLens and Hugging Face GPT-2).
 """
 
 from .checkpoint import load, save_checkpoint

@@ -2,7 +2,7 @@
 
 User mistakes (:class:`qkov.QkovError`, bad options) print one line and exit 2.
 Commands live in ``train_cmds`` (train, info), ``analysis_cmds`` (circuits, paths,
-heads, trigrams) and ``report_cmds`` (report, tour).
+heads, trigrams), ``report_cmds`` (report, tour) and ``interop_cmds`` (import, export).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Sequence
 from ..errors import QkovError
 from .analysis_cmds import _add_circuits, _add_heads, _add_paths, _add_trigrams
 from .common import EXIT_USAGE, _Parser
+from .interop_cmds import _add_export, _add_import
 from .report_cmds import _add_report, _add_tour
 from .train_cmds import _add_info, _add_train, checkpoint_info
 
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_trigrams(sub)
     _add_report(sub)
     _add_tour(sub)
+    _add_import(sub)
+    _add_export(sub)
     return parser
 
 

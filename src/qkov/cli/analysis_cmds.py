@@ -10,14 +10,13 @@ from typing import Any
 from ..errors import QkovError
 
 from .common import console, _nonneg_int, _positive_int
+from .interop_cmds import add_source_args, load_source
 
 
 # ------------------------------------------------------------------------ circuits
-def _load_with_attention(ckpt: Path, command: str, why: str = "") -> Any:
-    """Load a checkpoint for an analysis that needs attention layers (one-line error otherwise)."""
-    from ..checkpoint import load
-
-    model = load(ckpt)
+def _load_with_attention(args: argparse.Namespace, command: str, why: str = "") -> Any:
+    """Load ``args.ckpt`` (any source) for an analysis that needs attention layers (one-line error otherwise)."""
+    model = load_source(args.ckpt, args.config)
     if model.cfg.n_layers == 0:
         raise QkovError(f"{command}: the model has no attention layers{why}")
     return model
@@ -35,7 +34,7 @@ def _add_circuits(sub: Any) -> None:
             "shown too); and the residual-stream bandwidth per layer."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    add_source_args(p)
     p.add_argument("--top", type=_positive_int, default=5, help="composition pairs to show per kind (default 5)")
     p.add_argument("--diag-k", type=_nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
     p.add_argument("--float64", action="store_true", help="compute in float64")
@@ -51,7 +50,7 @@ def _cmd_circuits(args: argparse.Namespace) -> int:
     from ..train import pick_device
     from ..weights import Weights
 
-    model = _load_with_attention(args.ckpt, "circuits")
+    model = _load_with_attention(args, "circuits")
     dtype = torch.float64 if args.float64 else torch.float32
     w = Weights.from_model(model, dtype=dtype, device=pick_device(args.device))
     report = analyse(w, diag_k=args.diag_k or None)
@@ -118,7 +117,7 @@ def _add_paths(sub: Any) -> None:
             "the marginal loss of each order, and the terms whose removal costs the most loss."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    add_source_args(p)
     p.add_argument(
         "--text",
         type=Path,
@@ -145,9 +144,10 @@ def _analysis_inputs(
 
     from ..checkpoint import read_config
     from ..data import load_corpus, val_batches
+    from ..interop import source_kind
 
     corpus = None
-    training = read_config(ckpt).get("training", {})
+    training = read_config(ckpt).get("training", {}) if source_kind(ckpt) == "qkov" else {}
     spec = training.get("corpus")
     if spec and (text is None or want_corpus):
         try:
@@ -181,7 +181,7 @@ def _cmd_paths(args: argparse.Namespace) -> int:
     from ..train import pick_device
     from ..weights import Weights
 
-    model = _load_with_attention(args.ckpt, "paths", " (its logits are the direct path alone)")
+    model = _load_with_attention(args, "paths", " (its logits are the direct path alone)")
     tokens, _ = _analysis_inputs(args.ckpt, model, args.text, args.batch)
     dtype = torch.float64 if args.float64 else torch.float32
     dev = pick_device(args.device)
@@ -247,7 +247,7 @@ def _add_heads(sub: Any) -> None:
             "learning score; memory-management neurons. Roles come from documented thresholds."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    add_source_args(p)
     p.add_argument("--text", type=Path, help="a text file (default: the validation split of the training corpus)")
     p.add_argument("--batch", type=_positive_int, default=8, help="sequences of validation text (default 8)")
     p.add_argument(
@@ -267,7 +267,7 @@ def _cmd_heads(args: argparse.Namespace) -> int:
 
     from ..heads import THRESHOLDS, head_report
 
-    model = _load_with_attention(args.ckpt, "heads")
+    model = _load_with_attention(args, "heads")
     text, corpus = _analysis_inputs(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
     freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
     report = head_report(
@@ -327,7 +327,7 @@ def _add_trigrams(sub: Any) -> None:
             "token's top outputs (OV row) and the destinations that attend to it most (QK column)."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
+    add_source_args(p)
     p.add_argument("--head", required=True, metavar="L.H", help="the head, e.g. 0.3")
     p.add_argument("--source", metavar="TOKEN", help="a token string (it must encode to exactly one token)")
     p.add_argument("--top", type=_positive_int, default=20, help="rows to show (default 20)")
@@ -348,10 +348,9 @@ def _parse_head(text: str, model: Any) -> tuple[int, int]:
 
 def _cmd_trigrams(args: argparse.Namespace) -> int:
     from .. import trigrams as T
-    from ..checkpoint import load
     from ..weights import Weights
 
-    model = load(args.ckpt)
+    model = load_source(args.ckpt, args.config)
     if model.tokenizer is None:
         raise QkovError("trigrams: the checkpoint has no tokenizer to show tokens with")
     layer, head = _parse_head(args.head, model)

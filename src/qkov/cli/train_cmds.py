@@ -182,6 +182,7 @@ def checkpoint_info(path: Path, model: Any) -> dict[str, Any]:
         "corpus": tr.get("corpus"),
         "tokenizer": model.tokenizer is not None,
         "training": cfg,
+        "imported_from": tr.get("imported_from"),
     }
 
 
@@ -202,6 +203,11 @@ def _print_info(path: Path, model: Any, *, as_json: bool) -> None:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     table.add_row("model", arch)
     table.add_row("parameters", f"{info['parameters']:,}")
+    if info["imported_from"]:
+        src = info["imported_from"]
+        table.add_row("imported", f"{src.get('format')} from {src.get('path')}")
+        console().print(table)
+        return
     table.add_row(
         "trained",
         f"{fmt(info['steps'], ',')} / {fmt(info['steps_planned'], ',')} steps, "
