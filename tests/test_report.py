@@ -280,3 +280,29 @@ def test_claims_verdicts_follow_the_numbers() -> None:
     one["heads"]["rows"] = rows(0.6, [0.1, 0.1, 0.1, 0.9])
     two["icl"]["score"] = 0.0
     assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, None, False]
+
+
+def test_report_of_an_imported_gpt2_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Any source the analyses read: a Hugging Face GPT-2 directory (LayerNorm, MLPs, biases),
+    with --text; the page renders and its paths section is exact for the MLP model."""
+    transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
+    from helpers import byte_bpe
+
+    tok = byte_bpe(["def f(self):\n    return self.x\n"] * 50, 271, "<|endoftext|>")
+    cfg = transformers.GPT2Config(
+        vocab_size=271, n_positions=96, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(tmp_path / "gpt2")
+    tok.save(str(tmp_path / "gpt2" / "tokenizer.json"))
+    (tmp_path / "t.py").write_text("class A:\n    def f(self, x):\n        return self.x + x\n" * 40)
+    assert main(["report", str(tmp_path / "gpt2")]) == 2
+    assert "-o DIR" in capsys.readouterr().err
+    args = ["report", str(tmp_path / "gpt2"), "-o", str(tmp_path / "rep"), "--text", str(tmp_path / "t.py")]
+    assert main([*args, "--quiet", "--icl-examples", "8"]) == 0
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert data["card"]["source"] == "hf" and data["card"]["model"]["d_mlp"] == 128
+    assert data["paths"]["reconstruction_max_abs_error"] < 1e-3
+    assert data["attention"]["tokens"][0] == "<|endoftext|>"
+    if CHROMIUM is not None:
+        _check_page(tmp_path / "rep" / "index.html", tmp_path / "profile", "gpt2-import", SECTIONS)

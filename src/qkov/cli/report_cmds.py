@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import _nonneg_int, _positive_int, console
+from .interop_cmds import add_source_args
 
 
 def _add_report(sub: Any) -> None:
@@ -22,8 +23,8 @@ def _add_report(sub: Any) -> None:
             "skip-trigram and bigram tables."
         ),
     )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
-    p.add_argument("-o", "--out", type=Path, help="output directory (default CKPT/report)")
+    add_source_args(p)
+    p.add_argument("-o", "--out", type=Path, help="output directory (default CKPT/report for a qkov checkpoint)")
     p.add_argument("--text", type=Path, help="a text file to analyse (default: the training corpus's validation split)")
     p.add_argument("--batch", type=_positive_int, default=8, help="validation sequences for paths and head scores")
     p.add_argument("--icl-examples", type=_positive_int, default=256, help="validation sequences for the ICL curve")
@@ -42,6 +43,11 @@ def _add_report(sub: Any) -> None:
 def _cmd_report(args: argparse.Namespace) -> int:
     from ..report import write_report
 
+    from ..errors import QkovError
+    from ..interop import source_kind
+
+    if args.out is None and source_kind(args.ckpt) != "qkov":
+        raise QkovError("report: give -o DIR for a model that is not a qkov checkpoint directory")
     out = args.out or args.ckpt / "report"
     con = console()
     t0 = time.perf_counter()
@@ -57,6 +63,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         device=args.device,
         text=args.text,
         diag_k=args.diag_k,
+        config=args.config,
     )
     size = (out / "index.html").stat().st_size
     print(f"wrote {out / 'index.html'} ({size / 1e6:.1f} MB) and report.json in {time.perf_counter() - t0:.1f} s")

@@ -68,9 +68,15 @@ def _card(ckpt: Path, model: Any, w: Any) -> dict[str, Any]:
     from ..checkpoint import read_metrics
     from ..circuits import bandwidth
     from ..cli.train_cmds import checkpoint_info
+    from ..interop import source_kind
 
-    info = checkpoint_info(ckpt, model)
-    metrics = read_metrics(ckpt)
+    kind = source_kind(ckpt)
+    if kind == "qkov":
+        info = checkpoint_info(ckpt, model)
+        metrics = read_metrics(ckpt)
+    else:  # an imported model: no training record
+        info = {"path": str(ckpt), "model": model.cfg.to_dict(), "parameters": model.num_parameters(), "source": kind}
+        metrics = []
     evals = [m for m in metrics if "val_loss" in m]
     logs = [m for m in metrics if "train_loss" in m and "val_loss" not in m]
     logs = logs[:: max(1, len(logs) // 250)]  # a readable curve, not every logged step
@@ -229,6 +235,7 @@ def _trigrams(w: Any, decode: Callable[[int], str], bos: int, top: int) -> dict[
 def collect(
     ckpt: Path | str,
     *,
+    config: Path | None = None,
     batch: int = 8,
     icl_examples: int = 256,
     viewer_tokens: int = 128,
@@ -243,6 +250,8 @@ def collect(
     """Compute every number of the report of checkpoint ``ckpt``.
 
     Args:
+        ckpt: a qkov checkpoint, or any source :func:`qkov.interop.load_any` reads (a
+            Hugging Face GPT-2 directory, a TransformerLens file with ``config``, a Hub name).
         batch: validation sequences (of ``n_ctx`` tokens) for the path expansion and the
             pattern-based head scores.
         icl_examples: validation sequences for the in-context-learning curve.
@@ -258,8 +267,8 @@ def collect(
     Raises:
         QkovError: the checkpoint cannot be read, or has no corpus to take text from.
     """
-    from ..checkpoint import load
     from ..cli.analysis_cmds import _analysis_inputs
+    from ..interop import load_any
     from ..train import pick_device
     from ..weights import Weights
 
@@ -268,8 +277,7 @@ def collect(
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
     with _stage(timings, "load", progress):
-        model = load(ckpt, device=dev)
-        model.eval()
+        model = load_any(ckpt, config=config).to(dev).eval()
         if tokens is not None:
             if tokens.ndim != 2 or tokens.shape[1] > model.cfg.n_ctx:
                 raise QkovError(f"report: tokens must be [batch, <= {model.cfg.n_ctx}], got {list(tokens.shape)}")

@@ -64,16 +64,21 @@
     const arch = `${m.n_layers} layers × ${m.n_heads} heads, d_model ${m.d_model}, d_head ${m.d_head}, ` +
       `vocab ${m.d_vocab}, context ${m.n_ctx}, positions ${m.positional}, norm ${m.normalization}, ` +
       `MLP ${m.d_mlp || "none"}`;
-    table(sec, ["", ""], [
-      ["architecture", arch],
-      ["parameters", (c.parameters || 0).toLocaleString("en-US")],
-      ["trained", `${(c.steps || 0).toLocaleString("en-US")} / ${(c.steps_planned || 0).toLocaleString("en-US")} steps, ` +
-        `${(c.tokens || 0).toLocaleString("en-US")} tokens` + (c.wall_s ? `, ${Math.round(c.wall_s)} s on ${c.device}` : "")],
-      ["train loss", fmt(c.train_loss, 4)],
-      ["validation loss", fmt(c.val_loss, 4)],
-      ["induction score (training probe)", fmt(c.induction_score, 3)],
-      ["corpus", String(c.corpus || "–")],
-    ], [0, 1]);
+    const rows = [["architecture", arch], ["parameters", (c.parameters || 0).toLocaleString("en-US")]];
+    if (c.source) {
+      rows.push(["source", `imported (${c.source}) from ${c.path}: no training record`]);
+    } else {
+      rows.push(
+        ["trained", `${(c.steps || 0).toLocaleString("en-US")} / ${(c.steps_planned || 0).toLocaleString("en-US")} ` +
+          `steps, ${(c.tokens || 0).toLocaleString("en-US")} tokens` +
+          (c.wall_s ? `, ${Math.round(c.wall_s)} s on ${c.device}` : "")],
+        ["train loss", fmt(c.train_loss, 4)],
+        ["validation loss", fmt(c.val_loss, 4)],
+        ["induction score (training probe)", fmt(c.induction_score, 3)],
+        ["corpus", String(c.corpus || "–")],
+      );
+    }
+    table(sec, ["", ""], rows, [0, 1]);
     const cv = c.curve;
     if (cv && cv.tokens.length) {
       plot(sec, [
