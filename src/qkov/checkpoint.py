@@ -96,15 +96,21 @@ def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.d
     load_state(model, state, where=str(weights_path))
     tok_info = data.get("tokenizer") or {}
     model.bos_token_id = int(tok_info.get("bos_token_id", 0))
-    tok_path = path / TOKENIZER_FILE
-    if tok_path.is_file():
-        from tokenizers import Tokenizer
-
-        try:
-            model.tokenizer = Tokenizer.from_file(str(tok_path))
-        except Exception as exc:  # tokenizers raises its own Exception type
-            raise QkovError(f"checkpoint {str(path)!r}: {TOKENIZER_FILE} is corrupt ({exc})") from None
+    model.tokenizer = read_tokenizer(path)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def read_tokenizer(path: Path | str) -> Any:
+    """The checkpoint's ``tokenizers.Tokenizer``, or ``None`` when it has no ``tokenizer.json``."""
+    tok_path = Path(path) / TOKENIZER_FILE
+    if not tok_path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(tok_path))
+    except Exception as exc:  # tokenizers raises its own Exception type
+        raise QkovError(f"checkpoint {str(path)!r}: {TOKENIZER_FILE} is corrupt ({exc})") from None
 
 
 def load_state(model: Transformer, state: dict[str, torch.Tensor], *, where: str) -> None:
