@@ -18,6 +18,7 @@ from qkov import circuits as C
 from qkov import lazy_circuits as LC
 from qkov import trigrams as T
 from qkov.cli import main
+from qkov.factored import LowRank
 from qkov.lazy import LazyCheckpoint, TensorFile
 from qkov.weights import Weights
 
@@ -245,3 +246,23 @@ def test_stage_progress_draws_on_a_terminal() -> None:
     with StageProgress(console=Console(file=quiet, force_terminal=False)) as p:
         p("copying", 1, 2)
     assert quiet.getvalue() == ""
+
+
+def test_composition_baseline_draws_in_blocks_with_the_same_values() -> None:
+    def whole(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+
+    for shapes in ([(10, 32, 8), (10, 8, 32)] * 2, [(7, 5, 3), (7, 3, 5)]):
+        blocks = list(C._seeded_normals(torch.Generator().manual_seed(3), shapes, max_bytes=8 * 4 * 256 * 3))
+        assert len(blocks) == (4 if shapes[0][1] == 32 else 1)  # 3 samples a block; 15 values a sample: whole
+        for got, ref in zip(zip(*blocks), whole(3, shapes), strict=True):
+            assert torch.equal(torch.cat(got), ref)
+    # the memory-bounded baseline is the batched formula's (V1, O1, A, then B or RB, each drawn whole)
+    V1, O1, A, B = whole(0, [(40, 32, 8), (40, 8, 32), (40, 32, 8), (40, 32, 8)])
+    num = torch.stack(
+        [C._pair_norms(V1[i : i + 1], O1[i : i + 1], A[i : i + 1], B[i : i + 1].mT)[0, 0] for i in range(40)]
+    )
+    ref = num / (LowRank(V1, O1).norm() * LowRank(A, B.mT).norm())
+    got = C.composition_baseline(32, 8, "k", samples=40)
+    assert (got.mean, got.std) == pytest.approx((float(ref.mean()), float(ref.std())), rel=1e-12)
