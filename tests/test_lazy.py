@@ -67,7 +67,7 @@ def test_reader_agrees_with_safetensors(saved: tuple[Weights, Path]) -> None:
         TensorFile(half)
 
 
-def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path]) -> None:
+def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     w, path = saved
     ck = LazyCheckpoint(path, dtype=torch.float64)
     for layer in range(w.n_layers):
@@ -83,6 +83,8 @@ def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path]) -> 
             assert _close(W_out, w.W_out[layer]) and _close(b_out, w.b_out[layer])  # type: ignore[index]
     W_U, b_U = ck.unembed()
     assert _close(W_U, w.W_U) and _close(b_U, w.b_U) and _close(ck.embed(), w.W_E)
+    monkeypatch.setattr("qkov.lazy._BLOCK", 7 * w.cfg.d_model)  # W_U folded 7 columns at a time
+    assert _close(ck.unembed()[0], w.W_U) and _close(ck.unembed()[1], w.b_U)
     assert _close(ck.unembed_embed(chunk=7), w.W_U @ w.W_E)
     hw = ck.head_weights(2, 1)
     assert hw.cfg.n_layers == 1 and hw.cfg.n_heads == 1

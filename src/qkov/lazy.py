@@ -46,6 +46,7 @@ _DTYPES: dict[str, tuple[type, torch.dtype | None]] = {
     "BF16": (np.uint16, torch.bfloat16),  # numpy has no bfloat16: read the bits, view them in torch
 }
 _PAGE = mmap.PAGESIZE
+_BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
 AUTO_LAZY_BYTES = 1 << 30  # the CLI streams a checkpoint whose model.safetensors is larger than this
 
 
@@ -173,7 +174,7 @@ class LazyCheckpoint:
 
     def _get(self, name: str, index: int | slice | None = None, cols: slice | None = None) -> Tensor:
         t = self.file.read(name, index, cols)
-        if not torch.isfinite(t).all():
+        if not all(bool(part.isfinite().all()) for part in t.reshape(-1).split(_BLOCK)):  # no full-size mask
             raise QkovError(f"{self.file.path}: {name} holds NaN or infinite values")
         return t.to(device=self.device, dtype=self.dtype)
 
@@ -198,7 +199,16 @@ class LazyCheckpoint:
 
     def unembed(self, cols: slice | None = None) -> tuple[Tensor, Tensor]:
         """``W_U [d_model, v]`` and ``b_U [v]`` (all ``d_vocab`` columns, or the block ``cols``),
-        the final LayerNorm folded in."""
+        the final LayerNorm folded in (in blocks of columns: no full-size temporaries)."""
+        V = self.cfg.d_vocab
+        if cols is None and self.layernorm and V > _BLOCK // self.cfg.d_model:
+            W = torch.empty(self.cfg.d_model, V, device=self.device, dtype=self.dtype)
+            b = torch.empty(V, device=self.device, dtype=self.dtype)
+            step = _BLOCK // self.cfg.d_model
+            for lo in range(0, V, step):
+                block = slice(lo, min(V, lo + step))
+                W[:, block], b[block] = self.unembed(cols=block)
+            return W, b
         W = self._get("W_U", cols=cols)
         b = self._get("b_U", cols=cols) if "b_U" in self.file.entries else W.new_zeros(W.shape[1])
         if self.layernorm:
