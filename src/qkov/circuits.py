@@ -231,20 +231,44 @@ def composition_baseline(
     the rank, but the spread grows as ``d_head`` shrinks; sampling gives both, so a
     score can be read as "k standard deviations above chance".
     """
-    g = torch.Generator().manual_seed(seed)
     n = samples
     shape_in, shape_out = (n, d_model, d_head), (n, d_head, d_model)
-    V1, O1 = (
-        torch.randn(shape_in, generator=g, dtype=torch.float64),
-        torch.randn(shape_out, generator=g, dtype=torch.float64),
-    )
-    A = torch.randn(shape_in, generator=g, dtype=torch.float64)
-    B = torch.randn(shape_in, generator=g, dtype=torch.float64) if kind != "v" else None
-    RB = B.transpose(-1, -2) if B is not None else torch.randn(shape_out, generator=g, dtype=torch.float64)
-    # sample i pairs writer i with reader i only: ||S_V1 O1 A S_RB^T||_F, batched over samples
-    num = torch.linalg.matrix_norm(_absorb_left(V1, O1) @ _absorb_right(A, RB))
-    s = num / (LowRank(V1, O1).norm() * LowRank(A, RB).norm())
+    shapes = [shape_in, shape_out, shape_in, shape_in if kind != "v" else shape_out]  # V1, O1, A, B (or RB)
+    scores = []
+    for V1, O1, A, B in _seeded_normals(torch.Generator().manual_seed(seed), shapes):
+        RB = B.transpose(-1, -2) if kind != "v" else B
+        # sample i pairs writer i with reader i only: ||S_V1 O1 A S_RB^T||_F, batched over the block
+        num = torch.linalg.matrix_norm(_absorb_left(V1, O1) @ _absorb_right(A, RB))
+        scores.append(num / (LowRank(V1, O1).norm() * LowRank(A, RB).norm()))
+    s = torch.cat(scores)
     return Baseline(mean=float(s.mean()), std=float(s.std()), samples=n)
+
+
+def _seeded_normals(g: torch.Generator, shapes: list[tuple[int, ...]], max_bytes: int = 64 * 2**20) -> Any:
+    """Yield blocks of samples ``[lo:hi]`` of float64 ``torch.randn(shape)`` tensors drawn from ``g`` one
+    after another, holding one block of each (under ``max_bytes``) instead of all of them.
+
+    The values are those of drawing each tensor whole: the generator's state is recorded at
+    each block boundary in a first pass, then restored per block. Drawing in blocks gives the
+    same stream when a block holds a multiple of 16 values (torch fills normals 16 at a time),
+    so other shapes are drawn whole.
+    """
+    n, per_sample = shapes[0][0], sum(math.prod(s[1:]) for s in shapes)
+    block = max(1, min(n, max_bytes // (8 * per_sample)))
+    if any(math.prod(s[1:]) % 16 for s in shapes):
+        block = n
+    states = []
+    for shape in shapes:  # pass 1: the state before each block of each tensor
+        states.append([])
+        for lo in range(0, n, block):
+            states[-1].append(g.get_state())
+            torch.randn((min(block, n - lo), *shape[1:]), generator=g, dtype=torch.float64)
+    for i, lo in enumerate(range(0, n, block)):
+        parts = []
+        for shape, st in zip(shapes, states):
+            g.set_state(st[i])
+            parts.append(torch.randn((min(block, n - lo), *shape[1:]), generator=g, dtype=torch.float64))
+        yield parts
 
 
 @dataclass

@@ -294,7 +294,7 @@ def positional_fraction(w: "Weights", run: "FrozenRun") -> Tensor:
     """
     L, H = w.n_layers, w.n_heads
     if w.W_pos is None or run.qk_inputs is None:
-        return torch.zeros(L, H, dtype=w.W_E.dtype)
+        return torch.zeros(L, H, dtype=w.W_E.dtype, device=w.W_E.device)
     T = run.tokens.shape[1]
     mask = torch.ones(T, T, dtype=torch.bool, device=w.W_E.device).tril()
     counts = mask.sum(-1)

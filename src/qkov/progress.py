@@ -1,6 +1,7 @@
-"""Progress display for training: a rich progress bar on a terminal, plain lines elsewhere.
+"""Progress displays: training, and staged analyses (rich bars on a terminal).
 
-Used by the CLI as the ``callback`` of :func:`qkov.train`; the library itself never prints.
+Used by the CLI as the ``callback`` of :func:`qkov.train` and the ``progress`` of
+:mod:`qkov.lazy_circuits`; the library itself never prints.
 """
 
 from __future__ import annotations
@@ -10,6 +11,21 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def _start_bar(console: Console, title: str, *extra: Any) -> Progress:
+    """A started rich progress display: title, bar, done/total, ``extra`` columns, elapsed and remaining time."""
+    bar = Progress(
+        TextColumn(title),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *extra,
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    bar.__enter__()
+    return bar
 
 
 class TrainProgress:
@@ -25,17 +41,12 @@ class TrainProgress:
 
     def __enter__(self) -> "TrainProgress":
         if self.live:
-            self.progress = Progress(
-                TextColumn("[bold]train"),
-                BarColumn(),
-                MofNCompleteColumn(),
+            self.progress = _start_bar(
+                self.console,
+                "[bold]train",
                 TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  induction {task.fields[ind]}"),
                 TextColumn("{task.fields[tps]} tok/s"),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=self.console,
             )
-            self.progress.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -77,3 +88,30 @@ class TrainProgress:
                 print(line, file=sys.stderr, flush=True)
         elif kind == "done" and not self.quiet:
             self.say(f"done: step {ev['step']}, val loss {ev['val_loss']}, {ev['wall_s']:.0f} s of training")
+
+
+class StageProgress:
+    """Callable ``(stage, done, total)`` drawing one rich progress bar per stage on a terminal
+    (stderr); silent elsewhere. The ``progress`` argument of :mod:`qkov.lazy_circuits`. Use as a
+    context manager."""
+
+    def __init__(self, *, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.progress: Progress | None = None
+        self.tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> "StageProgress":
+        if self.console.is_terminal:
+            self.progress = _start_bar(self.console, "[bold]{task.description}")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.progress is None:
+            return
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(stage, total=total)
+        self.progress.update(self.tasks[stage], completed=done, total=total)

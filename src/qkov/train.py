@@ -127,6 +127,8 @@ def pick_device(name: str = "auto") -> torch.device:
         raise QkovError(f"device: unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise QkovError("device: cuda requested but no CUDA GPU is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise QkovError(f"device: {name} requested but only {torch.cuda.device_count()} CUDA GPU(s) are visible")
     if dev.type not in ("cpu", "cuda", "mps"):
         raise QkovError(f"device: unsupported device {name!r}")
     return dev

@@ -164,25 +164,17 @@ class Weights:
         if self.norm != "layernorm":
             return self
 
-        def fold(W: Tensor, b: Tensor, g: Tensor, beta: Tensor, read_dim: int) -> tuple[Tensor, Tensor]:
-            # W reads the normalised stream along dim `read_dim` (size d_model):
-            # (n * g + beta) @ W = n @ (g W) + beta @ W
-            new_b = b + (beta @ W if W.ndim == 2 else _read(beta, W))
-            new_W = W * g.reshape(_bshape(g, W, read_dim))
-            new_W = new_W - new_W.mean(dim=read_dim, keepdim=True)
-            return new_W, new_b
-
         ch: dict[str, Tensor | None | str] = {}
         if self.n_layers:
             assert self.ln1_w is not None and self.ln1_b is not None
             for name in ("Q", "K", "V"):
                 W, b = getattr(self, f"W_{name}"), getattr(self, f"b_{name}")
-                ch[f"W_{name}"], ch[f"b_{name}"] = fold(W, b, self.ln1_w, self.ln1_b, read_dim=2)
+                ch[f"W_{name}"], ch[f"b_{name}"] = fold_reader(W, b, self.ln1_w, self.ln1_b, read_dim=2)
             if self.W_in is not None:
                 assert self.ln2_w is not None and self.ln2_b is not None and self.b_in is not None
-                ch["W_in"], ch["b_in"] = fold(self.W_in, self.b_in, self.ln2_w, self.ln2_b, read_dim=1)
+                ch["W_in"], ch["b_in"] = fold_reader(self.W_in, self.b_in, self.ln2_w, self.ln2_b, read_dim=1)
         assert self.lnf_w is not None and self.lnf_b is not None
-        ch["W_U"], ch["b_U"] = fold(self.W_U, self.b_U, self.lnf_w, self.lnf_b, read_dim=0)
+        ch["W_U"], ch["b_U"] = fold_reader(self.W_U, self.b_U, self.lnf_w, self.lnf_b, read_dim=0)
         ch.update(norm="folded", ln1_w=None, ln1_b=None, ln2_w=None, ln2_b=None, lnf_w=None, lnf_b=None)
         return self.replace(**ch)
 
@@ -245,6 +237,22 @@ class Weights:
         if self.norm == "folded":
             ch["norm"] = "scale"
         return self.replace(**ch)
+
+
+def fold_reader(W: Tensor, b: Tensor, g: Tensor, beta: Tensor, read_dim: int) -> tuple[Tensor, Tensor]:
+    """Fold a LayerNorm's gain ``g`` and bias ``beta`` into a reader ``W`` (bias ``b``); centre ``W``.
+
+    ``W`` reads the normalised stream along ``read_dim`` (size d_model): ``(n * g + beta) @ W =
+    n @ (g W) + beta @ W``; then the mean over ``read_dim`` is removed (``n`` has zero mean).
+    Either stacked over layers (``g, beta [L, D]``; ``W [L, H, D, E]`` or ``[L, D, M]``) or one
+    LayerNorm (``g, beta [D]``; ``W [D, V]``, ``[H, D, E]`` or ``[D, M]``, read along its
+    second-to-last dim). Each output column folds on its own, so one head, one layer or a
+    block of ``W_U``'s columns folds exactly as it would inside the whole.
+    """
+    new_b = b + (beta @ W if beta.ndim == 1 else _read(beta, W))
+    new_W = W * g.reshape(_bshape(g, W, read_dim))
+    new_W = new_W - new_W.mean(dim=read_dim, keepdim=True)
+    return new_W, new_b
 
 
 def _read(beta: Tensor, W: Tensor) -> Tensor:

@@ -14,12 +14,48 @@ from .interop_cmds import add_source_args, load_source
 
 
 # ------------------------------------------------------------------------ circuits
-def _load_with_attention(args: argparse.Namespace, command: str, why: str = "") -> Any:
+def _load_with_attention(args: argparse.Namespace, command: str, why: str = "", device: Any = "cpu") -> Any:
     """Load ``args.ckpt`` (any source) for an analysis that needs attention layers (one-line error otherwise)."""
-    model = load_source(args.ckpt, args.config)
+    model = load_source(args.ckpt, args.config).to(device)
     if model.cfg.n_layers == 0:
         raise QkovError(f"{command}: the model has no attention layers{why}")
     return model
+
+
+def _add_device(p: Any) -> None:
+    p.add_argument(
+        "--device", default="auto", help="where to compute: auto (default; cuda if available), cpu, cuda or cuda:N"
+    )
+
+
+def _device(args: argparse.Namespace) -> Any:
+    """The ``--device`` as a torch device, checked before any work (one-line error if unusable)."""
+    from ..train import pick_device
+
+    return pick_device(args.device)
+
+
+def _lazy(args: argparse.Namespace) -> bool:
+    """``--lazy``, or automatically when ``model.safetensors`` is larger than ``AUTO_LAZY_BYTES``."""
+    from ..lazy import AUTO_LAZY_BYTES
+
+    from ..interop import source_kind
+
+    if source_kind(args.ckpt) != "qkov":
+        if args.lazy:
+            raise QkovError("--lazy reads qkov checkpoints: convert the model first with qkov import")
+        return False
+    weights = args.ckpt / "model.safetensors"
+    return bool(args.lazy) or (weights.is_file() and weights.stat().st_size > AUTO_LAZY_BYTES)
+
+
+def _add_lazy(p: Any) -> None:
+    p.add_argument(
+        "--lazy",
+        action="store_true",
+        help="read the weights layer by layer from a memory map instead of loading the model "
+        "(automatic when model.safetensors is over 1 GiB; MLP weights are never read)",
+    )
 
 
 def _add_circuits(sub: Any) -> None:
@@ -38,7 +74,8 @@ def _add_circuits(sub: Any) -> None:
     p.add_argument("--top", type=_positive_int, default=5, help="composition pairs to show per kind (default 5)")
     p.add_argument("--diag-k", type=_nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
     p.add_argument("--float64", action="store_true", help="compute in float64")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    _add_device(p)
+    _add_lazy(p)
     p.add_argument("--json", action="store_true", help="print every score as JSON")
     p.set_defaults(func=_cmd_circuits)
 
@@ -47,13 +84,23 @@ def _cmd_circuits(args: argparse.Namespace) -> int:
     import torch
 
     from ..circuits import analyse
-    from ..train import pick_device
     from ..weights import Weights
 
-    model = _load_with_attention(args, "circuits")
+    dev = _device(args)
     dtype = torch.float64 if args.float64 else torch.float32
-    w = Weights.from_model(model, dtype=dtype, device=pick_device(args.device))
-    report = analyse(w, diag_k=args.diag_k or None)
+    if _lazy(args):
+        from ..lazy import LazyCheckpoint
+        from ..lazy_circuits import analyse as analyse_lazy
+        from ..progress import StageProgress
+
+        ck = LazyCheckpoint(args.ckpt, dtype=dtype, device=dev)
+        if ck.cfg.n_layers == 0:
+            raise QkovError("circuits: the model has no attention layers")
+        with StageProgress() as progress:
+            report = analyse_lazy(ck, diag_k=args.diag_k or None, progress=progress)
+    else:
+        model = _load_with_attention(args, "circuits")
+        report = analyse(Weights.from_model(model, dtype=dtype, device=dev), diag_k=args.diag_k or None)
     data = report.to_dict()
     if args.json:
         print(json.dumps({"path": str(args.ckpt), **data}, indent=2))
@@ -126,7 +173,7 @@ def _add_paths(sub: Any) -> None:
     p.add_argument("--batch", type=_positive_int, default=8, help="sequences of n_ctx tokens (default 8)")
     p.add_argument("--top", type=_positive_int, default=10, help="terms to list per order (default 10)")
     p.add_argument("--float64", action="store_true", help="compute in float64")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print every number as JSON")
     p.set_defaults(func=_cmd_paths)
 
@@ -178,13 +225,12 @@ def _cmd_paths(args: argparse.Namespace) -> int:
     import torch
 
     from .. import paths as P
-    from ..train import pick_device
     from ..weights import Weights
 
+    dev = _device(args)
     model = _load_with_attention(args, "paths", " (its logits are the direct path alone)")
     tokens, _ = _analysis_inputs(args.ckpt, model, args.text, args.batch)
     dtype = torch.float64 if args.float64 else torch.float32
-    dev = pick_device(args.device)
     w = Weights.from_model(model, dtype=dtype, device=dev)
     tokens = tokens.to(dev)
     t0 = time.perf_counter()
@@ -258,6 +304,7 @@ def _add_heads(sub: Any) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the repeated random tokens (default 0)")
     p.add_argument("--diag-k", type=_nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
+    _add_device(p)
     p.add_argument("--json", action="store_true", help="print every score as JSON")
     p.set_defaults(func=_cmd_heads)
 
@@ -267,7 +314,7 @@ def _cmd_heads(args: argparse.Namespace) -> int:
 
     from ..heads import THRESHOLDS, head_report
 
-    model = _load_with_attention(args, "heads")
+    model = _load_with_attention(args, "heads", device=_device(args))
     text, corpus = _analysis_inputs(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
     freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
     report = head_report(
@@ -331,6 +378,8 @@ def _add_trigrams(sub: Any) -> None:
     p.add_argument("--head", required=True, metavar="L.H", help="the head, e.g. 0.3")
     p.add_argument("--source", metavar="TOKEN", help="a token string (it must encode to exactly one token)")
     p.add_argument("--top", type=_positive_int, default=20, help="rows to show (default 20)")
+    _add_device(p)
+    _add_lazy(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=_cmd_trigrams)
 
@@ -348,18 +397,31 @@ def _parse_head(text: str, model: Any) -> tuple[int, int]:
 
 def _cmd_trigrams(args: argparse.Namespace) -> int:
     from .. import trigrams as T
+    from ..checkpoint import TOKENIZER_FILE, read_tokenizer
     from ..weights import Weights
 
-    model = load_source(args.ckpt, args.config)
-    if model.tokenizer is None:
+    dev = _device(args)
+    lazy = _lazy(args)
+    if lazy:  # only W_E, W_pos, W_U and the one head are read
+        from ..lazy import LazyCheckpoint
+
+        source: Any = LazyCheckpoint(args.ckpt, device=dev)
+        tokenizer = read_tokenizer(args.ckpt / TOKENIZER_FILE, where=f"checkpoint {str(args.ckpt)!r}")
+    else:
+        source = load_source(args.ckpt, args.config)
+        tokenizer = source.tokenizer
+    if tokenizer is None:
         raise QkovError("trigrams: the checkpoint has no tokenizer to show tokens with")
-    layer, head = _parse_head(args.head, model)
-    w = Weights.from_model(model)
-    bos = model.bos_token_id
-    decode = lambda i: model.tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
+    layer, head = _parse_head(args.head, source)
+    if lazy:
+        w, layer, head = source.head_weights(layer, head), 0, 0  # a one-head view: the head is 0.0 there
+    else:
+        w = Weights.from_model(source, device=dev)
+    bos = source.bos_token_id
+    decode = lambda i: tokenizer.decode([i], skip_special_tokens=False)  # noqa: E731
     data: dict[str, Any] = {"path": str(args.ckpt), "head": args.head}
     if args.source is not None:
-        ids = model.tokenizer.encode(args.source).ids
+        ids = tokenizer.encode(args.source).ids
         if len(ids) != 1:
             raise QkovError(
                 f"--source {args.source!r} encodes to {len(ids)} tokens {[decode(i) for i in ids]}; give one token"

@@ -1,0 +1,270 @@
+"""Lazy (streamed) checkpoints: same numbers as the in-memory Weights path, only the needed tensors read."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import qkov
+from qkov import ModelConfig, QkovError, Transformer
+from qkov import circuits as C
+from qkov import lazy_circuits as LC
+from qkov import trigrams as T
+from qkov.cli import main
+from qkov.factored import LowRank
+from qkov.lazy import LazyCheckpoint, TensorFile
+from qkov.weights import Weights
+
+from helpers import LN_MLP, perturb_non_matrices
+
+LN = LN_MLP.replace(n_layers=4, n_heads=3, positional="standard")  # LayerNorm, MLPs, biases
+ATTN_ONLY = ModelConfig(n_layers=3, n_heads=4, d_model=32, d_head=8, d_vocab=60, n_ctx=20)  # shortformer
+CASES = {"layernorm-mlp": LN, "attn-only": ATTN_ONLY}
+ATTN_FIELDS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
+
+
+def _save(path: Path, cfg: ModelConfig, seed: int = 1) -> Transformer:
+    model = perturb_non_matrices(Transformer(cfg, seed=seed), 0.3)
+    qkov.save_checkpoint(path, model)
+    return model
+
+
+@pytest.fixture(params=sorted(CASES))
+def saved(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Weights, Path]:
+    model = _save(tmp_path / "ck", CASES[request.param])
+    return Weights.from_model(model, dtype=torch.float64), tmp_path / "ck"
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-10) -> bool:
+    return (
+        a.shape == b.shape
+        and torch.equal(a.isnan(), b.isnan())
+        and torch.allclose(a.nan_to_num(), b.nan_to_num(), atol=tol)
+    )
+
+
+def test_reader_agrees_with_safetensors(saved: tuple[Weights, Path]) -> None:
+    path = saved[1] / "model.safetensors"
+    mine = TensorFile(path)
+    with safe_open(str(path), framework="pt") as ref:  # the independent reader
+        assert sorted(ref.keys()) == sorted(mine.entries)
+        for name in ref.keys():
+            t = ref.get_tensor(name)
+            assert torch.equal(mine.read(name), t)
+            assert torch.equal(mine.read(name, 1), t[1])
+            assert torch.equal(mine.read(name, slice(1, 2)), t[1:2])
+            assert torch.equal(mine.read(name, cols=slice(1, 3)), t[..., 1:3])
+    half = tmp = saved[1] / "half.safetensors"
+    tmp.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(QkovError, match="truncated or corrupt"):
+        TensorFile(half)
+
+
+def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    w, path = saved
+    ck = LazyCheckpoint(path, dtype=torch.float64)
+    for layer in range(w.n_layers):
+        att = ck.attention(layer)
+        for f in ATTN_FIELDS:
+            assert _close(getattr(att, f), getattr(w, f)[layer]), (layer, f)
+        one = ck.attention(layer, 2)
+        for f in ATTN_FIELDS[:-1]:
+            assert _close(getattr(one, f)[0], getattr(w, f)[layer, 2]), (layer, f)
+        if w.W_in is not None:
+            W_in, b_in, W_out, b_out = ck.mlp(layer)
+            assert _close(W_in, w.W_in[layer]) and _close(b_in, w.b_in[layer])  # type: ignore[index]
+            assert _close(W_out, w.W_out[layer]) and _close(b_out, w.b_out[layer])  # type: ignore[index]
+    W_U, b_U = ck.unembed()
+    assert _close(W_U, w.W_U) and _close(b_U, w.b_U) and _close(ck.embed(), w.W_E)
+    monkeypatch.setattr("qkov.lazy._BLOCK", 7 * w.cfg.d_model)  # W_U folded 7 columns at a time
+    assert _close(ck.unembed()[0], w.W_U) and _close(ck.unembed()[1], w.b_U)
+    assert _close(ck.unembed_embed(chunk=7), w.W_U @ w.W_E)
+    hw = ck.head_weights(2, 1)
+    assert hw.cfg.n_layers == 1 and hw.cfg.n_heads == 1
+    for f in ATTN_FIELDS[:4]:
+        assert _close(getattr(hw, f)[0, 0], getattr(w, f)[2, 1])
+    assert _close(C.full_ov(hw, 0, 0).materialize(), C.full_ov(w, 2, 1).materialize())
+    assert _close(C.full_qk(hw, 0, 0).materialize(), C.full_qk(w, 2, 1).materialize())
+    with pytest.raises(QkovError, match="no head 4.0"):
+        ck.attention(4, 0)
+
+
+def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path]) -> None:
+    w, path = saved
+    ck = LazyCheckpoint(path, dtype=torch.float64)
+    ref = C.analyse(w, diag_k=3)
+    for writer_bytes in (1, 1 << 30):  # one writer layer per pass (3 passes), and everything in one pass
+        got = LC.analyse(ck, diag_k=3, writer_bytes=writer_bytes)
+        for a, b in zip(ref.copying, got.copying, strict=True):
+            assert (a.layer, a.head, a.diag_topk_rate) == (b.layer, b.head, b.diag_topk_rate)
+            assert a.eigen_score == pytest.approx(b.eigen_score, abs=1e-9)
+            assert a.residual_eigen_score == pytest.approx(b.residual_eigen_score, abs=1e-9)
+        for kind in "qkv":
+            assert _close(got.composition[kind].raw, ref.composition[kind].raw)
+            assert got.composition[kind].baseline == ref.composition[kind].baseline
+        assert got.to_dict()["bandwidth"] == ref.to_dict()["bandwidth"]
+    eig_only = LC.copying_scores(ck, diag_k=None)  # the streamed W_U @ W_E
+    assert [c.eigen_score for c in eig_only] == pytest.approx([c.eigen_score for c in ref.copying], abs=1e-9)
+    pairs = [(("embed",), ("q", 0, 1)), (("head", 0, 2), ("k", 2, 1)), (("head", 1, 0), ("unembed",))]
+    pairs += [(("pos",), ("v", 1, 0))] if w.W_pos is not None else []
+    pairs += (
+        [(("mlp", 0), ("mlp", 3)), (("head", 2, 2), ("mlp", 2)), (("mlp", 1), ("unembed",))]
+        if w.W_in is not None
+        else []
+    )
+    for writer, reader in pairs:
+        assert _close(
+            LC.virtual_weights(ck, writer, reader).materialize(), C.virtual_weights(w, writer, reader).materialize()
+        )
+    for writer, reader, msg in [
+        (("head", 1, 0), ("k", 1, 1), "does not come after"),
+        (("x",), ("unembed",), "unknown writer"),
+    ]:
+        with pytest.raises(QkovError, match=msg):
+            LC.virtual_weights(ck, writer, reader)
+    hw = ck.head_weights(1, 2)
+    lazy_tri, ref_tri = T.skip_trigrams(hw, 0, 0, top=15), T.skip_trigrams(w, 1, 2, top=15)
+    assert [(t.source, t.destination, t.output) for t in lazy_tri] == [
+        (t.source, t.destination, t.output) for t in ref_tri
+    ]
+    assert [t.score for t in lazy_tri] == pytest.approx([t.score for t in ref_tri], rel=1e-9)
+    assert [(b.token, b.next) for b in T.bigrams(hw, top=10)] == [(b.token, b.next) for b in T.bigrams(w, top=10)]
+
+
+def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path: Path) -> None:
+    cfg = ModelConfig(
+        n_layers=4, n_heads=4, d_model=64, d_head=16, d_vocab=500, n_ctx=16, d_mlp=4096, normalization="layernorm"
+    )
+    _save(tmp_path / "ck", cfg)
+    ck = LazyCheckpoint(tmp_path / "ck")
+    LC.analyse(ck, diag_k=None)
+    mlp_bytes = cfg.n_layers * 2 * cfg.d_model * cfg.d_mlp * 4  # type: ignore[operator]
+    assert mlp_bytes > (tmp_path / "ck" / "model.safetensors").stat().st_size * 0.8
+    assert not [k for k in ck.file.reads if ".mlp." in k or ".ln2." in k]
+    attn = [k for k in ck.file.reads if ".attn.W_" in k]
+    assert len(attn) == 16 and all(ck.file.reads[k] == 2 for k in attn)  # copying pass + one composition pass
+    attn_bytes, embed_bytes = 4 * (4 * 4 * 64 * 16) * 4, 2 * 500 * 64 * 4  # per pass; W_E + W_U once
+    assert ck.file.bytes_read < 2 * attn_bytes + embed_bytes + 16384  # + biases and LayerNorms
+    ck = LazyCheckpoint(tmp_path / "ck")
+    ck.head_weights(2, 3)
+    assert {k for k in ck.file.reads if k.startswith("blocks.")} <= {
+        f"blocks.2.{p}" for p in ("ln1.w", "ln1.b", "attn.W_Q", "attn.W_K", "attn.W_V", "attn.W_O")
+    }
+    assert ck.file.bytes_read == (4 * 64 * 16 + 2 * 500 * 64 + 16 * 64 + 4 * 64) * 4  # one head, W_E, W_U, W_pos, LNs
+
+
+def test_bad_checkpoints_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ck = tmp_path / "ck"
+    _save(ck, ATTN_ONLY)
+    state = {}
+    with safe_open(str(ck / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    cases = {
+        "missing weight(s) blocks.1.attn.W_K": {k: v for k, v in state.items() if k != "blocks.1.attn.W_K"},
+        "unexpected weight(s) extra": {**state, "extra": torch.zeros(2)},
+        "has shape (3, 32, 8)": {**state, "blocks.0.attn.W_Q": torch.zeros(3, 32, 8)},
+        "NaN": {**state, "blocks.2.attn.W_O": torch.full((4, 8, 32), math.nan)},
+    }
+    for needle, tensors in cases.items():
+        save_file(tensors, str(ck / "model.safetensors"))
+        assert main(["circuits", str(ck), "--lazy"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("qkov: error:") and needle in err[0], err
+    (ck / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
+    with pytest.raises(QkovError, match="not a safetensors file"):
+        LazyCheckpoint(ck)
+    (ck / "model.safetensors").unlink()
+    with pytest.raises(QkovError, match="has no model.safetensors"):
+        LazyCheckpoint(ck)
+
+
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _numbers(x: object) -> list[float]:
+    if isinstance(x, dict):
+        return [n for v in x.values() for n in _numbers(v)]
+    if isinstance(x, list):
+        return [n for v in x for n in _numbers(v)]
+    return [float(x)] if isinstance(x, (int, float)) and not isinstance(x, bool) else []
+
+
+def test_cli_lazy_matches_in_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tokenizers import Tokenizer, models
+
+    ck = tmp_path / "ck"
+    _save(ck, LN)
+    vocab = {"<|bos|>": 0, **{f"w{i}": i for i in range(1, LN.d_vocab)}}
+    Tokenizer(models.WordLevel(vocab, unk_token="<|bos|>")).save(str(ck / "tokenizer.json"))
+    for cmd in (["circuits", str(ck), "--json"], ["trigrams", str(ck), "--head", "1.2", "--source", "w7", "--json"]):
+        eager = _json([*cmd, "--device", "cpu"], capsys)
+        lazy = _json([*cmd, "--lazy", "--device", "auto"], capsys)
+        assert json.dumps(eager, sort_keys=True).count('"') == json.dumps(lazy, sort_keys=True).count('"')
+        assert _numbers(lazy) == pytest.approx(_numbers(eager), abs=1e-5)
+    calls = []
+    monkeypatch.setattr("qkov.lazy.AUTO_LAZY_BYTES", 0)  # every file is "big": the lazy path is automatic
+    monkeypatch.setattr(
+        "qkov.lazy_circuits.analyse",
+        lambda ck, **kw: calls.append(ck) or C.analyse(Weights.from_model(qkov.load(ck.path))),
+    )
+    assert main(["circuits", str(ck), "--json"]) == 0 and len(calls) == 1
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("command", [["circuits"], ["paths"], ["heads"], ["trigrams", "--head", "0.0"]])
+def test_device_option(command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ck = tmp_path / "ck"  # devices are checked before the checkpoint is even read
+    bad = [("nonsense", "unknown device 'nonsense'"), ("tpu", "unknown device 'tpu'")]
+    if not torch.cuda.is_available():
+        bad += [("cuda", "no CUDA GPU is available"), ("cuda:1", "no CUDA GPU is available")]
+    for device, needle in bad:
+        assert main([command[0], str(ck), *command[1:], "--device", device]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+
+
+def test_stage_progress_draws_on_a_terminal() -> None:
+    from rich.console import Console
+
+    from qkov.progress import StageProgress
+
+    out = io.StringIO()
+    with StageProgress(console=Console(file=out, force_terminal=True, width=100)) as p:
+        for i in range(3):
+            p("composition", i + 1, 3)
+    assert "composition" in out.getvalue() and "3/3" in out.getvalue()
+    quiet = io.StringIO()
+    with StageProgress(console=Console(file=quiet, force_terminal=False)) as p:
+        p("copying", 1, 2)
+    assert quiet.getvalue() == ""
+
+
+def test_composition_baseline_draws_in_blocks_with_the_same_values() -> None:
+    def whole(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+
+    for shapes in ([(10, 32, 8), (10, 8, 32)] * 2, [(7, 5, 3), (7, 3, 5)]):
+        blocks = list(C._seeded_normals(torch.Generator().manual_seed(3), shapes, max_bytes=8 * 4 * 256 * 3))
+        assert len(blocks) == (4 if shapes[0][1] == 32 else 1)  # 3 samples a block; 15 values a sample: whole
+        for got, ref in zip(zip(*blocks), whole(3, shapes), strict=True):
+            assert torch.equal(torch.cat(got), ref)
+    # the memory-bounded baseline is the batched formula's (V1, O1, A, then B or RB, each drawn whole)
+    V1, O1, A, B = whole(0, [(40, 32, 8), (40, 8, 32), (40, 32, 8), (40, 32, 8)])
+    num = torch.stack(
+        [C._pair_norms(V1[i : i + 1], O1[i : i + 1], A[i : i + 1], B[i : i + 1].mT)[0, 0] for i in range(40)]
+    )
+    ref = num / (LowRank(V1, O1).norm() * LowRank(A, B.mT).norm())
+    got = C.composition_baseline(32, 8, "k", samples=40)
+    assert (got.mean, got.std) == pytest.approx((float(ref.mean()), float(ref.std())), rel=1e-12)
