@@ -1,10 +1,10 @@
-"""GPU check (run on a machine with an NVIDIA GPU): default training speed and the tour's models.
+"""GPU check (run on a machine with an NVIDIA GPU): the main job (``qkov tour``) on the GPU.
 
-Trains the default 0-, 1- and 2-layer attention-only models on the built-in corpus on the
-GPU (``--device cuda``), one after another, and prints each run's wall time, training
-tokens/s, validation loss and (2 layers) induction score. With ``--ddp N`` it also runs the
-2-layer model under ``torchrun --nproc_per_node N`` (N GPUs on this node) and prints the
-same figures, so scaling can be read off directly.
+Runs ``qkov tour --device cuda``: trains the default 0-, 1- and 2-layer attention-only
+models on the built-in corpus and writes their reports on the GPU, then prints the tour's
+wall time, each run's training tokens/s, validation loss and induction score, and the
+claims. With ``--ddp N`` it also runs the 2-layer model under ``torchrun --nproc_per_node N``
+(N GPUs on this node) and prints the same figures, so scaling can be read off directly.
 
     python benchmarks/gpu_check.py --out /tmp/qkov-gpu [--ddp 2]
 """
@@ -51,27 +51,14 @@ def main() -> int:
         print("no CUDA GPU here: this check is for a GPU machine", file=sys.stderr)
         return 2
     print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
-    total = 0.0
+    # the main job on the GPU: trains the 0/1/2-layer models and writes every report there
+    wall = run([sys.executable, "-m", "qkov", "tour", "--device", "cuda", "--out", str(args.out), "--quiet"])
     for layers in (0, 1, 2):
-        out = args.out / f"qkov-{layers}l"
-        wall = run(
-            [
-                sys.executable,
-                "-m",
-                "qkov",
-                "train",
-                "--layers",
-                str(layers),
-                "--device",
-                "cuda",
-                "--out",
-                str(out),
-                "--quiet",
-            ]
-        )
-        total += wall
-        print(f"{layers} layers: {wall:.1f} s wall, {summary(out)}")
-    print(f"the tour's three models: {total:.1f} s")
+        print(f"{layers} layers: {summary(args.out / f'qkov-{layers}l')}")
+    claims = json.loads((args.out / "tour.json").read_text())["claims"]
+    for c in claims:
+        print(f"  [{c['holds']}] {c['claim']}: {c['measured']}")
+    print(f"qkov tour on the GPU (3 models + 3 reports + comparison page): {wall:.1f} s")
     if args.ddp > 1:
         out = args.out / f"qkov-2l-ddp{args.ddp}"
         wall = run(

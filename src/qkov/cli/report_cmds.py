@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import _nonneg_int, _positive_int, console
+from .analysis_cmds import _add_device, _device
 from .interop_cmds import add_source_args
 
 
@@ -35,7 +36,7 @@ def _add_report(sub: Any) -> None:
         type=_nonneg_int,
         help="k of the own-logit-in-top-k copying rate; 0 = skip (default 5, skipped above 8192 tokens)",
     )
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N or auto")
+    _add_device(p)
     p.add_argument("--quiet", action="store_true", help="print only where the report went")
     p.set_defaults(func=_cmd_report)
 
@@ -49,6 +50,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if args.out is None and source_kind(args.ckpt) != "qkov":
         raise QkovError("report: give -o DIR for a model that is not a qkov checkpoint directory")
     out = args.out or args.ckpt / "report"
+    _device(args)  # a bad device is an error before any work
     con = console()
     t0 = time.perf_counter()
     progress = None if args.quiet else (lambda stage: con.print(f"[dim]… {stage}[/dim]", highlight=False))

@@ -146,8 +146,8 @@ def _composition(w: Any) -> dict[str, Any]:
         readers = [f"{l}.{h}" for l in range(1, L) for h in range(H)]
         rawm = raw[: L - 1].reshape((L - 1) * H, L, H)[:, 1:].reshape((L - 1) * H, (L - 1) * H)
         # a cell (writer, reader) only means something when the writer's layer is earlier
-        wl = torch.tensor([l for l in range(L - 1) for _ in range(H)])
-        rl = torch.tensor([l for l in range(1, L) for _ in range(H)])
+        wl = torch.tensor([l for l in range(L - 1) for _ in range(H)], device=rawm.device)
+        rl = torch.tensor([l for l in range(1, L) for _ in range(H)], device=rawm.device)
         valid = wl[:, None] < rl[None, :]
         rawm = torch.where(valid, rawm, torch.full_like(rawm, float("nan")))
         out[kind] = {
@@ -241,7 +241,7 @@ def collect(
     viewer_tokens: int = 128,
     top: int = 20,
     seed: int = 0,
-    device: str = "cpu",
+    device: str = "auto",
     text: Path | None = None,
     tokens: torch.Tensor | None = None,
     diag_k: int | None = None,
