@@ -248,6 +248,13 @@ def test_tour_trains_reports_and_reuses(small_corpus: Path, tmp_path: Path, caps
     assert weights.stat().st_mtime_ns == stamp
     assert main(["tour", "--layers", "1,x"]) == 2
     assert "--layers" in capsys.readouterr().err
+    (tmp_path / "file").write_text("x")
+    assert main(["tour", "--out", str(tmp_path / "file")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    (tmp_path / "t2" / "qkov-0l").mkdir(parents=True)
+    (tmp_path / "t2" / "qkov-0l" / "notes.txt").write_text("mine")
+    assert main(["tour", "--out", str(tmp_path / "t2"), "--layers", "0"]) == 2
+    assert "neither a finished nor a resumable" in capsys.readouterr().err
 
 
 def test_claims_verdicts_follow_the_numbers() -> None:

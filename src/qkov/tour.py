@@ -268,7 +268,10 @@ def _state(ckpt: Path) -> str:
     if (ckpt / "train_state.safetensors").is_file():
         return "partial"
     if ckpt.exists() and any(ckpt.iterdir()):
-        raise QkovError(f"tour: {str(ckpt)!r} exists but holds no qkov run; move it away or choose another --out")
+        raise QkovError(
+            f"tour: {str(ckpt)!r} holds neither a finished nor a resumable qkov run; "
+            "move it away or choose another --out"
+        )
     return "new"
 
 
@@ -291,6 +294,8 @@ def run_tour(
     from .train import TrainConfig, pick_device, train
 
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise QkovError(f"tour: --out {str(out)!r} exists and is not a directory")
     dev = pick_device(device)
     t0 = time.perf_counter()
     reports: dict[int, dict[str, Any]] = {}
