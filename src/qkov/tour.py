@@ -231,14 +231,16 @@ def render_page(
 body {{ font: 14px/1.45 system-ui, sans-serif; margin: 24px 32px; color: #1d2330; max-width: 1300px; }}
 table {{ border-collapse: collapse; margin: 8px 0 20px; }}
 th, td {{ border-bottom: 1px solid #d9dde5; padding: 4px 10px; text-align: right; vertical-align: top; }}
-th {{ background: #f2f4f8; }} td.l {{ text-align: left; max-width: 620px; }}
+th {{ background: #f2f4f8; }} td.l, th.l {{ text-align: left; max-width: 620px; }}
+td:first-child {{ white-space: nowrap; }}
 td.agrees {{ color: #1a7f37; font-weight: 600; }} td.differs {{ color: #b00020; font-weight: 600; }}
 td.compare {{ color: #5b6475; }} .note {{ color: #5b6475; max-width: 900px; }}
 </style></head><body>
 <h1>qkov tour: the paper's attention-only models, trained here</h1>
 <p class="note">Trained on {html.escape(str(meta.get('corpus', 'the built-in corpus')))} with qkov's default
-settings on {html.escape(str(meta.get('device', '')))}; tour time {meta.get('seconds', 0):.0f} s. Each model links
-to its full report. Numbers are in <code>tour.json</code>.</p>
+settings on {html.escape(str(meta.get('device', '')))}; this run of the tour took {meta.get('seconds', 0):.0f} s
+(models already trained in its directory are reused; training times are in the table). Each model links to its full
+report. Numbers are in <code>tour.json</code>.</p>
 <h2>Models</h2>
 <table><tr><th>model</th><th>parameters</th><th>tokens</th><th>validation loss</th><th>ICL score (nats)</th>
 <th>repeated tokens: loss 1st / 2nd copy</th><th>max prefix matching</th><th>copying heads</th><th>training s</th></tr>
