@@ -10,6 +10,7 @@ from typing import Any
 from ..errors import QkovError
 
 from .common import console, _nonneg_int, _positive_int
+from ..inputs import analysis_text
 from .interop_cmds import add_source_args, load_source
 
 
@@ -178,47 +179,6 @@ def _add_paths(sub: Any) -> None:
     p.set_defaults(func=_cmd_paths)
 
 
-def _analysis_inputs(
-    ckpt: Path, model: Any, text: Path | None, batch: int, *, want_corpus: bool = False
-) -> tuple[Any, Any]:
-    """``[batch, n_ctx]`` token ids from ``text`` (with the model's tokenizer) or from the
-    validation split of the checkpoint's training corpus, and that corpus (or ``None``).
-
-    With ``text`` the corpus is loaded only when ``want_corpus`` (e.g. for token frequencies),
-    and then only if it can be: loading may mean tokenising the whole corpus."""
-    import numpy as np
-    import torch
-
-    from ..checkpoint import read_config
-    from ..data import load_corpus, val_batches
-    from ..interop import source_kind
-
-    corpus = None
-    training = read_config(ckpt).get("training", {}) if source_kind(ckpt) == "qkov" else {}
-    spec = training.get("corpus")
-    if spec and (text is None or want_corpus):
-        try:
-            corpus = load_corpus(
-                spec, vocab_size=model.cfg.d_vocab, val_fraction=training.get("config", {}).get("val_fraction", 0.05)
-            )
-        except QkovError:
-            if text is None:
-                raise
-    if text is not None:
-        if model.tokenizer is None:
-            raise QkovError("--text needs a checkpoint with a tokenizer")
-        try:
-            ids = model.tokenizer.encode(text.read_text(encoding="utf-8", errors="replace")).ids
-        except OSError as exc:
-            raise QkovError(f"--text: cannot read {str(text)!r} ({exc.strerror})") from None
-        stream = np.asarray(ids, dtype=np.int64)
-    elif corpus is not None:
-        stream = corpus.val
-    else:
-        raise QkovError("the checkpoint records no training corpus: pass --text FILE")
-    return torch.from_numpy(val_batches(stream, model.cfg.n_ctx, model.bos_token_id, batch)), corpus
-
-
 def _cmd_paths(args: argparse.Namespace) -> int:
     import time
 
@@ -229,7 +189,7 @@ def _cmd_paths(args: argparse.Namespace) -> int:
 
     dev = _device(args)
     model = _load_with_attention(args, "paths", " (its logits are the direct path alone)")
-    tokens, _ = _analysis_inputs(args.ckpt, model, args.text, args.batch)
+    tokens, _ = analysis_text(args.ckpt, model, args.text, args.batch)
     dtype = torch.float64 if args.float64 else torch.float32
     w = Weights.from_model(model, dtype=dtype, device=dev)
     tokens = tokens.to(dev)
@@ -315,7 +275,7 @@ def _cmd_heads(args: argparse.Namespace) -> int:
     from ..heads import THRESHOLDS, head_report
 
     model = _load_with_attention(args, "heads", device=_device(args))
-    text, corpus = _analysis_inputs(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
+    text, corpus = analysis_text(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
     freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
     report = head_report(
         model,

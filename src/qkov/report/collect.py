@@ -267,7 +267,7 @@ def collect(
     Raises:
         QkovError: the checkpoint cannot be read, or has no corpus to take text from.
     """
-    from ..cli.analysis_cmds import _analysis_inputs
+    from ..inputs import analysis_text
     from ..interop import load_any
     from ..train import pick_device
     from ..weights import Weights
@@ -283,7 +283,7 @@ def collect(
                 raise QkovError(f"report: tokens must be [batch, <= {model.cfg.n_ctx}], got {list(tokens.shape)}")
             text, freqs = tokens.long().to(dev), None
         else:
-            ids, corpus = _analysis_inputs(ckpt, model, text, max(batch, icl_examples), want_corpus=True)
+            ids, corpus = analysis_text(ckpt, model, text, max(batch, icl_examples), want_corpus=True)
             text = ids.to(dev)
             freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
         w = Weights.from_model(model, device=dev)  # LayerNorm folded (the default view)

@@ -1,0 +1,50 @@
+"""The text an analysis runs on: a user's file, or the validation split of the corpus a
+checkpoint was trained on, as ``[batch, n_ctx]`` token ids starting with the start token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .errors import QkovError
+
+
+def analysis_text(
+    ckpt: Path, model: Any, text: Path | None, batch: int, *, want_corpus: bool = False
+) -> tuple[Any, Any]:
+    """``[batch, n_ctx]`` token ids from ``text`` (with the model's tokenizer) or from the
+    validation split of the checkpoint's training corpus, and that corpus (or ``None``).
+
+    With ``text`` the corpus is loaded only when ``want_corpus`` (e.g. for token frequencies),
+    and then only if it can be: loading may mean tokenising the whole corpus."""
+    import numpy as np
+    import torch
+
+    from .checkpoint import read_config
+    from .data import load_corpus, val_batches
+    from .interop import source_kind
+
+    corpus = None
+    training = read_config(ckpt).get("training", {}) if source_kind(ckpt) == "qkov" else {}
+    spec = training.get("corpus")
+    if spec and (text is None or want_corpus):
+        try:
+            corpus = load_corpus(
+                spec, vocab_size=model.cfg.d_vocab, val_fraction=training.get("config", {}).get("val_fraction", 0.05)
+            )
+        except QkovError:
+            if text is None:
+                raise
+    if text is not None:
+        if model.tokenizer is None:
+            raise QkovError("--text needs a checkpoint with a tokenizer")
+        try:
+            ids = model.tokenizer.encode(text.read_text(encoding="utf-8", errors="replace")).ids
+        except OSError as exc:
+            raise QkovError(f"--text: cannot read {str(text)!r} ({exc.strerror})") from None
+        stream = np.asarray(ids, dtype=np.int64)
+    elif corpus is not None:
+        stream = corpus.val
+    else:
+        raise QkovError("the checkpoint records no training corpus: pass --text FILE")
+    return torch.from_numpy(val_batches(stream, model.cfg.n_ctx, model.bos_token_id, batch)), corpus
