@@ -48,7 +48,10 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from ..interop import source_kind
 
     if args.out is None and source_kind(args.ckpt) != "qkov":
-        raise QkovError("report: give -o DIR for a model that is not a qkov checkpoint directory")
+        raise QkovError(
+            f"report: {str(args.ckpt)!r} is not a local qkov checkpoint directory, so there is no default "
+            "output folder: give -o DIR"
+        )
     out = args.out or args.ckpt / "report"
     _device(args)  # a bad device is an error before any work
     con = console()
