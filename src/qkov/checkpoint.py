@@ -85,7 +85,7 @@ def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.d
     path = Path(path)
     data = read_config(path)
     cfg = ModelConfig.from_dict(data["model"])
-    model = Transformer(cfg, seed=0)
+    model = Transformer(cfg, init=False)  # every parameter is loaded next (load_state checks)
     weights_path = path / MODEL_FILE
     if not weights_path.is_file():
         raise QkovError(f"checkpoint {str(path)!r} has no {MODEL_FILE}")

@@ -198,7 +198,10 @@ class Transformer(nn.Module):
     runs with the attention patterns frozen to ``P``.
     """
 
-    def __init__(self, cfg: ModelConfig, *, seed: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, *, seed: int | None = None, init: bool = True) -> None:
+        """``init=False`` leaves the parameters uninitialised, for a caller that loads every one of
+        them next (checkpoint and import loaders: :func:`qkov.checkpoint.load_state` refuses a
+        state that misses any); it saves the random init, ~3 s at GPT-2 size."""
         super().__init__()
         self.cfg = cfg
         self.tokenizer: Tokenizer | None = None
@@ -215,7 +218,8 @@ class Transformer(nn.Module):
             self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
         else:
             self.register_parameter("b_U", None)
-        self.reset_parameters(seed)
+        if init:
+            self.reset_parameters(seed)
 
     # ------------------------------------------------------------------ init
     @torch.no_grad()

@@ -144,7 +144,7 @@ def _gpt2_state(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tied: bool)
 
 def _build(hf_cfg: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> Transformer:
     cfg = gpt2_config(hf_cfg)
-    model = Transformer(cfg, seed=0).to(dtype=dtype)
+    model = Transformer(cfg, init=False).to(dtype=dtype)  # every parameter is loaded next
     load_state(model, _gpt2_state(cfg, hf_state, bool(hf_cfg.get("tie_word_embeddings", True))), where=where)
     bos = hf_cfg.get("bos_token_id")
     if isinstance(bos, int) and 0 <= bos < cfg.d_vocab:

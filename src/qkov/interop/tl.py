@@ -203,7 +203,7 @@ def _from_tl_state(c: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, wher
             f"{where}: weight(s) {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''} are not explained by "
             "the config (does the config belong to this file?)"
         )
-    model = Transformer(cfg, seed=0).to(dtype=dtype)  # before loading: a float64 source keeps its precision
+    model = Transformer(cfg, init=False).to(dtype=dtype)  # before loading: a float64 source keeps its precision
     load_state(model, state, where=where)
     return model.eval()
 
