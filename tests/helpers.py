@@ -61,19 +61,3 @@ def perturb_non_matrices(model: Transformer, scale: float) -> Transformer:
             if not name.rsplit(".", 1)[-1].startswith("W_"):
                 p.add_(torch.randn_like(p) * scale)
     return model
-
-
-def byte_bpe(texts: list[str], vocab_size: int, start: str, alphabet: list[str] | None = None):  # -> Tokenizer
-    """A GPT-2-style byte-level BPE ``tokenizers.Tokenizer`` trained on ``texts``, with ``start`` as token 0."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[start],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if alphabet is None else alphabet,
-    )
-    tok.train_from_iterator(texts, trainer)
-    return tok

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import qkov
-from helpers import byte_bpe, perturb_non_matrices
+from helpers import perturb_non_matrices
+from qkov.data import train_tokenizer
 from qkov import ModelConfig, QkovError, Transformer
 from qkov.cli import main
 from qkov.interop import load_any, save_tl, source_kind
@@ -24,7 +25,9 @@ VOCAB = 64
 
 @pytest.fixture(scope="module")
 def tokenizer():  # -> tokenizers.Tokenizer: byte-level BPE, start token <|endoftext|> = 0
-    return byte_bpe(["def f(self): return self.x\n"] * 20, VOCAB, "<|endoftext|>", list("def(slf):rtunx.\n "))
+    return train_tokenizer(
+        ["def f(self): return self.x\n"] * 20, VOCAB, start="<|endoftext|>", alphabet=list("def(slf):rtunx.\n ")
+    )
 
 
 @pytest.fixture(scope="module")

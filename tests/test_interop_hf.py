@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import LN_MLP, byte_bpe, perturb_non_matrices
+from helpers import LN_MLP, perturb_non_matrices
+from qkov.data import train_tokenizer
 import qkov
 from qkov import QkovError, Transformer
 from qkov.interop import from_hf, load_hf, save_hf, to_hf
@@ -55,7 +56,7 @@ def _hf_logits(hf, tokens: torch.Tensor) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def tokenizer():  # -> tokenizers.Tokenizer: byte-level BPE, GPT-2 style, start token <|endoftext|> = 0
-    tok = byte_bpe(["def f(self):\n    return self.x\n"] * 50, VOCAB, "<|endoftext|>")
+    tok = train_tokenizer(["def f(self):\n    return self.x\n"] * 50, VOCAB, start="<|endoftext|>")
     assert tok.get_vocab_size() == VOCAB
     return tok
 

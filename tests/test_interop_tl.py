@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import LN_MLP, byte_bpe, perturb_non_matrices
+from helpers import LN_MLP, perturb_non_matrices
+from qkov.data import train_tokenizer
 from qkov import ModelConfig, QkovError, Transformer
 from qkov.interop import from_hooked, load_tl, save_tl, to_hooked
 
@@ -161,7 +162,7 @@ def test_import_without_biases_gives_bias_free_model() -> None:
 def test_import_keeps_a_fast_tokenizer() -> None:
     from transformers import PreTrainedTokenizerFast
 
-    tok = byte_bpe(["the cat sat on the mat"] * 20, 280, "<|s|>")
+    tok = train_tokenizer(["the cat sat on the mat"] * 20, 280, start="<|s|>")
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|s|>")
     hooked = _tl_model(d_vocab=tok.get_vocab_size())
     hooked.tokenizer = hf_tok  # set_tokenizer wants a tokenizer loaded from the hub; from_hooked reads this only

@@ -293,9 +293,9 @@ def test_report_of_an_imported_gpt2_directory(tmp_path: Path, capsys: pytest.Cap
     """Any source the analyses read: a Hugging Face GPT-2 directory (LayerNorm, MLPs, biases),
     with --text; the page renders and its paths section is exact for the MLP model."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
-    from helpers import byte_bpe
+    from qkov.data import train_tokenizer
 
-    tok = byte_bpe(["def f(self):\n    return self.x\n"] * 50, 271, "<|endoftext|>")
+    tok = train_tokenizer(["def f(self):\n    return self.x\n"] * 50, 271, start="<|endoftext|>")
     cfg = transformers.GPT2Config(
         vocab_size=271, n_positions=96, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0
     )

@@ -138,19 +138,26 @@ def _fingerprint(files: list[TextFile]) -> str:
     return h.hexdigest()
 
 
-def train_tokenizer(texts: list[str], vocab_size: int):  # -> tokenizers.Tokenizer
-    """Byte-level BPE with ``<|bos|>`` as token 0."""
+def train_tokenizer(
+    texts: list[str], vocab_size: int, *, start: str = BOS_TOKEN, alphabet: list[str] | None = None
+):  # -> tokenizers.Tokenizer
+    """Byte-level BPE (GPT-2 style) trained on ``texts``, with ``start`` (default ``<|bos|>``) as token 0.
+
+    ``alphabet`` replaces the 256 byte symbols the merges start from (tests use a few
+    characters to get a tiny vocabulary); with the full byte alphabet the vocabulary
+    must hold at least 258 tokens.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257 + 1:
+    if alphabet is None and vocab_size < 257 + 1:
         raise QkovError(f"vocab: a byte-level BPE needs at least 258 tokens, got {vocab_size}")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[BOS_TOKEN],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[start],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if alphabet is None else alphabet,
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
