@@ -369,6 +369,35 @@ def term_effects(exp: Expansion, *, top_virtual: int = 10) -> tuple[list[TermEff
     return singles, virtual
 
 
+@dataclass
+class PathSummary:
+    """What ``qkov paths`` and the report show: exactness, term importance, the terms that matter."""
+
+    shape: list[int]  # [batch, seq] of the tokens
+    reconstruction_error: float  # max |sum of all terms - the model's logits|
+    importance: TermImportance
+    singles: list[TermEffect]  # every single-head term, by loss change
+    virtual: list[TermEffect]  # the largest virtual-head terms, by loss change
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": self.shape,
+            "reconstruction_max_abs_error": self.reconstruction_error,
+            "term_importance": self.importance.to_dict(),
+            "single_head_terms": [e.to_dict() for e in self.singles],
+            "virtual_head_terms": [e.to_dict() for e in self.virtual],
+        }
+
+
+@torch.no_grad()
+def summarize(w: Weights, tokens: Tensor, *, top_virtual: int = 10) -> PathSummary:
+    """Expand ``tokens [B, T]`` (virtual heads from 2 layers on), run the paper's term importance
+    and measure the effect of each single-head and the ``top_virtual`` largest virtual-head terms."""
+    exp = expand(w, tokens, virtual_heads=w.cfg.n_layers >= 2)
+    singles, virtual = term_effects(exp, top_virtual=top_virtual)
+    return PathSummary(list(tokens.shape), exp.reconstruction_error(), term_importance(w, tokens), singles, virtual)
+
+
 # ------------------------------------------------------------------------ QK side
 @dataclass
 class QKSplit:

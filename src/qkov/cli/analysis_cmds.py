@@ -194,20 +194,10 @@ def _cmd_paths(args: argparse.Namespace) -> int:
     w = Weights.from_model(model, dtype=dtype, device=dev)
     tokens = tokens.to(dev)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        exp = P.expand(w, tokens, virtual_heads=model.cfg.n_layers >= 2)
-        ti = P.term_importance(w, tokens)
-        singles, virtual = P.term_effects(exp, top_virtual=args.top)
+    summary = P.summarize(w, tokens, top_virtual=args.top)
     seconds = time.perf_counter() - t0
-    data = {
-        "path": str(args.ckpt),
-        "tokens": list(tokens.shape),
-        "reconstruction_max_abs_error": exp.reconstruction_error(),
-        "term_importance": ti.to_dict(),
-        "single_head_terms": [e.to_dict() for e in singles],
-        "virtual_head_terms": [e.to_dict() for e in virtual],
-        "seconds": seconds,
-    }
+    ti, singles, virtual = summary.importance, summary.singles, summary.virtual
+    data = {"path": str(args.ckpt), **summary.to_dict(), "seconds": seconds}
     if args.json:
         print(json.dumps(data, indent=2))
         return 0

@@ -163,18 +163,12 @@ def _composition(w: Any) -> dict[str, Any]:
 
 
 def _paths(w: Any, tokens: torch.Tensor, top: int) -> dict[str, Any]:
-    from .. import paths as P
+    from ..paths import summarize
 
-    exp = P.expand(w, tokens, virtual_heads=w.cfg.n_layers >= 2)
-    ti = P.term_importance(w, tokens)
-    singles, virtual = P.term_effects(exp, top_virtual=top)
-    return {
-        "tokens": list(tokens.shape),
-        "reconstruction_max_abs_error": exp.reconstruction_error(),
-        "term_importance": ti.to_dict(),
-        "single_head_terms": [_rd(e.to_dict()) for e in singles],
-        "virtual_head_terms": [_rd(e.to_dict()) for e in virtual],
-    }
+    data = summarize(w, tokens, top_virtual=top).to_dict()
+    for key in ("single_head_terms", "virtual_head_terms"):
+        data[key] = [_rd(e) for e in data[key]]
+    return data
 
 
 def _attention(model: Any, tokens: torch.Tensor, decode: Callable[[int], str]) -> dict[str, Any]:
