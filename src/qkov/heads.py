@@ -67,6 +67,8 @@ class InductionProbe:
 
     scores: Tensor  # [n_layers, n_heads]
     loss_by_copy: list[float]  # mean next-token loss on copy 1, copy 2, ...
+    loss_by_position: list[float]  # mean loss at each position i (predicting token i + 1), over the batch
+    length: int  # tokens per copy
 
     @property
     def best(self) -> float:
@@ -108,7 +110,8 @@ def induction_probe(
         # predictions of the tokens of copy r (positions 1 + r*length .. ), skipping the first of each copy
         lo = r * length + 1
         losses.append(float(nll[:, lo : lo + length - 1].mean()))
-    return InductionProbe(scores=scores.float().cpu(), loss_by_copy=losses)
+    curve = nll.float().mean(0).cpu().tolist()
+    return InductionProbe(scores=scores.float().cpu(), loss_by_copy=losses, loss_by_position=curve, length=length)
 
 
 # =========================================================================== detectors

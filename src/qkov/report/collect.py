@@ -185,24 +185,17 @@ def _attention(model: Any, tokens: torch.Tensor, decode: Callable[[int], str]) -
 def _repeat_losses(model: Any, length: int, batch: int, seed: int) -> dict[str, Any]:
     """Per-position loss on random tokens repeated twice: the first copy is unpredictable,
     the second can be copied from context (induction)."""
-    from ..heads import repeated_random_tokens
+    from ..heads import induction_probe
 
-    toks = repeated_random_tokens(
-        model.cfg.d_vocab, length=length, repeats=2, batch=batch, seed=seed, bos=model.bos_token_id
-    )
-    toks = toks.to(next(model.parameters()).device)
-    with torch.no_grad():
-        lp = torch.log_softmax(model(toks)[:, :-1].float(), dim=-1)
-    nll = -lp.gather(-1, toks[:, 1:, None])[..., 0].mean(0).cpu()  # position i predicts token i+1
-    # token j of copy r sits at position 1 + r*length + j and is predicted at position r*length + j
-    first = nll[0:length]
-    second = nll[length : 2 * length]
+    probe = induction_probe(model, length=length, repeats=2, batch=batch, seed=seed)
+    n, nll = probe.length, probe.loss_by_position
+    # token j of copy r sits at position 1 + r*n + j and is predicted at position r*n + j
     return {
-        "length": length,
-        "first": _rl(first.tolist()),
-        "second": _rl(second.tolist()),
-        "first_mean": float(first[1:].mean()),
-        "second_mean": float(second[1:].mean()),
+        "length": n,
+        "first": _rl(nll[0:n]),
+        "second": _rl(nll[n : 2 * n]),
+        "first_mean": probe.loss_by_copy[0],
+        "second_mean": probe.loss_by_copy[1],
     }
 
 
