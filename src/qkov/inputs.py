@@ -13,7 +13,8 @@ def analysis_text(
     ckpt: Path, model: Any, text: Path | None, batch: int, *, want_corpus: bool = False
 ) -> tuple[Any, Any]:
     """``[batch, n_ctx]`` token ids from ``text`` (with the model's tokenizer) or from the
-    validation split of the checkpoint's training corpus, and that corpus (or ``None``).
+    validation split of the checkpoint's training corpus, and the training split's token
+    counts ``[d_vocab]`` (numpy; ``None`` without a corpus).
 
     With ``text`` the corpus is loaded only when ``want_corpus`` (e.g. for token frequencies),
     and then only if it can be: loading may mean tokenising the whole corpus."""
@@ -47,4 +48,5 @@ def analysis_text(
         stream = corpus.val
     else:
         raise QkovError("the checkpoint records no training corpus: pass --text FILE")
-    return torch.from_numpy(val_batches(stream, model.cfg.n_ctx, model.bos_token_id, batch)), corpus
+    freqs = None if corpus is None else np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab)
+    return torch.from_numpy(val_batches(stream, model.cfg.n_ctx, model.bos_token_id, batch)), freqs

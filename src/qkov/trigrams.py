@@ -188,6 +188,12 @@ class Bigram:
     next: int
     logit: float  # direct-path logit, centred per row
 
+    def to_dict(self, decode: Any = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"token": self.token, "next": self.next, "logit": self.logit}
+        if decode is not None:
+            d.update(token_str=decode(self.token), next_str=decode(self.next))
+        return d
+
 
 def bigrams(
     w: Weights, *, top: int = 20, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES

@@ -260,13 +260,10 @@ def _add_heads(sub: Any) -> None:
 
 
 def _cmd_heads(args: argparse.Namespace) -> int:
-    import numpy as np
-
     from ..heads import THRESHOLDS, head_report
 
     model = _load_with_attention(args, "heads", device=_device(args))
-    text, corpus = analysis_text(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
-    freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
+    text, freqs = analysis_text(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
     report = head_report(
         model,
         text[: args.batch],
@@ -391,10 +388,7 @@ def _cmd_trigrams(args: argparse.Namespace) -> int:
             "trigrams": [t.to_dict(decode) for t in bug],
             "crossed": [t.to_dict(decode) for t in T.crossed_trigrams(w, layer, head, *bug)],
         }
-    data["bigrams"] = [
-        {"token": b.token, "next": b.next, "logit": b.logit, "token_str": decode(b.token), "next_str": decode(b.next)}
-        for b in T.bigrams(w, top=args.top, exclude=(bos,))
-    ]
+    data["bigrams"] = [b.to_dict(decode) for b in T.bigrams(w, top=args.top, exclude=(bos,))]
     if args.json:
         print(json.dumps(data, indent=2))
         return 0

@@ -212,10 +212,7 @@ def _trigrams(w: Any, decode: Callable[[int], str], bos: int, top: int) -> dict[
                     "rows": [_rd(t.to_dict(decode)) for t in tri],
                 }
             )
-    out["bigrams"] = [
-        {"token_str": decode(b.token), "next_str": decode(b.next), "logit": _r(b.logit)}
-        for b in T.bigrams(w, top=top, exclude=(bos,))
-    ]
+    out["bigrams"] = [_rd(b.to_dict(decode)) for b in T.bigrams(w, top=top, exclude=(bos,))]
     return out
 
 
@@ -270,9 +267,8 @@ def collect(
                 raise QkovError(f"report: tokens must be [batch, <= {model.cfg.n_ctx}], got {list(tokens.shape)}")
             text, freqs = tokens.long().to(dev), None
         else:
-            ids, corpus = analysis_text(ckpt, model, text, max(batch, icl_examples), want_corpus=True)
+            ids, freqs = analysis_text(ckpt, model, text, max(batch, icl_examples), want_corpus=True)
             text = ids.to(dev)
-            freqs = np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab) if corpus is not None else None
         w = Weights.from_model(model, device=dev)  # LayerNorm folded (the default view)
     decode = _decoder(model)
     L = model.cfg.n_layers
