@@ -11,7 +11,8 @@ counts though it is never used — without it (b) failed in 1 of 2 runs at 1.5 G
 
   (a) ``qkov circuits CKPT --json --diag-k 0`` (lazy automatically: the file is > 1 GiB):
       eigenvalue copying scores of all heads, Q/K/V composition of all pairs, bandwidth;
-  (b) the top-50 skip-trigrams of one head (12.7) (``LazyCheckpoint.head_weights`` + ``skip_trigrams``);
+  (b) the top-50 skip-trigrams of one head (12.7) (``skip_trigrams`` on the ``LazyCheckpoint``: it reads
+      that head, then ``W_E`` and ``W_U`` one after the other);
   (c) one virtual weight ``W_O^{0.5} @ W_K^{23.2}`` and its norm;
   (d) the control: ``qkov.load`` (the in-memory path) under the same limit, expected to fail;
   (e) an independent reference without a limit (``safetensors.safe_open``, LayerNorm folded
@@ -63,7 +64,7 @@ def write_checkpoint(out: Path, shape: dict[str, object], block_bytes: int = 64 
     import torch
 
     from qkov import ModelConfig, Transformer
-    from qkov.fileio import atomic_write, atomic_write_text
+    from qkov.io.atomic import atomic_write, atomic_write_text
 
     cfg = ModelConfig(**shape)  # type: ignore[arg-type]
     with torch.device("meta"):
@@ -140,7 +141,7 @@ def worker(task: str, ckpt: str, cap_bytes: int) -> dict[str, object]:
             import contextlib
             import io
 
-            from qkov.cli import main
+            from qkov.apps.cli import main
 
             buf = io.StringIO()
             with contextlib.redirect_stdout(buf):
@@ -161,15 +162,14 @@ def worker(task: str, ckpt: str, cap_bytes: int) -> dict[str, object]:
                 },
             }
         elif task == "trigrams":
-            from qkov.lazy import LazyCheckpoint
-            from qkov.trigrams import skip_trigrams
+            from qkov.analysis.trigrams import skip_trigrams
+            from qkov.weights import LazyCheckpoint
 
             ck = LazyCheckpoint(ckpt)
-            w = ck.head_weights(mid, 7)
-            result = {"top3": [t.score for t in skip_trigrams(w, 0, 0, top=50)[:3]]}
+            result = {"top3": [t.score for t in skip_trigrams(ck, mid, 7, top=50)[:3]]}
         elif task == "virtual":
-            from qkov.lazy import LazyCheckpoint
-            from qkov.lazy_circuits import virtual_weights
+            from qkov.analysis.circuits import virtual_weights
+            from qkov.weights import LazyCheckpoint
 
             ck = LazyCheckpoint(ckpt)
             result = {"check": {"virtual_norm": float(virtual_weights(ck, ("head", 0, 5), ("k", last, 2)).norm())}}

@@ -99,7 +99,9 @@ def worker(lib: str, task: str) -> dict[str, object]:
 
     torch.set_grad_enabled(False)
     if lib == "qkov":
-        from qkov import circuits as C
+        from qkov.analysis import circuits as C
+        from qkov.analysis.composition import composition_raw
+        from qkov.analysis.trigrams import skip_trigrams
 
         w = _qkov_weights()
         t0 = time.perf_counter()
@@ -107,13 +109,12 @@ def worker(lib: str, task: str) -> dict[str, object]:
             out = C.eigen_copying_score(C.ov_eigenvalues(w)).flatten().tolist()
         elif task == "composition":
             # all scores computed; the first writer head's row (valid pairs, invalid ones 0 like TL) is compared
-            out = {k: C.composition_raw(w, k).nan_to_num(0.0)[0, 0].flatten().tolist() for k in ("q", "k", "v")}
+            raw = composition_raw(w, "qkv")
+            out = {k: raw[k].nan_to_num(0.0)[0, 0].flatten().tolist() for k in ("q", "k", "v")}
         elif task == "topk":
             top = C.full_ov(w, 5, 7).topk(50)
             out = top.values[:3].tolist()
         else:
-            from qkov.trigrams import skip_trigrams
-
             out = [t.score for t in skip_trigrams(w, 5, 7, top=50)[:3]]
     else:
         model = _tl_model()

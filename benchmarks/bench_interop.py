@@ -21,7 +21,7 @@ def main() -> None:
     import torch
     import transformers
 
-    from qkov.interop import load_hf, load_tl, save_hf, save_tl, to_hooked
+    from qkov.io import load_hf, load_tl, save_hf, save_tl, to_hooked
 
     torch.manual_seed(0)
     transformers.logging.set_verbosity_error()

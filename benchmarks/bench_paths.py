@@ -27,7 +27,7 @@ def worker(lib: str) -> dict[str, float]:
 
     torch.set_grad_enabled(False)
     import qkov
-    from qkov import paths as P
+    from qkov.analysis import paths as P
     from qkov.weights import Weights
 
     model = qkov.Transformer(qkov.ModelConfig(**CFG), seed=0)
@@ -41,7 +41,7 @@ def worker(lib: str) -> dict[str, float]:
         dt = time.perf_counter() - t0
         extra = {"reconstruction_error": exp.reconstruction_error(), "runs": ti.run_losses}
     else:
-        from qkov.interop import to_hooked
+        from qkov.io import to_hooked
 
         hooked = to_hooked(model, dtype=torch.float32)
         hooked.run_with_cache(tokens)

@@ -38,8 +38,8 @@ def _build(lib: str):
 
     if lib.startswith("qkov"):
         import qkov
-        from qkov.losses import model_loss
-        from qkov.train import tune_cpu_allocator
+        from qkov.training.loop import tune_cpu_allocator
+        from qkov.training.losses import model_loss
 
         tune_cpu_allocator()  # part of qkov's training path on CPU (so is flushing denormals)
         torch.set_flush_denormal(True)

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 import qkov
-from qkov.train import TrainConfig
+from qkov.training.config import TrainConfig
 
 MODEL_KEYS = {"n_layers", "n_heads", "d_model", "d_head", "d_vocab", "n_ctx", "positional"}
 

@@ -1,6 +1,6 @@
 """Null distributions of the head scores: what freshly initialised heads score.
 
-The role thresholds in ``qkov.heads.THRESHOLDS`` must sit well above these, so that a
+The role thresholds in ``qkov.analysis.heads.THRESHOLDS`` must sit well above these, so that a
 role means trained structure, not chance. Runs ``head_report`` on untrained models of the
 default shape (2 layers x 4 heads, d_model 128, vocab 1024, ctx 256) for several seeds on
 validation text of the built-in corpus, and prints each score's mean, std and max.
@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 import qkov
-from qkov.data import val_batches
-from qkov.heads import THRESHOLDS, head_report
+from qkov.analysis.heads import THRESHOLDS, head_report
+from qkov.training.data import val_batches
 
 
 def main() -> None:
@@ -31,7 +31,7 @@ def main() -> None:
     pooled: dict[str, list[float]] = {}
     for seed in range(args.seeds):
         model = qkov.Transformer(cfg, seed=seed).eval()
-        rep = head_report(model, text, frequencies=freqs, seed=seed, diag_k=None)
+        rep = head_report(qkov.Weights.from_model(model), text, frequencies=freqs, seed=seed, diag_k=None)
         for k, v in rep.scores.items():
             pooled.setdefault(k, []).extend(v.flatten().tolist())
     print(f"untrained heads: {args.seeds} seeds x {cfg.n_layers * cfg.n_heads} heads")

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from qkov import ModelConfig, QkovError, Transformer
-from qkov import circuits as C
-from qkov.factored import LowRank
+from qkov.analysis import circuits as C
+from qkov.analysis import composition as Cm
+from qkov.analysis.factored import LowRank
 from qkov.weights import Weights
 
 CFG = ModelConfig(n_layers=3, n_heads=4, d_model=32, d_head=8, d_vocab=60, n_ctx=20)
@@ -99,7 +100,7 @@ def test_composition_against_materialised_formula() -> None:
     QK = w.W_Q @ w.W_K.transpose(-1, -2)
     fro = torch.linalg.matrix_norm
     for kind, right in (("q", QK), ("k", QK.transpose(-1, -2)), ("v", OV)):
-        raw = C.composition_raw(w, kind)
+        raw = Cm.composition_raw(w, kind)[kind]
         for l1, h1, l2, h2 in [(0, 0, 1, 1), (0, 3, 2, 0), (1, 2, 2, 3)]:
             ref = fro(OV[l1, h1] @ right[l2, h2]) / (fro(OV[l1, h1]) * fro(right[l2, h2]))
             assert abs(float(raw[l1, h1, l2, h2]) - float(ref)) < 1e-12
@@ -111,24 +112,24 @@ def test_composition_detects_a_planted_k_composition() -> None:
     with torch.no_grad():  # layer-1 head 0 keys read exactly what layer-0 head 1 writes
         m.blocks[1].attn.W_K[0].copy_(m.blocks[0].attn.W_O[1].T)
     w = Weights.from_model(m, dtype=torch.float64)
-    k = C.composition_scores(w, "k")
+    k = Cm.composition_scores(w, "k")["k"]
     top = k.pairs()[0]
     assert (top["writer"], top["reader"]) == ("0.1", "1.0")
     assert top["adjusted"] > 5 * k.baseline.std
 
 
 def test_baseline_is_a_sensible_random_expectation() -> None:
-    b = C.composition_baseline(256, 256, "v", samples=64)
+    b = Cm.composition_baseline(256, 256, "v", samples=64)
     assert abs(b.mean - 1 / math.sqrt(256)) < 0.01  # full-rank: ~1/sqrt(d_model)
-    low = C.composition_baseline(256, 32, "k", samples=64)
+    low = Cm.composition_baseline(256, 32, "k", samples=64)
     assert abs(low.mean - 1 / math.sqrt(256)) < 0.01  # the mean barely depends on the rank ...
     assert low.std > 2 * b.std  # ... but the spread does
-    assert C.composition_baseline(256, 32, "k", samples=64, seed=0) == low
+    assert Cm.composition_baseline(256, 32, "k", samples=64, seed=0) == low
 
 
 def test_bandwidth_and_overlap() -> None:
     _, w = weights(ModelConfig(n_layers=3, n_heads=4, d_model=32, d_head=8, d_vocab=40, n_ctx=8, d_mlp=64))
-    b = C.bandwidth(w)
+    b = C.bandwidth(w.cfg)
     assert [x.before for x in b] == [0, 96, 192] and b[2].to_dict()["before_ratio"] == 6.0
     ov = C.write_overlap(w)
     assert torch.allclose(ov.overlap.diagonal(), torch.ones(12, dtype=torch.float64))
@@ -149,7 +150,7 @@ tl = pytest.importorskip("transformer_lens", reason="transformer-lens is a test 
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Transformer, object, Weights]:
-    from qkov.interop import to_hooked
+    from qkov.io import to_hooked
 
     m = Transformer(ModelConfig(n_layers=3, n_heads=4, d_model=32, d_head=8, d_vocab=60, n_ctx=20), seed=3).double()
     return m, to_hooked(m, dtype=torch.float64), Weights.from_model(m, dtype=torch.float64)
@@ -185,7 +186,7 @@ def test_tl_ov_eigenvalues_and_copying_scores(pair) -> None:
 def test_tl_composition_scores(pair, kind: str) -> None:
     _, hooked, w = pair
     theirs = hooked.all_composition_scores(kind.upper())
-    ours = C.composition_raw(w, kind)
+    ours = Cm.composition_raw(w, kind)[kind]
     valid = ~torch.isnan(ours)
     assert valid.sum() == 3 * 16  # (0,1), (0,2), (1,2) layer pairs x 16 head pairs
     assert (ours[valid] - theirs[valid]).abs().max() < 1e-5

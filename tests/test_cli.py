@@ -13,7 +13,7 @@ import torch
 
 import qkov
 from qkov import ModelConfig
-from qkov.cli import main
+from qkov.apps.cli import main
 
 from helpers import train_flags
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qkov import QkovError, load_corpus
-from qkov.data import BOS_TOKEN, Batches, is_val_file, stdlib_files, val_batches
+from qkov.training.data import BOS_TOKEN, Batches, is_val_file, stdlib_files, val_batches
 
 
 def test_stdlib_corpus_is_found_without_download() -> None:
@@ -18,11 +18,33 @@ def test_stdlib_corpus_is_found_without_download() -> None:
     assert not any("site-packages" in f.rel for f in files)
 
 
-def test_split_by_file_is_deterministic_and_disjoint() -> None:
-    _, files = stdlib_files()
-    val = [f.rel for f in files if is_val_file(f.rel, 0.05)]
-    assert val == [f.rel for f in files if is_val_file(f.rel, 0.05)]
-    assert 0.01 < len(val) / len(files) < 0.12
+def test_split_by_file_puts_each_file_whole_on_one_side(tmp_path: Path) -> None:
+    """Each file's text lands whole in exactly one split (the one its name's hash picks), about
+    val_fraction of the files go to validation, and a file keeps its side when others are added."""
+    root = tmp_path / "docs"
+    root.mkdir()
+    for i in range(60):
+        (root / f"doc{i:02d}.txt").write_text(f"zq{i:02d}xq " * 8)
+
+    def sides(spec: Path) -> tuple[dict[str, str], object]:
+        c = load_corpus(str(spec), vocab_size=300, val_fraction=0.2, cache_dir=tmp_path / "cache")
+        tok = c.tokenizer()
+        train, val = tok.decode(c.train.tolist()), tok.decode(c.val.tolist())
+        out = {}
+        for f in sorted(spec.iterdir()):
+            marker = f.read_text()[:6]
+            assert (marker in train) != (marker in val), f.name  # whole, on one side only
+            out[f.name] = "val" if marker in val else "train"
+        return out, c
+
+    first, corpus = sides(root)
+    assert {n for n, side in first.items() if side == "val"} == {n for n in first if is_val_file(n, 0.2)}
+    assert 0.05 < list(first.values()).count("val") / len(first) < 0.4
+    assert corpus.stats["val_files"] == list(first.values()).count("val")
+    for i in range(60, 80):
+        (root / f"doc{i:02d}.txt").write_text(f"zq{i:02d}xq " * 8)
+    second, _ = sides(root)
+    assert {n: second[n] for n in first} == first
 
 
 def test_directory_corpus_tokenises_with_bos_and_caches(small_corpus: Path, tmp_path: Path) -> None:

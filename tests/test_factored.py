@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from qkov import QkovError
-from qkov.factored import LowRank
+from qkov.analysis.factored import LowRank
 
 torch.manual_seed(0)
 

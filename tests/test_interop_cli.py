@@ -11,10 +11,10 @@ import torch
 
 import qkov
 from helpers import perturb_non_matrices
-from qkov.data import train_tokenizer
+from qkov.training.data import train_tokenizer
 from qkov import ModelConfig, QkovError, Transformer
-from qkov.cli import main
-from qkov.interop import load_any, save_tl, source_kind
+from qkov.apps.cli import main
+from qkov.io import load_any, save_tl, source_kind
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra: pip install -e '.[dev]'")
 tl = pytest.importorskip("transformer_lens", reason="transformer-lens is a test extra: pip install -e '.[dev]'")
@@ -176,7 +176,7 @@ def test_plain_tl_file_needs_its_config(tmp_path: Path, capsys: pytest.CaptureFi
     torch.save(tl.HookedTransformer(tl.HookedTransformerConfig(**fields)).state_dict(), tmp_path / "m.pth")
     (tmp_path / "cfg.json").write_text(json.dumps(fields))
     rc, _, err = _run(capsys, "circuits", tmp_path / "m.pth")
-    assert rc == 2 and "carries no config: pass one (--config CONFIG.json)" in err
+    assert rc == 2 and "carries no config: give its TransformerLens config (pass --config CONFIG.json)" in err
     rc, stdout, _ = _run(capsys, "circuits", tmp_path / "m.pth", "--config", tmp_path / "cfg.json", "--json")
     assert rc == 0 and len(json.loads(stdout)["copying"]) == 2
     rc, stdout, _ = _run(

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import LN_MLP, perturb_non_matrices
-from qkov.data import train_tokenizer
+from qkov.training.data import train_tokenizer
 import qkov
-from qkov import QkovError, Transformer
-from qkov.interop import from_hf, load_hf, save_hf, to_hf
+from qkov import QkovError, Transformer, Weights, run
+from qkov.io import from_hf, load_hf, save_hf, to_hf
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra: pip install -e '.[dev]'")
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -80,7 +80,7 @@ def test_import_matches_transformers_forward(tmp_path: Path, tied: bool, act: st
         assert m.cfg.positional == "standard" and m.cfg.normalization == "layernorm" and m.cfg.d_mlp == 128
         with torch.no_grad():
             assert (m(tokens) - expected).abs().max() < 1e-10
-            assert (m.run(tokens, return_patterns=True).logits - expected).abs().max() < 1e-10
+            assert (run(Weights.from_model(m, dtype=D), tokens).logits - expected).abs().max() < 1e-10
 
 
 def test_import_headless_gpt2model_ties_the_unembedding() -> None:
@@ -95,7 +95,7 @@ def test_import_attention_patterns_match_transformers(hf_dir: Path) -> None:
     tokens = _tokens(1)
     with torch.no_grad():
         theirs = hf(tokens, output_attentions=True).attentions
-        ours = load_hf(hf_dir, dtype=D).run(tokens, return_patterns=True).patterns
+        ours = run(Weights.from_model(load_hf(hf_dir, dtype=D), dtype=D), tokens).patterns
     for l in range(2):
         assert (ours[l] - theirs[l]).abs().max() < 1e-12
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from helpers import LN_MLP, perturb_non_matrices
-from qkov.data import train_tokenizer
-from qkov import ModelConfig, QkovError, Transformer
-from qkov.interop import from_hooked, load_tl, save_tl, to_hooked
+from qkov.training.data import train_tokenizer
+from qkov import ModelConfig, QkovError, Transformer, Weights, run
+from qkov.io import from_hooked, load_tl, save_tl, to_hooked
 
 tl = pytest.importorskip("transformer_lens", reason="transformer-lens is a test extra: pip install -e '.[dev]'")
 
@@ -62,8 +62,9 @@ def test_export_matches_transformerlens_forward_and_patterns(name: str) -> None:
     m, tokens = _model(cfg), _tokens(cfg)
     hooked = to_hooked(m, dtype=D)
     with torch.no_grad():
-        ours = m.run(tokens, return_patterns=True)
+        ours = run(Weights.from_model(m, dtype=D, fold_ln=False), tokens)
         logits, cache = hooked.run_with_cache(tokens)
+        assert (m(tokens) - logits).abs().max() < 1e-10
     assert (ours.logits - logits).abs().max() < 1e-10
     for l in range(cfg.n_layers):
         assert (ours.patterns[l] - cache["pattern", l]).abs().max() < 1e-12
@@ -222,7 +223,7 @@ def test_import_transformer_bridge_boot_native(kw: dict) -> None:
         m = from_hooked(bridge, dtype=D)
         tokens = torch.randint(0, 30, (2, 10), generator=torch.Generator().manual_seed(1))
         assert (m(tokens) - bridge(tokens)).abs().max() < 1e-10
-    assert m.cfg.attn_only == bool(kw.get("attn_only")) and m.cfg.bias
+    assert (m.cfg.d_mlp is None) == bool(kw.get("attn_only")) and m.cfg.bias
 
 
 def test_bridge_refuses_rotary() -> None:
@@ -272,15 +273,16 @@ def test_plain_state_dict_file_with_separate_config(tmp_path: Path) -> None:
     hooked = tl.HookedTransformer(tl.HookedTransformerConfig(**fields)).eval()
     torch.save(hooked.state_dict(), tmp_path / "attn_only_2L.pth")
     (tmp_path / "cfg.json").write_text(json.dumps(fields))
-    with pytest.raises(QkovError, match="carries no config: pass one"):
+    with pytest.raises(QkovError, match="carries no config") as err:
         load_tl(tmp_path / "attn_only_2L.pth")
+    assert err.value.hint == "config" and "--config" not in str(err.value)  # the CLI adds its flag
     wrong = {**fields, "attn_only": False, "d_mlp": 64, "act_fn": "relu"}
     with pytest.raises(QkovError, match="missing weight 'blocks.0.mlp.W_in'"):
         load_tl(tmp_path / "attn_only_2L.pth", wrong)
     with pytest.raises(QkovError, match="are not explained by the config"):  # a 1-layer config: layer 1 left over
         load_tl(tmp_path / "attn_only_2L.pth", {**fields, "n_layers": 1})
     m = load_tl(tmp_path / "attn_only_2L.pth", tmp_path / "cfg.json")
-    assert m.cfg.positional == "shortformer" and m.cfg.normalization == "none" and m.cfg.attn_only
+    assert m.cfg.positional == "shortformer" and m.cfg.normalization == "none" and m.cfg.d_mlp is None
     tokens = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         assert (m(tokens) - hooked(tokens)).abs().max() < 1e-4
@@ -305,8 +307,8 @@ def test_torch_files_are_read_without_unpickling_code(tmp_path: Path) -> None:
 # ------------------------------------------------------------------ circuits on imported weights
 def test_circuit_scores_of_an_imported_model_equal_transformerlens() -> None:
     """LayerNorm folded (and writers centred) by qkov's Weights view == TransformerLens' process_weights_."""
-    from qkov import circuits as C
-    from qkov.weights import Weights
+    from qkov.analysis import circuits as C
+    from qkov.analysis.composition import composition_raw
 
     hooked = _tl_model()
     m = from_hooked(hooked, dtype=D)
@@ -315,7 +317,7 @@ def test_circuit_scores_of_an_imported_model_equal_transformerlens() -> None:
     for name in ("W_E", "W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_U"):
         assert (getattr(w, name) - getattr(hooked, name)).abs().max() < 1e-6, name
     for kind in "qkv":
-        ours, theirs = C.composition_raw(w, kind), hooked.all_composition_scores(kind.upper())
+        ours, theirs = composition_raw(w, kind)[kind], hooked.all_composition_scores(kind.upper())
         valid = ~torch.isnan(ours)
         assert valid.sum() == 16 and (ours[valid] - theirs[valid]).abs().max() < 1e-6
     full = (hooked.W_E @ hooked.OV @ hooked.W_U).eigenvalues

@@ -1,4 +1,5 @@
-"""Lazy (streamed) checkpoints: same numbers as the in-memory Weights path, only the needed tensors read."""
+"""Memory-mapped checkpoints: the same analyses as on the in-memory view (the same code, another
+WeightSource), only the needed tensors read."""
 
 from __future__ import annotations
 
@@ -13,14 +14,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import qkov
-from qkov import ModelConfig, QkovError, Transformer
-from qkov import circuits as C
-from qkov import lazy_circuits as LC
-from qkov import trigrams as T
-from qkov.cli import main
-from qkov.factored import LowRank
-from qkov.lazy import LazyCheckpoint, TensorFile
-from qkov.weights import Weights
+from qkov import ModelConfig, QkovError, Transformer, run
+from qkov.analysis import circuits as C
+from qkov.analysis import composition as Cm
+from qkov.analysis import paths as P
+from qkov.analysis import trigrams as T
+from qkov.apps.cli import main
+from qkov.io.tensorfile import TensorFile
+from qkov.weights import LazyCheckpoint, Weights
 
 from helpers import LN_MLP, perturb_non_matrices
 
@@ -78,20 +79,19 @@ def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path], mon
         for f in ATTN_FIELDS[:-1]:
             assert _close(getattr(one, f)[0], getattr(w, f)[layer, 2]), (layer, f)
         if w.W_in is not None:
-            W_in, b_in, W_out, b_out = ck.mlp(layer)
-            assert _close(W_in, w.W_in[layer]) and _close(b_in, w.b_in[layer])  # type: ignore[index]
-            assert _close(W_out, w.W_out[layer]) and _close(b_out, w.b_out[layer])  # type: ignore[index]
-    W_U, b_U = ck.unembed()
-    assert _close(W_U, w.W_U) and _close(b_U, w.b_U) and _close(ck.embed(), w.W_E)
-    monkeypatch.setattr("qkov.lazy._BLOCK", 7 * w.cfg.d_model)  # W_U folded 7 columns at a time
-    assert _close(ck.unembed()[0], w.W_U) and _close(ck.unembed()[1], w.b_U)
-    assert _close(ck.unembed_embed(chunk=7), w.W_U @ w.W_E)
-    hw = ck.head_weights(2, 1)
-    assert hw.cfg.n_layers == 1 and hw.cfg.n_heads == 1
-    for f in ATTN_FIELDS[:4]:
-        assert _close(getattr(hw, f)[0, 0], getattr(w, f)[2, 1])
-    assert _close(C.full_ov(hw, 0, 0).materialize(), C.full_ov(w, 2, 1).materialize())
-    assert _close(C.full_qk(hw, 0, 0).materialize(), C.full_qk(w, 2, 1).materialize())
+            mlp = ck.mlp(layer)
+            assert _close(mlp.W_in, w.W_in[layer]) and _close(mlp.b_in, w.b_in[layer])  # type: ignore[index]
+            assert _close(mlp.W_out, w.W_out[layer]) and _close(mlp.b_out, w.b_out[layer])  # type: ignore[index]
+        else:
+            assert ck.mlp(layer) is None
+    U = ck.unembed()
+    assert _close(U.W_U, w.W_U) and _close(U.b_U, w.b_U) and _close(ck.embed(), w.W_E)
+    assert _close(ck.embed(slice(3, 9)), w.W_E[3:9]) and _close(ck.unembed(slice(3, 9)).W_U, w.W_U[:, 3:9])
+    monkeypatch.setattr("qkov.weights.lazy._BLOCK", 7 * w.cfg.d_model)  # W_U folded 7 columns at a time
+    assert _close(ck.unembed().W_U, w.W_U) and _close(ck.unembed().b_U, w.b_U)
+    assert _close(C.unembed_embed(ck, block=7), w.W_U @ w.W_E)
+    assert _close(C.full_ov(ck, 2, 1).materialize(), C.full_ov(w, 2, 1).materialize())
+    assert _close(C.full_qk(ck, 2, 1).materialize(), C.full_qk(w, 2, 1).materialize())
     with pytest.raises(QkovError, match="no head 4.0"):
         ck.attention(4, 0)
 
@@ -101,7 +101,7 @@ def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path]) -> None:
     ck = LazyCheckpoint(path, dtype=torch.float64)
     ref = C.analyse(w, diag_k=3)
     for writer_bytes in (1, 1 << 30):  # one writer layer per pass (3 passes), and everything in one pass
-        got = LC.analyse(ck, diag_k=3, writer_bytes=writer_bytes)
+        got = C.analyse(ck, diag_k=3, writer_bytes=writer_bytes)
         for a, b in zip(ref.copying, got.copying, strict=True):
             assert (a.layer, a.head, a.diag_topk_rate) == (b.layer, b.head, b.diag_topk_rate)
             assert a.eigen_score == pytest.approx(b.eigen_score, abs=1e-9)
@@ -110,7 +110,7 @@ def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path]) -> None:
             assert _close(got.composition[kind].raw, ref.composition[kind].raw)
             assert got.composition[kind].baseline == ref.composition[kind].baseline
         assert got.to_dict()["bandwidth"] == ref.to_dict()["bandwidth"]
-    eig_only = LC.copying_scores(ck, diag_k=None)  # the streamed W_U @ W_E
+    eig_only = C.copying_scores(ck, diag_k=None)  # the streamed W_U @ W_E
     assert [c.eigen_score for c in eig_only] == pytest.approx([c.eigen_score for c in ref.copying], abs=1e-9)
     pairs = [(("embed",), ("q", 0, 1)), (("head", 0, 2), ("k", 2, 1)), (("head", 1, 0), ("unembed",))]
     pairs += [(("pos",), ("v", 1, 0))] if w.W_pos is not None else []
@@ -119,23 +119,33 @@ def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path]) -> None:
         if w.W_in is not None
         else []
     )
-    for writer, reader in pairs:
-        assert _close(
-            LC.virtual_weights(ck, writer, reader).materialize(), C.virtual_weights(w, writer, reader).materialize()
-        )
+    for writer, reader in pairs:  # against the materialised product of the view's own tensors
+        got = C.virtual_weights(ck, writer, reader).materialize()
+        assert _close(got, C.virtual_weights(w, writer, reader).materialize())
+    assert _close(C.virtual_weights(ck, ("head", 0, 2), ("k", 2, 1)).materialize(), w.W_O[0, 2] @ w.W_K[2, 1])
     for writer, reader, msg in [
         (("head", 1, 0), ("k", 1, 1), "does not come after"),
         (("x",), ("unembed",), "unknown writer"),
     ]:
         with pytest.raises(QkovError, match=msg):
-            LC.virtual_weights(ck, writer, reader)
-    hw = ck.head_weights(1, 2)
-    lazy_tri, ref_tri = T.skip_trigrams(hw, 0, 0, top=15), T.skip_trigrams(w, 1, 2, top=15)
+            C.virtual_weights(ck, writer, reader)
+    lazy_tri, ref_tri = T.skip_trigrams(ck, 1, 2, top=15), T.skip_trigrams(w, 1, 2, top=15)
     assert [(t.source, t.destination, t.output) for t in lazy_tri] == [
         (t.source, t.destination, t.output) for t in ref_tri
     ]
     assert [t.score for t in lazy_tri] == pytest.approx([t.score for t in ref_tri], rel=1e-9)
-    assert [(b.token, b.next) for b in T.bigrams(hw, top=10)] == [(b.token, b.next) for b in T.bigrams(w, top=10)]
+    assert [(b.token, b.next) for b in T.bigrams(ck, top=10)] == [(b.token, b.next) for b in T.bigrams(w, top=10)]
+
+
+def test_forward_and_paths_stream_the_same_model(saved: tuple[Weights, Path]) -> None:
+    """The analysis forward reads a memory-mapped checkpoint layer by layer: same logits, patterns
+    and path expansion as the in-memory view."""
+    w, path = saved
+    ck = LazyCheckpoint(path, dtype=torch.float64)
+    toks = torch.randint(0, w.cfg.d_vocab, (2, 10), generator=torch.Generator().manual_seed(4))
+    a, b = run(ck, toks, record=("patterns", "head_outputs")), run(w, toks, record=("patterns", "head_outputs"))
+    assert _close(a.logits, b.logits) and _close(a.patterns, b.patterns) and _close(a.head_outputs, b.head_outputs)
+    assert P.expand(ck, toks).reconstruction_error() < 1e-10
 
 
 def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path: Path) -> None:
@@ -144,7 +154,7 @@ def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path
     )
     _save(tmp_path / "ck", cfg)
     ck = LazyCheckpoint(tmp_path / "ck")
-    LC.analyse(ck, diag_k=None)
+    C.analyse(ck, diag_k=None)
     mlp_bytes = cfg.n_layers * 2 * cfg.d_model * cfg.d_mlp * 4  # type: ignore[operator]
     assert mlp_bytes > (tmp_path / "ck" / "model.safetensors").stat().st_size * 0.8
     assert not [k for k in ck.file.reads if ".mlp." in k or ".ln2." in k]
@@ -153,11 +163,12 @@ def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path
     attn_bytes, embed_bytes = 4 * (4 * 4 * 64 * 16) * 4, 2 * 500 * 64 * 4  # per pass; W_E + W_U once
     assert ck.file.bytes_read < 2 * attn_bytes + embed_bytes + 16384  # + biases and LayerNorms
     ck = LazyCheckpoint(tmp_path / "ck")
-    ck.head_weights(2, 3)
+    T.TrigramTable(ck, 2, 3)  # everything the skip-trigram table of head 2.3 needs
     assert {k for k in ck.file.reads if k.startswith("blocks.")} <= {
         f"blocks.2.{p}" for p in ("ln1.w", "ln1.b", "attn.W_Q", "attn.W_K", "attn.W_V", "attn.W_O")
     }
-    assert ck.file.bytes_read == (4 * 64 * 16 + 2 * 500 * 64 + 16 * 64 + 4 * 64) * 4  # one head, W_E, W_U, W_pos, LNs
+    assert ck.file.reads["W_E"] == 1 and ck.file.reads["W_U"] == 1  # each read once
+    assert ck.file.bytes_read == (4 * 64 * 16 + 2 * 500 * 64 + 4 * 64) * 4  # one head, W_E, W_U, two LNs
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -190,12 +201,21 @@ def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def _numbers(x: object) -> list[float]:
-    if isinstance(x, dict):
-        return [n for v in x.values() for n in _numbers(v)]
-    if isinstance(x, list):
-        return [n for v in x for n in _numbers(v)]
-    return [float(x)] if isinstance(x, (int, float)) and not isinstance(x, bool) else []
+def _assert_same(a: object, b: object, where: str = "") -> None:
+    """Parsed JSON equal in structure, keys, strings and integers, floats within 1e-5."""
+    assert type(a) is type(b) or {type(a), type(b)} <= {int, float}, (where, a, b)
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where  # type: ignore[union-attr]
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")  # type: ignore[index]
+    elif isinstance(a, list):
+        assert len(a) == len(b), where  # type: ignore[arg-type]
+        for i, (x, y) in enumerate(zip(a, b)):  # type: ignore[call-overload]
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, abs=1e-5), (where, a, b)
+    else:
+        assert a == b, (where, a, b)
 
 
 def test_cli_lazy_matches_in_memory(
@@ -203,23 +223,22 @@ def test_cli_lazy_matches_in_memory(
 ) -> None:
     from tokenizers import Tokenizer, models
 
+    from qkov.apps.cli import weights_cmds
+
     ck = tmp_path / "ck"
     _save(ck, LN)
     vocab = {"<|bos|>": 0, **{f"w{i}": i for i in range(1, LN.d_vocab)}}
     Tokenizer(models.WordLevel(vocab, unk_token="<|bos|>")).save(str(ck / "tokenizer.json"))
+    eager = {}
     for cmd in (["circuits", str(ck), "--json"], ["trigrams", str(ck), "--head", "1.2", "--source", "w7", "--json"]):
-        eager = _json([*cmd, "--device", "cpu"], capsys)
-        lazy = _json([*cmd, "--lazy", "--device", "auto"], capsys)
-        assert json.dumps(eager, sort_keys=True).count('"') == json.dumps(lazy, sort_keys=True).count('"')
-        assert _numbers(lazy) == pytest.approx(_numbers(eager), abs=1e-5)
-    calls = []
-    monkeypatch.setattr("qkov.lazy.AUTO_LAZY_BYTES", 0)  # every file is "big": the lazy path is automatic
-    monkeypatch.setattr(
-        "qkov.lazy_circuits.analyse",
-        lambda ck, **kw: calls.append(ck) or C.analyse(Weights.from_model(qkov.load(ck.path))),
-    )
-    assert main(["circuits", str(ck), "--json"]) == 0 and len(calls) == 1
-    capsys.readouterr()
+        eager[cmd[0]] = _json([*cmd, "--device", "cpu"], capsys)
+        _assert_same(eager[cmd[0]], _json([*cmd, "--lazy", "--device", "auto"], capsys))
+    assert len(eager["circuits"]["copying"]) == 12 and len(eager["trigrams"]["trigrams"]) == 20
+    opened = []
+    monkeypatch.setattr("qkov.apps.cli.common.AUTO_LAZY_BYTES", 0)  # every file is "big": the lazy path is automatic
+    monkeypatch.setattr(weights_cmds, "LazyCheckpoint", lambda *a, **kw: opened.append(a) or LazyCheckpoint(*a, **kw))
+    _assert_same(_json(["circuits", str(ck), "--json"], capsys), eager["circuits"])
+    assert len(opened) == 1
 
 
 @pytest.mark.parametrize("command", [["circuits"], ["paths"], ["heads"], ["trigrams", "--head", "0.0"]])
@@ -237,7 +256,7 @@ def test_device_option(command: list[str], tmp_path: Path, capsys: pytest.Captur
 def test_stage_progress_draws_on_a_terminal() -> None:
     from rich.console import Console
 
-    from qkov.progress import StageProgress
+    from qkov.apps.progress import StageProgress
 
     out = io.StringIO()
     with StageProgress(console=Console(file=out, force_terminal=True, width=100)) as p:
@@ -256,15 +275,15 @@ def test_composition_baseline_draws_in_blocks_with_the_same_values() -> None:
         return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
 
     for shapes in ([(10, 32, 8), (10, 8, 32)] * 2, [(7, 5, 3), (7, 3, 5)]):
-        blocks = list(C._seeded_normals(torch.Generator().manual_seed(3), shapes, max_bytes=8 * 4 * 256 * 3))
+        blocks = list(Cm._seeded_normals(torch.Generator().manual_seed(3), shapes, max_bytes=8 * 4 * 256 * 3))
         assert len(blocks) == (4 if shapes[0][1] == 32 else 1)  # 3 samples a block; 15 values a sample: whole
         for got, ref in zip(zip(*blocks), whole(3, shapes), strict=True):
             assert torch.equal(torch.cat(got), ref)
-    # the memory-bounded baseline is the batched formula's (V1, O1, A, then B or RB, each drawn whole)
+    # the memory-bounded baseline is the paper's formula on materialised matrices (V1, O1, A, then B
+    # or RB, each drawn whole): K-composition ||W_OV1 W_QK2^T|| / (||W_OV1|| ||W_QK2||), W_QK2^T = A B^T
     V1, O1, A, B = whole(0, [(40, 32, 8), (40, 8, 32), (40, 32, 8), (40, 32, 8)])
-    num = torch.stack(
-        [C._pair_norms(V1[i : i + 1], O1[i : i + 1], A[i : i + 1], B[i : i + 1].mT)[0, 0] for i in range(40)]
-    )
-    ref = num / (LowRank(V1, O1).norm() * LowRank(A, B.mT).norm())
-    got = C.composition_baseline(32, 8, "k", samples=40)
+    fro = torch.linalg.matrix_norm
+    ov, qk_t = V1 @ O1, A @ B.mT
+    ref = fro(ov @ qk_t) / (fro(ov) * fro(qk_t))
+    got = Cm.composition_baseline(32, 8, "k", samples=40)
     assert (got.mean, got.std) == pytest.approx((float(ref.mean()), float(ref.std())), rel=1e-12)

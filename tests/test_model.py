@@ -1,4 +1,4 @@
-"""The transformer: shapes, frozen patterns, head additivity, positional modes, input checks."""
+"""The training model: shapes, head additivity, positional modes, LayerNorm + MLP, input checks; the public API."""
 
 from __future__ import annotations
 
@@ -22,57 +22,13 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.n_layers}L-{c.positional}-{c.normalization}-mlp{c.d_mlp}")
-def test_frozen_patterns_reproduce_logits(cfg: ModelConfig) -> None:
-    model = Transformer(cfg, seed=1).eval()
-    perturb_non_matrices(model, 0.1)
-    tokens = torch.randint(0, cfg.d_vocab, (3, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        fused = model(tokens)
-        out = model.run(tokens, return_patterns=True)
-        frozen = model.run(tokens, patterns=out.patterns)
-    assert out.patterns is not None
-    assert out.patterns.shape == (cfg.n_layers, 3, cfg.n_heads, cfg.n_ctx, cfg.n_ctx)
-    assert (fused - out.logits).abs().max() <= 1e-5
-    assert (frozen.logits - fused).abs().max() <= 1e-5
-    # patterns are causal probability distributions
-    p = out.patterns
-    assert torch.allclose(p.sum(-1), torch.ones_like(p.sum(-1)), atol=1e-5)
-    assert p.triu(1).abs().max() == 0
-
-
-def test_frozen_patterns_are_used() -> None:
-    """Frozen patterns must actually replace the model's: uniform patterns give different logits."""
-    cfg = CONFIGS[0]
-    model = Transformer(cfg, seed=2).eval()
-    tokens = torch.randint(0, cfg.d_vocab, (2, 10))
-    t = tokens.shape[1]
-    uniform = torch.tril(torch.ones(t, t)) / torch.arange(1, t + 1)[:, None]
-    patterns = uniform.expand(cfg.n_layers, 2, cfg.n_heads, t, t)
-    with torch.no_grad():
-        own = model(tokens)
-        forced = model.run(tokens, patterns=patterns).logits
-        # by hand: layer by layer with uniform averaging
-        x = model.W_E[tokens]
-        pos = model.W_pos[:t]
-        for block in model.blocks:
-            a = block.attn
-            v = torch.einsum("btd,hde->bhte", x, a.W_V)
-            z = uniform @ v
-            x = x + torch.einsum("bhte,hed->btd", z, a.W_O)
-        manual = x @ model.W_U
-    assert (forced - manual).abs().max() < 1e-5
-    assert (forced - own).abs().max() > 1e-3
-    del pos
-
-
 def test_multihead_equals_sum_of_heads() -> None:
     cfg = ModelConfig(n_layers=1, n_heads=4, d_model=32, d_head=8, d_vocab=40, n_ctx=12)
     model = Transformer(cfg, seed=3).eval()
     attn = model.blocks[0].attn
     x = torch.randn(2, 12, 32)
     with torch.no_grad():
-        fused, _ = attn(x, x)
+        fused = attn(x, x)
         q, k, v = attn.qkv(x, x)
         total = torch.zeros_like(x)
         for h in range(cfg.n_heads):
@@ -81,20 +37,6 @@ def test_multihead_equals_sum_of_heads() -> None:
             pattern = torch.softmax(s, dim=-1)
             total += pattern @ (x @ attn.W_V[h]) @ attn.W_O[h]
     assert (fused - total).abs().max() <= 1e-5
-
-
-def test_shortformer_positions_only_enter_queries_and_keys() -> None:
-    """Under shortformer, changing W_pos changes patterns but not values: with patterns frozen, logits stay."""
-    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12)
-    model = Transformer(cfg, seed=4).eval()
-    tokens = torch.randint(0, 30, (2, 12))
-    with torch.no_grad():
-        out = model.run(tokens, return_patterns=True)
-        model.W_pos.mul_(3.0)
-        changed = model.run(tokens, return_patterns=True)
-        frozen = model.run(tokens, patterns=out.patterns)
-    assert (changed.patterns - out.patterns).abs().max() > 1e-3
-    assert (frozen.logits - out.logits).abs().max() <= 1e-5
 
 
 def test_standard_positions_enter_the_stream() -> None:
@@ -111,9 +53,7 @@ def test_zero_layers_is_a_bigram_model() -> None:
     model = Transformer(cfg, seed=5).eval()
     tokens = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
-        out = model.run(tokens, return_patterns=True)
-        assert torch.allclose(out.logits, model.W_E[tokens] @ model.W_U, atol=1e-6)
-    assert out.patterns is not None and out.patterns.shape[0] == 0
+        assert torch.allclose(model(tokens), model.W_E[tokens] @ model.W_U, atol=1e-6)
 
 
 def test_layernorm_mlp_model_matches_manual_forward() -> None:
@@ -172,12 +112,6 @@ def test_bad_tokens_are_user_errors(tokens: torch.Tensor, message: str) -> None:
         model(tokens)
 
 
-def test_bad_pattern_shape_is_a_user_error() -> None:
-    model = Transformer(CONFIGS[0], seed=0)
-    with pytest.raises(QkovError, match="patterns"):
-        model.run(torch.zeros(1, 5, dtype=torch.long), patterns=torch.zeros(2, 1, 3, 4, 4))
-
-
 @pytest.mark.parametrize(
     "kwargs",
     [{"n_layers": -1}, {"n_heads": 0}, {"positional": "rotary"}, {"normalization": "rms"}, {"d_mlp": 0}],
@@ -194,6 +128,37 @@ def test_config_round_trip_and_unknown_fields() -> None:
         ModelConfig.from_dict({**cfg.to_dict(), "rotary": True})
 
 
-def test_public_api_exports() -> None:
-    for name in ("ModelConfig", "Transformer", "load", "train", "TrainConfig", "QkovError"):
-        assert hasattr(qkov, name)
+def test_public_api_is_what_the_package_docs_list() -> None:
+    """``qkov.__all__`` is the documented API: each name is importable, is the object defined where
+    the docs say, and nothing else is exported."""
+    from qkov.analysis import forward, probes
+    from qkov.io import checkpoint, sources
+    from qkov.model import config, transformer
+    from qkov.training import data, loop
+    from qkov.weights import lazy, view
+
+    homes = {
+        "ModelConfig": config,
+        "Transformer": transformer,
+        "Weights": view,
+        "LazyCheckpoint": lazy,
+        "run": forward,
+        "Run": forward,
+        "load": checkpoint,
+        "save_checkpoint": checkpoint,
+        "load_any": sources,
+        "train": loop,
+        "Corpus": data,
+        "load_corpus": data,
+        "induction_probe": probes,
+        "induction_probe_tokens": probes,
+        "prefix_matching_tokens": probes,
+        "InductionProbe": probes,
+    }
+    for name, module in homes.items():
+        assert getattr(qkov, name) is getattr(module, name), name
+    expected = set(homes) | {"QkovError", "TrainConfig", "LowRank", "__version__"}
+    assert set(qkov.__all__) == expected
+    for name in qkov.__all__:
+        assert getattr(qkov, name) is not None
+    assert qkov.__version__ == __import__("importlib.metadata").metadata.version("qkov")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,16 @@ import torch
 
 import qkov
 from qkov import ModelConfig, Transformer
-from qkov import paths as P
+from qkov.analysis import paths as P
+from qkov.analysis.qk_split import qk_split
 from qkov.weights import Weights
 
 from helpers import TINY, perturb_non_matrices, tiny_train
+from reference import reference_forward, reference_loss
+
+
+def toks(shape: tuple[int, int], seed: int = 1, vocab: int = 50) -> torch.Tensor:
+    return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
 
 def make(layers: int, positional: str, dtype: torch.dtype, seed: int = 0, **kw) -> tuple[Transformer, Weights]:
@@ -34,7 +41,7 @@ TOL = {torch.float32: 1e-4, torch.float64: 1e-9}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_paths_sum_to_logits(layers: int, positional: str, dtype: torch.dtype) -> None:
     m, w = make(layers, positional, dtype)
-    tokens = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(1))
+    tokens = toks((2, 16))
     exp = P.expand(w, tokens, virtual_heads=True)
     with torch.no_grad():
         ref = m(tokens)
@@ -50,10 +57,9 @@ def test_paths_sum_to_logits(layers: int, positional: str, dtype: torch.dtype) -
 
 def test_order_one_term_by_hand() -> None:
     m, w = make(1, "shortformer", torch.float64)
-    tokens = torch.randint(0, 50, (1, 10))
+    tokens = toks((1, 10))
     exp = P.expand(w, tokens)
-    with torch.no_grad():
-        A = m.run(tokens, return_patterns=True).patterns[0, 0, 2]  # layer 0, head 2: [T, T]
+    A = reference_forward(w, tokens)[1][0, 0, 2]  # layer 0, head 2: [T, T]
     E, OV, U = w.W_E[tokens[0]], w.W_V[0, 2] @ w.W_O[0, 2], w.W_U
     assert torch.allclose(exp.logits_of(exp.heads[(0, 2)])[0], A @ E @ OV @ U, atol=1e-10)
     assert torch.allclose(exp.order_logits()[0][0], E @ U, atol=1e-10)
@@ -64,7 +70,7 @@ def test_zero_ov_head_has_zero_paths() -> None:
     with torch.no_grad():
         m.blocks[0].attn.W_O[1].zero_()
     w = Weights.from_model(m, dtype=torch.float64)
-    exp = P.expand(w, torch.randint(0, 50, (2, 12)), virtual_heads=True)
+    exp = P.expand(w, toks((2, 12)), virtual_heads=True)
     assert exp.heads[(0, 1)].abs().max() == 0
     for h2 in range(3):
         assert exp.virtual[(0, 1, 1, h2)].abs().max() == 0
@@ -83,7 +89,7 @@ def test_layernorm_mlp_bias_models_reconstruct(kw: dict) -> None:
     m, _ = make(2, "shortformer", torch.float64, **kw)
     perturb_non_matrices(m, 0.3)
     w = Weights.from_model(m, dtype=torch.float64)
-    tokens = torch.randint(0, 50, (2, 16))
+    tokens = toks((2, 16))
     exp = P.expand(w, tokens)
     with torch.no_grad():
         ref = m(tokens)
@@ -94,44 +100,75 @@ def test_layernorm_mlp_bias_models_reconstruct(kw: dict) -> None:
 
 
 @pytest.mark.parametrize("layers", [1, 2, 3])
-def test_term_importance_runs(layers: int) -> None:
+def test_term_importance_against_an_independent_recomputation(layers: int) -> None:
+    """Run n of the paper's procedure is the model with patterns frozen and only paths through
+    fewer than n heads: computed here with the reference forward, by running it with frozen
+    patterns on a copy of the weights whose heads are cut after n - 1 steps (a path of k heads
+    needs k heads in increasing layers; with no LayerNorm and no biases the n-th run's logits
+    are orders 0..n-1 of the expansion, which the reference gives as the difference of
+    partial products)."""
     _, w = make(layers, "shortformer", torch.float64)
-    tokens = torch.randint(0, 50, (4, 16))
+    tokens = toks((4, 16), seed=2)
     ti = P.term_importance(w, tokens)
+    _, patterns = reference_forward(w, tokens)
     assert len(ti.run_losses) == layers + 1
-    assert ti.run_losses[-1] == pytest.approx(ti.full_loss, abs=1e-9)  # everything in: the model's loss
-    # marginal losses of orders >= 1 add up exactly to (heads zeroed) - (everything)
-    assert sum(ti.marginal_by_order[1:]) == pytest.approx(ti.run_losses[0] - ti.full_loss, abs=1e-12)
-    # independent check: run n's logits are the cumulative sum of orders 0..n-1
-    exp = P.expand(w, tokens)
-    cumulative = torch.zeros_like(exp.orders[0])
-    for n, order in enumerate(exp.orders[:-1]):
-        cumulative = cumulative + order
-        assert ti.run_losses[n] == pytest.approx(P._loss(exp.logits_of(cumulative) + w.b_U, exp.run.tokens), abs=1e-9)
+    # the model's own loss, the reference's way
+    assert ti.full_loss == pytest.approx(reference_loss(reference_forward(w, tokens)[0], tokens), abs=1e-9)
+    assert ti.uniform_loss == pytest.approx(math.log(50))
+    # orders 0..n-1 by brute force: expand (1 + sum_h A_h x OV_h) layer by layer, truncating the order
+    T = tokens.shape[1]
+    x0 = w.W_E[tokens]
+    terms = [x0]  # terms[k]: the stream's order-k part
+    for l in range(layers):
+        new = [t.clone() for t in terms] + [torch.zeros_like(x0)]
+        for k, t in enumerate(terms):
+            for h in range(w.cfg.n_heads):
+                new[k + 1] += patterns[l, :, h] @ t @ w.W_V[l, h] @ w.W_O[l, h]
+        terms = new
+    for n in range(1, layers + 2):
+        logits = sum(terms[:n]) @ w.W_U
+        assert ti.run_losses[n - 1] == pytest.approx(reference_loss(logits, tokens), abs=1e-9), n
+    assert ti.run_losses[-1] == pytest.approx(ti.full_loss, abs=1e-9)
+    del T
 
 
-def test_term_effects() -> None:
+def test_term_effects_match_a_recomputed_loss() -> None:
+    """Each single-head term's loss change = the loss with that head's order-1 path removed (logits
+    rebuilt from the reference forward's patterns) minus the model's loss."""
     _, w = make(2, "shortformer", torch.float64)
-    exp = P.expand(w, torch.randint(0, 50, (2, 16)), virtual_heads=True)
+    tokens = toks((2, 16), seed=3)
+    exp = P.expand(w, tokens, virtual_heads=True)
     singles, virtual = P.term_effects(exp, top_virtual=4)
     assert len(singles) == 6 and len(virtual) == 4
-    assert all(e.size > 0 for e in singles + virtual)
     assert singles == sorted(singles, key=lambda e: -e.loss_change)
+    logits, patterns = reference_forward(w, tokens)
+    base = reference_loss(logits, tokens)
+    by_name = {e.name: e for e in singles + virtual}
+    E = w.W_E[tokens]
+    for l, h in [(0, 0), (0, 2), (1, 1)]:
+        term = patterns[l, :, h] @ E @ w.W_V[l, h] @ w.W_O[l, h] @ w.W_U
+        e = by_name[f"{l}.{h}"]
+        assert e.loss_change == pytest.approx(reference_loss(logits - term, tokens) - base, abs=1e-9)
+        assert e.size == pytest.approx(float(term.pow(2).mean().sqrt()), rel=1e-9)
+    top = virtual[0]
+    (l1, h1), (l2, h2) = [tuple(map(int, p.split("."))) for p in top.name.split("->")]
+    term = patterns[l2, :, h2] @ patterns[l1, :, h1] @ E @ w.W_V[l1, h1] @ w.W_O[l1, h1] @ w.W_V[l2, h2] @ w.W_O[l2, h2]
+    assert top.loss_change == pytest.approx(reference_loss(logits - term @ w.W_U, tokens) - base, abs=1e-9)
 
 
 @pytest.mark.parametrize("positional", ["shortformer", "standard", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> None:
     m, w = make(3, positional, dtype)
-    tokens = torch.randint(0, 50, (2, 12))
+    tokens = toks((2, 12))
     with torch.no_grad():  # the real scores, from the model's own attention module
         x = m.W_E[tokens] + (m.W_pos[:12] if positional == "standard" else 0)
         for l in range(2):
-            x, _ = m.blocks[l](x, m.W_pos[:12] if positional == "shortformer" else None)
+            x = m.blocks[l](x, m.W_pos[:12] if positional == "shortformer" else None)
         qk_in = x + m.W_pos[:12] if positional == "shortformer" else x
         q, k, _ = m.blocks[2].attn.qkv(qk_in, x)
         real = (q @ k.transpose(-1, -2)) / (8**0.5)
-    split = P.qk_split(w, tokens, 2, 1)
+    split = qk_split(w, tokens, 2, 1)
     assert split.earlier == [f"{l}.{h}" for l in range(2) for h in range(3)]
     assert (split.total() - real[:, 1]).abs().max() <= TOL[dtype]
     assert (split.scores - real[:, 1]).abs().max() <= TOL[dtype]
@@ -141,11 +178,10 @@ def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> No
 def test_qk_split_with_layernorm() -> None:
     m, _ = make(2, "shortformer", torch.float64, normalization="layernorm", bias=True, d_mlp=32)
     w = Weights.from_model(m, dtype=torch.float64)
-    tokens = torch.randint(0, 50, (2, 12))
-    split = P.qk_split(w, tokens, 1, 0)
+    tokens = toks((2, 12))
+    split = qk_split(w, tokens, 1, 0)
     assert (split.total() - split.scores).abs().max() < 1e-10
-    with torch.no_grad():
-        pats = m.run(tokens, return_patterns=True).patterns[1, :, 0]
+    pats = reference_forward(Weights.from_model(m, dtype=torch.float64, fold_ln=False), tokens)[1][1, :, 0]
     mask = torch.ones(12, 12, dtype=torch.bool).triu(1)
     assert torch.allclose(torch.softmax(split.scores.masked_fill(mask, float("-inf")), -1), pats, atol=1e-10)
 
@@ -154,7 +190,7 @@ def test_trained_model_reconstructs(tmp_path: Path, small_corpus: Path) -> None:
     tc = tiny_train(small_corpus, steps=30, lr=1e-2, eval_interval=30, ckpt_interval=30, log_interval=10)
     model = qkov.train(tmp_path / "run", TINY, tc, device="cpu")
     w = Weights.from_model(model)
-    tokens = torch.randint(0, 300, (2, 32))
+    tokens = toks((2, 32), vocab=300)
     with torch.no_grad():
         ref = model(tokens)
     assert (P.expand(w, tokens).total_logits() - ref).abs().max() <= 1e-4

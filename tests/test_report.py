@@ -12,16 +12,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkov import circuits as C
-from qkov import heads as Hd
-from qkov.checkpoint import load, save_checkpoint
-from qkov.cli import main
-from qkov.report import collect, write_report
-from qkov.train import train
-from qkov.weights import Weights
-from qkov import ModelConfig
+from qkov import ModelConfig, Weights
+from qkov.analysis import circuits as C
+from qkov.analysis.composition import composition_raw
+from qkov.analysis.paths import PathSummary, TermImportance
+from qkov.analysis.probes import induction_probe_tokens
+from qkov.apps.cli import main
+from qkov.apps.report import Report, collect, write_report
+from qkov.apps.report import sections as S
+from qkov.apps.tour import claims
+from qkov.io.checkpoint import load, save_checkpoint
+from qkov.training.loop import train
 
 from helpers import tiny_train
+from reference import reference_forward
 from test_heads import CTX, V, hand_built
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -40,19 +44,20 @@ def tiny2(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tiny2_report(tiny2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("tiny2-report")
-    data = write_report(tiny2, out, icl_examples=32, batch=4, viewer_tokens=40)
-    return out, data
+    report = write_report(tiny2, out, icl_examples=32, batch=4, viewer_tokens=40)
+    return out, report.to_dict()
 
 
 def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report: tuple[Path, dict]) -> None:
     out, data = tiny2_report
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["card"]["parameters"] == data["card"]["parameters"]
-    assert set(SECTIONS) <= set(on_disk)
+    assert set(SECTIONS) <= set(on_disk) and on_disk["schema_version"] == S.SCHEMA_VERSION
+    assert Report.from_dict(on_disk).to_dict() == on_disk  # the typed sections own the whole schema
     model = load(tiny2)
     w = Weights.from_model(model)
     # composition heatmap cells = the raw scores of circuits.composition_raw, baseline-subtracted
-    raw = C.composition_raw(w, "k")
+    raw = composition_raw(w, "k")["k"]
     comp = data["composition"]["k"]
     assert comp["writers"] == ["0.0", "0.1"] and comp["readers"] == ["1.0", "1.1"]
     for i in range(2):
@@ -62,8 +67,7 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
     # the viewer's patterns are the forward pass's on the same tokens (lower triangle, 3 decimals)
     att = data["attention"]
     assert len(att["tokens"]) == len(att["ids"]) == 40 and att["ids"][0] == model.bos_token_id
-    with torch.no_grad():
-        pat = model.run(torch.tensor([att["ids"]]), return_patterns=True).patterns[:, 0]
+    pat = reference_forward(w, torch.tensor([att["ids"]]))[1][:, 0]
     for l in range(2):
         for h in range(2):
             rows = att["patterns"][l][h]
@@ -84,7 +88,7 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
     # the repeated-token curves: recompute the second-copy mean loss by hand
     rep = data["icl"]["repeat"]
     n = rep["length"]
-    toks = Hd.repeated_random_tokens(model.cfg.d_vocab, length=n, repeats=2, batch=16, seed=0)
+    toks = induction_probe_tokens(model.cfg.d_vocab, length=n, repeats=2, batch=16, seed=0)
     with torch.no_grad():
         lp = model(toks)[:, :-1].log_softmax(-1)
     nll = -lp.gather(-1, toks[:, 1:, None])[..., 0].mean(0)
@@ -95,19 +99,18 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
 def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
     """The hand-built 2-layer model: previous-token head 0.0, sink 0.1, induction head 1.0
     K-composing with 0.0. The report (and the tour's claims) must say exactly that."""
-    from qkov.tour import claims
-
     save_checkpoint(tmp_path / "hand", hand_built())
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(1, V, (8, CTX), generator=g)
     toks[:, 0] = 0
-    data = collect(tmp_path / "hand", tokens=toks, batch=4)
-    roles = {r["head"]: r["roles"] for r in data["heads"]["rows"]}
+    report = collect(tmp_path / "hand", tokens=toks, batch=4)
+    assert isinstance(report.heads, S.HeadsSection) and isinstance(report.composition, S.CompositionSection)
+    roles = {r.head: r.roles for r in report.heads.rows}
     assert "previous-token" in roles["0.0"] and "sink" in roles["0.1"] and "induction" in roles["1.0"]
     assert "induction" not in roles["1.1"] and "induction" not in roles["0.0"]
-    assert data["composition"]["k"]["top"][0]["writer"] == "0.0"
-    assert data["composition"]["k"]["top"][0]["reader"] == "1.0"
-    (induction,) = [c for c in claims({2: data}) if c.claim.startswith("2-layer: induction")]
+    top = report.composition.kinds["k"].top[0]
+    assert (top.writer, top.reader) == ("0.0", "1.0")
+    (induction,) = [c for c in claims({2: report}) if c.claim.startswith("2-layer: induction")]
     assert induction.holds is True
     assert [f["head"] for f in induction.values["induction_heads"]] == ["1.0"]
     assert induction.values["induction_heads"][0]["k_writer"] == "0.0"
@@ -116,7 +119,7 @@ def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
 
     save_checkpoint(tmp_path / "random", Transformer(hand_built().cfg, seed=1))
     rnd = collect(tmp_path / "random", tokens=toks, batch=4)
-    (c,) = [c for c in claims({2: rnd}) if c.claim.startswith("2-layer: induction")]
+    (c,) = [c for c in claims({2: rnd}) if c.claim.startswith("2-layer: induction")]  # type: ignore[dict-item]
     assert c.holds is False
 
 
@@ -257,35 +260,44 @@ def test_tour_trains_reports_and_reuses(small_corpus: Path, tmp_path: Path, caps
     assert "neither a finished nor a resumable" in capsys.readouterr().err
 
 
+def _fake_report(rows: list[S.HeadRow], tris: list[S.TrigramRow], icl: float, marginal: list[float]) -> Report:
+    """A report with only the numbers the claims read; everything else empty."""
+    runs = [10.0 - marginal[0]]
+    for m in marginal[1:]:
+        runs.append(runs[-1] - m)
+    return Report(
+        path="x",
+        name="x",
+        card=S.Card("x", {}, 0, S.Curve(), []),
+        heads=S.HeadsSection(rows, {}, 0, None, []),
+        eigenvalues=S.Absent("-"),
+        composition=S.CompositionSection({"k": S.CompositionKind([], [], [], [], 0.0, 0.0, [])}),
+        paths=PathSummary([1, 2], 0.0, TermImportance(runs, runs[-1], 10.0), [], []),
+        attention=S.Absent("-"),
+        icl=S.ICLSection(None, S.RepeatCurves(1, [], [], 0.0, 0.0), score=icl),
+        trigrams=S.TrigramsSection([S.HeadTrigrams("0.0", tris)], []),
+    )
+
+
 def test_claims_verdicts_follow_the_numbers() -> None:
-    """claims() on hand-written report data: each verdict flips with the number behind it."""
-    from qkov.tour import claims
+    """claims() on hand-written reports: each verdict flips with the number behind it."""
 
-    def rows(prefix: float, eig: list[float]) -> list[dict]:
-        return [
-            {"head": f"0.{h}", "layer": 0, "prefix_matching": prefix, "induction": 0.0, "eigen_copying": e,
-             "roles": ["copying"] if e > 0.5 else []}
-            for h, e in enumerate(eig)
-        ]
+    def rows(prefix: float, eig: list[float]) -> list[S.HeadRow]:
+        scores = lambda e: {"prefix_matching": prefix, "induction": 0.0, "eigen_copying": e}  # noqa: E731
+        return [S.HeadRow(f"0.{h}", 0, h, scores(e), ["copying"] if e > 0.5 else []) for h, e in enumerate(eig)]
 
-    tri = {"source_str": "def", "destination_str": "(", "output_str": " self", "score": 9.0}
-    one = {
-        "heads": {"rows": rows(0.02, [0.9, 0.8, 0.1, 0.7])},
-        "trigrams": {"heads": [{"head": "0.0", "rows": [tri]}]},
-        "icl": {"score": 0.01},
-    }
-    two = {
-        "heads": {"rows": []},
-        "composition": {"k": {"top": []}},
-        "paths": {"term_importance": {"marginal_by_order": [1.8, 5.2, 0.3]}},
-        "icl": {"score": -0.4},
-    }
+    tri = S.TrigramRow(1, 2, 3, 1.0, 9.0, 9.0, "def", "(", " self")
+    one = _fake_report(rows(0.02, [0.9, 0.8, 0.1, 0.7]), [tri], 0.01, [2.0, 1.0])
+    two = _fake_report([], [], -0.4, [1.8, 5.2, 0.3])
+    assert two.paths.importance.marginal_by_order == pytest.approx([1.8, 5.2, 0.3])
     by = {c.claim.split(":")[0] + c.claim[:12]: c for c in claims({1: one, 2: two})}
     verdicts = [c.holds for c in claims({1: one, 2: two})]
     assert verdicts == [True, True, True, False, None, True]
     assert "3 of 4 heads copying" in claims({1: one})[0].measured and len(by) == 6
-    one["heads"]["rows"] = rows(0.6, [0.1, 0.1, 0.1, 0.9])
-    two["icl"]["score"] = 0.0
+    (importance,) = [c for c in claims({2: two}) if "term importance" in c.claim]
+    assert importance.measured.startswith("1.80 / 5.20 / 0.30 nats")
+    one.heads.rows = rows(0.6, [0.1, 0.1, 0.1, 0.9])  # type: ignore[union-attr]
+    two.icl.score = 0.0
     assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, None, False]
 
 
@@ -293,7 +305,7 @@ def test_report_of_an_imported_gpt2_directory(tmp_path: Path, capsys: pytest.Cap
     """Any source the analyses read: a Hugging Face GPT-2 directory (LayerNorm, MLPs, biases),
     with --text; the page renders and its paths section is exact for the MLP model."""
     transformers = pytest.importorskip("transformers", reason="transformers is a test extra")
-    from qkov.data import train_tokenizer
+    from qkov.training.data import train_tokenizer
 
     tok = train_tokenizer(["def f(self):\n    return self.x\n"] * 50, 271, start="<|endoftext|>")
     cfg = transformers.GPT2Config(

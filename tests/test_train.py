@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 import qkov
 from helpers import TINY, tiny_train, train_flags
 from qkov import ModelConfig, QkovError, TrainConfig
-from qkov.losses import _CrossEntropy, lm_loss, model_loss
-from qkov.train import lr_at
+from qkov.model.ops import next_token_loss
+from qkov.training.config import lr_at
+from qkov.training.losses import _CrossEntropy, _UnembedCrossEntropy, model_loss
 
 
 def test_fused_loss_matches_cross_entropy_and_its_gradient() -> None:
@@ -32,7 +33,7 @@ def test_fused_loss_matches_cross_entropy_and_its_gradient() -> None:
     model = qkov.Transformer(TINY, seed=0)
     toks = torch.randint(0, 300, (2, 32))
     with torch.no_grad():
-        assert abs(float(model_loss(model, toks)) - float(lm_loss(model(toks), toks))) < 1e-5
+        assert abs(float(model_loss(model, toks)) - float(next_token_loss(model(toks), toks))) < 1e-5
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -57,8 +58,6 @@ def test_fused_unembed_loss_matches_reference_gradients(bias: bool) -> None:
     assert abs(float(ours.detach()) - float(ref.detach())) < 1e-12
     assert all((a - b).abs().max() < 1e-12 for a, b in zip(g1, g2))
     # chunking: many small chunks give the same loss and gradients
-    from qkov.losses import _UnembedCrossEntropy
-
     x = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
     W = torch.randn(16, 50, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, 50, (37,))

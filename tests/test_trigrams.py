@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qkov import ModelConfig, QkovError, Transformer
-from qkov import trigrams as T
+from qkov.analysis import trigrams as T
 from qkov.weights import Weights
 
 
@@ -46,21 +46,22 @@ def test_top_trigrams_match_brute_force(head: int) -> None:
 
 def test_source_view_and_crossed_trigrams() -> None:
     w = weights()
-    view = T.source_view(w, 0, 0, 5, top=4)
+    table = T.TrigramTable(w, 0, 0)
+    view = table.source_view(5, top=4)
     E = w.W_E
     ov = (E @ w.W_V[0, 0] @ w.W_O[0, 0] @ w.W_U)[5]
     ov = ov - ov.mean()
     ov[0] = float("-inf")
     assert [i for i, _ in view.outputs] == torch.topk(ov, 4).indices.tolist()
     tr = T.skip_trigrams(w, 0, 0, top=40)
-    pair = T.first_bug(w, 0, 0, tr)
+    pair = T.first_bug(tr)
     assert pair is not None
     a, b = pair
-    crossed = T.crossed_trigrams(w, 0, 0, a, b)
+    crossed = table.crossed(a, b)
     assert (crossed[0].destination, crossed[0].output) == (a.destination, b.output)
     assert crossed[0].qk == pytest.approx(a.qk) and crossed[0].ov == pytest.approx(b.ov)
     with pytest.raises(QkovError, match="same source"):
-        T.crossed_trigrams(w, 0, 0, tr[0], next(t for t in tr if t.source != tr[0].source))
+        table.crossed(tr[0], next(t for t in tr if t.source != tr[0].source))
 
 
 def test_bigrams_match_brute_force() -> None:

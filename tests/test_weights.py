@@ -1,4 +1,5 @@
-"""The canonical weights view: exact against the model, folding/centring, rotation."""
+"""The canonical weights view: exact against the model (checked with the reference forward of
+tests/reference.py and with the analysis forward), folding/centring, rotation, moving and casting."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import pytest
 import torch
 
 from qkov import ModelConfig, QkovError, Transformer
-from qkov.weights import Weights, forward
+from qkov import run
+from qkov.weights import Weights
 
 from helpers import LN_MLP, perturb_non_matrices
+from reference import reference_forward
 
 CONFIGS = {
     "attn-shortformer": ModelConfig(n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=50, n_ctx=16),
@@ -40,11 +43,11 @@ def test_views_reproduce_the_model(name: str) -> None:
         w = Weights.from_model(model, fold_ln=fold, dtype=torch.float64)
         assert w.W_Q.shape == (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head)
         assert w.W_O.shape == (cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_model)
-        logits, _ = forward(w, tokens)
+        logits, _ = reference_forward(w, tokens)
         assert (logits - ref).abs().max() < 1e-10, (name, fold)
     if cfg.normalization == "layernorm":
         w = Weights.from_model(model, fold_ln=True, center_writing=True, center_unembed=True, dtype=torch.float64)
-        logits, _ = forward(w, tokens)
+        logits, _ = reference_forward(w, tokens)
         # centring the unembedding shifts each position's logits by a constant: compare log-probs
         assert (logits.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-10
         assert w.W_E.mean(-1).abs().max() < 1e-12 and w.W_O.mean(-1).abs().max() < 1e-12
@@ -58,8 +61,8 @@ def test_rotation_leaves_logits_unchanged(name: str, dtype: torch.dtype, tol: fl
     tokens = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx))
     w = Weights.from_model(model, dtype=dtype)
     R = random_orthogonal(cfg.d_model, dtype)
-    ref, _ = forward(w, tokens)
-    rot, _ = forward(w.rotate(R), tokens)
+    ref, _ = reference_forward(w, tokens)
+    rot, _ = reference_forward(w.rotate(R), tokens)
     rel = (rot - ref).abs().max() / ref.abs().max()
     assert rel <= tol
     assert (w.rotate(R).W_E - w.W_E).abs().max() > 0.01  # the weights did change
@@ -77,13 +80,13 @@ def test_layernorm_breaks_rotation_unless_folded_and_centred() -> None:
     with pytest.raises(QkovError, match="centred"):
         folded.rotate(R)
     forced = folded.replace(centered_writing=True).rotate(R).replace(norm="folded")
-    assert (forward(forced, tokens)[0] - ref).abs().max() > 1e-2
+    assert (reference_forward(forced, tokens)[0] - ref).abs().max() > 1e-2
     # Unfolded: refused.
     with pytest.raises(QkovError, match="fold"):
         Weights.from_model(model, fold_ln=False).rotate(R)
     # Folded and centred: exact.
     good = Weights.from_model(model, fold_ln=True, center_writing=True, dtype=torch.float64)
-    out = forward(good.rotate(R), tokens)[0]
+    out = reference_forward(good.rotate(R), tokens)[0]
     assert (out.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-10
 
 
@@ -95,13 +98,20 @@ def test_rotate_checks_its_argument() -> None:
         w.rotate(2 * torch.eye(24))
 
 
-def test_frozen_patterns_through_the_view() -> None:
-    cfg = CONFIGS["attn-shortformer"]
+def test_analysis_forward_runs_every_view() -> None:
+    """The analysis forward handles the folded, centred and rotated ("scale") views like the reference."""
+    cfg = CONFIGS["ln-mlp-standard"]
     model = model_for(cfg)
-    tokens = torch.randint(0, cfg.d_vocab, (2, 10))
-    w = Weights.from_model(model, dtype=torch.float64)
-    logits, patterns = forward(w, tokens, return_patterns=True)
-    with torch.no_grad():
-        out = model.run(tokens, return_patterns=True)
-    assert (patterns - out.patterns).abs().max() < 1e-12
-    assert (forward(w, tokens, patterns=patterns)[0] - logits).abs().max() < 1e-12
+    tokens = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx), generator=torch.Generator().manual_seed(3))
+    good = Weights.from_model(model, fold_ln=True, center_writing=True, dtype=torch.float64)
+    for w in (good, good.rotate(random_orthogonal(cfg.d_model)), Weights.from_model(model, fold_ln=False)):
+        assert w.norm in ("folded", "scale", "layernorm")
+        assert (run(w, tokens).logits - reference_forward(w, tokens)[0]).abs().max() < 1e-5
+
+
+def test_to_moves_and_casts_like_a_tensor() -> None:
+    w = Weights.from_model(Transformer(CONFIGS["ln-mlp-bias"], seed=0))
+    for moved in (w.to(torch.float64), w.to("cpu", torch.float64), w.to(dtype=torch.float64)):
+        assert moved.W_Q.dtype == moved.b_U.dtype == moved.W_in.dtype == torch.float64
+        assert torch.equal(moved.W_Q, w.W_Q.double()) and moved.cfg == w.cfg
+    assert w.to("cpu").W_E.dtype == torch.float32

@@ -1,35 +1,52 @@
 """qkov: transformer circuits (Elhage et al., 2021) and induction heads (Olsson et al., 2022) as tested software.
 
-Submodules: ``qkov.circuits`` (QK/OV, composition, copying), ``qkov.paths`` (path expansion),
-``qkov.heads`` (detectors and roles), ``qkov.trigrams`` (skip-trigram tables),
-``qkov.factored`` (low-rank products), ``qkov.weights`` (the canonical weights view),
-``qkov.interop`` (import from / export to TransformerLens and Hugging Face GPT-2).
+The flow, one package per step (each imports only the ones before it):
+
+* :mod:`qkov.model` — what a transformer is: :class:`ModelConfig`, the shared operations, the
+  training model :class:`Transformer`.
+* :mod:`qkov.io` — checkpoints on disk (no pickle), TransformerLens and Hugging Face import/export.
+* :mod:`qkov.weights` — the one interface analyses read weights through: the in-memory
+  :class:`Weights` view and the memory-mapped :class:`LazyCheckpoint`.
+* :mod:`qkov.analysis` — circuits, composition, paths, heads, probes, trigrams, and the one
+  analysis forward :func:`run`.
+* :mod:`qkov.training` — corpora, tokenizer, the training loop (which tracks the induction probe).
+* :mod:`qkov.apps` — the report, the tour and the command line.
 """
 
-from .checkpoint import load, save_checkpoint
-from .config import ModelConfig
-from .data import Corpus, load_corpus
+from .analysis.factored import LowRank
+from .analysis.forward import Run, run
+from .analysis.probes import InductionProbe, induction_probe, induction_probe_tokens, prefix_matching_tokens
 from .errors import QkovError
-from .heads import InductionProbe, induction_probe, repeated_random_tokens
-from .model import ForwardOutput, Transformer
-from .train import TrainConfig, train
-from .weights import Weights
+from .io.checkpoint import load, save_checkpoint
+from .io.sources import load_any
+from .model.config import ModelConfig
+from .model.transformer import Transformer
+from .training.config import TrainConfig
+from .training.data import Corpus, load_corpus
+from .training.loop import train
+from .version import __version__
+from .weights.lazy import LazyCheckpoint
+from .weights.view import Weights
 
 __all__ = [
     "Corpus",
-    "ForwardOutput",
     "InductionProbe",
+    "LazyCheckpoint",
+    "LowRank",
     "ModelConfig",
     "QkovError",
+    "Run",
     "TrainConfig",
     "Transformer",
     "Weights",
+    "__version__",
     "induction_probe",
+    "induction_probe_tokens",
     "load",
+    "load_any",
     "load_corpus",
-    "repeated_random_tokens",
+    "prefix_matching_tokens",
+    "run",
     "save_checkpoint",
     "train",
 ]
-
-__version__ = "0.1.0"

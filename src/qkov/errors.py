@@ -1,9 +1,46 @@
 """The one exception type for user mistakes (bad input, bad files, bad options).
 
-The CLI turns a :class:`QkovError` into a one-line message and exit status 2;
-anything else is a bug and keeps its traceback.
+A :class:`QkovError` says what is wrong in the library's own words; it never names a
+command-line flag. When the user can fix it by supplying something (a text to analyse,
+``resume=True``), ``hint`` names that thing with a library word from :data:`HINTS`, and
+the command line turns it into its own advice ("pass --text FILE"). The CLI prints a
+:class:`QkovError` as one line and exits with status 2; anything else is a bug and keeps
+its traceback.
 """
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+HINTS: tuple[str, ...] = ("text", "resume", "out", "config")
+"""What a hint may name: ``text`` (something to analyse), ``resume`` (continue the run that
+is there), ``out`` (another output location), ``config`` (a config for a weights file that carries none)."""
 
 
 class QkovError(Exception):
-    """A problem with the user's input: a bad path, file, option or shape."""
+    """A problem with the user's input: a bad path, file, option or shape.
+
+    Args:
+        message: what is wrong, in one line.
+        hint: what the user could supply to fix it (one of :data:`HINTS`), or ``None``.
+    """
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        if hint is not None and hint not in HINTS:
+            raise ValueError(f"unknown hint {hint!r}")
+        super().__init__(message)
+        self.hint = hint
+
+
+def check_choice(where: str, name: str, value: Any, choices: Iterable[str]) -> None:
+    """Raise ``"<where>: <name> must be one of ..."`` unless ``value`` is one of ``choices``."""
+    choices = tuple(choices)
+    if value not in choices:
+        raise QkovError(f"{where}: {name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def check_int(where: str, name: str, value: Any, *, minimum: int = 1) -> None:
+    """Raise unless ``value`` is an integer (not a bool) of at least ``minimum``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise QkovError(f"{where}: {name} must be {what}, got {value!r}")

@@ -1,0 +1,142 @@
+"""Plant a bug, run the test that should catch it, put the code back: the tests bite.
+
+    python scripts/check_tests_bite.py            # every planted bug
+    python scripts/check_tests_bite.py -k forward  # those whose name contains "forward"
+
+Each entry changes one piece of library code the way a plausible bug would (a text
+substitution that must match exactly once), runs the named tests, and expects them to FAIL.
+The file is restored whatever happens. Exit status 1 if any planted bug goes unnoticed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "qkov"
+
+# name: (file under src/qkov, text, replacement, tests that must fail)
+BUGS: dict[str, tuple[str, str, str, str]] = {
+    "forward: shortformer positions leak into the values": (
+        "analysis/forward.py",
+        'v_in = self._norm(x, "attn_v", l, att.ln_w, att.ln_b)',
+        'v_in = self._norm(x if self.pos is None else x + self.pos, "attn_v", l, att.ln_w, att.ln_b)',
+        "tests/test_forward.py::test_run_equals_training_model_and_reference",
+    ),
+    "forward: a replaced head output is ignored": (
+        "analysis/forward.py",
+        "written = (outputs if self.head_override is None else self.head_override[l]).sum(1)",
+        "written = outputs.sum(1)",
+        "tests/test_forward.py::test_frozen_run_with_own_outputs_is_the_model_and_is_linear",
+    ),
+    "term importance: every run adds the live outputs (no paper procedure)": (
+        "analysis/forward.py",
+        "written = (outputs if self.head_override is None else self.head_override[l]).sum(1)",
+        "written = outputs.sum(1)",
+        "tests/test_paths.py::test_term_importance_against_an_independent_recomputation",
+    ),
+    "term effects: half the term removed": (
+        "analysis/paths.py",
+        "loss(full - tl, toks) - base, float(tl.pow(2).mean().sqrt())))",
+        "loss(full - 0.5 * tl, toks) - base, float(tl.pow(2).mean().sqrt())))",
+        "tests/test_paths.py::test_term_effects_match_a_recomputed_loss",
+    ),
+    "weights: 'scale' (rotated) view centres the stream": (
+        "model/ops.py",
+        'out = (x if kind == "scale" else centre(x)) / s',
+        "out = centre(x) / s",
+        "tests/test_weights.py::test_analysis_forward_runs_every_view",
+    ),
+    "weights: to() takes only (device, dtype) keywords": (
+        "weights/view.py",
+        "changes[f.name] = v.to(*args, **kwargs)",
+        "changes[f.name] = v.to(device=args[0] if args else None)",
+        "tests/test_weights.py::test_to_moves_and_casts_like_a_tensor",
+    ),
+    "public API: load_any not exported": (
+        "__init__.py",
+        '    "load_any",\n',
+        "",
+        "tests/test_model.py::test_public_api_is_what_the_package_docs_list",
+    ),
+    "corpus: validation files also train": (
+        "training/data.py",
+        "train_docs = [t for rel, t in texts if not is_val_file(rel, val_fraction)]",
+        "train_docs = [t for rel, t in texts]",
+        "tests/test_data.py::test_split_by_file_puts_each_file_whole_on_one_side",
+    ),
+    "lazy CLI: the memory-mapped path excludes the wrong start token": (
+        "apps/cli/weights_cmds.py",
+        "return ck, tokenizer, ck.bos_token_id",
+        "return ck, tokenizer, ck.bos_token_id + 1",
+        "tests/test_lazy.py::test_cli_lazy_matches_in_memory",
+    ),
+    "composition baseline: divided by the writer's norm twice": (
+        "analysis/composition.py",
+        "scores.append(num / (writer.norm() * reader.norm()))",
+        "scores.append(num / (writer.norm() * writer.norm()))",
+        "tests/test_lazy.py::test_composition_baseline_draws_in_blocks_with_the_same_values",
+    ),
+    "probe: attends to the earlier copy itself, not the token after it": (
+        "analysis/probes.py",
+        "k = q - period + 1",
+        "k = q - period",
+        "tests/test_heads.py::test_training_probe_finds_the_induction_head",
+    ),
+    "report schema: heads columns lost on reading": (
+        "apps/report/sections.py",
+        'd.get("columns", [])',
+        "[]",
+        "tests/test_report.py::test_report_numbers_match_independent_computations",
+    ),
+    "tour: the ICL claim's threshold has the wrong sign": (
+        "apps/tour.py",
+        "s2 <= s1 - 0.1",
+        "s2 <= s1 + 0.1",
+        "tests/test_report.py::test_claims_verdicts_follow_the_numbers",
+    ),
+    "layout: an analysis module imports the report": (
+        "analysis/heads.py",
+        "from ..errors import QkovError\n",
+        "from ..errors import QkovError\nfrom ..apps.report import sections as _unused  # noqa: F401\n",
+        "tests/test_layout.py::test_dependencies_point_one_way",
+    ),
+}
+
+
+def plant(name: str, relpath: str, old: str, new: str, tests: str) -> bool:
+    """Apply one bug, run its tests, restore; True when the tests failed (the bug was caught)."""
+    path = SRC / relpath
+    original = path.read_text()
+    if original.count(old) != 1:
+        print(f"?? {name}: the text to change occurs {original.count(old)} times in {relpath}")
+        return False
+    try:
+        path.write_text(original.replace(old, new))
+        res = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+    finally:
+        path.write_text(original)
+    caught = res.returncode != 0
+    print(f"{'caught' if caught else 'MISSED'}: {name} ({tests})")
+    return caught
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-k", default="", help="only the bugs whose name contains this")
+    args = ap.parse_args()
+    results = [plant(name, *bug) for name, bug in BUGS.items() if args.k in name]
+    print(f"{sum(results)} of {len(results)} planted bugs caught")
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+"""Taking a model apart, from its weights (through a :class:`~qkov.weights.WeightSource`) and
+from its behaviour (through the one analysis forward, :func:`forward.run`).
+
+* :mod:`~qkov.analysis.factored` — :class:`LowRank`: factored products, never materialised.
+* :mod:`~qkov.analysis.forward` — the analysis forward: records patterns, normalisation
+  divisors, per-head values and outputs, MLP outputs; runs with any of them frozen.
+* :mod:`~qkov.analysis.circuits` — QK/OV circuits, virtual weights, copying scores, bandwidth.
+* :mod:`~qkov.analysis.composition` — Q/K/V composition scores and their random baseline.
+* :mod:`~qkov.analysis.paths` — path expansion, term importance, term effects;
+  :mod:`~qkov.analysis.qk_split` — the QK side of the expansion.
+* :mod:`~qkov.analysis.probes` — repeated random tokens, the induction probe, the ICL score.
+* :mod:`~qkov.analysis.heads` — head detectors, thresholds and roles.
+* :mod:`~qkov.analysis.trigrams` — skip-trigram and bigram tables.
+"""
+
+from .factored import LowRank
+from .forward import Run, run
+
+__all__ = ["LowRank", "Run", "run"]

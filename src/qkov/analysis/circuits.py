@@ -1,0 +1,335 @@
+"""QK and OV circuits, virtual weights, copying scores, bandwidth, write-space overlap.
+
+Row convention throughout (docs/conventions.md): activations are rows, ``x @ W``. Per head
+``W_QK = W_Q @ W_K^T`` and ``W_OV = W_V @ W_O`` (both ``[d_model, d_model]``, rank <=
+d_head). Full circuits are indexed ``[query or source token, key or output token]``:
+
+* full OV ``W_E @ W_OV @ W_U`` — ``[source token attended to, output logit]``;
+* full QK ``W_E @ W_QK @ W_E^T`` — ``[query (destination) token, key (source) token]``;
+* positional QK ``W_pos @ W_QK @ W_pos^T`` — ``[query position, key position]``, and
+  the two cross terms ``[query token, key position]`` / ``[query position, key token]``.
+
+Every function reads a :class:`~qkov.weights.WeightSource`, so the same code serves the
+in-memory view and a memory-mapped checkpoint: per-layer work reads one layer at a time,
+and nothing ``d_vocab x d_vocab`` is built (:class:`~qkov.analysis.factored.LowRank`).
+Composition scores live in :mod:`qkov.analysis.composition`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..model.config import ModelConfig
+from ..weights.parts import WeightSource, check_head
+from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
+from .factored import DEFAULT_MAX_BYTES, LowRank, serial_linalg
+from .progress import Progress, tick
+
+VOCAB_BLOCK = 4096  # tokens per block when a streamed source's W_E / W_U are read in pieces
+
+
+# --------------------------------------------------------------------- circuits
+def _positions(source: WeightSource) -> Tensor:
+    pos = source.pos()
+    if pos is None:
+        raise QkovError("this model has no positional embedding")
+    return pos
+
+
+def qk(source: WeightSource) -> LowRank:
+    """``W_QK = W_Q @ W_K^T`` for every head: ``[n_layers, n_heads, d_model, d_model]``."""
+    atts = [source.attention(l) for l in range(source.cfg.n_layers)]
+    return LowRank(torch.stack([a.W_Q for a in atts]), torch.stack([a.W_K for a in atts]).transpose(-1, -2))
+
+
+def ov(source: WeightSource) -> LowRank:
+    """``W_OV = W_V @ W_O`` for every head: ``[n_layers, n_heads, d_model, d_model]``."""
+    atts = [source.attention(l) for l in range(source.cfg.n_layers)]
+    return LowRank(torch.stack([a.W_V for a in atts]), torch.stack([a.W_O for a in atts]))
+
+
+def full_ov(source: WeightSource, layer: int, head: int) -> LowRank:
+    """``W_E @ W_OV @ W_U``: ``[d_vocab (source token), d_vocab (output logit)]``."""
+    att = source.attention(layer, head)
+    return LowRank(source.embed() @ att.W_V[0], att.W_O[0] @ source.unembed().W_U)
+
+
+def full_qk(source: WeightSource, layer: int, head: int) -> LowRank:
+    """``W_E @ W_QK @ W_E^T``: ``[d_vocab (query token), d_vocab (key token)]`` (token part of the score)."""
+    att = source.attention(layer, head)
+    W_E = source.embed()
+    return LowRank(W_E @ att.W_Q[0], (W_E @ att.W_K[0]).T)
+
+
+def positional_qk(source: WeightSource, layer: int, head: int) -> LowRank:
+    """``W_pos @ W_QK @ W_pos^T``: ``[query position, key position]``."""
+    att = source.attention(layer, head)
+    P = _positions(source)
+    return LowRank(P @ att.W_Q[0], (P @ att.W_K[0]).T)
+
+
+def token_position_qk(source: WeightSource, layer: int, head: int) -> tuple[LowRank, LowRank]:
+    """Cross terms ``[query token, key position]`` and ``[query position, key token]``.
+
+    With positions p and tokens e, the score ``(e_q + p_i) W_QK (e_k + p_j)^T`` is
+    token-token + token-position + position-token + position-position.
+    """
+    att = source.attention(layer, head)
+    P, W_E = _positions(source), source.embed()
+    Q, K = att.W_Q[0], att.W_K[0]
+    return LowRank(W_E @ Q, (P @ K).T), LowRank(P @ Q, (W_E @ K).T)
+
+
+# ---------------------------------------------------------------- virtual weights
+Component = tuple  # ("embed",) ("pos",) ("head", l, h) ("mlp", l) ("q"|"k"|"v", l, h) ("unembed",)
+
+
+def _order(kind: str, index: tuple) -> float:
+    """Where a component sits in the model: embeddings first, layer l's attention at 2l, its MLP
+    at 2l + 1, the unembedding last."""
+    layer = index[0] if index else 0
+    return {"embed": -1.0, "pos": -1.0, "mlp": 2 * layer + 1, "unembed": math.inf}.get(kind, 2 * layer)
+
+
+def virtual_weights(source: WeightSource, writer: Component, reader: Component) -> LowRank:
+    """The virtual weight ``writer_out @ reader_in`` between two components through the stream.
+
+    Writers: ``("embed",)`` (W_E), ``("pos",)`` (W_pos), ``("head", l, h)`` (W_O),
+    ``("mlp", l)`` (W_out). Readers: ``("q"|"k"|"v", l, h)`` (W_Q/W_K/W_V), ``("mlp", l)``
+    (W_in), ``("unembed",)`` (W_U). The reader must come later in the model than the
+    writer. Returned factored, ``[writer dims, reader dims]`` with inner ``d_model``; only the
+    two components involved are read.
+    """
+    wk, *wi = writer
+    rk, *ri = reader
+    if wk not in ("embed", "pos", "head", "mlp"):
+        raise QkovError(f"unknown writer {writer!r}")
+    if rk not in ("q", "k", "v", "mlp", "unembed"):
+        raise QkovError(f"unknown reader {reader!r}")
+    if wk == "head":
+        check_head(source.cfg, *wi)
+    if rk in ("q", "k", "v"):
+        check_head(source.cfg, *ri)
+    if wk == "mlp" or rk == "mlp":
+        if source.cfg.d_mlp is None:
+            raise QkovError("this model has no MLP")
+        check_head(source.cfg, (wi if wk == "mlp" else ri)[0])
+    if _order(wk, tuple(wi)) >= _order(rk, tuple(ri)):
+        raise QkovError(f"{reader!r} does not come after {writer!r}: no virtual weight")
+    if wk == "embed":
+        out = source.embed()
+    elif wk == "pos":
+        out = _positions(source)
+    elif wk == "head":
+        out = source.attention(wi[0], wi[1]).W_O[0]
+    else:
+        out = source.mlp(wi[0]).W_out  # type: ignore[union-attr]
+    if rk in ("q", "k", "v"):
+        inp = getattr(source.attention(ri[0], ri[1]), f"W_{rk.upper()}")[0]
+    elif rk == "mlp":
+        inp = source.mlp(ri[0]).W_in  # type: ignore[union-attr]
+    else:
+        inp = source.unembed().W_U
+    return LowRank(out, inp)
+
+
+# ----------------------------------------------------------------------- copying
+def unembed_embed(source: WeightSource, *, block: int = VOCAB_BLOCK) -> Tensor:
+    """``W_U @ W_E [d_model, d_model]``: one product in memory; for a streamed source, summed
+    over blocks of ``block`` tokens so that neither matrix is held whole."""
+    if source.in_memory:
+        return source.unembed().W_U @ source.embed()
+    V, D = source.cfg.d_vocab, source.cfg.d_model
+    G = torch.zeros(D, D, device=source.device, dtype=source.dtype)
+    for lo in range(0, V, block):
+        rows = slice(lo, min(V, lo + block))
+        G += source.unembed(cols=rows).W_U @ source.embed(rows)
+    return G
+
+
+def eigen_copying_score(eigenvalues: Tensor) -> Tensor:
+    """``sum(lambda) / sum(|lambda|)`` over the last dim: in [-1, 1], ~0 for random matrices [I]."""
+    return eigenvalues.sum(-1).real / eigenvalues.abs().sum(-1).clamp_min(1e-30)
+
+
+def ov_eigenvalues(source: WeightSource, *, G: Tensor | None = None) -> Tensor:
+    """Eigenvalues of every head's full OV circuit ``W_E W_OV W_U``: complex ``[L, H, d_head]``.
+
+    The non-zero eigenvalues of ``W_E W_V W_O W_U`` are those of its ``d_head x d_head`` twin
+    ``W_O (W_U W_E) W_V`` (:meth:`LowRank.eigenvalues` of ``W_V @ (W_O G)``); ``G = W_U W_E``
+    is computed once (or given).
+    """
+    G = unembed_embed(source) if G is None else G
+    out = []
+    for l in range(source.cfg.n_layers):
+        att = source.attention(l)
+        out.append(LowRank(att.W_V, att.W_O @ G).eigenvalues())
+    return _stack_layers(out, source, torch.complex64 if source.dtype == torch.float32 else torch.complex128)
+
+
+def residual_ov_eigenvalues(source: WeightSource) -> Tensor:
+    """Eigenvalues of every head's ``W_OV`` in the residual stream (``W_O W_V``): ``[L, H, d_head]``."""
+    out = [LowRank(a.W_V, a.W_O).eigenvalues() for a in map(source.attention, range(source.cfg.n_layers))]
+    return _stack_layers(out, source, torch.complex64 if source.dtype == torch.float32 else torch.complex128)
+
+
+def _stack_layers(parts: list[Tensor], source: WeightSource, dtype: torch.dtype) -> Tensor:
+    c = source.cfg
+    return torch.stack(parts) if parts else torch.zeros(0, c.n_heads, c.d_head, dtype=dtype, device=source.device)
+
+
+def diagonal_topk_rate(
+    source: WeightSource,
+    layer: int,
+    head: int,
+    k: int = 5,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    tokens: Tensor | None = None,
+) -> float:
+    """Fraction of tokens whose own logit is in the top ``k`` of their full-OV row, exactly.
+
+    Over the whole vocabulary (or the rows ``tokens``), in row chunks of ``max_bytes``.
+    """
+    f = full_ov(source, layer, head)
+    if tokens is not None:
+        f = LowRank(f.A[tokens], f.B[:, tokens])
+    return float((f.diag_rank(max_bytes=max_bytes) < k).float().mean())
+
+
+@dataclass
+class HeadCopying:
+    """One head's copying scores: eigenvalue score of its full OV circuit, the share of tokens
+    whose own logit is in the top k of their OV row (``None`` when skipped), and the eigenvalue
+    score of ``W_OV`` in the residual stream (negative: the head deletes what it reads)."""
+
+    layer: int
+    head: int
+    eigen_score: float
+    diag_topk_rate: float | None
+    residual_eigen_score: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**vars(self), "head": f"{self.layer}.{self.head}"}
+
+
+def copying_scores(
+    source: WeightSource,
+    *,
+    diag_k: int | None = 5,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    progress: Progress | None = None,
+) -> list[HeadCopying]:
+    """Per head: eigenvalue copying score of the full OV circuit, the diagonal top-``diag_k``
+    rate (exact over the whole vocabulary; ``None``/0 skips it), the residual-space score.
+
+    One layer's attention is held at a time. Without ``diag_k`` a streamed source never holds
+    ``W_E`` or ``W_U`` whole (:func:`unembed_embed`); the diagonal rate needs every row of each
+    full OV circuit, so both are then read once and held.
+    """
+    if diag_k:
+        W_E, W_U = source.embed(), source.unembed().W_U
+        G = W_U @ W_E
+    else:
+        G = unembed_embed(source)
+    out = []
+    L = source.cfg.n_layers
+    for layer in range(L):
+        att = source.attention(layer)
+        eig = eigen_copying_score(LowRank(att.W_V, att.W_O @ G).eigenvalues())  # [H]
+        res = eigen_copying_score(LowRank(att.W_V, att.W_O).eigenvalues())
+        for head in range(source.cfg.n_heads):
+            rate = None
+            if diag_k:
+                f = LowRank(W_E @ att.W_V[head], att.W_O[head] @ W_U)
+                rate = float((f.diag_rank(max_bytes=max_bytes) < diag_k).float().mean())
+            out.append(HeadCopying(layer, head, float(eig[head]), rate, float(res[head])))
+        tick(progress, "copying", layer + 1, L)
+    return out
+
+
+# ------------------------------------------------------------- residual stream
+@dataclass
+class LayerBandwidth:
+    layer: int
+    own: int  # this layer's computational dimensions: n_heads * d_head + d_mlp
+    before: int  # sum over earlier layers
+    after: int  # sum over later layers
+    d_model: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**vars(self), "before_ratio": self.before / self.d_model, "after_ratio": self.after / self.d_model}
+
+
+def bandwidth(cfg: ModelConfig) -> list[LayerBandwidth]:
+    """Computational dimensions that communicate through the ``d_model``-wide stream, per layer."""
+    own = cfg.n_heads * cfg.d_head + (cfg.d_mlp or 0)
+    return [
+        LayerBandwidth(layer=l, own=own, before=own * l, after=own * (cfg.n_layers - 1 - l), d_model=cfg.d_model)
+        for l in range(cfg.n_layers)
+    ]
+
+
+@dataclass
+class WriteOverlap:
+    """Overlap of heads' write spaces (row spaces of ``W_O``): mean squared cosine of principal angles."""
+
+    labels: list[str]
+    overlap: Tensor  # [n, n], 1 on the diagonal; d_head / d_model expected for random subspaces
+    cosines: Tensor  # [n, n, d_head] principal-angle cosines, largest first
+    random_expectation: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"labels": self.labels, "overlap": self.overlap.tolist(), "random_expectation": self.random_expectation}
+
+
+def write_overlap(source: WeightSource) -> WriteOverlap:
+    """Principal angles between every pair of heads' write subspaces in the residual stream."""
+    c = source.cfg
+    W_O = torch.stack([source.attention(l).W_O for l in range(c.n_layers)])
+    L, H, E, D = W_O.shape
+    flat = W_O.reshape(L * H, E, D).transpose(-1, -2)  # [n, D, E] columns span the write space
+    with serial_linalg():
+        q, _ = torch.linalg.qr(flat)
+        cos = torch.linalg.svdvals(torch.einsum("ade,bdf->abef", q, q))  # [n, n, E]
+    labels = [f"{l}.{h}" for l in range(L) for h in range(H)]
+    return WriteOverlap(labels, cos.pow(2).mean(-1), cos, random_expectation=min(1.0, E / D))
+
+
+# ------------------------------------------------------------------ everything
+@dataclass
+class CircuitsReport:
+    """What ``qkov circuits`` shows: per-head copying, Q/K/V composition, the bandwidth audit."""
+
+    copying: list[HeadCopying]
+    composition: dict[str, Composition] = field(default_factory=dict)
+    bandwidth: list[LayerBandwidth] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "copying": [c.to_dict() for c in self.copying],
+            "composition": {k: v.to_dict() for k, v in self.composition.items()},
+            "bandwidth": [b.to_dict() for b in self.bandwidth],
+        }
+
+
+def analyse(
+    source: WeightSource,
+    *,
+    diag_k: int | None = 5,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    writer_bytes: int = DEFAULT_WRITER_BYTES,
+    progress: Progress | None = None,
+) -> CircuitsReport:
+    """Copying scores, Q/K/V composition (with baselines) and the bandwidth audit of a source."""
+    return CircuitsReport(
+        copying=copying_scores(source, diag_k=diag_k, max_bytes=max_bytes, progress=progress),
+        composition=composition_scores(source, "qkv", max_bytes=writer_bytes, progress=progress),
+        bandwidth=bandwidth(source.cfg),
+    )

@@ -1,0 +1,308 @@
+"""Head detectors measured on behaviour, thresholds, and the roles they assign [F, I].
+
+Pattern-based scores take patterns ``[n_layers, batch, n_heads, query, key]`` from natural
+text and return ``[n_layers, n_heads]``; [I]'s repeated-token scores run the model on
+:func:`qkov.analysis.probes.prefix_matching_tokens`; weight-based scores come from
+:mod:`qkov.analysis.circuits`. :func:`head_report` computes all of them for one model and
+assigns roles from :data:`THRESHOLDS`. Every run is :func:`qkov.analysis.forward.run` on a
+:class:`~qkov.weights.WeightSource`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..model.ops import causal_mask
+from ..weights.parts import WeightSource
+from .circuits import copying_scores
+from .forward import Run, run
+from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
+
+# =========================================================================== detectors
+
+
+def previous_token_scores(patterns: Tensor) -> Tensor:
+    """Mean attention ``A[i, i-1]`` over queries ``i >= 1`` (use natural text)."""
+    return patterns.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, 3))
+
+
+def self_attention_scores(patterns: Tensor) -> Tensor:
+    """Mean attention to the current token ``A[i, i]`` over queries ``i >= 1``."""
+    return patterns.diagonal(offset=0, dim1=-2, dim2=-1)[..., 1:].mean(dim=(1, 3))
+
+
+def sink_scores(patterns: Tensor) -> Tensor:
+    """Mean attention to position 0 over queries ``i >= 1`` (Gu et al.: a sink head above 0.3)."""
+    return patterns[..., 1:, 0].mean(dim=(1, 3))
+
+
+def value_weighted_sink_scores(patterns: Tensor, value_norms: Tensor) -> Tensor:
+    """Share of a head's value-weighted attention ``A[i, j] * ||v_j W_O||`` that goes to position 0.
+
+    ``value_norms [n_layers, batch, n_heads, key]``. A sink that reads a near-zero value
+    (a "do nothing" default) scores low here even when its attention to position 0 is high.
+    """
+    weighted = patterns[..., 1:, :] * value_norms[..., None, :]
+    return weighted[..., 0].sum(dim=(1, 3)) / weighted.sum(dim=(1, 3, 4)).clamp_min(1e-30)
+
+
+@dataclass
+class RepeatScores:
+    """Scores on repeated random tokens, each ``[n_layers, n_heads]``."""
+
+    prefix_matching: Tensor  # attention to the tokens after the current token's earlier occurrences
+    induction: Tensor  # attention to the token after the most recent earlier occurrence
+    duplicate: Tensor  # attention to the current token's earlier occurrences
+    copying: Tensor  # [I] copying score in [-1, 1]
+
+
+def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatScores:
+    """Prefix matching, induction, duplicate-token and [I]'s copying score on ``tokens`` from
+    :func:`~qkov.analysis.probes.prefix_matching_tokens` (blocks of ``length`` after one start token).
+
+    Prefix matching is the attention from each repeated token to the positions right after
+    *all* its earlier occurrences, summed (one earlier copy in the second block, three in the
+    fourth), averaged over queries; induction is the attention to the position after the most
+    recent occurrence only.
+
+    Copying ([I]): each head's output at a repeated query is mapped to logits by the direct
+    path (``@ W_U``, LayerNorm folded), the mean over the vocabulary is subtracted, then
+    ReLU; ``share`` is the part of that raise, summed over all repeated queries, that falls
+    on the tokens the head attends to (positions with at least half of the query's largest
+    attention weight). It is rescaled to [-1, 1] around chance (``chance`` = attended tokens /
+    vocabulary, the share of a head raising tokens at random): ``(share - chance) / (1 - chance)``
+    above chance, ``(share - chance) / chance`` below. +1: the head raises only what it attends
+    to; 0: no more than chance; -1: it raises everything but what it attends to. A trained
+    induction head that also lifts hundreds of related tokens a little scores small but positive.
+    """
+    r = run(source, tokens, record=("patterns", "head_outputs"))
+    P, outputs = r.patterns, r.head_outputs  # [L, B, H, T, T], [L, B, H, T, D]
+    assert P is not None and outputs is not None
+    L, B, H, T, _ = P.shape
+    queries = torch.arange(1 + length, T, device=P.device)
+    pm = torch.zeros(L, H, dtype=P.dtype, device=P.device)
+    dup = torch.zeros_like(pm)
+    for q in queries.tolist():
+        earlier = torch.arange((q - 1) % length + 1, q, length, device=P.device)  # same token, earlier
+        pm += P[..., q, earlier + 1].sum(-1).mean(1)
+        dup += P[..., q, earlier].sum(-1).mean(1)
+    pm /= len(queries)
+    dup /= len(queries)
+    W_U = source.unembed().W_U
+    copy = torch.zeros_like(pm)
+    idx = r.tokens[:, None, :].expand(-1, len(queries), -1)
+    for l in range(L):
+        for h in range(H):
+            A = P[l, :, h][:, queries]  # [B, Q, T]
+            logits = outputs[l, :, h][:, queries] @ W_U  # [B, Q, V]
+            raise_ = torch.relu(logits - logits.mean(-1, keepdim=True))
+            attended = A >= 0.5 * A.amax(-1, keepdim=True)  # [B, Q, T] positions
+            mask = torch.zeros_like(raise_)  # 1 for tokens at attended positions (repeats OR-ed by amax)
+            mask.scatter_reduce_(-1, idx, attended.to(raise_.dtype), reduce="amax")
+            share = float((raise_ * mask).sum() / raise_.sum().clamp_min(1e-30))  # over all queries
+            chance = float(mask.sum(-1).mean()) / mask.shape[-1]  # a head raising tokens at random
+            copy[l, h] = (share - chance) / (1 - chance) if share >= chance else (share - chance) / chance
+    return RepeatScores(prefix_matching=pm, induction=induction_attention(P, length), duplicate=dup, copying=copy)
+
+
+def memory_neurons(source: WeightSource, threshold: float = -0.5) -> list[dict[str, float]]:
+    """MLP neurons whose input and output weights point in nearly opposite directions ([F]).
+
+    ``cos(W_in[:, n], W_out[n, :]) < threshold``: the neuron reads a direction and writes its
+    negation (it deletes what it reads). Empty for attention-only models.
+    """
+    out = []
+    for l in range(source.cfg.n_layers):
+        mlp = source.mlp(l)
+        if mlp is None:
+            return []
+        cos = torch.nn.functional.cosine_similarity(mlp.W_in.T, mlp.W_out, dim=-1)  # [M]
+        out += [{"layer": l, "neuron": int(n), "cosine": float(cos[n])} for n in torch.nonzero(cos < threshold)[:, 0]]
+    return out
+
+
+def positional_fraction(source: WeightSource, r: Run) -> Tensor:
+    """How much of each head's attention score varies with position alone.
+
+    ``Var_k(pos-pos term) / Var_k(real score)`` over allowed keys, averaged over queries
+    (clipped to [0, 1]), where the pos-pos term is ``p_q W_QK p_k`` with ``p`` the positional
+    part of the query/key input (``W_pos`` for shortformer and standard positions, normalised
+    as in the run) and the real score uses the run's actual input. ``r`` must have recorded
+    ``qk_inputs`` (and ``scales`` for a normalised model). 0 for models without positions.
+    ``[n_layers, n_heads]``.
+    """
+    c = source.cfg
+    L, H = c.n_layers, c.n_heads
+    pos = source.pos()
+    out = torch.zeros(L, H, dtype=source.dtype, device=source.device)
+    if pos is None or r.qk_inputs is None:
+        return out
+    T = r.tokens.shape[1]
+    allowed = ~causal_mask(T, source.device)
+    counts = allowed.sum(-1)
+
+    def var_k(s: Tensor) -> Tensor:  # [..., T, T] -> variance over allowed keys, mean over queries >= 1
+        s = s.masked_fill(~allowed, 0.0)
+        mean = s.sum(-1) / counts
+        return (s.pow(2).sum(-1) / counts - mean.pow(2)).clamp_min(0)[..., 1:]
+
+    for l in range(L):
+        p = pos[:T]
+        scale = r.divisor("attn_qk", l)
+        if scale is not None:
+            p = (p - p.mean(-1, keepdim=True)) / scale  # [B, T, D]
+        x, att = r.qk_inputs[l], source.attention(l)
+        for h in range(H):
+            Q, K = att.W_Q[h], att.W_K[h]
+            real = (x @ Q + att.b_Q[h]) @ (x @ K + att.b_K[h]).transpose(-1, -2)
+            pp = (p @ Q) @ (p @ K).transpose(-1, -2)
+            out[l, h] = (var_k(pp) / var_k(real).clamp_min(1e-30)).clamp(0, 1).mean()
+    return out
+
+
+# ---------------------------------------------------------------------- thresholds
+# Roles are assigned from these thresholds. Each sits far above what untrained heads score
+# (benchmarks/null_scores.py: 8 seeds x 8 heads of the default shape on validation text;
+# mean / max shown), so a role means trained structure, not chance.
+THRESHOLDS: dict[str, float] = {
+    "copying": 0.5,  # eigenvalue copying score; untrained -0.01 / 0.10 (min -0.11)
+    "previous_token": 0.3,  # mean A[i, i-1] on text; untrained 0.02 / 0.02
+    "induction": 0.3,  # prefix-matching score ([I]'s procedure, the issue's 0.3); untrained 0.03 / 0.03
+    "sink": 0.3,  # mean attention to position 0 (Gu et al. 2024's criterion); untrained 0.02 / 0.02
+    "positional": 0.5,  # share of the score variance over keys explained by position alone; untrained 0.27 / 0.29
+    "memory_eigen": -0.5,  # residual-space OV eigen score below this (untrained 0.00, min -0.12) ...
+    "memory_self": 0.3,  # ... and mean attention to the current token above this (untrained 0.02)
+}
+ROLES = ("copying", "positional", "previous-token", "induction", "sink", "memory-management")
+SCORE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("prev", "previous_token"),
+    ("self", "self_attention"),
+    ("sink", "sink"),
+    ("pos", "positional_fraction"),
+    ("prefix", "prefix_matching"),
+    ("induct", "induction"),
+    ("dup", "duplicate_token"),
+    ("copy[I]", "copying"),
+    ("eig", "eigen_copying"),
+    ("res eig", "residual_eigen"),
+)
+"""The per-head scores tables show, as (column label, score name): the CLI's table and the
+report page both read this list (the report carries it in its JSON)."""
+
+
+@dataclass
+class HeadReport:
+    """Every per-head score, ``[n_layers, n_heads]`` each, and the roles assigned from them."""
+
+    scores: dict[str, Tensor]
+    roles: list[list[list[str]]]  # [layer][head] -> roles
+    icl: ICLScore | None
+    memory_neurons: list[dict[str, float]]
+    thresholds: dict[str, float]
+
+    def rows(self) -> list[dict[str, object]]:
+        L, H = next(iter(self.scores.values())).shape
+        out = []
+        for l in range(L):
+            for h in range(H):
+                row: dict[str, object] = {"head": f"{l}.{h}", "layer": l, "index": h}
+                row.update({k: float(v[l, h]) for k, v in self.scores.items()})
+                row["roles"] = self.roles[l][h]
+                out.append(row)
+        return out
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "heads": self.rows(),
+            "icl": None if self.icl is None else vars(self.icl),
+            "memory_neurons": self.memory_neurons,
+            "thresholds": self.thresholds,
+        }
+
+
+def assign_roles(scores: dict[str, Tensor], thresholds: dict[str, float] = THRESHOLDS) -> list[list[list[str]]]:
+    """Roles per head from the scores (several may apply); see :data:`THRESHOLDS`."""
+    L, H = scores["eigen_copying"].shape
+    roles: list[list[list[str]]] = []
+    for l in range(L):
+        layer = []
+        for h in range(H):
+            r = []
+            if scores["eigen_copying"][l, h] > thresholds["copying"]:
+                r.append("copying")
+            if scores["positional_fraction"][l, h] > thresholds["positional"]:
+                r.append("positional")
+            if scores["previous_token"][l, h] > thresholds["previous_token"]:
+                r.append("previous-token")
+            # prefix matching + an OV circuit that copies (the weight-based sign: the behavioural [I]
+            # copying score is reported too, but broad logit shifts make it noisy in small models)
+            if scores["prefix_matching"][l, h] > thresholds["induction"] and scores["eigen_copying"][l, h] > 0:
+                r.append("induction")
+            if scores["sink"][l, h] > thresholds["sink"]:
+                r.append("sink")
+            if (
+                scores["residual_eigen"][l, h] < thresholds["memory_eigen"]
+                and scores["self_attention"][l, h] > thresholds["memory_self"]
+            ):
+                r.append("memory-management")
+            layer.append(r)
+        roles.append(layer)
+    return roles
+
+
+def head_report(
+    source: WeightSource,
+    text: Tensor,
+    *,
+    bos: int = 0,
+    frequencies: np.ndarray | None = None,
+    seed: int = 0,
+    diag_k: int | None = 5,
+    thresholds: dict[str, float] = THRESHOLDS,
+    icl_text: Tensor | None = None,
+) -> HeadReport:
+    """Every detector on one model: ``text [B, T]`` is natural (validation) text.
+
+    Natural text gives previous-token, self-attention, sink (and value-weighted sink)
+    and positional scores and the ICL curve (on ``icl_text`` when given: the score compares
+    single positions, so it wants hundreds of examples); [I]'s repeated random tokens (seeded,
+    start token ``bos``, drawn away from the most and least frequent ids when ``frequencies``
+    are given) give prefix matching, induction, duplicate-token and copying; the weights give
+    the eigenvalue copying scores and the diagonal top-k rate.
+    """
+    cfg = source.cfg
+    if cfg.n_layers == 0:
+        raise QkovError("heads: the model has no attention layers")
+    r = run(source, text, record=("patterns", "scales", "values", "qk_inputs"))
+    assert r.patterns is not None and r.values is not None
+    W_O = torch.stack([source.attention(l).W_O for l in range(cfg.n_layers)])
+    value_norms = torch.einsum("lbhte,lhed->lbhtd", r.values, W_O).norm(dim=-1)
+    length = min(25, (cfg.n_ctx - 1) // 4)
+    rep = prefix_matching_tokens(cfg.d_vocab, length=length, seed=seed, bos=bos, frequencies=frequencies)
+    rs = repeat_scores(source, rep, length)
+    copying = copying_scores(source, diag_k=diag_k)
+    L, H = cfg.n_layers, cfg.n_heads
+    scores = {
+        "previous_token": previous_token_scores(r.patterns),
+        "self_attention": self_attention_scores(r.patterns),
+        "sink": sink_scores(r.patterns),
+        "sink_value_weighted": value_weighted_sink_scores(r.patterns, value_norms),
+        "positional_fraction": positional_fraction(source, r),
+        "prefix_matching": rs.prefix_matching,
+        "induction": rs.induction,
+        "duplicate_token": rs.duplicate,
+        "copying": rs.copying,
+        "eigen_copying": torch.tensor([c.eigen_score for c in copying]).reshape(L, H),
+        "residual_eigen": torch.tensor([c.residual_eigen_score for c in copying]).reshape(L, H),
+    }
+    if diag_k:
+        scores[f"diag_top{diag_k}"] = torch.tensor([c.diag_topk_rate for c in copying]).reshape(L, H)
+    scores = {k: v.detach().float().cpu() for k, v in scores.items()}
+    icl_on = text if icl_text is None else icl_text  # ICL needs many examples: one position each
+    icl = icl_score(source, icl_on) if icl_on.shape[1] > 60 else None
+    return HeadReport(scores, assign_roles(scores, thresholds), icl, memory_neurons(source), dict(thresholds))

@@ -1,0 +1,183 @@
+"""Behavioural probes of in-context learning [I]: repeated random tokens and the ICL score.
+
+Two token sets, for two jobs:
+
+* :func:`induction_probe_tokens` — the quick probe that training runs at every evaluation
+  (:func:`induction_probe`): the start token, then ``length`` ids drawn uniformly (with
+  replacement) and repeated; the score is the best layer-1+ head's attention to the token
+  after the previous occurrence, and the loss on each copy shows the copying.
+* :func:`prefix_matching_tokens` — [I]'s procedure for the prefix-matching score (used by
+  :func:`qkov.analysis.heads.head_report`): 25 *distinct* tokens per example, away from the
+  most and least frequent ids, repeated 4 times, 10 examples.
+
+:func:`icl_score` is [I]'s in-context-learning score on natural text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..model.ops import next_token_nll
+from ..weights.parts import WeightSource
+from .forward import run
+
+
+def induction_probe_tokens(
+    d_vocab: int,
+    *,
+    length: int = 50,
+    repeats: int = 2,
+    batch: int = 8,
+    seed: int = 0,
+    bos: int = 0,
+    low: int = 1,
+) -> Tensor:
+    """``[batch, 1 + length * repeats]``: the start token, then ``length`` uniformly random ids repeated.
+
+    Ids are drawn uniformly from ``[low, d_vocab)`` with replacement (so the start token, id 0
+    in qkov's tokenizers, is never drawn) with a seeded generator.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    block = torch.randint(low, d_vocab, (batch, length), generator=gen)
+    body = block.repeat(1, repeats)
+    return torch.cat([torch.full((batch, 1), bos, dtype=torch.long), body], dim=1)
+
+
+def prefix_matching_tokens(
+    d_vocab: int,
+    *,
+    length: int = 25,
+    repeats: int = 4,
+    examples: int = 10,
+    seed: int = 0,
+    bos: int = 0,
+    frequencies: np.ndarray | None = None,
+    drop_top: float = 0.05,
+    drop_bottom: float = 0.2,
+) -> Tensor:
+    """[I]'s probe: ``[examples, 1 + length * repeats]`` — the start token, then random tokens repeated.
+
+    Tokens are drawn without replacement within a block, from the vocabulary minus the start
+    token, the ``drop_top`` most frequent and the ``drop_bottom`` least frequent ids when
+    ``frequencies`` (counts per id, e.g. from the training split) are given.
+    """
+    pool = np.arange(d_vocab)
+    pool = pool[pool != bos]
+    if frequencies is not None:
+        freq = np.asarray(frequencies, dtype=np.float64)[pool]
+        order = np.argsort(freq, kind="stable")  # ascending
+        lo, hi = int(len(order) * drop_bottom), int(len(order) * (1 - drop_top))
+        pool = np.sort(pool[order[lo:hi]])
+    if len(pool) < length:
+        raise QkovError(f"only {len(pool)} tokens to sample {length} distinct ones from")
+    rng = np.random.default_rng(seed)
+    blocks = np.stack([rng.choice(pool, size=length, replace=False) for _ in range(examples)])
+    body = np.tile(blocks, (1, repeats))
+    out = np.concatenate([np.full((examples, 1), bos), body], axis=1)
+    return torch.from_numpy(out).long()
+
+
+def induction_attention(patterns: Tensor, period: int, *, first: int = 1) -> Tensor:
+    """Mean attention from each repeated token to the token after its previous occurrence.
+
+    Args:
+        patterns: ``[n_layers, batch, n_heads, seq, seq]`` with the repeated block
+            starting at position ``first`` and repeating every ``period`` positions.
+    Returns:
+        ``[n_layers, n_heads]``: for every query ``q >= first + period``, the attention
+        paid to key ``q - period + 1``, averaged over queries and batch.
+    """
+    seq = patterns.shape[-1]
+    q = torch.arange(first + period, seq, device=patterns.device)
+    k = q - period + 1
+    return patterns[..., q, k].mean(dim=(1, 3))  # [layers, batch, heads, n_queries] -> [layers, heads]
+
+
+@dataclass
+class InductionProbe:
+    """Induction score per head and the loss on each copy of repeated random tokens."""
+
+    scores: Tensor  # [n_layers, n_heads]
+    loss_by_copy: list[float]  # mean next-token loss on copy 1, copy 2, ...
+    loss_by_position: list[float]  # mean loss at each position i (predicting token i + 1), over the batch
+    length: int  # tokens per copy
+
+    @property
+    def best(self) -> float:
+        """Largest score among heads in layers >= 1 (0.0 for models with fewer than 2 layers)."""
+        if self.scores.shape[0] < 2:
+            return 0.0
+        return float(self.scores[1:].max())
+
+    @property
+    def best_head(self) -> tuple[int, int] | None:
+        if self.scores.shape[0] < 2:
+            return None
+        flat = int(self.scores[1:].argmax())
+        return 1 + flat // self.scores.shape[1], flat % self.scores.shape[1]
+
+
+def induction_probe(
+    source: WeightSource,
+    *,
+    bos: int = 0,
+    length: int = 50,
+    repeats: int = 2,
+    batch: int = 8,
+    seed: int = 0,
+) -> InductionProbe:
+    """Run the model on :func:`induction_probe_tokens`; score every head's induction attention."""
+    cfg = source.cfg
+    length = min(length, (cfg.n_ctx - 1) // repeats)
+    tokens = induction_probe_tokens(cfg.d_vocab, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
+    r = run(source, tokens)
+    assert r.patterns is not None
+    scores = induction_attention(r.patterns, length)
+    nll = next_token_nll(r.logits, r.tokens)  # [batch, seq-1]; position i predicts token i+1
+    losses = []
+    for copy in range(repeats):
+        # predictions of the tokens of this copy (positions 1 + copy*length .. ), skipping the first of each copy
+        lo = copy * length + 1
+        losses.append(float(nll[:, lo : lo + length - 1].mean()))
+    curve = nll.mean(0).cpu().tolist()
+    return InductionProbe(scores=scores.float().cpu(), loss_by_copy=losses, loss_by_position=curve, length=length)
+
+
+@dataclass
+class ICLScore:
+    """In-context learning ([I]): loss at a late token minus loss at token 50, and the whole curve."""
+
+    score: float
+    early: int
+    late: int
+    loss_by_position: list[float]  # mean loss predicting token i+1 at position i
+
+
+def icl_score(
+    source: WeightSource, examples: Tensor, *, early: int = 50, late: int = 500, window: int = 10, chunk: int = 32
+) -> ICLScore:
+    """Loss at token ``late`` minus loss at token ``early``, over ``examples [B, T]`` of validation text.
+
+    [I] compares single positions over very many examples; with the few hundred examples a
+    laptop run uses, one position's mean loss is noisy (measured: +-0.15 nats over 256
+    examples), so each side averages ``window`` positions (``late - window + 1 .. late`` and
+    ``early - window // 2 ..``). [I] uses 512-token examples (late = 500); a shorter context
+    uses its last predicted position (``T - 2``). Negative = later tokens are predicted
+    better (the model learns in context). Examples run ``chunk`` at a time.
+    """
+    T = examples.shape[1]
+    late = min(late, T - 2)
+    early = min(early, late)
+    parts = [
+        next_token_nll(run(source, examples[i : i + chunk], record=()).logits, examples[i : i + chunk])
+        for i in range(0, examples.shape[0], chunk)
+    ]
+    curve = torch.cat(parts).mean(0)  # [T-1]
+    lo = max(0, early - window // 2)
+    score = curve[max(0, late - window + 1) : late + 1].mean() - curve[lo : lo + window].mean()
+    return ICLScore(float(score), early, late, curve.tolist())

@@ -1,0 +1,213 @@
+"""Skip-trigram and bigram tables read off the weights ([F], "One-Layer Attention-Only Transformers").
+
+A head contributes skip-trigrams ``[source] ... [destination] -> [output]``: the QK circuit
+decides how much a destination token attends to a source token, the OV circuit what the
+source then promotes. Scoring (a documented choice, docs/conventions.md):
+
+* ``qk[d, s]`` — the full QK circuit ``W_E W_QK W_E^T``, **centred per destination** (the
+  mean over sources subtracted: softmax only sees differences between a destination's keys);
+* ``ov[s, o]`` — the full OV circuit ``W_E W_OV W_U``, **centred per source** (the mean over
+  outputs subtracted: softmax only sees differences between logits);
+* ``score = qk[d, s] * ov[s, o]`` over pairs where both are positive (the destination
+  attends to the source more than average *and* the source raises the output more than
+  average). This is the token-token part only: positions and other heads are left out,
+  which is exact for the paper's layer-0 heads up to the positional term.
+* The start token is excluded as source, destination and output (it is every example's
+  first token and the default place for heads to park attention).
+
+Because the table is a product of two factors, raising ``(s, d1, o1)`` and ``(s, d2, o2)``
+raises the crossed ``(s, d1, o2)`` and ``(s, d2, o1)`` too: the paper's "skip-trigram bugs"
+(:func:`crossed_trigrams`). Everything is computed factored and in chunks (never a full
+``d_vocab x d_vocab`` matrix).
+
+A :class:`TrigramTable` reads one head's circuits from a :class:`~qkov.weights.WeightSource`
+once (``W_E`` and ``W_U`` are read and dropped; it keeps ``[d_vocab, d_head]`` factors), so a
+memory-mapped checkpoint's head is analysed holding one of ``W_E``/``W_U`` at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import QkovError
+from ..weights.parts import WeightSource
+from .factored import DEFAULT_MAX_BYTES, LowRank
+
+
+@dataclass(frozen=True)
+class SkipTrigram:
+    source: int
+    destination: int
+    output: int
+    qk: float  # centred QK score of (destination, source)
+    ov: float  # centred OV logit of (source, output)
+
+    @property
+    def score(self) -> float:
+        return self.qk * self.ov
+
+    def to_dict(self, decode: Any = None) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "source": self.source,
+            "destination": self.destination,
+            "output": self.output,
+            "qk": self.qk,
+            "ov": self.ov,
+            "score": self.score,
+        }
+        if decode is not None:
+            d.update(
+                source_str=decode(self.source), destination_str=decode(self.destination), output_str=decode(self.output)
+            )
+        return d
+
+
+class TrigramTable:
+    """One head's factored skip-trigram table: centred QK ``[source, destination]`` and centred
+    OV ``[source, output]`` (see the module docstring), read from ``source`` once."""
+
+    def __init__(self, source: WeightSource, layer: int, head: int) -> None:
+        att = source.attention(layer, head)
+        W_E = source.embed()
+        EQ, EK, EV = W_E @ att.W_Q[0], W_E @ att.W_K[0], W_E @ att.W_V[0]  # [V, d_head] each
+        del W_E
+        OU = att.W_O[0] @ source.unembed().W_U  # [d_head, V]
+        self.d_vocab = source.cfg.d_vocab
+        self.ov = LowRank(EV, OU - OU.mean(dim=-1, keepdim=True))  # centred over outputs, per source
+        B = EK.T - EK.T.mean(dim=-1, keepdim=True)  # full QK = EQ @ EK^T; centred over sources, per destination
+        self.qk = LowRank(B.T, EQ.T)  # [source, destination]
+
+    def top(
+        self, top: int = 20, *, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES, batch: int = 256
+    ) -> list[SkipTrigram]:
+        """The ``top`` skip-trigrams over the whole vocabulary, strongest first (exact).
+
+        Branch and bound: a source's best trigram scores at most ``max_d qk[d, s] * max_o ov[s, o]``
+        (one cheap row-maximum pass over each factored circuit). Sources are visited from the
+        largest bound down, ``batch`` at a time; each visited source contributes its best
+        ``top`` destinations x ``top`` outputs; the search stops once the ``top``-th best score
+        found beats every remaining bound.
+        """
+        V, qk, ov = self.d_vocab, self.qk, self.ov
+        k = min(top, V - len(exclude))
+        if k < 1:
+            raise QkovError("skip_trigrams: vocabulary too small")
+        bound = qk.row_max(max_bytes=max_bytes).clamp_min(0) * ov.row_max(max_bytes=max_bytes).clamp_min(0)
+        for e in exclude:
+            bound[e] = 0
+        order = torch.argsort(bound, descending=True)
+        best: list[tuple[float, int, int, int, float, float]] = []
+        excl = torch.tensor(list(exclude), dtype=torch.long, device=bound.device)
+        for lo in range(0, V, batch):
+            srcs = order[lo : lo + batch]
+            if len(best) >= top and best[top - 1][0] >= float(bound[srcs[0]]):
+                break
+            srcs = srcs[bound[srcs] > 0]
+            if srcs.numel() == 0:
+                break
+            q_rows, o_rows = qk.rows(srcs), ov.rows(srcs)  # [b, V]
+            if excl.numel():
+                q_rows[:, excl] = float("-inf")
+                o_rows[:, excl] = float("-inf")
+            qv, qi = torch.topk(q_rows, k, dim=-1)
+            ovv, oi = torch.topk(o_rows, k, dim=-1)
+            prod = qv[:, :, None].clamp_min(0) * ovv[:, None, :].clamp_min(0)  # [b, k, k]
+            vals, flat = torch.topk(prod.reshape(-1), min(top, prod.numel()))
+            for val, f in zip(vals.tolist(), flat.tolist()):
+                if val <= 0:
+                    break
+                r, rem = divmod(f, k * k)
+                a, b = divmod(rem, k)
+                best.append((val, int(srcs[r]), int(qi[r, a]), int(oi[r, b]), float(qv[r, a]), float(ovv[r, b])))
+            best.sort(key=lambda t: -t[0])
+            best = best[:top]
+        return [SkipTrigram(s, d, o, q, v) for _, s, d, o, q, v in best]
+
+    def source_view(self, source: int, *, top: int = 10, exclude: tuple[int, ...] = (0,)) -> "SourceView":
+        """What token ``source`` promotes (its OV row) and which destinations attend to it (its QK column)."""
+        V = self.d_vocab
+        if not 0 <= source < V:
+            raise QkovError(f"source token id {source} out of range [0, {V})")
+        ov_row, qk_col = self.ov.rows([source])[0], self.qk.rows([source])[0]
+        for e in exclude:
+            ov_row[e] = float("-inf")
+            qk_col[e] = float("-inf")
+        k = min(top, V - len(exclude))
+        ov_v, ov_i = torch.topk(ov_row, k)
+        qk_v, qk_i = torch.topk(qk_col, k)
+        return SourceView(source, list(zip(ov_i.tolist(), ov_v.tolist())), list(zip(qk_i.tolist(), qk_v.tolist())))
+
+    def crossed(self, a: SkipTrigram, b: SkipTrigram) -> list[SkipTrigram]:
+        """The skip-trigram bug: two trigrams sharing a source imply the two crossed ones.
+
+        Returns ``[(s, d_a, o_b), (s, d_b, o_a)]`` with their scores, which the factored
+        table assigns whether or not the data supports them.
+        """
+        if a.source != b.source:
+            raise QkovError("crossed trigrams need two trigrams with the same source")
+        s = a.source
+        ov_row, qk_col = self.ov.rows([s])[0], self.qk.rows([s])[0]
+        return [
+            SkipTrigram(s, a.destination, b.output, float(qk_col[a.destination]), float(ov_row[b.output])),
+            SkipTrigram(s, b.destination, a.output, float(qk_col[b.destination]), float(ov_row[a.output])),
+        ]
+
+
+def skip_trigrams(source: WeightSource, layer: int, head: int, *, top: int = 20, **options: Any) -> list[SkipTrigram]:
+    """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there)."""
+    return TrigramTable(source, layer, head).top(top, **options)
+
+
+@dataclass
+class SourceView:
+    """For one source token: what it promotes (OV row) and who attends to it (QK column)."""
+
+    source: int
+    outputs: list[tuple[int, float]]  # (output token, centred logit), best first
+    destinations: list[tuple[int, float]]  # (destination token, centred QK score), best first
+
+
+def first_bug(trigrams: list[SkipTrigram]) -> tuple[SkipTrigram, SkipTrigram] | None:
+    """Two trigrams of ``trigrams`` with the same source but different destination and output."""
+    for i, a in enumerate(trigrams):
+        for b in trigrams[i + 1 :]:
+            if a.source == b.source and a.destination != b.destination and a.output != b.output:
+                return a, b
+    return None
+
+
+@dataclass(frozen=True)
+class Bigram:
+    token: int
+    next: int
+    logit: float  # direct-path logit, centred per row
+
+    def to_dict(self, decode: Any = None) -> dict[str, Any]:
+        d: dict[str, Any] = {"token": self.token, "next": self.next, "logit": self.logit}
+        if decode is not None:
+            d.update(token_str=decode(self.token), next_str=decode(self.next))
+        return d
+
+
+def bigrams(
+    source: WeightSource, *, top: int = 20, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES
+) -> list[Bigram]:
+    """The strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram model."""
+    W_U = source.unembed().W_U
+    B = W_U - W_U.mean(dim=-1, keepdim=True)
+    A = source.embed().clone()
+    for e in exclude:
+        A[e] = 0.0  # the start token's row is not a bigram
+    f = LowRank(A, B)
+    res = f.topk(min(top + 4 * len(exclude), f.shape[0] * f.shape[1]), max_bytes=max_bytes)
+    out = []
+    for v, r, c in zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist()):
+        if r in exclude or c in exclude:
+            continue
+        out.append(Bigram(r, c, v))
+        if len(out) == top:
+            break
+    return out

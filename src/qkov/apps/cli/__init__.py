@@ -1,0 +1,59 @@
+"""The ``qkov`` command line: parse, call the public API, print. Nothing else lives here.
+
+User mistakes (:class:`qkov.QkovError`, bad options) print one line and exit 2; a library
+error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`). Commands live in
+``train_cmds`` (train, info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
+heads), ``report_cmds`` (report, tour) and ``interop_cmds`` (import, export).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from ...errors import QkovError
+from ...version import __version__
+from .behaviour_cmds import add_heads, add_paths
+from .common import EXIT_USAGE, Parser, error_line
+from .interop_cmds import add_export, add_import
+from .report_cmds import add_report, add_tour
+from .train_cmds import add_info, add_train
+from .weights_cmds import add_circuits, add_trigrams
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="qkov",
+        description="Transformer circuits as software: train small transformers and take them apart "
+        "into QK/OV circuits, paths and induction heads.",
+    )
+    parser.add_argument("--version", action="version", version=f"qkov {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    for add in (add_train, add_info, add_circuits, add_paths, add_heads, add_trigrams, add_report, add_tour):
+        add(sub)
+    add_import(sub)
+    add_export(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_USAGE
+    try:
+        return int(args.func(args) or 0)
+    except QkovError as exc:
+        sys.stderr.write(error_line(exc))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("qkov: interrupted (a run continues from its last checkpoint with --resume)\n")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

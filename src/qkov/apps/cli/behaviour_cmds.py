@@ -1,0 +1,151 @@
+"""The commands that run the model on text: ``qkov paths`` and ``qkov heads``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from ...analysis.heads import SCORE_COLUMNS, THRESHOLDS, head_report
+from ...analysis.paths import summarize
+from ...weights.view import Weights
+from ..inputs import analysis_text
+from .common import add_device, add_source_args, console, device, dump_json, load_source, nonneg_int, positive_int
+
+
+def add_paths(sub: Any) -> None:
+    p = sub.add_parser(
+        "paths",
+        help="logits as direct + single-head + virtual-head paths; the paper's term importance",
+        description=(
+            "Path expansion (Elhage et al., 2021) of an attention-only model on validation text: with "
+            "attention patterns frozen from a real forward pass, the logits split exactly into the direct "
+            "path, one term per head and one per virtual head (pairs of heads in increasing layers). Prints "
+            "the reconstruction error, the loss after each run of the paper's term-importance procedure and "
+            "the marginal loss of each order, and the terms whose removal costs the most loss."
+        ),
+    )
+    add_source_args(p)
+    p.add_argument(
+        "--text",
+        type=Path,
+        help="a text file to analyse (default: the validation split of the checkpoint's training corpus)",
+    )
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences of n_ctx tokens (default 8)")
+    p.add_argument("--top", type=positive_int, default=10, help="terms to list per order (default 10)")
+    p.add_argument("--float64", action="store_true", help="compute in float64")
+    add_device(p)
+    p.add_argument("--json", action="store_true", help="print every number as JSON")
+    p.set_defaults(func=cmd_paths)
+
+
+def cmd_paths(args: argparse.Namespace) -> int:
+    dev = device(args)
+    model = load_source(args, "paths", " (its logits are the direct path alone)")
+    tokens, _ = analysis_text(args.ckpt, model, args.text, args.batch)
+    dtype = torch.float64 if args.float64 else torch.float32
+    w = Weights.from_model(model, dtype=dtype, device=dev)
+    tokens = tokens.to(dev)
+    t0 = time.perf_counter()
+    summary = summarize(w, tokens, top_virtual=args.top)
+    seconds = time.perf_counter() - t0
+    ti, singles, virtual = summary.importance, summary.singles, summary.virtual
+    data = {"path": str(args.ckpt), **summary.to_dict(), "seconds": seconds}
+    if args.json:
+        dump_json(data)
+        return 0
+    con = console()
+    con.print(
+        f"{tokens.shape[0]} x {tokens.shape[1]} tokens; sum of all path terms vs the model's logits: "
+        f"max |difference| {data['reconstruction_max_abs_error']:.2e}; {seconds:.1f} s"
+    )
+    t = Table(title="term importance (the paper's runs; loss in nats)")
+    for col in ("run", "what is in", "loss", "order entering", "marginal loss"):
+        t.add_column(col, justify="right")
+    t.add_row("-", "uniform", f"{ti.uniform_loss:.3f}", "0 (direct path)", f"{ti.marginal_by_order[0]:+.3f}")
+    for i, loss in enumerate(ti.run_losses):
+        inside = "direct path" if i == 0 else f"orders 0..{i}"
+        nxt = f"{i + 1}" if i + 1 < len(ti.run_losses) else "-"
+        marg = f"{ti.marginal_by_order[i + 1]:+.3f}" if i + 1 < len(ti.marginal_by_order) else ""
+        t.add_row(str(i + 1), inside, f"{loss:.3f}", nxt, marg)
+    con.print(t)
+    for title, rows in (("single-head terms", singles), ("virtual-head terms (largest by size)", virtual)):
+        if not rows:
+            continue
+        t = Table(title=f"{title}: loss increase when removed")
+        for col in ("term", "loss change", "RMS logit"):
+            t.add_column(col, justify="right")
+        for e in rows[: args.top]:
+            t.add_row(e.name, f"{e.loss_change:+.4f}", f"{e.size:.3f}")
+        con.print(t)
+    return 0
+
+
+# --------------------------------------------------------------------------- heads
+def add_heads(sub: Any) -> None:
+    p = sub.add_parser(
+        "heads",
+        help="every head's scores (copying, previous-token, induction, sinks, ...) and its roles",
+        description=(
+            "Head taxonomy: previous-token, self-attention, sink and positional scores on validation text; "
+            "prefix-matching, induction, duplicate-token and copying scores on repeated random tokens "
+            "(Olsson et al. 2022: 25 tokens, not among the 5%% most or 20%% least frequent, repeated 4 times "
+            "after the start token, 10 examples); eigenvalue copying scores from the weights; the in-context "
+            "learning score; memory-management neurons. Roles come from documented thresholds."
+        ),
+    )
+    add_source_args(p)
+    p.add_argument("--text", type=Path, help="a text file (default: the validation split of the training corpus)")
+    p.add_argument("--batch", type=positive_int, default=8, help="sequences of validation text (default 8)")
+    p.add_argument(
+        "--icl-examples",
+        type=positive_int,
+        default=256,
+        help="validation sequences for the in-context-learning score (default 256)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the repeated random tokens (default 0)")
+    p.add_argument("--diag-k", type=nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
+    add_device(p)
+    p.add_argument("--json", action="store_true", help="print every score as JSON")
+    p.set_defaults(func=cmd_heads)
+
+
+def cmd_heads(args: argparse.Namespace) -> int:
+    dev = device(args)
+    model = load_source(args, "heads")
+    text, freqs = analysis_text(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
+    report = head_report(
+        Weights.from_model(model, device=dev),
+        text[: args.batch],
+        bos=model.bos_token_id,
+        frequencies=freqs,
+        seed=args.seed,
+        diag_k=args.diag_k or None,
+        icl_text=text[: args.icl_examples],
+    )
+    if args.json:
+        dump_json({"path": str(args.ckpt), **report.to_dict()})
+        return 0
+    con = console()
+    cols = SCORE_COLUMNS
+    t = Table(title=f"heads of {args.ckpt}")
+    t.add_column("head")
+    for name, _ in cols:
+        t.add_column(name, justify="right")
+    t.add_column("roles")
+    for row in report.rows():
+        t.add_row(str(row["head"]), *[f"{row[key]:.2f}" for _, key in cols], ", ".join(row["roles"]) or "-")
+    con.print(t)
+    if report.icl is not None:
+        con.print(
+            f"in-context learning score: {report.icl.score:+.3f} nats "
+            f"(loss at token {report.icl.late} minus loss at token {report.icl.early})"
+        )
+    if report.memory_neurons:
+        con.print(f"memory-management neurons (cos(W_in, W_out) < -0.5): {len(report.memory_neurons)}")
+    con.print("thresholds: " + ", ".join(f"{k} {v:g}" for k, v in THRESHOLDS.items()))
+    return 0

@@ -1,0 +1,162 @@
+"""Shared pieces of the command line: the one-line-error parser, option types, the model
+argument every analysis takes, and the advice a library error's hint becomes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, NoReturn
+
+import torch
+from rich.console import Console
+
+from ...device import pick_device
+from ...errors import QkovError
+from ...io.sources import load_any, source_kind
+from ...model.config import ModelConfig
+from ...model.transformer import Transformer
+from ...weights.lazy import AUTO_LAZY_BYTES
+
+EXIT_USAGE = 2
+
+HINT_ADVICE = {
+    "text": "pass --text FILE",
+    "resume": "pass --resume to continue it, or choose another --out",
+    "out": "choose another --out",
+    "config": "pass --config CONFIG.json",
+}
+"""What the command line adds to a :class:`QkovError` carrying each hint."""
+
+
+def error_line(exc: QkovError) -> str:
+    """The one line ``qkov: error: ...`` for a library error, with the command line's advice."""
+    advice = f" ({HINT_ADVICE[exc.hint]})" if exc.hint in HINT_ADVICE else ""
+    return f"qkov: error: {exc}{advice}\n"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``qkov: error: ...``) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        sys.stderr.write(f"{self.prog}: error: {message} (see --help)\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def int_at_least(lo: int, what: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1, "a positive integer")
+nonneg_int = int_at_least(0, "an integer >= 0")
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def token_count(text: str) -> int:
+    """``20M``, ``500k``, ``1.5e6`` -> an integer token count."""
+    t = text.strip().lower()
+    scale = 1
+    if t and t[-1] in "kmb":
+        scale = {"k": 10**3, "m": 10**6, "b": 10**9}[t[-1]]
+        t = t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count like 8M or 500k, got {text!r}") from None
+    if not (value >= 1 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected a positive token count, got {text!r}")
+    return int(value)
+
+
+def console() -> Console:
+    """A console for tables: the terminal's width, or 160 columns when output is piped."""
+    con = Console()
+    return con if con.is_terminal else Console(width=160)
+
+
+# ----------------------------------------------------------------- the model argument
+def add_source_args(p: argparse.ArgumentParser) -> None:
+    """The model argument of the analysis commands: any source, and the config a bare TransformerLens file needs."""
+    p.add_argument(
+        "ckpt",
+        type=Path,
+        metavar="SOURCE",
+        help="a qkov checkpoint, Hugging Face GPT-2 directory, TransformerLens file (.pt/.pth/.safetensors), Hub name",
+    )
+    p.add_argument("--config", type=Path, help="TransformerLens config JSON, for a state-dict file that carries none")
+
+
+def load_source(args: argparse.Namespace, command: str | None = None, why: str = "") -> Transformer:
+    """The model of ``args.ckpt`` (any source the analyses read). With ``command``: a one-line
+    error for a model without attention layers (``why`` appended)."""
+    model = load_any(args.ckpt, config=getattr(args, "config", None))
+    if command is not None and model.cfg.n_layers == 0:
+        raise QkovError(f"{command}: the model has no attention layers{why}")
+    return model
+
+
+def add_device(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", default="auto", help="where to compute: auto (default; cuda if available), cpu, cuda or cuda:N"
+    )
+
+
+def device(args: argparse.Namespace) -> torch.device:
+    """The ``--device`` as a torch device, checked before any work (one-line error if unusable)."""
+    return pick_device(args.device)
+
+
+def add_lazy(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--lazy",
+        action="store_true",
+        help="read the weights layer by layer from a memory map instead of loading the model "
+        "(automatic when model.safetensors is over 1 GiB; MLP weights are never read)",
+    )
+
+
+def lazy(args: argparse.Namespace) -> bool:
+    """``--lazy``, or automatically when ``model.safetensors`` is larger than ``AUTO_LAZY_BYTES``."""
+    if source_kind(args.ckpt) != "qkov":
+        if args.lazy:
+            raise QkovError("--lazy reads qkov checkpoints: convert the model first with qkov import")
+        return False
+    weights = args.ckpt / "model.safetensors"
+    return bool(args.lazy) or (weights.is_file() and weights.stat().st_size > AUTO_LAZY_BYTES)
+
+
+def parse_head(text: str, cfg: ModelConfig) -> tuple[int, int]:
+    """``--head L.H`` -> ``(layer, head)``, checked against the model."""
+    try:
+        l_text, h_text = text.split(".")
+        layer, head = int(l_text), int(h_text)
+    except ValueError:
+        raise QkovError(f"--head: expected LAYER.HEAD like 0.3, got {text!r}") from None
+    if not (0 <= layer < cfg.n_layers and 0 <= head < cfg.n_heads):
+        raise QkovError(f"--head {text}: the model has {cfg.n_layers} layers x {cfg.n_heads} heads")
+    return layer, head
+
+
+def dump_json(data: dict[str, Any]) -> None:
+    """Print ``data`` as indented JSON (the ``--json`` output of every command)."""
+    print(json.dumps(data, indent=2))

@@ -1,0 +1,92 @@
+"""``qkov import`` and ``qkov export``: Hugging Face GPT-2 directories <-> qkov checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ...errors import QkovError
+from ...io.checkpoint import save_checkpoint
+from ...io.hf import gpt2_export, save_hf
+from ...io.sources import source_kind
+from ...io.tl import save_tl, tl_config_dict
+from .common import add_source_args, load_source
+
+TARGETS = ("transformer-lens", "hf")
+SOURCES_HELP = (
+    "a qkov checkpoint, a Hugging Face GPT-2 directory (save_pretrained), a TransformerLens "
+    "state-dict file (.pt/.pth/.safetensors) or a Hugging Face Hub name"
+)
+
+
+def _check_out(out: Path) -> None:
+    """Refuse to write over anything: a new file, or a new or empty directory (no mixing with old files)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise QkovError(f"--out {str(out)!r} already exists" + (" and is not empty" if out.is_dir() else ""))
+
+
+def add_import(sub: Any) -> None:
+    p = sub.add_parser(
+        "import",
+        help="turn a TransformerLens file, Hugging Face GPT-2 directory or Hub name into a qkov checkpoint",
+        description=(
+            "Convert a model into a qkov checkpoint that every qkov command reads. SOURCE is "
+            + SOURCES_HELP
+            + ". Torch files are read with weights_only=True (no code is unpickled); "
+            "a Hub name needs a network or the local Hugging Face cache. Conversions are exact or refused "
+            "with the reason (e.g. rotary positions, RMSNorm, LayerNorm with shortformer positions)."
+        ),
+    )
+    add_source_args(p)
+    p.add_argument("--out", type=Path, required=True, help="new checkpoint directory")
+    p.set_defaults(func=cmd_import)
+
+
+def cmd_import(args: argparse.Namespace) -> int:
+    _check_out(args.out)
+    kind = source_kind(args.ckpt)
+    model = load_source(args)
+    save_checkpoint(args.out, model, training={"imported_from": {"format": kind, "path": str(args.ckpt)}})
+    c = model.cfg
+    print(
+        f"imported {args.ckpt} ({kind}) -> {args.out}: {c.n_layers} layers x {c.n_heads} heads, d_model {c.d_model}, "
+        f"vocab {c.d_vocab}, ctx {c.n_ctx}, positions {c.positional}, norm {c.normalization}, "
+        f"mlp {c.d_mlp or 'none'}, {model.num_parameters():,} parameters"
+        + ("" if model.tokenizer is not None else " (no tokenizer: token ids only)")
+    )
+    return 0
+
+
+def add_export(sub: Any) -> None:
+    p = sub.add_parser(
+        "export",
+        help="write a qkov checkpoint as a TransformerLens state dict + config, or a Hugging Face GPT-2 directory",
+        description=(
+            "--to transformer-lens: one file, .safetensors (config JSON in its metadata under "
+            "transformer_lens_config) or .pt (a dict with 'config' and 'state_dict'; torch.load(weights_only=True) "
+            "reads it); open it with HookedTransformer(HookedTransformerConfig(**config)).load_state_dict(...). "
+            "Needs transformer-lens installed. --to hf: a directory that transformers' "
+            "GPT2LMHeadModel.from_pretrained loads; only for models GPT-2 can express (LayerNorm, MLPs, standard "
+            "positions, n_heads * d_head = d_model, no unembedding bias)."
+        ),
+    )
+    p.add_argument("ckpt", type=Path, metavar="CKPT", help="qkov checkpoint (or any source qkov import reads)")
+    p.add_argument("--to", dest="fmt", choices=TARGETS, required=True, help="target format")
+    p.add_argument("--out", type=Path, required=True, help="new file (transformer-lens) or directory (hf)")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    model = load_source(args)
+    if args.fmt == "hf":
+        gpt2_export(model)  # refuse an inexpressible model before creating --out
+        _check_out(args.out)
+        save_hf(model, args.out)
+        print(f"exported {args.ckpt} -> {args.out} (Hugging Face GPT-2: GPT2LMHeadModel.from_pretrained)")
+    else:
+        tl_config_dict(model.cfg)
+        _check_out(args.out)
+        save_tl(model, args.out)
+        print(f"exported {args.ckpt} -> {args.out} (TransformerLens state dict + config)")
+    return 0

@@ -1,0 +1,150 @@
+"""``qkov report`` (one checkpoint -> an offline HTML page) and ``qkov tour`` (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from ...errors import QkovError
+from ...io.sources import source_kind
+from ..report import write_report
+from ..tour import run_tour
+from .common import add_device, add_source_args, console, device, nonneg_int, positive_int
+
+
+def add_report(sub: Any) -> None:
+    p = sub.add_parser(
+        "report",
+        help="write the paper's whole analysis of a checkpoint as one offline HTML page (+ report.json)",
+        description=(
+            "Analyse a checkpoint and write DIR/index.html (self-contained: opens from disk, no network) and "
+            "DIR/report.json (every number in the page): model card and bandwidth audit; per-head scores and "
+            "roles, copying vs prefix matching, OV eigenvalues; Q/K/V composition heatmaps; path expansion and "
+            "term importance; an attention-pattern viewer on validation text; in-context learning curves; "
+            "skip-trigram and bigram tables."
+        ),
+    )
+    add_source_args(p)
+    p.add_argument("-o", "--out", type=Path, help="output directory (default CKPT/report for a qkov checkpoint)")
+    p.add_argument("--text", type=Path, help="a text file to analyse (default: the training corpus's validation split)")
+    p.add_argument("--batch", type=positive_int, default=8, help="validation sequences for paths and head scores")
+    p.add_argument("--icl-examples", type=positive_int, default=256, help="validation sequences for the ICL curve")
+    p.add_argument("--viewer-tokens", type=positive_int, default=128, help="tokens in the attention viewer")
+    p.add_argument("--top", type=positive_int, default=20, help="rows per skip-trigram / bigram table")
+    p.add_argument(
+        "--diag-k",
+        type=nonneg_int,
+        help="k of the own-logit-in-top-k copying rate; 0 = skip (default 5, skipped above 8192 tokens)",
+    )
+    add_device(p)
+    p.add_argument("--quiet", action="store_true", help="print only where the report went")
+    p.set_defaults(func=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    if args.out is None and source_kind(args.ckpt) != "qkov":
+        raise QkovError(
+            f"report: {str(args.ckpt)!r} is not a local qkov checkpoint directory, so there is no default "
+            "output folder: give -o DIR"
+        )
+    out = args.out or args.ckpt / "report"
+    device(args)  # a bad device is an error before any work
+    con = console()
+    t0 = time.perf_counter()
+    progress = None if args.quiet else (lambda stage: con.print(f"[dim]… {stage}[/dim]", highlight=False))
+    write_report(
+        args.ckpt,
+        out,
+        progress=progress,
+        batch=args.batch,
+        icl_examples=args.icl_examples,
+        viewer_tokens=args.viewer_tokens,
+        top=args.top,
+        device=args.device,
+        text=args.text,
+        diag_k=args.diag_k,
+        config=args.config,
+    )
+    size = (out / "index.html").stat().st_size
+    print(f"wrote {out / 'index.html'} ({size / 1e6:.1f} MB) and report.json in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def add_tour(sub: Any) -> None:
+    p = sub.add_parser(
+        "tour",
+        help="the main job: train the 0/1/2-layer models, report on each, print the paper's claims vs measured",
+        description=(
+            "Train the paper's 0-, 1- and 2-layer attention-only models on the built-in corpus with the default "
+            "settings (runs already finished in --out are reused; interrupted ones resume), write a report for "
+            "each and a comparison page (OUT/index.html), and print the paper's claims beside what was measured. "
+            "About 15 minutes on a 2-core CPU; a GPU is used when present (--device auto)."
+        ),
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/tour"), help="output directory (default runs/tour)")
+    p.add_argument("--device", default="auto", help="auto (default: cuda if present), cpu, cuda, cuda:N")
+    p.add_argument(
+        "--layers",
+        default="0,1,2",
+        help="comma-separated layer counts to train (default 0,1,2)",
+    )
+    p.add_argument("--steps", type=positive_int, help="training steps per model (default: qkov train's default)")
+    p.add_argument("--corpus", help="corpus for new runs (default: the built-in stdlib corpus)")
+    p.add_argument("--quiet", action="store_true", help="no training progress bars")
+    p.set_defaults(func=cmd_tour)
+
+
+def _parse_layers(text: str) -> list[int]:
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise QkovError(f"--layers: expected comma-separated integers like 0,1,2, got {text!r}") from None
+    if not layers or any(n < 0 for n in layers) or len(set(layers)) != len(layers):
+        raise QkovError(f"--layers: expected distinct layer counts >= 0, got {text!r}")
+    return layers
+
+
+def cmd_tour(args: argparse.Namespace) -> int:
+    layers = _parse_layers(args.layers)
+    con = console()
+    t0 = time.perf_counter()
+    table, models = run_tour(
+        args.out,
+        layers=layers,
+        device=args.device,
+        steps=args.steps,
+        corpus=args.corpus,
+        quiet=args.quiet,
+        say=lambda s: con.print(s, highlight=False),
+    )
+    t = Table(title="models")
+    for col in ("model", "val loss", "ICL score", "loss 1st/2nd repeat", "max prefix matching", "copying heads"):
+        t.add_column(col, justify="right")
+    for m in models:
+        t.add_row(
+            f"{m['layers']}-layer",
+            f"{m['val_loss']:.4f}",
+            "-" if m["icl"] is None else f"{m['icl']:+.3f}",
+            f"{m['repeat_first']:.2f} / {m['repeat_second']:.2f}",
+            "-" if m["max_prefix_matching"] is None else f"{m['max_prefix_matching']:.3f}",
+            f"{m['copying_heads']} / {m['heads']}",
+        )
+    con.print(t)
+    t = Table(title="the paper's claims, measured on these models", show_lines=True)
+    t.add_column("claim (paper)", max_width=48)
+    t.add_column("measured here", max_width=80)
+    t.add_column("")
+    mark = {True: "[green]agrees[/green]", False: "[red]differs[/red]", None: "compare"}
+    for c in table:
+        t.add_row(c.claim, c.measured, mark[c.holds])
+    con.print(t)
+    con.print(
+        f"tour done in {time.perf_counter() - t0:.0f} s; comparison page {args.out / 'index.html'}, reports in "
+        + ", ".join(str(args.out / f"qkov-{n}l" / "report" / "index.html") for n in layers),
+        highlight=False,
+    )
+    return 0

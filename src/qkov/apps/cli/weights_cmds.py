@@ -1,0 +1,224 @@
+"""The commands that read weights only: ``qkov circuits`` and ``qkov trigrams``.
+
+Both work on the in-memory view or, for a large qkov checkpoint (or ``--lazy``), on the
+memory-mapped one: the analyses are the same functions either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from ...analysis import trigrams
+from ...analysis.circuits import CircuitsReport, analyse
+from ...errors import QkovError
+from ...io.checkpoint import TOKENIZER_FILE, read_tokenizer
+from ...model.tokens import token_decoder
+from ...weights.lazy import LazyCheckpoint
+from ...weights.parts import WeightSource
+from ...weights.view import Weights
+from ..progress import StageProgress
+from .common import (
+    add_device,
+    add_lazy,
+    add_source_args,
+    console,
+    device,
+    dump_json,
+    lazy,
+    load_source,
+    nonneg_int,
+    parse_head,
+    positive_int,
+)
+
+
+def _source(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> tuple[WeightSource, Any, int]:
+    """The weight source of ``args.ckpt`` (memory-mapped when :func:`lazy`), its tokenizer and start token."""
+    dev = device(args)
+    if lazy(args):
+        ck = LazyCheckpoint(args.ckpt, dtype=dtype, device=dev)
+        tokenizer = read_tokenizer(args.ckpt / TOKENIZER_FILE, where=f"checkpoint {str(args.ckpt)!r}")
+        return ck, tokenizer, ck.bos_token_id
+    model = load_source(args)
+    return Weights.from_model(model, dtype=dtype, device=dev), model.tokenizer, model.bos_token_id
+
+
+# ------------------------------------------------------------------------ circuits
+def add_circuits(sub: Any) -> None:
+    p = sub.add_parser(
+        "circuits",
+        help="copying and Q/K/V composition scores of every head, from the weights alone",
+        description=(
+            "Weight-based circuit analysis (Elhage et al., 2021): per head, the eigenvalue copying score "
+            "of the full OV circuit W_E W_OV W_U and the rate at which a token's own logit is in the top k "
+            "of its OV row (exact over the whole vocabulary); for every pair of heads in increasing layers, "
+            "Q-, K- and V-composition scores with the random-matrix baseline subtracted (raw and baseline "
+            "shown too); and the residual-stream bandwidth per layer."
+        ),
+    )
+    add_source_args(p)
+    p.add_argument("--top", type=positive_int, default=5, help="composition pairs to show per kind (default 5)")
+    p.add_argument("--diag-k", type=nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
+    p.add_argument("--float64", action="store_true", help="compute in float64")
+    add_device(p)
+    add_lazy(p)
+    p.add_argument("--json", action="store_true", help="print every score as JSON")
+    p.set_defaults(func=cmd_circuits)
+
+
+def cmd_circuits(args: argparse.Namespace) -> int:
+    source, _, _ = _source(args, torch.float64 if args.float64 else torch.float32)
+    if source.cfg.n_layers == 0:
+        raise QkovError("circuits: the model has no attention layers")
+    with StageProgress() as progress:
+        report = analyse(source, diag_k=args.diag_k or None, progress=progress)
+    if args.json:
+        dump_json({"path": str(args.ckpt), **report.to_dict()})
+        return 0
+    _print_circuits(report, args.diag_k, args.top)
+    return 0
+
+
+def _print_circuits(report: CircuitsReport, diag_k: int, top: int) -> None:
+    con = console()
+    t = Table(title="copying (full OV circuit W_E W_OV W_U)")
+    for col in ("head", "eigen score", f"own logit in top {diag_k}" if diag_k else None, "residual eig"):
+        if col:
+            t.add_column(col, justify="right")
+    for h in report.copying:
+        row = [f"{h.layer}.{h.head}", f"{h.eigen_score:+.3f}"]
+        if diag_k:
+            row.append(f"{h.diag_topk_rate:.1%}")
+        row.append(f"{h.residual_eigen_score:+.3f}")
+        t.add_row(*row)
+    con.print(t)
+    for kind, comp in report.composition.items():
+        pairs = comp.pairs()
+        if not pairs:
+            continue
+        b = comp.baseline
+        t = Table(
+            title=f"{kind.upper()}-composition, strongest {min(top, len(pairs))} of {len(pairs)} "
+            f"(baseline {b.mean:.3f} ± {b.std:.3f})"
+        )
+        for col in ("writer", "reader", "adjusted", "raw", "z"):
+            t.add_column(col, justify="right")
+        for row in pairs[:top]:
+            z = (row["raw"] - b.mean) / b.std if b.std > 0 else float("nan")
+            t.add_row(row["writer"], row["reader"], f"{row['adjusted']:+.3f}", f"{row['raw']:.3f}", f"{z:+.1f}")
+        con.print(t)
+    t = Table(title="residual-stream bandwidth (computational dimensions / d_model)")
+    for col in ("layer", "own", "before", "after", "before/d_model", "after/d_model"):
+        t.add_column(col, justify="right")
+    for bw in report.bandwidth:
+        d = bw.to_dict()
+        t.add_row(
+            str(bw.layer),
+            str(bw.own),
+            str(bw.before),
+            str(bw.after),
+            f"{d['before_ratio']:.2f}",
+            f"{d['after_ratio']:.2f}",
+        )
+    con.print(t)
+
+
+# ------------------------------------------------------------------------ trigrams
+def add_trigrams(sub: Any) -> None:
+    p = sub.add_parser(
+        "trigrams",
+        help="a head's skip-trigrams [source] ... [destination] -> [output], and the bigram table",
+        description=(
+            "Skip-trigram table of one head from its QK and OV circuits over the whole vocabulary "
+            "(score = centred QK x centred OV; the start token excluded), the crossed trigrams a factored "
+            "table implies ('skip-trigram bugs'), and the direct path's bigram table. With --source, that "
+            "token's top outputs (OV row) and the destinations that attend to it most (QK column)."
+        ),
+    )
+    add_source_args(p)
+    p.add_argument("--head", required=True, metavar="L.H", help="the head, e.g. 0.3")
+    p.add_argument("--source", metavar="TOKEN", help="a token string (it must encode to exactly one token)")
+    p.add_argument("--top", type=positive_int, default=20, help="rows to show (default 20)")
+    add_device(p)
+    add_lazy(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_trigrams)
+
+
+def trigram_data(
+    source: WeightSource, tokenizer: Any, bos: int, head: str, top: int, token: str | None
+) -> dict[str, Any]:
+    """Everything ``qkov trigrams`` shows, as JSON-ready data (token strings decoded)."""
+    layer, index = parse_head(head, source.cfg)
+    decode = token_decoder(tokenizer)
+    table = trigrams.TrigramTable(source, layer, index)  # reads W_E and W_U once
+    data: dict[str, Any] = {"head": head}
+    if token is not None:
+        ids = tokenizer.encode(token).ids
+        if len(ids) != 1:
+            raise QkovError(
+                f"--source {token!r} encodes to {len(ids)} tokens {[decode(i) for i in ids]}; give one token"
+            )
+        view = table.source_view(ids[0], top=top, exclude=(bos,))
+        data["source"] = {
+            "token": ids[0],
+            "string": decode(ids[0]),
+            "outputs": [{"token": i, "string": decode(i), "ov": v} for i, v in view.outputs],
+            "destinations": [{"token": i, "string": decode(i), "qk": v} for i, v in view.destinations],
+        }
+    tri = table.top(max(top, 40), exclude=(bos,))
+    data["trigrams"] = [t.to_dict(decode) for t in tri[:top]]
+    bug = trigrams.first_bug(tri)
+    if bug is not None:
+        data["bug"] = {
+            "trigrams": [t.to_dict(decode) for t in bug],
+            "crossed": [t.to_dict(decode) for t in table.crossed(*bug)],
+        }
+    data["bigrams"] = [b.to_dict(decode) for b in trigrams.bigrams(source, top=top, exclude=(bos,))]
+    return data
+
+
+def cmd_trigrams(args: argparse.Namespace) -> int:
+    source, tokenizer, bos = _source(args)
+    if tokenizer is None:
+        raise QkovError("trigrams: the checkpoint has no tokenizer to show tokens with")
+    data = {"path": str(args.ckpt), **trigram_data(source, tokenizer, bos, args.head, args.top, args.source)}
+    if args.json:
+        dump_json(data)
+        return 0
+    _print_trigrams(data, args.head)
+    return 0
+
+
+def _print_trigrams(data: dict[str, Any], head: str) -> None:
+    con = console()
+    if "source" in data:
+        src = data["source"]
+        t = Table(title=f"head {head}, source {src['string']!r}")
+        for col in ("top outputs (OV row)", "centred logit", "top destinations (QK column)", "centred score"):
+            t.add_column(col, justify="right")
+        for o, d in zip(src["outputs"], src["destinations"]):
+            t.add_row(repr(o["string"]), f"{o['ov']:.2f}", repr(d["string"]), f"{d['qk']:.2f}")
+        con.print(t)
+    t = Table(title=f"head {head}: skip-trigrams [source] ... [destination] -> [output]")
+    for col in ("source", "destination", "output", "qk", "ov", "score"):
+        t.add_column(col, justify="right")
+    for r in data["trigrams"]:
+        cells = (repr(r["source_str"]), repr(r["destination_str"]), repr(r["output_str"]))
+        t.add_row(*cells, f"{r['qk']:.2f}", f"{r['ov']:.2f}", f"{r['score']:.1f}")
+    con.print(t)
+    if "bug" in data:
+        a, b = data["bug"]["trigrams"]
+        c1, c2 = data["bug"]["crossed"]
+        fmt = lambda r: f"{r['source_str']!r} ... {r['destination_str']!r} -> {r['output_str']!r} ({r['score']:.1f})"  # noqa: E731
+        con.print(f"skip-trigram bug: {fmt(a)} and {fmt(b)} imply {fmt(c1)} and {fmt(c2)}", highlight=False)
+    t = Table(title="bigrams (direct path W_E W_U, centred per row)")
+    for col in ("token", "next", "logit"):
+        t.add_column(col, justify="right")
+    for r in data["bigrams"]:
+        t.add_row(repr(r["token_str"]), repr(r["next_str"]), f"{r['logit']:.2f}")
+    con.print(t)

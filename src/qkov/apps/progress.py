@@ -1,0 +1,117 @@
+"""Progress displays: training, and staged analyses (rich bars on a terminal).
+
+Used by the CLI as the ``callback`` of :func:`qkov.train` and the ``progress`` of the
+long analyses (:data:`qkov.analysis.progress.Progress`); the library itself never prints.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+def _start_bar(console: Console, title: str, *extra: Any) -> Progress:
+    """A started rich progress display: title, bar, done/total, ``extra`` columns, elapsed and remaining time."""
+    bar = Progress(
+        TextColumn(title),
+        BarColumn(),
+        MofNCompleteColumn(),
+        *extra,
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    bar.__enter__()
+    return bar
+
+
+class TrainProgress:
+    """Callable that renders training events. Use as a context manager."""
+
+    def __init__(self, *, quiet: bool = False, console: Console | None = None) -> None:
+        self.quiet = quiet
+        self.console = console or Console(stderr=True)
+        self.live = self.console.is_terminal and not quiet
+        self.progress: Progress | None = None
+        self.task: Any = None
+        self.fields = {"loss": "-", "val": "-", "ind": "-", "tps": "-"}
+
+    def __enter__(self) -> "TrainProgress":
+        if self.live:
+            self.progress = _start_bar(
+                self.console,
+                "[bold]train",
+                TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  induction {task.fields[ind]}"),
+                TextColumn("{task.fields[tps]} tok/s"),
+            )
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(text, highlight=False, soft_wrap=True)
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        kind = ev["event"]
+        if kind == "message":
+            self.say(ev["text"])
+        elif kind == "start":
+            what = "resuming at step" if ev["resumed"] else "starting at step"
+            self.say(
+                f"{what} {ev['step']} of {ev['steps']}: {ev['params']:,} parameters on {ev['device']} "
+                f"({ev['precision']}), {ev['train_tokens']:,} training tokens"
+            )
+            if self.progress is not None:
+                self.task = self.progress.add_task("train", total=ev["steps"], completed=ev["step"], **self.fields)
+        elif kind == "log":
+            self.fields["loss"] = f"{ev['train_loss']:.3f}"
+            self.fields["tps"] = f"{ev['tokens_per_s']:,.0f}"
+            if self.progress is not None:
+                self.progress.update(self.task, completed=ev["step"], **self.fields)
+        elif kind == "eval":
+            self.fields["val"] = f"{ev['val_loss']:.3f}"
+            if "induction_score" in ev:
+                self.fields["ind"] = f"{ev['induction_score']:.2f}"
+            line = f"step {ev['step']:>6}  tokens {ev['tokens']:>11,}  val loss {ev['val_loss']:.4f}"
+            if "induction_score" in ev:
+                line += f"  induction {ev['induction_score']:.3f}"
+            if self.progress is not None:
+                self.progress.update(self.task, **self.fields)
+                self.progress.console.print(line, highlight=False)
+            elif not self.quiet:
+                print(line, file=sys.stderr, flush=True)
+        elif kind == "done" and not self.quiet:
+            self.say(f"done: step {ev['step']}, val loss {ev['val_loss']}, {ev['wall_s']:.0f} s of training")
+
+
+class StageProgress:
+    """Callable ``(stage, done, total)`` drawing one rich progress bar per stage on a terminal
+    (stderr); silent elsewhere. The ``progress`` argument of the long analyses
+    (:func:`qkov.analysis.circuits.analyse`, ...). Use as a context manager."""
+
+    def __init__(self, *, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.progress: Progress | None = None
+        self.tasks: dict[str, Any] = {}
+
+    def __enter__(self) -> "StageProgress":
+        if self.console.is_terminal:
+            self.progress = _start_bar(self.console, "[bold]{task.description}")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.progress is not None:
+            self.progress.__exit__(*exc)
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.progress is None:
+            return
+        if stage not in self.tasks:
+            self.tasks[stage] = self.progress.add_task(stage, total=total)
+        self.progress.update(self.tasks[stage], completed=done, total=total)

@@ -1,0 +1,279 @@
+"""Every number of a qkov report, computed from a checkpoint into a :class:`Report`.
+
+The report page draws only what :func:`collect` returns (it is also written as
+``report.json``), so each figure is backed by a number a test or a user can read. The
+sections and their JSON are defined in :mod:`qkov.apps.report.sections`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from ...analysis import trigrams
+from ...analysis.circuits import bandwidth, eigen_copying_score, ov_eigenvalues
+from ...analysis.composition import composition_scores
+from ...analysis.forward import run
+from ...analysis.heads import SCORE_COLUMNS, head_report
+from ...analysis.paths import PathSummary, TermEffect, summarize
+from ...analysis.probes import icl_score, induction_probe
+from ...device import pick_device
+from ...errors import QkovError
+from ...io.checkpoint import checkpoint_info, read_metrics
+from ...io.sources import load_any, source_kind
+from ...model.tokens import token_decoder
+from ...model.transformer import Transformer
+from ...weights.view import Weights
+from ..inputs import analysis_text
+from .sections import (
+    Absent,
+    AttentionSection,
+    BigramRow,
+    Card,
+    CompositionKind,
+    CompositionSection,
+    Curve,
+    EigenHead,
+    EigenSection,
+    HeadRow,
+    HeadsSection,
+    HeadTrigrams,
+    ICLSection,
+    ICLSummary,
+    Pair,
+    RepeatCurves,
+    Report,
+    TrainingRecord,
+    TrigramRow,
+    TrigramsSection,
+)
+
+Progress = Callable[[str], None]
+Decode = Callable[[int], str]
+
+
+def _r(x: float | None, digits: int = 4) -> float | None:
+    """Round to ``digits`` significant digits (keeps report.json small); NaN/inf -> None."""
+    if x is None or not math.isfinite(x):
+        return None
+    return float(f"{x:.{digits}g}")
+
+
+def _rl(values: Any, digits: int = 4) -> Any:
+    """Round a (nested) list of floats."""
+    if isinstance(values, (list, tuple)):
+        return [_rl(v, digits) for v in values]
+    return _r(float(values), digits)
+
+
+def _rd(d: dict[str, Any]) -> dict[str, Any]:
+    """A dict with its float values rounded (see :func:`_r`)."""
+    return {k: (_r(v) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+@contextmanager
+def _stage(timings: dict[str, float], name: str, progress: Progress | None) -> Iterator[None]:
+    if progress is not None:
+        progress(name)
+    t0 = time.perf_counter()
+    yield
+    timings[name] = round(time.perf_counter() - t0, 3)
+
+
+# ---------------------------------------------------------------------- sections
+def _card(ckpt: Path, model: Transformer) -> Card:
+    kind = source_kind(ckpt)
+    record, metrics = None, []
+    if kind == "qkov":
+        info = checkpoint_info(ckpt, model)
+        record = TrainingRecord(**{k: v for k, v in info.items() if k not in ("path", "model", "parameters")})
+        metrics = read_metrics(ckpt)
+    evals = [m for m in metrics if "val_loss" in m]
+    logs = [m for m in metrics if "train_loss" in m and "val_loss" not in m]
+    logs = logs[:: max(1, len(logs) // 250)]  # a readable curve, not every logged step
+    curve = Curve(
+        tokens=[m.get("tokens") for m in evals],
+        val_loss=_rl([m["val_loss"] for m in evals]),
+        induction=_rl([m.get("induction_score", float("nan")) for m in evals]),
+        train_tokens=[m.get("tokens") for m in logs],
+        train_loss=_rl([m["train_loss"] for m in logs]),
+    )
+    bw = [b.to_dict() for b in bandwidth(model.cfg)]
+    return Card(str(ckpt), model.cfg.to_dict(), model.num_parameters(), curve, bw, record, None if record else kind)
+
+
+def _heads(
+    w: Weights, bos: int, text: torch.Tensor, freqs: np.ndarray | None, icl_text: torch.Tensor, diag_k: int
+) -> tuple[HeadsSection, list[float] | None]:
+    rep = head_report(w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=diag_k or None)
+    rows = [HeadRow.from_dict(_rd(row)) for row in rep.rows()]
+    icl = None if rep.icl is None else ICLSummary(rep.icl.score, rep.icl.early, rep.icl.late)
+    columns = [list(c) for c in SCORE_COLUMNS]
+    section = HeadsSection(rows, rep.thresholds, len(rep.memory_neurons), icl, columns)
+    return section, None if rep.icl is None else rep.icl.loss_by_position
+
+
+def _eigenvalues(w: Weights) -> EigenSection:
+    ev = ov_eigenvalues(w)  # [L, H, d_head] complex
+    score = eigen_copying_score(ev)
+    out = []
+    for l in range(ev.shape[0]):
+        for h in range(ev.shape[1]):
+            e = ev[l, h]
+            scale = float(e.abs().max()) or 1.0
+            re, im = _rl((e.real / scale).tolist(), 3), _rl((e.imag / scale).tolist(), 3)
+            out.append(EigenHead(f"{l}.{h}", _r(scale), re, im, _r(float(score[l, h]))))
+    return EigenSection(out)
+
+
+def _composition(w: Weights) -> CompositionSection:
+    L, H = w.cfg.n_layers, w.cfg.n_heads
+    writers = [f"{l}.{h}" for l in range(L - 1) for h in range(H)]
+    readers = [f"{l}.{h}" for l in range(1, L) for h in range(H)]
+    # a cell (writer, reader) only means something when the writer's layer is earlier
+    wl = torch.tensor([l for l in range(L - 1) for _ in range(H)], device=w.device)
+    rl = torch.tensor([l for l in range(1, L) for _ in range(H)], device=w.device)
+    valid = wl[:, None] < rl[None, :]
+    kinds = {}
+    for kind, c in composition_scores(w, "qkv").items():
+        rawm = c.raw[: L - 1].reshape((L - 1) * H, L, H)[:, 1:].reshape((L - 1) * H, (L - 1) * H)
+        rawm = torch.where(valid, rawm, torch.full_like(rawm, float("nan")))
+        kinds[kind] = CompositionKind(
+            writers=writers,
+            readers=readers,
+            raw=_rl(rawm.tolist()),
+            adjusted=_rl((rawm - c.baseline.mean).tolist()),
+            baseline_mean=_r(c.baseline.mean),
+            baseline_std=_r(c.baseline.std),
+            top=[Pair(**_rd(p)) for p in c.pairs()[:10]],
+        )
+    return CompositionSection(kinds)
+
+
+def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
+    s = summarize(w, tokens, top_virtual=top)
+    rounded = lambda effects: [TermEffect(e.name, _r(e.loss_change), _r(e.size)) for e in effects]  # noqa: E731
+    return PathSummary(s.shape, s.reconstruction_error, s.importance, rounded(s.singles), rounded(s.virtual))
+
+
+def _attention(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
+    pat = run(w, tokens[None]).patterns[:, 0].float().cpu()  # type: ignore[index]  # [L, H, T, T]
+    T, (L, H) = tokens.shape[0], pat.shape[:2]
+    # lower triangle only, row by row: row q has q+1 entries
+    rows = [[[_rl(pat[l, h, q, : q + 1].tolist(), 3) for q in range(T)] for h in range(H)] for l in range(L)]
+    return AttentionSection(tokens.tolist(), [decode(int(t)) for t in tokens], rows)
+
+
+def _repeat_losses(w: Weights, bos: int, length: int, batch: int, seed: int) -> RepeatCurves:
+    """Per-position loss on random tokens repeated twice: the first copy is unpredictable,
+    the second can be copied from context (induction)."""
+    probe = induction_probe(w, bos=bos, length=length, repeats=2, batch=batch, seed=seed)
+    n, nll = probe.length, probe.loss_by_position
+    # token j of copy r sits at position 1 + r*n + j and is predicted at position r*n + j
+    return RepeatCurves(n, _rl(nll[0:n]), _rl(nll[n : 2 * n]), probe.loss_by_copy[0], probe.loss_by_copy[1])
+
+
+def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection:
+    heads = []
+    for h in range(w.cfg.n_heads if w.cfg.n_layers >= 1 else 0):
+        tri = trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,))
+        heads.append(HeadTrigrams(f"0.{h}", [TrigramRow(**_rd(t.to_dict(decode))) for t in tri]))
+    bigrams = [BigramRow(**_rd(b.to_dict(decode))) for b in trigrams.bigrams(w, top=top, exclude=(bos,))]
+    return TrigramsSection(heads, bigrams)
+
+
+def _inputs(
+    ckpt: Path, model: Transformer, tokens: torch.Tensor | None, text: Path | None, rows: int
+) -> tuple[torch.Tensor, np.ndarray | None]:
+    if tokens is None:
+        return analysis_text(ckpt, model, text, rows, want_corpus=True)
+    if tokens.ndim != 2 or tokens.shape[1] > model.cfg.n_ctx:
+        raise QkovError(f"report: tokens must be [batch, <= {model.cfg.n_ctx}], got {list(tokens.shape)}")
+    return tokens.long(), None
+
+
+def collect(
+    ckpt: Path | str,
+    *,
+    config: Path | None = None,
+    batch: int = 8,
+    icl_examples: int = 256,
+    viewer_tokens: int = 128,
+    top: int = 20,
+    seed: int = 0,
+    device: str = "auto",
+    text: Path | None = None,
+    tokens: torch.Tensor | None = None,
+    diag_k: int | None = None,
+    progress: Progress | None = None,
+) -> Report:
+    """Compute every number of the report of checkpoint ``ckpt``.
+
+    Args:
+        ckpt: a qkov checkpoint, or any source :func:`qkov.io.load_any` reads (a
+            Hugging Face GPT-2 directory, a TransformerLens file with ``config``, a Hub name).
+        batch: validation sequences (of ``n_ctx`` tokens) for the path expansion and the
+            pattern-based head scores.
+        icl_examples: validation sequences for the in-context-learning curve.
+        viewer_tokens: tokens of validation text shown in the attention viewer.
+        top: rows of each skip-trigram / bigram / term table.
+        text: a text file to analyse instead of the training corpus's validation split.
+        tokens: ``[B, n_ctx]`` token ids to analyse instead (for models without a corpus or
+            tokenizer); the first ``batch`` rows serve the paths and head scores, all of them
+            the ICL curve.
+        diag_k: k of the heads' "own logit in the top k of its OV row" rate (exact, ~V^2 d_head
+            work per head); ``None`` = 5 up to a vocabulary of 8192, else skipped (0).
+        progress: called with the name of each stage as it starts.
+    Raises:
+        QkovError: the checkpoint cannot be read, or has no corpus to take text from.
+    """
+    ckpt = Path(ckpt)
+    dev = pick_device(device)
+    timings: dict[str, float] = {}
+    t_start = time.perf_counter()
+    with _stage(timings, "load", progress):
+        model = load_any(ckpt, config=config).to(dev).eval()
+        ids, freqs = _inputs(ckpt, model, tokens, text, max(batch, icl_examples))
+        text_ids = ids.to(dev)
+        w = Weights.from_model(model, device=dev)  # LayerNorm folded (the default view)
+    decode, bos, L = token_decoder(model.tokenizer), model.bos_token_id, model.cfg.n_layers
+    no_heads = Absent("a 0-layer model has no attention heads")
+    with _stage(timings, "model card", progress):
+        card = _card(ckpt, model)
+    heads: Any = no_heads
+    eigen: Any = no_heads
+    if L >= 1:
+        with _stage(timings, "heads", progress):
+            k = diag_k if diag_k is not None else (5 if model.cfg.d_vocab <= 8192 else 0)
+            heads, icl_curve = _heads(w, bos, text_ids[:batch], freqs, text_ids[:icl_examples], k)
+            icl_info = heads.icl
+        with _stage(timings, "OV eigenvalues", progress):
+            eigen = _eigenvalues(w)
+    else:
+        icl = icl_score(w, text_ids[:icl_examples])
+        icl_curve, icl_info = icl.loss_by_position, ICLSummary(icl.score, icl.early, icl.late)
+    with _stage(timings, "composition", progress):
+        composition: Any = _composition(w) if L >= 2 else Absent("composition needs at least two layers")
+        if L == 0:
+            composition = Absent("a 0-layer model has no heads")
+    with _stage(timings, "paths", progress):
+        paths = _paths(w, text_ids[:batch], top)
+    with _stage(timings, "attention", progress):
+        viewer = text_ids[0, : min(viewer_tokens, model.cfg.n_ctx)]
+        attention: Any = _attention(w, viewer, decode) if L >= 1 else Absent("a 0-layer model has no attention")
+    with _stage(timings, "in-context learning", progress):
+        repeat = _repeat_losses(w, bos, min(100, (model.cfg.n_ctx - 1) // 2), batch=16, seed=seed)
+        curve = None if icl_curve is None else _rl(icl_curve)
+        icl_section = ICLSection(
+            curve, repeat, *(() if icl_info is None else (icl_info.score, icl_info.early, icl_info.late))
+        )
+    with _stage(timings, "skip-trigrams", progress):
+        tri = _trigrams(w, decode, bos, top)
+    timings["total"] = round(time.perf_counter() - t_start, 3)
+    return Report(str(ckpt), ckpt.name, card, heads, eigen, composition, paths, attention, icl_section, tri, timings)

@@ -1,0 +1,71 @@
+"""Turn a :class:`~qkov.apps.report.sections.Report` into one self-contained HTML page.
+
+The page carries its own copy of plotly.js (from the installed ``plotly`` package), its
+CSS and script, and the report's numbers as embedded JSON: it opens from disk with no
+network. Non-finite numbers become ``null`` so the JSON is strict.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import re
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from ...errors import QkovError
+from ...version import __version__
+from .sections import Report
+
+
+def clean(obj: Any) -> Any:
+    """``obj`` with NaN/inf replaced by ``None`` (recursively), ready for strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [clean(v) for v in obj]
+    return obj
+
+
+def to_json(data: dict[str, Any], *, indent: int | None = None) -> str:
+    return json.dumps(clean(data), indent=indent, allow_nan=False, ensure_ascii=False)
+
+
+@lru_cache(maxsize=1)
+def plotly_js() -> str:
+    """The plotly.js bundle shipped inside the Python ``plotly`` package."""
+    try:
+        from plotly.offline import get_plotlyjs  # optional-looking heavy import: only when a page is drawn
+    except ImportError:  # pragma: no cover - plotly is a core dependency
+        raise QkovError("report: the 'plotly' package is missing (pip install plotly)") from None
+    return get_plotlyjs()
+
+
+def _static(name: str) -> str:
+    return resources.files("qkov.apps.report").joinpath("static", name).read_text(encoding="utf-8")
+
+
+def _script_safe(text: str) -> str:
+    """Text that cannot end the <script> element it sits in."""
+    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+
+
+def render_html(report: Report, *, title: str | None = None) -> str:
+    """The report page for ``report`` (one string of HTML, self-contained)."""
+    data = report.to_dict()
+    title = title or f"qkov report: {report.name}"
+    page = _static("template.html")
+    parts = {
+        "CSS": _static("report.css"),
+        "DATA": _script_safe(to_json(data)),
+        "JS": _script_safe(_static("report.js")),
+        "TITLE": html.escape(title),
+        "VERSION": html.escape(__version__),
+        "PLOTLY": _script_safe(plotly_js()),
+    }
+    # one pass over the template, so nothing inserted is ever scanned for placeholders
+    return re.sub(r"__(CSS|DATA|JS|TITLE|VERSION|PLOTLY)__", lambda m: parts[m.group(1)], page)

@@ -1,0 +1,399 @@
+"""The report's schema: one dataclass per section, each owning its JSON form (``to_dict`` /
+``from_dict``). ``report.json``, the page's script, the tour's claims and the command-line
+tables all read these fields; ``report.json`` carries :data:`SCHEMA_VERSION`.
+
+A section a model cannot have (heads of a 0-layer model, composition of a 1-layer model) is
+:class:`Absent` (``{"absent": why}`` in JSON). Numbers are stored as the page shows them
+(rounded to 4 significant digits where :mod:`qkov.apps.report.collect` says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, Union
+
+from ...analysis.paths import PathSummary, TermEffect, TermImportance
+from ...errors import QkovError
+
+SCHEMA_VERSION = 2  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, "schema_version", heads "columns"
+
+
+@dataclass
+class Absent:
+    """A section the model cannot have, and why."""
+
+    absent: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"absent": self.absent}
+
+
+T = TypeVar("T")
+Maybe = Union[T, Absent]
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
+def _build(cls: type[T], data: dict[str, Any]) -> T:
+    """``cls(**data)`` for the fields ``cls`` has (extra keys ignored)."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+def _maybe(data: dict[str, Any], build: Any) -> Any:
+    return Absent(data["absent"]) if "absent" in data else build(data)
+
+
+# ------------------------------------------------------------------------ card
+@dataclass
+class Curve:
+    """The training curve from ``metrics.jsonl``: evaluations (tokens, validation loss, induction
+    score) and a thinned train-loss series."""
+
+    tokens: list[Any] = field(default_factory=list)
+    val_loss: list[Any] = field(default_factory=list)
+    induction: list[Any] = field(default_factory=list)
+    train_tokens: list[Any] = field(default_factory=list)
+    train_loss: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class TrainingRecord:
+    """How a qkov checkpoint was trained (:func:`qkov.io.checkpoint.checkpoint_info`)."""
+
+    steps: int | None = None
+    steps_planned: int | None = None
+    complete: bool = False
+    tokens: int | None = None
+    train_loss: float | None = None
+    val_loss: float | None = None
+    induction_score: float | None = None
+    wall_s: float | None = None
+    device: str | None = None
+    corpus: str | None = None
+    tokenizer: bool = False
+    training: dict[str, Any] = field(default_factory=dict)
+    imported_from: dict[str, Any] | None = None
+
+
+@dataclass
+class Card:
+    """The model card: architecture, parameters, and the training record (qkov checkpoints) or
+    where the model came from (``source``: ``hf``, ``tl``, ``hub`` for imported models)."""
+
+    path: str
+    model: dict[str, Any]
+    parameters: int
+    curve: Curve
+    bandwidth: list[dict[str, Any]]
+    record: TrainingRecord | None = None
+    source: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"path": self.path, "model": self.model, "parameters": self.parameters}
+        if self.record is not None:
+            d.update(_plain(self.record))
+        if self.source is not None:
+            d["source"] = self.source
+        return {**d, "curve": _plain(self.curve), "bandwidth": self.bandwidth}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Card":
+        record = None if "source" in d else _build(TrainingRecord, d)
+        return cls(
+            d["path"], d["model"], d["parameters"], _build(Curve, d["curve"]), d["bandwidth"], record, d.get("source")
+        )
+
+
+# ----------------------------------------------------------------------- heads
+@dataclass
+class ICLSummary:
+    """The in-context-learning score: loss at token ``late`` minus loss at token ``early``."""
+
+    score: float
+    early: int
+    late: int
+
+
+@dataclass
+class HeadRow:
+    """One head's scores (names as in :data:`qkov.analysis.heads.SCORE_COLUMNS`) and roles."""
+
+    head: str
+    layer: int
+    index: int
+    scores: dict[str, Any]
+    roles: list[str]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"head": self.head, "layer": self.layer, "index": self.index, **self.scores, "roles": self.roles}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadRow":
+        scores = {k: v for k, v in d.items() if k not in ("head", "layer", "index", "roles")}
+        return cls(d["head"], d["layer"], d["index"], scores, list(d["roles"]))
+
+
+@dataclass
+class HeadsSection:
+    """Every head's scores and roles, the thresholds behind the roles, the ICL score, the count of
+    memory-management neurons, and the columns a table of the scores shows (label, score name)."""
+
+    rows: list[HeadRow]
+    thresholds: dict[str, float]
+    memory_neurons: int
+    icl: ICLSummary | None
+    columns: list[list[str]]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": [r.to_dict() for r in self.rows],
+            "thresholds": self.thresholds,
+            "memory_neurons": self.memory_neurons,
+            "icl": None if self.icl is None else _plain(self.icl),
+            "columns": self.columns,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadsSection":
+        icl = None if d.get("icl") is None else _build(ICLSummary, d["icl"])
+        rows = [HeadRow.from_dict(r) for r in d["rows"]]
+        return cls(rows, d["thresholds"], d["memory_neurons"], icl, d.get("columns", []))
+
+
+@dataclass
+class EigenHead:
+    """One head's OV eigenvalues, divided by the largest modulus (``scale``), and its copying score."""
+
+    head: str
+    scale: float | None
+    re: list[Any]
+    im: list[Any]
+    score: float | None
+
+
+@dataclass
+class EigenSection:
+    heads: list[EigenHead]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"heads": [_plain(h) for h in self.heads]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EigenSection":
+        return cls([_build(EigenHead, h) for h in d["heads"]])
+
+
+# ----------------------------------------------------------------- composition
+@dataclass
+class Pair:
+    writer: str
+    reader: str
+    raw: float | None
+    adjusted: float | None
+
+
+@dataclass
+class CompositionKind:
+    """One kind's heatmap (``raw``/``adjusted`` ``[writers][readers]``, NaN -> null where the
+    reader is not later) with its baseline, and the strongest pairs."""
+
+    writers: list[str]
+    readers: list[str]
+    raw: list[list[Any]]
+    adjusted: list[list[Any]]
+    baseline_mean: float | None
+    baseline_std: float | None
+    top: list[Pair]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**_plain(self), "top": [_plain(p) for p in self.top]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompositionKind":
+        return _build(cls, {**d, "top": [_build(Pair, p) for p in d["top"]]})
+
+
+@dataclass
+class CompositionSection:
+    kinds: dict[str, CompositionKind]  # "q", "k", "v"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v.to_dict() for k, v in self.kinds.items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompositionSection":
+        return cls({k: CompositionKind.from_dict(v) for k, v in d.items()})
+
+
+# ---------------------------------------------------------------------- paths
+def paths_from_dict(d: dict[str, Any]) -> PathSummary:
+    """A :class:`PathSummary` from its JSON form (the paths section is that dataclass)."""
+    ti = d["term_importance"]
+    effects = lambda rows: [TermEffect(r["name"], r["loss_change"], r["size"]) for r in rows]  # noqa: E731
+    return PathSummary(
+        d["tokens"],
+        d["reconstruction_max_abs_error"],
+        TermImportance(ti["run_losses"], ti["full_loss"], ti["uniform_loss"]),
+        effects(d["single_head_terms"]),
+        effects(d["virtual_head_terms"]),
+    )
+
+
+# ------------------------------------------------------- attention, ICL, trigrams
+@dataclass
+class AttentionSection:
+    """The viewer's text (``ids``, ``tokens``) and patterns ``[layer][head][query]`` (row ``q`` has
+    ``q + 1`` entries: the lower triangle)."""
+
+    ids: list[int]
+    tokens: list[str]
+    patterns: list[Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "AttentionSection":
+        return _build(cls, d)
+
+
+@dataclass
+class RepeatCurves:
+    """Loss at each token of the 1st and 2nd copy of ``length`` random tokens repeated twice."""
+
+    length: int
+    first: list[Any]
+    second: list[Any]
+    first_mean: float
+    second_mean: float
+
+
+@dataclass
+class ICLSection:
+    """Validation loss by position, the ICL score (when there is one) and the repeated-token curves."""
+
+    loss_by_position: list[Any] | None
+    repeat: RepeatCurves
+    score: float | None = None
+    early: int | None = None
+    late: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"loss_by_position": self.loss_by_position}
+        if self.score is not None:
+            d.update(score=self.score, early=self.early, late=self.late)
+        return {**d, "repeat": _plain(self.repeat)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ICLSection":
+        return cls(
+            d["loss_by_position"], _build(RepeatCurves, d["repeat"]), d.get("score"), d.get("early"), d.get("late")
+        )
+
+
+@dataclass
+class TrigramRow:
+    """A skip-trigram ``source ... destination -> output`` with its centred QK and OV parts."""
+
+    source: int
+    destination: int
+    output: int
+    qk: float | None
+    ov: float | None
+    score: float | None
+    source_str: str
+    destination_str: str
+    output_str: str
+
+
+@dataclass
+class BigramRow:
+    token: int
+    next: int
+    logit: float | None
+    token_str: str
+    next_str: str
+
+
+@dataclass
+class HeadTrigrams:
+    head: str
+    rows: list[TrigramRow]
+
+
+@dataclass
+class TrigramsSection:
+    """Skip-trigram tables of the layer-0 heads, and the direct path's bigrams."""
+
+    heads: list[HeadTrigrams]
+    bigrams: list[BigramRow]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "heads": [{"head": h.head, "rows": [_plain(r) for r in h.rows]} for h in self.heads],
+            "bigrams": [_plain(b) for b in self.bigrams],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TrigramsSection":
+        heads = [HeadTrigrams(h["head"], [_build(TrigramRow, r) for r in h["rows"]]) for h in d["heads"]]
+        return cls(heads, [_build(BigramRow, b) for b in d["bigrams"]])
+
+
+# ---------------------------------------------------------------------- report
+@dataclass
+class Report:
+    """Every number of one model's report."""
+
+    path: str
+    name: str
+    card: Card
+    heads: Maybe[HeadsSection]
+    eigenvalues: Maybe[EigenSection]
+    composition: Maybe[CompositionSection]
+    paths: PathSummary
+    attention: Maybe[AttentionSection]
+    icl: ICLSection
+    trigrams: TrigramsSection
+    timings: dict[str, float] = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": self.schema_version,
+            "path": self.path,
+            "name": self.name,
+            "card": self.card.to_dict(),
+            "heads": self.heads.to_dict(),
+            "eigenvalues": self.eigenvalues.to_dict(),
+            "composition": self.composition.to_dict(),
+            "paths": self.paths.to_dict(),
+            "attention": self.attention.to_dict(),
+            "icl": self.icl.to_dict(),
+            "trigrams": self.trigrams.to_dict(),
+            "timings": self.timings,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Report":
+        """A report from its JSON form (``report.json`` of this schema version)."""
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise QkovError(f"report.json has schema version {version!r}; this qkov reads version {SCHEMA_VERSION}")
+        return cls(
+            path=d["path"],
+            name=d["name"],
+            card=Card.from_dict(d["card"]),
+            heads=_maybe(d["heads"], HeadsSection.from_dict),
+            eigenvalues=_maybe(d["eigenvalues"], EigenSection.from_dict),
+            composition=_maybe(d["composition"], CompositionSection.from_dict),
+            paths=paths_from_dict(d["paths"]),
+            attention=_maybe(d["attention"], AttentionSection.from_dict),
+            icl=ICLSection.from_dict(d["icl"]),
+            trigrams=TrigramsSection.from_dict(d["trigrams"]),
+            timings=d.get("timings", {}),
+        )

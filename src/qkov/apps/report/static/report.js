@@ -1,0 +1,343 @@
+/* qkov report: draws every section from the JSON embedded in the page (no network).
+ * Each section's renderer runs on its own; success sets data-rendered="ok" on the section,
+ * failure shows the error in the section and sets data-rendered="error", so a test (or a
+ * reader) sees which part failed. Nothing is written to the console. */
+"use strict";
+(function () {
+  const D = JSON.parse(document.getElementById("qkov-data").textContent);
+  // no mode bar: it hides titles and axis labels; drag to zoom and double-click to reset still work
+  const CONFIG = { displaylogo: false, responsive: true, displayModeBar: false };
+  const errors = [];
+  window.addEventListener("error", (e) => {
+    errors.push(String(e.message));
+    document.documentElement.dataset.errors = errors.join(" | ");
+  });
+
+  // ------------------------------------------------------------------ helpers
+  function el(tag, attrs, ...children) {
+    const node = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (k === "class") node.className = v;
+      else if (k === "text") node.textContent = v;
+      else node.setAttribute(k, v);
+    }
+    for (const c of children) if (c != null) node.append(c);
+    return node;
+  }
+  const fmt = (v, d = 3) => (v == null || Number.isNaN(v) ? "–" : Number(v).toFixed(d));
+  const signed = (v, d = 3) => (v == null ? "–" : (v >= 0 ? "+" : "") + Number(v).toFixed(d));
+  const tok = (s) => JSON.stringify(s);  // quotes and escapes: whitespace tokens stay visible
+  function note(parent, text) { parent.append(el("p", { class: "note", text })); }
+  function table(parent, head, rows, leftCols = []) {
+    const t = el("table");
+    const tr = el("tr");
+    head.forEach((h, i) => tr.append(el("th", { class: leftCols.includes(i) ? "l" : "", text: h })));
+    t.append(tr);
+    for (const r of rows) {
+      const row = el("tr");
+      r.forEach((c, i) => {
+        const td = el("td", { class: leftCols.includes(i) ? "l" : "" });
+        if (c instanceof Node) td.append(c); else td.textContent = c;
+        row.append(td);
+      });
+      t.append(row);
+    }
+    parent.append(t);
+    return t;
+  }
+  function plot(parent, traces, layout, cls = "plot") {
+    const div = el("div", { class: cls });
+    parent.append(div);
+    const base = { margin: { l: 60, r: 40, t: 40, b: 50 }, font: { size: 12 }, paper_bgcolor: "#fff",
+      modebar: { orientation: "v" } };
+    Plotly.newPlot(div, traces, Object.assign(base, layout), CONFIG);
+    return div;
+  }
+  function absent(sec, obj) {
+    if (obj && obj.absent) { sec.append(el("p", { class: "absent", text: obj.absent })); return true; }
+    return false;
+  }
+
+  // ------------------------------------------------------------------ sections
+  function card(sec, c) {
+    const m = c.model;
+    const arch = `${m.n_layers} layers × ${m.n_heads} heads, d_model ${m.d_model}, d_head ${m.d_head}, ` +
+      `vocab ${m.d_vocab}, context ${m.n_ctx}, positions ${m.positional}, norm ${m.normalization}, ` +
+      `MLP ${m.d_mlp || "none"}`;
+    const rows = [["architecture", arch], ["parameters", (c.parameters || 0).toLocaleString("en-US")]];
+    if (c.source) {
+      rows.push(["source", `imported (${c.source}) from ${c.path}: no training record`]);
+    } else {
+      rows.push(
+        ["trained", `${(c.steps || 0).toLocaleString("en-US")} / ${(c.steps_planned || 0).toLocaleString("en-US")} ` +
+          `steps, ${(c.tokens || 0).toLocaleString("en-US")} tokens` +
+          (c.wall_s ? `, ${Math.round(c.wall_s)} s on ${c.device}` : "")],
+        ["train loss", fmt(c.train_loss, 4)],
+        ["validation loss", fmt(c.val_loss, 4)],
+        ["induction score (training probe)", fmt(c.induction_score, 3)],
+        ["corpus", String(c.corpus || "–")],
+      );
+    }
+    table(sec, ["", ""], rows, [0, 1]);
+    const cv = c.curve;
+    if (cv && cv.tokens.length) {
+      plot(sec, [
+        { x: cv.tokens, y: cv.val_loss, name: "validation loss", mode: "lines+markers" },
+        { x: cv.train_tokens, y: cv.train_loss, name: "train loss", mode: "lines", opacity: 0.6 },
+        { x: cv.tokens, y: cv.induction, name: "induction score", yaxis: "y2", mode: "lines", line: { dash: "dot" } },
+      ], {
+        title: { text: "training curve" }, height: 330,
+        xaxis: { title: { text: "tokens" } }, yaxis: { title: { text: "loss (nats)" } },
+        yaxis2: { title: { text: "induction score" }, overlaying: "y", side: "right", range: [0, 1] },
+        legend: { orientation: "h", y: -0.25 },
+      });
+    }
+    if (c.bandwidth && c.bandwidth.length) {
+      sec.append(el("h3", { text: "Bandwidth audit" }));
+      note(sec, "Dimensions the components write to or read from the residual stream (computational " +
+        "dimensions) before and after each layer, against d_model: above 1, the stream is a bottleneck.");
+      table(sec, ["layer", "own", "before", "after", "before / d_model", "after / d_model"],
+        c.bandwidth.map((b) => [b.layer, b.own, b.before, b.after, fmt(b.before_ratio, 2), fmt(b.after_ratio, 2)]));
+    }
+  }
+
+  function heads(sec, h, ev) {
+    if (absent(sec, h)) return;
+    const HEAD_COLS = h.columns;  // [label, score name], the same columns as `qkov heads`
+    note(sec, "Per-head scores. Pattern scores come from validation text; prefix matching, induction, " +
+      "duplicate-token and [I] copying from repeated random tokens; eigen copying = Σλ / Σ|λ| of the full OV " +
+      "circuit W_E W_OV W_U (1 = copies its input, −1 = suppresses it); own in topk = share of tokens whose own " +
+      "logit is among the k largest of their OV row. Roles use the thresholds listed below.");
+    const diag = Object.keys(h.rows[0] || {}).find((k) => k.startsWith("diag_top"));
+    const shown = diag ? [...HEAD_COLS, [diag.replace("diag_", "own in "), diag]] : HEAD_COLS;
+    table(sec, ["head", ...shown.map((c) => c[0]), "roles"],
+      h.rows.map((r) => {
+        const roles = el("span");
+        (r.roles.length ? r.roles : ["–"]).forEach((x) => roles.append(el("span", { class: "role", text: x })));
+        return [r.head, ...shown.map((c) => fmt(r[c[1]], 2)), roles];
+      }), [shown.length + 1]);
+    note(sec, "Thresholds: " + Object.entries(h.thresholds).map(([k, v]) => `${k} ${v}`).join(", ") +
+      (h.memory_neurons ? `; memory-management neurons: ${h.memory_neurons}` : ""));
+    const layers = [...new Set(h.rows.map((r) => r.layer))];
+    const cols = ["#3056d3", "#d3562f", "#2a9d5b", "#9b59b6", "#c79a00", "#17a2b8"];
+    const traces = layers.map((l, i) => {
+      const rs = h.rows.filter((r) => r.layer === l);
+      return {
+        x: rs.map((r) => r.prefix_matching), y: rs.map((r) => r.eigen_copying), text: rs.map((r) => r.head),
+        name: `layer ${l}`, mode: "markers+text", textposition: "middle right",
+        marker: { size: 11, color: cols[i % cols.length] },
+        hovertemplate: "head %{text}<br>prefix matching %{x:.3f}<br>eigen copying %{y:.3f}<extra></extra>",
+      };
+    });
+    sec.append(el("h3", { text: "Copying vs prefix matching (the induction-head signature)" }));
+    note(sec, "Induction heads sit top right: they attend to the token after an earlier copy of the current " +
+      "token (prefix matching) and copy it (positive OV eigenvalues).");
+    plot(sec, traces, {
+      height: 420, width: 620, xaxis: { title: { text: "prefix-matching score" }, range: [-0.05, 1.05] },
+      yaxis: { title: { text: "OV eigenvalue copying score" }, range: [-1.1, 1.15] },
+      shapes: [{ type: "line", x0: h.thresholds.induction, x1: h.thresholds.induction, y0: -1.1, y1: 1.15,
+        line: { dash: "dot", color: "#999" } }],
+    });
+    if (ev && !ev.absent) {
+      sec.append(el("h3", { text: "Eigenvalues of each head's OV circuit (complex plane)" }));
+      note(sec, "Eigenvalues of W_E W_OV W_U, each head scaled by its largest |λ| (in the title). Points on the " +
+        "positive real axis mean copying; the unit circle is drawn for scale.");
+      const grid = el("div", { class: "grid" });
+      sec.append(grid);
+      const circle = { type: "circle", x0: -1, y0: -1, x1: 1, y1: 1, line: { color: "#ccc" } };
+      for (const e of ev.heads) {
+        plot(grid, [{ x: e.re, y: e.im, mode: "markers", marker: { size: 5, color: "#3056d3" },
+          hovertemplate: "%{x:.3f} %{y:+.3f}i<extra></extra>" }], {
+          title: { text: `${e.head}: score ${signed(e.score, 2)}, max |λ| ${fmt(e.scale, 1)}`, font: { size: 11 } },
+          width: 230, height: 230, margin: { l: 30, r: 10, t: 30, b: 25 }, showlegend: false,
+          xaxis: { range: [-1.15, 1.15], zeroline: true }, yaxis: { range: [-1.15, 1.15], scaleanchor: "x" },
+          shapes: [circle],
+        }, "small");
+      }
+    }
+  }
+
+  function composition(sec, comp) {
+    if (absent(sec, comp)) return;
+    note(sec, "Composition score ‖W_A W_B‖_F / (‖W_A‖_F ‖W_B‖_F) between the output of an earlier head (rows) " +
+      "and the query, key or value side of a later head (columns), minus the mean over random matrices of the " +
+      "same shapes. Cells show the adjusted score; hover shows the raw score and the baseline.");
+    const grid = el("div", { class: "cols" });
+    sec.append(grid);
+    for (const kind of ["q", "k", "v"]) {
+      const c = comp[kind];
+      const custom = c.raw.map((row) => row.map((v) => [v, c.baseline_mean, c.baseline_std]));
+      const div = el("div");
+      grid.append(div);
+      plot(div, [{
+        type: "heatmap", z: c.adjusted, x: c.readers, y: c.writers, customdata: custom, colorscale: "RdBu",
+        reversescale: true, zmid: 0, texttemplate: "%{z:.2f}", textfont: { size: 10 },
+        hovertemplate: "%{y} → %{x}<br>adjusted %{z:.3f}<br>raw %{customdata[0]:.3f}<br>" +
+          "baseline %{customdata[1]:.3f} ± %{customdata[2]:.3f}<extra></extra>",
+        colorbar: { thickness: 10 },
+      }], {
+        title: { text: `${kind.toUpperCase()}-composition (baseline ${fmt(c.baseline_mean)} ± ${fmt(c.baseline_std)})` },
+        width: 420, height: 380, xaxis: { title: { text: "reader head" }, type: "category" },
+        yaxis: { title: { text: "writer head" }, type: "category", autorange: "reversed" },
+      });
+      const top = c.top.slice(0, 5).map((p) => [p.writer, p.reader, signed(p.adjusted), fmt(p.raw)]);
+      table(div, ["writer", "reader", "adjusted", "raw"], top);
+    }
+  }
+
+  function paths(sec, p) {
+    const ti = p.term_importance;
+    note(sec, `Path expansion on ${p.tokens[0]} × ${p.tokens[1]} validation tokens, attention patterns frozen. ` +
+      `The sum of all path terms reproduces the model's logits to ${p.reconstruction_max_abs_error.toExponential(2)} ` +
+      `(max |difference|).`);
+    const runs = ["uniform", ...ti.run_losses.map((_, i) => (i === 0 ? "direct path" : `orders 0..${i}`))];
+    const losses = [ti.uniform_loss, ...ti.run_losses];
+    const orderNames = ti.marginal_by_order.map((_, i) =>
+      i === 0 ? "direct path" : i === 1 ? "individual heads" : i === 2 ? "virtual heads" : `order ${i}`);
+    const row = el("div", { class: "cols" });
+    sec.append(row);
+    plot(row, [{ type: "bar", x: runs, y: losses, text: losses.map((v) => fmt(v, 2)), textposition: "auto",
+      marker: { color: "#8aa2e8" } }], {
+      title: { text: "loss by run (term importance)" }, width: 460, height: 340,
+      yaxis: { title: { text: "loss (nats)" } },
+    });
+    plot(row, [{ type: "bar", x: orderNames, y: ti.marginal_by_order, text: ti.marginal_by_order.map((v) => fmt(v, 2)),
+      textposition: "auto", marker: { color: "#d3562f" } }], {
+      title: { text: "marginal loss reduction by order" }, width: 460, height: 340,
+      yaxis: { title: { text: "nats" } },
+    });
+    const terms = el("div", { class: "cols" });
+    sec.append(terms);
+    const s = el("div"); terms.append(s);
+    s.append(el("h3", { text: "Single-head terms: loss increase when removed" }));
+    table(s, ["term", "Δ loss", "RMS logit"], p.single_head_terms.map((e) => [e.name, signed(e.loss_change, 4), fmt(e.size)]));
+    if (p.virtual_head_terms.length) {
+      const v = el("div"); terms.append(v);
+      v.append(el("h3", { text: "Largest virtual-head terms: loss increase when removed" }));
+      table(v, ["term", "Δ loss", "RMS logit"], p.virtual_head_terms.map((e) => [e.name, signed(e.loss_change, 4), fmt(e.size)]));
+    }
+  }
+
+  function attention(sec, a) {
+    if (absent(sec, a)) return;
+    note(sec, "The start of a validation sequence. Choose a head; hover (or click) a token to see where it " +
+      "attends: earlier tokens are shaded by attention weight. The heatmap shows the head's whole pattern.");
+    const L = a.patterns.length, H = a.patterns[0].length, T = a.tokens.length;
+    const selL = el("select", { id: "viewer-layer" }), selH = el("select", { id: "viewer-head" });
+    for (let l = 0; l < L; l++) selL.append(el("option", { value: l, text: String(l) }));
+    for (let h = 0; h < H; h++) selH.append(el("option", { value: h, text: String(h) }));
+    const status = el("span", { id: "viewer-status", class: "note" });
+    sec.append(el("div", { class: "controls" }, el("label", { text: "layer " }, selL), el("label", { text: "head " }, selH), status));
+    const box = el("div", { id: "viewer-text" });
+    sec.append(box);
+    const spans = a.tokens.map((t, i) => {
+      const sp = el("span", { "data-pos": i, title: `${i}: ${tok(t)}` });
+      sp.textContent = t.replace(/\n/g, "↵\n");
+      box.append(sp);
+      return sp;
+    });
+    const heat = el("div");
+    sec.append(heat);
+    let current = null;
+    function show(q) {
+      const row = a.patterns[+selL.value][+selH.value][q];
+      spans.forEach((sp, i) => {
+        sp.classList.toggle("query", i === q);
+        const w = i < row.length ? row[i] : 0;
+        sp.style.background = w > 0.005 ? `rgba(48, 86, 211, ${Math.min(1, w).toFixed(3)})` : "";
+        sp.style.color = w > 0.55 ? "#fff" : "";
+        sp.dataset.weight = i < row.length ? String(w) : "";
+      });
+      let best = 0;
+      row.forEach((w, i) => { if (w > row[best]) best = i; });
+      status.textContent = `head ${selL.value}.${selH.value}, token ${q} ${tok(a.tokens[q])} attends most to ` +
+        `token ${best} ${tok(a.tokens[best])} (${fmt(row[best], 2)})`;
+      current = q;
+    }
+    function redraw() {
+      const P = a.patterns[+selL.value][+selH.value];
+      const z = P.map((row) => Array.from({ length: T }, (_, k) => (k < row.length ? row[k] : null)));
+      const labels = a.tokens.map((t, i) => `${i} ${t}`);
+      Plotly.react(heat, [{ type: "heatmap", z, x: labels, y: labels, colorscale: "Blues", reversescale: true, zmin: 0, zmax: 1,
+        hovertemplate: "query %{y}<br>key %{x}<br>%{z:.3f}<extra></extra>", colorbar: { thickness: 10 } }], {
+        title: { text: `pattern of head ${selL.value}.${selH.value} (rows: queries, columns: keys)` },
+        width: 640, height: 600, margin: { l: 50, r: 40, t: 40, b: 40 }, modebar: { orientation: "v" },
+        xaxis: { showticklabels: false, title: { text: "key position" } },
+        yaxis: { showticklabels: false, autorange: "reversed", title: { text: "query position" } },
+      }, CONFIG);
+      show(current == null ? T - 1 : current);
+    }
+    spans.forEach((sp, i) => {
+      sp.addEventListener("mouseenter", () => show(i));
+      sp.addEventListener("click", () => show(i));
+    });
+    selL.addEventListener("change", redraw);
+    selH.addEventListener("change", redraw);
+    // a link like index.html#attend=1.2.40 opens head 1.2 with token 40 selected
+    const m = /attend=(\d+)\.(\d+)\.(\d+)/.exec(location.hash);
+    if (m && +m[1] < L && +m[2] < H && +m[3] < T) { selL.value = m[1]; selH.value = m[2]; current = +m[3]; }
+    redraw();
+  }
+
+  function icl(sec, c) {
+    note(sec, c.score == null ? "" : `ICL score (loss at token ${c.late} minus loss at token ${c.early}, ` +
+      `10-position windows): ${signed(c.score)} nats. Negative = later tokens are predicted better.`);
+    const row = el("div", { class: "cols" });
+    sec.append(row);
+    if (c.loss_by_position) {
+      plot(row, [{ y: c.loss_by_position, x: c.loss_by_position.map((_, i) => i + 1), mode: "lines",
+        name: "validation text" }], {
+        title: { text: "loss by token position (validation text)" }, width: 560, height: 360,
+        xaxis: { title: { text: "token index" }, type: "log" }, yaxis: { title: { text: "loss (nats)" } },
+      });
+    }
+    const r = c.repeat;
+    const xs = r.first.map((_, i) => i);
+    plot(row, [
+      { x: xs, y: r.first, name: `1st copy (mean ${fmt(r.first_mean, 2)})`, mode: "lines" },
+      { x: xs, y: r.second, name: `2nd copy (mean ${fmt(r.second_mean, 2)})`, mode: "lines" },
+    ], {
+      title: { text: `random tokens repeated twice (${r.length} per copy)` }, width: 560, height: 360,
+      xaxis: { title: { text: "position within the copy" } }, yaxis: { title: { text: "loss (nats)" } },
+      legend: { orientation: "h", y: -0.25 },
+    });
+  }
+
+  function trigrams(sec, t) {
+    note(sec, "Skip-trigrams [source] … [destination] → [output] of each layer-0 head, read off its QK and OV " +
+      "circuits over the whole vocabulary (score = centred QK × centred OV), and the direct path's bigrams.");
+    const grid = el("div", { class: "cols" });
+    sec.append(grid);
+    for (const h of t.heads) {
+      const d = el("div"); grid.append(d);
+      d.append(el("h3", { text: `head ${h.head}` }));
+      table(d, ["source", "destination", "output", "score"],
+        h.rows.map((r) => [tok(r.source_str), tok(r.destination_str), tok(r.output_str), fmt(r.score, 1)]), [0, 1, 2]);
+    }
+    const d = el("div"); grid.append(d);
+    d.append(el("h3", { text: "bigrams (direct path W_E W_U)" }));
+    table(d, ["token", "next", "logit"], t.bigrams.map((b) => [tok(b.token_str), tok(b.next_str), fmt(b.logit, 2)]), [0, 1]);
+  }
+
+  const RENDER = {
+    card: (s) => card(s, D.card),
+    heads: (s) => heads(s, D.heads, D.eigenvalues),
+    composition: (s) => composition(s, D.composition),
+    paths: (s) => paths(s, D.paths),
+    attention: (s) => attention(s, D.attention),
+    icl: (s) => icl(s, D.icl),
+    trigrams: (s) => trigrams(s, D.trigrams),
+  };
+  for (const sec of document.querySelectorAll("section[data-section]")) {
+    try {
+      RENDER[sec.dataset.section](sec);
+      sec.dataset.rendered = "ok";
+    } catch (e) {
+      sec.dataset.rendered = "error";
+      sec.append(el("p", { class: "error", text: "could not draw this section: " + e }));
+      errors.push(sec.dataset.section + ": " + e);
+      document.documentElement.dataset.errors = errors.join(" | ");
+    }
+  }
+  document.documentElement.dataset.ready = "1";
+})();

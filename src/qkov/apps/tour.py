@@ -1,0 +1,340 @@
+"""``qkov tour``: train the paper's 0-, 1- and 2-layer attention-only models, report on
+each, and set the paper's claims beside what was measured on them.
+
+Each model lives in ``OUT/qkov-<n>l`` (a finished run is reused, an interrupted one is
+resumed, a missing one is trained), its report in ``OUT/qkov-<n>l/report``, and the
+comparison page in ``OUT/index.html`` (with every number in ``OUT/tour.json``).
+:func:`claims` derives the claims table from the reports' data alone, so it can be
+checked on any set of reports.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..device import pick_device
+from ..errors import QkovError
+from ..io.atomic import atomic_write_text
+from ..io.checkpoint import read_config
+from ..model.config import ModelConfig
+from ..training.config import TrainConfig
+from ..training.loop import train
+from .progress import TrainProgress
+from .report import write_report
+from .report.render import to_json
+from .report.sections import Absent, CompositionSection, HeadRow, Report, TrainingRecord, TrigramRow
+
+LAYERS: tuple[int, ...] = (0, 1, 2)
+
+
+@dataclass
+class Claim:
+    claim: str  # what the paper says
+    measured: str  # what this run found, in words
+    holds: bool | None  # whether the measurement agrees (None: a number to compare, no verdict)
+    values: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return vars(self).copy()
+
+
+def _rows(report: Report) -> list[HeadRow]:
+    return [] if isinstance(report.heads, Absent) else report.heads.rows
+
+
+def _fmt_tri(t: TrigramRow) -> str:
+    return f"{t.source_str!r} ... {t.destination_str!r} -> {t.output_str!r}"
+
+
+def _one_layer_claims(one: Report) -> list[Claim]:
+    rows = _rows(one)
+    copying = [r.head for r in rows if "copying" in r.roles]
+    out = [
+        Claim(
+            "1-layer: 10 of 12 heads are copying heads (positive OV eigenvalues)",
+            f"{len(copying)} of {len(rows)} heads copying ({', '.join(copying) or 'none'}); eigen scores "
+            + ", ".join(f"{r.head} {r.scores['eigen_copying']:+.2f}" for r in rows),
+            len(copying) >= len(rows) / 2,
+            {"copying_heads": copying, "n_heads": len(rows)},
+        )
+    ]
+    tris = sorted((t for h in one.trigrams.heads for t in h.rows), key=lambda t: -(t.score or 0.0))
+    self_tris = [t for t in tris if t.output_str.strip() == "self"]
+    shown = tris[:3] + [t for t in self_tris[:1] if t not in tris[:3]]
+    out.append(
+        Claim(
+            "1-layer: skip-trigrams like `def ... ( -> self` (Python code)",
+            "; ".join(_fmt_tri(t) for t in shown) or "no trigrams",
+            bool(self_tris) if tris else None,
+            {"top": [vars(t) for t in tris[:10]], "self": [vars(t) for t in self_tris[:5]]},
+        )
+    )
+    prefix = max((r.scores["prefix_matching"] for r in rows), default=0.0)
+    out.append(
+        Claim(
+            "1-layer models have no induction heads",
+            f"max prefix-matching score in the 1-layer model: {prefix:.3f}",
+            prefix < 0.3,
+            {"max_prefix_matching": prefix},
+        )
+    )
+    return out
+
+
+def _induction_claim(two: Report) -> Claim:
+    rows = _rows(two)
+    prev = {r.head for r in rows if "previous-token" in r.roles}
+    kcomp = two.composition.kinds.get("k") if isinstance(two.composition, CompositionSection) else None
+    found = []
+    for r in rows:
+        if "induction" not in r.roles:
+            continue
+        partners = [p for p in (kcomp.top if kcomp else []) if p.reader == r.head]
+        best = partners[0] if partners else None
+        found.append(
+            {
+                "head": r.head,
+                "layer": r.layer,
+                "prefix_matching": r.scores["prefix_matching"],
+                "induction": r.scores["induction"],
+                "k_writer": best.writer if best else None,
+                "k_adjusted": best.adjusted if best else None,
+                "writer_is_previous_token": bool(best and best.writer in prev),
+            }
+        )
+    words = "; ".join(
+        f"{f['head']} (prefix {f['prefix_matching']:.2f}, induction {f['induction']:.2f}) K-composes most with "
+        f"{f['k_writer']} ({f['k_adjusted'] or 0:+.3f}"
+        + (", a previous-token head)" if f["writer_is_previous_token"] else ")")
+        for f in found
+    )
+    holds = bool(found) and all(f["layer"] >= 1 for f in found) and any(f["writer_is_previous_token"] for f in found)
+    return Claim(
+        "2-layer: induction heads in layer 1, K-composing with a layer-0 previous-token head",
+        (words or "no induction heads found") + f"; previous-token heads: {', '.join(sorted(prev)) or 'none'}",
+        holds,
+        {"induction_heads": found, "previous_token_heads": sorted(prev)},
+    )
+
+
+def claims(reports: dict[int, Report]) -> list[Claim]:
+    """The paper's claims beside the measurements, from reports keyed by layer count.
+
+    Claims about a model that is missing from ``reports`` are left out.
+    """
+    out: list[Claim] = []
+    one, two = reports.get(1), reports.get(2)
+    if one is not None:
+        out += _one_layer_claims(one)
+    if two is not None:
+        out.append(_induction_claim(two))
+        ti = two.paths.importance.marginal_by_order
+        names = ("direct", "heads", "virtual heads")
+        out.append(
+            Claim(
+                "2-layer term importance ~1.8 / 5.2 / 0.3 nats (direct / heads / virtual heads)",
+                " / ".join(f"{v:.2f}" for v in ti[:3]) + " nats (" + " / ".join(names[: len(ti[:3])]) + ")",
+                None,
+                {"marginal_by_order": ti},
+            )
+        )
+    if one is not None and two is not None:
+        s1, s2 = one.icl.score, two.icl.score
+        s0 = reports[0].icl.score if 0 in reports else None
+        out.append(
+            Claim(
+                "ICL score ~ -0.4 nats once induction heads form; ~0 for 1-layer models",
+                f"2-layer {s2:+.3f}, 1-layer {s1:+.3f}" + (f", 0-layer {s0:+.3f}" if s0 is not None else "") + " nats",
+                s2 is not None and s1 is not None and s2 <= s1 - 0.1,
+                {"icl_0l": s0, "icl_1l": s1, "icl_2l": s2},
+            )
+        )
+    return out
+
+
+# ------------------------------------------------------------------------- page
+def _model_row(n: int, rep: Report) -> dict[str, Any]:
+    record = rep.card.record or TrainingRecord()
+    rows = _rows(rep)
+    return {
+        "layers": n,
+        "report": f"qkov-{n}l/report/index.html",
+        "parameters": rep.card.parameters,
+        "tokens": record.tokens,
+        "val_loss": record.val_loss,
+        "icl": rep.icl.score,
+        "repeat_first": rep.icl.repeat.first_mean,
+        "repeat_second": rep.icl.repeat.second_mean,
+        "max_prefix_matching": max((r.scores["prefix_matching"] for r in rows), default=None),
+        "copying_heads": sum("copying" in r.roles for r in rows),
+        "heads": len(rows),
+        "wall_s": record.wall_s,
+    }
+
+
+def _cell(v: Any, spec: str = "") -> str:
+    if v is None:
+        return "–"
+    return html.escape(format(v, spec) if spec else str(v))
+
+
+def svg_curves(series: dict[str, list[float]], *, title: str, width: int = 640, height: int = 320) -> str:
+    """A small static line chart (log x axis: token index 1..n; y: loss) as inline SVG."""
+    colors = ("#8a8f99", "#3056d3", "#d3562f", "#2a9d5b", "#9b59b6")
+    pts = {k: v for k, v in series.items() if v}
+    if not pts:
+        return ""
+    ys = [y for v in pts.values() for y in v if y is not None]
+    lo, hi = min(ys), max(ys)
+    n = max(len(v) for v in pts.values())
+    L, R, T, B = 50, 130, 30, 40
+    fx = lambda i: L + (width - L - R) * math.log(i + 1) / math.log(n)  # noqa: E731
+    fy = lambda y: T + (height - T - B) * (hi - y) / ((hi - lo) or 1.0)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="12">']
+    parts.append(f'<text x="{width / 2 - R / 2}" y="18" text-anchor="middle">{html.escape(title)}</text>')
+    parts.append(f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#999"/>')
+    parts.append(f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#999"/>')
+    for tick in (1, 10, 100, 1000):
+        if tick <= n:
+            x = fx(tick - 1)
+            parts.append(f'<text x="{x:.1f}" y="{height - B + 15}" text-anchor="middle">{tick}</text>')
+    for frac in (0.0, 0.5, 1.0):
+        y = lo + frac * (hi - lo)
+        parts.append(f'<text x="{L - 6}" y="{fy(y) + 4:.1f}" text-anchor="end">{y:.1f}</text>')
+    parts.append(f'<text x="{(L + width - R) / 2}" y="{height - 6}" text-anchor="middle">token index</text>')
+    for k, (name, v) in enumerate(pts.items()):
+        c = colors[k % len(colors)]
+        d = " ".join(f"{fx(i):.1f},{fy(y):.1f}" for i, y in enumerate(v) if y is not None)
+        parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{d}"/>')
+        parts.append(f'<text x="{width - R + 8}" y="{T + 16 * k + 10}" fill="{c}">{html.escape(name)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def render_page(
+    models: list[dict[str, Any]], table: list[Claim], meta: dict[str, Any], curves: dict[str, list[float]] | None = None
+) -> str:
+    """The comparison page: the models side by side, the claims table, the models' loss by
+    token position (static SVG), links to each report."""
+    verdict = {True: "agrees", False: "differs", None: "compare"}
+    model_rows = "\n".join(
+        f"<tr><td><a href='{html.escape(m['report'])}'>{m['layers']}-layer</a></td>"
+        f"<td>{_cell(m['parameters'], ',')}</td><td>{_cell(m['tokens'], ',')}</td>"
+        f"<td>{_cell(m['val_loss'], '.4f')}</td><td>{_cell(m['icl'], '+.3f')}</td>"
+        f"<td>{_cell(m['repeat_first'], '.2f')} / {_cell(m['repeat_second'], '.2f')}</td>"
+        f"<td>{_cell(m['max_prefix_matching'], '.3f')}</td>"
+        f"<td>{m['copying_heads']} / {m['heads']}</td><td>{_cell(m['wall_s'], '.0f')}</td></tr>"
+        for m in models
+    )
+    claim_rows = "\n".join(
+        f"<tr><td class='l'>{html.escape(c.claim)}</td><td class='l'>{html.escape(c.measured)}</td>"
+        f"<td class='{verdict[c.holds]}'>{verdict[c.holds]}</td></tr>"
+        for c in table
+    )
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>qkov tour</title>
+<style>
+body {{ font: 14px/1.45 system-ui, sans-serif; margin: 24px 32px; color: #1d2330; max-width: 1300px; }}
+table {{ border-collapse: collapse; margin: 8px 0 20px; }}
+th, td {{ border-bottom: 1px solid #d9dde5; padding: 4px 10px; text-align: right; vertical-align: top; }}
+th {{ background: #f2f4f8; }} td.l, th.l {{ text-align: left; max-width: 620px; }}
+td:first-child {{ white-space: nowrap; }}
+td.agrees {{ color: #1a7f37; font-weight: 600; }} td.differs {{ color: #b00020; font-weight: 600; }}
+td.compare {{ color: #5b6475; }} .note {{ color: #5b6475; max-width: 900px; }}
+</style></head><body>
+<h1>qkov tour: the paper's attention-only models, trained here</h1>
+<p class="note">Trained on {html.escape(str(meta.get("corpus", "the built-in corpus")))} with qkov's default
+settings on {html.escape(str(meta.get("device", "")))}; this run of the tour took {meta.get("seconds", 0):.0f} s
+(models already trained in its directory are reused; training times are in the table). Each model links to its full
+report. Numbers are in <code>tour.json</code>.</p>
+<h2>Models</h2>
+<table><tr><th>model</th><th>parameters</th><th>tokens</th><th>validation loss</th><th>ICL score (nats)</th>
+<th>repeated tokens: loss 1st / 2nd copy</th><th>max prefix matching</th><th>copying heads</th><th>training s</th></tr>
+{model_rows}
+</table>
+<h2>Loss by token position</h2>
+<p class="note">Mean loss on validation text at each token index: models with induction heads keep improving
+late in the context (the in-context-learning score is the drop from token 50 to the last tokens).</p>
+{svg_curves(curves or {}, title="validation loss by token position")}
+<h2>The paper's claims, measured here</h2>
+<table><tr><th class="l">claim (paper)</th><th class="l">measured here</th><th></th></tr>
+{claim_rows}
+</table>
+</body></html>
+"""
+
+
+# --------------------------------------------------------------------------- run
+def _state(ckpt: Path) -> str:
+    """``done``, ``partial`` (resumable) or ``new``."""
+    if (ckpt / "config.json").is_file():
+        tr = read_config(ckpt).get("training", {})
+        if tr.get("step") is not None and tr.get("step") == tr.get("config", {}).get("steps"):
+            return "done"
+    if (ckpt / "train_state.safetensors").is_file():
+        return "partial"
+    if ckpt.exists() and any(ckpt.iterdir()):
+        raise QkovError(
+            f"tour: {str(ckpt)!r} holds neither a finished nor a resumable qkov run; move it away",
+            hint="out",
+        )
+    return "new"
+
+
+def run_tour(
+    out: Path | str,
+    *,
+    layers: Sequence[int] = LAYERS,
+    device: str = "auto",
+    steps: int | None = None,
+    corpus: str | None = None,
+    quiet: bool = False,
+    say: Callable[[str], None] = print,
+) -> tuple[list[Claim], list[dict[str, Any]]]:
+    """Train (or reuse) one model per entry of ``layers`` in ``out``, report on each, write the
+    comparison page; return the claims table and the per-model summary rows."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise QkovError(f"tour: the output {str(out)!r} exists and is not a directory", hint="out")
+    dev = pick_device(device)
+    t0 = time.perf_counter()
+    reports: dict[int, Report] = {}
+    train_over: dict[str, Any] = {}
+    if steps is not None:
+        train_over["steps"] = steps
+    if corpus is not None:
+        train_over["corpus"] = corpus
+    for n in layers:
+        ckpt = out / f"qkov-{n}l"
+        state = _state(ckpt)
+        if state == "done":
+            say(f"[{n}-layer] reusing the finished run in {ckpt}")
+        else:
+            say(f"[{n}-layer] {'resuming' if state == 'partial' else 'training'} in {ckpt}")
+            with TrainProgress(quiet=quiet) as progress:
+                if state == "partial":
+                    train(ckpt, device=str(dev), resume=True, callback=progress)
+                else:
+                    train(ckpt, ModelConfig(n_layers=n), TrainConfig(**train_over), device=str(dev), callback=progress)
+        say(f"[{n}-layer] report -> {ckpt / 'report' / 'index.html'}")
+        t_rep = time.perf_counter()
+        reports[n] = write_report(ckpt, ckpt / "report", device=str(dev))
+        say(f"[{n}-layer] report written in {time.perf_counter() - t_rep:.0f} s")
+    table = claims(reports)
+    models = [_model_row(n, reports[n]) for n in layers]
+    meta = {
+        "device": str(dev),
+        "corpus": (reports[layers[0]].card.record or TrainingRecord()).corpus if layers else None,
+        "seconds": time.perf_counter() - t0,
+    }
+    curves = {f"{n}-layer": reports[n].icl.loss_by_position or [] for n in layers}
+    atomic_write_text(out / "index.html", render_page(models, table, meta, curves))
+    atomic_write_text(
+        out / "tour.json", to_json({"models": models, "claims": [c.to_dict() for c in table], **meta}, indent=1)
+    )
+    return table, models

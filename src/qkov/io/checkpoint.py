@@ -1,0 +1,173 @@
+"""Checkpoints: a directory of ``model.safetensors``, ``config.json``, ``tokenizer.json``, ``metrics.jsonl``.
+
+No pickle anywhere: weights are safetensors, everything else JSON. Every file is
+written atomically. ``config.json`` holds ``{"model": ModelConfig, "tokenizer":
+{...}, "training": {...}}``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from ..errors import QkovError
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
+from .atomic import atomic_write, atomic_write_text
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+TOKENIZER_FILE = "tokenizer.json"
+METRICS_FILE = "metrics.jsonl"
+STATE_FILE = "train_state.safetensors"
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Atomically write ``tensors`` (made contiguous, detached, on CPU) as safetensors."""
+    flat = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    atomic_write(path, lambda tmp: save_file(flat, tmp, metadata=metadata))
+
+
+def read_config(path: Path | str) -> dict[str, Any]:
+    """Read ``config.json`` of a checkpoint directory."""
+    path = Path(path)
+    cfg_path = path / CONFIG_FILE
+    if not path.exists():
+        raise QkovError(f"checkpoint {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise QkovError(f"checkpoint {str(path)!r} is not a directory")
+    if not cfg_path.is_file():
+        raise QkovError(f"checkpoint {str(path)!r} has no {CONFIG_FILE}")
+    try:
+        data = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise QkovError(f"checkpoint {str(path)!r}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or "model" not in data:
+        raise QkovError(f"checkpoint {str(path)!r}: {CONFIG_FILE} has no 'model' section")
+    return data
+
+
+def save_checkpoint(
+    path: Path | str,
+    model: Transformer,
+    *,
+    training: dict[str, Any] | None = None,
+    tokenizer_json: str | None = None,
+) -> None:
+    """Write the model's weights and config (and tokenizer, if given) into ``path``."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    if tokenizer_json is None and model.tokenizer is not None:
+        tokenizer_json = model.tokenizer.to_str()
+    if tokenizer_json is not None:
+        atomic_write_text(path / TOKENIZER_FILE, tokenizer_json)
+    save_tensors(path / MODEL_FILE, dict(model.state_dict()), metadata={"format": "qkov"})
+    config = {
+        "model": model.cfg.to_dict(),
+        "tokenizer": {"bos_token_id": model.bos_token_id, "file": TOKENIZER_FILE if tokenizer_json else None},
+        "training": training or {},
+    }
+    atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2))
+
+
+def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """Load a checkpoint directory -> a :class:`Transformer` in eval mode.
+
+    ``model.tokenizer`` is the checkpoint's tokenizer (``tokenizers.Tokenizer``) or
+    ``None``; ``model.bos_token_id`` its start token.
+    """
+    path = Path(path)
+    data = read_config(path)
+    cfg = ModelConfig.from_dict(data["model"])
+    model = Transformer(cfg, init=False)  # every parameter is loaded next (load_state checks)
+    weights_path = path / MODEL_FILE
+    if not weights_path.is_file():
+        raise QkovError(f"checkpoint {str(path)!r} has no {MODEL_FILE}")
+    try:
+        state = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise QkovError(f"checkpoint {str(path)!r}: {MODEL_FILE} is corrupt ({exc})") from None
+    load_state(model, state, where=str(weights_path))
+    tok_info = data.get("tokenizer") or {}
+    model.bos_token_id = int(tok_info.get("bos_token_id", 0))
+    model.tokenizer = read_tokenizer(path / TOKENIZER_FILE, where=f"checkpoint {str(path)!r}")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def read_tokenizer(path: Path, *, where: str) -> Tokenizer | None:
+    """The ``tokenizers`` tokenizer in ``path``, or ``None`` when there is no such file."""
+    if not path.is_file():
+        return None
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own Exception type
+        raise QkovError(f"{where}: {path.name} is corrupt ({exc})") from None
+
+
+def load_state(model: Transformer, state: dict[str, torch.Tensor], *, where: str) -> None:
+    """Copy ``state`` into ``model``, naming any missing, unexpected or mis-shaped tensor."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing:
+        raise QkovError(f"{where}: missing weight(s) {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
+    if unexpected:
+        raise QkovError(
+            f"{where}: unexpected weight(s) {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}"
+        )
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise QkovError(
+                f"{where}: {name} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[name].shape)}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise QkovError(f"{where}: {name} holds NaN or infinite values")
+    model.load_state_dict(state)
+
+
+def read_metrics(path: Path | str) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl`` (an unreadable trailing line is ignored)."""
+    p = Path(path) / METRICS_FILE
+    rows: list[dict[str, Any]] = []
+    if not p.is_file():
+        return rows
+    for line in p.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def checkpoint_info(path: Path | str, model: Transformer) -> dict[str, Any]:
+    """What a checkpoint is, as a JSON-ready dict: config, parameters, how far it trained, its
+    final losses and induction score, where it came from (``imported_from``) and whether it
+    carries a tokenizer. ``model`` is the checkpoint's model (already loaded)."""
+    path = Path(path)
+    data = read_config(path)
+    tr = data.get("training", {})
+    cfg = tr.get("config", {})
+    return {
+        "path": str(path),
+        "model": model.cfg.to_dict(),
+        "parameters": model.num_parameters(),
+        "steps": tr.get("step"),
+        "steps_planned": cfg.get("steps"),
+        "complete": tr.get("step") is not None and tr.get("step") == cfg.get("steps"),
+        "tokens": tr.get("tokens"),
+        "train_loss": tr.get("train_loss"),
+        "val_loss": tr.get("val_loss"),
+        "induction_score": tr.get("induction_score"),
+        "wall_s": tr.get("wall_s"),
+        "device": tr.get("device"),
+        "corpus": tr.get("corpus"),
+        "tokenizer": model.tokenizer is not None,
+        "training": cfg,
+        "imported_from": tr.get("imported_from"),
+    }

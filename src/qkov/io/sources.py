@@ -1,0 +1,95 @@
+"""One entry point for every model source: :func:`load_any` (what ``qkov import`` and the analyses read).
+
+A source is, in this order: a qkov checkpoint directory (``config.json`` with a ``model``
+section); a Hugging Face GPT-2 directory (``config.json`` with a ``model_type``); a
+TransformerLens state-dict file (``.pt``, ``.pth``, ``.safetensors``); or, when no such
+path exists, a Hugging Face Hub name such as ``gpt2`` or ``openai-community/gpt2``, fetched
+(safetensors, config and tokenizer only) when a network exists, or from the local Hugging
+Face cache; offline and uncached it fails with one clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import QkovError
+from ..model.transformer import Transformer
+from .checkpoint import load
+from .hf import load_hf
+from .tl import load_tl
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+TL_SUFFIXES = (".pt", ".pth", ".safetensors")
+
+
+def source_kind(source: Path | str) -> str:
+    """``"qkov"``, ``"hf"`` (GPT-2 directory), ``"tl"`` (TransformerLens file) or ``"hub"`` (a name to fetch)."""
+    path = Path(source)
+    if path.is_dir():
+        try:
+            data = json.loads((path / "config.json").read_text())
+        except FileNotFoundError:
+            raise QkovError(
+                f"{str(path)!r} has no config.json: not a qkov checkpoint nor a Hugging Face model"
+            ) from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise QkovError(f"{str(path)!r}: config.json is not valid JSON ({exc})") from None
+        if isinstance(data, dict) and "model" in data:
+            return "qkov"
+        if isinstance(data, dict) and "model_type" in data:
+            return "hf"
+        raise QkovError(f"{str(path)!r}: config.json is neither a qkov checkpoint's nor a Hugging Face model's")
+    if path.is_file():
+        if path.suffix in TL_SUFFIXES:
+            return "tl"
+        raise QkovError(
+            f"{str(path)!r}: expected a checkpoint directory, a Hugging Face model directory or a "
+            f"TransformerLens file ({', '.join(TL_SUFFIXES)})"
+        )
+    if _HUB_NAME.match(str(source)) and not str(source).endswith(TL_SUFFIXES):
+        return "hub"
+    raise QkovError(f"{str(source)!r} does not exist")
+
+
+def fetch_hub(name: str) -> Path:
+    """Download (or find in the local cache) a Hub model's config, safetensors and tokenizer -> its directory."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise QkovError(
+            f"{name!r} is not a local path; fetching it from the Hugging Face Hub needs "
+            "huggingface_hub (pip install 'qkov[hf]')"
+        ) from None
+    patterns = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as exc:  # offline, unknown repo, gated, ...: one line, whatever the cause
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise QkovError(
+            f"{name!r} is not a local checkpoint, model directory or file, and fetching it from the "
+            f"Hugging Face Hub failed (no network?): {type(exc).__name__}: {first[:200]}"
+        ) from None
+
+
+def load_any(
+    source: Path | str, *, config: dict[str, Any] | Path | str | None = None, dtype: torch.dtype = torch.float32
+) -> Transformer:
+    """Load any supported source (see the module docstring) as a qkov :class:`~qkov.Transformer` (CPU, eval).
+
+    ``config`` is the TransformerLens config for a TransformerLens file that carries none.
+    """
+    kind = source_kind(source)
+    if config is not None and kind != "tl":
+        raise QkovError("a separate config applies to TransformerLens files only")
+    if kind == "qkov":
+        return load(source, dtype=dtype)
+    if kind == "hf":
+        return load_hf(source, dtype=dtype)
+    if kind == "tl":
+        return load_tl(source, config, dtype=dtype)
+    return load_hf(fetch_hub(str(source)), dtype=dtype)

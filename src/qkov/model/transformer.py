@@ -1,0 +1,280 @@
+"""The training model: a small decoder-only transformer (``torch.nn.Module``), nanoGPT-sized.
+
+Every weight is stored with the shape the maths uses (docs/conventions.md), per layer:
+``W_E [d_vocab, d_model]``, ``W_pos [n_ctx, d_model]``, per block ``W_Q/W_K/W_V
+[n_heads, d_model, d_head]``, ``W_O [n_heads, d_head, d_model]``, MLP ``W_in
+[d_model, d_mlp]``, ``W_out [d_mlp, d_model]``, ``W_U [d_model, d_vocab]``. The
+stacked views ``model.W_Q`` etc. add the leading layer dimension.
+
+Attention runs fused (``torch.nn.functional.scaled_dot_product_attention``): this module
+trains and predicts. Everything that looks inside the model (attention patterns, frozen
+patterns, per-head outputs, LayerNorm scales) is the analysis forward's job
+(:func:`qkov.analysis.forward.run` over :class:`qkov.weights.Weights`), which is tested
+against this module.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import QkovError
+from .config import ModelConfig
+from .ops import activation
+from .tokens import check_tokens, token_decoder
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tokenizers import Tokenizer
+
+
+class LayerNorm(nn.Module):
+    """Pre-norm LayerNorm with gain ``w [d_model]`` and bias ``b [d_model]``."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.w = nn.Parameter(torch.ones(d_model))
+        self.b = nn.Parameter(torch.zeros(d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
+
+
+class Attention(nn.Module):
+    """``n_heads`` independent heads; each writes ``pattern @ (x @ W_V) @ W_O``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, d, e = cfg.n_heads, cfg.d_model, cfg.d_head
+        self.cfg = cfg
+        self.W_Q = nn.Parameter(torch.empty(h, d, e))
+        self.W_K = nn.Parameter(torch.empty(h, d, e))
+        self.W_V = nn.Parameter(torch.empty(h, d, e))
+        self.W_O = nn.Parameter(torch.empty(h, e, d))
+        if cfg.bias:
+            self.b_Q = nn.Parameter(torch.zeros(h, e))
+            self.b_K = nn.Parameter(torch.zeros(h, e))
+            self.b_V = nn.Parameter(torch.zeros(h, e))
+            self.b_O = nn.Parameter(torch.zeros(d))
+        else:
+            self.register_parameter("b_Q", None)
+            self.register_parameter("b_K", None)
+            self.register_parameter("b_V", None)
+            self.register_parameter("b_O", None)
+
+    @staticmethod
+    def _project(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
+        """``x [batch, seq, d_model]`` through ``W [heads, d_model, d_head]`` -> ``[batch, heads, seq, d_head]``."""
+        h, d, e = W.shape
+        out = x @ W.permute(1, 0, 2).reshape(d, h * e)
+        out = out.view(*x.shape[:-1], h, e).transpose(-3, -2)
+        if b is not None:
+            out = out + b[:, None, :]
+        return out
+
+    def qkv(self, qk_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, keys, values ``[batch, heads, seq, d_head]`` from the stream inputs."""
+        return (
+            self._project(qk_in, self.W_Q, self.b_Q),
+            self._project(qk_in, self.W_K, self.b_K),
+            self._project(v_in, self.W_V, self.b_V),
+        )
+
+    def write(self, z: Tensor) -> Tensor:
+        """Concatenate-then-project ``z [batch, heads, seq, d_head]`` -> ``[batch, seq, d_model]``.
+
+        Equal to the sum over heads of ``z[:, h] @ W_O[h]`` (tested).
+        """
+        h, e, d = self.W_O.shape
+        out = z.transpose(-3, -2).reshape(*z.shape[:-3], z.shape[-2], h * e) @ self.W_O.reshape(h * e, d)
+        if self.b_O is not None:
+            out = out + self.b_O
+        return out
+
+    def forward(self, qk_in: Tensor, v_in: Tensor) -> Tensor:
+        """Causal attention of every head, fused: ``[batch, seq, d_model]`` in and out."""
+        q, k, v = self.qkv(qk_in, v_in)
+        return self.write(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+class MLP(nn.Module):
+    """``act(x @ W_in + b_in) @ W_out + b_out``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.d_mlp is not None
+        self.act_fn = cfg.act_fn
+        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
+        if cfg.bias:
+            self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
+            self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
+        else:
+            self.register_parameter("b_in", None)
+            self.register_parameter("b_out", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        pre = x @ self.W_in
+        if self.b_in is not None:
+            pre = pre + self.b_in
+        out = activation(self.act_fn, pre) @ self.W_out
+        if self.b_out is not None:
+            out = out + self.b_out
+        return out
+
+
+class Block(nn.Module):
+    """Attention (and optionally an MLP), each reading and adding to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        layernorm = cfg.normalization == "layernorm"
+        self.ln1 = LayerNorm(cfg.d_model, cfg.ln_eps) if layernorm else None
+        self.attn = Attention(cfg)
+        self.mlp = MLP(cfg) if cfg.d_mlp is not None else None
+        self.ln2 = LayerNorm(cfg.d_model, cfg.ln_eps) if (layernorm and self.mlp is not None) else None
+
+    def forward(self, x: Tensor, pos: Tensor | None) -> Tensor:
+        """One block on the stream ``x [batch, seq, d_model]``; ``pos`` the shortformer positions or ``None``."""
+        # Shortformer: positions enter the query/key input only, never the values or the stream.
+        qk_in = x if pos is None else x + pos
+        v_in = x
+        if self.ln1 is not None:
+            v_in = self.ln1(x)
+            qk_in = v_in if pos is None else self.ln1(qk_in)
+        x = x + self.attn(qk_in, v_in)
+        if self.mlp is not None:
+            x = x + self.mlp(self.ln2(x) if self.ln2 is not None else x)
+        return x
+
+
+class Transformer(nn.Module):
+    """A decoder-only transformer (attention-only by default, as the paper's models).
+
+    ``model(tokens)`` returns logits. To look inside (patterns, per-head outputs, frozen
+    patterns), run the analysis forward on its weights: ``qkov.run(Weights.from_model(model), tokens)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, seed: int | None = None, init: bool = True) -> None:
+        """``init=False`` leaves the parameters uninitialised, for a caller that loads every one of
+        them next (checkpoint and import loaders: :func:`qkov.io.checkpoint.load_state` refuses a
+        state that misses any); it saves the random init, ~3 s at GPT-2 size."""
+        super().__init__()
+        self.cfg = cfg
+        self.tokenizer: Tokenizer | None = None
+        self.bos_token_id: int = 0
+        self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        if cfg.positional != "none":
+            self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
+        else:
+            self.register_parameter("W_pos", None)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_final = LayerNorm(cfg.d_model, cfg.ln_eps) if cfg.normalization == "layernorm" else None
+        self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
+        if cfg.bias:
+            self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
+        else:
+            self.register_parameter("b_U", None)
+        if init:
+            self.reset_parameters(seed)
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal(0, 0.8/sqrt(d_model)) for every matrix, zeros for biases, ones for LN gains."""
+        gen = torch.Generator(device="cpu")
+        if seed is not None:
+            gen.manual_seed(seed)
+        else:
+            gen.seed()
+        std = 0.8 / math.sqrt(self.cfg.d_model)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.startswith("W_"):
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            elif leaf == "w":
+                p.fill_(1.0)
+            else:
+                p.zero_()
+
+    # ------------------------------------------------------- stacked views
+    def _stack(self, getter: Any) -> Tensor:
+        if not self.blocks:
+            raise QkovError("this model has no layers")
+        return torch.stack([getter(b) for b in self.blocks])
+
+    @property
+    def W_Q(self) -> Tensor:
+        """``[n_layers, n_heads, d_model, d_head]``"""
+        return self._stack(lambda b: b.attn.W_Q)
+
+    @property
+    def W_K(self) -> Tensor:
+        """``[n_layers, n_heads, d_model, d_head]``"""
+        return self._stack(lambda b: b.attn.W_K)
+
+    @property
+    def W_V(self) -> Tensor:
+        """``[n_layers, n_heads, d_model, d_head]``"""
+        return self._stack(lambda b: b.attn.W_V)
+
+    @property
+    def W_O(self) -> Tensor:
+        """``[n_layers, n_heads, d_head, d_model]``"""
+        return self._stack(lambda b: b.attn.W_O)
+
+    # --------------------------------------------------------------- input
+    def check_tokens(self, tokens: Tensor | Any) -> Tensor:
+        """Validate token ids (:func:`qkov.model.tokens.check_tokens`): ``[batch, seq]`` long, on the model's device."""
+        return check_tokens(tokens, self.cfg).to(self.W_E.device)
+
+    def to_tokens(self, text: str, *, prepend_bos: bool = True) -> Tensor:
+        """Encode ``text`` with the model's tokenizer -> ``[1, seq]`` (start token first by default)."""
+        if self.tokenizer is None:
+            raise QkovError("this model has no tokenizer")
+        ids = self.tokenizer.encode(text).ids
+        if prepend_bos:
+            ids = [self.bos_token_id, *ids]
+        return self.check_tokens(torch.tensor(ids)[None])
+
+    def to_str_tokens(self, tokens: Tensor) -> list[str]:
+        """Token strings for a ``[seq]`` or ``[1, seq]`` tensor of ids."""
+        if self.tokenizer is None:
+            raise QkovError("this model has no tokenizer")
+        decode = token_decoder(self.tokenizer)
+        return [decode(i) for i in tokens.reshape(-1).tolist()]
+
+    # ------------------------------------------------------------- forward
+    def stream(self, tokens: Tensor) -> Tensor:
+        """The final residual stream ``[batch, seq, d_model]`` (before the final LayerNorm) of checked ids."""
+        seq = tokens.shape[-1]
+        x = F.embedding(tokens, self.W_E)
+        pos = None if self.W_pos is None else self.W_pos[:seq]
+        if self.cfg.positional == "standard":
+            x = x + pos
+        qk_pos = pos if self.cfg.positional == "shortformer" else None
+        for block in self.blocks:
+            x = block(x, qk_pos)
+        return x
+
+    def unembed(self, resid: Tensor) -> Tensor:
+        """Final residual stream ``[..., d_model]`` -> logits ``[..., d_vocab]`` (final LayerNorm included)."""
+        if self.ln_final is not None:
+            resid = self.ln_final(resid)
+        logits = resid @ self.W_U
+        if self.b_U is not None:
+            logits = logits + self.b_U
+        return logits
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Token ids ``[batch, seq]`` (or ``[seq]``) -> logits ``[batch, seq, d_vocab]``."""
+        return self.unembed(self.stream(self.check_tokens(tokens)))
+
+    # -------------------------------------------------------------- counts
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

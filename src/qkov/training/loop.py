@@ -1,0 +1,332 @@
+"""Training: AdamW with warm-up and a "wsd" (or cosine, or constant) schedule, atomic checkpoints, exact resume.
+
+Everything a run needs to continue lives in one file, ``train_state.safetensors``
+(:mod:`qkov.training.state`), written atomically: a run killed at any moment resumes from
+the last checkpoint and ends exactly where an uninterrupted one would, because batches are
+a pure function of ``(seed, step)`` (see :class:`qkov.training.data.Batches`).
+
+:func:`train` is three steps: :func:`prepare` (the configs, the device, the corpus), then
+:meth:`Session.build` (model, optimizer, batches, restored state) and :meth:`Session.run`
+(the steps, with evaluations and checkpoints). Nothing here prints: progress is reported
+through the ``callback`` argument as event dicts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..analysis.probes import induction_probe
+from ..device import pick_device
+from ..errors import QkovError
+from ..io.atomic import atomic_write_text
+from ..io.checkpoint import METRICS_FILE, MODEL_FILE, STATE_FILE, read_config, read_metrics, save_checkpoint
+from ..model.config import ModelConfig
+from ..model.ops import next_token_loss
+from ..model.transformer import Transformer
+from ..weights.view import Weights
+from . import distributed
+from .config import TrainConfig, lr_at
+from .data import Batches, Corpus, load_corpus, val_batches
+from .losses import LossModule
+from .state import load_state, make_optimizer, save_state
+
+Callback = Callable[[dict[str, Any]], None]
+
+
+def tune_cpu_allocator() -> None:
+    """Keep freed memory in the process (glibc) instead of returning it to the OS.
+
+    Training allocates the same large buffers every step; with glibc's defaults each
+    one is a fresh mmap whose pages fault in again (measured: ~20% of a CPU step).
+    A no-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve up to 1 GiB from the heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB free at the top
+    except (OSError, AttributeError):
+        pass
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, examples: np.ndarray, device: torch.device, batch: int = 16) -> float:
+    """Mean next-token loss of ``model`` on ``examples [n, n_ctx]``, ``batch`` at a time."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(examples), batch):
+        toks = torch.from_numpy(examples[i : i + batch]).to(device)
+        total += float(next_token_loss(model.unembed(model.stream(toks)), toks)) * len(toks)
+        count += len(toks)
+    model.train()
+    return total / count
+
+
+# ------------------------------------------------------------------- prepare
+@dataclass
+class Plan:
+    """What a run trains, where and on what: settled before any model exists."""
+
+    out: Path
+    model_cfg: ModelConfig
+    train_cfg: TrainConfig
+    resume: bool
+    dist: distributed.DistInfo
+    device: torch.device
+    corpus: Corpus
+    emit: Callback
+
+
+def _configs(
+    out: Path, model_cfg: ModelConfig | None, train_cfg: TrainConfig | None, resume: bool
+) -> tuple[ModelConfig, TrainConfig]:
+    """The run's configs: the saved ones on resume (refusing different ones), else the given or default."""
+    if resume:
+        if not (out / STATE_FILE).is_file():
+            raise QkovError(f"resume: {str(out)!r} holds no training state ({STATE_FILE}); nothing to resume")
+        saved = read_config(out)
+        saved_model = ModelConfig.from_dict(saved["model"])
+        saved_train = TrainConfig.from_dict(saved.get("training", {}).get("config", {}))
+        if model_cfg is not None and model_cfg != saved_model:
+            raise QkovError("resume: the model options differ from the saved run's; resume uses the saved ones")
+        if train_cfg is not None and train_cfg != saved_train:
+            raise QkovError("resume: the training options differ from the saved run's; resume uses the saved ones")
+        return saved_model, saved_train
+    if (out / STATE_FILE).exists() or (out / MODEL_FILE).exists():
+        raise QkovError(
+            f"{str(out)!r} already holds a run: resume it, or choose another output directory", hint="resume"
+        )
+    return model_cfg or ModelConfig(), train_cfg or TrainConfig()
+
+
+def prepare(
+    out: Path,
+    model_cfg: ModelConfig | None,
+    train_cfg: TrainConfig | None,
+    *,
+    device: str,
+    resume: bool,
+    corpus: Corpus | None,
+    callback: Callback | None,
+) -> Plan:
+    """Settle the configs, join the process group under torchrun, tune the CPU, load the corpus."""
+    dist_info = distributed.from_env()
+    # under torchrun only rank 0 reports, writes checkpoints and metrics
+    emit: Callback = (callback if dist_info.main else None) or (lambda _e: None)
+    model_cfg, tc = _configs(out, model_cfg, train_cfg, resume)
+    dist_info, dev = distributed.setup(pick_device(device))
+    if tc.batch % dist_info.world:
+        raise QkovError(f"train: the global batch ({tc.batch}) must divide evenly over {dist_info.world} ranks")
+    if dev.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_info.local_world))
+        tune_cpu_allocator()
+        # Overconfident softmaxes produce denormal floats, which run ~20x slower on x86.
+        torch.set_flush_denormal(True)
+    sync_cache = corpus is None and dist_info.enabled
+    if sync_cache and not dist_info.main:
+        distributed.barrier(dist_info)  # rank 0 builds the token cache first; the others then read it
+    if corpus is None:
+        say = lambda m: emit({"event": "message", "text": m})  # noqa: E731
+        corpus = load_corpus(tc.corpus, vocab_size=model_cfg.d_vocab, val_fraction=tc.val_fraction, progress=say)
+    if corpus.d_vocab > model_cfg.d_vocab:
+        raise QkovError(f"corpus vocabulary ({corpus.d_vocab}) exceeds the model's d_vocab ({model_cfg.d_vocab})")
+    if sync_cache and dist_info.main:
+        distributed.barrier(dist_info)
+    return Plan(out, model_cfg, tc, resume, dist_info, dev, corpus, emit)
+
+
+# --------------------------------------------------------------- build and run
+@dataclass
+class Session:
+    """A run in progress: the model, its optimizer, its data, and what it has logged."""
+
+    plan: Plan
+    model: Transformer
+    opt: torch.optim.Optimizer
+    step_model: torch.nn.Module  # the loss as a module (wrapped in DistributedDataParallel under torchrun)
+    batches: Batches
+    val_examples: np.ndarray
+    step: int = 0
+    wall: float = 0.0
+    metrics: list[dict[str, Any]] = field(default_factory=list)
+    last: dict[str, Any] = field(default_factory=dict)  # the latest value of every metric
+
+    @classmethod
+    def build(cls, plan: Plan) -> "Session":
+        """Model, optimizer and batches; on resume, the saved weights, moments, RNG and log."""
+        tc, cfg, corpus, dev = plan.train_cfg, plan.model_cfg, plan.corpus, plan.device
+        batches = Batches(corpus.train, cfg.n_ctx, tc.batch, tc.seed, corpus.bos_token_id)
+        val_examples = val_batches(corpus.val, cfg.n_ctx, corpus.bos_token_id, tc.eval_examples)
+        model = Transformer(cfg, seed=tc.seed).to(dev)
+        model.bos_token_id = corpus.bos_token_id
+        model.tokenizer = corpus.tokenizer()
+        model.train()
+        opt = make_optimizer(model, tc.lr, (tc.beta1, tc.beta2), tc.weight_decay)
+        step_model: torch.nn.Module = LossModule(model)
+        if plan.dist.enabled:  # gradients are averaged over ranks: the global batch's mean loss
+            step_model = DistributedDataParallel(step_model, device_ids=[dev.index] if dev.type == "cuda" else None)
+        session = cls(plan, model, opt, step_model, batches, val_examples)
+        if plan.resume:
+            session.step, extra = load_state(plan.out / STATE_FILE, model, opt)
+            session.wall = float(extra.get("wall_s", 0.0))
+            session.metrics = [r for r in read_metrics(plan.out) if r.get("step", 0) <= session.step]
+        else:
+            torch.manual_seed(tc.seed)
+        session.last = {k: v for r in session.metrics for k, v in r.items()}
+        if plan.dist.main:
+            plan.out.mkdir(parents=True, exist_ok=True)
+        return session
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.plan.train_cfg.batch * self.plan.model_cfg.n_ctx
+
+    def summary(self) -> dict[str, Any]:
+        """The training record stored in the checkpoint's ``config.json``."""
+        p = self.plan
+        return {
+            "config": p.train_cfg.to_dict(),
+            "step": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            "train_loss": self.last.get("train_loss"),
+            "val_loss": self.last.get("val_loss"),
+            "induction_score": self.last.get("induction_score"),
+            "wall_s": round(self.wall, 2),
+            "corpus": p.corpus.source,
+            "corpus_stats": p.corpus.stats,
+            "device": str(p.device),
+            "precision": p.train_cfg.precision,
+        }
+
+    def log(self, row: dict[str, Any], event: str) -> None:
+        self.metrics.append(row)
+        self.last.update(row)
+        self.plan.emit({"event": event, **row})
+
+    def checkpoint(self) -> None:
+        out = self.plan.out
+        save_state(out / STATE_FILE, self.model, self.opt, self.step, {"wall_s": self.wall})
+        atomic_write_text(out / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.metrics))
+        save_checkpoint(out, self.model, training=self.summary(), tokenizer_json=self.plan.corpus.tokenizer_json)
+        self.plan.emit({"event": "checkpoint", "step": self.step})
+
+    def evaluate(self) -> None:
+        """Validation loss, and for two layers or more the induction probe (repeated random tokens)."""
+        dev = self.plan.device
+        row: dict[str, Any] = {
+            "step": self.step,
+            "tokens": self.step * self.tokens_per_step,
+            "val_loss": evaluate(self.model, self.val_examples, dev),
+        }
+        if self.plan.model_cfg.n_layers >= 2:  # induction heads need two layers
+            probe = induction_probe(
+                Weights.from_model(self.model), bos=self.model.bos_token_id, seed=self.plan.train_cfg.seed
+            )
+            row["induction_score"] = probe.best
+            row["repeat_loss"] = probe.loss_by_copy
+        self.log(row, "eval")
+
+    def train_step(self, autocast: torch.autocast) -> float:
+        """One optimizer step on this rank's share of the global batch; returns its loss."""
+        tc, dist_info = self.plan.train_cfg, self.plan.dist
+        lr = lr_at(self.step, tc)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        toks = torch.from_numpy(self.batches.step(self.step, dist_info.rank, dist_info.world))
+        with autocast:  # bf16 matrix products, fp32 weights/optimizer; evaluation stays fp32
+            loss = self.step_model(toks.to(self.plan.device, non_blocking=True))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.grad_clip)
+        self.opt.step()
+        self.step += 1
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise QkovError(f"train: loss became {value} at step {self.step}; lower the learning rate")
+        return value
+
+    def run(self, stop_after: int | None = None) -> None:
+        """Train to ``train_cfg.steps`` (or ``stop_after``), logging, evaluating and checkpointing."""
+        p, tc = self.plan, self.plan.train_cfg
+        autocast = torch.autocast(p.device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
+        loss_acc, n_acc, t_log = 0.0, 0, time.perf_counter()
+        while self.step < tc.steps:
+            t0 = time.perf_counter()
+            loss_acc += self.train_step(autocast)
+            n_acc += 1
+            self.wall += time.perf_counter() - t0
+            step, last_step = self.step, self.step == tc.steps
+            if step % tc.log_interval == 0 or last_step:
+                now = time.perf_counter()
+                row = {
+                    "step": step,
+                    "tokens": step * self.tokens_per_step,
+                    "train_loss": distributed.mean_across(p.dist, loss_acc / n_acc, p.device),
+                    "lr": lr_at(step - 1, tc),
+                    "tokens_per_s": n_acc * self.tokens_per_step / max(1e-9, now - t_log),
+                }
+                self.log(row, "log")
+                loss_acc, n_acc = 0.0, 0
+            stopping = stop_after is not None and step >= stop_after
+            if p.dist.main and (step % tc.eval_interval == 0 or last_step):
+                self.evaluate()
+            if p.dist.main and (step % tc.ckpt_interval == 0 or last_step or stopping):
+                self.checkpoint()
+            if step % tc.log_interval == 0:
+                t_log = time.perf_counter()
+            if stopping:
+                break
+
+
+def train(
+    out: Path | str,
+    model_cfg: ModelConfig | None = None,
+    train_cfg: TrainConfig | None = None,
+    *,
+    device: str = "auto",
+    resume: bool = False,
+    corpus: Corpus | None = None,
+    callback: Callback | None = None,
+    stop_after: int | None = None,
+) -> Transformer:
+    """Train a model into the checkpoint directory ``out`` and return it (in eval mode).
+
+    Args:
+        out: checkpoint directory (created). It must not hold a run unless ``resume``.
+        model_cfg / train_cfg: what to train; with ``resume`` they are read from ``out``.
+        device: ``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N``.
+        resume: continue from ``out/train_state.safetensors``.
+        corpus: an already-loaded corpus (else ``train_cfg.corpus`` is loaded, cached).
+        callback: receives event dicts: ``{"event": "start"|"message"|"log"|"eval"|"checkpoint"|"done", ...}``.
+        stop_after: stop (after checkpointing) once this step is reached; for tests and tools.
+    """
+    plan = prepare(Path(out), model_cfg, train_cfg, device=device, resume=resume, corpus=corpus, callback=callback)
+    session = Session.build(plan)
+    plan.emit(
+        {
+            "event": "start",
+            "step": session.step,
+            "steps": plan.train_cfg.steps,
+            "params": session.model.num_parameters(),
+            "device": str(plan.device),
+            "precision": plan.train_cfg.precision,
+            "train_tokens": int(plan.corpus.train.size),
+            "resumed": resume,
+        }
+    )
+    session.run(stop_after)
+    plan.emit({"event": "done", **session.summary()})
+    distributed.barrier(plan.dist)
+    distributed.teardown(plan.dist)
+    return session.model.eval()

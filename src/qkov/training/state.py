@@ -1,0 +1,63 @@
+"""Everything a run needs to continue exactly, in one file: ``train_state.safetensors``.
+
+Weights, optimizer moments, the CPU RNG state, and the step plus extra JSON in the file's
+metadata; written atomically, read without pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from ..errors import QkovError
+from ..io.checkpoint import save_tensors
+from ..model.transformer import Transformer
+
+
+def save_state(path: Path, model: Transformer, opt: torch.optim.Optimizer, step: int, extra: dict[str, Any]) -> None:
+    """Write the model, the optimizer's state, the RNG state, ``step`` and ``extra`` to ``path``."""
+    tensors: dict[str, torch.Tensor] = {f"model.{k}": v for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            tensors[f"opt.{names[id(p)]}.{k}"] = v if torch.is_tensor(v) else torch.tensor(v)
+    tensors["rng.cpu"] = torch.get_rng_state()
+    save_tensors(path, tensors, metadata={"step": str(step), "extra": json.dumps(extra)})
+
+
+def load_state(path: Path, model: Transformer, opt: torch.optim.Optimizer) -> tuple[int, dict[str, Any]]:
+    """Restore what :func:`save_state` wrote into ``model`` and ``opt``; return ``(step, extra)``."""
+    try:
+        tensors = load_file(str(path))
+        with safe_open(str(path), framework="pt") as fh:
+            meta = fh.metadata() or {}
+        step = int(meta["step"])
+        extra = json.loads(meta.get("extra", "{}"))
+    except (SafetensorError, OSError, ValueError, KeyError) as exc:
+        raise QkovError(f"resume: {str(path)!r} is corrupt ({exc})") from None
+    device = model.W_E.device
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    for name, p in model.named_parameters():
+        prefix = f"opt.{name}."
+        st = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        if st:
+            opt.state[p] = {k: v if k == "step" else v.to(device) for k, v in st.items()}
+    torch.set_rng_state(tensors["rng.cpu"])
+    return step, extra
+
+
+def make_optimizer(model: Transformer, lr: float, betas: tuple[float, float], weight_decay: float) -> torch.optim.AdamW:
+    """AdamW that decays matrices only (embeddings and unembedding included: they are matrices in
+    this framework), not biases and LayerNorm parameters."""
+    decay = [p for n, p in model.named_parameters() if n.rsplit(".", 1)[-1].startswith("W_")]
+    other = [p for n, p in model.named_parameters() if not n.rsplit(".", 1)[-1].startswith("W_")]
+    groups: list[dict[str, Any]] = [{"params": decay, "weight_decay": weight_decay}]
+    if other:
+        groups.append({"params": other, "weight_decay": 0.0})
+    # fused=True: one kernel per step for all parameters (measured ~5% of a CPU step faster than foreach)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)

@@ -1,0 +1,3 @@
+"""The version of qkov."""
+
+__version__ = "0.1.0"

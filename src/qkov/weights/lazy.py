@@ -1,0 +1,152 @@
+"""Bigger-than-memory weights: a checkpoint read layer by layer from a read-only memory map.
+
+:class:`LazyCheckpoint` is a :class:`~qkov.weights.WeightSource` over ``model.safetensors``
+(:class:`qkov.io.tensorfile.TensorFile`): each request copies out exactly the bytes it needs
+— one layer's attention weights, one head's slice, a block of ``W_E``'s rows or ``W_U``'s
+columns — folds LayerNorm into them (:func:`qkov.weights.parts.fold_reader`, the code
+:meth:`Weights.fold_ln` uses, applied one layer at a time, which is exact: every reader column
+folds on its own) and moves them to the requested device and dtype. MLP weights are read
+only when asked for (attention analyses never do). Nothing is cached: the caller decides
+what stays in memory.
+
+LayerNorm is always folded (the view :meth:`Weights.from_model` gives by default); the
+optional centring of writers and of the unembedding is not offered here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..io.checkpoint import MODEL_FILE, read_config
+from ..io.tensorfile import TensorFile
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
+from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader
+
+_BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
+AUTO_LAZY_BYTES = 1 << 30  # the CLI streams a checkpoint whose model.safetensors is larger than this
+
+
+class LazyCheckpoint:
+    """A checkpoint directory whose weights are read layer by layer, on demand (a
+    :class:`~qkov.weights.WeightSource`).
+
+    The header is checked against ``config.json`` on opening (every tensor present with the
+    shape the config implies, nothing unexpected); each tensor read is checked for NaN/inf.
+    Every getter returns new tensors on ``device`` in ``dtype``; nothing is cached, so
+    the caller decides what stays in memory.
+    """
+
+    def __init__(self, path: Path | str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.path = Path(path)
+        data = read_config(self.path)
+        self.cfg = ModelConfig.from_dict(data["model"])
+        self.bos_token_id = int((data.get("tokenizer") or {}).get("bos_token_id", 0))
+        self.dtype, self.device = dtype, torch.device(device)
+        weights_path = self.path / MODEL_FILE
+        if not weights_path.is_file():
+            raise QkovError(f"checkpoint {str(self.path)!r} has no {MODEL_FILE}")
+        self.file = TensorFile(weights_path)
+        self._check_header(str(weights_path))
+
+    in_memory: ClassVar[bool] = False
+
+    def _check_header(self, where: str) -> None:
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            expected = {k: tuple(v.shape) for k, v in Transformer(self.cfg, seed=0).state_dict().items()}
+        have = self.file.entries
+        missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
+        for what, names in (("missing", missing), ("unexpected", unexpected)):
+            if names:
+                raise QkovError(f"{where}: {what} weight(s) {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}")
+        for name, shape in expected.items():
+            if self.file.shape(name) != shape:
+                raise QkovError(f"{where}: {name} has shape {self.file.shape(name)} but the config implies {shape}")
+
+    # ------------------------------------------------------------------ reading
+    @property
+    def layernorm(self) -> bool:
+        return self.cfg.normalization == "layernorm"
+
+    @property
+    def norm(self) -> str:
+        """``folded`` for a LayerNorm model (always folded here), else ``none``."""
+        return "folded" if self.layernorm else "none"
+
+    def _get(self, name: str, index: int | slice | None = None, cols: slice | None = None) -> Tensor:
+        t = self.file.read(name, index, cols)
+        if not all(bool(part.isfinite().all()) for part in t.reshape(-1).split(_BLOCK)):  # no full-size mask
+            raise QkovError(f"{self.file.path}: {name} holds NaN or infinite values")
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def _get_or_zeros(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        if name in self.file.entries:
+            return self._get(name)
+        return torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    def embed(self, rows: slice | None = None) -> Tensor:
+        """``W_E [d_vocab, d_model]``, or the block ``rows`` of it."""
+        return self._get("W_E", rows)
+
+    def pos(self) -> Tensor | None:
+        """``W_pos [n_ctx, d_model]``, or ``None`` for a model without positional embeddings."""
+        return self._get("W_pos") if self.cfg.positional != "none" else None
+
+    def unembed(self, cols: slice | None = None) -> Unembedding:
+        """``W_U [d_model, v]`` and ``b_U [v]`` (all ``d_vocab`` columns, or the block ``cols``),
+        the final LayerNorm folded in (in blocks of columns: no full-size temporaries)."""
+        V = self.cfg.d_vocab
+        if cols is None and self.layernorm and V > _BLOCK // self.cfg.d_model:
+            W = torch.empty(self.cfg.d_model, V, device=self.device, dtype=self.dtype)
+            b = torch.empty(V, device=self.device, dtype=self.dtype)
+            step = _BLOCK // self.cfg.d_model
+            for lo in range(0, V, step):
+                block = slice(lo, min(V, lo + step))
+                part = self.unembed(cols=block)
+                W[:, block], b[block] = part.W_U, part.b_U
+            return Unembedding(W, b)
+        W = self._get("W_U", cols=cols)
+        b = self._get("b_U", cols=cols) if "b_U" in self.file.entries else W.new_zeros(W.shape[1])
+        if self.layernorm:
+            W, b = fold_reader(W, b, self._get("ln_final.w"), self._get("ln_final.b"), read_dim=0)
+        return Unembedding(W, b)
+
+    def attention(self, layer: int, head: int | None = None) -> AttentionWeights:
+        """Layer ``layer``'s attention (every head, or only ``head``: leading dim 1), ln1 folded."""
+        check_head(self.cfg, layer, head)
+        c = self.cfg
+        h = c.n_heads if head is None else 1
+        pre = f"blocks.{layer}.attn."
+
+        def get(name: str, shape: tuple[int, ...]) -> Tensor:
+            if pre + name not in self.file.entries:
+                return torch.zeros(shape, device=self.device, dtype=self.dtype)
+            return self._get(pre + name) if head is None else self._get(pre + name, head)[None]
+
+        D, E = c.d_model, c.d_head
+        W = {n: get(f"W_{n}", (h, D, E)) for n in "QKV"}
+        b = {n: get(f"b_{n}", (h, E)) for n in "QKV"}
+        if self.layernorm:
+            g, beta = self._get(f"blocks.{layer}.ln1.w"), self._get(f"blocks.{layer}.ln1.b")
+            for n in "QKV":
+                W[n], b[n] = fold_reader(W[n], b[n], g, beta, read_dim=1)
+        b_O = self._get_or_zeros(pre + "b_O", (D,))
+        return AttentionWeights(W["Q"], W["K"], W["V"], get("W_O", (h, E, D)), b["Q"], b["K"], b["V"], b_O)
+
+    def mlp(self, layer: int) -> MLPWeights | None:
+        """Layer ``layer``'s MLP, ln2 folded into ``W_in``/``b_in``; ``None`` for an attention-only model."""
+        check_head(self.cfg, layer)
+        M, D = self.cfg.d_mlp, self.cfg.d_model
+        if M is None:
+            return None
+        pre = f"blocks.{layer}.mlp."
+        W_in, b_in = self._get(pre + "W_in"), self._get_or_zeros(pre + "b_in", (M,))
+        if self.layernorm:
+            g, beta = self._get(f"blocks.{layer}.ln2.w"), self._get(f"blocks.{layer}.ln2.b")
+            W_in, b_in = fold_reader(W_in, b_in, g, beta, read_dim=0)
+        return MLPWeights(W_in, b_in, self._get(pre + "W_out"), self._get_or_zeros(pre + "b_out", (D,)))

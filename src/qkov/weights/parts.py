@@ -1,0 +1,154 @@
+"""The one interface every analysis reads weights through: a :class:`WeightSource`.
+
+A source serves a model's weights piece by piece, in the row convention of
+docs/conventions.md: the embedding (all of it or a block of rows), the positions, the
+unembedding (all of it or a block of columns), one layer's attention (every head or one
+head) and one layer's MLP. Two implementations exist:
+
+* :class:`qkov.weights.Weights` — the whole model in memory; every getter is a view (a slice).
+* :class:`qkov.weights.LazyCheckpoint` — a checkpoint on disk, memory-mapped; every getter
+  copies just the bytes it needs, so an analysis that walks the layers holds one at a time.
+
+Circuits, the analysis forward and the trigram tables are written once against this
+interface. ``in_memory`` tells an algorithm whether a read is free (take everything at once)
+or costs memory and I/O (take blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..model.config import ModelConfig
+
+NORMS: tuple[str, ...] = ("none", "layernorm", "folded", "scale")
+"""How a view's stream is normalised before each reader: ``none`` (no LayerNorm), ``layernorm``
+(the affine LayerNorm, gain and bias kept in the view), ``folded`` (centre and divide by the
+standard deviation; gain and bias folded into the readers), ``scale`` (divide by the RMS only:
+a folded view whose writers were centred, then rotated)."""
+
+
+@dataclass(frozen=True)
+class AttentionWeights:
+    """One layer's attention weights for ``h`` heads (all of them, or one: ``h = 1``).
+
+    ``W_Q/W_K/W_V [h, d_model, d_head]``, ``W_O [h, d_head, d_model]``, ``b_Q/b_K/b_V
+    [h, d_head]``, ``b_O [d_model]`` (zeros where the model has no bias). ``ln_w/ln_b
+    [d_model]``: the pre-attention LayerNorm's gain and bias, only in a ``layernorm`` view
+    (folded into ``W_Q/W_K/W_V`` and their biases otherwise).
+    """
+
+    W_Q: Tensor
+    W_K: Tensor
+    W_V: Tensor
+    W_O: Tensor
+    b_Q: Tensor
+    b_K: Tensor
+    b_V: Tensor
+    b_O: Tensor
+    ln_w: Tensor | None = None
+    ln_b: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class MLPWeights:
+    """One layer's MLP: ``W_in [d_model, d_mlp]``, ``b_in [d_mlp]``, ``W_out [d_mlp, d_model]``,
+    ``b_out [d_model]``; ``ln_w/ln_b [d_model]`` the pre-MLP LayerNorm in a ``layernorm`` view."""
+
+    W_in: Tensor
+    b_in: Tensor
+    W_out: Tensor
+    b_out: Tensor
+    ln_w: Tensor | None = None
+    ln_b: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class Unembedding:
+    """``W_U [d_model, v]`` and ``b_U [v]`` (all ``d_vocab`` columns or a block of them);
+    ``ln_w/ln_b [d_model]`` the final LayerNorm in a ``layernorm`` view."""
+
+    W_U: Tensor
+    b_U: Tensor
+    ln_w: Tensor | None = None
+    ln_b: Tensor | None = None
+
+
+class WeightSource(Protocol):
+    """What every analysis reads. See the module docstring."""
+
+    cfg: ModelConfig
+
+    @property
+    def norm(self) -> str:
+        """One of :data:`NORMS`."""
+        ...
+
+    @property
+    def in_memory(self) -> bool:
+        """``True`` when reads are free views; ``False`` when each read copies from disk."""
+        ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def embed(self, rows: slice | None = None) -> Tensor:
+        """``W_E [d_vocab, d_model]``, or the block ``rows`` of it."""
+        ...
+
+    def pos(self) -> Tensor | None:
+        """``W_pos [n_ctx, d_model]``, or ``None`` for a model without positional embeddings."""
+        ...
+
+    def unembed(self, cols: slice | None = None) -> Unembedding:
+        """The unembedding, all columns or the block ``cols``."""
+        ...
+
+    def attention(self, layer: int, head: int | None = None) -> AttentionWeights:
+        """Layer ``layer``'s attention: every head, or only ``head`` (leading dim 1)."""
+        ...
+
+    def mlp(self, layer: int) -> MLPWeights | None:
+        """Layer ``layer``'s MLP, or ``None`` for an attention-only model."""
+        ...
+
+
+def check_head(cfg: ModelConfig, layer: int, head: int | None = None) -> None:
+    """Raise a one-line :class:`QkovError` unless ``layer`` (and ``head``) exist in ``cfg``."""
+    ok = isinstance(layer, int) and 0 <= layer < cfg.n_layers
+    if head is not None:
+        ok = ok and isinstance(head, int) and 0 <= head < cfg.n_heads
+    if not ok:
+        what = f"head {layer}.{head}" if head is not None else f"layer {layer}"
+        raise QkovError(f"no {what}: the model has {cfg.n_layers} layers x {cfg.n_heads} heads")
+
+
+def fold_reader(W: Tensor, b: Tensor, g: Tensor, beta: Tensor, read_dim: int) -> tuple[Tensor, Tensor]:
+    """Fold a LayerNorm's gain ``g`` and bias ``beta`` into a reader ``W`` (bias ``b``); centre ``W``.
+
+    ``W`` reads the normalised stream along ``read_dim`` (size d_model): ``(n * g + beta) @ W =
+    n @ (g W) + beta @ W``; then the mean over ``read_dim`` is removed (``n`` has zero mean).
+    Either stacked over layers (``g, beta [L, D]``; ``W [L, H, D, E]`` or ``[L, D, M]``) or one
+    LayerNorm (``g, beta [D]``; ``W [D, V]``, ``[H, D, E]`` or ``[D, M]``, read along ``read_dim``).
+    Each output column folds on its own, so one head, one layer or a block of ``W_U``'s
+    columns folds exactly as it would inside the whole.
+    """
+    if beta.ndim == 1:
+        read = beta @ W
+    elif W.ndim == 4:
+        read = torch.einsum("ld,lhde->lhe", beta, W)
+    else:
+        read = torch.einsum("ld,ldm->lm", beta, W)
+    shape = [1] * W.ndim
+    if g.ndim == 2:
+        shape[0] = g.shape[0]
+    shape[read_dim] = g.shape[-1]
+    new_W = W * g.reshape(shape)
+    return new_W - new_W.mean(dim=read_dim, keepdim=True), b + read

@@ -1,0 +1,289 @@
+"""The canonical weights view: frozen tensors in the row convention of docs/conventions.md.
+
+``Weights.from_model(model)`` copies every weight out of a model into one frozen
+object with a leading layer dimension: ``W_E [d_vocab, d_model]``, ``W_pos [n_ctx,
+d_model]``, ``W_Q/W_K/W_V [n_layers, n_heads, d_model, d_head]``, ``W_O [n_layers,
+n_heads, d_head, d_model]``, ``W_in [n_layers, d_model, d_mlp]``, ``W_out [n_layers,
+d_mlp, d_model]``, ``W_U [d_model, d_vocab]`` and biases (zeros where the model has
+none). All analysis reads this view (or the memory-mapped :class:`~qkov.weights.LazyCheckpoint`)
+through the :class:`~qkov.weights.WeightSource` getters, never the module.
+
+Options (each documented where it is applied):
+
+* ``fold_ln`` — LayerNorm's gain and bias are folded into the weights that read the
+  normalised stream (``W_Q, W_K, W_V``, ``W_in``, ``W_U``), whose rows are then
+  centred (the normalised stream has zero mean, so this changes nothing). What stays
+  is a pure "centre and divide by the standard deviation" at each LayerNorm.
+* ``center_writing`` — the writers (``W_E``, ``W_pos`` for standard positions,
+  ``W_O``, ``b_O``, ``W_out``, ``b_out``) have their mean over ``d_model`` removed.
+  Exact for LayerNorm models (LN removes that mean anyway); it changes an LN-free model.
+* ``center_unembed`` — ``W_U`` (and ``b_U``) lose their mean over the vocabulary, a
+  change of logits by a per-position constant, which softmax ignores.
+
+:meth:`Weights.rotate` applies an orthogonal change of basis of the residual stream;
+:func:`qkov.analysis.forward.run` runs the model from any view (tests check that every
+option keeps the model's function).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..model.config import ModelConfig
+from ..model.transformer import Transformer
+from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Frozen canonical weights; see the module docstring for shapes and options.
+
+    A :class:`~qkov.weights.WeightSource` whose reads are views of the stacked tensors below.
+    """
+
+    in_memory: ClassVar[bool] = True
+    cfg: ModelConfig
+    W_E: Tensor
+    W_pos: Tensor | None
+    W_Q: Tensor
+    W_K: Tensor
+    W_V: Tensor
+    W_O: Tensor
+    b_Q: Tensor
+    b_K: Tensor
+    b_V: Tensor
+    b_O: Tensor
+    W_U: Tensor
+    b_U: Tensor
+    W_in: Tensor | None = None
+    b_in: Tensor | None = None
+    W_out: Tensor | None = None
+    b_out: Tensor | None = None
+    # LayerNorm as it stands in this view: "none", "layernorm" (affine w/b below),
+    # "folded" (centre + scale, affine folded away) or "scale" (divide by the RMS only).
+    norm: str = "none"
+    ln1_w: Tensor | None = None  # [n_layers, d_model] (only when norm == "layernorm")
+    ln1_b: Tensor | None = None
+    ln2_w: Tensor | None = None
+    ln2_b: Tensor | None = None
+    lnf_w: Tensor | None = None  # [d_model]
+    lnf_b: Tensor | None = None
+    centered_writing: bool = False
+    centered_unembed: bool = False
+
+    # ---------------------------------------------------------------- build
+    @classmethod
+    def from_model(
+        cls,
+        model: Transformer,
+        *,
+        fold_ln: bool = True,
+        center_writing: bool = False,
+        center_unembed: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> "Weights":
+        """Copy ``model``'s weights into a view; see the module docstring for the options."""
+        cfg = model.cfg
+        dev = torch.device(device) if device is not None else model.W_E.device
+        L, H, D, E = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
+
+        def t(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x.detach().to(device=dev, dtype=dtype).clone()
+
+        def stack(get, shape: tuple[int, ...]) -> Tensor:  # type: ignore[no-untyped-def]
+            if L == 0:
+                return torch.zeros(0, *shape, dtype=dtype, device=dev)
+            parts = [get(b) for b in model.blocks]
+            return torch.stack([torch.zeros(shape, dtype=dtype, device=dev) if p is None else t(p) for p in parts])
+
+        mlp = cfg.d_mlp is not None
+        M = cfg.d_mlp or 0
+        w = cls(
+            cfg=cfg,
+            W_E=t(model.W_E),  # type: ignore[arg-type]
+            W_pos=t(model.W_pos),
+            W_Q=stack(lambda b: b.attn.W_Q, (H, D, E)),
+            W_K=stack(lambda b: b.attn.W_K, (H, D, E)),
+            W_V=stack(lambda b: b.attn.W_V, (H, D, E)),
+            W_O=stack(lambda b: b.attn.W_O, (H, E, D)),
+            b_Q=stack(lambda b: b.attn.b_Q, (H, E)),
+            b_K=stack(lambda b: b.attn.b_K, (H, E)),
+            b_V=stack(lambda b: b.attn.b_V, (H, E)),
+            b_O=stack(lambda b: b.attn.b_O, (D,)),
+            W_U=t(model.W_U),  # type: ignore[arg-type]
+            b_U=t(model.b_U) if model.b_U is not None else torch.zeros(cfg.d_vocab, dtype=dtype, device=dev),
+            W_in=stack(lambda b: b.mlp.W_in, (D, M)) if mlp else None,
+            b_in=stack(lambda b: b.mlp.b_in, (M,)) if mlp else None,
+            W_out=stack(lambda b: b.mlp.W_out, (M, D)) if mlp else None,
+            b_out=stack(lambda b: b.mlp.b_out, (D,)) if mlp else None,
+            norm="layernorm" if cfg.normalization == "layernorm" else "none",
+            ln1_w=stack(lambda b: b.ln1.w, (D,)) if cfg.normalization == "layernorm" else None,
+            ln1_b=stack(lambda b: b.ln1.b, (D,)) if cfg.normalization == "layernorm" else None,
+            ln2_w=stack(lambda b: b.ln2.w, (D,)) if (cfg.normalization == "layernorm" and mlp) else None,
+            ln2_b=stack(lambda b: b.ln2.b, (D,)) if (cfg.normalization == "layernorm" and mlp) else None,
+            lnf_w=t(model.ln_final.w) if model.ln_final is not None else None,
+            lnf_b=t(model.ln_final.b) if model.ln_final is not None else None,
+        )
+        if fold_ln:
+            w = w.fold_ln()
+        if center_writing:
+            w = w.center_writing_weights()
+        if center_unembed:
+            w = w.center_unembed()
+        return w
+
+    def replace(self, **changes: object) -> "Weights":
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def n_layers(self) -> int:
+        return self.cfg.n_layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.cfg.n_heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.W_E.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.W_E.device
+
+    def to(self, *args: Any, **kwargs: Any) -> "Weights":
+        """Every tensor moved or cast as ``Tensor.to(*args, **kwargs)`` would: ``w.to(torch.float64)``,
+        ``w.to("cuda")``, ``w.to(device, dtype)``, ``w.to(dtype=...)``."""
+        changes = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Tensor):
+                changes[f.name] = v.to(*args, **kwargs)
+        return self.replace(**changes)
+
+    # ---------------------------------------------------------------- reading (WeightSource)
+    def embed(self, rows: slice | None = None) -> Tensor:
+        """``W_E [d_vocab, d_model]`` (or the block ``rows``): a view."""
+        return self.W_E if rows is None else self.W_E[rows]
+
+    def pos(self) -> Tensor | None:
+        """``W_pos [n_ctx, d_model]`` or ``None``."""
+        return self.W_pos
+
+    def unembed(self, cols: slice | None = None) -> Unembedding:
+        """``W_U``, ``b_U`` (all columns or the block ``cols``), and the final LayerNorm if unfolded."""
+        W_U, b_U = (self.W_U, self.b_U) if cols is None else (self.W_U[:, cols], self.b_U[cols])
+        return Unembedding(W_U, b_U, self.lnf_w, self.lnf_b)
+
+    def attention(self, layer: int, head: int | None = None) -> AttentionWeights:
+        """Layer ``layer``'s attention, every head or only ``head`` (leading dim 1): views."""
+        check_head(self.cfg, layer, head)
+        hs = slice(None) if head is None else slice(head, head + 1)
+        ln = (self.ln1_w[layer], self.ln1_b[layer]) if self.norm == "layernorm" else (None, None)  # type: ignore[index]
+        return AttentionWeights(
+            self.W_Q[layer, hs],
+            self.W_K[layer, hs],
+            self.W_V[layer, hs],
+            self.W_O[layer, hs],
+            self.b_Q[layer, hs],
+            self.b_K[layer, hs],
+            self.b_V[layer, hs],
+            self.b_O[layer],
+            *ln,
+        )
+
+    def mlp(self, layer: int) -> MLPWeights | None:
+        """Layer ``layer``'s MLP (views), or ``None`` for an attention-only model."""
+        check_head(self.cfg, layer)
+        if self.W_in is None:
+            return None
+        assert self.b_in is not None and self.W_out is not None and self.b_out is not None
+        ln = (self.ln2_w[layer], self.ln2_b[layer]) if self.norm == "layernorm" else (None, None)  # type: ignore[index]
+        return MLPWeights(self.W_in[layer], self.b_in[layer], self.W_out[layer], self.b_out[layer], *ln)
+
+    # ---------------------------------------------------------------- folding
+    def fold_ln(self) -> "Weights":
+        """Fold each LayerNorm's gain/bias into the weights that read its output; centre those readers."""
+        if self.norm != "layernorm":
+            return self
+
+        ch: dict[str, Tensor | None | str] = {}
+        if self.n_layers:
+            assert self.ln1_w is not None and self.ln1_b is not None
+            for name in ("Q", "K", "V"):
+                W, b = getattr(self, f"W_{name}"), getattr(self, f"b_{name}")
+                ch[f"W_{name}"], ch[f"b_{name}"] = fold_reader(W, b, self.ln1_w, self.ln1_b, read_dim=2)
+            if self.W_in is not None:
+                assert self.ln2_w is not None and self.ln2_b is not None and self.b_in is not None
+                ch["W_in"], ch["b_in"] = fold_reader(self.W_in, self.b_in, self.ln2_w, self.ln2_b, read_dim=1)
+        assert self.lnf_w is not None and self.lnf_b is not None
+        ch["W_U"], ch["b_U"] = fold_reader(self.W_U, self.b_U, self.lnf_w, self.lnf_b, read_dim=0)
+        ch.update(norm="folded", ln1_w=None, ln1_b=None, ln2_w=None, ln2_b=None, lnf_w=None, lnf_b=None)
+        return self.replace(**ch)
+
+    def center_writing_weights(self) -> "Weights":
+        """Remove the mean over ``d_model`` from every writer (exact only under LayerNorm)."""
+
+        def c(x: Tensor | None) -> Tensor | None:
+            return None if x is None else x - x.mean(dim=-1, keepdim=True)
+
+        ch: dict[str, object] = {"W_E": c(self.W_E), "W_O": c(self.W_O), "b_O": c(self.b_O), "centered_writing": True}
+        if self.cfg.positional == "standard" or (self.W_pos is not None and self.norm != "none"):
+            ch["W_pos"] = c(self.W_pos)
+        if self.W_out is not None:
+            ch["W_out"], ch["b_out"] = c(self.W_out), c(self.b_out)
+        return self.replace(**ch)
+
+    def center_unembed(self) -> "Weights":
+        """Remove the mean over the vocabulary from ``W_U`` and ``b_U`` (softmax is unchanged)."""
+        return self.replace(
+            W_U=self.W_U - self.W_U.mean(dim=-1, keepdim=True), b_U=self.b_U - self.b_U.mean(), centered_unembed=True
+        )
+
+    # ---------------------------------------------------------------- rotation
+    def rotate(self, R: Tensor) -> "Weights":
+        """Change the residual stream's basis by an orthogonal ``R [d_model, d_model]``.
+
+        Writers become ``W R`` and readers ``R^T W`` (``W_E R``, ``W_pos R``, ``W_O R``,
+        ``W_out R``, ``R^T W_Q`` ...). Logits are unchanged (tested) for LayerNorm-free
+        models. LayerNorm has a privileged direction (the all-ones vector it subtracts),
+        so a LayerNorm model must first be folded and centred (``fold_ln=True,
+        center_writing=True``): its stream then has zero mean, LayerNorm reduces to
+        division by the RMS, and the rotated view keeps only that ("scale").
+        """
+        D = self.cfg.d_model
+        if R.shape != (D, D):
+            raise QkovError(f"rotate: expected R of shape [{D}, {D}], got {tuple(R.shape)}")
+        R = R.to(device=self.W_E.device, dtype=self.W_E.dtype)
+        eye = torch.eye(D, dtype=R.dtype, device=R.device)
+        tol = 1e-4 if R.dtype == torch.float32 else 1e-10
+        if (R.T @ R - eye).abs().max() > tol:
+            raise QkovError("rotate: R is not orthogonal (R^T R != I)")
+        if self.norm == "layernorm":
+            raise QkovError("rotate: fold LayerNorm first (Weights.from_model(..., fold_ln=True, center_writing=True))")
+        if self.norm == "folded" and not self.centered_writing:
+            raise QkovError("rotate: LayerNorm's centring breaks rotation unless the writing weights are centred")
+        ch: dict[str, object] = {
+            "W_E": self.W_E @ R,
+            "W_Q": R.T @ self.W_Q,
+            "W_K": R.T @ self.W_K,
+            "W_V": R.T @ self.W_V,
+            "W_O": self.W_O @ R,
+            "b_O": self.b_O @ R,
+            "W_U": R.T @ self.W_U,
+        }
+        if self.W_pos is not None:
+            ch["W_pos"] = self.W_pos @ R
+        if self.W_in is not None:
+            assert self.W_out is not None and self.b_out is not None
+            ch.update(W_in=R.T @ self.W_in, W_out=self.W_out @ R, b_out=self.b_out @ R)
+        if self.norm == "folded":
+            ch["norm"] = "scale"
+        return self.replace(**ch)

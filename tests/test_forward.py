@@ -1,0 +1,142 @@
+"""The analysis forward: against the training model and the reference einsum forward; what it
+records; frozen patterns, frozen runs and replaced head outputs; bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from qkov import ModelConfig, QkovError, Transformer, Weights, run
+from qkov.analysis.forward import RECORDABLE
+
+from helpers import LN_MLP, perturb_non_matrices
+from reference import reference_forward
+
+CONFIGS = {
+    "shortformer": ModelConfig(n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=50, n_ctx=16),
+    "standard": ModelConfig(n_layers=1, n_heads=2, d_model=16, d_head=4, d_vocab=30, n_ctx=12, positional="standard"),
+    "none": ModelConfig(n_layers=3, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12, positional="none"),
+    "ln-mlp-shortformer": LN_MLP,
+    "ln-mlp-standard-gelu_new": LN_MLP.replace(positional="standard", act_fn="gelu_new"),
+    "mlp-relu": LN_MLP.replace(normalization="none", act_fn="relu"),
+}
+
+
+def _model(cfg: ModelConfig, seed: int = 1) -> Transformer:
+    m = Transformer(cfg, seed=seed).double().eval()
+    return perturb_non_matrices(m, 0.1)
+
+
+def _tokens(cfg: ModelConfig, batch: int = 3, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, cfg.d_vocab, (batch, cfg.n_ctx), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("fold", [True, False])
+def test_run_equals_training_model_and_reference(name: str, fold: bool) -> None:
+    """The two forwards (fused training model, analysis forward) and the einsum reference agree."""
+    cfg = CONFIGS[name]
+    m = _model(cfg)
+    w = Weights.from_model(m, dtype=torch.float64, fold_ln=fold)
+    toks = _tokens(cfg)
+    r = run(w, toks, record=RECORDABLE)
+    ref_logits, ref_patterns = reference_forward(w, toks)
+    with torch.no_grad():
+        assert (r.logits - m(toks)).abs().max() < 1e-10
+    assert (r.logits - ref_logits).abs().max() < 1e-10
+    assert (r.patterns - ref_patterns).abs().max() < 1e-12
+    assert torch.allclose(r.patterns.sum(-1), torch.ones(()).double()) and r.patterns.triu(1).abs().max() == 0
+    # nothing recorded: the fused attention gives the same logits
+    assert (run(w, toks, record=()).logits - ref_logits).abs().max() < 1e-10
+
+
+def test_recorded_pieces_rebuild_the_stream() -> None:
+    """Per-head outputs, MLP outputs and biases add up to the final stream; values and scales are
+    the ones the layer used."""
+    cfg = CONFIGS["ln-mlp-shortformer"]
+    m = _model(cfg)
+    w = Weights.from_model(m, dtype=torch.float64)
+    toks = _tokens(cfg)
+    r = run(w, toks, record=RECORDABLE)
+    L, B, H, T, D = cfg.n_layers, 3, cfg.n_heads, cfg.n_ctx, cfg.d_model
+    assert r.head_outputs.shape == (L, B, H, T, D) and r.mlp_outputs.shape == (L, B, T, D)
+    assert r.values.shape == (L, B, H, T, cfg.d_head) and r.qk_inputs.shape == (L, B, T, D)
+    x = w.W_E[toks]
+    for l in range(L):
+        x = x + r.head_outputs[l].sum(1) + w.b_O[l] + r.mlp_outputs[l]
+    final = (x - x.mean(-1, keepdim=True)) / r.scales.final
+    assert (final @ w.W_U + w.b_U - r.logits).abs().max() < 1e-10
+    # head 1.1's output is its pattern times its recorded values times W_O
+    out = r.patterns[1, :, 1] @ r.values[1, :, 1] @ w.W_O[1, 1]
+    assert (out - r.head_outputs[1, :, 1]).abs().max() < 1e-12
+    # the value input of layer 0 is the embedding, normalised by the recorded divisor
+    v_in = (w.W_E[toks] - w.W_E[toks].mean(-1, keepdim=True)) / r.scales.attn_v[0]
+    assert (v_in @ w.W_V[0, 1] + w.b_V[0, 1] - r.values[0, :, 1]).abs().max() < 1e-12
+
+
+def test_frozen_patterns_replace_the_models() -> None:
+    """Uniform patterns frozen in: the logits are those of the reference with the same patterns,
+    and differ from the model's own."""
+    cfg = CONFIGS["shortformer"]
+    w = Weights.from_model(_model(cfg), dtype=torch.float64)
+    toks = _tokens(cfg, batch=2)
+    T = cfg.n_ctx
+    uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
+    forced = run(w, toks, patterns=uniform.expand(cfg.n_layers, cfg.n_heads, T, T).double())
+    expected, _ = reference_forward(w, toks, patterns=uniform.expand(cfg.n_layers, 2, cfg.n_heads, T, T).double())
+    assert (forced.logits - expected).abs().max() < 1e-12
+    assert (forced.logits - run(w, toks).logits).abs().max() > 1e-3
+    assert torch.equal(forced.patterns[0, 0], uniform.expand(cfg.n_heads, T, T).double())
+
+
+def test_shortformer_positions_only_enter_queries_and_keys() -> None:
+    """Under shortformer, scaling W_pos changes patterns but not values: with patterns frozen, logits stay."""
+    cfg = CONFIGS["shortformer"]
+    w = Weights.from_model(_model(cfg), dtype=torch.float64)
+    toks = _tokens(cfg, batch=2)
+    own = run(w, toks)
+    moved = w.replace(W_pos=w.W_pos * 3)
+    assert (run(moved, toks).patterns - own.patterns).abs().max() > 1e-3
+    assert (run(moved, toks, patterns=own.patterns).logits - own.logits).abs().max() < 1e-12
+
+
+def test_frozen_run_with_own_outputs_is_the_model_and_is_linear() -> None:
+    """Frozen patterns, divisors and MLP outputs: each head adding its own live output gives the
+    model back; with all of it frozen the logits are linear in the embedding."""
+    cfg = CONFIGS["ln-mlp-standard-gelu_new"]
+    w = Weights.from_model(_model(cfg), dtype=torch.float64)
+    toks = _tokens(cfg)
+    real = run(w, toks, record=("patterns", "scales", "mlp_outputs", "head_outputs"))
+    again = run(w, toks, frozen=real, head_outputs=real.head_outputs)
+    assert (again.logits - real.logits).abs().max() < 1e-10
+    zeroed = run(w, toks, frozen=real, head_outputs=torch.zeros_like(real.head_outputs), record=("head_outputs",))
+    assert (zeroed.logits - real.logits).abs().max() > 1e-2
+    # heads replaced by zeros, the stream is embedding + biases + frozen MLP outputs
+    x = w.W_E[toks] + w.W_pos[: cfg.n_ctx] + w.b_O.sum(0) + real.mlp_outputs.sum(0)
+    expected = (x - x.mean(-1, keepdim=True)) / real.scales.final @ w.W_U + w.b_U
+    assert (zeroed.logits - expected).abs().max() < 1e-10
+    # the outputs heads compute on that run are computed from that run's stream, not the real one
+    assert (zeroed.head_outputs[1] - real.head_outputs[1]).abs().max() > 1e-3
+    assert (zeroed.head_outputs[0] - real.head_outputs[0]).abs().max() < 1e-12  # layer 0 reads the same stream
+
+
+def test_zero_layer_model() -> None:
+    cfg = ModelConfig(n_layers=0, d_model=8, d_vocab=10, n_ctx=6)
+    w = Weights.from_model(Transformer(cfg, seed=5))
+    r = run(w, torch.tensor([[1, 2, 3, 4]]), record=RECORDABLE)
+    assert torch.allclose(r.logits, w.W_E[torch.tensor([[1, 2, 3, 4]])] @ w.W_U, atol=1e-6)
+    assert r.patterns.shape == (0, 1, cfg.n_heads, 4, 4) and r.head_outputs.shape[0] == 0
+
+
+def test_bad_input_is_a_user_error() -> None:
+    cfg = CONFIGS["shortformer"]
+    w = Weights.from_model(Transformer(cfg, seed=0))
+    toks = torch.zeros(1, 5, dtype=torch.long)
+    with pytest.raises(QkovError, match="patterns"):
+        run(w, toks, patterns=torch.zeros(2, 1, 3, 4, 4))
+    with pytest.raises(QkovError, match="cannot record attention"):
+        run(w, toks, record=("attention",))
+    with pytest.raises(QkovError, match="out of range"):
+        run(w, torch.tensor([[0, 50]]))
+    with pytest.raises(QkovError, match="recorded its patterns"):
+        run(w, toks, frozen=run(w, toks, record=()))

@@ -1,0 +1,110 @@
+"""The package's shape, checked: dependencies point one way, files and functions stay small,
+imports sit at the top, library errors name no command-line flags, comments point inside the
+repository."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "qkov"
+# each package may import only itself and the packages before it (the flow of the README's layout)
+ORDER = ["errors", "version", "device", "model", "io", "weights", "analysis", "training", "apps"]
+OPTIONAL = {"transformers", "transformer_lens", "huggingface_hub", "plotly"}  # imported only where used
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+LONG_FUNCTIONS: dict[str, str] = {}  # "module:function" -> why it may be longer (none today)
+
+
+def modules() -> list[Path]:
+    return sorted(p for p in SRC.rglob("*.py"))
+
+
+def package_of(path: Path) -> str:
+    return path.relative_to(SRC).parts[0].removesuffix(".py")
+
+
+def imported_qkov_modules(path: Path) -> set[tuple[str, ...]]:
+    """The qkov modules a module imports, as paths inside the package (relative imports resolved)."""
+    tree = ast.parse(path.read_text())
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = parts[: len(parts) - node.level]
+                target = base + (node.module.split(".") if node.module else [])
+                if not target:  # "from .. import x" at the top: x is a package
+                    target = [node.names[0].name]
+            elif node.module and node.module.startswith("qkov"):
+                target = node.module.split(".")[1:] or [node.names[0].name]
+            else:
+                continue
+            if target:
+                out.add(tuple(target))
+    return out
+
+
+def imported_qkov_packages(path: Path) -> set[str]:
+    """The top-level qkov packages a module imports."""
+    return {target[0] for target in imported_qkov_modules(path)}
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_dependencies_point_one_way(path: Path) -> None:
+    if path.parent == SRC and path.name in ("__init__.py", "__main__.py"):
+        return  # the public API and the entry point gather everything
+    mine = ORDER.index(package_of(path))
+    for pkg in imported_qkov_packages(path):
+        assert ORDER.index(pkg) <= mine, f"{path.relative_to(SRC)} imports qkov.{pkg}, which comes later"
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_files_and_functions_are_small(path: Path) -> None:
+    text = path.read_text()
+    assert text.count("\n") <= MAX_FILE_LINES, f"{path.name}: {text.count(chr(10))} lines"
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            key = f"{path.relative_to(SRC).with_suffix('')}:{node.name}"
+            if key not in LONG_FUNCTIONS:
+                assert length <= MAX_FUNCTION_LINES, f"{key} is {length} lines"
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_at_the_top(path: Path) -> None:
+    """Only optional heavy libraries (and ctypes-free stdlib) are imported inside functions."""
+    tree = ast.parse(path.read_text())
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Import):
+                names = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                names = {"qkov" if node.level else (node.module or "").split(".")[0]}
+            else:
+                continue
+            assert names <= OPTIONAL, f"{path.relative_to(SRC)}:{fn.name} imports {names} inside a function"
+
+
+def test_the_library_never_imports_the_command_line_nor_names_its_flags() -> None:
+    flag = re.compile(r"QkovError\([^)]*?--[a-z]", re.S)
+    for path in modules():
+        rel = path.relative_to(SRC)
+        if rel.parts[:2] == ("apps", "cli") or path.name == "__main__.py":
+            continue
+        assert not [m for m in imported_qkov_modules(path) if m[:2] == ("apps", "cli")], f"{rel} imports the CLI"
+        assert not flag.search(path.read_text()), f"{rel}: a library error names a command-line flag"
+
+
+def test_comments_point_inside_the_repository() -> None:
+    root = SRC.parents[1]
+    outside = "SPEC" + ".md"  # the project's notes outside the repository
+    for path in [*modules(), *root.joinpath("tests").glob("*.py"), *root.joinpath("benchmarks").glob("*.py")]:
+        assert outside not in path.read_text(), path
+    for ref in sorted({m for p in modules() for m in re.findall(r"docs/[\w.-]+\.md", p.read_text())}):
+        assert (root / ref).is_file(), f"{ref} is referred to but missing"
