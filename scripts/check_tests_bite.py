@@ -98,6 +98,24 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "s2 <= s1 + 0.1",
         "tests/test_report.py::test_claims_verdicts_follow_the_numbers",
     ),
+    "bigrams: no refetch when the start token's column dominates": (
+        "analysis/trigrams.py",
+        "if len(out) >= top or k == total:",
+        "if True:",
+        "tests/test_trigrams.py::test_bigrams_fill_the_table_when_the_start_token_dominates",
+    ),
+    "positional fraction: positions centred in a rotated view": (
+        "analysis/heads.py",
+        'p = read(pos[:T].expand(*r.tokens.shape, -1), source.norm, r.divisor("attn_qk", l))',
+        'p = read(pos[:T].expand(*r.tokens.shape, -1), "folded", r.divisor("attn_qk", l))',
+        "tests/test_heads.py::test_positional_fraction_is_unchanged_by_a_rotation_of_the_stream",
+    ),
+    "virtual weights: shortformer positions allowed to reach the values": (
+        "analysis/circuits.py",
+        'if wk == "pos" and rk not in ("q", "k") and source.cfg.positional == "shortformer":',
+        "if False:",
+        "tests/test_circuits.py::test_virtual_weights",
+    ),
     "layout: an analysis module imports the report": (
         "analysis/heads.py",
         "from ..errors import QkovError\n",

@@ -92,6 +92,10 @@ def test_virtual_weights() -> None:
         C.virtual_weights(w, ("mlp", 0), ("unembed",))
     with pytest.raises(QkovError, match="no head"):
         C.virtual_weights(w, ("head", 5, 0), ("unembed",))
+    # shortformer positions reach only queries and keys
+    assert torch.allclose(C.virtual_weights(w, ("pos",), ("k", 1, 2)).materialize(), w.W_pos @ w.W_K[1, 2])
+    with pytest.raises(QkovError, match="only the query/key input"):
+        C.virtual_weights(w, ("pos",), ("v", 1, 2))
 
 
 def test_composition_against_materialised_formula() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from qkov import ModelConfig, Transformer
+from qkov import ModelConfig, Transformer, run
 from qkov.analysis import circuits as Cc
 from qkov.analysis import heads as Hd
 from qkov.analysis.probes import induction_probe, induction_probe_tokens, prefix_matching_tokens
@@ -142,3 +142,24 @@ def test_training_probe_finds_the_induction_head() -> None:
     toks = induction_probe_tokens(V, length=20, batch=4, seed=2)
     assert toks.shape == (4, 41) and (toks[:, 0] == 0).all() and torch.equal(toks[:, 1:21], toks[:, 21:])
     assert toks[:, 1:].min() >= 1
+
+
+def test_positional_fraction_is_unchanged_by_a_rotation_of_the_stream() -> None:
+    """A rotated (``scale``) view reads positions as the run does (divided, not centred): the
+    positional fraction, like the attention it describes, does not depend on the basis."""
+    from helpers import LN_MLP, perturb_non_matrices
+
+    cfg = LN_MLP.replace(n_ctx=10)
+    m = perturb_non_matrices(Transformer(cfg, seed=2).double(), 0.3)
+    good = Weights.from_model(m, dtype=torch.float64, center_writing=True)
+    q, r = torch.linalg.qr(
+        torch.randn(cfg.d_model, cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    )
+    rotated = good.rotate(q * torch.sign(torch.diagonal(r)))
+    text = torch.randint(1, cfg.d_vocab, (3, 10), generator=torch.Generator().manual_seed(2))
+    fractions = []
+    for w in (good, rotated):
+        r = run(w, text, record=("patterns", "scales", "qk_inputs"))
+        fractions.append(Hd.positional_fraction(w, r))
+    assert rotated.norm == "scale" and (fractions[0] - fractions[1]).abs().max() < 1e-9
+    assert fractions[0].max() > 0.05  # positions do matter in this model

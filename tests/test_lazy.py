@@ -113,7 +113,8 @@ def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path]) -> None:
     eig_only = C.copying_scores(ck, diag_k=None)  # the streamed W_U @ W_E
     assert [c.eigen_score for c in eig_only] == pytest.approx([c.eigen_score for c in ref.copying], abs=1e-9)
     pairs = [(("embed",), ("q", 0, 1)), (("head", 0, 2), ("k", 2, 1)), (("head", 1, 0), ("unembed",))]
-    pairs += [(("pos",), ("v", 1, 0))] if w.W_pos is not None else []
+    if w.W_pos is not None:  # positions reach every reader (standard) or only queries and keys (shortformer)
+        pairs += [(("pos",), ("v" if w.cfg.positional == "standard" else "k", 1, 0))]
     pairs += (
         [(("mlp", 0), ("mlp", 3)), (("head", 2, 2), ("mlp", 2)), (("mlp", 1), ("unembed",))]
         if w.W_in is not None

@@ -73,3 +73,17 @@ def test_bigrams_match_brute_force() -> None:
     got = T.bigrams(w, top=5)
     assert [(b.token, b.next) for b in got] == [divmod(int(x), 24) for x in i]
     assert [b.logit for b in got] == pytest.approx(v.tolist())
+
+
+def test_bigrams_fill_the_table_when_the_start_token_dominates() -> None:
+    """The start token's column holds the largest entries: the table still has ``top`` rows."""
+    w = weights()
+    W_U = w.W_U.clone()
+    W_U[:, 0] = 50.0 * w.W_E.sum(0) / w.W_E.sum(0).norm()  # column 0 lights up for most rows
+    w = w.replace(W_U=W_U)
+    got = T.bigrams(w, top=10)
+    assert len(got) == 10 and all(0 not in (b.token, b.next) for b in got)
+    full = w.W_E @ (W_U - W_U.mean(dim=1, keepdim=True))
+    full[0] = float("-inf")
+    full[:, 0] = float("-inf")
+    assert [b.logit for b in got] == pytest.approx(torch.topk(full.flatten(), 10).values.tolist())

@@ -103,8 +103,9 @@ def virtual_weights(source: WeightSource, writer: Component, reader: Component) 
     Writers: ``("embed",)`` (W_E), ``("pos",)`` (W_pos), ``("head", l, h)`` (W_O),
     ``("mlp", l)`` (W_out). Readers: ``("q"|"k"|"v", l, h)`` (W_Q/W_K/W_V), ``("mlp", l)``
     (W_in), ``("unembed",)`` (W_U). The reader must come later in the model than the
-    writer. Returned factored, ``[writer dims, reader dims]`` with inner ``d_model``; only the
-    two components involved are read.
+    writer, and in a shortformer model positions reach only the query and key readers (they
+    never enter the stream). Returned factored, ``[writer dims, reader dims]`` with inner
+    ``d_model``; only the two components involved are read.
     """
     wk, *wi = writer
     rk, *ri = reader
@@ -122,6 +123,8 @@ def virtual_weights(source: WeightSource, writer: Component, reader: Component) 
         check_head(source.cfg, (wi if wk == "mlp" else ri)[0])
     if _order(wk, tuple(wi)) >= _order(rk, tuple(ri)):
         raise QkovError(f"{reader!r} does not come after {writer!r}: no virtual weight")
+    if wk == "pos" and rk not in ("q", "k") and source.cfg.positional == "shortformer":
+        raise QkovError(f"shortformer positions enter only the query/key input: no virtual weight to {reader!r}")
     if wk == "embed":
         out = source.embed()
     elif wk == "pos":

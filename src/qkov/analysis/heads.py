@@ -20,7 +20,7 @@ from ..errors import QkovError
 from ..model.ops import causal_mask
 from ..weights.parts import WeightSource
 from .circuits import copying_scores
-from .forward import Run, run
+from .forward import Run, read, run
 from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
 
 # =========================================================================== detectors
@@ -131,8 +131,9 @@ def positional_fraction(source: WeightSource, r: Run) -> Tensor:
 
     ``Var_k(pos-pos term) / Var_k(real score)`` over allowed keys, averaged over queries
     (clipped to [0, 1]), where the pos-pos term is ``p_q W_QK p_k`` with ``p`` the positional
-    part of the query/key input (``W_pos`` for shortformer and standard positions, normalised
-    as in the run) and the real score uses the run's actual input. ``r`` must have recorded
+    part of the query/key input (``W_pos`` for shortformer and standard positions, read through
+    the run's frozen normalisation: centred and divided, or only divided in a rotated ``scale``
+    view) and the real score uses the run's actual input. ``r`` must have recorded
     ``qk_inputs`` (and ``scales`` for a normalised model). 0 for models without positions.
     ``[n_layers, n_heads]``.
     """
@@ -152,10 +153,7 @@ def positional_fraction(source: WeightSource, r: Run) -> Tensor:
         return (s.pow(2).sum(-1) / counts - mean.pow(2)).clamp_min(0)[..., 1:]
 
     for l in range(L):
-        p = pos[:T]
-        scale = r.divisor("attn_qk", l)
-        if scale is not None:
-            p = (p - p.mean(-1, keepdim=True)) / scale  # [B, T, D]
+        p = read(pos[:T].expand(*r.tokens.shape, -1), source.norm, r.divisor("attn_qk", l))  # [B, T, D]
         x, att = r.qk_inputs[l], source.attention(l)
         for h in range(H):
             Q, K = att.W_Q[h], att.W_K[h]
@@ -172,7 +170,7 @@ def positional_fraction(source: WeightSource, r: Run) -> Tensor:
 THRESHOLDS: dict[str, float] = {
     "copying": 0.5,  # eigenvalue copying score; untrained -0.01 / 0.10 (min -0.11)
     "previous_token": 0.3,  # mean A[i, i-1] on text; untrained 0.02 / 0.02
-    "induction": 0.3,  # prefix-matching score ([I]'s procedure, the issue's 0.3); untrained 0.03 / 0.03
+    "induction": 0.3,  # prefix-matching score ([I]'s procedure); untrained 0.03 / 0.03
     "sink": 0.3,  # mean attention to position 0 (Gu et al. 2024's criterion); untrained 0.02 / 0.02
     "positional": 0.5,  # share of the score variance over keys explained by position alone; untrained 0.27 / 0.29
     "memory_eigen": -0.5,  # residual-space OV eigen score below this (untrained 0.00, min -0.12) ...
@@ -270,7 +268,7 @@ def head_report(
 
     Natural text gives previous-token, self-attention, sink (and value-weighted sink)
     and positional scores and the ICL curve (on ``icl_text`` when given: the score compares
-    single positions, so it wants hundreds of examples); [I]'s repeated random tokens (seeded,
+    two windows of 10 positions, so it wants hundreds of examples); [I]'s repeated random tokens (seeded,
     start token ``bos``, drawn away from the most and least frequent ids when ``frequencies``
     are given) give prefix matching, induction, duplicate-token and copying; the weights give
     the eigenvalue copying scores and the diagonal top-k rate.
@@ -303,6 +301,6 @@ def head_report(
     if diag_k:
         scores[f"diag_top{diag_k}"] = torch.tensor([c.diag_topk_rate for c in copying]).reshape(L, H)
     scores = {k: v.detach().float().cpu() for k, v in scores.items()}
-    icl_on = text if icl_text is None else icl_text  # ICL needs many examples: one position each
+    icl_on = text if icl_text is None else icl_text  # ICL compares two narrow windows: it needs many examples
     icl = icl_score(source, icl_on) if icl_on.shape[1] > 60 else None
     return HeadReport(scores, assign_roles(scores, thresholds), icl, memory_neurons(source), dict(thresholds))

@@ -1,15 +1,17 @@
 """Path expansion: logits as an exact sum of direct, single-head and virtual-head paths.
 
 Run the model once and freeze what makes it non-linear: every head's attention
-pattern, every LayerNorm's scale (1/std per position) and every MLP's output. With
+pattern, every normalisation's divisor (``sqrt(var + eps)`` per position, or the RMS in a
+rotated ``scale`` view) and every MLP's output. With
 those frozen, the residual stream is linear in its sources and splits exactly into
 
 * order 0 — the direct path: the token embedding (plus ``W_pos`` for standard positions);
 * order k — paths through k heads in strictly increasing layers (order 1: one term per
   head, the skip-trigram terms; order 2: the virtual attention heads, pattern
   ``A2 @ A1`` and OV ``W_OV1 @ W_OV2`` in the row convention);
-* ``bias`` — everything that starts at a bias (``b_V``, ``b_O``, ``b_U``, folded LayerNorm
-  biases), through any heads after it;
+* ``bias`` — everything that starts at a bias (``b_V``, ``b_O``), through any heads after it
+  (folded LayerNorm biases live in ``b_Q/b_K/b_V`` and ``b_in``; ``b_U`` is added once, to the
+  logits);
 * ``mlp`` — everything that starts at an MLP's (frozen) output, through any later heads.
 
 The stream is carried order by order (each layer maps order k to order k+1), so cost
@@ -18,9 +20,9 @@ grows linearly with depth instead of enumerating ``(heads+1)^layers`` paths.
 What is exact: for attention-only models without LayerNorm the expansion reproduces the
 logits up to float error, and with patterns frozen the logits are *linear* in the
 one-hot tokens, so this is the model, not an approximation. With LayerNorm, each LN is
-``centre(x) / std(x)`` with ``std`` frozen at the value of the real forward pass (the
+``centre(x) / s`` with the divisor ``s`` frozen at the value of the real forward pass (the
 gain and bias are folded into the weights that read it): the terms still sum exactly to
-the logits, but a term's size depends on frozen scales set by all the other terms, so
+the logits, but a term's size depends on frozen divisors set by all the other terms, so
 terms through different LayerNorms are not directly comparable ([F]; docs/conventions.md).
 With MLPs, MLP outputs are frozen sources, not expanded.
 

@@ -7,8 +7,8 @@ Two token sets, for two jobs:
   replacement) and repeated; the score is the best layer-1+ head's attention to the token
   after the previous occurrence, and the loss on each copy shows the copying.
 * :func:`prefix_matching_tokens` — [I]'s procedure for the prefix-matching score (used by
-  :func:`qkov.analysis.heads.head_report`): 25 *distinct* tokens per example, away from the
-  most and least frequent ids, repeated 4 times, 10 examples.
+  :func:`qkov.analysis.heads.head_report`): 25 *distinct* tokens per example (away from the
+  most and least frequent ids when token frequencies are given), repeated 4 times, 10 examples.
 
 :func:`icl_score` is [I]'s in-context-learning score on natural text.
 """

@@ -17,7 +17,7 @@ source then promotes. Scoring (a documented choice, docs/conventions.md):
 
 Because the table is a product of two factors, raising ``(s, d1, o1)`` and ``(s, d2, o2)``
 raises the crossed ``(s, d1, o2)`` and ``(s, d2, o1)`` too: the paper's "skip-trigram bugs"
-(:func:`crossed_trigrams`). Everything is computed factored and in chunks (never a full
+(:meth:`TrigramTable.crossed`). Everything is computed factored and in chunks (never a full
 ``d_vocab x d_vocab`` matrix).
 
 A :class:`TrigramTable` reads one head's circuits from a :class:`~qkov.weights.WeightSource`
@@ -66,8 +66,9 @@ class SkipTrigram:
 
 
 class TrigramTable:
-    """One head's factored skip-trigram table: centred QK ``[source, destination]`` and centred
-    OV ``[source, output]`` (see the module docstring), read from ``source`` once."""
+    """One head's factored skip-trigram table, read from ``source`` once: ``.qk [source,
+    destination]`` (the module docstring's ``qk[d, s]``, transposed so that both factors are
+    indexed by source first) and ``.ov [source, output]``."""
 
     def __init__(self, source: WeightSource, layer: int, head: int) -> None:
         att = source.attention(layer, head)
@@ -195,19 +196,21 @@ class Bigram:
 def bigrams(
     source: WeightSource, *, top: int = 20, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES
 ) -> list[Bigram]:
-    """The strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram model."""
+    """The ``top`` strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram
+    model. Entries in an excluded token's row or column are skipped; when the largest entries
+    sit there, more are fetched until ``top`` remain (or the matrix is exhausted)."""
     W_U = source.unembed().W_U
     B = W_U - W_U.mean(dim=-1, keepdim=True)
     A = source.embed().clone()
     for e in exclude:
         A[e] = 0.0  # the start token's row is not a bigram
     f = LowRank(A, B)
-    res = f.topk(min(top + 4 * len(exclude), f.shape[0] * f.shape[1]), max_bytes=max_bytes)
-    out = []
-    for v, r, c in zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist()):
-        if r in exclude or c in exclude:
-            continue
-        out.append(Bigram(r, c, v))
-        if len(out) == top:
-            break
-    return out
+    total = f.shape[0] * f.shape[1]
+    k = min(top + 4 * len(exclude), total)
+    while True:
+        res = f.topk(k, max_bytes=max_bytes)
+        entries = zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist())
+        out = [Bigram(r, c, v) for v, r, c in entries if r not in exclude and c not in exclude]
+        if len(out) >= top or k == total:
+            return out[:top]
+        k = min(total, 4 * k)

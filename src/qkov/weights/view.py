@@ -11,11 +11,12 @@ through the :class:`~qkov.weights.WeightSource` getters, never the module.
 Options (each documented where it is applied):
 
 * ``fold_ln`` — LayerNorm's gain and bias are folded into the weights that read the
-  normalised stream (``W_Q, W_K, W_V``, ``W_in``, ``W_U``), whose rows are then
-  centred (the normalised stream has zero mean, so this changes nothing). What stays
+  normalised stream (``W_Q, W_K, W_V``, ``W_in``, ``W_U``), each of whose columns is then
+  centred over ``d_model`` (the normalised stream has zero mean, so this changes nothing). What stays
   is a pure "centre and divide by the standard deviation" at each LayerNorm.
-* ``center_writing`` — the writers (``W_E``, ``W_pos`` for standard positions,
-  ``W_O``, ``b_O``, ``W_out``, ``b_out``) have their mean over ``d_model`` removed.
+* ``center_writing`` — the writers (``W_E``; ``W_pos`` for standard positions, or for any
+  positions in a normalised view; ``W_O``, ``b_O``, ``W_out``, ``b_out``) have their mean over
+  ``d_model`` removed.
   Exact for LayerNorm models (LN removes that mean anyway); it changes an LN-free model.
 * ``center_unembed`` — ``W_U`` (and ``b_U``) lose their mean over the vocabulary, a
   change of logits by a per-position constant, which softmax ignores.
