@@ -96,11 +96,13 @@ def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path], mon
         ck.attention(4, 0)
 
 
-def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path]) -> None:
+def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     w, path = saved
     ck = LazyCheckpoint(path, dtype=torch.float64)
     ref = C.analyse(w, diag_k=3)
-    for writer_bytes in (1, 1 << 30):  # one writer layer per pass (3 passes), and everything in one pass
+    for writer_bytes, product_bytes in ((1, 1), (1 << 30, 1), (1 << 30, 1 << 30)):
+        # one writer layer per pass (3 passes) or all in one; pair norms of one writer layer or all at once
+        monkeypatch.setattr(Cm, "PRODUCT_BYTES", product_bytes)
         got = C.analyse(ck, diag_k=3, writer_bytes=writer_bytes)
         for a, b in zip(ref.copying, got.copying, strict=True):
             assert (a.layer, a.head, a.diag_topk_rate) == (b.layer, b.head, b.diag_topk_rate)

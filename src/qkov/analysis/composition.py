@@ -36,6 +36,7 @@ from .progress import Progress, tick
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[str, ...] = ("q", "k", "v")
 DEFAULT_WRITER_BYTES = 1 << 30  # writer factors held per pass over a streamed source
+PRODUCT_BYTES = 64 << 20  # the [writers H d_head, H d_head] product of one pair_norms call
 
 
 def _kinds(kinds: str | Sequence[str]) -> tuple[str, ...]:
@@ -75,27 +76,27 @@ def composition_raw(
     if L < 2:
         return out
     ov_norm = torch.zeros(L, H, **opts)
-    per_layer = H * E * D * torch.empty(0, dtype=source.dtype).element_size()
-    block = L - 1 if source.in_memory else max(1, min(L - 1, max_bytes // per_layer))
+    item = torch.empty(0, dtype=source.dtype).element_size()
+    block = L - 1 if source.in_memory else max(1, min(L - 1, max_bytes // (H * E * D * item)))
+    group = max(1, PRODUCT_BYTES // (H * E * H * E * item))  # writer layers per pair_norms product
     starts = range(0, L - 1, block)
     total, done = sum(L - a for a in starts), 0
     for a in starts:
         b = min(L - 1, a + block)  # writers a .. b-1 held; readers a+1 .. L-1 stream past
-        rows: list[Tensor] = []  # writer layer a + i -> [H, d_head, D]
+        rows = torch.empty((b - a) * H, E, D, **opts)  # writer layer a + i at rows[i H : (i + 1) H]
         for l2 in range(a, L):
             att = source.attention(l2)
             if l2 < b:
                 ov = LowRank(att.W_V, att.W_O)
-                rows.append(ov.row_factor())
+                rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()
                 ov_norm[l2] = ov.norm()
-            if l2 > a:
-                n = min(b, l2) - a  # writer layers before this reader
-                left = torch.cat(rows[:n])  # [n H, d_head, D]
-                for kind in kinds:
-                    reader = reader_matrix(att, kind)
-                    num = pair_norms(left, reader.col_factor()).reshape(n, H, H)
-                    den = ov_norm[a : a + n, :, None] * reader.norm()[None, None]
-                    out[kind][a : a + n, :, l2, :] = num / den
+            for kind in kinds if l2 > a else ():
+                reader = reader_matrix(att, kind)
+                cols, r_norm = reader.col_factor(), reader.norm()
+                for lo in range(a, min(b, l2), group):  # writer layers lo .. hi-1, before this reader
+                    hi = min(b, l2, lo + group)
+                    num = pair_norms(rows[(lo - a) * H : (hi - a) * H], cols).reshape(hi - lo, H, H)
+                    out[kind][lo:hi, :, l2, :] = num / (ov_norm[lo:hi, :, None] * r_norm[None, None])
             done += 1
             tick(progress, "composition", done, total)
     return out
