@@ -24,6 +24,11 @@ def test_shape_and_indexing() -> None:
     assert torch.allclose(f[1].materialize(), full[1])
     with pytest.raises(QkovError, match="inner"):
         LowRank(torch.zeros(3, 4), torch.zeros(5, 3))
+    # batch dims broadcast like tensors': a shared B against a batch of A, and mismatches refused
+    g = LowRank(torch.randn(2, 3, 6, 4, dtype=torch.float64), torch.randn(1, 4, 5, dtype=torch.float64))
+    assert g.batch_shape == (2, 3) and torch.allclose(g.materialize(), g.A @ g.B)
+    with pytest.raises(QkovError, match="do not broadcast"):
+        LowRank(torch.zeros(2, 6, 4), torch.zeros(3, 4, 5))
 
 
 def test_algebra() -> None:

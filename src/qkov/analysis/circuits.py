@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
 
 from ..errors import QkovError
 from ..model.config import ModelConfig
-from ..weights.parts import WeightSource, check_head
+from ..weights.parts import AttentionWeights, WeightSource, check_head
 from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
-from .factored import DEFAULT_MAX_BYTES, LowRank, serial_linalg
+from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues, serial_linalg
 from .progress import Progress, tick
 
 VOCAB_BLOCK = 4096  # tokens per block when a streamed source's W_E / W_U are read in pieces
@@ -169,22 +169,26 @@ def ov_eigenvalues(source: WeightSource, *, G: Tensor | None = None) -> Tensor:
     is computed once (or given).
     """
     G = unembed_embed(source) if G is None else G
-    out = []
-    for l in range(source.cfg.n_layers):
-        att = source.attention(l)
-        out.append(LowRank(att.W_V, att.W_O @ G).eigenvalues())
-    return _stack_layers(out, source, torch.complex64 if source.dtype == torch.float32 else torch.complex128)
+    return _eigenvalues(source, [LowRank(a.W_V, a.W_O @ G).twin() for a in _layers(source)])
 
 
 def residual_ov_eigenvalues(source: WeightSource) -> Tensor:
     """Eigenvalues of every head's ``W_OV`` in the residual stream (``W_O W_V``): ``[L, H, d_head]``."""
-    out = [LowRank(a.W_V, a.W_O).eigenvalues() for a in map(source.attention, range(source.cfg.n_layers))]
-    return _stack_layers(out, source, torch.complex64 if source.dtype == torch.float32 else torch.complex128)
+    return _eigenvalues(source, [LowRank(a.W_V, a.W_O).twin() for a in _layers(source)])
 
 
-def _stack_layers(parts: list[Tensor], source: WeightSource, dtype: torch.dtype) -> Tensor:
+def _layers(source: WeightSource) -> Iterator[AttentionWeights]:
+    """Every layer's attention, read one at a time."""
+    return map(source.attention, range(source.cfg.n_layers))
+
+
+def _eigenvalues(source: WeightSource, twins: list[Tensor]) -> Tensor:
+    """Eigenvalues ``[L, H, d_head]`` of every layer's ``[H, d_head, d_head]`` twins, in one solve."""
     c = source.cfg
-    return torch.stack(parts) if parts else torch.zeros(0, c.n_heads, c.d_head, dtype=dtype, device=source.device)
+    if not twins:
+        dtype = torch.complex64 if source.dtype == torch.float32 else torch.complex128
+        return torch.zeros(0, c.n_heads, c.d_head, dtype=dtype, device=source.device)
+    return eigenvalues(torch.stack(twins))
 
 
 def diagonal_topk_rate(
@@ -241,20 +245,23 @@ def copying_scores(
         G = W_U @ W_E
     else:
         G = unembed_embed(source)
-    out = []
-    L = source.cfg.n_layers
-    for layer in range(L):
-        att = source.attention(layer)
-        eig = eigen_copying_score(LowRank(att.W_V, att.W_O @ G).eigenvalues())  # [H]
-        res = eigen_copying_score(LowRank(att.W_V, att.W_O).eigenvalues())
-        for head in range(source.cfg.n_heads):
-            rate = None
+    L, H = source.cfg.n_layers, source.cfg.n_heads
+    full, resid, rates = [], [], []
+    for layer, att in enumerate(_layers(source)):
+        full.append(LowRank(att.W_V, att.W_O @ G).twin())
+        resid.append(LowRank(att.W_V, att.W_O).twin())
+        for head in range(H):
             if diag_k:
                 f = LowRank(W_E @ att.W_V[head], att.W_O[head] @ W_U)
-                rate = float((f.diag_rank(max_bytes=max_bytes) < diag_k).float().mean())
-            out.append(HeadCopying(layer, head, float(eig[head]), rate, float(res[head])))
+                rates.append(float((f.diag_rank(max_bytes=max_bytes) < diag_k).float().mean()))
         tick(progress, "copying", layer + 1, L)
-    return out
+    eig = eigen_copying_score(_eigenvalues(source, full))
+    res = eigen_copying_score(_eigenvalues(source, resid))
+    return [
+        HeadCopying(l, h, float(eig[l, h]), rates[l * H + h] if diag_k else None, float(res[l, h]))
+        for l in range(L)
+        for h in range(H)
+    ]
 
 
 # ------------------------------------------------------------- residual stream

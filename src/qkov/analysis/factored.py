@@ -64,7 +64,7 @@ class LowRank:
                 f"LowRank: inner dimensions differ: A is {tuple(A.shape)}, B is {tuple(B.shape)} "
                 f"(expected A [..., m, r] and B [..., r, n])"
             )
-        batch = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+        batch = _broadcast(A.shape[:-2], B.shape[:-2])
         self.A = A.expand(*batch, *A.shape[-2:])
         self.B = B.expand(*batch, *B.shape[-2:])
 
@@ -137,13 +137,15 @@ class LowRank:
         return self.A @ self.B
 
     # ------------------------------------------------------------ spectra
-    def eigenvalues(self) -> Tensor:
-        """The ``r`` eigenvalues of ``A @ B`` that can be non-zero (complex ``[..., r]``), via ``B @ A``."""
+    def twin(self) -> Tensor:
+        """``B @ A [..., r, r]``: its eigenvalues are the ``r`` eigenvalues of ``A @ B`` that can be non-zero."""
         if self.shape[-1] != self.shape[-2]:
             raise QkovError(f"eigenvalues need a square matrix, got {tuple(self.shape[-2:])}")
-        small = self.B @ self.A
-        with serial_linalg():
-            return torch.linalg.eigvals(small)
+        return self.B @ self.A
+
+    def eigenvalues(self) -> Tensor:
+        """The ``r`` eigenvalues of ``A @ B`` that can be non-zero (complex ``[..., r]``), via :meth:`twin`."""
+        return eigenvalues(self.twin())
 
     def svd(self) -> tuple[Tensor, Tensor, Tensor]:
         """``U [..., m, r]``, ``S [..., r]``, ``Vh [..., r, n]`` with ``A @ B = U diag(S) Vh``."""
@@ -277,6 +279,14 @@ class LowRank:
         return torch.cat(out, -1)
 
 
+def eigenvalues(small: Tensor) -> Tensor:
+    """Eigenvalues of a batch of small square matrices ``[..., r, r]`` (complex), on one thread
+    (:func:`serial_linalg`). Stack the twins of many products and solve them in one call: each
+    change of the thread count costs time, most of all the first."""
+    with serial_linalg():
+        return torch.linalg.eigvals(small)
+
+
 def gram_sqrt(G: Tensor) -> Tensor:
     """``S [..., r, r]`` with ``S^T S = G`` for a positive semi-definite Gram matrix ``G [..., r, r]``
     (via ``eigh``, negative round-off eigenvalues clamped to zero)."""
@@ -296,6 +306,19 @@ def pair_norms(rows: Tensor, cols: Tensor) -> Tensor:
     n2, _, r2 = cols.shape
     M = rows.reshape(n1 * r1, d) @ cols.permute(1, 0, 2).reshape(d, n2 * r2)
     return M.square_().reshape(n1, r1, n2, r2).sum(dim=(1, 3)).sqrt()
+
+
+def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    """The broadcast of two batch shapes. (``torch.broadcast_shapes`` costs ~0.3 s on its first
+    call in a process, more than a whole copying analysis at GPT-2-small shape.)"""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(a, b):
+        if x != y and 1 not in (x, y):
+            raise QkovError(f"LowRank: batch shapes {a} and {b} do not broadcast")
+        out.append(y if x == 1 else x)
+    return tuple(out)
 
 
 def _check_k(k: int, limit: int) -> int:
