@@ -33,6 +33,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# the test suite's small corpus (tests/conftest.py), repeated so that this script needs nothing
+# but the command line of whatever build it checks
 MODULES = [
     "abc.py",
     "bisect.py",
