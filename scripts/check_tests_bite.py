@@ -4,8 +4,9 @@
     python scripts/check_tests_bite.py -k forward  # those whose name contains "forward"
 
 Each entry changes one piece of library code the way a plausible bug would (a text
-substitution that must match exactly once), runs the named tests, and expects them to FAIL.
-The file is restored whatever happens. Exit status 1 if any planted bug goes unnoticed.
+substitution that must match exactly once), runs the named tests, and expects them to FAIL;
+the same tests must pass on the unchanged code first (else a failure proves nothing). The
+file is restored whatever happens. Exit status 1 if any planted bug goes unnoticed.
 """
 
 from __future__ import annotations
@@ -92,10 +93,10 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "[]",
         "tests/test_report.py::test_report_numbers_match_independent_computations",
     ),
-    "tour: the ICL claim's threshold has the wrong sign": (
-        "apps/tour.py",
-        "s2 <= s1 - 0.1",
-        "s2 <= s1 + 0.1",
+    "claims: the ICL claim's threshold has the wrong sign": (
+        "apps/claims.py",
+        "s2 <= s1 - ICL_GAP",
+        "s2 <= s1 + ICL_GAP",
         "tests/test_report.py::test_claims_verdicts_follow_the_numbers",
     ),
     "bigrams: no refetch when the start token's column dominates": (
@@ -116,6 +117,66 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "if False:",
         "tests/test_circuits.py::test_virtual_weights",
     ),
+    "ties: a tie with the own logit counts as in the top k": (
+        "analysis/factored.py",
+        "out.append((block >= d[..., None]).sum(-1) - 1)",
+        "out.append((block > d[..., None]).sum(-1))",
+        "tests/test_circuits.py::test_copying_score_hand_built",
+    ),
+    "roles: induction on a positive eigenvalue score (the old criterion)": (
+        "analysis/heads.py",
+        'and scores["copying_rank"][l, h] > thresholds["induction_copying"]',
+        'and scores["eigen_copying"][l, h] > 0',
+        "tests/test_heads.py::test_induction_needs_attention_and_copying",
+    ),
+    "rank copying: ties count against the attended token": (
+        "analysis/heads.py",
+        "percentile = (below + 0.5 * tied) / (logits.shape[-1] - 1)",
+        "percentile = below / (logits.shape[-1] - 1)",
+        "tests/test_heads.py::test_rank_copying_of_a_silent_head_is_chance",
+    ),
+    "default view: the unembedding not centred": (
+        "weights/view.py",
+        "        center_unembed: bool = True,",
+        "        center_unembed: bool = False,",
+        "tests/test_interop_tl.py::test_circuit_scores_of_an_imported_model_equal_transformerlens",
+    ),
+    "default view: writers of a LayerNorm-free model centred silently": (
+        "weights/parts.py",
+        "    if center_writing and not layernorm:",
+        "    if False:",
+        "tests/test_weights.py::test_default_view_is_transformerlens_processed_and_refuses_centring_without_layernorm",
+    ),
+    "lazy: the embedding not centred like the in-memory view": (
+        "weights/lazy.py",
+        'return self._writer(self._get("W_E", rows))',
+        'return self._get("W_E", rows)',
+        "tests/test_lazy.py::test_layers_fold_exactly_as_the_whole_model",
+    ),
+    "inputs: a model without text refused (no random-token fallback)": (
+        "apps/inputs.py",
+        "    seqs = random_tokens(",
+        '    raise QkovError("no text")\n    seqs = random_tokens(',
+        "tests/test_no_tokenizer.py",
+    ),
+    "qk split: a pair's key taken from the query head": (
+        "analysis/qk_split.py",
+        "return (self.q_heads[i] @ self.k_heads[j].transpose(-1, -2))",
+        "return (self.q_heads[i] @ self.k_heads[i].transpose(-1, -2))",
+        "tests/test_paths.py::test_qk_split_sums_to_real_scores",
+    ),
+    "trigrams: no note for a head beyond layer 0": (
+        "apps/cli/weights_cmds.py",
+        '    if layer > 0:\n        data["note"]',
+        '    if False:\n        data["note"]',
+        "tests/test_lazy.py::test_cli_lazy_matches_in_memory",
+    ),
+    "claims: the ICL rule does not say it is looser": (
+        "apps/claims.py",
+        'f"the 2-layer score at least {ICL_GAP:g} nats below the 1-layer one; looser than the paper\'s "',
+        'f"the 2-layer score at least {ICL_GAP:g} nats below the 1-layer one; than the paper\'s "',
+        "tests/test_report.py::test_claims_verdicts_follow_the_numbers",
+    ),
     "layout: an analysis module imports the report": (
         "analysis/heads.py",
         "from ..errors import QkovError\n",
@@ -125,6 +186,11 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
 }
 
 
+def _passes(tests: str) -> bool:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).returncode == 0
+
+
 def plant(name: str, relpath: str, old: str, new: str, tests: str) -> bool:
     """Apply one bug, run its tests, restore; True when the tests failed (the bug was caught)."""
     path = SRC / relpath
@@ -132,17 +198,14 @@ def plant(name: str, relpath: str, old: str, new: str, tests: str) -> bool:
     if original.count(old) != 1:
         print(f"?? {name}: the text to change occurs {original.count(old)} times in {relpath}")
         return False
+    if not _passes(tests):
+        print(f"?? {name}: {tests} fail without the bug")
+        return False
     try:
         path.write_text(original.replace(old, new))
-        res = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        )
+        caught = not _passes(tests)
     finally:
         path.write_text(original)
-    caught = res.returncode != 0
     print(f"{'caught' if caught else 'MISSED'}: {name} ({tests})")
     return caught
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -260,6 +261,12 @@ def check(root: Path) -> int:
         print("rounding:" if line.endswith("(rounding)") else "schema:", line)
     for line in problems[:200]:
         print("DIFFERS:", line)
+    kinds: dict[str, int] = {}
+    for line in problems:  # which fields differ, indices folded: "attn2/heads.json.heads[].eigen_copying"
+        key = re.sub(r"\[\d+\]", "[]", line.split(": ")[0])
+        kinds[key] = kinds.get(key, 0) + 1
+    for key, n in sorted(kinds.items(), key=lambda kv: -kv[1]):
+        print(f"differs: {n:5d} x {key}")
     flips = sum(line.endswith("(rounding)") for line in only)
     print(
         f"{len(problems)} difference(s) beyond {TOL:g}; {len(only) - flips} key(s) on one side only; "

@@ -87,10 +87,15 @@ def test_topk_whole_matrix_and_per_row_in_chunks(max_bytes: int) -> None:
 def test_diag_rank() -> None:
     f, full = make(batch=(2,), m=30, n=30, dtype=torch.float64)
     ranks = f.diag_rank(max_bytes=500)
-    ref = (full > full.diagonal(dim1=-2, dim2=-1)[..., None]).sum(-1)
+    ref = (full > full.diagonal(dim1=-2, dim2=-1)[..., None]).sum(-1)  # no ties in random matrices
     assert torch.equal(ranks, ref)
     eye = LowRank(torch.eye(6, dtype=torch.float64), torch.eye(6, dtype=torch.float64))
     assert eye.diag_rank().max() == 0
+    # ties count against the diagonal: a zero matrix, a constant row, a row tied at the top
+    zero = LowRank(torch.zeros(5, 2, dtype=torch.float64), torch.zeros(2, 5, dtype=torch.float64))
+    assert zero.diag_rank().tolist() == [4] * 5
+    tied = LowRank(torch.eye(3, dtype=torch.float64), torch.tensor([[2.0, 2.0, 0.0], [0, 1, 5], [1, 1, 1]]).double())
+    assert tied.diag_rank().tolist() == [1, 1, 2]
 
 
 def test_bad_k_and_materialise_bound() -> None:

@@ -37,12 +37,16 @@ def test_run_equals_training_model_and_reference(name: str, fold: bool) -> None:
     """The two forwards (fused training model, analysis forward) and the einsum reference agree."""
     cfg = CONFIGS[name]
     m = _model(cfg)
-    w = Weights.from_model(m, dtype=torch.float64, fold_ln=fold)
+    w = Weights.from_model(m, dtype=torch.float64, fold_ln=fold, center_unembed=False)
     toks = _tokens(cfg)
     r = run(w, toks, record=RECORDABLE)
     ref_logits, ref_patterns = reference_forward(w, toks)
     with torch.no_grad():
         assert (r.logits - m(toks)).abs().max() < 1e-10
+        # the default view also centres the unembedding: logits move by a constant per position
+        centred = run(Weights.from_model(m, dtype=torch.float64, fold_ln=fold), toks).logits
+        assert (centred.log_softmax(-1) - m(toks).log_softmax(-1)).abs().max() < 1e-10
+        assert centred.mean(-1).abs().max() < 1e-10
     assert (r.logits - ref_logits).abs().max() < 1e-10
     assert (r.patterns - ref_patterns).abs().max() < 1e-12
     assert torch.allclose(r.patterns.sum(-1), torch.ones(()).double()) and r.patterns.triu(1).abs().max() == 0

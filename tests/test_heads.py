@@ -163,3 +163,34 @@ def test_positional_fraction_is_unchanged_by_a_rotation_of_the_stream() -> None:
         fractions.append(Hd.positional_fraction(w, r))
     assert rotated.norm == "scale" and (fractions[0] - fractions[1]).abs().max() < 1e-9
     assert fractions[0].max() > 0.05  # positions do matter in this model
+
+
+def test_induction_needs_attention_and_copying() -> None:
+    """[I]: an induction head attends to the token after the earlier occurrence AND copies it.
+    Head 1.0 of the hand-built model with its copying OV replaced by a random one keeps its
+    attention (prefix matching ~1) and a positive eigenvalue score (the old criterion, which about
+    half of random OV circuits pass), but its logits do not single out what it attends to: no
+    induction role. The copying head keeps it."""
+    m = hand_built()
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        a1 = m.blocks[1].attn
+        a1.W_V[0] = torch.randn(a1.W_V[0].shape, generator=g) / CTX**0.5
+        a1.W_O[0] = torch.randn(a1.W_O[0].shape, generator=g) / CTX**0.5
+    report = Hd.head_report(Weights.from_model(m), natural_text(), seed=0, diag_k=None)
+    s = report.scores
+    assert s["prefix_matching"][1, 0] > 0.9 and s["eigen_copying"][1, 0] > 0  # what the old role looked at
+    assert abs(float(s["copying_rank"][1, 0])) < 0.2  # chance: the head does not raise what it attends to
+    assert "induction" not in report.roles[1][0]
+    good = Hd.head_report(Weights.from_model(hand_built()), natural_text(), seed=0, diag_k=None)
+    assert good.scores["copying_rank"][1, 0] > 0.95 and "induction" in good.roles[1][0]
+
+
+def test_rank_copying_of_a_silent_head_is_chance() -> None:
+    """A head whose output is zero gives every token the same logit: ties count half, so its rank
+    copying is exactly 0 (chance), not +1 or -1."""
+    m = hand_built()
+    with torch.no_grad():
+        m.blocks[1].attn.W_O[0].zero_()
+    report = Hd.head_report(Weights.from_model(m), natural_text(), seed=0, diag_k=None)
+    assert float(report.scores["copying_rank"][1, 0]) == 0.0

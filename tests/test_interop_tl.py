@@ -62,7 +62,7 @@ def test_export_matches_transformerlens_forward_and_patterns(name: str) -> None:
     m, tokens = _model(cfg), _tokens(cfg)
     hooked = to_hooked(m, dtype=D)
     with torch.no_grad():
-        ours = run(Weights.from_model(m, dtype=D, fold_ln=False), tokens)
+        ours = run(Weights.from_model(m, dtype=D, fold_ln=False, center_unembed=False), tokens)
         logits, cache = hooked.run_with_cache(tokens)
         assert (m(tokens) - logits).abs().max() < 1e-10
     assert (ours.logits - logits).abs().max() < 1e-10
@@ -306,13 +306,14 @@ def test_torch_files_are_read_without_unpickling_code(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ circuits on imported weights
 def test_circuit_scores_of_an_imported_model_equal_transformerlens() -> None:
-    """LayerNorm folded (and writers centred) by qkov's Weights view == TransformerLens' process_weights_."""
+    """qkov's default view of an imported GPT-2-like model (LayerNorm folded, writers and unembedding
+    centred) == TransformerLens' process_weights_: the same weights, copying and composition scores."""
     from qkov.analysis import circuits as C
     from qkov.analysis.composition import composition_raw
 
     hooked = _tl_model()
     m = from_hooked(hooked, dtype=D)
-    w = Weights.from_model(m, dtype=D, center_writing=True, center_unembed=True)
+    w = Weights.from_model(m, dtype=D)  # the defaults, as every analysis builds it
     hooked.process_weights_(fold_ln=True, center_writing_weights=True, center_unembed=True)
     for name in ("W_E", "W_Q", "W_K", "W_V", "W_O", "W_in", "W_out", "W_U"):
         assert (getattr(w, name) - getattr(hooked, name)).abs().max() < 1e-6, name

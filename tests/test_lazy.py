@@ -163,15 +163,19 @@ def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path
     assert not [k for k in ck.file.reads if ".mlp." in k or ".ln2." in k]
     attn = [k for k in ck.file.reads if ".attn.W_" in k]
     assert len(attn) == 16 and all(ck.file.reads[k] == 2 for k in attn)  # copying pass + one composition pass
-    attn_bytes, embed_bytes = 4 * (4 * 4 * 64 * 16) * 4, 2 * 500 * 64 * 4  # per pass; W_E + W_U once
+    # per pass; W_E once, W_U twice (its mean over the vocabulary for centring, then its use)
+    attn_bytes, embed_bytes = 4 * (4 * 4 * 64 * 16) * 4, 3 * 500 * 64 * 4
     assert ck.file.bytes_read < 2 * attn_bytes + embed_bytes + 16384  # + biases and LayerNorms
-    ck = LazyCheckpoint(tmp_path / "ck")
-    T.TrigramTable(ck, 2, 3)  # everything the skip-trigram table of head 2.3 needs
-    assert {k for k in ck.file.reads if k.startswith("blocks.")} <= {
-        f"blocks.2.{p}" for p in ("ln1.w", "ln1.b", "attn.W_Q", "attn.W_K", "attn.W_V", "attn.W_O")
-    }
-    assert ck.file.reads["W_E"] == 1 and ck.file.reads["W_U"] == 1  # each read once
-    assert ck.file.bytes_read == (4 * 64 * 16 + 2 * 500 * 64 + 4 * 64) * 4  # one head, W_E, W_U, two LNs
+    for centre in (True, False):
+        ck = LazyCheckpoint(tmp_path / "ck", center_unembed=centre)
+        T.TrigramTable(ck, 2, 3)  # everything the skip-trigram table of head 2.3 needs
+        assert {k for k in ck.file.reads if k.startswith("blocks.")} <= {
+            f"blocks.2.{p}" for p in ("ln1.w", "ln1.b", "attn.W_Q", "attn.W_K", "attn.W_V", "attn.W_O")
+        }
+        reads = 2 if centre else 1  # the vocabulary mean of W_U is one more pass (with the final LN)
+        assert ck.file.reads["W_E"] == 1 and ck.file.reads["W_U"] == reads
+        # one head, W_E, W_U, ln1, ln_final
+        assert ck.file.bytes_read == (4 * 64 * 16 + (1 + reads) * 500 * 64 + (1 + reads) * 2 * 64) * 4
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -237,6 +241,7 @@ def test_cli_lazy_matches_in_memory(
         eager[cmd[0]] = _json([*cmd, "--device", "cpu"], capsys)
         _assert_same(eager[cmd[0]], _json([*cmd, "--lazy", "--device", "auto"], capsys))
     assert len(eager["circuits"]["copying"]) == 12 and len(eager["trigrams"]["trigrams"]) == 20
+    assert "one-layer (direct) view" in eager["trigrams"]["note"]  # head 1.2 is beyond layer 0
     opened = []
     monkeypatch.setattr("qkov.apps.cli.common.AUTO_LAZY_BYTES", 0)  # every file is "big": the lazy path is automatic
     monkeypatch.setattr(weights_cmds, "LazyCheckpoint", lambda *a, **kw: opened.append(a) or LazyCheckpoint(*a, **kw))

@@ -18,6 +18,12 @@ from helpers import TINY, perturb_non_matrices, tiny_train
 from reference import reference_forward, reference_loss
 
 
+def centred(logits: torch.Tensor) -> torch.Tensor:
+    """The model's logits as the default view computes them: the unembedding is centred, which
+    moves each position's logits by a constant."""
+    return logits - logits.mean(-1, keepdim=True)
+
+
 def toks(shape: tuple[int, int], seed: int = 1, vocab: int = 50) -> torch.Tensor:
     return torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(seed))
 
@@ -44,7 +50,7 @@ def test_paths_sum_to_logits(layers: int, positional: str, dtype: torch.dtype) -
     tokens = toks((2, 16))
     exp = P.expand(w, tokens, virtual_heads=True)
     with torch.no_grad():
-        ref = m(tokens)
+        ref = centred(m(tokens))
     assert len(exp.orders) == layers + 1
     assert (exp.total_logits() - ref).abs().max() <= TOL[dtype]
     # order 1 = the sum of the per-head terms; order 2 = the sum of the virtual heads
@@ -92,7 +98,7 @@ def test_layernorm_mlp_bias_models_reconstruct(kw: dict) -> None:
     tokens = toks((2, 16))
     exp = P.expand(w, tokens)
     with torch.no_grad():
-        ref = m(tokens)
+        ref = centred(m(tokens))
     assert (exp.total_logits() - ref).abs().max() <= 1e-9
     assert exp.bias.abs().max() > 0
     ti = P.term_importance(w, tokens)
@@ -173,6 +179,11 @@ def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> No
     assert (split.total() - real[:, 1]).abs().max() <= TOL[dtype]
     assert (split.scores - real[:, 1]).abs().max() <= TOL[dtype]
     assert split.k_comp.shape == (6, 2, 12, 12)
+    # the both-sides-composed term, pair by pair: query from head i, key from head j
+    pairs = split.qk_pairs()
+    assert pairs.shape == (6, 6, 2, 12, 12)
+    assert (pairs.sum((0, 1)) - split.qk_comp).abs().max() <= TOL[dtype]
+    assert (split.qk_pair(1, 4) - pairs[1, 4]).abs().max() <= TOL[dtype]
 
 
 def test_qk_split_with_layernorm() -> None:
@@ -192,9 +203,9 @@ def test_trained_model_reconstructs(tmp_path: Path, small_corpus: Path) -> None:
     w = Weights.from_model(model)
     tokens = toks((2, 32), vocab=300)
     with torch.no_grad():
-        ref = model(tokens)
+        ref = centred(model(tokens))
     assert (P.expand(w, tokens).total_logits() - ref).abs().max() <= 1e-4
     w64 = Weights.from_model(model, dtype=torch.float64)
     with torch.no_grad():
-        ref64 = model.double()(tokens)
+        ref64 = centred(model.double()(tokens))
     assert (P.expand(w64, tokens).total_logits() - ref64).abs().max() <= 1e-9

@@ -20,7 +20,7 @@ from qkov.analysis.probes import induction_probe_tokens
 from qkov.apps.cli import main
 from qkov.apps.report import Report, collect, write_report
 from qkov.apps.report import sections as S
-from qkov.apps.tour import claims
+from qkov.apps.claims import claims
 from qkov.io.checkpoint import load, save_checkpoint
 from qkov.training.loop import train
 
@@ -190,6 +190,8 @@ def test_report_renders_in_headless_chromium(tiny2_report: tuple[Path, dict], tm
     _need_browser()
     out, data = tiny2_report
     dom = _check_page(out / "index.html", tmp_path / "profile", "tiny-2l", SECTIONS, "#attend=1.1.30")
+    # the card says what the analyses read: which weights, and which tokens
+    assert "unembedding centred" in dom and "validation split of the training corpus" in dom
     # the viewer, opened on head 1.1 and token 30, names the key that token attends to most
     row = data["attention"]["patterns"][1][1][30]
     best = max(range(len(row)), key=lambda i: row[i])
@@ -224,10 +226,13 @@ def test_report_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     assert main(["report", str(tmp_path / "hand"), "-o", str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err
     assert "not a directory" in err and err.count("\n") == 1
-    # a model with no training corpus and no --text: say what to pass
-    assert main(["report", str(tmp_path / "hand")]) == 2
-    assert "--text" in capsys.readouterr().err
-    assert not (tmp_path / "hand" / "report").exists()
+    # a model with no training corpus and no text: the report runs on seeded random tokens and says so
+    assert main(["report", str(tmp_path / "hand"), "--quiet", "--icl-examples", "4"]) == 0
+    data = json.loads((tmp_path / "hand" / "report" / "report.json").read_text())
+    assert data["inputs"].startswith("seeded random tokens") and "score" not in data["icl"]
+    with pytest.raises(SystemExit) as exit_:
+        main(["report", str(tmp_path / "hand"), "-o", str(tmp_path / "r2"), "--text", "a.txt", "--tokens", "b"])
+    assert exit_.value.code == 2 and "not allowed with" in capsys.readouterr().err
 
 
 def test_tour_trains_reports_and_reuses(small_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -296,6 +301,13 @@ def test_claims_verdicts_follow_the_numbers() -> None:
     assert "3 of 4 heads copying" in claims({1: one})[0].measured and len(by) == 6
     (importance,) = [c for c in claims({2: two}) if "term importance" in c.claim]
     assert importance.measured.startswith("1.80 / 5.20 / 0.30 nats")
+    # every verdict states its rule beside the paper's number, and says when it is looser
+    rules = {c.claim: c.rule for c in claims({1: one, 2: two})}
+    rule = lambda start: next(r for claim, r in rules.items() if claim.startswith(start))  # noqa: E731
+    assert all(rules.values())
+    assert "looser than the paper's 10 of 12" in rule("1-layer: 10 of 12")
+    assert "looser than the paper's ~0.4" in rule("ICL score")
+    assert "rank copying > 0.5" in rule("2-layer: induction")
     one.heads.rows = rows(0.6, [0.1, 0.1, 0.1, 0.9])  # type: ignore[union-attr]
     two.icl.score = 0.0
     assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, None, False]

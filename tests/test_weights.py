@@ -40,7 +40,7 @@ def test_views_reproduce_the_model(name: str) -> None:
     with torch.no_grad():
         ref = model(tokens)
     for fold in (False, True):
-        w = Weights.from_model(model, fold_ln=fold, dtype=torch.float64)
+        w = Weights.from_model(model, fold_ln=fold, center_unembed=False, dtype=torch.float64)
         assert w.W_Q.shape == (cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head)
         assert w.W_O.shape == (cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_model)
         logits, _ = reference_forward(w, tokens)
@@ -59,7 +59,7 @@ def test_rotation_leaves_logits_unchanged(name: str, dtype: torch.dtype, tol: fl
     cfg = CONFIGS[name]
     model = model_for(cfg, dtype)
     tokens = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx))
-    w = Weights.from_model(model, dtype=dtype)
+    w = Weights.from_model(model, dtype=dtype, center_unembed=False)
     R = random_orthogonal(cfg.d_model, dtype)
     ref, _ = reference_forward(w, tokens)
     rot, _ = reference_forward(w.rotate(R), tokens)
@@ -76,7 +76,7 @@ def test_layernorm_breaks_rotation_unless_folded_and_centred() -> None:
     with torch.no_grad():
         ref = model(tokens)
     # Folded but not centred: refused. Forcing it (centre-and-scale LN after rotating) changes the logits.
-    folded = Weights.from_model(model, fold_ln=True, dtype=torch.float64)
+    folded = Weights.from_model(model, fold_ln=True, center_writing=False, dtype=torch.float64)
     with pytest.raises(QkovError, match="centred"):
         folded.rotate(R)
     forced = folded.replace(centered_writing=True).rotate(R).replace(norm="folded")
@@ -88,6 +88,22 @@ def test_layernorm_breaks_rotation_unless_folded_and_centred() -> None:
     good = Weights.from_model(model, fold_ln=True, center_writing=True, dtype=torch.float64)
     out = reference_forward(good.rotate(R), tokens)[0]
     assert (out.log_softmax(-1) - ref.log_softmax(-1)).abs().max() < 1e-10
+
+
+def test_default_view_is_transformerlens_processed_and_refuses_centring_without_layernorm() -> None:
+    """The default view: LayerNorm folded, writers centred where LayerNorm makes that exact,
+    unembedding centred; centring the writers of a model without LayerNorm is refused."""
+    ln = Weights.from_model(model_for(CONFIGS["ln-mlp-bias"]), dtype=torch.float64)
+    assert ln.norm == "folded" and ln.centered_writing and ln.centered_unembed
+    for t in (ln.W_E, ln.W_O, ln.b_O, ln.W_pos, ln.W_out, ln.b_out):
+        assert t.mean(-1).abs().max() < 1e-12
+    assert ln.W_U.mean(-1).abs().max() < 1e-12 and abs(float(ln.b_U.mean())) < 1e-12
+    plain = model_for(CONFIGS["attn-shortformer"])
+    w = Weights.from_model(plain, dtype=torch.float64)
+    assert w.norm == "none" and not w.centered_writing and w.centered_unembed
+    assert torch.equal(w.W_E, plain.W_E.detach())  # writers untouched: the function is kept
+    with pytest.raises(QkovError, match="without LayerNorm"):
+        Weights.from_model(plain, center_writing=True)
 
 
 def test_rotate_checks_its_argument() -> None:

@@ -264,9 +264,11 @@ class LowRank:
         return torch.cat([(self.A[..., lo : lo + chunk, :] @ self.B).amax(dim=-1) for lo in range(0, m, chunk)], -1)
 
     def diag_rank(self, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tensor:
-        """For each row ``i``, how many entries of row ``i`` exceed the diagonal entry ``(i, i)``.
+        """For each row ``i``, how many other entries of row ``i`` are at least the diagonal entry
+        ``(i, i)``: ties count against it.
 
-        ``[..., m]`` integers; 0 means the diagonal is the row's largest. Requires square.
+        ``[..., m]`` integers; 0 means the diagonal is strictly the row's largest, so a row whose
+        entries are all equal (a zero circuit) has rank ``n - 1``, never 0. Requires square.
         """
         if self.shape[-1] != self.shape[-2]:
             raise QkovError(f"diag_rank needs a square matrix, got {tuple(self.shape[-2:])}")
@@ -275,7 +277,7 @@ class LowRank:
             block = self.A[..., lo:hi, :] @ self.B
             idx = torch.arange(lo, hi, device=block.device)
             d = block[..., torch.arange(hi - lo, device=block.device), idx]
-            out.append((block > d[..., None]).sum(-1))
+            out.append((block >= d[..., None]).sum(-1) - 1)  # the diagonal itself is not counted
         return torch.cat(out, -1)
 
 

@@ -58,7 +58,8 @@ class RepeatScores:
     prefix_matching: Tensor  # attention to the tokens after the current token's earlier occurrences
     induction: Tensor  # attention to the token after the most recent earlier occurrence
     duplicate: Tensor  # attention to the current token's earlier occurrences
-    copying: Tensor  # [I] copying score in [-1, 1]
+    copying: Tensor  # [I] copying score in [-1, 1] (share of the raise on attended tokens)
+    copying_rank: Tensor  # where the head's logits rank the token it attends to most, in [-1, 1]
 
 
 def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatScores:
@@ -69,6 +70,14 @@ def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatSc
     *all* its earlier occurrences, summed (one earlier copy in the second block, three in the
     fourth), averaged over queries; induction is the attention to the position after the most
     recent occurrence only.
+
+    Rank copying (the measure the induction role uses): at each repeated query, the token at
+    the position the head attends to most is placed among all tokens by the head's direct logits
+    (its output ``@ W_U``): the fraction of the other tokens it beats (ties count half), averaged
+    over queries and rescaled to [-1, 1]. 1: the head always raises what it attends to above every
+    other token; 0: chance (a random or silent head: a constant logit row scores exactly 0); -1: it
+    always pushes it below every other token. Unlike the share below, it does not fade when a head
+    also lifts many related tokens a little.
 
     Copying ([I]): each head's output at a repeated query is mapped to logits by the direct
     path (``@ W_U``, LayerNorm folded), the mean over the vocabulary is subtracted, then
@@ -94,20 +103,34 @@ def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatSc
     pm /= len(queries)
     dup /= len(queries)
     W_U = source.unembed().W_U
-    copy = torch.zeros_like(pm)
-    idx = r.tokens[:, None, :].expand(-1, len(queries), -1)
+    copy, rank = torch.zeros_like(pm), torch.zeros_like(pm)
     for l in range(L):
         for h in range(H):
             A = P[l, :, h][:, queries]  # [B, Q, T]
             logits = outputs[l, :, h][:, queries] @ W_U  # [B, Q, V]
-            raise_ = torch.relu(logits - logits.mean(-1, keepdim=True))
-            attended = A >= 0.5 * A.amax(-1, keepdim=True)  # [B, Q, T] positions
-            mask = torch.zeros_like(raise_)  # 1 for tokens at attended positions (repeats OR-ed by amax)
-            mask.scatter_reduce_(-1, idx, attended.to(raise_.dtype), reduce="amax")
-            share = float((raise_ * mask).sum() / raise_.sum().clamp_min(1e-30))  # over all queries
-            chance = float(mask.sum(-1).mean()) / mask.shape[-1]  # a head raising tokens at random
-            copy[l, h] = (share - chance) / (1 - chance) if share >= chance else (share - chance) / chance
-    return RepeatScores(prefix_matching=pm, induction=induction_attention(P, length), duplicate=dup, copying=copy)
+            copy[l, h], rank[l, h] = _copying(A, logits, r.tokens)
+    induction = induction_attention(P, length)
+    return RepeatScores(prefix_matching=pm, induction=induction, duplicate=dup, copying=copy, copying_rank=rank)
+
+
+def _copying(A: Tensor, logits: Tensor, tokens: Tensor) -> tuple[float, float]:
+    """[I]'s share-of-raise copying score and the rank copying score of one head (see
+    :func:`repeat_scores`): ``A [B, Q, T]`` attention of the queries, ``logits [B, Q, V]`` the
+    head's direct logits there, ``tokens [B, T]``."""
+    idx = tokens[:, None, :].expand(-1, A.shape[1], -1)
+    raise_ = torch.relu(logits - logits.mean(-1, keepdim=True))
+    attended = A >= 0.5 * A.amax(-1, keepdim=True)  # [B, Q, T] positions
+    mask = torch.zeros_like(raise_)  # 1 for tokens at attended positions (repeats OR-ed by amax)
+    mask.scatter_reduce_(-1, idx, attended.to(raise_.dtype), reduce="amax")
+    share = float((raise_ * mask).sum() / raise_.sum().clamp_min(1e-30))  # over all queries
+    chance = float(mask.sum(-1).mean()) / mask.shape[-1]  # a head raising tokens at random
+    share_score = (share - chance) / (1 - chance) if share >= chance else (share - chance) / chance
+    # rank: the token at the most-attended position, placed among all tokens by the head's logits
+    top = tokens.gather(-1, A.argmax(-1))  # [B, Q]
+    own = logits.gather(-1, top[..., None])  # [B, Q, 1]
+    below, tied = (logits < own).sum(-1), (logits == own).sum(-1) - 1  # ties count half
+    percentile = (below + 0.5 * tied) / (logits.shape[-1] - 1)
+    return share_score, float(2 * percentile.double().mean() - 1)
 
 
 def memory_neurons(source: WeightSource, threshold: float = -0.5) -> list[dict[str, float]]:
@@ -170,7 +193,8 @@ def positional_fraction(source: WeightSource, r: Run) -> Tensor:
 THRESHOLDS: dict[str, float] = {
     "copying": 0.5,  # eigenvalue copying score; untrained -0.01 / 0.10 (min -0.11)
     "previous_token": 0.3,  # mean A[i, i-1] on text; untrained 0.02 / 0.02
-    "induction": 0.3,  # prefix-matching score ([I]'s procedure); untrained 0.03 / 0.03
+    "induction": 0.3,  # prefix-matching score ([I]'s procedure); untrained 0.03 / 0.03 ...
+    "induction_copying": 0.5,  # ... and rank copying above this; untrained 0.01 / 0.13 (std 0.05)
     "sink": 0.3,  # mean attention to position 0 (Gu et al. 2024's criterion); untrained 0.02 / 0.02
     "positional": 0.5,  # share of the score variance over keys explained by position alone; untrained 0.27 / 0.29
     "memory_eigen": -0.5,  # residual-space OV eigen score below this (untrained 0.00, min -0.12) ...
@@ -186,6 +210,7 @@ SCORE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("induct", "induction"),
     ("dup", "duplicate_token"),
     ("copy[I]", "copying"),
+    ("copy rank", "copying_rank"),
     ("eig", "eigen_copying"),
     ("res eig", "residual_eigen"),
 )
@@ -237,9 +262,11 @@ def assign_roles(scores: dict[str, Tensor], thresholds: dict[str, float] = THRES
                 r.append("positional")
             if scores["previous_token"][l, h] > thresholds["previous_token"]:
                 r.append("previous-token")
-            # prefix matching + an OV circuit that copies (the weight-based sign: the behavioural [I]
-            # copying score is reported too, but broad logit shifts make it noisy in small models)
-            if scores["prefix_matching"][l, h] > thresholds["induction"] and scores["eigen_copying"][l, h] > 0:
+            # [I]: prefix matching AND copying, both measured on the repeated tokens
+            if (
+                scores["prefix_matching"][l, h] > thresholds["induction"]
+                and scores["copying_rank"][l, h] > thresholds["induction_copying"]
+            ):
                 r.append("induction")
             if scores["sink"][l, h] > thresholds["sink"]:
                 r.append("sink")
@@ -263,6 +290,7 @@ def head_report(
     diag_k: int | None = 5,
     thresholds: dict[str, float] = THRESHOLDS,
     icl_text: Tensor | None = None,
+    icl: bool = True,
 ) -> HeadReport:
     """Every detector on one model: ``text [B, T]`` is natural (validation) text.
 
@@ -271,7 +299,8 @@ def head_report(
     two windows of 10 positions, so it wants hundreds of examples); [I]'s repeated random tokens (seeded,
     start token ``bos``, drawn away from the most and least frequent ids when ``frequencies``
     are given) give prefix matching, induction, duplicate-token and copying; the weights give
-    the eigenvalue copying scores and the diagonal top-k rate.
+    the eigenvalue copying scores and the diagonal top-k rate. ``icl=False`` leaves the ICL score
+    out (for text without structure, such as random tokens).
     """
     cfg = source.cfg
     if cfg.n_layers == 0:
@@ -295,6 +324,7 @@ def head_report(
         "induction": rs.induction,
         "duplicate_token": rs.duplicate,
         "copying": rs.copying,
+        "copying_rank": rs.copying_rank,
         "eigen_copying": torch.tensor([c.eigen_score for c in copying]).reshape(L, H),
         "residual_eigen": torch.tensor([c.residual_eigen_score for c in copying]).reshape(L, H),
     }
@@ -302,5 +332,6 @@ def head_report(
         scores[f"diag_top{diag_k}"] = torch.tensor([c.diag_topk_rate for c in copying]).reshape(L, H)
     scores = {k: v.detach().float().cpu() for k, v in scores.items()}
     icl_on = text if icl_text is None else icl_text  # ICL compares two narrow windows: it needs many examples
-    icl = icl_score(source, icl_on) if icl_on.shape[1] > 60 else None
-    return HeadReport(scores, assign_roles(scores, thresholds), icl, memory_neurons(source), dict(thresholds))
+    icl_result = icl_score(source, icl_on) if icl and icl_on.shape[1] > 60 else None
+    roles = assign_roles(scores, thresholds)
+    return HeadReport(scores, roles, icl_result, memory_neurons(source), dict(thresholds))

@@ -277,6 +277,15 @@ class PathSummary:
             "virtual_head_terms": [e.to_dict() for e in self.virtual],
         }
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "PathSummary":
+        """The summary from its :meth:`to_dict` form."""
+        ti = d["term_importance"]
+        importance = TermImportance(ti["run_losses"], ti["full_loss"], ti["uniform_loss"])
+        singles = [TermEffect(e["name"], e["loss_change"], e["size"]) for e in d["single_head_terms"]]
+        virtual = [TermEffect(e["name"], e["loss_change"], e["size"]) for e in d["virtual_head_terms"]]
+        return cls(d["tokens"], d["reconstruction_max_abs_error"], importance, singles, virtual)
+
 
 @torch.no_grad()
 def summarize(source: WeightSource, tokens: Tensor, *, top_virtual: int = 10) -> PathSummary:

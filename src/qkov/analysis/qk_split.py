@@ -31,7 +31,8 @@ class QKSplit:
     outputs). Score terms ``[B, T, T]`` (pre-softmax, scaled by 1/sqrt(d_head), unmasked):
     ``direct`` (direct query x direct key), ``q_comp[i]`` (query from earlier head i x
     direct key), ``k_comp[i]`` (direct query x key from earlier head i), ``qk_comp``
-    (both from earlier heads, summed over pairs), ``other`` (everything involving biases
+    (both from earlier heads, summed over pairs; :meth:`qk_pair` / :meth:`qk_pairs` give each
+    pair ``(i, j)``: query from head i, key from head j), ``other`` (everything involving biases
     or MLPs). Their sum is the real score matrix.
     """
 
@@ -44,9 +45,21 @@ class QKSplit:
     qk_comp: Tensor
     other: Tensor
     scores: Tensor  # the real scores, for reference
+    q_heads: Tensor  # [n_earlier, B, T, d_head]: the query part each earlier head's output gives
+    k_heads: Tensor  # [n_earlier, B, T, d_head]: the key part
 
     def total(self) -> Tensor:
         return self.direct + self.q_comp.sum(0) + self.k_comp.sum(0) + self.qk_comp + self.other
+
+    def qk_pair(self, i: int, j: int) -> Tensor:
+        """``[B, T, T]``: the score term with the query from earlier head ``i`` and the key from
+        earlier head ``j`` (``earlier[i]``, ``earlier[j]``); summed over all pairs it is ``qk_comp``."""
+        return (self.q_heads[i] @ self.k_heads[j].transpose(-1, -2)) / math.sqrt(self.q_heads.shape[-1])
+
+    def qk_pairs(self) -> Tensor:
+        """Every pair's term ``[n_earlier (query head), n_earlier (key head), B, T, T]``."""
+        q, k = self.q_heads[:, None], self.k_heads[None]
+        return (q @ k.transpose(-1, -2)) / math.sqrt(self.q_heads.shape[-1])
 
 
 def _components(
@@ -109,4 +122,6 @@ def qk_split(source: WeightSource, tokens: Tensor, layer: int, head: int) -> QKS
         qk_comp=s(q_all_heads, k_all_heads),
         other=s(qo, k_real) + s(q_real - qo, ko),
         scores=s(q_real, k_real),
+        q_heads=qh,
+        k_heads=kh,
     )

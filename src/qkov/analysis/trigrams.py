@@ -20,6 +20,10 @@ raises the crossed ``(s, d1, o2)`` and ``(s, d2, o1)`` too: the paper's "skip-tr
 (:meth:`TrigramTable.crossed`). Everything is computed factored and in chunks (never a full
 ``d_vocab x d_vocab`` matrix).
 
+For a head beyond layer 0 the table is its one-layer (direct) view: it reads token embeddings
+as queries and keys and writes straight to the unembedding, leaving out what earlier layers
+write into the head's inputs.
+
 A :class:`TrigramTable` reads one head's circuits from a :class:`~qkov.weights.WeightSource`
 once (``W_E`` and ``W_U`` are read and dropped; it keeps ``[d_vocab, d_head]`` factors), so a
 memory-mapped checkpoint's head is analysed holding one of ``W_E``/``W_U`` at a time.

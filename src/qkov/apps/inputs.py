@@ -1,8 +1,17 @@
-"""The text an analysis runs on: a user's file, or the validation split of the corpus a
-checkpoint was trained on, as ``[batch, n_ctx]`` token ids starting with the start token."""
+"""The tokens an analysis runs on, and what they are.
+
+In order of preference: token ids the user gives (a ``.npy`` array, a raw uint16 ``.bin``
+file, or a text file of whitespace-separated integers), a text file encoded with the model's
+tokenizer, the validation split of the corpus a qkov checkpoint was trained on, or, for a model
+with none of these (an imported model without a tokenizer or corpus), seeded random tokens.
+Random tokens serve the detectors that only need attention patterns; the in-context-learning
+score, which needs text with structure, is left out on them, and every output says which
+tokens it used.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,41 +24,122 @@ from ..model.transformer import Transformer
 from ..training.data import Corpus, load_corpus, val_batches
 
 
-def analysis_text(
-    ckpt: Path, model: Transformer, text: Path | None, batch: int, *, want_corpus: bool = False
-) -> tuple[torch.Tensor, np.ndarray | None]:
-    """``[batch, n_ctx]`` token ids from ``text`` (with the model's tokenizer) or from the
-    validation split of the checkpoint's training corpus, and the training split's token
-    counts ``[d_vocab]`` (``None`` without a corpus).
+@dataclass
+class AnalysisInput:
+    """``tokens [batch, <= n_ctx]`` (start token first), the training split's token counts
+    ``[d_vocab]`` (``None`` without a corpus), what the tokens are (``source``, for outputs), and
+    whether they are natural text (``False`` for seeded random tokens)."""
 
-    With ``text`` the corpus is loaded only when ``want_corpus`` (e.g. for token frequencies),
-    and then only if it can be: loading may mean tokenising the whole corpus.
+    tokens: torch.Tensor
+    frequencies: np.ndarray | None
+    source: str
+    natural: bool = True
+
+
+def read_token_file(path: Path, d_vocab: int) -> np.ndarray:
+    """Token ids from ``path``: ``.npy`` (a 1-D stream or 2-D ``[sequences, positions]`` integer
+    array), ``.bin`` (a raw uint16 stream, as nanoGPT writes) or text of whitespace-separated
+    integers (one sequence per line when the lines have equal lengths, else one stream).
 
     Raises:
-        QkovError: no text and no recorded corpus (hint ``text``), a text but no tokenizer, or
-            an unreadable file.
+        QkovError: unreadable, empty, not integers, or an id outside ``[0, d_vocab)``.
     """
-    corpus: Corpus | None = None
+    where = f"token file {str(path)!r}"
+    try:
+        if path.suffix == ".npy":
+            arr = np.load(path, allow_pickle=False)
+        elif path.suffix == ".bin":
+            arr = np.fromfile(path, dtype=np.uint16)
+        else:
+            lines = [line.split() for line in path.read_text().splitlines() if line.strip()]
+            rows = [[int(x) for x in line] for line in lines]
+            same = len({len(r) for r in rows}) == 1 and len(rows) > 1
+            arr = np.array(rows if same else [x for r in rows for x in r], dtype=np.int64)
+    except OSError as exc:
+        raise QkovError(f"cannot read the {where} ({exc.strerror})") from None
+    except ValueError as exc:
+        raise QkovError(f"{where}: expected integer token ids ({exc})") from None
+    if not np.issubdtype(arr.dtype, np.integer) or arr.ndim not in (1, 2) or arr.size == 0:
+        raise QkovError(f"{where}: expected a 1-D or 2-D array of integer ids, got {arr.dtype} {arr.shape}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= d_vocab:
+        raise QkovError(f"{where}: id {lo if lo < 0 else hi} out of range [0, {d_vocab})")
+    return arr.astype(np.int64)
+
+
+def random_tokens(d_vocab: int, n_ctx: int, batch: int, *, bos: int = 0, seed: int = 0) -> torch.Tensor:
+    """``[batch, n_ctx]`` seeded uniform random ids, the start token ``bos`` first and never elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, max(1, d_vocab - 1), (batch, n_ctx), generator=g)
+    ids = ids + (ids >= bos).long()  # skip the start token's id
+    ids[:, 0] = bos
+    return ids
+
+
+def _sequences(arr: np.ndarray, model: Transformer, batch: int, where: str) -> torch.Tensor:
+    if arr.ndim == 2:
+        if arr.shape[1] > model.cfg.n_ctx:
+            raise QkovError(f"{where}: sequences of {arr.shape[1]} tokens are longer than n_ctx={model.cfg.n_ctx}")
+        return torch.from_numpy(arr[:batch])
+    return torch.from_numpy(val_batches(arr, model.cfg.n_ctx, model.bos_token_id, batch))
+
+
+def _corpus(ckpt: Path, model: Transformer, needed: bool) -> Corpus | None:
+    """The corpus a qkov checkpoint was trained on; ``None`` when it records none (or, when not
+    ``needed``, when it cannot be loaded)."""
     training = read_config(ckpt).get("training", {}) if source_kind(ckpt) == "qkov" else {}
     spec = training.get("corpus")
-    if spec and (text is None or want_corpus):
-        try:
-            val_fraction = training.get("config", {}).get("val_fraction", 0.05)
-            corpus = load_corpus(spec, vocab_size=model.cfg.d_vocab, val_fraction=val_fraction)
-        except QkovError:
-            if text is None:
-                raise
+    if not spec:
+        return None
+    try:
+        val_fraction = training.get("config", {}).get("val_fraction", 0.05)
+        return load_corpus(spec, vocab_size=model.cfg.d_vocab, val_fraction=val_fraction)
+    except QkovError:
+        if needed:
+            raise
+        return None
+
+
+def analysis_inputs(
+    ckpt: Path,
+    model: Transformer,
+    *,
+    text: Path | None = None,
+    tokens: Path | None = None,
+    batch: int = 8,
+    want_corpus: bool = False,
+    seed: int = 0,
+) -> AnalysisInput:
+    """The ``batch`` sequences an analysis of ``model`` (loaded from ``ckpt``) runs on; see the
+    module docstring for the order of preference. With ``text`` or ``tokens`` the corpus is
+    loaded only when ``want_corpus`` (for token frequencies), and then only if it can be.
+
+    Raises:
+        QkovError: both ``text`` and ``tokens``; a text but no tokenizer; an unreadable file; a
+            recorded corpus that cannot be loaded when it is the only source of text.
+    """
+    if text is not None and tokens is not None:
+        raise QkovError("give either a text file or a token file, not both")
+    given = text is not None or tokens is not None
+    corpus = _corpus(ckpt, model, needed=not given) if (want_corpus or not given) else None
+    freqs = None if corpus is None else np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab)
+    if tokens is not None:
+        arr = read_token_file(tokens, model.cfg.d_vocab)
+        seqs = _sequences(arr, model, batch, f"token file {str(tokens)!r}")
+        return AnalysisInput(seqs, freqs, f"token ids from {tokens}")
     if text is not None:
         if model.tokenizer is None:
-            raise QkovError("a text file needs a model with a tokenizer")
+            raise QkovError("a text file needs a model with a tokenizer (give token ids instead)")
         try:
             ids = model.tokenizer.encode(text.read_text(encoding="utf-8", errors="replace")).ids
         except OSError as exc:
             raise QkovError(f"cannot read the text {str(text)!r} ({exc.strerror})") from None
-        stream = np.asarray(ids, dtype=np.int64)
-    elif corpus is not None:
-        stream = corpus.val
-    else:
-        raise QkovError("the checkpoint records no training corpus to take text from", hint="text")
-    freqs = None if corpus is None else np.bincount(np.asarray(corpus.train), minlength=model.cfg.d_vocab)
-    return torch.from_numpy(val_batches(stream, model.cfg.n_ctx, model.bos_token_id, batch)), freqs
+        seqs = _sequences(np.asarray(ids, dtype=np.int64), model, batch, f"text {str(text)!r}")
+        return AnalysisInput(seqs, freqs, f"text from {text}")
+    if corpus is not None:
+        seqs = torch.from_numpy(val_batches(corpus.val, model.cfg.n_ctx, model.bos_token_id, batch))
+        return AnalysisInput(seqs, freqs, f"validation split of the training corpus ({corpus.source})")
+    seqs = random_tokens(model.cfg.d_vocab, model.cfg.n_ctx, batch, bos=model.bos_token_id, seed=seed)
+    return AnalysisInput(
+        seqs, None, f"seeded random tokens (seed {seed}): no text, token ids or training corpus given", natural=False
+    )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import html
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -27,140 +26,16 @@ from ..training.loop import train
 from .progress import TrainProgress
 from .report import write_report
 from .report.render import to_json
-from .report.sections import Absent, CompositionSection, HeadRow, Report, TrainingRecord, TrigramRow
+from .claims import Claim, claims, head_rows
+from .report.sections import Report, TrainingRecord
 
 LAYERS: tuple[int, ...] = (0, 1, 2)
-
-
-@dataclass
-class Claim:
-    claim: str  # what the paper says
-    measured: str  # what this run found, in words
-    holds: bool | None  # whether the measurement agrees (None: a number to compare, no verdict)
-    values: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        return vars(self).copy()
-
-
-def _rows(report: Report) -> list[HeadRow]:
-    return [] if isinstance(report.heads, Absent) else report.heads.rows
-
-
-def _fmt_tri(t: TrigramRow) -> str:
-    return f"{t.source_str!r} ... {t.destination_str!r} -> {t.output_str!r}"
-
-
-def _one_layer_claims(one: Report) -> list[Claim]:
-    rows = _rows(one)
-    copying = [r.head for r in rows if "copying" in r.roles]
-    out = [
-        Claim(
-            "1-layer: 10 of 12 heads are copying heads (positive OV eigenvalues)",
-            f"{len(copying)} of {len(rows)} heads copying ({', '.join(copying) or 'none'}); eigen scores "
-            + ", ".join(f"{r.head} {r.scores['eigen_copying']:+.2f}" for r in rows),
-            len(copying) >= len(rows) / 2,
-            {"copying_heads": copying, "n_heads": len(rows)},
-        )
-    ]
-    tris = sorted((t for h in one.trigrams.heads for t in h.rows), key=lambda t: -(t.score or 0.0))
-    self_tris = [t for t in tris if t.output_str.strip() == "self"]
-    shown = tris[:3] + [t for t in self_tris[:1] if t not in tris[:3]]
-    out.append(
-        Claim(
-            "1-layer: skip-trigrams like `def ... ( -> self` (Python code)",
-            "; ".join(_fmt_tri(t) for t in shown) or "no trigrams",
-            bool(self_tris) if tris else None,
-            {"top": [vars(t) for t in tris[:10]], "self": [vars(t) for t in self_tris[:5]]},
-        )
-    )
-    prefix = max((r.scores["prefix_matching"] for r in rows), default=0.0)
-    out.append(
-        Claim(
-            "1-layer models have no induction heads",
-            f"max prefix-matching score in the 1-layer model: {prefix:.3f}",
-            prefix < 0.3,
-            {"max_prefix_matching": prefix},
-        )
-    )
-    return out
-
-
-def _induction_claim(two: Report) -> Claim:
-    rows = _rows(two)
-    prev = {r.head for r in rows if "previous-token" in r.roles}
-    kcomp = two.composition.kinds.get("k") if isinstance(two.composition, CompositionSection) else None
-    found = []
-    for r in rows:
-        if "induction" not in r.roles:
-            continue
-        partners = [p for p in (kcomp.top if kcomp else []) if p.reader == r.head]
-        best = partners[0] if partners else None
-        found.append(
-            {
-                "head": r.head,
-                "layer": r.layer,
-                "prefix_matching": r.scores["prefix_matching"],
-                "induction": r.scores["induction"],
-                "k_writer": best.writer if best else None,
-                "k_adjusted": best.adjusted if best else None,
-                "writer_is_previous_token": bool(best and best.writer in prev),
-            }
-        )
-    words = "; ".join(
-        f"{f['head']} (prefix {f['prefix_matching']:.2f}, induction {f['induction']:.2f}) K-composes most with "
-        f"{f['k_writer']} ({f['k_adjusted'] or 0:+.3f}"
-        + (", a previous-token head)" if f["writer_is_previous_token"] else ")")
-        for f in found
-    )
-    holds = bool(found) and all(f["layer"] >= 1 for f in found) and any(f["writer_is_previous_token"] for f in found)
-    return Claim(
-        "2-layer: induction heads in layer 1, K-composing with a layer-0 previous-token head",
-        (words or "no induction heads found") + f"; previous-token heads: {', '.join(sorted(prev)) or 'none'}",
-        holds,
-        {"induction_heads": found, "previous_token_heads": sorted(prev)},
-    )
-
-
-def claims(reports: dict[int, Report]) -> list[Claim]:
-    """The paper's claims beside the measurements, from reports keyed by layer count.
-
-    Claims about a model that is missing from ``reports`` are left out.
-    """
-    out: list[Claim] = []
-    one, two = reports.get(1), reports.get(2)
-    if one is not None:
-        out += _one_layer_claims(one)
-    if two is not None:
-        out.append(_induction_claim(two))
-        ti = two.paths.importance.marginal_by_order
-        names = ("direct", "heads", "virtual heads")
-        out.append(
-            Claim(
-                "2-layer term importance ~1.8 / 5.2 / 0.3 nats (direct / heads / virtual heads)",
-                " / ".join(f"{v:.2f}" for v in ti[:3]) + " nats (" + " / ".join(names[: len(ti[:3])]) + ")",
-                None,
-                {"marginal_by_order": ti},
-            )
-        )
-    if one is not None and two is not None:
-        s1, s2 = one.icl.score, two.icl.score
-        s0 = reports[0].icl.score if 0 in reports else None
-        out.append(
-            Claim(
-                "ICL score ~ -0.4 nats once induction heads form; ~0 for 1-layer models",
-                f"2-layer {s2:+.3f}, 1-layer {s1:+.3f}" + (f", 0-layer {s0:+.3f}" if s0 is not None else "") + " nats",
-                s2 is not None and s1 is not None and s2 <= s1 - 0.1,
-                {"icl_0l": s0, "icl_1l": s1, "icl_2l": s2},
-            )
-        )
-    return out
 
 
 # ------------------------------------------------------------------------- page
 def _model_row(n: int, rep: Report) -> dict[str, Any]:
     record = rep.card.record or TrainingRecord()
-    rows = _rows(rep)
+    rows = head_rows(rep)
     return {
         "layers": n,
         "report": f"qkov-{n}l/report/index.html",
@@ -233,7 +108,7 @@ def render_page(
     )
     claim_rows = "\n".join(
         f"<tr><td class='l'>{html.escape(c.claim)}</td><td class='l'>{html.escape(c.measured)}</td>"
-        f"<td class='{verdict[c.holds]}'>{verdict[c.holds]}</td></tr>"
+        f"<td class='{verdict[c.holds]}'>{verdict[c.holds]}</td><td class='l rule'>{html.escape(c.rule)}</td></tr>"
         for c in table
     )
     return f"""<!DOCTYPE html>
@@ -262,7 +137,8 @@ report. Numbers are in <code>tour.json</code>.</p>
 late in the context (the in-context-learning score is the drop from token 50 to the last tokens).</p>
 {svg_curves(curves or {}, title="validation loss by token position")}
 <h2>The paper's claims, measured here</h2>
-<table><tr><th class="l">claim (paper)</th><th class="l">measured here</th><th></th></tr>
+<table><tr><th class="l">claim (paper)</th><th class="l">measured here</th><th></th>
+<th class="l">verdict rule (against the paper's number)</th></tr>
 {claim_rows}
 </table>
 </body></html>

@@ -9,8 +9,10 @@ folds on its own) and moves them to the requested device and dtype. MLP weights 
 only when asked for (attention analyses never do). Nothing is cached: the caller decides
 what stays in memory.
 
-LayerNorm is always folded (the view :meth:`Weights.from_model` gives by default); the
-optional centring of writers and of the unembedding is not offered here.
+LayerNorm is always folded, and by default the writers of a LayerNorm model and the
+unembedding are centred: the view :meth:`Weights.from_model` gives by default. Each writer
+row centres on its own; centring ``W_U`` needs its mean over the whole vocabulary, taken once
+in blocks of columns.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from ..io.checkpoint import MODEL_FILE, read_config
 from ..io.tensorfile import TensorFile
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
-from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader
+from .parts import AttentionWeights, MLPWeights, Unembedding, centre_rows, check_head, fold_reader, writer_centring
 
 _BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
 AUTO_LAZY_BYTES = 1 << 30  # the CLI streams a checkpoint whose model.safetensors is larger than this
@@ -42,10 +44,22 @@ class LazyCheckpoint:
     the caller decides what stays in memory.
     """
 
-    def __init__(self, path: Path | str, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        path: Path | str,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        center_writing: bool | None = None,
+        center_unembed: bool = True,
+    ):
+        """``center_writing`` and ``center_unembed`` as :meth:`Weights.from_model`'s (same defaults)."""
         self.path = Path(path)
         data = read_config(self.path)
         self.cfg = ModelConfig.from_dict(data["model"])
+        self.centered_writing = writer_centring(self.cfg, center_writing)
+        self.centered_unembed = center_unembed
+        self._unembed_mean: tuple[Tensor, Tensor] | None = None
         self.bos_token_id = int((data.get("tokenizer") or {}).get("bos_token_id", 0))
         self.dtype, self.device = dtype, torch.device(device)
         weights_path = self.path / MODEL_FILE
@@ -89,17 +103,40 @@ class LazyCheckpoint:
             return self._get(name)
         return torch.zeros(shape, device=self.device, dtype=self.dtype)
 
+    def _writer(self, t: Tensor) -> Tensor:
+        return centre_rows(t) if self.centered_writing else t  # type: ignore[return-value]
+
     def embed(self, rows: slice | None = None) -> Tensor:
         """``W_E [d_vocab, d_model]``, or the block ``rows`` of it."""
-        return self._get("W_E", rows)
+        return self._writer(self._get("W_E", rows))
 
     def pos(self) -> Tensor | None:
         """``W_pos [n_ctx, d_model]``, or ``None`` for a model without positional embeddings."""
-        return self._get("W_pos") if self.cfg.positional != "none" else None
+        if self.cfg.positional == "none":
+            return None
+        pos = self._get("W_pos")
+        return self._writer(pos) if self.layernorm or self.cfg.positional == "standard" else pos
 
     def unembed(self, cols: slice | None = None) -> Unembedding:
         """``W_U [d_model, v]`` and ``b_U [v]`` (all ``d_vocab`` columns, or the block ``cols``),
-        the final LayerNorm folded in (in blocks of columns: no full-size temporaries)."""
+        the final LayerNorm folded in and the vocabulary mean removed when centring."""
+        part = self._unembed_folded(cols)
+        if not self.centered_unembed:
+            return part
+        if self._unembed_mean is None:  # one pass over blocks of columns: the mean over the vocabulary
+            V, step = self.cfg.d_vocab, max(1, _BLOCK // self.cfg.d_model)
+            W_sum = torch.zeros(self.cfg.d_model, device=self.device, dtype=torch.float64)
+            b_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+            for lo in range(0, V, step):
+                block = self._unembed_folded(slice(lo, min(V, lo + step)))
+                W_sum += block.W_U.sum(-1, dtype=torch.float64)
+                b_sum += block.b_U.sum(dtype=torch.float64)
+            self._unembed_mean = ((W_sum / V).to(self.dtype), (b_sum / V).to(self.dtype))
+        W_mean, b_mean = self._unembed_mean
+        return Unembedding(part.W_U - W_mean[:, None], part.b_U - b_mean)
+
+    def _unembed_folded(self, cols: slice | None = None) -> Unembedding:
+        """``W_U``/``b_U`` with the final LayerNorm folded in (in blocks of columns: no full-size temporaries)."""
         V = self.cfg.d_vocab
         if cols is None and self.layernorm and V > _BLOCK // self.cfg.d_model:
             W = torch.empty(self.cfg.d_model, V, device=self.device, dtype=self.dtype)
@@ -107,7 +144,7 @@ class LazyCheckpoint:
             step = _BLOCK // self.cfg.d_model
             for lo in range(0, V, step):
                 block = slice(lo, min(V, lo + step))
-                part = self.unembed(cols=block)
+                part = self._unembed_folded(cols=block)
                 W[:, block], b[block] = part.W_U, part.b_U
             return Unembedding(W, b)
         W = self._get("W_U", cols=cols)
@@ -135,8 +172,9 @@ class LazyCheckpoint:
             g, beta = self._get(f"blocks.{layer}.ln1.w"), self._get(f"blocks.{layer}.ln1.b")
             for n in "QKV":
                 W[n], b[n] = fold_reader(W[n], b[n], g, beta, read_dim=1)
-        b_O = self._get_or_zeros(pre + "b_O", (D,))
-        return AttentionWeights(W["Q"], W["K"], W["V"], get("W_O", (h, E, D)), b["Q"], b["K"], b["V"], b_O)
+        b_O = self._writer(self._get_or_zeros(pre + "b_O", (D,)))
+        W_O = self._writer(get("W_O", (h, E, D)))
+        return AttentionWeights(W["Q"], W["K"], W["V"], W_O, b["Q"], b["K"], b["V"], b_O)
 
     def mlp(self, layer: int) -> MLPWeights | None:
         """Layer ``layer``'s MLP, ln2 folded into ``W_in``/``b_in``; ``None`` for an attention-only model."""
@@ -149,4 +187,5 @@ class LazyCheckpoint:
         if self.layernorm:
             g, beta = self._get(f"blocks.{layer}.ln2.w"), self._get(f"blocks.{layer}.ln2.b")
             W_in, b_in = fold_reader(W_in, b_in, g, beta, read_dim=0)
-        return MLPWeights(W_in, b_in, self._get(pre + "W_out"), self._get_or_zeros(pre + "b_out", (D,)))
+        W_out, b_out = self._writer(self._get(pre + "W_out")), self._writer(self._get_or_zeros(pre + "b_out", (D,)))
+        return MLPWeights(W_in, b_in, W_out, b_out)

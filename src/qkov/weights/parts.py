@@ -89,6 +89,16 @@ class WeightSource(Protocol):
         ...
 
     @property
+    def centered_writing(self) -> bool:
+        """Whether the writers (``W_E``, ``W_pos``, ``W_O``, ``b_O``, ``W_out``, ``b_out``) are centred."""
+        ...
+
+    @property
+    def centered_unembed(self) -> bool:
+        """Whether ``W_U`` and ``b_U`` have their mean over the vocabulary removed."""
+        ...
+
+    @property
     def in_memory(self) -> bool:
         """``True`` when reads are free views; ``False`` when each read copies from disk."""
         ...
@@ -118,6 +128,25 @@ class WeightSource(Protocol):
     def mlp(self, layer: int) -> MLPWeights | None:
         """Layer ``layer``'s MLP, or ``None`` for an attention-only model."""
         ...
+
+
+def writer_centring(cfg: ModelConfig, center_writing: bool | None) -> bool:
+    """Whether to centre the writers: ``None`` -> exactly when the model has LayerNorm (where it
+    is exact); ``True`` for a model without LayerNorm is refused (it would change its function)."""
+    layernorm = cfg.normalization == "layernorm"
+    if center_writing is None:
+        return layernorm
+    if center_writing and not layernorm:
+        raise QkovError(
+            "center_writing changes the function of a model without LayerNorm (nothing removes the "
+            "mean it subtracts); it is offered for LayerNorm models only"
+        )
+    return center_writing
+
+
+def centre_rows(x: Tensor | None) -> Tensor | None:
+    """``x`` minus its mean over the last (``d_model``) dimension: a centred writer."""
+    return None if x is None else x - x.mean(dim=-1, keepdim=True)
 
 
 def check_head(cfg: ModelConfig, layer: int, head: int | None = None) -> None:

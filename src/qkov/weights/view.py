@@ -8,7 +8,9 @@ d_mlp, d_model]``, ``W_U [d_model, d_vocab]`` and biases (zeros where the model 
 none). All analysis reads this view (or the memory-mapped :class:`~qkov.weights.LazyCheckpoint`)
 through the :class:`~qkov.weights.WeightSource` getters, never the module.
 
-Options (each documented where it is applied):
+Options (each documented where it is applied). The defaults give the weights TransformerLens
+analyses (``process_weights_``): LayerNorm folded, writers centred for LayerNorm models,
+unembedding centred; so composition and copying scores of the same model agree with it.
 
 * ``fold_ln`` — LayerNorm's gain and bias are folded into the weights that read the
   normalised stream (``W_Q, W_K, W_V``, ``W_in``, ``W_U``), each of whose columns is then
@@ -16,10 +18,11 @@ Options (each documented where it is applied):
   is a pure "centre and divide by the standard deviation" at each LayerNorm.
 * ``center_writing`` — the writers (``W_E``; ``W_pos`` for standard positions, or for any
   positions in a normalised view; ``W_O``, ``b_O``, ``W_out``, ``b_out``) have their mean over
-  ``d_model`` removed.
-  Exact for LayerNorm models (LN removes that mean anyway); it changes an LN-free model.
-* ``center_unembed`` — ``W_U`` (and ``b_U``) lose their mean over the vocabulary, a
-  change of logits by a per-position constant, which softmax ignores.
+  ``d_model`` removed. Exact for LayerNorm models (LN removes that mean anyway); on a model
+  without LayerNorm it would change the model's function, so it is refused there. Default:
+  on for LayerNorm models, off otherwise.
+* ``center_unembed`` (default on) — ``W_U`` (and ``b_U``) lose their mean over the vocabulary,
+  a change of logits by a per-position constant, which softmax ignores.
 
 :meth:`Weights.rotate` applies an orthogonal change of basis of the residual stream;
 :func:`qkov.analysis.forward.run` runs the model from any view (tests check that every
@@ -38,7 +41,7 @@ from torch import Tensor
 from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
-from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader
+from .parts import AttentionWeights, MLPWeights, Unembedding, centre_rows, check_head, fold_reader, writer_centring
 
 
 @dataclass(frozen=True)
@@ -85,13 +88,18 @@ class Weights:
         model: Transformer,
         *,
         fold_ln: bool = True,
-        center_writing: bool = False,
-        center_unembed: bool = False,
+        center_writing: bool | None = None,
+        center_unembed: bool = True,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> "Weights":
-        """Copy ``model``'s weights into a view; see the module docstring for the options."""
+        """Copy ``model``'s weights into a view; see the module docstring for the options.
+
+        ``center_writing=None`` centres the writers of a LayerNorm model (where it is exact) and
+        leaves a model without LayerNorm alone; ``True`` on a model without LayerNorm is refused.
+        """
         cfg = model.cfg
+        center_writing = writer_centring(cfg, center_writing)
         dev = torch.device(device) if device is not None else model.W_E.device
         L, H, D, E = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
 
@@ -230,11 +238,9 @@ class Weights:
         return self.replace(**ch)
 
     def center_writing_weights(self) -> "Weights":
-        """Remove the mean over ``d_model`` from every writer (exact only under LayerNorm)."""
-
-        def c(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x - x.mean(dim=-1, keepdim=True)
-
+        """Remove the mean over ``d_model`` from every writer (exact only under LayerNorm: it
+        changes a model without LayerNorm, which :meth:`from_model` therefore refuses)."""
+        c = centre_rows
         ch: dict[str, object] = {"W_E": c(self.W_E), "W_O": c(self.W_O), "b_O": c(self.b_O), "centered_writing": True}
         if self.cfg.positional == "standard" or (self.W_pos is not None and self.norm != "none"):
             ch["W_pos"] = c(self.W_pos)

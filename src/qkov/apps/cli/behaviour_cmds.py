@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -13,8 +12,18 @@ from rich.table import Table
 from ...analysis.heads import SCORE_COLUMNS, THRESHOLDS, head_report
 from ...analysis.paths import summarize
 from ...weights.view import Weights
-from ..inputs import analysis_text
-from .common import add_device, add_source_args, console, device, dump_json, load_source, nonneg_int, positive_int
+from ..inputs import analysis_inputs
+from .common import (
+    add_device,
+    add_inputs,
+    add_source_args,
+    console,
+    device,
+    dump_json,
+    load_source,
+    nonneg_int,
+    positive_int,
+)
 
 
 def add_paths(sub: Any) -> None:
@@ -30,11 +39,7 @@ def add_paths(sub: Any) -> None:
         ),
     )
     add_source_args(p)
-    p.add_argument(
-        "--text",
-        type=Path,
-        help="a text file to analyse (default: the validation split of the checkpoint's training corpus)",
-    )
+    add_inputs(p)
     p.add_argument("--batch", type=positive_int, default=8, help="sequences of n_ctx tokens (default 8)")
     p.add_argument("--top", type=positive_int, default=10, help="terms to list per order (default 10)")
     p.add_argument("--float64", action="store_true", help="compute in float64")
@@ -46,7 +51,8 @@ def add_paths(sub: Any) -> None:
 def cmd_paths(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "paths", " (its logits are the direct path alone)")
-    tokens, _ = analysis_text(args.ckpt, model, args.text, args.batch)
+    inputs = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=args.batch)
+    tokens = inputs.tokens
     dtype = torch.float64 if args.float64 else torch.float32
     w = Weights.from_model(model, dtype=dtype, device=dev)
     tokens = tokens.to(dev)
@@ -54,11 +60,12 @@ def cmd_paths(args: argparse.Namespace) -> int:
     summary = summarize(w, tokens, top_virtual=args.top)
     seconds = time.perf_counter() - t0
     ti, singles, virtual = summary.importance, summary.singles, summary.virtual
-    data = {"path": str(args.ckpt), **summary.to_dict(), "seconds": seconds}
+    data = {"path": str(args.ckpt), "inputs": inputs.source, **summary.to_dict(), "seconds": seconds}
     if args.json:
         dump_json(data)
         return 0
     con = console()
+    con.print(f"inputs: {inputs.source}", highlight=False)
     con.print(
         f"{tokens.shape[0]} x {tokens.shape[1]} tokens; sum of all path terms vs the model's logits: "
         f"max |difference| {data['reconstruction_max_abs_error']:.2e}; {seconds:.1f} s"
@@ -92,14 +99,18 @@ def add_heads(sub: Any) -> None:
         help="every head's scores (copying, previous-token, induction, sinks, ...) and its roles",
         description=(
             "Head taxonomy: previous-token, self-attention, sink and positional scores on validation text; "
-            "prefix-matching, induction, duplicate-token and copying scores on repeated random tokens "
-            "(Olsson et al. 2022: 25 tokens, not among the 5%% most or 20%% least frequent, repeated 4 times "
-            "after the start token, 10 examples); eigenvalue copying scores from the weights; the in-context "
-            "learning score; memory-management neurons. Roles come from documented thresholds."
+            "prefix-matching (attention to the positions after every earlier occurrence of the current token, "
+            "summed), induction, duplicate-token and copying scores on repeated random tokens (Olsson et al. "
+            "2022: 25 tokens, not among the 5%% most or 20%% least frequent, repeated 4 times after the start "
+            "token, 10 examples; rank copying: where the head's logits place the token it attends to, -1..1); "
+            "eigenvalue copying scores from the weights; the in-context learning score (loss at token 500, or "
+            "the last position, minus loss at token 50: negative when the model learns in context); "
+            "memory-management neurons. Roles come from documented thresholds; induction = prefix matching "
+            "and rank copying."
         ),
     )
     add_source_args(p)
-    p.add_argument("--text", type=Path, help="a text file (default: the validation split of the training corpus)")
+    add_inputs(p)
     p.add_argument("--batch", type=positive_int, default=8, help="sequences of validation text (default 8)")
     p.add_argument(
         "--icl-examples",
@@ -117,20 +128,24 @@ def add_heads(sub: Any) -> None:
 def cmd_heads(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "heads")
-    text, freqs = analysis_text(args.ckpt, model, args.text, max(args.batch, args.icl_examples), want_corpus=True)
+    rows = max(args.batch, args.icl_examples)
+    inputs = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=rows, want_corpus=True)
+    text = inputs.tokens
     report = head_report(
         Weights.from_model(model, device=dev),
         text[: args.batch],
         bos=model.bos_token_id,
-        frequencies=freqs,
+        frequencies=inputs.frequencies,
         seed=args.seed,
         diag_k=args.diag_k or None,
         icl_text=text[: args.icl_examples],
+        icl=inputs.natural,
     )
     if args.json:
-        dump_json({"path": str(args.ckpt), **report.to_dict()})
+        dump_json({"path": str(args.ckpt), "inputs": inputs.source, **report.to_dict()})
         return 0
     con = console()
+    con.print(f"inputs: {inputs.source}" + ("" if inputs.natural else "; no ICL score"), highlight=False)
     cols = SCORE_COLUMNS
     t = Table(title=f"heads of {args.ckpt}")
     t.add_column("head")

@@ -115,6 +115,24 @@ def load_source(args: argparse.Namespace, command: str | None = None, why: str =
     return model
 
 
+def add_inputs(p: argparse.ArgumentParser) -> None:
+    """``--text FILE`` or ``--tokens FILE``: what an analysis that runs the model reads."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--text",
+        type=Path,
+        help="a text file to analyse (default: the validation split of a qkov checkpoint's training corpus; "
+        "with no corpus and no tokenizer, seeded random tokens, and the output says so)",
+    )
+    g.add_argument(
+        "--tokens",
+        type=Path,
+        metavar="FILE",
+        help="token ids to analyse: .npy (1-D stream or 2-D [sequences, positions]), a raw uint16 .bin, or "
+        "whitespace-separated integers (a model without a tokenizer needs no text)",
+    )
+
+
 def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default="auto", help="where to compute: auto (default; cuda if available), cpu, cuda or cuda:N"

@@ -13,7 +13,7 @@ from ...errors import QkovError
 from ...io.sources import source_kind
 from ..report import write_report
 from ..tour import run_tour
-from .common import add_device, add_source_args, console, device, nonneg_int, positive_int
+from .common import add_device, add_inputs, add_source_args, console, device, nonneg_int, positive_int
 
 
 def add_report(sub: Any) -> None:
@@ -30,7 +30,7 @@ def add_report(sub: Any) -> None:
     )
     add_source_args(p)
     p.add_argument("-o", "--out", type=Path, help="output directory (default CKPT/report for a qkov checkpoint)")
-    p.add_argument("--text", type=Path, help="a text file to analyse (default: the training corpus's validation split)")
+    add_inputs(p)
     p.add_argument("--batch", type=positive_int, default=8, help="validation sequences for paths and head scores")
     p.add_argument("--icl-examples", type=positive_int, default=256, help="validation sequences for the ICL curve")
     p.add_argument("--viewer-tokens", type=positive_int, default=128, help="tokens in the attention viewer")
@@ -66,6 +66,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         top=args.top,
         device=args.device,
         text=args.text,
+        tokens=args.tokens,
         diag_k=args.diag_k,
         config=args.config,
     )
@@ -135,12 +136,13 @@ def cmd_tour(args: argparse.Namespace) -> int:
         )
     con.print(t)
     t = Table(title="the paper's claims, measured on these models", show_lines=True)
-    t.add_column("claim (paper)", max_width=48)
-    t.add_column("measured here", max_width=80)
+    t.add_column("claim (paper)", max_width=40)
+    t.add_column("measured here", max_width=60)
     t.add_column("")
+    t.add_column("verdict rule", max_width=44)
     mark = {True: "[green]agrees[/green]", False: "[red]differs[/red]", None: "compare"}
     for c in table:
-        t.add_row(c.claim, c.measured, mark[c.holds])
+        t.add_row(c.claim, c.measured, mark[c.holds], c.rule)
     con.print(t)
     con.print(
         f"tour done in {time.perf_counter() - t0:.0f} s; comparison page {args.out / 'index.html'}, reports in "

@@ -157,6 +157,12 @@ def trigram_data(
     decode = token_decoder(tokenizer)
     table = trigrams.TrigramTable(source, layer, index)  # reads W_E and W_U once
     data: dict[str, Any] = {"head": head}
+    if layer > 0:
+        data["note"] = (
+            f"head {head} is in layer {layer}: this is its one-layer (direct) view, reading the token "
+            "embeddings as queries and keys and writing straight to the unembedding; what earlier layers "
+            "write into its inputs (e.g. K-composition with a previous-token head) is not in it"
+        )
     if token is not None:
         ids = tokenizer.encode(token).ids
         if len(ids) != 1:
@@ -196,6 +202,8 @@ def cmd_trigrams(args: argparse.Namespace) -> int:
 
 def _print_trigrams(data: dict[str, Any], head: str) -> None:
     con = console()
+    if "note" in data:
+        con.print(f"note: {data['note']}", highlight=False)
     if "source" in data:
         src = data["source"]
         t = Table(title=f"head {head}, source {src['string']!r}")

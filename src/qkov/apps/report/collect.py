@@ -13,7 +13,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import numpy as np
 import torch
 
 from ...analysis import trigrams
@@ -30,7 +29,7 @@ from ...io.sources import load_any, source_kind
 from ...model.tokens import token_decoder
 from ...model.transformer import Transformer
 from ...weights.view import Weights
-from ..inputs import analysis_text
+from ..inputs import AnalysisInput, analysis_inputs
 from .sections import (
     Absent,
     AttentionSection,
@@ -87,7 +86,7 @@ def _stage(timings: dict[str, float], name: str, progress: Progress | None) -> I
 
 
 # ---------------------------------------------------------------------- sections
-def _card(ckpt: Path, model: Transformer) -> Card:
+def _card(ckpt: Path, model: Transformer, w: Weights) -> Card:
     kind = source_kind(ckpt)
     record, metrics = None, []
     if kind == "qkov":
@@ -105,13 +104,16 @@ def _card(ckpt: Path, model: Transformer) -> Card:
         train_loss=_rl([m["train_loss"] for m in logs]),
     )
     bw = [b.to_dict() for b in bandwidth(model.cfg)]
-    return Card(str(ckpt), model.cfg.to_dict(), model.num_parameters(), curve, bw, record, None if record else kind)
+    view = {"fold_ln": w.norm == "folded", "center_writing": w.centered_writing, "center_unembed": w.centered_unembed}
+    source = None if record else kind
+    return Card(str(ckpt), model.cfg.to_dict(), model.num_parameters(), curve, bw, record, source, view)
 
 
 def _heads(
-    w: Weights, bos: int, text: torch.Tensor, freqs: np.ndarray | None, icl_text: torch.Tensor, diag_k: int
+    w: Weights, bos: int, text: torch.Tensor, inputs: AnalysisInput, icl_text: torch.Tensor, diag_k: int
 ) -> tuple[HeadsSection, list[float] | None]:
-    rep = head_report(w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=diag_k or None)
+    freqs, natural = inputs.frequencies, inputs.natural
+    rep = head_report(w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=diag_k or None, icl=natural)
     rows = [HeadRow.from_dict(_rd(row)) for row in rep.rows()]
     icl = None if rep.icl is None else ICLSummary(rep.icl.score, rep.icl.early, rep.icl.late)
     columns = [list(c) for c in SCORE_COLUMNS]
@@ -179,6 +181,13 @@ def _repeat_losses(w: Weights, bos: int, length: int, batch: int, seed: int) -> 
     return RepeatCurves(n, _rl(nll[0:n]), _rl(nll[n : 2 * n]), probe.loss_by_copy[0], probe.loss_by_copy[1])
 
 
+def _icl(w: Weights, bos: int, seed: int, curve: list[float] | None, info: ICLSummary | None) -> ICLSection:
+    """The ICL section: the text's loss curve and score (when there is one) and the repeat curves."""
+    repeat = _repeat_losses(w, bos, min(100, (w.cfg.n_ctx - 1) // 2), batch=16, seed=seed)
+    rounded = None if curve is None else _rl(curve)
+    return ICLSection(rounded, repeat, *(() if info is None else (info.score, info.early, info.late)))
+
+
 def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection:
     heads = []
     for h in range(w.cfg.n_heads if w.cfg.n_layers >= 1 else 0):
@@ -189,13 +198,13 @@ def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection
 
 
 def _inputs(
-    ckpt: Path, model: Transformer, tokens: torch.Tensor | None, text: Path | None, rows: int
-) -> tuple[torch.Tensor, np.ndarray | None]:
-    if tokens is None:
-        return analysis_text(ckpt, model, text, rows, want_corpus=True)
+    ckpt: Path, model: Transformer, tokens: torch.Tensor | Path | None, text: Path | None, rows: int, seed: int
+) -> AnalysisInput:
+    if not isinstance(tokens, torch.Tensor):
+        return analysis_inputs(ckpt, model, text=text, tokens=tokens, batch=rows, want_corpus=True, seed=seed)
     if tokens.ndim != 2 or tokens.shape[1] > model.cfg.n_ctx:
         raise QkovError(f"report: tokens must be [batch, <= {model.cfg.n_ctx}], got {list(tokens.shape)}")
-    return tokens.long(), None
+    return AnalysisInput(tokens.long(), None, "token ids given by the caller")
 
 
 def collect(
@@ -209,7 +218,7 @@ def collect(
     seed: int = 0,
     device: str = "auto",
     text: Path | None = None,
-    tokens: torch.Tensor | None = None,
+    tokens: torch.Tensor | Path | None = None,
     diag_k: int | None = None,
     progress: Progress | None = None,
 ) -> Report:
@@ -224,14 +233,15 @@ def collect(
         viewer_tokens: tokens of validation text shown in the attention viewer.
         top: rows of each skip-trigram / bigram / term table.
         text: a text file to analyse instead of the training corpus's validation split.
-        tokens: ``[B, n_ctx]`` token ids to analyse instead (for models without a corpus or
-            tokenizer); the first ``batch`` rows serve the paths and head scores, all of them
-            the ICL curve.
+        tokens: token ids to analyse instead (for models without a corpus or tokenizer): a
+            ``[B, n_ctx]`` tensor or a token file (:func:`qkov.apps.inputs.read_token_file`); the
+            first ``batch`` rows serve the paths and head scores, all of them the ICL curve. With
+            none of these and no corpus, seeded random tokens (no ICL score; the report says so).
         diag_k: k of the heads' "own logit in the top k of its OV row" rate (exact, ~V^2 d_head
             work per head); ``None`` = 5 up to a vocabulary of 8192, else skipped (0).
         progress: called with the name of each stage as it starts.
     Raises:
-        QkovError: the checkpoint cannot be read, or has no corpus to take text from.
+        QkovError: the checkpoint or a given file cannot be read.
     """
     ckpt = Path(ckpt)
     dev = pick_device(device)
@@ -239,25 +249,27 @@ def collect(
     t_start = time.perf_counter()
     with _stage(timings, "load", progress):
         model = load_any(ckpt, config=config).to(dev).eval()
-        ids, freqs = _inputs(ckpt, model, tokens, text, max(batch, icl_examples))
-        text_ids = ids.to(dev)
-        w = Weights.from_model(model, device=dev)  # LayerNorm folded (the default view)
+        inputs = _inputs(ckpt, model, tokens, text, max(batch, icl_examples), seed)
+        text_ids = inputs.tokens.to(dev)
+        w = Weights.from_model(model, device=dev)  # the default view: TransformerLens's processed weights
     decode, bos, L = token_decoder(model.tokenizer), model.bos_token_id, model.cfg.n_layers
     no_heads = Absent("a 0-layer model has no attention heads")
     with _stage(timings, "model card", progress):
-        card = _card(ckpt, model)
+        card = _card(ckpt, model, w)
     heads: Any = no_heads
     eigen: Any = no_heads
     if L >= 1:
         with _stage(timings, "heads", progress):
             k = diag_k if diag_k is not None else (5 if model.cfg.d_vocab <= 8192 else 0)
-            heads, icl_curve = _heads(w, bos, text_ids[:batch], freqs, text_ids[:icl_examples], k)
+            heads, icl_curve = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], k)
             icl_info = heads.icl
         with _stage(timings, "OV eigenvalues", progress):
             eigen = _eigenvalues(w)
-    else:
+    elif inputs.natural:
         icl = icl_score(w, text_ids[:icl_examples])
         icl_curve, icl_info = icl.loss_by_position, ICLSummary(icl.score, icl.early, icl.late)
+    else:
+        icl_curve, icl_info = None, None
     with _stage(timings, "composition", progress):
         composition: Any = _composition(w) if L >= 2 else Absent("composition needs at least two layers")
         if L == 0:
@@ -268,12 +280,9 @@ def collect(
         viewer = text_ids[0, : min(viewer_tokens, model.cfg.n_ctx)]
         attention: Any = _attention(w, viewer, decode) if L >= 1 else Absent("a 0-layer model has no attention")
     with _stage(timings, "in-context learning", progress):
-        repeat = _repeat_losses(w, bos, min(100, (model.cfg.n_ctx - 1) // 2), batch=16, seed=seed)
-        curve = None if icl_curve is None else _rl(icl_curve)
-        icl_section = ICLSection(
-            curve, repeat, *(() if icl_info is None else (icl_info.score, icl_info.early, icl_info.late))
-        )
+        icl_section = _icl(w, bos, seed, icl_curve, icl_info)
     with _stage(timings, "skip-trigrams", progress):
         tri = _trigrams(w, decode, bos, top)
     timings["total"] = round(time.perf_counter() - t_start, 3)
-    return Report(str(ckpt), ckpt.name, card, heads, eigen, composition, paths, attention, icl_section, tri, timings)
+    sections = (card, heads, eigen, composition, paths, attention, icl_section, tri)
+    return Report(str(ckpt), ckpt.name, *sections, timings=timings, inputs=inputs.source)

@@ -13,7 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union
 
-from ...analysis.paths import PathSummary, TermEffect, TermImportance
+from ...analysis.paths import PathSummary
 from ...errors import QkovError
 
 SCHEMA_VERSION = 2  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, "schema_version", heads "columns"
@@ -91,6 +91,8 @@ class Card:
     bandwidth: list[dict[str, Any]]
     record: TrainingRecord | None = None
     source: str | None = None
+    # what the analyses read: {"fold_ln", "center_writing", "center_unembed"} of the weights view
+    view: dict[str, bool] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"path": self.path, "model": self.model, "parameters": self.parameters}
@@ -98,14 +100,13 @@ class Card:
             d.update(_plain(self.record))
         if self.source is not None:
             d["source"] = self.source
-        return {**d, "curve": _plain(self.curve), "bandwidth": self.bandwidth}
+        return {**d, "curve": _plain(self.curve), "bandwidth": self.bandwidth, "view": self.view}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Card":
         record = None if "source" in d else _build(TrainingRecord, d)
-        return cls(
-            d["path"], d["model"], d["parameters"], _build(Curve, d["curve"]), d["bandwidth"], record, d.get("source")
-        )
+        curve = _build(Curve, d["curve"])
+        return cls(d["path"], d["model"], d["parameters"], curve, d["bandwidth"], record, d.get("source"), d["view"])
 
 
 # ----------------------------------------------------------------------- heads
@@ -229,20 +230,6 @@ class CompositionSection:
         return cls({k: CompositionKind.from_dict(v) for k, v in d.items()})
 
 
-# ---------------------------------------------------------------------- paths
-def paths_from_dict(d: dict[str, Any]) -> PathSummary:
-    """A :class:`PathSummary` from its JSON form (the paths section is that dataclass)."""
-    ti = d["term_importance"]
-    effects = lambda rows: [TermEffect(r["name"], r["loss_change"], r["size"]) for r in rows]  # noqa: E731
-    return PathSummary(
-        d["tokens"],
-        d["reconstruction_max_abs_error"],
-        TermImportance(ti["run_losses"], ti["full_loss"], ti["uniform_loss"]),
-        effects(d["single_head_terms"]),
-        effects(d["virtual_head_terms"]),
-    )
-
-
 # ------------------------------------------------------- attention, ICL, trigrams
 @dataclass
 class AttentionSection:
@@ -360,6 +347,7 @@ class Report:
     icl: ICLSection
     trigrams: TrigramsSection
     timings: dict[str, float] = field(default_factory=dict)
+    inputs: str = ""  # the tokens the behavioural sections ran on
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -367,6 +355,7 @@ class Report:
             "schema_version": self.schema_version,
             "path": self.path,
             "name": self.name,
+            "inputs": self.inputs,
             "card": self.card.to_dict(),
             "heads": self.heads.to_dict(),
             "eigenvalues": self.eigenvalues.to_dict(),
@@ -391,9 +380,10 @@ class Report:
             heads=_maybe(d["heads"], HeadsSection.from_dict),
             eigenvalues=_maybe(d["eigenvalues"], EigenSection.from_dict),
             composition=_maybe(d["composition"], CompositionSection.from_dict),
-            paths=paths_from_dict(d["paths"]),
+            paths=PathSummary.from_dict(d["paths"]),
             attention=_maybe(d["attention"], AttentionSection.from_dict),
             icl=ICLSection.from_dict(d["icl"]),
             trigrams=TrigramsSection.from_dict(d["trigrams"]),
             timings=d.get("timings", {}),
+            inputs=d["inputs"],
         )

@@ -78,6 +78,12 @@
         ["corpus", String(c.corpus || "–")],
       );
     }
+    const v = c.view || {};
+    const done = [v.fold_ln && "LayerNorm folded into the readers", v.center_writing && "writers centred",
+      v.center_unembed && "unembedding centred"].filter(Boolean);
+    rows.push(["weights analysed", (done.length ? done.join(", ") : "as stored") +
+      " (TransformerLens's processed weights by default)"]);
+    rows.push(["analysed on", String(D.inputs || "–")]);
     table(sec, ["", ""], rows, [0, 1]);
     const cv = c.curve;
     if (cv && cv.tokens.length) {

@@ -1,0 +1,96 @@
+"""A model with no tokenizer and no training corpus (say, imported from a TransformerLens state
+dict): every analysis runs from the command line on token ids, or on seeded random tokens, and
+names the heads the model was built with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qkov.apps.cli import main
+from qkov.io.checkpoint import save_checkpoint
+
+from test_heads import CTX, V, hand_built
+
+
+@pytest.fixture(scope="module")
+def hand(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("hand") / "ckpt"
+    model = hand_built()
+    assert model.tokenizer is None
+    save_checkpoint(path, model)
+    return path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:
+        rc = int(exc.code)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _roles(data: dict) -> dict[str, list[str]]:
+    return {r["head"]: r["roles"] for r in data["heads"]}
+
+
+def _designed(roles: dict[str, list[str]]) -> None:
+    assert "previous-token" in roles["0.0"] and "sink" in roles["0.1"] and "induction" in roles["1.0"]
+    assert all("induction" not in roles[h] for h in ("0.0", "0.1", "1.1"))
+
+
+def test_heads_on_random_tokens_and_on_token_files(hand: Path, tmp_path: Path, capsys) -> None:
+    rc, out, err = _run(capsys, "heads", hand, "--json", "--batch", 4, "--icl-examples", 4)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["inputs"].startswith("seeded random tokens") and data["icl"] is None
+    _designed(_roles(data))
+    stream = np.random.default_rng(0).integers(1, V, 4 * CTX)
+    np.save(tmp_path / "ids.npy", stream)
+    (tmp_path / "ids.txt").write_text("\n".join(" ".join(map(str, row)) for row in stream.reshape(4, CTX)))
+    stream.astype(np.uint16).tofile(tmp_path / "ids.bin")
+    for name in ("ids.npy", "ids.txt", "ids.bin"):
+        rc, out, err = _run(capsys, "heads", hand, "--json", "--batch", 4, "--tokens", tmp_path / name)
+        assert rc == 0, err
+        data = json.loads(out)
+        assert data["inputs"] == f"token ids from {tmp_path / name}"
+        _designed(_roles(data))
+    rc, out, _ = _run(capsys, "heads", hand, "--batch", 2, "--icl-examples", 2)
+    assert rc == 0 and "inputs: seeded random tokens" in out and "no ICL score" in out
+
+
+def test_paths_and_report_without_a_tokenizer(hand: Path, tmp_path: Path, capsys) -> None:
+    rc, out, err = _run(capsys, "paths", hand, "--json", "--batch", 2)
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["inputs"].startswith("seeded random tokens") and data["reconstruction_max_abs_error"] < 1e-3
+    ids = np.random.default_rng(1).integers(1, V, (6, CTX))
+    ids[:, 0] = 0
+    np.save(tmp_path / "rows.npy", ids)
+    rc, _, err = _run(capsys, "report", hand, "-o", tmp_path / "rep", "--tokens", tmp_path / "rows.npy", "--quiet")
+    assert rc == 0, err
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rep["inputs"] == f"token ids from {tmp_path / 'rows.npy'}"
+    assert rep["attention"]["tokens"][:3] == [f"<{i}>" for i in ids[0, :3]]  # ids as labels
+    _designed({r["head"]: r["roles"] for r in rep["heads"]["rows"]})
+    assert rep["composition"]["k"]["top"][0]["writer"] == "0.0" and rep["composition"]["k"]["top"][0]["reader"] == "1.0"
+
+
+@pytest.mark.parametrize(
+    "content, name, needle",
+    [
+        ("1 2 3 999", "bad.txt", "out of range"),
+        ("1 2 x", "bad.txt", "integer token ids"),
+        ("", "empty.txt", "1-D or 2-D array"),
+    ],
+)
+def test_bad_token_files_are_one_line_errors(hand: Path, tmp_path: Path, capsys, content, name, needle) -> None:
+    (tmp_path / name).write_text(content)
+    rc, _, err = _run(capsys, "heads", hand, "--tokens", tmp_path / name)
+    assert rc == 2 and err.count("\n") == 1 and needle in err, err
+    rc, _, err = _run(capsys, "paths", hand, "--tokens", tmp_path / "missing.npy")
+    assert rc == 2 and "cannot read" in err
