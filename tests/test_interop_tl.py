@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -293,10 +294,16 @@ class _Gadget:  # a pickled object that weights_only=True must refuse to build
         return (print, ("unpickled!",))
 
 
-def test_torch_files_are_read_without_unpickling_code(tmp_path: Path) -> None:
+def test_torch_files_are_read_without_unpickling_code(tmp_path: Path, capfd: pytest.CaptureFixture) -> None:
     torch.save({"embed.W_E": torch.zeros(2, 2), "x": _Gadget()}, tmp_path / "evil.pt")
-    with pytest.raises(QkovError, match="unreadable with weights_only=True"):
-        load_tl(tmp_path / "evil.pt", {"n_layers": 0})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's own warning (advising weights_only=False) must not show
+        with pytest.raises(QkovError, match="holds Python objects beyond tensors.*qkov never does") as err:
+            load_tl(tmp_path / "evil.pt", {"n_layers": 0})
+    assert "weights_only=False" not in str(err.value) and "unpickled!" not in capfd.readouterr().out
+    (tmp_path / "garbage.pt").write_bytes(b"not a torch file")
+    with pytest.raises(QkovError, match="is unreadable"):
+        load_tl(tmp_path / "garbage.pt", {"n_layers": 0})
     (tmp_path / "m.txt").write_text("x")
     with pytest.raises(QkovError, match="expected .pt, .pth or .safetensors"):
         load_tl(tmp_path / "m.txt", {})

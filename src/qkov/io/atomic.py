@@ -1,15 +1,28 @@
 """Atomic file writes: write to a temporary file in the same folder, fsync, rename.
 
-A reader (or a process killed mid-write) sees either the old file or the new
-one, never half of one.
+A reader (or a process killed mid-write) sees either the old file or the new one, never half
+of one. A write that fails (a full disk, a read-only folder) removes its temporary file, leaves
+the old file as it was, and raises a one-line :class:`~qkov.QkovError`.
+
+Temporary files are named ``.<name>.<random>.tmp`` beside their target; a process killed
+mid-write leaves one behind, which :func:`remove_stale_temporaries` cleans up.
+
+Fault injection, for tests only: ``QKOV_FAULT=kill:N`` ends the process (``os._exit(137)``, as
+abruptly as SIGKILL) when the N-th atomic write of the process has filled its temporary file,
+before the rename; ``QKOV_FAULT=enospc:N`` makes the N-th write fail as a full disk does.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from ..errors import QkovError
+
+_writes = 0  # atomic writes in this process (the fault-injection counter)
 
 
 def _umask() -> int:
@@ -18,23 +31,61 @@ def _umask() -> int:
     return mask
 
 
+def _fault() -> None:
+    """The test-only fault hook (see the module docstring)."""
+    global _writes
+    _writes += 1
+    spec = os.environ.get("QKOV_FAULT")
+    if not spec:
+        return
+    kind, _, at = spec.partition(":")
+    if at.isdigit() and int(at) == _writes:
+        if kind == "kill":
+            os._exit(137)
+        if kind == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _disk_error(path: Path, exc: BaseException) -> QkovError | None:
+    """A one-line error for a write the file system refused (``None``: not such an error)."""
+    text = str(exc)
+    if isinstance(exc, OSError):
+        reason = exc.strerror or text
+    elif "No space left" in text or "StorageFull" in text or "code: 28" in text:  # safetensors' own IO errors
+        reason = os.strerror(errno.ENOSPC)
+    else:
+        return None
+    return QkovError(f"cannot write {str(path)!r}: {reason} (the previous version of the file is kept)")
+
+
 def atomic_write(path: Path | str, writer: Callable[[str], None]) -> None:
-    """Call ``writer(tmp_path)`` to fill a temporary file, then rename it onto ``path``."""
+    """Call ``writer(tmp_path)`` to fill a temporary file, then rename it onto ``path``.
+
+    Raises:
+        QkovError: the file system refused the write (full disk, no permission); nothing changed.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as exc:
+        raise QkovError(f"cannot write {str(path)!r}: {exc.strerror}") from None
     os.close(fd)
     try:
         writer(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the mode a plain open() would
+        _fault()
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        error = _disk_error(path, exc) if isinstance(exc, Exception) else None
+        if error is not None:
+            raise error from None
         raise
 
 
@@ -48,3 +99,16 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
 
 def atomic_write_text(path: Path | str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def remove_stale_temporaries(folder: Path, names: tuple[str, ...]) -> list[Path]:
+    """Delete the temporary files killed writes of ``names`` left in ``folder``; return them."""
+    gone = []
+    for name in names:
+        for tmp in folder.glob(f".{name}.*.tmp"):
+            try:
+                tmp.unlink()
+                gone.append(tmp)
+            except FileNotFoundError:
+                pass
+    return gone

@@ -41,6 +41,7 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .atomic import atomic_write
 from .checkpoint import load_state, save_tensors
+from .torchfile import read_torch_file
 
 CONFIG_KEY = "transformer_lens_config"  # safetensors metadata key holding the config JSON
 
@@ -295,13 +296,7 @@ def load_tl(
         if embedded is not None:
             embedded = _parse_json(embedded, f"{path}: metadata {CONFIG_KEY}")
     elif path.suffix in (".pt", ".pth"):
-        try:
-            obj = torch.load(str(path), map_location="cpu", weights_only=True)
-        except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError ...
-            raise QkovError(
-                f"TransformerLens file {str(path)!r} is unreadable with weights_only=True "
-                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
-            ) from None
+        obj = read_torch_file(path, "TransformerLens file")
         if isinstance(obj, dict) and "state_dict" in obj:
             embedded, sd = obj.get("config"), obj["state_dict"]
         else:

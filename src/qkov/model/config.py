@@ -30,7 +30,7 @@ class ModelConfig:
         d_model: width of the residual stream.
         d_head: width of each head's query/key/value.
         d_vocab: vocabulary size.
-        n_ctx: longest sequence the model accepts (positions 0 .. n_ctx-1).
+        n_ctx: longest sequence the model accepts (positions 0 .. n_ctx-1); at least 2.
         positional: ``shortformer`` (positions added to the query/key input only, as the
             paper's models), ``standard`` (added to the residual stream) or ``none``.
         normalization: ``none`` (the paper's attention-only models) or ``layernorm``
@@ -56,8 +56,9 @@ class ModelConfig:
     ln_eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        for name in ("n_heads", "d_model", "d_head", "d_vocab", "n_ctx"):
+        for name in ("n_heads", "d_model", "d_head", "d_vocab"):
             check_int("config", name, getattr(self, name))
+        check_int("config", "n_ctx", self.n_ctx, minimum=2)  # a start token and one token to predict
         check_int("config", "n_layers", self.n_layers, minimum=0)
         check_choice("config", "positional", self.positional, POSITIONAL_CHOICES)
         check_choice("config", "normalization", self.normalization, NORMALIZATION_CHOICES)

@@ -42,6 +42,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "batch", "eval_interval", "eval_examples", "ckpt_interval", "log_interval"):
             check_int("train", name, getattr(self, name))
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63:
+            raise QkovError(f"train: seed must be an integer in [0, 2^63), got {self.seed!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise QkovError(f"train: lr must be a positive number, got {self.lr!r}")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):

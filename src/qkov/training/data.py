@@ -55,6 +55,7 @@ class Corpus:
     d_vocab: int
     source: str
     stats: dict = field(default_factory=dict)
+    vocab_trained: bool = False  # the tokenizer was trained here, to the vocabulary size asked for
 
     def tokenizer(self) -> Tokenizer | None:
         if self.tokenizer_json is None:
@@ -128,6 +129,27 @@ def read_texts(files: list[TextFile]) -> tuple[list[tuple[str, str]], dict]:
         stats["bytes"] += len(raw)
         texts.append((f.rel, text))
     return texts, stats
+
+
+def split_texts(texts: list[tuple[str, str]], val_fraction: float) -> tuple[list[str], list[str], str]:
+    """Training and validation documents, and how they were split.
+
+    By file (:func:`is_val_file`) when that leaves both sides a file; with several files but
+    one side empty, one file is moved across; a single file is split inside its text (the last
+    ``val_fraction`` of it is validation).
+    """
+    train = [t for rel, t in texts if not is_val_file(rel, val_fraction)]
+    val = [t for rel, t in texts if is_val_file(rel, val_fraction)]
+    if train and val:
+        return train, val, "by file"
+    if len(texts) > 1:
+        moved = texts[-1][0]
+        if not val:
+            return train[:-1], train[-1:], f"the last file ({moved}) held out for validation"
+        return val[-1:], val[:-1], f"the last file ({moved}) moved to training"
+    only = texts[0][1]
+    cut = int(len(only) * (1 - val_fraction))
+    return [only[:cut]], [only[cut:]], f"one file: its last {val_fraction:.0%} is validation"
 
 
 def _fingerprint(files: list[TextFile]) -> str:
@@ -212,22 +234,17 @@ def load_corpus(
             val = np.load(cdir / "val.npy", allow_pickle=False)
             tok_json = (cdir / "tokenizer.json").read_text()
             say(f"corpus: cached tokens from {cdir}")
-            return Corpus(train, val, tok_json, meta["bos_token_id"], meta["d_vocab"], spec, meta["stats"])
+            return Corpus(train, val, tok_json, meta["bos_token_id"], meta["d_vocab"], spec, meta["stats"], True)
         except (OSError, ValueError, KeyError, json.JSONDecodeError):
             say("corpus: cache unreadable, rebuilding")
     say(f"corpus: reading {len(files)} files under {root}")
     texts, stats = read_texts(files)
     if not texts:
         raise QkovError(f"corpus: {spec!r} holds no non-empty text files")
-    train_docs = [t for rel, t in texts if not is_val_file(rel, val_fraction)]
-    val_docs = [t for rel, t in texts if is_val_file(rel, val_fraction)]
-    if not val_docs:  # tiny corpora: hold out the last file (or the tail of the only one)
-        if len(train_docs) > 1:
-            val_docs = [train_docs.pop()]
-        else:
-            only = train_docs[0]
-            cut = int(len(only) * (1 - val_fraction))
-            train_docs, val_docs = [only[:cut]], [only[cut:]]
+    train_docs, val_docs, how = split_texts(texts, val_fraction)
+    stats["split"] = how
+    if how != "by file":
+        say(f"corpus: too few files to split by file: {how}")
     say(f"corpus: training a byte-level BPE tokenizer (vocab {vocab_size}) on {len(train_docs)} files")
     tok = train_tokenizer(train_docs, vocab_size)
     bos = tok.token_to_id(BOS_TOKEN)
@@ -243,7 +260,7 @@ def load_corpus(
     _save_npy(cdir / "val.npy", val)
     atomic_write_text(cdir / "tokenizer.json", tok.to_str())
     atomic_write_text(meta_path, json.dumps(meta, indent=1))  # written last: marks the cache complete
-    return Corpus(train, val, tok.to_str(), bos, tok.get_vocab_size(), spec, stats)
+    return Corpus(train, val, tok.to_str(), bos, tok.get_vocab_size(), spec, stats, True)
 
 
 def _save_npy(path: Path, arr: np.ndarray) -> None:
@@ -274,7 +291,10 @@ def _load_token_file(path: Path, val_fraction: float) -> Corpus:
     bos = 0
     d_vocab = int(arr.max()) + 1
     if tok_json is not None:
-        tok = Tokenizer.from_str(tok_json)
+        try:
+            tok = Tokenizer.from_str(tok_json)
+        except Exception as exc:  # tokenizers raises its own Exception type
+            raise QkovError(f"corpus: {str(tok_path)!r} beside the token file is not a tokenizer ({exc})") from None
         found = tok.token_to_id(BOS_TOKEN)
         bos = 0 if found is None else found
         d_vocab = max(d_vocab, tok.get_vocab_size())

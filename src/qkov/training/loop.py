@@ -30,7 +30,7 @@ from ..analysis.probes import induction_probe
 from ..device import pick_device
 from ..errors import QkovError
 from ..io.atomic import atomic_write_text
-from ..io.checkpoint import METRICS_FILE, MODEL_FILE, STATE_FILE, read_config, read_metrics, save_checkpoint
+from ..io.checkpoint import METRICS_FILE, STATE_FILE, read_config, read_metrics, save_checkpoint
 from ..model.config import ModelConfig
 from ..model.ops import next_token_loss
 from ..model.transformer import Transformer
@@ -39,7 +39,8 @@ from . import distributed
 from .config import TrainConfig, lr_at
 from .data import Batches, Corpus, load_corpus, val_batches
 from .losses import LossModule
-from .state import load_state, make_optimizer, save_state
+from . import rundir
+from .state import load_state, make_optimizer, read_meta, save_state
 
 Callback = Callable[[dict[str, Any]], None]
 
@@ -87,25 +88,41 @@ class Plan:
     emit: Callback
 
 
+def saved_configs(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model and training config dicts of the run in ``out``: from its training state (the
+    source of truth, present even when a kill left no ``config.json``), else from ``config.json``."""
+    kind = rundir.inspect(out)
+    if kind != "resumable":
+        why = "is not a qkov run" if kind == "foreign" else "holds no complete training state"
+        raise QkovError(f"resume: {str(out)!r} {why} ({STATE_FILE}); nothing to resume")
+    _, extra = read_meta(out / STATE_FILE)
+    if "model_config" in extra:
+        return extra["model_config"], extra["train_config"]
+    saved = read_config(out)  # a state written before the configs were kept in it
+    return saved["model"], saved.get("training", {}).get("config", {})
+
+
 def _configs(
     out: Path, model_cfg: ModelConfig | None, train_cfg: TrainConfig | None, resume: bool
 ) -> tuple[ModelConfig, TrainConfig]:
     """The run's configs: the saved ones on resume (refusing different ones), else the given or default."""
     if resume:
-        if not (out / STATE_FILE).is_file():
-            raise QkovError(f"resume: {str(out)!r} holds no training state ({STATE_FILE}); nothing to resume")
-        saved = read_config(out)
-        saved_model = ModelConfig.from_dict(saved["model"])
-        saved_train = TrainConfig.from_dict(saved.get("training", {}).get("config", {}))
+        saved_model_d, saved_train_d = saved_configs(out)
+        saved_model, saved_train = ModelConfig.from_dict(saved_model_d), TrainConfig.from_dict(saved_train_d)
         if model_cfg is not None and model_cfg != saved_model:
             raise QkovError("resume: the model options differ from the saved run's; resume uses the saved ones")
         if train_cfg is not None and train_cfg != saved_train:
             raise QkovError("resume: the training options differ from the saved run's; resume uses the saved ones")
         return saved_model, saved_train
-    if (out / STATE_FILE).exists() or (out / MODEL_FILE).exists():
+    kind = rundir.inspect(out)
+    if kind == "resumable":
         raise QkovError(
             f"{str(out)!r} already holds a run: resume it, or choose another output directory", hint="resume"
         )
+    if kind == "foreign":
+        names = rundir.foreign_entries(out)
+        what = "is a file" if not out.is_dir() else f"holds files that are not a qkov run ({', '.join(names[:3])})"
+        raise QkovError(f"{str(out)!r} {what}: qkov trains only into a new or empty directory", hint="out")
     return model_cfg or ModelConfig(), train_cfg or TrainConfig()
 
 
@@ -140,6 +157,11 @@ def prepare(
         corpus = load_corpus(tc.corpus, vocab_size=model_cfg.d_vocab, val_fraction=tc.val_fraction, progress=say)
     if corpus.d_vocab > model_cfg.d_vocab:
         raise QkovError(f"corpus vocabulary ({corpus.d_vocab}) exceeds the model's d_vocab ({model_cfg.d_vocab})")
+    if corpus.vocab_trained and corpus.d_vocab < model_cfg.d_vocab:
+        raise QkovError(
+            f"the tokenizer trained on this corpus reaches only {corpus.d_vocab} tokens, fewer than the "
+            f"{model_cfg.d_vocab} asked for: ask for at most {corpus.d_vocab}"
+        )
     if sync_cache and dist_info.main:
         distributed.barrier(dist_info)
     return Plan(out, model_cfg, tc, resume, dist_info, dev, corpus, emit)
@@ -160,6 +182,8 @@ class Session:
     wall: float = 0.0
     metrics: list[dict[str, Any]] = field(default_factory=list)
     last: dict[str, Any] = field(default_factory=dict)  # the latest value of every metric
+    loss_acc: float = 0.0  # the open log window: summed losses of the steps since the last log row
+    n_acc: int = 0
 
     @classmethod
     def build(cls, plan: Plan) -> "Session":
@@ -179,12 +203,14 @@ class Session:
         if plan.resume:
             session.step, extra = load_state(plan.out / STATE_FILE, model, opt)
             session.wall = float(extra.get("wall_s", 0.0))
-            session.metrics = [r for r in read_metrics(plan.out) if r.get("step", 0) <= session.step]
+            session.loss_acc, session.n_acc = float(extra.get("loss_acc", 0.0)), int(extra.get("n_acc", 0))
+            if "metrics" in extra:  # the log as of the state: rows written after it are redone
+                session.metrics = extra["metrics"]
+            else:  # a state written before the log was kept in it
+                session.metrics = [r for r in read_metrics(plan.out) if r.get("step", 0) <= session.step]
         else:
             torch.manual_seed(tc.seed)
         session.last = {k: v for r in session.metrics for k, v in r.items()}
-        if plan.dist.main:
-            plan.out.mkdir(parents=True, exist_ok=True)
         return session
 
     @property
@@ -214,8 +240,17 @@ class Session:
         self.plan.emit({"event": event, **row})
 
     def checkpoint(self) -> None:
-        out = self.plan.out
-        save_state(out / STATE_FILE, self.model, self.opt, self.step, {"wall_s": self.wall})
+        """Write the training state (first: everything else is derived from it), the log, the model."""
+        out, p = self.plan.out, self.plan
+        extra = {
+            "wall_s": self.wall,
+            "loss_acc": self.loss_acc,
+            "n_acc": self.n_acc,
+            "model_config": p.model_cfg.to_dict(),
+            "train_config": p.train_cfg.to_dict(),
+            "metrics": self.metrics,
+        }
+        save_state(out / STATE_FILE, self.model, self.opt, self.step, extra)
         atomic_write_text(out / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.metrics))
         save_checkpoint(out, self.model, training=self.summary(), tokenizer_json=self.plan.corpus.tokenizer_json)
         self.plan.emit({"event": "checkpoint", "step": self.step})
@@ -260,11 +295,14 @@ class Session:
         """Train to ``train_cfg.steps`` (or ``stop_after``), logging, evaluating and checkpointing."""
         p, tc = self.plan, self.plan.train_cfg
         autocast = torch.autocast(p.device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
-        loss_acc, n_acc, t_log = 0.0, 0, time.perf_counter()
+        t_log, n_timed = time.perf_counter(), 0
+        if self.step >= tc.steps and p.dist.main:  # a kill after the final state: write what derives from it
+            self.checkpoint()
         while self.step < tc.steps:
             t0 = time.perf_counter()
-            loss_acc += self.train_step(autocast)
-            n_acc += 1
+            self.loss_acc += self.train_step(autocast)
+            self.n_acc += 1
+            n_timed += 1
             self.wall += time.perf_counter() - t0
             step, last_step = self.step, self.step == tc.steps
             if step % tc.log_interval == 0 or last_step:
@@ -272,12 +310,12 @@ class Session:
                 row = {
                     "step": step,
                     "tokens": step * self.tokens_per_step,
-                    "train_loss": distributed.mean_across(p.dist, loss_acc / n_acc, p.device),
+                    "train_loss": distributed.mean_across(p.dist, self.loss_acc / self.n_acc, p.device),
                     "lr": lr_at(step - 1, tc),
-                    "tokens_per_s": n_acc * self.tokens_per_step / max(1e-9, now - t_log),
+                    "tokens_per_s": n_timed * self.tokens_per_step / max(1e-9, now - t_log),
                 }
                 self.log(row, "log")
-                loss_acc, n_acc = 0.0, 0
+                self.loss_acc, self.n_acc, n_timed = 0.0, 0, 0
             stopping = stop_after is not None and step >= stop_after
             if p.dist.main and (step % tc.eval_interval == 0 or last_step):
                 self.evaluate()
@@ -312,6 +350,16 @@ def train(
         stop_after: stop (after checkpointing) once this step is reached; for tests and tools.
     """
     plan = prepare(Path(out), model_cfg, train_cfg, device=device, resume=resume, corpus=corpus, callback=callback)
+    if not plan.dist.main:
+        return _train(plan, stop_after)
+    with rundir.lock(plan.out):  # only rank 0 writes: it alone holds the directory's lock
+        if not plan.resume:
+            _configs(plan.out, plan.model_cfg, plan.train_cfg, False)  # again, now that no one else writes
+            rundir.clear(plan.out)  # the files of an earlier start that never completed a checkpoint
+        return _train(plan, stop_after)
+
+
+def _train(plan: Plan, stop_after: int | None) -> Transformer:
     session = Session.build(plan)
     plan.emit(
         {
@@ -322,7 +370,7 @@ def train(
             "device": str(plan.device),
             "precision": plan.train_cfg.precision,
             "train_tokens": int(plan.corpus.train.size),
-            "resumed": resume,
+            "resumed": plan.resume,
         }
     )
     session.run(stop_after)

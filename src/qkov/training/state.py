@@ -1,7 +1,11 @@
 """Everything a run needs to continue exactly, in one file: ``train_state.safetensors``.
 
-Weights, optimizer moments, the CPU RNG state, and the step plus extra JSON in the file's
-metadata; written atomically, read without pickle.
+Weights, optimizer moments and the CPU RNG state as tensors; in the file's metadata the step
+and a JSON ``extra`` that holds the model and training configs, every metrics row logged so
+far and the partial log window (so a resumed run logs exactly what an uninterrupted one does).
+Written atomically and first at every checkpoint: it is the run's single source of truth, and
+``config.json``, ``model.safetensors`` and ``metrics.jsonl`` are derived from it. Read without
+pickle.
 """
 
 from __future__ import annotations
@@ -30,18 +34,29 @@ def save_state(path: Path, model: Transformer, opt: torch.optim.Optimizer, step:
     save_tensors(path, tensors, metadata={"step": str(step), "extra": json.dumps(extra)})
 
 
-def load_state(path: Path, model: Transformer, opt: torch.optim.Optimizer) -> tuple[int, dict[str, Any]]:
-    """Restore what :func:`save_state` wrote into ``model`` and ``opt``; return ``(step, extra)``."""
+def read_meta(path: Path) -> tuple[int, dict[str, Any]]:
+    """``(step, extra)`` from a state file's metadata, without reading its tensors."""
     try:
-        tensors = load_file(str(path))
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
-        step = int(meta["step"])
-        extra = json.loads(meta.get("extra", "{}"))
+        return int(meta["step"]), json.loads(meta.get("extra", "{}"))
     except (SafetensorError, OSError, ValueError, KeyError) as exc:
         raise QkovError(f"resume: {str(path)!r} is corrupt ({exc})") from None
+
+
+def load_state(path: Path, model: Transformer, opt: torch.optim.Optimizer) -> tuple[int, dict[str, Any]]:
+    """Restore what :func:`save_state` wrote into ``model`` and ``opt``; return ``(step, extra)``."""
+    step, extra = read_meta(path)
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise QkovError(f"resume: {str(path)!r} is corrupt ({exc})") from None
     device = model.W_E.device
-    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    try:
+        model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+    except RuntimeError as exc:  # shapes that do not match the config (an edited config.json)
+        first = str(exc).strip().splitlines()[-1].strip()
+        raise QkovError(f"resume: {str(path)!r} does not fit the run's model config ({first})") from None
     for name, p in model.named_parameters():
         prefix = f"opt.{name}."
         st = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}

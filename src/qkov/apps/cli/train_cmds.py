@@ -10,12 +10,12 @@ from typing import Any
 from rich.table import Table
 
 from ...errors import QkovError
-from ...io.checkpoint import checkpoint_info, load, read_config
+from ...io.checkpoint import checkpoint_info, load
 from ...model.config import NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
 from ...model.transformer import Transformer
 from ...training.config import SCHEDULES, TrainConfig
 from ...training.distributed import from_env
-from ...training.loop import train
+from ...training.loop import saved_configs, train
 from ..progress import TrainProgress
 from .common import console, dump_json, nonneg_int, positive_float, positive_int, token_count
 
@@ -126,9 +126,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _check_resume_flags(out: Path, model_over: dict[str, Any], train_over: dict[str, Any]) -> None:
-    saved = read_config(out)
-    saved_model = saved.get("model", {})
-    saved_train = saved.get("training", {}).get("config", {})
+    saved_model, saved_train = saved_configs(out)
     for field, value in model_over.items():
         if saved_model.get(field) != value:
             raise QkovError(
