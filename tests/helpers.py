@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from qkov import ModelConfig, TrainConfig, Transformer
+from qkov.apps.cli import main
 
 # the tiny model most tests train: seconds on a CPU
 TINY = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
@@ -61,3 +63,13 @@ def perturb_non_matrices(model: Transformer, scale: float) -> Transformer:
             if not name.rsplit(".", 1)[-1].startswith("W_"):
                 p.add_(torch.randn_like(p) * scale)
     return model
+
+
+def run_main(capsys: Any, *argv: object) -> tuple[int, str, str]:
+    """Run ``qkov ARGV`` in this process: ``(exit code, stdout, stderr)`` (``capsys``: pytest's fixture)."""
+    try:
+        rc = main([str(a) for a in argv])
+    except SystemExit as exc:  # argparse's own errors
+        rc = int(exc.code)
+    out = capsys.readouterr()
+    return rc, out.out, out.err

@@ -10,10 +10,9 @@ import pytest
 import torch
 
 import qkov
-from helpers import perturb_non_matrices
+from helpers import perturb_non_matrices, run_main
 from qkov.training.data import train_tokenizer
 from qkov import ModelConfig, QkovError, Transformer
-from qkov.apps.cli import main
 from qkov.io import load_any, save_tl, source_kind
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra: pip install -e '.[dev]'")
@@ -52,15 +51,6 @@ def sources(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[str, Pa
     return {"hf": root / "hf", "tl": root / "paper.safetensors"}
 
 
-def _run(capsys: pytest.CaptureFixture, *argv: object) -> tuple[int, str, str]:
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:  # argparse's own errors
-        rc = int(exc.code)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
-
-
 def test_source_kinds(tmp_path: Path, sources: dict[str, Path]) -> None:
     qkov.save_checkpoint(tmp_path / "ck", Transformer(ModelConfig(n_layers=1, d_vocab=20, n_ctx=8), seed=0))
     assert source_kind(tmp_path / "ck") == "qkov"
@@ -75,7 +65,7 @@ def test_source_kinds(tmp_path: Path, sources: dict[str, Path]) -> None:
 def test_hub_name_fails_clearly_without_the_model(capsys: pytest.CaptureFixture, tmp_path: Path) -> None:
     """Offline (this machine) or online (no such repository): one line, exit 2, nothing written."""
     pytest.importorskip("huggingface_hub")
-    rc, _, err = _run(capsys, "import", "qkov-tests/no-such-model-x7", "--out", tmp_path / "ck")
+    rc, _, err = run_main(capsys, "import", "qkov-tests/no-such-model-x7", "--out", tmp_path / "ck")
     assert rc == 2 and "fetching it from the Hugging Face Hub failed" in err and err.count("\n") == 1
     assert not (tmp_path / "ck").exists()
 
@@ -98,15 +88,15 @@ def test_hub_name_loads_what_the_hub_client_fetched(monkeypatch, sources: dict[s
 
 def test_import_analyse_export_hf(tmp_path: Path, sources: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
     ckpt, out = tmp_path / "ckpt", tmp_path / "back"
-    rc, stdout, _ = _run(capsys, "import", sources["hf"], "--out", ckpt)
+    rc, stdout, _ = run_main(capsys, "import", sources["hf"], "--out", ckpt)
     assert rc == 0 and "(hf)" in stdout and "2 layers x 4 heads" in stdout
-    rc, stdout, _ = _run(capsys, "info", ckpt, "--json")
+    rc, stdout, _ = run_main(capsys, "info", ckpt, "--json")
     info = json.loads(stdout)
     assert rc == 0 and info["imported_from"] == {"format": "hf", "path": str(sources["hf"])} and info["tokenizer"]
     # the analyses read the Hugging Face directory directly, with the same result as from the checkpoint
     results = []
     for src in (ckpt, sources["hf"]):
-        rc, stdout, _ = _run(capsys, "circuits", src, "--json")
+        rc, stdout, _ = run_main(capsys, "circuits", src, "--json")
         assert rc == 0
         results.append({k: v for k, v in json.loads(stdout).items() if k != "path"})
     assert results[0] == results[1]
@@ -117,9 +107,9 @@ def test_import_analyse_export_hf(tmp_path: Path, sources: dict[str, Path], caps
         ["heads", sources["hf"], "--text", text, "--batch", 2, "--icl-examples", 2],
         ["trigrams", sources["hf"], "--head", "1.2", "--top", 3],
     ):
-        rc, stdout, err = _run(capsys, *argv)
+        rc, stdout, err = run_main(capsys, *argv)
         assert rc == 0, err
-    rc, _, _ = _run(capsys, "export", ckpt, "--to", "hf", "--out", out)
+    rc, _, _ = run_main(capsys, "export", ckpt, "--to", "hf", "--out", out)
     assert rc == 0
     tokens = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(2))  # < the tokenizer's vocab
     with torch.no_grad():
@@ -131,9 +121,9 @@ def test_import_analyse_export_hf(tmp_path: Path, sources: dict[str, Path], caps
 
 
 def test_import_and_export_transformerlens(tmp_path: Path, sources: dict[str, Path], capsys) -> None:
-    rc, _, _ = _run(capsys, "import", sources["tl"], "--out", tmp_path / "ck")
+    rc, _, _ = run_main(capsys, "import", sources["tl"], "--out", tmp_path / "ck")
     assert rc == 0
-    rc, stdout, _ = _run(capsys, "circuits", sources["tl"], "--json")
+    rc, stdout, _ = run_main(capsys, "circuits", sources["tl"], "--json")
     assert rc == 0 and json.loads(stdout)["copying"]
     # a qkov model (LayerNorm, MLP, biases) to a TransformerLens .pt file, opened in TransformerLens
     cfg = ModelConfig(
@@ -150,7 +140,7 @@ def test_import_and_export_transformerlens(tmp_path: Path, sources: dict[str, Pa
     )
     model = perturb_non_matrices(Transformer(cfg, seed=3), 0.3)
     qkov.save_checkpoint(tmp_path / "mine", model)
-    rc, _, _ = _run(capsys, "export", tmp_path / "mine", "--to", "transformer-lens", "--out", tmp_path / "m.pt")
+    rc, _, _ = run_main(capsys, "export", tmp_path / "mine", "--to", "transformer-lens", "--out", tmp_path / "m.pt")
     assert rc == 0
     blob = torch.load(tmp_path / "m.pt", weights_only=True)
     hooked = tl.HookedTransformer(tl.HookedTransformerConfig(**blob["config"]))
@@ -175,11 +165,11 @@ def test_plain_tl_file_needs_its_config(tmp_path: Path, capsys: pytest.CaptureFi
     )
     torch.save(tl.HookedTransformer(tl.HookedTransformerConfig(**fields)).state_dict(), tmp_path / "m.pth")
     (tmp_path / "cfg.json").write_text(json.dumps(fields))
-    rc, _, err = _run(capsys, "circuits", tmp_path / "m.pth")
+    rc, _, err = run_main(capsys, "circuits", tmp_path / "m.pth")
     assert rc == 2 and "carries no config: give its TransformerLens config (pass --config CONFIG.json)" in err
-    rc, stdout, _ = _run(capsys, "circuits", tmp_path / "m.pth", "--config", tmp_path / "cfg.json", "--json")
+    rc, stdout, _ = run_main(capsys, "circuits", tmp_path / "m.pth", "--config", tmp_path / "cfg.json", "--json")
     assert rc == 0 and len(json.loads(stdout)["copying"]) == 2
-    rc, stdout, _ = _run(
+    rc, stdout, _ = run_main(
         capsys, "import", tmp_path / "m.pth", "--config", tmp_path / "cfg.json", "--out", tmp_path / "ck"
     )
     assert rc == 0 and "positions shortformer, norm none, mlp none" in stdout
@@ -199,11 +189,11 @@ def test_plain_tl_file_needs_its_config(tmp_path: Path, capsys: pytest.CaptureFi
 )
 def test_cli_errors_are_one_line(tmp_path: Path, sources: dict[str, Path], capsys, argv, match) -> None:
     (tmp_path / "x.pt").write_bytes(b"")
-    rc, _, err = _run(capsys, *[a.format(tmp=tmp_path, hf=sources["hf"], tl=sources["tl"]) for a in argv])
+    rc, _, err = run_main(capsys, *[a.format(tmp=tmp_path, hf=sources["hf"], tl=sources["tl"]) for a in argv])
     assert rc == 2 and match in err and err.count("\n") == 1, err
 
 
 def test_export_refused_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     qkov.save_checkpoint(tmp_path / "ckpt", Transformer(ModelConfig(n_layers=1, d_vocab=50, n_ctx=16), seed=0))
-    rc, _, err = _run(capsys, "export", tmp_path / "ckpt", "--to", "hf", "--out", tmp_path / "out")
+    rc, _, err = run_main(capsys, "export", tmp_path / "ckpt", "--to", "hf", "--out", tmp_path / "out")
     assert rc == 2 and "cannot export to GPT-2 format" in err and not (tmp_path / "out").exists()

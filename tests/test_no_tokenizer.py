@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from qkov.apps.cli import main
 from qkov.io.checkpoint import save_checkpoint
 
 from test_heads import CTX, V, hand_built
+from helpers import run_main
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +23,6 @@ def hand(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert model.tokenizer is None
     save_checkpoint(path, model)
     return path
-
-
-def _run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as exc:
-        rc = int(exc.code)
-    out = capsys.readouterr()
-    return rc, out.out, out.err
 
 
 def _roles(data: dict) -> dict[str, list[str]]:
@@ -44,7 +35,7 @@ def _designed(roles: dict[str, list[str]]) -> None:
 
 
 def test_heads_on_random_tokens_and_on_token_files(hand: Path, tmp_path: Path, capsys) -> None:
-    rc, out, err = _run(capsys, "heads", hand, "--json", "--batch", 4, "--icl-examples", 4)
+    rc, out, err = run_main(capsys, "heads", hand, "--json", "--batch", 4, "--icl-examples", 4)
     assert rc == 0, err
     data = json.loads(out)
     assert data["inputs"].startswith("seeded random tokens") and data["icl"] is None
@@ -54,24 +45,24 @@ def test_heads_on_random_tokens_and_on_token_files(hand: Path, tmp_path: Path, c
     (tmp_path / "ids.txt").write_text("\n".join(" ".join(map(str, row)) for row in stream.reshape(4, CTX)))
     stream.astype(np.uint16).tofile(tmp_path / "ids.bin")
     for name in ("ids.npy", "ids.txt", "ids.bin"):
-        rc, out, err = _run(capsys, "heads", hand, "--json", "--batch", 4, "--tokens", tmp_path / name)
+        rc, out, err = run_main(capsys, "heads", hand, "--json", "--batch", 4, "--tokens", tmp_path / name)
         assert rc == 0, err
         data = json.loads(out)
         assert data["inputs"] == f"token ids from {tmp_path / name}"
         _designed(_roles(data))
-    rc, out, _ = _run(capsys, "heads", hand, "--batch", 2, "--icl-examples", 2)
+    rc, out, _ = run_main(capsys, "heads", hand, "--batch", 2, "--icl-examples", 2)
     assert rc == 0 and "inputs: seeded random tokens" in out and "no ICL score" in out
 
 
 def test_paths_and_report_without_a_tokenizer(hand: Path, tmp_path: Path, capsys) -> None:
-    rc, out, err = _run(capsys, "paths", hand, "--json", "--batch", 2)
+    rc, out, err = run_main(capsys, "paths", hand, "--json", "--batch", 2)
     assert rc == 0, err
     data = json.loads(out)
     assert data["inputs"].startswith("seeded random tokens") and data["reconstruction_max_abs_error"] < 1e-3
     ids = np.random.default_rng(1).integers(1, V, (6, CTX))
     ids[:, 0] = 0
     np.save(tmp_path / "rows.npy", ids)
-    rc, _, err = _run(capsys, "report", hand, "-o", tmp_path / "rep", "--tokens", tmp_path / "rows.npy", "--quiet")
+    rc, _, err = run_main(capsys, "report", hand, "-o", tmp_path / "rep", "--tokens", tmp_path / "rows.npy", "--quiet")
     assert rc == 0, err
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rep["inputs"] == f"token ids from {tmp_path / 'rows.npy'}"
@@ -90,7 +81,7 @@ def test_paths_and_report_without_a_tokenizer(hand: Path, tmp_path: Path, capsys
 )
 def test_bad_token_files_are_one_line_errors(hand: Path, tmp_path: Path, capsys, content, name, needle) -> None:
     (tmp_path / name).write_text(content)
-    rc, _, err = _run(capsys, "heads", hand, "--tokens", tmp_path / name)
+    rc, _, err = run_main(capsys, "heads", hand, "--tokens", tmp_path / name)
     assert rc == 2 and err.count("\n") == 1 and needle in err, err
-    rc, _, err = _run(capsys, "paths", hand, "--tokens", tmp_path / "missing.npy")
+    rc, _, err = run_main(capsys, "paths", hand, "--tokens", tmp_path / "missing.npy")
     assert rc == 2 and "cannot read" in err

@@ -93,16 +93,26 @@ def test_a_state_without_config_json_resumes_and_a_run_without_state_restarts(
     assert rundir.inspect(cut) == "resumable"
     qkov.train(cut, device="cpu", resume=True)
     _same_run(full, cut)
-    # a kill before the first state was complete: qkov's files but no state; a plain start takes over
+    # a kill during the first state write: the lock and a temporary; a plain start takes over
     fresh = tmp_path / "fresh"
     qkov.train(fresh, TINY, tc, device="cpu", stop_after=10)
-    (fresh / "train_state.safetensors").unlink()
-    (fresh / ".model.safetensors.x1y2z3.tmp").write_bytes(b"half a file")
+    for name in ("train_state.safetensors", "config.json", "model.safetensors", "metrics.jsonl", "tokenizer.json"):
+        (fresh / name).unlink()
+    (fresh / ".train_state.safetensors.x1y2z3.tmp").write_bytes(b"half a file")
     assert rundir.inspect(fresh) == "restartable"
     with pytest.raises(QkovError, match="no complete training state"):
         qkov.train(fresh, device="cpu", resume=True)
     qkov.train(fresh, TINY, tc, device="cpu")
     _same_run(full, fresh)
+    assert not list(fresh.glob(".*.tmp")), "the killed write's temporary is cleaned on the next start"
+    # a model without a training state (imported, or its state deleted) is analysed, never trained over
+    (fresh / "train_state.safetensors").unlink()
+    before = {p.name: p.read_bytes() for p in fresh.iterdir() if p.is_file()}
+    assert rundir.inspect(fresh) == "checkpoint"
+    for resume in (False, True):
+        with pytest.raises(QkovError, match="(without|but no) a? ?training state"):
+            qkov.train(fresh, TINY, tc, device="cpu", resume=resume)
+    assert {p.name: p.read_bytes() for p in fresh.iterdir() if p.is_file()} == before
 
 
 # ------------------------------------------------------------------ 3. one writer

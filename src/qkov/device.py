@@ -28,3 +28,36 @@ def pick_device(name: str | torch.device = "auto") -> torch.device:
     if dev.type not in ("cpu", "cuda", "mps"):
         raise QkovError(f"device: unsupported device {name!r}")
     return dev
+
+
+def free_memory(device: torch.device) -> int | None:
+    """Bytes a new allocation can take on ``device`` now: free GPU memory, or the kernel's
+    ``MemAvailable`` (Linux) for the CPU; ``None`` where it cannot be known."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_fits(need: int, device: torch.device, what: str, advice: str) -> None:
+    """Refuse, before the work starts, work that needs more memory than ``device`` has free.
+
+    Raises:
+        QkovError: ``need`` bytes exceed what :func:`free_memory` reports.
+    """
+    free = free_memory(device)
+    if free is not None and need > free:
+        raise QkovError(f"{what} needs about {_size(need)}, more than the {_size(free)} free: {advice}")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"

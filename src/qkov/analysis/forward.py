@@ -21,7 +21,7 @@ Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -152,11 +152,16 @@ class _Pass:
     mlp_frozen: Tensor | None  # frozen MLP outputs [L, B, T, D]
     head_override: Tensor | None  # [L, B, H, T, D] written instead of the heads' own outputs
     pos: Tensor | None  # [T, D]
-    kept: dict[str, list] = field(default_factory=lambda: {k: [] for k in RECORDABLE})
+    kept: dict[str, Any] = field(default_factory=lambda: {"scales": []})
 
-    def _keep(self, name: str, value: Tensor | None) -> None:
-        if name in self.want:  # nothing else is held past its layer
-            self.kept[name].append(value)
+    def _keep(self, name: str, layer: int, value: Tensor) -> None:
+        """Record ``value`` as layer ``layer``'s ``name`` (only what was asked for is held past its
+        layer), into one ``[n_layers, ...]`` buffer: stacking a list at the end would hold two copies."""
+        if name not in self.want:
+            return
+        if name not in self.kept:
+            self.kept[name] = value.new_empty(self.source.cfg.n_layers, *value.shape)
+        self.kept[name][layer] = value
 
     def _norm(self, x: Tensor, site: str, layer: int | None, w: Tensor | None, b: Tensor | None) -> Tensor:
         """Normalise at ``site`` (a :class:`Scales` field), with the frozen divisor when there is one."""
@@ -183,12 +188,12 @@ class _Pass:
         p, z = _attend(att, qk_in, v, frozen, per_head or "patterns" in self.want)
         if per_head:
             outputs = head_writes(p, v, att.W_O)  # type: ignore[arg-type]  # [B, H, T, D]
-            self._keep("head_outputs", outputs)
+            self._keep("head_outputs", l, outputs)
             written = (outputs if self.head_override is None else self.head_override[l]).sum(1)
         else:
             written = torch.einsum("bhte,hed->btd", p @ v if z is None else z, att.W_O)  # type: ignore[operator]
         for name, value in (("patterns", p), ("values", v), ("qk_inputs", qk_in)):
-            self._keep(name, value)
+            self._keep(name, l, value)  # type: ignore[arg-type]
         return x + written + att.b_O
 
     def mlp(self, l: int, x: Tensor) -> Tensor:
@@ -201,7 +206,7 @@ class _Pass:
         else:
             m_in = self._norm(x, "mlp", l, mlp.ln_w, mlp.ln_b)
             out = activation(self.source.cfg.act_fn, m_in @ mlp.W_in + mlp.b_in) @ mlp.W_out + mlp.b_out
-        self._keep("mlp_outputs", out)
+        self._keep("mlp_outputs", l, out)
         return x + out
 
     def logits(self, x: Tensor) -> Tensor:
@@ -279,8 +284,7 @@ def _collect(source: WeightSource, tokens: Tensor, logits: Tensor, state: _Pass)
     def stacked(name: str, empty: tuple[int, ...]) -> Tensor | None:
         if name not in state.want:
             return None
-        parts = state.kept[name]
-        return torch.stack(parts) if parts else logits.new_zeros(0, *empty)
+        return state.kept.get(name, logits.new_zeros(0, *empty))
 
     H, D, E = c.n_heads, c.d_model, c.d_head
     return Run(

@@ -19,7 +19,7 @@ from torch import Tensor
 from ..errors import QkovError
 from ..model.ops import causal_mask
 from ..weights.parts import WeightSource
-from .circuits import copying_scores
+from .circuits import check_diag_k, copying_scores
 from .forward import Run, read, run
 from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
 
@@ -227,6 +227,7 @@ class HeadReport:
     icl: ICLScore | None
     memory_neurons: list[dict[str, float]]
     thresholds: dict[str, float]
+    diag_tokens: int | None = None  # tokens the diag_top<k> rate was measured on (d_vocab: exact)
 
     def rows(self) -> list[dict[str, object]]:
         L, H = next(iter(self.scores.values())).shape
@@ -245,6 +246,7 @@ class HeadReport:
             "icl": None if self.icl is None else vars(self.icl),
             "memory_neurons": self.memory_neurons,
             "thresholds": self.thresholds,
+            "diag_tokens": self.diag_tokens,
         }
 
 
@@ -288,6 +290,7 @@ def head_report(
     frequencies: np.ndarray | None = None,
     seed: int = 0,
     diag_k: int | None = 5,
+    diag_sample: int | None = None,
     thresholds: dict[str, float] = THRESHOLDS,
     icl_text: Tensor | None = None,
     icl: bool = True,
@@ -299,12 +302,15 @@ def head_report(
     two windows of 10 positions, so it wants hundreds of examples); [I]'s repeated random tokens (seeded,
     start token ``bos``, drawn away from the most and least frequent ids when ``frequencies``
     are given) give prefix matching, induction, duplicate-token and copying; the weights give
-    the eigenvalue copying scores and the diagonal top-k rate. ``icl=False`` leaves the ICL score
-    out (for text without structure, such as random tokens).
+    the eigenvalue copying scores and the diagonal top-k rate (exact up to 8192 tokens, else
+    estimated on ``diag_sample`` tokens: :func:`~qkov.analysis.circuits.copying_scores`).
+    ``icl=False`` leaves the ICL score out (for text without structure, such as random tokens).
     """
     cfg = source.cfg
     if cfg.n_layers == 0:
         raise QkovError("heads: the model has no attention layers")
+    if diag_k:
+        check_diag_k(diag_k, cfg.d_vocab)  # before any work
     r = run(source, text, record=("patterns", "scales", "values", "qk_inputs"))
     assert r.patterns is not None and r.values is not None
     W_O = torch.stack([source.attention(l).W_O for l in range(cfg.n_layers)])
@@ -312,7 +318,7 @@ def head_report(
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(cfg.d_vocab, length=length, seed=seed, bos=bos, frequencies=frequencies)
     rs = repeat_scores(source, rep, length)
-    copying = copying_scores(source, diag_k=diag_k)
+    copying = copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, seed=seed)
     L, H = cfg.n_layers, cfg.n_heads
     scores = {
         "previous_token": previous_token_scores(r.patterns),
@@ -334,4 +340,5 @@ def head_report(
     icl_on = text if icl_text is None else icl_text  # ICL compares two narrow windows: it needs many examples
     icl_result = icl_score(source, icl_on) if icl and icl_on.shape[1] > 60 else None
     roles = assign_roles(scores, thresholds)
-    return HeadReport(scores, roles, icl_result, memory_neurons(source), dict(thresholds))
+    n_diag = copying[0].diag_tokens if copying else None
+    return HeadReport(scores, roles, icl_result, memory_neurons(source), dict(thresholds), n_diag)

@@ -37,6 +37,7 @@ Every run here is :func:`qkov.analysis.forward.run`; the expansion applies its l
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +45,28 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..device import check_fits
 from ..errors import QkovError
 from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
 from .forward import Run, head_writes, project, read, run
+from .progress import Progress, tick
 
 FROZEN = ("patterns", "scales", "mlp_outputs")  # what a run must record to be frozen
+VIRTUAL_AUTO_MAX = 1024  # virtual-head pairs expanded by default (GPT-2 small has 9,504: hours on a CPU)
+BATCH_TOKENS = 2048  # tokens the default batch holds at most (8 sequences of 256, 2 of 1024)
+
+
+def default_batch(n_ctx: int, most: int = 8) -> int:
+    """Sequences of ``n_ctx`` tokens a path analysis takes by default: ``most``, or fewer so the
+    batch holds at most :data:`BATCH_TOKENS` tokens (every term is ``[batch, n_ctx, d_model]``)."""
+    return max(1, min(most, BATCH_TOKENS // n_ctx))
+
+
+def virtual_pairs(source: WeightSource) -> int:
+    """Virtual heads: pairs of heads in strictly increasing layers, ``H^2 L (L-1) / 2``."""
+    L, H = source.cfg.n_layers, source.cfg.n_heads
+    return H * H * L * (L - 1) // 2
 
 
 def check_linear(source: WeightSource) -> None:
@@ -121,6 +138,8 @@ def expand(
     max_order: int | None = None,
     per_head: bool = True,
     virtual_heads: bool = False,
+    keep_virtual: int | None = None,
+    progress: Progress | None = None,
 ) -> Expansion:
     """Split the logits of ``tokens [B, T]`` by path order (see the module docstring).
 
@@ -128,7 +147,10 @@ def expand(
         max_order: keep orders above this summed into the last one kept (default: all,
             ``n_layers``).
         per_head: also keep each head's order-1 term ``[B, T, D]``.
-        virtual_heads: also keep every order-2 term (pairs in increasing layers).
+        virtual_heads: also keep order-2 terms (pairs in increasing layers): every one, or
+            with ``keep_virtual`` only that many of the largest (by mean square in the
+            residual stream), never holding more than those at once.
+        progress: ticked once per layer.
     """
     cfg = source.cfg
     r = frozen_run(source, tokens)
@@ -142,6 +164,7 @@ def expand(
     mlp = torch.zeros_like(x0)
     heads: dict[tuple[int, int], Tensor] = {}
     virtual: dict[tuple[int, int, int, int], Tensor] = {}
+    kept: list[tuple[float, tuple[int, int, int, int]]] = []  # min-heap of (size, key) when keep_virtual
     first_order: dict[tuple[int, int], Tensor] = {}  # order-1 terms, for virtual heads
     for l in range(L):
         att = source.attention(l)
@@ -166,16 +189,40 @@ def expand(
                 if l1 < l:
                     outs = _head_terms(source, r, l, term)
                     for h2 in range(cfg.n_heads):
-                        virtual[(l1, h1, l, h2)] = outs[h2]
+                        _keep(virtual, kept, keep_virtual, (l1, h1, l, h2), outs[h2])
         bias = bias + bias_through + new_bias
         mlp = mlp + mlp_through
         if r.mlp_outputs is not None:
             mlp = mlp + r.mlp_outputs[l]
+        tick(progress, "paths: expansion", l + 1, L)
     if max_order is not None and max_order < L:
         tail = sum(orders[max_order + 1 :], torch.zeros_like(x0))
         orders = orders[: max_order + 1]
         orders[-1] = orders[-1] + tail
     return Expansion(r, source, orders, bias, mlp, heads, virtual)
+
+
+def _keep(
+    virtual: dict[tuple[int, int, int, int], Tensor],
+    kept: list[tuple[float, tuple[int, int, int, int]]],
+    most: int | None,
+    key: tuple[int, int, int, int],
+    term: Tensor,
+) -> None:
+    """Add a virtual-head term, keeping only the ``most`` largest (``None``: all)."""
+    if most is None:
+        virtual[key] = term
+        return
+    if most <= 0:
+        return
+    size = float(term.pow(2).mean())
+    if len(kept) < most:
+        heapq.heappush(kept, (size, key))
+        virtual[key] = term.clone()  # a view of a larger block would keep the block alive
+    elif size > kept[0][0]:
+        _, gone = heapq.heapreplace(kept, (size, key))
+        del virtual[gone]
+        virtual[key] = term.clone()
 
 
 # ------------------------------------------------------------------ term importance
@@ -203,7 +250,7 @@ class TermImportance:
         }
 
 
-def term_importance(source: WeightSource, tokens: Tensor) -> TermImportance:
+def term_importance(source: WeightSource, tokens: Tensor, *, progress: Progress | None = None) -> TermImportance:
     """The paper's procedure ([F]; docs/conventions.md, "Term importance"), literally.
 
     Run 0 is the real forward pass, which fixes the patterns, normalisation divisors and MLP
@@ -217,10 +264,11 @@ def term_importance(source: WeightSource, tokens: Tensor) -> TermImportance:
     B, T = toks.shape
     outputs = real.logits.new_zeros(c.n_layers, B, c.n_heads, T, c.d_model)
     losses = []
-    for _ in range(c.n_layers + 1):
+    for i in range(c.n_layers + 1):
         r = run(source, toks, record=("head_outputs",), frozen=real, head_outputs=outputs)
         losses.append(loss(r.logits, toks))
         outputs = r.head_outputs  # type: ignore[assignment]
+        tick(progress, "paths: term importance", i + 1, c.n_layers + 1)
     return TermImportance(losses, loss(real.logits, toks), math.log(c.d_vocab))
 
 
@@ -234,7 +282,9 @@ class TermEffect:
         return vars(self).copy()
 
 
-def term_effects(exp: Expansion, *, top_virtual: int = 10) -> tuple[list[TermEffect], list[TermEffect]]:
+def term_effects(
+    exp: Expansion, *, top_virtual: int = 10, progress: Progress | None = None
+) -> tuple[list[TermEffect], list[TermEffect]]:
     """Loss change from removing each order-1 term, and each of the ``top_virtual`` largest order-2 terms.
 
     Logits are built one term at a time (never ``[B, T, V]`` for all terms at once).
@@ -242,17 +292,19 @@ def term_effects(exp: Expansion, *, top_virtual: int = 10) -> tuple[list[TermEff
     toks = exp.run.tokens
     full = exp.total_logits()
     base = loss(full, toks)
-    singles = []
+    sized = sorted(exp.virtual.items(), key=lambda kv: -float(kv[1].pow(2).mean()))[:top_virtual]
+    n = len(exp.heads) + len(sized)
+    singles, virtual = [], []
     for (l, h), term in exp.heads.items():
         tl = exp.logits_of(term)
         singles.append(TermEffect(f"{l}.{h}", loss(full - tl, toks) - base, float(tl.pow(2).mean().sqrt())))
-    sized = sorted(exp.virtual.items(), key=lambda kv: -float(kv[1].pow(2).mean()))[:top_virtual]
-    virtual = []
+        tick(progress, "paths: term effects", len(singles), n)
     for (l1, h1, l2, h2), term in sized:
         tl = exp.logits_of(term)
         virtual.append(
             TermEffect(f"{l1}.{h1}->{l2}.{h2}", loss(full - tl, toks) - base, float(tl.pow(2).mean().sqrt()))
         )
+        tick(progress, "paths: term effects", len(singles) + len(virtual), n)
     singles.sort(key=lambda e: -e.loss_change)
     virtual.sort(key=lambda e: -e.loss_change)
     return singles, virtual
@@ -267,6 +319,8 @@ class PathSummary:
     importance: TermImportance
     singles: list[TermEffect]  # every single-head term, by loss change
     virtual: list[TermEffect]  # the largest virtual-head terms, by loss change
+    virtual_pairs: int = 0  # virtual heads the model has
+    virtual_expanded: bool = True  # False: too many to expand by default, ``virtual`` is empty
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -275,6 +329,8 @@ class PathSummary:
             "term_importance": self.importance.to_dict(),
             "single_head_terms": [e.to_dict() for e in self.singles],
             "virtual_head_terms": [e.to_dict() for e in self.virtual],
+            "virtual_pairs": self.virtual_pairs,
+            "virtual_expanded": self.virtual_expanded,
         }
 
     @classmethod
@@ -284,15 +340,46 @@ class PathSummary:
         importance = TermImportance(ti["run_losses"], ti["full_loss"], ti["uniform_loss"])
         singles = [TermEffect(e["name"], e["loss_change"], e["size"]) for e in d["single_head_terms"]]
         virtual = [TermEffect(e["name"], e["loss_change"], e["size"]) for e in d["virtual_head_terms"]]
-        return cls(d["tokens"], d["reconstruction_max_abs_error"], importance, singles, virtual)
+        pairs, expanded = d.get("virtual_pairs", 0), d.get("virtual_expanded", True)
+        return cls(d["tokens"], d["reconstruction_max_abs_error"], importance, singles, virtual, pairs, expanded)
+
+
+def expansion_bytes(source: WeightSource, batch: int, seq: int, *, virtual: int = 0) -> int:
+    """Memory :func:`summarize` holds at its peak, about: every head's term and the orders
+    (``[batch, seq, d_model]`` each), ``virtual`` kept virtual-head terms, the frozen patterns,
+    the per-head outputs of term importance and three ``[batch, seq, d_vocab]`` logits."""
+    c = source.cfg
+    size = torch.finfo(source.dtype).bits // 8
+    term = batch * seq * c.d_model
+    terms = (c.n_layers + 4 + 3 * c.n_layers * c.n_heads + virtual + 2 * c.n_heads) * term
+    patterns = c.n_layers * batch * c.n_heads * seq * seq
+    return (terms + patterns + 3 * batch * seq * c.d_vocab) * size
 
 
 @torch.no_grad()
-def summarize(source: WeightSource, tokens: Tensor, *, top_virtual: int = 10) -> PathSummary:
-    """Expand ``tokens [B, T]`` (virtual heads from 2 layers on), run the paper's term importance
-    and measure the effect of each single-head and the ``top_virtual`` largest virtual-head terms."""
-    exp = expand(source, tokens, virtual_heads=source.cfg.n_layers >= 2)
-    singles, virtual = term_effects(exp, top_virtual=top_virtual)
-    return PathSummary(
-        list(tokens.shape), exp.reconstruction_error(), term_importance(source, tokens), singles, virtual
-    )
+def summarize(
+    source: WeightSource,
+    tokens: Tensor,
+    *,
+    top_virtual: int = 10,
+    virtual: bool | None = None,
+    progress: Progress | None = None,
+) -> PathSummary:
+    """Expand ``tokens [B, T]``, run the paper's term importance and measure the effect of each
+    single-head and the ``top_virtual`` largest virtual-head terms.
+
+    ``virtual``: expand virtual heads (pairs of heads in increasing layers); ``None`` does so
+    when the model has at most :data:`VIRTUAL_AUTO_MAX` of them (GPT-2 small has 9,504: each
+    costs a pass of its reader layer over the batch). Only the ``top_virtual`` largest are
+    held. Refuses (one-line :class:`QkovError`) a batch whose terms would not fit in free
+    memory (:func:`expansion_bytes`), before any work.
+    """
+    pairs = virtual_pairs(source)
+    do_virtual = pairs > 0 and (pairs <= VIRTUAL_AUTO_MAX if virtual is None else virtual)
+    B, T = tokens.shape
+    need = expansion_bytes(source, B, T, virtual=top_virtual if do_virtual else 0)
+    check_fits(need, source.device, f"paths: the expansion of {B} x {T} tokens", "analyse fewer sequences")
+    importance = term_importance(source, tokens, progress=progress)
+    exp = expand(source, tokens, virtual_heads=do_virtual, keep_virtual=top_virtual, progress=progress)
+    singles, virt = term_effects(exp, top_virtual=top_virtual, progress=progress)
+    return PathSummary(list(tokens.shape), exp.reconstruction_error(), importance, singles, virt, pairs, do_virtual)

@@ -158,8 +158,24 @@ class ICLScore:
     loss_by_position: list[float]  # mean loss predicting token i+1 at position i
 
 
+ICL_TOKENS = 65536  # tokens the default ICL examples hold at most (256 of 256, 64 of GPT-2's 1024)
+LOGIT_BYTES = 256 * 2**20  # logits held at once while the ICL curve is computed
+
+
+def default_icl_examples(n_ctx: int, most: int = 256) -> int:
+    """Examples of ``n_ctx`` tokens the ICL score takes by default: ``most``, or fewer so they hold
+    at most :data:`ICL_TOKENS` tokens (never fewer than 16): a forward pass over each."""
+    return max(16, min(most, ICL_TOKENS // n_ctx))
+
+
 def icl_score(
-    source: WeightSource, examples: Tensor, *, early: int = 50, late: int = 500, window: int = 10, chunk: int = 32
+    source: WeightSource,
+    examples: Tensor,
+    *,
+    early: int = 50,
+    late: int = 500,
+    window: int = 10,
+    chunk: int | None = None,
 ) -> ICLScore:
     """Loss at token ``late`` minus loss at token ``early``, over ``examples [B, T]`` of validation text.
 
@@ -168,9 +184,12 @@ def icl_score(
     examples), so each side averages ``window`` positions (``late - window + 1 .. late`` and
     ``early - window // 2 ..``). [I] uses 512-token examples (late = 500); a shorter context
     uses its last predicted position (``T - 2``). Negative = later tokens are predicted
-    better (the model learns in context). Examples run ``chunk`` at a time.
+    better (the model learns in context). Examples run ``chunk`` at a time (default: as many as
+    keep their ``[chunk, T, d_vocab]`` logits within :data:`LOGIT_BYTES`).
     """
     T = examples.shape[1]
+    if chunk is None:
+        chunk = max(1, LOGIT_BYTES // (T * source.cfg.d_vocab * torch.finfo(source.dtype).bits // 8))
     late = min(late, T - 2)
     early = min(early, late)
     parts = [

@@ -38,6 +38,7 @@ class TrainProgress:
         self.progress: Progress | None = None
         self.task: Any = None
         self.fields = {"loss": "-", "val": "-", "ind": "-", "tps": "-"}
+        self.timed = False  # the first step's time was looked at
 
     def __enter__(self) -> "TrainProgress":
         if self.live:
@@ -69,6 +70,8 @@ class TrainProgress:
             )
             if self.progress is not None:
                 self.task = self.progress.add_task("train", total=ev["steps"], completed=ev["step"], **self.fields)
+        elif kind == "step":
+            self._step(ev)
         elif kind == "log":
             self.fields["loss"] = f"{ev['train_loss']:.3f}"
             self.fields["tps"] = f"{ev['tokens_per_s']:,.0f}"
@@ -88,6 +91,18 @@ class TrainProgress:
                 print(line, file=sys.stderr, flush=True)
         elif kind == "done" and not self.quiet:
             self.say(f"done: step {ev['step']}, val loss {ev['val_loss']}, {ev['wall_s']:.0f} s of training")
+
+    def _step(self, ev: dict[str, Any]) -> None:
+        """Move the bar every step; when the first step of a run is slow, say how long the run will take."""
+        if self.progress is not None:
+            self.progress.update(self.task, completed=ev["step"])
+        if not self.timed:
+            self.timed = True
+            left = ev["steps"] - ev["step"]
+            if ev["seconds"] >= 2 and left > 0:
+                eta = ev["seconds"] * left
+                when = f"{eta / 3600:.1f} h" if eta >= 3600 else f"{eta / 60:.0f} min" if eta >= 60 else f"{eta:.0f} s"
+                self.say(f"the first step took {ev['seconds']:.1f} s: about {when} for the {left:,} steps left")
 
 
 class StageProgress:

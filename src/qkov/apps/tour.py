@@ -22,7 +22,10 @@ from ..io.atomic import atomic_write_text
 from ..io.checkpoint import read_config
 from ..model.config import ModelConfig
 from ..training.config import TrainConfig
+from ..training import rundir
 from ..training.loop import train
+from ..version import __version__
+from .outputs import output_folder
 from .progress import TrainProgress
 from .report import write_report
 from .report.render import to_json
@@ -112,7 +115,7 @@ def render_page(
         for c in table
     )
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>qkov tour</title>
+<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="qkov {__version__}"><title>qkov tour</title>
 <style>
 body {{ font: 14px/1.45 system-ui, sans-serif; margin: 24px 32px; color: #1d2330; max-width: 1300px; }}
 table {{ border-collapse: collapse; margin: 8px 0 20px; }}
@@ -147,19 +150,17 @@ late in the context (the in-context-learning score is the drop from token 50 to 
 
 # --------------------------------------------------------------------------- run
 def _state(ckpt: Path) -> str:
-    """``done``, ``partial`` (resumable) or ``new``."""
-    if (ckpt / "config.json").is_file():
+    """``done``, ``partial`` (resumable) or ``new`` (nothing there, or a start that never wrote a state)."""
+    kind = rundir.inspect(ckpt)
+    if kind in ("resumable", "checkpoint") and (ckpt / "config.json").is_file():
         tr = read_config(ckpt).get("training", {})
         if tr.get("step") is not None and tr.get("step") == tr.get("config", {}).get("steps"):
             return "done"
-    if (ckpt / "train_state.safetensors").is_file():
+    if kind == "resumable":
         return "partial"
-    if ckpt.exists() and any(ckpt.iterdir()):
-        raise QkovError(
-            f"tour: {str(ckpt)!r} holds neither a finished nor a resumable qkov run; move it away",
-            hint="out",
-        )
-    return "new"
+    if kind in ("free", "restartable"):
+        return "new"
+    raise QkovError(f"tour: {str(ckpt)!r} holds neither a finished nor a resumable qkov run; move it away", hint="out")
 
 
 def run_tour(
@@ -175,8 +176,8 @@ def run_tour(
     """Train (or reuse) one model per entry of ``layers`` in ``out``, report on each, write the
     comparison page; return the claims table and the per-model summary rows."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise QkovError(f"tour: the output {str(out)!r} exists and is not a directory", hint="out")
+    with output_folder(out, ("index.html", "tour.json"), overwrite=False, what="tour"):
+        pass  # checked before hours of training, not after
     dev = pick_device(device)
     t0 = time.perf_counter()
     reports: dict[int, Report] = {}

@@ -93,7 +93,10 @@ def saved_configs(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     source of truth, present even when a kill left no ``config.json``), else from ``config.json``."""
     kind = rundir.inspect(out)
     if kind != "resumable":
-        why = "is not a qkov run" if kind == "foreign" else "holds no complete training state"
+        why = {
+            "foreign": "is not a qkov run",
+            "checkpoint": "holds a model but no training state",
+        }.get(kind, "holds no complete training state")
         raise QkovError(f"resume: {str(out)!r} {why} ({STATE_FILE}); nothing to resume")
     _, extra = read_meta(out / STATE_FILE)
     if "model_config" in extra:
@@ -118,6 +121,12 @@ def _configs(
     if kind == "resumable":
         raise QkovError(
             f"{str(out)!r} already holds a run: resume it, or choose another output directory", hint="resume"
+        )
+    if kind == "checkpoint":
+        raise QkovError(
+            f"{str(out)!r} holds a qkov checkpoint without a training state: it cannot be resumed, and qkov "
+            "does not train over it; choose another output directory",
+            hint="out",
         )
     if kind == "foreign":
         names = rundir.foreign_entries(out)
@@ -305,6 +314,7 @@ class Session:
             n_timed += 1
             self.wall += time.perf_counter() - t0
             step, last_step = self.step, self.step == tc.steps
+            p.emit({"event": "step", "step": step, "steps": tc.steps, "seconds": time.perf_counter() - t0})
             if step % tc.log_interval == 0 or last_step:
                 now = time.perf_counter()
                 row = {
@@ -346,7 +356,8 @@ def train(
         device: ``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N``.
         resume: continue from ``out/train_state.safetensors``.
         corpus: an already-loaded corpus (else ``train_cfg.corpus`` is loaded, cached).
-        callback: receives event dicts: ``{"event": "start"|"message"|"log"|"eval"|"checkpoint"|"done", ...}``.
+        callback: receives event dicts: ``{"event": "start"|"message"|"step"|"log"|"eval"|"checkpoint"|"done",
+            ...}`` (``step`` after every step, with its ``seconds``).
         stop_after: stop (after checkpointing) once this step is reached; for tests and tools.
     """
     plan = prepare(Path(out), model_cfg, train_cfg, device=device, resume=resume, corpus=corpus, callback=callback)

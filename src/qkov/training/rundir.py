@@ -3,11 +3,16 @@
 A directory is a qkov run, refused, or free:
 
 * **free** — it does not exist, or is empty: a new run starts there;
-* **a run** — it holds only qkov's files (``train_state.safetensors``, ``model.safetensors``,
+* **qkov's** — it holds only qkov's files (``train_state.safetensors``, ``model.safetensors``,
   ``config.json`` with a ``model`` section, ``tokenizer.json``, ``metrics.jsonl``, the lock, the
-  ``report`` folder and the temporary files of killed writes). With a readable training state it
-  can be resumed; without one (a run killed before its first checkpoint was complete) a new run
-  may start over it;
+  ``report`` folder and the temporary files of killed writes), and then it is
+
+  - *resumable*: it holds a training state (written first at every checkpoint, so a kill
+    anywhere after the first state write leaves one);
+  - *a checkpoint*: a model but no training state (imported, or its state deleted): it is
+    analysed, never trained over;
+  - *restartable*: neither (a run killed before its first state write was complete): a new
+    run starts over it;
 * **foreign** — anything else (other files, a ``config.json`` that is not qkov's, or a file
   where a directory should be): refused, never overwritten.
 
@@ -49,8 +54,7 @@ def _is_ours(entry: Path) -> bool:
 
 
 def inspect(path: Path) -> str:
-    """``free``, ``resumable`` (a readable training state), ``restartable`` (only qkov's files,
-    no complete state) or ``foreign``; see the module docstring."""
+    """``free``, ``resumable``, ``checkpoint``, ``restartable`` or ``foreign``; see the module docstring."""
     if not path.exists():
         return "free"
     if not path.is_dir():
@@ -60,7 +64,11 @@ def inspect(path: Path) -> str:
         return "free"
     if not all(_is_ours(e) for e in entries):
         return "foreign"
-    return "resumable" if (path / STATE_FILE).is_file() else "restartable"
+    if (path / STATE_FILE).is_file():
+        return "resumable"
+    if (path / MODEL_FILE).exists() or (path / CONFIG_FILE).exists():
+        return "checkpoint"
+    return "restartable"
 
 
 def foreign_entries(path: Path) -> list[str]:
@@ -71,8 +79,10 @@ def foreign_entries(path: Path) -> list[str]:
 
 
 def clear(path: Path) -> None:
-    """Remove the run files of a start that never completed a checkpoint (the lock and the
-    ``report`` folder stay)."""
+    """Remove the run files of a start that never wrote its first training state (the lock and
+    the ``report`` folder stay); refuses any other directory."""
+    if inspect(path) not in ("free", "restartable"):
+        raise QkovError(f"{str(path)!r} holds a qkov run or checkpoint: it is not cleared")
     for name in RUN_FILES:
         with contextlib.suppress(FileNotFoundError):
             (path / name).unlink()

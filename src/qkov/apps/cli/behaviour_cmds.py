@@ -10,18 +10,22 @@ import torch
 from rich.table import Table
 
 from ...analysis.heads import SCORE_COLUMNS, THRESHOLDS, head_report
-from ...analysis.paths import summarize
+from ...analysis.paths import default_batch, summarize
+from ...analysis.probes import default_icl_examples
 from ...weights.view import Weights
 from ..inputs import analysis_inputs
+from ..progress import StageProgress
 from .common import (
     add_device,
+    add_diag,
     add_inputs,
+    BATCH_HELP,
+    ICL_HELP,
     add_source_args,
     console,
     device,
     dump_json,
     load_source,
-    nonneg_int,
     positive_int,
 )
 
@@ -40,8 +44,21 @@ def add_paths(sub: Any) -> None:
     )
     add_source_args(p)
     add_inputs(p)
-    p.add_argument("--batch", type=positive_int, default=8, help="sequences of n_ctx tokens (default 8)")
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        help="sequences of n_ctx tokens (default 8, or fewer so they hold at most 2048 tokens: 2 at GPT-2's 1024). "
+        "Memory and time grow with it: every head's term is batch x n_ctx x d_model, each term's effect a "
+        "batch x n_ctx x vocab product; a batch that would not fit in free memory is refused before any work",
+    )
     p.add_argument("--top", type=positive_int, default=10, help="terms to list per order (default 10)")
+    p.add_argument(
+        "--virtual",
+        action=argparse.BooleanOptionalAction,
+        help="expand virtual heads (pairs of heads in increasing layers; only the --top largest are kept). "
+        "Default: when the model has at most 1024 of them (GPT-2 small has 9,504, each a pass of its reader "
+        "layer: hours on a CPU)",
+    )
     p.add_argument("--float64", action="store_true", help="compute in float64")
     add_device(p)
     p.add_argument("--json", action="store_true", help="print every number as JSON")
@@ -51,13 +68,15 @@ def add_paths(sub: Any) -> None:
 def cmd_paths(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "paths", " (its logits are the direct path alone)")
-    inputs = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=args.batch)
+    batch = args.batch or default_batch(model.cfg.n_ctx)
+    inputs = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=batch)
     tokens = inputs.tokens
     dtype = torch.float64 if args.float64 else torch.float32
     w = Weights.from_model(model, dtype=dtype, device=dev)
     tokens = tokens.to(dev)
     t0 = time.perf_counter()
-    summary = summarize(w, tokens, top_virtual=args.top)
+    with StageProgress() as progress:
+        summary = summarize(w, tokens, top_virtual=args.top, virtual=args.virtual, progress=progress)
     seconds = time.perf_counter() - t0
     ti, singles, virtual = summary.importance, summary.singles, summary.virtual
     data = {"path": str(args.ckpt), "inputs": inputs.source, **summary.to_dict(), "seconds": seconds}
@@ -89,6 +108,12 @@ def cmd_paths(args: argparse.Namespace) -> int:
         for e in rows[: args.top]:
             t.add_row(e.name, f"{e.loss_change:+.4f}", f"{e.size:.3f}")
         con.print(t)
+    if summary.virtual_pairs and not summary.virtual_expanded:
+        con.print(
+            f"virtual heads not expanded: the model has {summary.virtual_pairs:,} (pass --virtual to expand them, "
+            "slowly; only the --top largest are kept)",
+            highlight=False,
+        )
     return 0
 
 
@@ -111,15 +136,10 @@ def add_heads(sub: Any) -> None:
     )
     add_source_args(p)
     add_inputs(p)
-    p.add_argument("--batch", type=positive_int, default=8, help="sequences of validation text (default 8)")
-    p.add_argument(
-        "--icl-examples",
-        type=positive_int,
-        default=256,
-        help="validation sequences for the in-context-learning score (default 256)",
-    )
+    p.add_argument("--batch", type=positive_int, help=BATCH_HELP)
+    p.add_argument("--icl-examples", type=positive_int, help=ICL_HELP)
     p.add_argument("--seed", type=int, default=0, help="seed of the repeated random tokens (default 0)")
-    p.add_argument("--diag-k", type=nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
+    add_diag(p)
     add_device(p)
     p.add_argument("--json", action="store_true", help="print every score as JSON")
     p.set_defaults(func=cmd_heads)
@@ -128,17 +148,20 @@ def add_heads(sub: Any) -> None:
 def cmd_heads(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "heads")
-    rows = max(args.batch, args.icl_examples)
+    n_ctx = model.cfg.n_ctx
+    batch, icl_examples = args.batch or default_batch(n_ctx), args.icl_examples or default_icl_examples(n_ctx)
+    rows = max(batch, icl_examples)
     inputs = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=rows, want_corpus=True)
     text = inputs.tokens
     report = head_report(
         Weights.from_model(model, device=dev),
-        text[: args.batch],
+        text[:batch],
         bos=model.bos_token_id,
         frequencies=inputs.frequencies,
         seed=args.seed,
         diag_k=args.diag_k or None,
-        icl_text=text[: args.icl_examples],
+        diag_sample=args.diag_sample,
+        icl_text=text[:icl_examples],
         icl=inputs.natural,
     )
     if args.json:

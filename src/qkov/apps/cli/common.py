@@ -27,6 +27,7 @@ HINT_ADVICE = {
     "resume": "pass --resume to continue it, or choose another --out",
     "out": "choose another --out",
     "config": "pass --config CONFIG.json",
+    "overwrite": "pass --force to replace it, or choose another output directory",
 }
 """What the command line adds to a :class:`QkovError` carrying each hint."""
 
@@ -130,6 +131,44 @@ def add_inputs(p: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="token ids to analyse: .npy (1-D stream or 2-D [sequences, positions]), a raw uint16 .bin, or "
         "whitespace-separated integers (a model without a tokenizer needs no text)",
+    )
+
+
+BATCH_HELP = (
+    "sequences of n_ctx tokens for the pattern-based scores (default 8, or fewer so they hold at most 2048 "
+    "tokens: 2 at GPT-2's 1024); every layer's attention patterns are kept: n_layers x batch x n_heads x n_ctx^2"
+)
+ICL_HELP = (
+    "validation sequences for the in-context-learning score (default 256, or fewer so they hold at most 65,536 "
+    "tokens, at least 16: 64 at GPT-2's 1024); one forward pass over each"
+)
+
+
+def add_diag(p: argparse.ArgumentParser) -> None:
+    """``--diag-k`` and ``--diag-sample``: the own-logit-in-top-k copying rate and its cost."""
+    p.add_argument(
+        "--diag-k",
+        type=nonneg_int,
+        default=5,
+        help="k of the copying rate 'own logit in the top k of its full-OV row' (default 5; 0 = skip)",
+    )
+    p.add_argument(
+        "--diag-sample",
+        type=positive_int,
+        metavar="N",
+        help="tokens that rate is measured on (default: every token up to a vocabulary of 8192, exact; else "
+        "a seeded sample of 1024, shown with its standard error). N >= the vocabulary is exact, which costs "
+        "vocab^2 x d_head per head: minutes per head at GPT-2's 50,257 tokens on a laptop CPU",
+    )
+
+
+def diag_caption(n: int | None, d_vocab: int) -> str | None:
+    """What the copying rate was measured on, when it was an estimate."""
+    if n is None or n >= d_vocab:
+        return None
+    return (
+        f"own-logit-in-top-k rate estimated on a seeded sample of {n:,} of {d_vocab:,} tokens "
+        "(± one standard error; --diag-sample N sets the sample, N >= the vocabulary is exact and slow)"
     )
 
 

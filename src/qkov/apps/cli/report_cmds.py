@@ -13,7 +13,17 @@ from ...errors import QkovError
 from ...io.sources import source_kind
 from ..report import write_report
 from ..tour import run_tour
-from .common import add_device, add_inputs, add_source_args, console, device, nonneg_int, positive_int
+from .common import (
+    BATCH_HELP,
+    ICL_HELP,
+    add_device,
+    add_diag,
+    add_inputs,
+    add_source_args,
+    console,
+    device,
+    positive_int,
+)
 
 
 def add_report(sub: Any) -> None:
@@ -30,16 +40,17 @@ def add_report(sub: Any) -> None:
     )
     add_source_args(p)
     p.add_argument("-o", "--out", type=Path, help="output directory (default CKPT/report for a qkov checkpoint)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an index.html or report.json in the output directory that qkov did not write",
+    )
     add_inputs(p)
-    p.add_argument("--batch", type=positive_int, default=8, help="validation sequences for paths and head scores")
-    p.add_argument("--icl-examples", type=positive_int, default=256, help="validation sequences for the ICL curve")
+    p.add_argument("--batch", type=positive_int, help=BATCH_HELP + "; the path expansion takes at most 2048 tokens")
+    p.add_argument("--icl-examples", type=positive_int, help=ICL_HELP)
     p.add_argument("--viewer-tokens", type=positive_int, default=128, help="tokens in the attention viewer")
     p.add_argument("--top", type=positive_int, default=20, help="rows per skip-trigram / bigram table")
-    p.add_argument(
-        "--diag-k",
-        type=nonneg_int,
-        help="k of the own-logit-in-top-k copying rate; 0 = skip (default 5, skipped above 8192 tokens)",
-    )
+    add_diag(p)
     add_device(p)
     p.add_argument("--quiet", action="store_true", help="print only where the report went")
     p.set_defaults(func=cmd_report)
@@ -68,7 +79,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         text=args.text,
         tokens=args.tokens,
         diag_k=args.diag_k,
+        diag_sample=args.diag_sample,
         config=args.config,
+        overwrite=args.force,
     )
     size = (out / "index.html").stat().st_size
     print(f"wrote {out / 'index.html'} ({size / 1e6:.1f} MB) and report.json in {time.perf_counter() - t0:.1f} s")

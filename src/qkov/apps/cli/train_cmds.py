@@ -63,7 +63,12 @@ def add_train(sub: Any) -> None:
     a.add_argument("--heads", type=positive_int, help=f"heads per layer (default {d.n_heads})")
     a.add_argument("--d-model", type=positive_int, help=f"residual stream width (default {d.d_model})")
     a.add_argument("--d-head", type=positive_int, help=f"width of each head (default {d.d_head})")
-    a.add_argument("--ctx", type=positive_int, help=f"context length in tokens (default {d.n_ctx})")
+    a.add_argument(
+        "--ctx",
+        type=positive_int,
+        help=f"context length in tokens, at least 2 (default {d.n_ctx}); a step's attention work grows with "
+        "batch x ctx^2, the rest with batch x ctx (the first step's time is reported when it is slow)",
+    )
     a.add_argument("--vocab", type=positive_int, help=f"BPE vocabulary size (default {d.d_vocab})")
     a.add_argument("--positional", choices=POSITIONAL_CHOICES, help="shortformer (default): positions enter Q/K only")
     a.add_argument("--norm", choices=NORMALIZATION_CHOICES, help="normalization (default none)")

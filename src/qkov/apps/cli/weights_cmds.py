@@ -23,14 +23,15 @@ from ...weights.view import Weights
 from ..progress import StageProgress
 from .common import (
     add_device,
+    add_diag,
     add_lazy,
     add_source_args,
+    diag_caption,
     console,
     device,
     dump_json,
     lazy,
     load_source,
-    nonneg_int,
     parse_head,
     positive_int,
 )
@@ -62,7 +63,7 @@ def add_circuits(sub: Any) -> None:
     )
     add_source_args(p)
     p.add_argument("--top", type=positive_int, default=5, help="composition pairs to show per kind (default 5)")
-    p.add_argument("--diag-k", type=nonneg_int, default=5, help="k of the diagonal top-k copying rate; 0 = skip")
+    add_diag(p)
     p.add_argument("--float64", action="store_true", help="compute in float64")
     add_device(p)
     add_lazy(p)
@@ -75,24 +76,26 @@ def cmd_circuits(args: argparse.Namespace) -> int:
     if source.cfg.n_layers == 0:
         raise QkovError("circuits: the model has no attention layers")
     with StageProgress() as progress:
-        report = analyse(source, diag_k=args.diag_k or None, progress=progress)
+        report = analyse(source, diag_k=args.diag_k or None, diag_sample=args.diag_sample, progress=progress)
     if args.json:
         dump_json({"path": str(args.ckpt), **report.to_dict()})
         return 0
-    _print_circuits(report, args.diag_k, args.top)
+    _print_circuits(report, args.diag_k, args.top, source.cfg.d_vocab)
     return 0
 
 
-def _print_circuits(report: CircuitsReport, diag_k: int, top: int) -> None:
+def _print_circuits(report: CircuitsReport, diag_k: int, top: int, d_vocab: int) -> None:
     con = console()
-    t = Table(title="copying (full OV circuit W_E W_OV W_U)")
+    caption = diag_caption(report.copying[0].diag_tokens, d_vocab) if diag_k and report.copying else None
+    t = Table(title="copying (full OV circuit W_E W_OV W_U)", caption=caption)
     for col in ("head", "eigen score", f"own logit in top {diag_k}" if diag_k else None, "residual eig"):
         if col:
             t.add_column(col, justify="right")
     for h in report.copying:
         row = [f"{h.layer}.{h.head}", f"{h.eigen_score:+.3f}"]
         if diag_k:
-            row.append(f"{h.diag_topk_rate:.1%}")
+            err = f" ± {h.diag_stderr:.1%}" if caption and h.diag_stderr is not None else ""
+            row.append(f"{h.diag_topk_rate:.1%}{err}")
         row.append(f"{h.residual_eigen_score:+.3f}")
         t.add_row(*row)
     con.print(t)

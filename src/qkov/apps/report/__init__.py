@@ -13,30 +13,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...errors import QkovError
 from ...io.atomic import atomic_write_text
+from ..outputs import output_folder
 from .collect import Progress, collect
 from .render import render_html, to_json
 from .sections import SCHEMA_VERSION, Report
 
+REPORT_FILES = ("index.html", "report.json")
+
 __all__ = ["SCHEMA_VERSION", "Report", "collect", "render_html", "write_report"]
 
 
-def write_report(ckpt: Path | str, out: Path | str, *, progress: Progress | None = None, **options: Any) -> Report:
+def write_report(
+    ckpt: Path | str,
+    out: Path | str,
+    *,
+    progress: Progress | None = None,
+    overwrite: bool = False,
+    **options: Any,
+) -> Report:
     """Analyse checkpoint ``ckpt`` and write ``out/index.html`` and ``out/report.json``.
 
-    Both files are written atomically (a crash leaves the previous report or none).
-    ``options`` go to :func:`collect`. Returns the report.
+    ``out`` is checked first (a folder that can be written, holding no ``index.html`` or
+    ``report.json`` that qkov did not write, unless ``overwrite``), so a bad output location
+    fails before the analysis. Both files are written atomically (a crash leaves the previous
+    report or none). ``options`` go to :func:`collect`. Returns the report.
     """
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise QkovError(f"report: {str(out)!r} exists and is not a directory")
-    report = collect(ckpt, progress=progress, **options)
-    page = render_html(report)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "report.json", to_json(report.to_dict(), indent=1))
-        atomic_write_text(out / "index.html", page)
-    except OSError as exc:
-        raise QkovError(f"report: cannot write to {str(out)!r} ({exc.strerror})") from None
+    with output_folder(Path(out), REPORT_FILES, overwrite=overwrite, what="report") as folder:
+        report = collect(ckpt, progress=progress, **options)
+        page = render_html(report)
+        atomic_write_text(folder / "report.json", to_json(report.to_dict(), indent=1))
+        atomic_write_text(folder / "index.html", page)
     return report

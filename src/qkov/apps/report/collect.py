@@ -16,12 +16,12 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ...analysis import trigrams
-from ...analysis.circuits import bandwidth, eigen_copying_score, ov_eigenvalues
+from ...analysis.circuits import bandwidth, check_diag_k, eigen_copying_score, ov_eigenvalues
 from ...analysis.composition import composition_scores
 from ...analysis.forward import run
 from ...analysis.heads import SCORE_COLUMNS, head_report
-from ...analysis.paths import PathSummary, TermEffect, summarize
-from ...analysis.probes import icl_score, induction_probe
+from ...analysis.paths import PathSummary, TermEffect, default_batch, summarize
+from ...analysis.probes import default_icl_examples, icl_score, induction_probe
 from ...device import pick_device
 from ...errors import QkovError
 from ...io.checkpoint import checkpoint_info, read_metrics
@@ -110,14 +110,22 @@ def _card(ckpt: Path, model: Transformer, w: Weights) -> Card:
 
 
 def _heads(
-    w: Weights, bos: int, text: torch.Tensor, inputs: AnalysisInput, icl_text: torch.Tensor, diag_k: int
+    w: Weights,
+    bos: int,
+    text: torch.Tensor,
+    inputs: AnalysisInput,
+    icl_text: torch.Tensor,
+    diag: tuple[int, int | None],
 ) -> tuple[HeadsSection, list[float] | None]:
     freqs, natural = inputs.frequencies, inputs.natural
-    rep = head_report(w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=diag_k or None, icl=natural)
+    k, sample = diag
+    rep = head_report(
+        w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=k or None, diag_sample=sample, icl=natural
+    )
     rows = [HeadRow.from_dict(_rd(row)) for row in rep.rows()]
     icl = None if rep.icl is None else ICLSummary(rep.icl.score, rep.icl.early, rep.icl.late)
     columns = [list(c) for c in SCORE_COLUMNS]
-    section = HeadsSection(rows, rep.thresholds, len(rep.memory_neurons), icl, columns)
+    section = HeadsSection(rows, rep.thresholds, len(rep.memory_neurons), icl, columns, rep.diag_tokens)
     return section, None if rep.icl is None else rep.icl.loss_by_position
 
 
@@ -134,7 +142,9 @@ def _eigenvalues(w: Weights) -> EigenSection:
     return EigenSection(out)
 
 
-def _composition(w: Weights) -> CompositionSection:
+def _composition(w: Weights) -> CompositionSection | Absent:
+    if w.cfg.n_layers < 2:
+        return Absent("composition needs at least two layers" if w.cfg.n_layers else "a 0-layer model has no heads")
     L, H = w.cfg.n_layers, w.cfg.n_heads
     writers = [f"{l}.{h}" for l in range(L - 1) for h in range(H)]
     readers = [f"{l}.{h}" for l in range(1, L) for h in range(H)]
@@ -159,9 +169,10 @@ def _composition(w: Weights) -> CompositionSection:
 
 
 def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
-    s = summarize(w, tokens, top_virtual=top)
+    s = summarize(w, tokens[: default_batch(w.cfg.n_ctx, len(tokens))], top_virtual=top)
     rounded = lambda effects: [TermEffect(e.name, _r(e.loss_change), _r(e.size)) for e in effects]  # noqa: E731
-    return PathSummary(s.shape, s.reconstruction_error, s.importance, rounded(s.singles), rounded(s.virtual))
+    effects = rounded(s.singles), rounded(s.virtual)
+    return PathSummary(s.shape, s.reconstruction_error, s.importance, *effects, s.virtual_pairs, s.virtual_expanded)
 
 
 def _attention(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
@@ -207,19 +218,28 @@ def _inputs(
     return AnalysisInput(tokens.long(), None, "token ids given by the caller")
 
 
+def _icl_without_heads(w: Weights, ids: torch.Tensor, natural: bool) -> tuple[Any, ICLSummary | None]:
+    """The ICL curve of a 0-layer model (natural text only: random tokens have none)."""
+    if not natural:
+        return None, None
+    icl = icl_score(w, ids)
+    return icl.loss_by_position, ICLSummary(icl.score, icl.early, icl.late)
+
+
 def collect(
     ckpt: Path | str,
     *,
     config: Path | None = None,
-    batch: int = 8,
-    icl_examples: int = 256,
+    batch: int | None = None,
+    icl_examples: int | None = None,
     viewer_tokens: int = 128,
     top: int = 20,
     seed: int = 0,
     device: str = "auto",
     text: Path | None = None,
     tokens: torch.Tensor | Path | None = None,
-    diag_k: int | None = None,
+    diag_k: int = 5,
+    diag_sample: int | None = None,
     progress: Progress | None = None,
 ) -> Report:
     """Compute every number of the report of checkpoint ``ckpt``.
@@ -227,9 +247,9 @@ def collect(
     Args:
         ckpt: a qkov checkpoint, or any source :func:`qkov.io.load_any` reads (a
             Hugging Face GPT-2 directory, a TransformerLens file with ``config``, a Hub name).
-        batch: validation sequences (of ``n_ctx`` tokens) for the path expansion and the
-            pattern-based head scores.
-        icl_examples: validation sequences for the in-context-learning curve.
+        batch: sequences (of ``n_ctx`` tokens) for the pattern-based head scores and the path
+            expansion (at most 2048 tokens of them); default :func:`~qkov.analysis.paths.default_batch`.
+        icl_examples: sequences for the ICL curve; default :func:`~qkov.analysis.probes.default_icl_examples`.
         viewer_tokens: tokens of validation text shown in the attention viewer.
         top: rows of each skip-trigram / bigram / term table.
         text: a text file to analyse instead of the training corpus's validation split.
@@ -237,8 +257,10 @@ def collect(
             ``[B, n_ctx]`` tensor or a token file (:func:`qkov.apps.inputs.read_token_file`); the
             first ``batch`` rows serve the paths and head scores, all of them the ICL curve. With
             none of these and no corpus, seeded random tokens (no ICL score; the report says so).
-        diag_k: k of the heads' "own logit in the top k of its OV row" rate (exact, ~V^2 d_head
-            work per head); ``None`` = 5 up to a vocabulary of 8192, else skipped (0).
+        diag_k: k of the heads' "own logit in the top k of its OV row" rate; 0 skips it.
+        diag_sample: tokens that rate is measured on: ``None`` = all up to a vocabulary of 8192
+            (exact), else a seeded sample of 1024 with its standard error
+            (:func:`qkov.analysis.circuits.copying_scores`).
         progress: called with the name of each stage as it starts.
     Raises:
         QkovError: the checkpoint or a given file cannot be read.
@@ -249,31 +271,28 @@ def collect(
     t_start = time.perf_counter()
     with _stage(timings, "load", progress):
         model = load_any(ckpt, config=config).to(dev).eval()
+        batch = batch or default_batch(model.cfg.n_ctx)
+        icl_examples = icl_examples or default_icl_examples(model.cfg.n_ctx)
+        if diag_k:
+            check_diag_k(diag_k, model.cfg.d_vocab)  # before the long work
         inputs = _inputs(ckpt, model, tokens, text, max(batch, icl_examples), seed)
         text_ids = inputs.tokens.to(dev)
         w = Weights.from_model(model, device=dev)  # the default view: TransformerLens's processed weights
     decode, bos, L = token_decoder(model.tokenizer), model.bos_token_id, model.cfg.n_layers
-    no_heads = Absent("a 0-layer model has no attention heads")
     with _stage(timings, "model card", progress):
         card = _card(ckpt, model, w)
-    heads: Any = no_heads
-    eigen: Any = no_heads
+    heads: Any = Absent("a 0-layer model has no attention heads")
+    eigen: Any = heads
     if L >= 1:
         with _stage(timings, "heads", progress):
-            k = diag_k if diag_k is not None else (5 if model.cfg.d_vocab <= 8192 else 0)
-            heads, icl_curve = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], k)
+            heads, icl_curve = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], (diag_k, diag_sample))
             icl_info = heads.icl
         with _stage(timings, "OV eigenvalues", progress):
             eigen = _eigenvalues(w)
-    elif inputs.natural:
-        icl = icl_score(w, text_ids[:icl_examples])
-        icl_curve, icl_info = icl.loss_by_position, ICLSummary(icl.score, icl.early, icl.late)
     else:
-        icl_curve, icl_info = None, None
+        icl_curve, icl_info = _icl_without_heads(w, text_ids[:icl_examples], inputs.natural)
     with _stage(timings, "composition", progress):
-        composition: Any = _composition(w) if L >= 2 else Absent("composition needs at least two layers")
-        if L == 0:
-            composition = Absent("a 0-layer model has no heads")
+        composition = _composition(w)
     with _stage(timings, "paths", progress):
         paths = _paths(w, text_ids[:batch], top)
     with _stage(timings, "attention", progress):

@@ -148,6 +148,7 @@ class HeadsSection:
     memory_neurons: int
     icl: ICLSummary | None
     columns: list[list[str]]
+    diag_tokens: int | None = None  # tokens the own-in-top-k rate was measured on (d_vocab: exact)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -156,13 +157,14 @@ class HeadsSection:
             "memory_neurons": self.memory_neurons,
             "icl": None if self.icl is None else _plain(self.icl),
             "columns": self.columns,
+            "diag_tokens": self.diag_tokens,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "HeadsSection":
         icl = None if d.get("icl") is None else _build(ICLSummary, d["icl"])
         rows = [HeadRow.from_dict(r) for r in d["rows"]]
-        return cls(rows, d["thresholds"], d["memory_neurons"], icl, d.get("columns", []))
+        return cls(rows, d["thresholds"], d["memory_neurons"], icl, d.get("columns", []), d.get("diag_tokens"))
 
 
 @dataclass

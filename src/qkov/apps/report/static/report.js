@@ -107,7 +107,7 @@
     }
   }
 
-  function heads(sec, h, ev) {
+  function heads(sec, h, ev, vocab) {
     if (absent(sec, h)) return;
     const HEAD_COLS = h.columns;  // [label, score name], the same columns as `qkov heads`
     note(sec, "Per-head scores. Pattern scores come from validation text; prefix matching, induction, " +
@@ -115,6 +115,11 @@
       "circuit W_E W_OV W_U (1 = copies its input, −1 = suppresses it); own in topk = share of tokens whose own " +
       "logit is among the k largest of their OV row. Roles use the thresholds listed below.");
     const diag = Object.keys(h.rows[0] || {}).find((k) => k.startsWith("diag_top"));
+    if (diag && h.diag_tokens && h.diag_tokens < vocab) {
+      note(sec, `own in topk is estimated on a seeded sample of ${h.diag_tokens.toLocaleString("en-US")} of ` +
+        `${vocab.toLocaleString("en-US")} tokens (standard error at most ` +
+        `${(50 / Math.sqrt(h.diag_tokens)).toFixed(1)} points); qkov report --diag-sample sets the sample.`);
+    }
     const shown = diag ? [...HEAD_COLS, [diag.replace("diag_", "own in "), diag]] : HEAD_COLS;
     table(sec, ["head", ...shown.map((c) => c[0]), "roles"],
       h.rows.map((r) => {
@@ -195,7 +200,9 @@
     const ti = p.term_importance;
     note(sec, `Path expansion on ${p.tokens[0]} × ${p.tokens[1]} validation tokens, attention patterns frozen. ` +
       `The sum of all path terms reproduces the model's logits to ${p.reconstruction_max_abs_error.toExponential(2)} ` +
-      `(max |difference|).`);
+      `(max |difference|).` + (p.virtual_pairs && !p.virtual_expanded
+        ? ` Virtual heads were not expanded one by one (the model has ${p.virtual_pairs.toLocaleString("en-US")}); ` +
+          "their total is in the term-importance runs." : ""));
     const runs = ["uniform", ...ti.run_losses.map((_, i) => (i === 0 ? "direct path" : `orders 0..${i}`))];
     const losses = [ti.uniform_loss, ...ti.run_losses];
     const orderNames = ti.marginal_by_order.map((_, i) =>
@@ -327,7 +334,7 @@
 
   const RENDER = {
     card: (s) => card(s, D.card),
-    heads: (s) => heads(s, D.heads, D.eigenvalues),
+    heads: (s) => heads(s, D.heads, D.eigenvalues, D.card.model.d_vocab),
     composition: (s) => composition(s, D.composition),
     paths: (s) => paths(s, D.paths),
     attention: (s) => attention(s, D.attention),
