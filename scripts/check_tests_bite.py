@@ -183,6 +183,36 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "from ..errors import QkovError\nfrom ..apps.report import sections as _unused  # noqa: F401\n",
         "tests/test_layout.py::test_dependencies_point_one_way",
     ),
+    "virtual heads: the bound forgets the reader's normalisation": (
+        "analysis/virtual.py",
+        "reader = col * inv[:, None] * sigma[None]",
+        "reader = col * sigma[None]",
+        "tests/test_scale.py::test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds",
+    ),
+    "virtual heads: the coverage counts only the kept terms": (
+        "analysis/virtual.py",
+        "        total += outs.sum(0)\n",
+        "        total += outs[:1].sum(0)\n",
+        "tests/test_scale.py::test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds",
+    ),
+    "text scores: the last chunk is not counted": (
+        "analysis/text_scores.py",
+        "sums.sequences += part.shape[0]",
+        "sums.sequences += chunk",
+        "tests/test_scale.py::test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definitions",
+    ),
+    "runs: a directory with foreign files counts as a run": (
+        "training/rundir.py",
+        '    if not all(_is_ours(e) for e in entries):\n        return "foreign"\n',
+        "",
+        "tests/test_runs.py::test_a_directory_that_is_not_a_run_is_never_overwritten",
+    ),
+    "runs: the log is not kept in the training state": (
+        "training/loop.py",
+        '            "metrics": self.metrics,',
+        '            "metrics_old": self.metrics,',
+        "tests/test_runs.py::test_a_state_without_config_json_resumes_and_a_run_without_state_restarts",
+    ),
 }
 
 

@@ -271,10 +271,22 @@ def test_stage_progress_draws_on_a_terminal() -> None:
         for i in range(3):
             p("composition", i + 1, 3)
     assert "composition" in out.getvalue() and "3/3" in out.getvalue()
-    quiet = io.StringIO()
-    with StageProgress(console=Console(file=quiet, force_terminal=False)) as p:
+    # elsewhere (a log): after `quiet` s, plain lines when a stage starts, while it runs and when it ends
+    quick = io.StringIO()
+    with StageProgress(console=Console(file=quick, force_terminal=False)) as p:
         p("copying", 1, 2)
-    assert quiet.getvalue() == ""
+        p("copying", 2, 2)
+    assert quick.getvalue() == "", "a command that ends within `quiet` seconds prints nothing"
+    log = io.StringIO()
+    with StageProgress(console=Console(file=log, force_terminal=False, width=200), every=0.0, quiet=0.0) as p:
+        p("copying", 0, 4)
+        p("copying", 1, 4)
+        p("copying", 4, 4)
+        p("bigrams", 1, 1)  # a one-step stage: one line
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "copying: started (4 steps)" and lines[1].startswith("copying: 1/4 after")
+    assert "left" in lines[1] and lines[2].startswith("copying: done in") and lines[3].startswith("bigrams: done in")
+    assert len(lines) == 4
 
 
 def test_composition_baseline_draws_in_blocks_with_the_same_values() -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from qkov import Weights, load_any
+from qkov.analysis.trigrams import TrigramTable
 from qkov.io.checkpoint import save_checkpoint
 
 from test_heads import CTX, V, hand_built
@@ -85,3 +87,17 @@ def test_bad_token_files_are_one_line_errors(hand: Path, tmp_path: Path, capsys,
     assert rc == 2 and err.count("\n") == 1 and needle in err, err
     rc, _, err = run_main(capsys, "paths", hand, "--tokens", tmp_path / "missing.npy")
     assert rc == 2 and "cannot read" in err
+
+
+def test_trigrams_without_a_tokenizer_show_token_ids(hand: Path, capsys) -> None:
+    rc, out, err = run_main(capsys, "trigrams", hand, "--head", "0.0", "--json", "--source", "<3>", "--top", 5)
+    assert rc == 0, err
+    data = json.loads(out)
+    model = load_any(hand)
+    want = TrigramTable(Weights.from_model(model), 0, 0).top(40, exclude=(model.bos_token_id,))[:5]
+    got = [(r["source"], r["destination"], r["output"], r["score"]) for r in data["trigrams"]]
+    assert got == [(t.source, t.destination, t.output, pytest.approx(t.score, rel=1e-4)) for t in want]
+    assert all(r["source_str"] == f"<{r['source']}>" for r in data["trigrams"])
+    assert data["source"]["token"] == 3 and data["source"]["string"] == "<3>"
+    rc, _, err = run_main(capsys, "trigrams", hand, "--head", "0.0", "--source", "the")
+    assert rc == 2 and err.count("\n") == 1 and "no tokenizer, so give a token id" in err, err

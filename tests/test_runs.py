@@ -253,11 +253,14 @@ def test_a_kill_at_any_write_is_recoverable_and_exact(tmp_path: Path, small_corp
         res = _cli("train", *flags, "--out", out, env={"QKOV_FAULT": f"kill:{kill}"})
         if res.returncode == 0:
             break
-        assert res.returncode == 137, res.stderr
+        assert res.returncode == 137, (kill, res.returncode, res.stderr[-2000:])
         kind = rundir.inspect(out)
-        assert kind in ("resumable", "restartable"), (kill, kind)
+        assert kind in ("resumable", "restartable"), (kill, kind, sorted(p.name for p in out.iterdir()))
         again = ("--resume", "--out", out) if kind == "resumable" else (*flags, "--out", out)
         res = _cli("train", *again)
-        assert res.returncode == 0, (kill, res.stderr)
-        _same_run(full, out)
+        assert res.returncode == 0, (kill, kind, res.stderr[-2000:])
+        try:
+            _same_run(full, out)
+        except AssertionError as exc:
+            raise AssertionError(f"killed at write {kill} ({kind}): {exc}") from None
     assert kill == 11, "two checkpoints of five writes each: ten kill points"

@@ -108,6 +108,47 @@ def test_circuits_says_when_the_rate_is_an_estimate(tmp_path, capsys: pytest.Cap
     assert "diag_k must be an integer from 1 to 8999" in capsys.readouterr().err
 
 
+# ------------------------------------------------------------------ streamed head scores
+@pytest.mark.parametrize("norm, positional", [("none", "shortformer"), ("layernorm", "standard")])
+def test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definitions(norm, positional) -> None:
+    """The streamed text scores (one layer's attention at a time, a few sequences at a time) equal
+    the definitions on the whole ``[L, B, H, T, T]`` pattern stack, to 1e-6 (float64 here)."""
+    from qkov.analysis import text_scores as Ts
+    from qkov.analysis.forward import run
+
+    cfg = ModelConfig(
+        n_layers=3, n_heads=2, d_model=16, d_head=4, d_vocab=50, n_ctx=12, normalization=norm,
+        positional=positional, d_mlp=32 if norm == "layernorm" else None,
+    )  # fmt: skip
+    w = Weights.from_model(Transformer(cfg, seed=3).double(), dtype=torch.float64)
+    text = torch.randint(0, 50, (5, 12), generator=torch.Generator().manual_seed(2))
+    r = run(w, text, record=("patterns", "scales", "values", "qk_inputs"))
+    W_O = torch.stack([w.attention(l).W_O for l in range(3)])
+    norms = torch.einsum("lbhte,lhed->lbhtd", r.values, W_O).norm(dim=-1)
+    whole = {
+        "previous_token": Ts.previous_token_scores(r.patterns),
+        "self_attention": Ts.self_attention_scores(r.patterns),
+        "sink": Ts.sink_scores(r.patterns),
+        "sink_value_weighted": Ts.value_weighted_sink_scores(r.patterns, norms),
+        "positional_fraction": Ts.positional_fraction(w, r),
+    }
+    assert float(whole["positional_fraction"].abs().sum()) > 0  # a score that is there to compare
+    for chunk in (1, 2, 5):
+        streamed = Ts.text_scores(w, text, chunk=chunk)
+        assert streamed.keys() == whole.keys()
+        for k in whole:
+            assert torch.allclose(streamed[k], whole[k], atol=1e-6, rtol=0), (chunk, k)
+    # the default chunk: as many sequences as keep one layer's patterns and value norms in TEXT_CHUNK_BYTES
+    per_sequence = 12 * 1024 * (1024 + 768) * 4  # GPT-2 small: heads x T x (T + d_model) float32
+    n = Ts.chunk_size(_Shape(), 1024)  # type: ignore[arg-type]
+    assert n == 3 and n * per_sequence <= Ts.TEXT_CHUNK_BYTES < (n + 1) * per_sequence
+
+
+class _Shape:
+    cfg = ModelConfig(n_layers=12, n_heads=12, d_model=768, d_head=64, d_vocab=50257, n_ctx=1024)
+    dtype = torch.float32
+
+
 # ------------------------------------------------------------------ paths
 def test_virtual_heads_are_streamed_keeping_only_the_largest() -> None:
     cfg = ModelConfig(n_layers=3, n_heads=3, d_model=24, d_head=8, d_vocab=40, n_ctx=10)
@@ -119,19 +160,47 @@ def test_virtual_heads_are_streamed_keeping_only_the_largest() -> None:
     assert sorted(kept.virtual) == sorted(largest)
     assert all(torch.equal(kept.virtual[k], every.virtual[k]) for k in largest)
     assert P.virtual_pairs(w) == 27 == len(every.virtual)
+    # the virtual heads are the order-2 term, exactly
+    assert torch.allclose(sum(every.virtual.values()), every.orders[2], atol=1e-12)
     full = P.summarize(w, tokens, top_virtual=5)
-    assert full.virtual_expanded and len(full.virtual) == 5
-    off = P.summarize(w, tokens, top_virtual=5, virtual=False)
-    assert not off.virtual_expanded and off.virtual == [] and off.virtual_pairs == 27
+    assert full.coverage is not None and full.coverage.exact and len(full.virtual) == 5
+    assert full.coverage.explained == pytest.approx(1.0, abs=1e-12) and full.coverage.left_bound == 0
+    off = P.summarize(w, tokens, top_virtual=5, virtual_terms=0)
+    assert off.coverage is None and off.virtual == [] and off.to_dict()["virtual_coverage"] is None
     assert off.importance.run_losses == full.importance.run_losses
 
 
-def test_virtual_heads_are_off_by_default_when_there_are_too_many(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = _random_weights(40)
-    monkeypatch.setattr(P, "VIRTUAL_AUTO_MAX", 3)  # this model has 4 pairs
-    s = P.summarize(w, torch.zeros(1, 8, dtype=torch.long))
-    assert not s.virtual_expanded and s.virtual_pairs == 4 and s.to_dict()["virtual_expanded"] is False
-    assert P.summarize(w, torch.zeros(1, 8, dtype=torch.long), virtual=True).virtual_expanded
+def test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds() -> None:
+    """Above ``virtual_terms`` pairs, the ones materialised are those with the largest upper
+    bounds; every bound holds (no term is larger than its bound), no term left out is larger
+    than the largest bound left out, and the stated share of the order-2 term is exact."""
+    from qkov.analysis import virtual as Vh
+
+    cfg = ModelConfig(n_layers=3, n_heads=3, d_model=24, d_head=8, d_vocab=40, n_ctx=10, normalization="layernorm")
+    model = Transformer(cfg, seed=2).double()
+    with torch.no_grad():
+        model.W_E.mul_(0.01)  # a small stream: LayerNorm divisors well below 1, so the bound must include them
+    w = Weights.from_model(model, dtype=torch.float64)
+    tokens = torch.randint(0, 40, (3, 10), generator=torch.Generator().manual_seed(1))
+    every = P.expand(w, tokens, virtual_heads=True)
+    assert float(every.run.divisor("attn_v", 1).max()) < 1
+    bounds = Vh.virtual_bounds(w, every.run, every.heads)
+    norms = {k: float(t.pow(2).sum().sqrt()) for k, t in every.virtual.items()}
+    assert bounds.keys() == norms.keys() and len(norms) == 27
+    assert all(norms[k] <= bounds[k] * (1 + 1e-9) for k in norms)
+    s = P.summarize(w, tokens, top_virtual=4, virtual_terms=9)
+    cover = s.coverage
+    assert cover is not None and (cover.pairs, cover.materialised) == (27, 9) and not cover.exact
+    chosen = sorted(bounds, key=lambda k: -bounds[k])[:9]
+    left = [k for k in bounds if k not in chosen]
+    assert max(norms[k] for k in left) <= cover.left_bound * max(norms[k] for k in chosen) * (1 + 1e-9)
+    rest = every.orders[2] - sum(every.virtual[k] for k in chosen)
+    assert cover.explained == pytest.approx(1 - float(rest.pow(2).sum() / every.orders[2].pow(2).sum()), abs=1e-9)
+    assert 0 < cover.explained < 1
+    listed = {e.name for e in s.virtual}
+    largest = sorted(chosen, key=lambda k: -norms[k])[:4]
+    assert listed == {f"{a}.{b}->{c}.{d}" for a, b, c, d in largest}, (listed, largest)
+    assert P.PathSummary.from_dict(s.to_dict()).coverage == cover
 
 
 def test_paths_refuses_what_would_not_fit_before_any_work(
@@ -141,7 +210,7 @@ def test_paths_refuses_what_would_not_fit_before_any_work(
     from qkov.io.checkpoint import save_checkpoint
 
     w = _random_weights(40)
-    need = P.expansion_bytes(w, 1, 8, virtual=10)  # its 4 virtual heads are expanded, the 10 largest kept
+    need = P.expansion_bytes(w, 1, 8, virtual=11)  # the 10 largest virtual heads kept, and their sum
     monkeypatch.setattr(D, "free_memory", lambda _dev: need - 1)
     with pytest.raises(
         QkovError, match=r"paths: the expansion of 1 x 8 tokens needs about 0\.02 MiB, more than .* free: analyse fewer"
@@ -152,6 +221,16 @@ def test_paths_refuses_what_would_not_fit_before_any_work(
     assert "analyse fewer sequences" in capsys.readouterr().err
     monkeypatch.setattr(D, "free_memory", lambda _dev: need)
     P.summarize(w, torch.zeros(1, 8, dtype=torch.long))  # exactly enough
+    # a budget below what is free (--max-memory) refuses the same way, and says which limit it hit
+    monkeypatch.setattr(D, "free_memory", lambda _dev: 2**40)
+    monkeypatch.setattr(D, "_budget", None)  # restored after the test, whatever the CLI set
+    assert main(["paths", str(tmp_path / "m"), "--batch", "1", "--max-memory", f"{need - 1}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "memory budget" in err and "pass a smaller --batch, or a larger --max-memory" in err
+    assert main(["paths", str(tmp_path / "m"), "--batch", "1", "--max-memory", f"{need}", "--json"]) == 0
+    with pytest.raises(SystemExit) as bad:
+        main(["paths", str(tmp_path / "m"), "--max-memory", "lots"])
+    assert bad.value.code == 2 and "expected a memory size such as 4GiB" in capsys.readouterr().err
 
 
 def test_the_default_batch_holds_at_most_2048_tokens() -> None:
@@ -181,3 +260,47 @@ def test_a_slow_first_step_says_how_long_the_run_will_take() -> None:
     with TrainProgress(console=Console(file=quick, force_terminal=False)) as progress:
         progress({"event": "step", "step": 1, "steps": 101, "seconds": 0.01})
     assert quick.getvalue() == ""
+
+
+def test_copying_scores_read_a_seeded_sample_of_queries_only_at_large_vocabularies(monkeypatch) -> None:
+    from qkov.analysis import heads as Hd
+    from qkov.analysis.forward import run
+    from qkov.analysis.probes import prefix_matching_tokens
+
+    q = torch.arange(26, 101)
+    assert torch.equal(Hd.copying_queries(q, 10, 1024), q)  # the default models: every query (2^24 logits)
+    few = Hd.copying_queries(q, 10, 50257)  # GPT-2's vocabulary: 33 of 75
+    assert len(few) == 2**24 // (10 * 50257) == 33 and torch.equal(few, few.sort().values)
+    assert set(few.tolist()) <= set(q.tolist()) and torch.equal(few, Hd.copying_queries(q, 10, 50257))
+    # the scores on a sample are the definition applied to exactly those queries
+    w = _random_weights(40)
+    tokens = prefix_matching_tokens(40, length=3, seed=0, bos=0)[:, :8]
+    whole = Hd.repeat_scores(w, tokens, 3)
+    assert whole.copying_queries == (4, 4)
+    monkeypatch.setattr(Hd, "COPYING_LOGITS", 2 * tokens.shape[0] * 40)
+    part = Hd.repeat_scores(w, tokens, 3)
+    picked = Hd.copying_queries(torch.arange(4, 8), tokens.shape[0], 40, 2 * tokens.shape[0] * 40)
+    assert part.copying_queries == (2, 4)
+    r = run(w, tokens, record=("patterns", "head_outputs"))
+    for l, h in ((0, 0), (1, 1)):
+        A = r.patterns[l, :, h][:, picked]
+        want = Hd._copying(A, r.head_outputs[l, :, h][:, picked] @ w.W_U, r.tokens)
+        assert (float(part.copying[l, h]), float(part.copying_rank[l, h])) == pytest.approx(want, abs=1e-6)
+    assert torch.equal(part.prefix_matching, whole.prefix_matching)  # attention scores read every query
+
+
+def test_report_trigram_tables_of_a_few_heads_at_large_vocabularies(monkeypatch) -> None:
+    import importlib
+
+    Co = importlib.import_module("qkov.apps.report.collect")  # the package exports a function of that name
+    cfg = ModelConfig(n_layers=1, n_heads=5, d_model=16, d_head=4, d_vocab=40, n_ctx=8)
+    w = Weights.from_model(Transformer(cfg, seed=4))
+    assert Co._trigram_heads(w) == ([0, 1, 2, 3, 4], None)  # a small vocabulary: every head
+    monkeypatch.setattr(Co, "DIAG_EXACT_MAX", 39)
+    monkeypatch.setattr(Co, "TRIGRAM_HEADS", 2)
+    chosen, note = Co._trigram_heads(w)
+    dense = [float((w.W_E @ w.W_V[0, h] @ w.W_O[0, h] @ w.W_U).norm()) for h in range(5)]
+    assert chosen == sorted(sorted(range(5), key=lambda h: -dense[h])[:2])
+    assert note is not None and "2 of the 5 layer-0 heads" in note
+    section = Co._trigrams(w, lambda i: f"<{i}>", 0, 3)
+    assert [h.head for h in section.heads] == [f"0.{h}" for h in chosen] and section.note == note

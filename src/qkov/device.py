@@ -48,15 +48,36 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(need: int, device: torch.device, what: str, advice: str) -> None:
-    """Refuse, before the work starts, work that needs more memory than ``device`` has free.
+_budget: int | None = None  # bytes an analysis may allocate at most (set_memory_budget), on top of free memory
+
+
+def set_memory_budget(nbytes: int | None) -> None:
+    """Cap what analyses may allocate (``None``: free memory alone decides). The CLI's ``--max-memory``."""
+    global _budget
+    if nbytes is not None and nbytes <= 0:
+        raise QkovError(f"the memory budget must be positive, got {nbytes}")
+    _budget = nbytes
+
+
+def memory_budget(device: torch.device) -> tuple[int | None, str]:
+    """What an analysis may allocate on ``device``: the smaller of :func:`free_memory` and the budget
+    set by :func:`set_memory_budget`, and which one it is (``"free"`` or ``"budget"``)."""
+    free = free_memory(device)
+    if _budget is not None and (free is None or _budget < free):
+        return _budget, "budget"
+    return free, "free"
+
+
+def check_fits(need: int, device: torch.device, what: str, advice: str, *, hint: str | None = None) -> None:
+    """Refuse, before the work starts, work that needs more memory than :func:`memory_budget` allows.
 
     Raises:
-        QkovError: ``need`` bytes exceed what :func:`free_memory` reports.
+        QkovError: ``need`` bytes exceed free memory or the budget (with ``hint``: what to reduce).
     """
-    free = free_memory(device)
-    if free is not None and need > free:
-        raise QkovError(f"{what} needs about {_size(need)}, more than the {_size(free)} free: {advice}")
+    have, kind = memory_budget(device)
+    if have is not None and need > have:
+        limit = f"the {_size(have)} free" if kind == "free" else f"the {_size(have)} memory budget"
+        raise QkovError(f"{what} needs about {_size(need)}, more than {limit}: {advice}", hint=hint)
 
 
 def _size(n: int) -> str:

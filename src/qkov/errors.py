@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-HINTS: tuple[str, ...] = ("text", "resume", "out", "config", "overwrite")
+HINTS: tuple[str, ...] = ("text", "resume", "out", "config", "overwrite", "batch")
 """What a hint may name: ``text`` (something to analyse), ``resume`` (continue the run that
 is there), ``out`` (another output location), ``config`` (a config for a weights file that carries
-none), ``overwrite`` (permission to replace a file qkov did not write)."""
+none), ``overwrite`` (permission to replace a file qkov did not write), ``batch`` (fewer sequences at once)."""
 
 
 class QkovError(Exception):

@@ -7,7 +7,9 @@ with parts of the computation frozen: attention patterns alone (``patterns=``), 
 everything a previous run fixed (``frozen=``: its patterns, normalisation divisors and MLP
 outputs), with each head adding a given output instead of its own (``head_outputs=``).
 Path expansion, term importance, the QK-side split, the head detectors, the probes and the
-report all use it; the layer-level pieces (:func:`project`, :func:`read`,
+report all use it. ``observe=`` hands each layer's attention (:class:`LayerView`) to a callback
+as it is computed, so scores can be accumulated layer by layer without holding any of it past
+its layer (the streamed head detectors). The layer-level pieces (:func:`project`, :func:`read`,
 :func:`head_writes`) are what the path expansion applies to single stream terms.
 
 The training model (:class:`qkov.Transformer`) has its own fused forward; a test checks the
@@ -21,7 +23,7 @@ Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +49,19 @@ class Scales:
     attn_qk: Tensor
     mlp: Tensor | None
     final: Tensor
+
+
+@dataclass
+class LayerView:
+    """One layer's attention on a run, as :func:`run` hands it to ``observe``: ``pattern [B, H, T, T]``,
+    ``values [B, H, T, E]`` (``b_V`` included), ``qk_input [B, T, D]`` (normalised) and its
+    divisor ``qk_scale [B, T, 1]`` (``None`` without normalisation)."""
+
+    layer: int
+    pattern: Tensor
+    values: Tensor
+    qk_input: Tensor
+    qk_scale: Tensor | None
 
 
 @dataclass
@@ -81,6 +96,13 @@ class Run:
         return s if layer is None or s is None else s[layer]
 
 
+def flops_per_token(cfg: Any) -> int:
+    """Floating-point operations of one token through the model (matrix products, attention over a
+    full context, the unembedding): what sizes the default batches of the analyses."""
+    L, D, HE, M, V, T = cfg.n_layers, cfg.d_model, cfg.n_heads * cfg.d_head, cfg.d_mlp or 0, cfg.d_vocab, cfg.n_ctx
+    return 2 * (L * (4 * D * HE + 2 * D * M + T * HE) + D * V)
+
+
 # ------------------------------------------------------------------ layer pieces
 def project(x: Tensor, W: Tensor, b: Tensor | None = None) -> Tensor:
     """``x [B, T, D]`` through per-head ``W [H, D, E]`` (plus ``b [H, E]``) -> ``[B, H, T, E]``."""
@@ -91,6 +113,18 @@ def project(x: Tensor, W: Tensor, b: Tensor | None = None) -> Tensor:
 def head_writes(pattern: Tensor, v: Tensor, W_O: Tensor) -> Tensor:
     """Each head's output ``[B, H, T, D]``: ``pattern [B, H, T, T] @ v [B, H, T, E] @ W_O [H, E, D]``."""
     return torch.einsum("bhte,hed->bhtd", pattern @ v, W_O)
+
+
+def head_terms(source: WeightSource, run: "Run", layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
+    """What each head of ``layer`` (or only ``heads``) writes for one stream term ``x [B, T, D]``
+    alone, with the run's patterns and normalisation divisors frozen, no biases: ``[h, B, T, D]``."""
+    att = source.attention(layer)
+    pattern = run.patterns[layer]  # type: ignore[index]
+    W_V, W_O = att.W_V, att.W_O
+    if heads is not None:
+        pattern, W_V, W_O = pattern[:, heads], W_V[heads], W_O[heads]
+    v = project(read(x, source.norm, run.divisor("attn_v", layer)), W_V)
+    return head_writes(pattern, v, W_O).transpose(0, 1)
 
 
 def read(x: Tensor, norm: str, scale: Tensor | None) -> Tensor:
@@ -152,6 +186,7 @@ class _Pass:
     mlp_frozen: Tensor | None  # frozen MLP outputs [L, B, T, D]
     head_override: Tensor | None  # [L, B, H, T, D] written instead of the heads' own outputs
     pos: Tensor | None  # [T, D]
+    observe: Callable[[LayerView], None] | None = None
     kept: dict[str, Any] = field(default_factory=lambda: {"scales": []})
 
     def _keep(self, name: str, layer: int, value: Tensor) -> None:
@@ -185,7 +220,10 @@ class _Pass:
         v = project(v_in, att.W_V, att.b_V)
         per_head = "head_outputs" in self.want or self.head_override is not None
         frozen = None if self.patterns is None else self.patterns[l]
-        p, z = _attend(att, qk_in, v, frozen, per_head or "patterns" in self.want)
+        p, z = _attend(att, qk_in, v, frozen, per_head or "patterns" in self.want or self.observe is not None)
+        if self.observe is not None:
+            qk_scale = self.kept["scales"][-1][1] if self.source.norm != "none" else None
+            self.observe(LayerView(l, p, v, qk_in, qk_scale))  # type: ignore[arg-type]
         if per_head:
             outputs = head_writes(p, v, att.W_O)  # type: ignore[arg-type]  # [B, H, T, D]
             self._keep("head_outputs", l, outputs)
@@ -234,6 +272,7 @@ def run(
     patterns: Tensor | None = None,
     frozen: Run | None = None,
     head_outputs: Tensor | None = None,
+    observe: Callable[[LayerView], None] | None = None,
 ) -> Run:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
 
@@ -248,6 +287,7 @@ def run(
         head_outputs: ``[L, B, H, T, D]``: each head adds this to the stream instead of its
             live output (the live output is still computed and can be recorded); ``b_O`` is
             added as usual. Used by the term-importance runs.
+        observe: called with each layer's :class:`LayerView` as soon as it is computed.
     Returns:
         :class:`Run`. Computed under ``torch.no_grad``.
     """
@@ -267,7 +307,7 @@ def run(
     pos = source.pos()
     pos = pos[: tokens.shape[1]] if pos is not None else None
     fixed, mlp_frozen = (None, None) if frozen is None else (frozen.scales, frozen.mlp_outputs)
-    state = _Pass(source, want, patterns, fixed, mlp_frozen, head_outputs, pos)
+    state = _Pass(source, want, patterns, fixed, mlp_frozen, head_outputs, pos, observe)
     x = F.embedding(tokens, source.embed())
     if cfg.positional == "standard":
         x = x + pos

@@ -16,39 +16,22 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..device import check_fits
 from ..errors import QkovError
-from ..model.ops import causal_mask
 from ..weights.parts import WeightSource
 from .circuits import check_diag_k, copying_scores
-from .forward import Run, read, run
+from .forward import run
 from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
+from .progress import Progress
+from .text_scores import positional_fraction as positional_fraction
+from .text_scores import previous_token_scores as previous_token_scores
+from .text_scores import self_attention_scores as self_attention_scores
+from .text_scores import sink_scores as sink_scores
+from .text_scores import text_bytes, text_scores
+from .text_scores import value_weighted_sink_scores as value_weighted_sink_scores
 
 # =========================================================================== detectors
-
-
-def previous_token_scores(patterns: Tensor) -> Tensor:
-    """Mean attention ``A[i, i-1]`` over queries ``i >= 1`` (use natural text)."""
-    return patterns.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, 3))
-
-
-def self_attention_scores(patterns: Tensor) -> Tensor:
-    """Mean attention to the current token ``A[i, i]`` over queries ``i >= 1``."""
-    return patterns.diagonal(offset=0, dim1=-2, dim2=-1)[..., 1:].mean(dim=(1, 3))
-
-
-def sink_scores(patterns: Tensor) -> Tensor:
-    """Mean attention to position 0 over queries ``i >= 1`` (Gu et al.: a sink head above 0.3)."""
-    return patterns[..., 1:, 0].mean(dim=(1, 3))
-
-
-def value_weighted_sink_scores(patterns: Tensor, value_norms: Tensor) -> Tensor:
-    """Share of a head's value-weighted attention ``A[i, j] * ||v_j W_O||`` that goes to position 0.
-
-    ``value_norms [n_layers, batch, n_heads, key]``. A sink that reads a near-zero value
-    (a "do nothing" default) scores low here even when its attention to position 0 is high.
-    """
-    weighted = patterns[..., 1:, :] * value_norms[..., None, :]
-    return weighted[..., 0].sum(dim=(1, 3)) / weighted.sum(dim=(1, 3, 4)).clamp_min(1e-30)
+COPYING_LOGITS = 2**24  # logits per head the copying scores read at most (beyond: sampled queries)
 
 
 @dataclass
@@ -60,6 +43,7 @@ class RepeatScores:
     duplicate: Tensor  # attention to the current token's earlier occurrences
     copying: Tensor  # [I] copying score in [-1, 1] (share of the raise on attended tokens)
     copying_rank: Tensor  # where the head's logits rank the token it attends to most, in [-1, 1]
+    copying_queries: tuple[int, int] = (0, 0)  # (queries the copying scores read, repeated queries in all)
 
 
 def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatScores:
@@ -77,7 +61,9 @@ def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatSc
     over queries and rescaled to [-1, 1]. 1: the head always raises what it attends to above every
     other token; 0: chance (a random or silent head: a constant logit row scores exactly 0); -1: it
     always pushes it below every other token. Unlike the share below, it does not fade when a head
-    also lifts many related tokens a little.
+    also lifts many related tokens a little. Both read full-vocabulary logits per head and query: above
+    :data:`COPYING_LOGITS` of them (GPT-2's vocabulary) a seeded sample of the queries is read
+    (:func:`copying_queries`; ``copying_queries`` says how many).
 
     Copying ([I]): each head's output at a repeated query is mapped to logits by the direct
     path (``@ W_U``, LayerNorm folded), the mean over the vocabulary is subtracted, then
@@ -104,13 +90,25 @@ def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatSc
     dup /= len(queries)
     W_U = source.unembed().W_U
     copy, rank = torch.zeros_like(pm), torch.zeros_like(pm)
+    read_q = copying_queries(queries, B, W_U.shape[-1], COPYING_LOGITS)
     for l in range(L):
         for h in range(H):
-            A = P[l, :, h][:, queries]  # [B, Q, T]
-            logits = outputs[l, :, h][:, queries] @ W_U  # [B, Q, V]
+            A = P[l, :, h][:, read_q]  # [B, Q, T]
+            logits = outputs[l, :, h][:, read_q] @ W_U  # [B, Q, V]
             copy[l, h], rank[l, h] = _copying(A, logits, r.tokens)
     induction = induction_attention(P, length)
-    return RepeatScores(prefix_matching=pm, induction=induction, duplicate=dup, copying=copy, copying_rank=rank)
+    counts = (len(read_q), len(queries))
+    return RepeatScores(pm, induction, dup, copying=copy, copying_rank=rank, copying_queries=counts)
+
+
+def copying_queries(queries: Tensor, batch: int, vocab: int, max_logits: int = COPYING_LOGITS) -> Tensor:
+    """The repeated queries the copying scores read: all of them when their ``[batch, queries, vocab]``
+    logits hold at most ``max_logits`` entries per head, else a seeded sample (sorted) that fits."""
+    most = max(1, max_logits // (batch * vocab))
+    if len(queries) <= most:
+        return queries
+    pick = torch.randperm(len(queries), generator=torch.Generator().manual_seed(0))[:most].sort().values
+    return queries[pick.to(queries.device)]
 
 
 def _copying(A: Tensor, logits: Tensor, tokens: Tensor) -> tuple[float, float]:
@@ -146,43 +144,6 @@ def memory_neurons(source: WeightSource, threshold: float = -0.5) -> list[dict[s
             return []
         cos = torch.nn.functional.cosine_similarity(mlp.W_in.T, mlp.W_out, dim=-1)  # [M]
         out += [{"layer": l, "neuron": int(n), "cosine": float(cos[n])} for n in torch.nonzero(cos < threshold)[:, 0]]
-    return out
-
-
-def positional_fraction(source: WeightSource, r: Run) -> Tensor:
-    """How much of each head's attention score varies with position alone.
-
-    ``Var_k(pos-pos term) / Var_k(real score)`` over allowed keys, averaged over queries
-    (clipped to [0, 1]), where the pos-pos term is ``p_q W_QK p_k`` with ``p`` the positional
-    part of the query/key input (``W_pos`` for shortformer and standard positions, read through
-    the run's frozen normalisation: centred and divided, or only divided in a rotated ``scale``
-    view) and the real score uses the run's actual input. ``r`` must have recorded
-    ``qk_inputs`` (and ``scales`` for a normalised model). 0 for models without positions.
-    ``[n_layers, n_heads]``.
-    """
-    c = source.cfg
-    L, H = c.n_layers, c.n_heads
-    pos = source.pos()
-    out = torch.zeros(L, H, dtype=source.dtype, device=source.device)
-    if pos is None or r.qk_inputs is None:
-        return out
-    T = r.tokens.shape[1]
-    allowed = ~causal_mask(T, source.device)
-    counts = allowed.sum(-1)
-
-    def var_k(s: Tensor) -> Tensor:  # [..., T, T] -> variance over allowed keys, mean over queries >= 1
-        s = s.masked_fill(~allowed, 0.0)
-        mean = s.sum(-1) / counts
-        return (s.pow(2).sum(-1) / counts - mean.pow(2)).clamp_min(0)[..., 1:]
-
-    for l in range(L):
-        p = read(pos[:T].expand(*r.tokens.shape, -1), source.norm, r.divisor("attn_qk", l))  # [B, T, D]
-        x, att = r.qk_inputs[l], source.attention(l)
-        for h in range(H):
-            Q, K = att.W_Q[h], att.W_K[h]
-            real = (x @ Q + att.b_Q[h]) @ (x @ K + att.b_K[h]).transpose(-1, -2)
-            pp = (p @ Q) @ (p @ K).transpose(-1, -2)
-            out[l, h] = (var_k(pp) / var_k(real).clamp_min(1e-30)).clamp(0, 1).mean()
     return out
 
 
@@ -228,6 +189,7 @@ class HeadReport:
     memory_neurons: list[dict[str, float]]
     thresholds: dict[str, float]
     diag_tokens: int | None = None  # tokens the diag_top<k> rate was measured on (d_vocab: exact)
+    copying_queries: tuple[int, int] | None = None  # (read, all) repeated queries of the copying scores
 
     def rows(self) -> list[dict[str, object]]:
         L, H = next(iter(self.scores.values())).shape
@@ -247,6 +209,7 @@ class HeadReport:
             "memory_neurons": self.memory_neurons,
             "thresholds": self.thresholds,
             "diag_tokens": self.diag_tokens,
+            "copying_queries": None if self.copying_queries is None else list(self.copying_queries),
         }
 
 
@@ -294,6 +257,7 @@ def head_report(
     thresholds: dict[str, float] = THRESHOLDS,
     icl_text: Tensor | None = None,
     icl: bool = True,
+    progress: Progress | None = None,
 ) -> HeadReport:
     """Every detector on one model: ``text [B, T]`` is natural (validation) text.
 
@@ -305,27 +269,28 @@ def head_report(
     the eigenvalue copying scores and the diagonal top-k rate (exact up to 8192 tokens, else
     estimated on ``diag_sample`` tokens: :func:`~qkov.analysis.circuits.copying_scores`).
     ``icl=False`` leaves the ICL score out (for text without structure, such as random tokens).
+    The text scores are streamed (:func:`~qkov.analysis.text_scores.text_scores`); ``progress``
+    is ticked through the text, the ICL examples and the copying scores.
     """
     cfg = source.cfg
     if cfg.n_layers == 0:
         raise QkovError("heads: the model has no attention layers")
     if diag_k:
         check_diag_k(diag_k, cfg.d_vocab)  # before any work
-    r = run(source, text, record=("patterns", "scales", "values", "qk_inputs"))
-    assert r.patterns is not None and r.values is not None
-    W_O = torch.stack([source.attention(l).W_O for l in range(cfg.n_layers)])
-    value_norms = torch.einsum("lbhte,lhed->lbhtd", r.values, W_O).norm(dim=-1)
+    check_fits(
+        text_bytes(source, text.shape[1]),
+        source.device,
+        f"heads: the attention of one layer on one sequence of {text.shape[1]} tokens, and its logits,",
+        "analyse shorter sequences",
+    )
+    on_text = text_scores(source, text, progress=progress)
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(cfg.d_vocab, length=length, seed=seed, bos=bos, frequencies=frequencies)
     rs = repeat_scores(source, rep, length)
-    copying = copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, seed=seed)
+    copying = copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, seed=seed, progress=progress)
     L, H = cfg.n_layers, cfg.n_heads
     scores = {
-        "previous_token": previous_token_scores(r.patterns),
-        "self_attention": self_attention_scores(r.patterns),
-        "sink": sink_scores(r.patterns),
-        "sink_value_weighted": value_weighted_sink_scores(r.patterns, value_norms),
-        "positional_fraction": positional_fraction(source, r),
+        **on_text,
         "prefix_matching": rs.prefix_matching,
         "induction": rs.induction,
         "duplicate_token": rs.duplicate,
@@ -338,7 +303,7 @@ def head_report(
         scores[f"diag_top{diag_k}"] = torch.tensor([c.diag_topk_rate for c in copying]).reshape(L, H)
     scores = {k: v.detach().float().cpu() for k, v in scores.items()}
     icl_on = text if icl_text is None else icl_text  # ICL compares two narrow windows: it needs many examples
-    icl_result = icl_score(source, icl_on) if icl and icl_on.shape[1] > 60 else None
+    icl_result = icl_score(source, icl_on, progress=progress) if icl and icl_on.shape[1] > 60 else None
     roles = assign_roles(scores, thresholds)
     n_diag = copying[0].diag_tokens if copying else None
-    return HeadReport(scores, roles, icl_result, memory_neurons(source), dict(thresholds), n_diag)
+    return HeadReport(scores, roles, icl_result, memory_neurons(source), dict(thresholds), n_diag, rs.copying_queries)

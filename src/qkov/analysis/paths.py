@@ -37,30 +37,41 @@ Every run here is :func:`qkov.analysis.forward.run`; the expansion applies its l
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ..device import check_fits
 from ..errors import QkovError
 from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
-from .forward import Run, head_writes, project, read, run
+from .forward import Run, flops_per_token, head_terms, read, run
 from .progress import Progress, tick
+from .virtual import VirtualCoverage, materialize, select_virtual, virtual_keys
 
 FROZEN = ("patterns", "scales", "mlp_outputs")  # what a run must record to be frozen
-VIRTUAL_AUTO_MAX = 1024  # virtual-head pairs expanded by default (GPT-2 small has 9,504: hours on a CPU)
+VIRTUAL_AUTO_MAX = 1024  # virtual heads materialised by default (GPT-2 small has 9,504; 1,024 take ~10 s there)
 BATCH_TOKENS = 2048  # tokens the default batch holds at most (8 sequences of 256, 2 of 1024)
+RUN_FLOPS = 3 * 10**11  # one forward pass over the default paths batch costs at most this (term importance runs L + 1)
+EFFECT_LOGITS = 2**24  # logits per term effect: above it, effects are measured on a seeded sample of positions
 
 
 def default_batch(n_ctx: int, most: int = 8) -> int:
-    """Sequences of ``n_ctx`` tokens a path analysis takes by default: ``most``, or fewer so the
-    batch holds at most :data:`BATCH_TOKENS` tokens (every term is ``[batch, n_ctx, d_model]``)."""
+    """Sequences of ``n_ctx`` tokens a pattern analysis takes by default: ``most``, or fewer so the
+    batch holds at most :data:`BATCH_TOKENS` tokens."""
     return max(1, min(most, BATCH_TOKENS // n_ctx))
+
+
+def paths_batch(cfg: Any, most: int = 8) -> int:
+    """Sequences of ``n_ctx`` tokens the path analysis takes by default: :func:`default_batch`, or
+    fewer so that one forward pass costs at most :data:`RUN_FLOPS` (but at least one sequence):
+    8 of 256 tokens for the default models, 1 of 1024 for GPT-2 small."""
+    tokens = min(BATCH_TOKENS, max(cfg.n_ctx, RUN_FLOPS // flops_per_token(cfg)))
+    return max(1, min(most, tokens // cfg.n_ctx))
 
 
 def virtual_pairs(source: WeightSource) -> int:
@@ -88,13 +99,6 @@ def loss(logits: Tensor, tokens: Tensor) -> float:
 
 
 # -------------------------------------------------------------------- expansion
-def _head_terms(source: WeightSource, r: Run, l: int, x: Tensor) -> Tensor:
-    """Per-head output ``[H, B, T, D]`` of layer ``l`` for a stream term ``x [B, T, D]`` (no biases)."""
-    att = source.attention(l)
-    v = project(read(x, source.norm, r.divisor("attn_v", l)), att.W_V)
-    return head_writes(r.patterns[l], v, att.W_O).transpose(0, 1)  # type: ignore[index]
-
-
 @dataclass
 class Expansion:
     """Logits split by path. Residual-stream terms are kept (``[B, T, D]``); logits on demand.
@@ -163,66 +167,35 @@ def expand(
     bias = torch.zeros_like(x0)
     mlp = torch.zeros_like(x0)
     heads: dict[tuple[int, int], Tensor] = {}
-    virtual: dict[tuple[int, int, int, int], Tensor] = {}
-    kept: list[tuple[float, tuple[int, int, int, int]]] = []  # min-heap of (size, key) when keep_virtual
-    first_order: dict[tuple[int, int], Tensor] = {}  # order-1 terms, for virtual heads
     for l in range(L):
         att = source.attention(l)
         # bias of this layer: b_V through the (row-stochastic) pattern, plus b_O
         new_bias = torch.einsum("he,hed->d", att.b_V, att.W_O) + att.b_O
-        bias_through = _head_terms(source, r, l, bias).sum(0)
-        mlp_through = _head_terms(source, r, l, mlp).sum(0)
+        bias_through = head_terms(source, r, l, bias).sum(0)
+        mlp_through = head_terms(source, r, l, mlp).sum(0)
         # carry the stream order by order, highest first so each order is read before it grows
         for k in range(l, -1, -1):
             if float(orders[k].abs().max()) == 0.0 and k > 0:
                 continue
-            outs = _head_terms(source, r, l, orders[k])  # [H, B, T, D]
-            if k == 0:
-                for h in range(cfg.n_heads):
-                    if per_head:
-                        heads[(l, h)] = outs[h]
-                    if virtual_heads:
-                        first_order[(l, h)] = outs[h]
+            outs = head_terms(source, r, l, orders[k])  # [H, B, T, D]
+            if k == 0 and (per_head or virtual_heads):
+                heads.update({(l, h): outs[h] for h in range(cfg.n_heads)})
             orders[k + 1] = orders[k + 1] + outs.sum(0)
-        if virtual_heads:
-            for (l1, h1), term in first_order.items():
-                if l1 < l:
-                    outs = _head_terms(source, r, l, term)
-                    for h2 in range(cfg.n_heads):
-                        _keep(virtual, kept, keep_virtual, (l1, h1, l, h2), outs[h2])
         bias = bias + bias_through + new_bias
         mlp = mlp + mlp_through
         if r.mlp_outputs is not None:
             mlp = mlp + r.mlp_outputs[l]
         tick(progress, "paths: expansion", l + 1, L)
+    virtual: dict[tuple[int, int, int, int], Tensor] = {}
+    if virtual_heads:
+        virtual = materialize(source, r, heads, virtual_keys(cfg), keep=keep_virtual, progress=progress)[0]
+    if not per_head:
+        heads = {}
     if max_order is not None and max_order < L:
         tail = sum(orders[max_order + 1 :], torch.zeros_like(x0))
         orders = orders[: max_order + 1]
         orders[-1] = orders[-1] + tail
     return Expansion(r, source, orders, bias, mlp, heads, virtual)
-
-
-def _keep(
-    virtual: dict[tuple[int, int, int, int], Tensor],
-    kept: list[tuple[float, tuple[int, int, int, int]]],
-    most: int | None,
-    key: tuple[int, int, int, int],
-    term: Tensor,
-) -> None:
-    """Add a virtual-head term, keeping only the ``most`` largest (``None``: all)."""
-    if most is None:
-        virtual[key] = term
-        return
-    if most <= 0:
-        return
-    size = float(term.pow(2).mean())
-    if len(kept) < most:
-        heapq.heappush(kept, (size, key))
-        virtual[key] = term.clone()  # a view of a larger block would keep the block alive
-    elif size > kept[0][0]:
-        _, gone = heapq.heapreplace(kept, (size, key))
-        del virtual[gone]
-        virtual[key] = term.clone()
 
 
 # ------------------------------------------------------------------ term importance
@@ -282,28 +255,50 @@ class TermEffect:
         return vars(self).copy()
 
 
+def effect_positions(exp: Expansion, max_logits: int = EFFECT_LOGITS) -> Tensor | None:
+    """The ``(b, t)`` positions term effects are measured on: ``None`` (every position) when their
+    logits hold at most ``max_logits`` entries, else a seeded sample of ``max_logits // d_vocab``
+    (at least 64) positions that have a next token, as ``[n, 2]``."""
+    B, T = exp.run.tokens.shape
+    V = exp.source.cfg.d_vocab
+    n = B * (T - 1)
+    if n * V <= max_logits:
+        return None
+    pick = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: max(64, max_logits // V)].sort().values
+    return torch.stack([pick // (T - 1), pick % (T - 1)], 1).to(exp.run.tokens.device)
+
+
 def term_effects(
-    exp: Expansion, *, top_virtual: int = 10, progress: Progress | None = None
+    exp: Expansion, *, top_virtual: int = 10, positions: Tensor | None = None, progress: Progress | None = None
 ) -> tuple[list[TermEffect], list[TermEffect]]:
     """Loss change from removing each order-1 term, and each of the ``top_virtual`` largest order-2 terms.
 
-    Logits are built one term at a time (never ``[B, T, V]`` for all terms at once).
+    Logits are built one term at a time (never ``[B, T, V]`` for all terms at once), at every
+    position, or at ``positions [n, 2]`` (``(b, t)`` pairs, :func:`effect_positions`) only.
     """
     toks = exp.run.tokens
-    full = exp.total_logits()
-    base = loss(full, toks)
+    logits_of: Any = exp.logits_of
+    lossf: Any = lambda lg: loss(lg, toks)  # noqa: E731
+    if positions is not None:
+        b, t = positions[:, 0], positions[:, 1]
+        scale, W_U, target = exp.run.divisor("final"), exp.source.unembed().W_U, toks[b, t + 1]
+
+        def logits_of(x: Tensor) -> Tensor:  # [n, 1, V] at the sampled positions
+            return read(x[b, t][:, None], exp.source.norm, None if scale is None else scale[b, t][:, None]) @ W_U
+
+        lossf = lambda lg: float(F.cross_entropy(lg[:, 0].double(), target))  # noqa: E731
+    full = logits_of(sum(exp.orders, torch.zeros_like(exp.bias)) + exp.bias + exp.mlp) + exp.source.unembed().b_U
+    base = lossf(full)
     sized = sorted(exp.virtual.items(), key=lambda kv: -float(kv[1].pow(2).mean()))[:top_virtual]
     n = len(exp.heads) + len(sized)
     singles, virtual = [], []
     for (l, h), term in exp.heads.items():
-        tl = exp.logits_of(term)
-        singles.append(TermEffect(f"{l}.{h}", loss(full - tl, toks) - base, float(tl.pow(2).mean().sqrt())))
+        tl = logits_of(term)
+        singles.append(TermEffect(f"{l}.{h}", lossf(full - tl) - base, float(tl.pow(2).mean().sqrt())))
         tick(progress, "paths: term effects", len(singles), n)
     for (l1, h1, l2, h2), term in sized:
-        tl = exp.logits_of(term)
-        virtual.append(
-            TermEffect(f"{l1}.{h1}->{l2}.{h2}", loss(full - tl, toks) - base, float(tl.pow(2).mean().sqrt()))
-        )
+        tl = logits_of(term)
+        virtual.append(TermEffect(f"{l1}.{h1}->{l2}.{h2}", lossf(full - tl) - base, float(tl.pow(2).mean().sqrt())))
         tick(progress, "paths: term effects", len(singles) + len(virtual), n)
     singles.sort(key=lambda e: -e.loss_change)
     virtual.sort(key=lambda e: -e.loss_change)
@@ -319,8 +314,8 @@ class PathSummary:
     importance: TermImportance
     singles: list[TermEffect]  # every single-head term, by loss change
     virtual: list[TermEffect]  # the largest virtual-head terms, by loss change
-    virtual_pairs: int = 0  # virtual heads the model has
-    virtual_expanded: bool = True  # False: too many to expand by default, ``virtual`` is empty
+    coverage: VirtualCoverage | None = None  # which virtual heads were materialised; None: none were
+    effect_positions: int | None = None  # positions the term effects were measured on (None: every one)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -329,8 +324,8 @@ class PathSummary:
             "term_importance": self.importance.to_dict(),
             "single_head_terms": [e.to_dict() for e in self.singles],
             "virtual_head_terms": [e.to_dict() for e in self.virtual],
-            "virtual_pairs": self.virtual_pairs,
-            "virtual_expanded": self.virtual_expanded,
+            "virtual_coverage": None if self.coverage is None else self.coverage.to_dict(),
+            "effect_positions": self.effect_positions,
         }
 
     @classmethod
@@ -340,8 +335,10 @@ class PathSummary:
         importance = TermImportance(ti["run_losses"], ti["full_loss"], ti["uniform_loss"])
         singles = [TermEffect(e["name"], e["loss_change"], e["size"]) for e in d["single_head_terms"]]
         virtual = [TermEffect(e["name"], e["loss_change"], e["size"]) for e in d["virtual_head_terms"]]
-        pairs, expanded = d.get("virtual_pairs", 0), d.get("virtual_expanded", True)
-        return cls(d["tokens"], d["reconstruction_max_abs_error"], importance, singles, virtual, pairs, expanded)
+        cover = d.get("virtual_coverage")
+        coverage = None if cover is None else VirtualCoverage.from_dict(cover)
+        shape, err, sampled = d["tokens"], d["reconstruction_max_abs_error"], d.get("effect_positions")
+        return cls(shape, err, importance, singles, virtual, coverage, sampled)
 
 
 def expansion_bytes(source: WeightSource, batch: int, seq: int, *, virtual: int = 0) -> int:
@@ -362,24 +359,36 @@ def summarize(
     tokens: Tensor,
     *,
     top_virtual: int = 10,
-    virtual: bool | None = None,
+    virtual_terms: int | None = VIRTUAL_AUTO_MAX,
     progress: Progress | None = None,
 ) -> PathSummary:
     """Expand ``tokens [B, T]``, run the paper's term importance and measure the effect of each
-    single-head and the ``top_virtual`` largest virtual-head terms.
+    single-head and the ``top_virtual`` largest virtual-head terms (on every position, or on a
+    seeded sample of them when their logits would exceed :data:`EFFECT_LOGITS`: 333 positions at
+    GPT-2's vocabulary; :attr:`PathSummary.effect_positions` says which).
 
-    ``virtual``: expand virtual heads (pairs of heads in increasing layers); ``None`` does so
-    when the model has at most :data:`VIRTUAL_AUTO_MAX` of them (GPT-2 small has 9,504: each
-    costs a pass of its reader layer over the batch). Only the ``top_virtual`` largest are
-    held. Refuses (one-line :class:`QkovError`) a batch whose terms would not fit in free
-    memory (:func:`expansion_bytes`), before any work.
+    ``virtual_terms``: how many virtual heads (pairs of heads in increasing layers, each a pass
+    of its reader head over the batch) to materialise: all of them when the model has at most
+    that many (``None``: always all), else that many chosen by an upper bound on their size
+    (:mod:`qkov.analysis.virtual`), with the share of the order-2 term they explain stated in
+    :attr:`PathSummary.coverage`; 0 materialises none. Only the ``top_virtual`` largest are held.
+    Refuses (one-line :class:`QkovError`) a batch whose terms would not fit in free memory
+    (:func:`expansion_bytes`), before any work.
     """
-    pairs = virtual_pairs(source)
-    do_virtual = pairs > 0 and (pairs <= VIRTUAL_AUTO_MAX if virtual is None else virtual)
+    do_virtual = virtual_pairs(source) > 0 and virtual_terms != 0
     B, T = tokens.shape
-    need = expansion_bytes(source, B, T, virtual=top_virtual if do_virtual else 0)
-    check_fits(need, source.device, f"paths: the expansion of {B} x {T} tokens", "analyse fewer sequences")
+    need = expansion_bytes(source, B, T, virtual=top_virtual + 1 if do_virtual else 0)
+    check_fits(
+        need, source.device, f"paths: the expansion of {B} x {T} tokens", "analyse fewer sequences", hint="batch"
+    )
     importance = term_importance(source, tokens, progress=progress)
-    exp = expand(source, tokens, virtual_heads=do_virtual, keep_virtual=top_virtual, progress=progress)
-    singles, virt = term_effects(exp, top_virtual=top_virtual, progress=progress)
-    return PathSummary(list(tokens.shape), exp.reconstruction_error(), importance, singles, virt, pairs, do_virtual)
+    exp = expand(source, tokens, progress=progress)
+    coverage = None
+    if do_virtual:
+        exp.virtual, coverage = select_virtual(
+            source, exp.run, exp.heads, exp.orders[2], most=virtual_terms, keep=top_virtual, progress=progress
+        )
+    positions = effect_positions(exp)
+    singles, virt = term_effects(exp, top_virtual=top_virtual, positions=positions, progress=progress)
+    sampled = None if positions is None else len(positions)
+    return PathSummary(list(tokens.shape), exp.reconstruction_error(), importance, singles, virt, coverage, sampled)

@@ -16,6 +16,7 @@ Two token sets, for two jobs:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,7 +25,8 @@ from torch import Tensor
 from ..errors import QkovError
 from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
-from .forward import run
+from .progress import Progress, tick
+from .forward import flops_per_token, run
 
 
 def induction_probe_tokens(
@@ -158,14 +160,18 @@ class ICLScore:
     loss_by_position: list[float]  # mean loss predicting token i+1 at position i
 
 
-ICL_TOKENS = 65536  # tokens the default ICL examples hold at most (256 of 256, 64 of GPT-2's 1024)
+ICL_TOKENS = 65536  # tokens the default ICL examples hold at most (256 of 256)
+ICL_FLOPS = 2 * 10**12  # ... and what their forward passes cost at most (16 examples for GPT-2 small)
+ICL_LATE = 500  # [I]'s late position: an example is read up to it, no further
 LOGIT_BYTES = 256 * 2**20  # logits held at once while the ICL curve is computed
 
 
-def default_icl_examples(n_ctx: int, most: int = 256) -> int:
-    """Examples of ``n_ctx`` tokens the ICL score takes by default: ``most``, or fewer so they hold
-    at most :data:`ICL_TOKENS` tokens (never fewer than 16): a forward pass over each."""
-    return max(16, min(most, ICL_TOKENS // n_ctx))
+def default_icl_examples(cfg: Any, most: int = 256) -> int:
+    """Examples the ICL score takes by default: ``most``, or fewer so that they hold at most
+    :data:`ICL_TOKENS` tokens and their forward passes cost at most :data:`ICL_FLOPS` (never fewer
+    than 16). Each is read up to position :data:`ICL_LATE` + 1 (the whole context if shorter)."""
+    per_example = min(cfg.n_ctx, ICL_LATE + 2)
+    return max(16, min(most, ICL_TOKENS // per_example, ICL_FLOPS // (flops_per_token(cfg) * per_example)))
 
 
 def icl_score(
@@ -173,9 +179,10 @@ def icl_score(
     examples: Tensor,
     *,
     early: int = 50,
-    late: int = 500,
+    late: int = ICL_LATE,
     window: int = 10,
     chunk: int | None = None,
+    progress: Progress | None = None,
 ) -> ICLScore:
     """Loss at token ``late`` minus loss at token ``early``, over ``examples [B, T]`` of validation text.
 
@@ -183,19 +190,21 @@ def icl_score(
     laptop run uses, one position's mean loss is noisy (measured: +-0.15 nats over 256
     examples), so each side averages ``window`` positions (``late - window + 1 .. late`` and
     ``early - window // 2 ..``). [I] uses 512-token examples (late = 500); a shorter context
-    uses its last predicted position (``T - 2``). Negative = later tokens are predicted
+    uses its last predicted position (``T - 2``); positions after ``late`` are not run, and the
+    returned curve ends there. Negative = later tokens are predicted
     better (the model learns in context). Examples run ``chunk`` at a time (default: as many as
     keep their ``[chunk, T, d_vocab]`` logits within :data:`LOGIT_BYTES`).
     """
+    examples = examples[:, : late + 2]  # nothing after the late position enters the score
     T = examples.shape[1]
     if chunk is None:
         chunk = max(1, LOGIT_BYTES // (T * source.cfg.d_vocab * torch.finfo(source.dtype).bits // 8))
     late = min(late, T - 2)
     early = min(early, late)
-    parts = [
-        next_token_nll(run(source, examples[i : i + chunk], record=()).logits, examples[i : i + chunk])
-        for i in range(0, examples.shape[0], chunk)
-    ]
+    parts = []
+    for i in range(0, examples.shape[0], chunk):
+        parts.append(next_token_nll(run(source, examples[i : i + chunk], record=()).logits, examples[i : i + chunk]))
+        tick(progress, "heads: in-context learning", min(i + chunk, examples.shape[0]), examples.shape[0])
     curve = torch.cat(parts).mean(0)  # [T-1]
     lo = max(0, early - window // 2)
     score = curve[max(0, late - window + 1) : late + 1].mean() - curve[lo : lo + window].mean()

@@ -7,6 +7,7 @@ long analyses (:data:`qkov.analysis.progress.Progress`); the library itself neve
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
 
 from rich.console import Console
@@ -106,16 +107,26 @@ class TrainProgress:
 
 
 class StageProgress:
-    """Callable ``(stage, done, total)`` drawing one rich progress bar per stage on a terminal
-    (stderr); silent elsewhere. The ``progress`` argument of the long analyses
-    (:func:`qkov.analysis.circuits.analyse`, ...). Use as a context manager."""
+    """Callable ``(stage, done, total)`` for the ``progress`` argument of the long analyses
+    (:func:`qkov.analysis.circuits.analyse`, ...). Use as a context manager.
 
-    def __init__(self, *, console: Console | None = None) -> None:
+    On a terminal it draws one rich progress bar per stage (stderr). Elsewhere (a log file, CI)
+    it writes plain lines instead, so long work is never silent: once the command has run
+    ``quiet`` seconds, a line when a stage starts, every ``every`` seconds while it runs
+    (done/total, elapsed, estimated time left) and when it ends. Quick commands stay silent.
+    """
+
+    def __init__(self, *, console: Console | None = None, every: float = 30.0, quiet: float = 10.0) -> None:
         self.console = console or Console(stderr=True)
         self.progress: Progress | None = None
         self.tasks: dict[str, Any] = {}
+        self.every, self.quiet = every, quiet
+        self.t0 = time.monotonic()
+        self.started: dict[str, float] = {}
+        self.said: dict[str, float] = {}
 
     def __enter__(self) -> "StageProgress":
+        self.t0 = time.monotonic()
         if self.console.is_terminal:
             self.progress = _start_bar(self.console, "[bold]{task.description}")
         return self
@@ -126,7 +137,27 @@ class StageProgress:
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.progress is None:
+            self._line(stage, done, total)
             return
         if stage not in self.tasks:
             self.tasks[stage] = self.progress.add_task(stage, total=total)
         self.progress.update(self.tasks[stage], completed=done, total=total)
+
+    def _line(self, stage: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        first = stage not in self.started
+        if first:
+            self.started[stage] = self.said[stage] = now
+        loud = now - self.t0 >= self.quiet
+        elapsed = now - self.started[stage]
+        say = lambda text: self.console.print(text, highlight=False, soft_wrap=True)  # noqa: E731
+        if done >= total:
+            if loud:
+                say(f"{stage}: done in {elapsed:.1f} s")
+        elif first:
+            if loud:
+                say(f"{stage}: started ({total:,} steps)")
+        elif loud and done > 0 and now - self.said[stage] >= self.every:
+            self.said[stage] = now
+            left = elapsed / done * (total - done)
+            say(f"{stage}: {done:,}/{total:,} after {elapsed:.0f} s, about {left:.0f} s left")

@@ -10,7 +10,7 @@ import torch
 from rich.table import Table
 
 from ...analysis.heads import SCORE_COLUMNS, THRESHOLDS, head_report
-from ...analysis.paths import default_batch, summarize
+from ...analysis.paths import VIRTUAL_AUTO_MAX, default_batch, paths_batch, summarize
 from ...analysis.probes import default_icl_examples
 from ...weights.view import Weights
 from ..inputs import analysis_inputs
@@ -26,6 +26,7 @@ from .common import (
     device,
     dump_json,
     load_source,
+    count_or_all,
     positive_int,
 )
 
@@ -47,17 +48,21 @@ def add_paths(sub: Any) -> None:
     p.add_argument(
         "--batch",
         type=positive_int,
-        help="sequences of n_ctx tokens (default 8, or fewer so they hold at most 2048 tokens: 2 at GPT-2's 1024). "
-        "Memory and time grow with it: every head's term is batch x n_ctx x d_model, each term's effect a "
-        "batch x n_ctx x vocab product; a batch that would not fit in free memory is refused before any work",
+        help="sequences of n_ctx tokens (default 8, or fewer so they hold at most 2048 tokens and one forward "
+        "pass costs at most 0.3 TFLOP: 1 at GPT-2 size). Memory and time grow with it: every head's term is "
+        "batch x n_ctx x d_model, and term importance is n_layers + 1 forward passes; a batch that would not "
+        "fit in free memory (or --max-memory) is refused before any work",
     )
     p.add_argument("--top", type=positive_int, default=10, help="terms to list per order (default 10)")
     p.add_argument(
-        "--virtual",
-        action=argparse.BooleanOptionalAction,
-        help="expand virtual heads (pairs of heads in increasing layers; only the --top largest are kept). "
-        "Default: when the model has at most 1024 of them (GPT-2 small has 9,504, each a pass of its reader "
-        "layer: hours on a CPU)",
+        "--virtual-terms",
+        type=count_or_all,
+        default=VIRTUAL_AUTO_MAX,
+        metavar="N|all",
+        help=f"virtual heads (pairs of heads in increasing layers) to expand one by one (default "
+        f"{VIRTUAL_AUTO_MAX}): all of them when the model has at most N, else the N with the largest upper "
+        "bound on their size, and the output states the share of the order-2 term they explain; 0: none. "
+        "Each is a pass of one head over the batch: GPT-2 small has 9,504, ~5 s per 1,000 on a 2-core CPU",
     )
     p.add_argument("--float64", action="store_true", help="compute in float64")
     add_device(p)
@@ -68,15 +73,16 @@ def add_paths(sub: Any) -> None:
 def cmd_paths(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "paths", " (its logits are the direct path alone)")
-    batch = args.batch or default_batch(model.cfg.n_ctx)
+    batch = args.batch or paths_batch(model.cfg)
     inputs = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=batch)
     tokens = inputs.tokens
     dtype = torch.float64 if args.float64 else torch.float32
     w = Weights.from_model(model, dtype=dtype, device=dev)
+    del model  # the view holds what the analysis reads: the training module's copy can go
     tokens = tokens.to(dev)
     t0 = time.perf_counter()
     with StageProgress() as progress:
-        summary = summarize(w, tokens, top_virtual=args.top, virtual=args.virtual, progress=progress)
+        summary = summarize(w, tokens, top_virtual=args.top, virtual_terms=args.virtual_terms, progress=progress)
     seconds = time.perf_counter() - t0
     ti, singles, virtual = summary.importance, summary.singles, summary.virtual
     data = {"path": str(args.ckpt), "inputs": inputs.source, **summary.to_dict(), "seconds": seconds}
@@ -108,10 +114,19 @@ def cmd_paths(args: argparse.Namespace) -> int:
         for e in rows[: args.top]:
             t.add_row(e.name, f"{e.loss_change:+.4f}", f"{e.size:.3f}")
         con.print(t)
-    if summary.virtual_pairs and not summary.virtual_expanded:
+    if summary.effect_positions is not None:
         con.print(
-            f"virtual heads not expanded: the model has {summary.virtual_pairs:,} (pass --virtual to expand them, "
-            "slowly; only the --top largest are kept)",
+            f"term effects measured on a seeded sample of {summary.effect_positions:,} of the "
+            f"{tokens.shape[0] * (tokens.shape[1] - 1):,} predicted positions (full-vocabulary logits per term)",
+            highlight=False,
+        )
+    cover = summary.coverage
+    if cover is not None and not cover.exact:
+        con.print(
+            f"virtual heads: the {cover.materialised:,} of {cover.pairs:,} with the largest upper bounds were "
+            "expanded; "
+            f"they explain {cover.explained:.1%} of the order-2 term (squared norm), and none left out can exceed "
+            f"{cover.left_bound:.2f} x the largest expanded one (--virtual-terms sets how many)",
             highlight=False,
         )
     return 0
@@ -149,26 +164,37 @@ def cmd_heads(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "heads")
     n_ctx = model.cfg.n_ctx
-    batch, icl_examples = args.batch or default_batch(n_ctx), args.icl_examples or default_icl_examples(n_ctx)
+    batch, icl_examples = args.batch or default_batch(n_ctx), args.icl_examples or default_icl_examples(model.cfg)
     rows = max(batch, icl_examples)
     inputs = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=rows, want_corpus=True)
-    text = inputs.tokens
-    report = head_report(
-        Weights.from_model(model, device=dev),
-        text[:batch],
-        bos=model.bos_token_id,
-        frequencies=inputs.frequencies,
-        seed=args.seed,
-        diag_k=args.diag_k or None,
-        diag_sample=args.diag_sample,
-        icl_text=text[:icl_examples],
-        icl=inputs.natural,
-    )
+    text, bos = inputs.tokens, model.bos_token_id
+    w = Weights.from_model(model, device=dev)
+    del model  # the view holds what the analysis reads: the training module's copy can go
+    with StageProgress() as progress:
+        report = head_report(
+            w,
+            text[:batch],
+            bos=bos,
+            frequencies=inputs.frequencies,
+            seed=args.seed,
+            diag_k=args.diag_k or None,
+            diag_sample=args.diag_sample,
+            icl_text=text[:icl_examples],
+            icl=inputs.natural,
+            progress=progress,
+        )
     if args.json:
         dump_json({"path": str(args.ckpt), "inputs": inputs.source, **report.to_dict()})
         return 0
     con = console()
     con.print(f"inputs: {inputs.source}" + ("" if inputs.natural else "; no ICL score"), highlight=False)
+    read, every = report.copying_queries or (0, 0)
+    if read < every:
+        con.print(
+            f"copying scores read {read} of the {every} repeated queries per example (a seeded sample: "
+            "full-vocabulary logits per head and query)",
+            highlight=False,
+        )
     cols = SCORE_COLUMNS
     t = Table(title=f"heads of {args.ckpt}")
     t.add_column("head")

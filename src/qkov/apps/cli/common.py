@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any, Callable, NoReturn
@@ -13,7 +14,7 @@ from typing import Any, Callable, NoReturn
 import torch
 from rich.console import Console
 
-from ...device import pick_device
+from ...device import pick_device, set_memory_budget
 from ...errors import QkovError
 from ...io.sources import load_any, source_kind
 from ...model.config import ModelConfig
@@ -28,6 +29,7 @@ HINT_ADVICE = {
     "out": "choose another --out",
     "config": "pass --config CONFIG.json",
     "overwrite": "pass --force to replace it, or choose another output directory",
+    "batch": "pass a smaller --batch, or a larger --max-memory if more is free",
 }
 """What the command line adds to a :class:`QkovError` carrying each hint."""
 
@@ -61,6 +63,16 @@ def int_at_least(lo: int, what: str) -> Callable[[str], int]:
 
 positive_int = int_at_least(1, "a positive integer")
 nonneg_int = int_at_least(0, "an integer >= 0")
+
+
+def count_or_all(text: str) -> int | None:
+    """An integer >= 0, or ``all`` (``None``: no limit)."""
+    if text.strip().lower() == "all":
+        return None
+    try:
+        return int_at_least(0, "an integer >= 0 or 'all'")(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0 or 'all', got {text!r}") from None
 
 
 def positive_float(text: str) -> float:
@@ -136,11 +148,13 @@ def add_inputs(p: argparse.ArgumentParser) -> None:
 
 BATCH_HELP = (
     "sequences of n_ctx tokens for the pattern-based scores (default 8, or fewer so they hold at most 2048 "
-    "tokens: 2 at GPT-2's 1024); every layer's attention patterns are kept: n_layers x batch x n_heads x n_ctx^2"
+    "tokens: 2 at GPT-2's 1024); scored a few sequences and one layer at a time, so memory does not grow "
+    "with it; time does (~10 s per 1024-token sequence at GPT-2 size on a 2-core CPU)"
 )
 ICL_HELP = (
-    "validation sequences for the in-context-learning score (default 256, or fewer so they hold at most 65,536 "
-    "tokens, at least 16: 64 at GPT-2's 1024); one forward pass over each"
+    "validation sequences for the in-context-learning score, each read up to token 501 (default 256, or "
+    "fewer so their forward passes stay within ~2 TFLOP, at least 16: 16 at GPT-2 size, ~1 s each on a "
+    "2-core CPU)"
 )
 
 
@@ -176,10 +190,28 @@ def add_device(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--device", default="auto", help="where to compute: auto (default; cuda if available), cpu, cuda or cuda:N"
     )
+    p.add_argument(
+        "--max-memory",
+        type=memory_size,
+        metavar="SIZE",
+        help="what the analysis may allocate, e.g. 4GiB or 500MiB (default: the memory free on the device); "
+        "work estimated to need more is refused before it starts, naming the option that reduces it",
+    )
+
+
+def memory_size(text: str) -> int:
+    """``4GiB``, ``500MiB``, ``2G``, ``1.5GB`` or a number of bytes -> bytes."""
+    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
+    if m is None or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"expected a memory size such as 4GiB or 500MiB, got {text!r}")
+    return int(float(m.group(1)) * units[m.group(2)])
 
 
 def device(args: argparse.Namespace) -> torch.device:
-    """The ``--device`` as a torch device, checked before any work (one-line error if unusable)."""
+    """The ``--device`` as a torch device, checked before any work (one-line error if unusable); sets
+    the memory budget of ``--max-memory``."""
+    set_memory_budget(getattr(args, "max_memory", None))
     return pick_device(args.device)
 
 

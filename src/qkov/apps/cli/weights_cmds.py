@@ -144,12 +144,32 @@ def add_trigrams(sub: Any) -> None:
     )
     add_source_args(p)
     p.add_argument("--head", required=True, metavar="L.H", help="the head, e.g. 0.3")
-    p.add_argument("--source", metavar="TOKEN", help="a token string (it must encode to exactly one token)")
+    p.add_argument(
+        "--source",
+        metavar="TOKEN",
+        help="a token string (it must encode to exactly one token); for a model without a tokenizer, a token id",
+    )
     p.add_argument("--top", type=positive_int, default=20, help="rows to show (default 20)")
     add_device(p)
     add_lazy(p)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(func=cmd_trigrams)
+
+
+def _source_token(token: str, tokenizer: Any, decode: Any, vocab: int) -> list[int]:
+    """``--source``'s one token id: a token string, or (without a tokenizer) an id as ``17`` or ``<17>``."""
+    if tokenizer is None:
+        digits = token.strip().removeprefix("<").removesuffix(">")
+        if not digits.isdigit() or int(digits) >= vocab:
+            raise QkovError(
+                f"--source {token!r}: this model has no tokenizer, so give a token id in [0, {vocab - 1}] "
+                "(e.g. 17 or <17>)"
+            )
+        return [int(digits)]
+    ids = tokenizer.encode(token).ids
+    if len(ids) != 1:
+        raise QkovError(f"--source {token!r} encodes to {len(ids)} tokens {[decode(i) for i in ids]}; give one token")
+    return ids
 
 
 def trigram_data(
@@ -167,11 +187,7 @@ def trigram_data(
             "write into its inputs (e.g. K-composition with a previous-token head) is not in it"
         )
     if token is not None:
-        ids = tokenizer.encode(token).ids
-        if len(ids) != 1:
-            raise QkovError(
-                f"--source {token!r} encodes to {len(ids)} tokens {[decode(i) for i in ids]}; give one token"
-            )
+        ids = _source_token(token, tokenizer, decode, source.cfg.d_vocab)
         view = table.source_view(ids[0], top=top, exclude=(bos,))
         data["source"] = {
             "token": ids[0],
@@ -192,9 +208,7 @@ def trigram_data(
 
 
 def cmd_trigrams(args: argparse.Namespace) -> int:
-    source, tokenizer, bos = _source(args)
-    if tokenizer is None:
-        raise QkovError("trigrams: the checkpoint has no tokenizer to show tokens with")
+    source, tokenizer, bos = _source(args)  # without a tokenizer, tokens show as <id>
     data = {"path": str(args.ckpt), **trigram_data(source, tokenizer, bos, args.head, args.top, args.source)}
     if args.json:
         dump_json(data)

@@ -16,11 +16,11 @@ from typing import Any, Callable, Iterator
 import torch
 
 from ...analysis import trigrams
-from ...analysis.circuits import bandwidth, check_diag_k, eigen_copying_score, ov_eigenvalues
+from ...analysis.circuits import DIAG_EXACT_MAX, bandwidth, check_diag_k, eigen_copying_score, full_ov, ov_eigenvalues
 from ...analysis.composition import composition_scores
 from ...analysis.forward import run
 from ...analysis.heads import SCORE_COLUMNS, head_report
-from ...analysis.paths import PathSummary, TermEffect, default_batch, summarize
+from ...analysis.paths import PathSummary, TermEffect, default_batch, paths_batch, summarize
 from ...analysis.probes import default_icl_examples, icl_score, induction_probe
 from ...device import pick_device
 from ...errors import QkovError
@@ -55,6 +55,8 @@ from .sections import (
 
 Progress = Callable[[str], None]
 Decode = Callable[[int], str]
+
+TRIGRAM_HEADS = 4  # layer-0 heads with a skip-trigram table above a vocabulary of DIAG_EXACT_MAX
 
 
 def _r(x: float | None, digits: int = 4) -> float | None:
@@ -169,10 +171,10 @@ def _composition(w: Weights) -> CompositionSection | Absent:
 
 
 def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
-    s = summarize(w, tokens[: default_batch(w.cfg.n_ctx, len(tokens))], top_virtual=top)
+    s = summarize(w, tokens[: paths_batch(w.cfg, len(tokens))], top_virtual=top)
     rounded = lambda effects: [TermEffect(e.name, _r(e.loss_change), _r(e.size)) for e in effects]  # noqa: E731
     effects = rounded(s.singles), rounded(s.virtual)
-    return PathSummary(s.shape, s.reconstruction_error, s.importance, *effects, s.virtual_pairs, s.virtual_expanded)
+    return PathSummary(s.shape, s.reconstruction_error, s.importance, *effects, s.coverage, s.effect_positions)
 
 
 def _attention(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
@@ -199,13 +201,30 @@ def _icl(w: Weights, bos: int, seed: int, curve: list[float] | None, info: ICLSu
     return ICLSection(rounded, repeat, *(() if info is None else (info.score, info.early, info.late)))
 
 
+def _trigram_heads(w: Weights) -> tuple[list[int], str | None]:
+    """The layer-0 heads that get a skip-trigram table: all of them, or above a vocabulary of
+    :data:`~qkov.analysis.circuits.DIAG_EXACT_MAX` tokens (~5 s per head at GPT-2's) the
+    :data:`TRIGRAM_HEADS` with the largest full OV circuits (Frobenius norm), and a note saying so."""
+    H = w.cfg.n_heads if w.cfg.n_layers >= 1 else 0
+    if w.cfg.d_vocab <= DIAG_EXACT_MAX or H <= TRIGRAM_HEADS:
+        return list(range(H)), None
+    norms = torch.stack([full_ov(w, 0, h).norm() for h in range(H)])
+    chosen = sorted(norms.argsort(descending=True)[:TRIGRAM_HEADS].tolist())
+    note = (
+        f"Tables of {TRIGRAM_HEADS} of the {H} layer-0 heads (those with the largest full OV circuits: each table "
+        f"searches the whole {w.cfg.d_vocab:,}-token vocabulary); qkov trigrams --head 0.H shows any other."
+    )
+    return chosen, note
+
+
 def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection:
     heads = []
-    for h in range(w.cfg.n_heads if w.cfg.n_layers >= 1 else 0):
+    chosen, note = _trigram_heads(w)
+    for h in chosen:
         tri = trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,))
         heads.append(HeadTrigrams(f"0.{h}", [TrigramRow(**_rd(t.to_dict(decode))) for t in tri]))
     bigrams = [BigramRow(**_rd(b.to_dict(decode))) for b in trigrams.bigrams(w, top=top, exclude=(bos,))]
-    return TrigramsSection(heads, bigrams)
+    return TrigramsSection(heads, bigrams, note)
 
 
 def _inputs(
@@ -272,7 +291,7 @@ def collect(
     with _stage(timings, "load", progress):
         model = load_any(ckpt, config=config).to(dev).eval()
         batch = batch or default_batch(model.cfg.n_ctx)
-        icl_examples = icl_examples or default_icl_examples(model.cfg.n_ctx)
+        icl_examples = icl_examples or default_icl_examples(model.cfg)
         if diag_k:
             check_diag_k(diag_k, model.cfg.d_vocab)  # before the long work
         inputs = _inputs(ckpt, model, tokens, text, max(batch, icl_examples), seed)

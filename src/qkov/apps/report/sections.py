@@ -320,17 +320,19 @@ class TrigramsSection:
 
     heads: list[HeadTrigrams]
     bigrams: list[BigramRow]
+    note: str | None = None  # set when only some layer-0 heads have tables (large vocabularies)
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "heads": [{"head": h.head, "rows": [_plain(r) for r in h.rows]} for h in self.heads],
             "bigrams": [_plain(b) for b in self.bigrams],
+            "note": self.note,
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "TrigramsSection":
         heads = [HeadTrigrams(h["head"], [_build(TrigramRow, r) for r in h["rows"]]) for h in d["heads"]]
-        return cls(heads, [_build(BigramRow, b) for b in d["bigrams"]])
+        return cls(heads, [_build(BigramRow, b) for b in d["bigrams"]], d.get("note"))
 
 
 # ---------------------------------------------------------------------- report

@@ -196,13 +196,24 @@
     }
   }
 
+  // what the virtual-head table holds: every virtual head, or the ones chosen by an upper bound
+  function virtualNote(c) {
+    if (!c) return "";
+    const n = (v) => v.toLocaleString("en-US");
+    if (c.materialised === c.pairs) return ` All ${n(c.pairs)} virtual heads were expanded one by one.`;
+    return ` Of the model's ${n(c.pairs)} virtual heads, the ${n(c.materialised)} with the largest upper bounds ` +
+      `on their size were expanded one by one: they explain ${(100 * c.explained).toFixed(1)}% of the ` +
+      `order-2 term (squared norm), and none left out can exceed ${fmt(c.left_bound, 2)}× the largest ` +
+      "expanded one; the whole order-2 term is in the term-importance runs.";
+  }
+
   function paths(sec, p) {
     const ti = p.term_importance;
     note(sec, `Path expansion on ${p.tokens[0]} × ${p.tokens[1]} validation tokens, attention patterns frozen. ` +
       `The sum of all path terms reproduces the model's logits to ${p.reconstruction_max_abs_error.toExponential(2)} ` +
-      `(max |difference|).` + (p.virtual_pairs && !p.virtual_expanded
-        ? ` Virtual heads were not expanded one by one (the model has ${p.virtual_pairs.toLocaleString("en-US")}); ` +
-          "their total is in the term-importance runs." : ""));
+      `(max |difference|).` + virtualNote(p.virtual_coverage) + (p.effect_positions
+        ? ` Term effects (loss change when a term is removed) were measured on a seeded sample of ` +
+          `${p.effect_positions.toLocaleString("en-US")} positions.` : ""));
     const runs = ["uniform", ...ti.run_losses.map((_, i) => (i === 0 ? "direct path" : `orders 0..${i}`))];
     const losses = [ti.uniform_loss, ...ti.run_losses];
     const orderNames = ti.marginal_by_order.map((_, i) =>
@@ -318,7 +329,8 @@
 
   function trigrams(sec, t) {
     note(sec, "Skip-trigrams [source] … [destination] → [output] of each layer-0 head, read off its QK and OV " +
-      "circuits over the whole vocabulary (score = centred QK × centred OV), and the direct path's bigrams.");
+      "circuits over the whole vocabulary (score = centred QK × centred OV), and the direct path's bigrams." +
+      (t.note ? " " + t.note : ""));
     const grid = el("div", { class: "cols" });
     sec.append(grid);
     for (const h of t.heads) {

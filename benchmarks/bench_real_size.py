@@ -1,0 +1,232 @@
+"""Every command at real model size, default flags: wall time and peak memory, beside TransformerLens.
+
+The model: GPT-2-small's shape (12 layers x 12 heads, d_model 768, MLP 3072, LayerNorm, vocab
+50257, context 1024; 124M parameters), random weights saved by transformers'
+``GPT2LMHeadModel.save_pretrained`` (seeded), plus a byte-level BPE ``tokenizer.json`` trained on
+Python's standard library (GPT-2's own tokenizer is on the Hub, out of reach offline). The text:
+one standard-library module (``argparse.py``, ~26k tokens with that tokenizer).
+
+Each command runs with its default flags in its own process (``qkov circuits DIR``,
+``heads DIR --text F``, ``paths DIR --text F``, ``trigrams DIR --head 5.1``, ``report DIR -o OUT
+--text F``); the process reports its wall time and its peak RSS (``ru_maxrss``: resident pages,
+the memory-mapped weights included). Beside them, in its own process, TransformerLens 3.9 on the
+same weights: load (``convert_gpt2_weights`` + ``load_and_process_state_dict``), ``run_with_cache``
+on the same two 1024-token rows ``qkov heads`` scores, and ``detect_head`` for its three built-in
+patterns (previous-token, duplicate-token, induction) on the first row; and qkov doing that same
+work (load, then its streamed text scores of every head on the same two rows), whose ratio to
+TransformerLens is printed. ``qkov heads`` does much more than either (the induction probe, the
+ICL score, each head's OV copying scores over the vocabulary).
+
+    python benchmarks/bench_real_size.py                 # builds /tmp/qkov-gpt2s once, then measures
+    python benchmarks/bench_real_size.py --only circuits --dir /tmp/qkov-gpt2s
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+COMMANDS = {
+    "circuits": ["circuits", "{dir}"],
+    "heads": ["heads", "{dir}", "--text", "{text}"],
+    "paths": ["paths", "{dir}", "--text", "{text}"],
+    "trigrams": ["trigrams", "{dir}", "--head", "5.1"],
+    "report": ["report", "{dir}", "-o", "{out}", "--text", "{text}", "--force"],
+}
+PEER = {
+    "qkov-detect": ("detect", "qkov: load+text scores (same work)"),
+    "transformer-lens": ("tl", "TransformerLens: load+cache+detect"),
+}
+GOALS_S = {"report": 300.0}  # the issue's goals: report <= 5 min, the others <= 2 min; all <= 4 GiB
+GOAL_S, GOAL_GIB = 120.0, 4.0
+
+
+def text_file() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"]) / "argparse.py"
+
+
+def build(out: Path) -> None:
+    """The GPT-2-small-shaped directory: transformers' random init (seed 0) and a stdlib-trained BPE."""
+    if (out / "model.safetensors").exists() and (out / "tokenizer.json").exists():
+        return
+    import torch
+    import transformers
+
+    from qkov.training.data import train_tokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(errors="replace") for p in sorted(stdlib.glob("*.py"))]
+    print(f"building {out}: tokenizer on {len(texts)} stdlib modules, random GPT-2-small weights", flush=True)
+    tok = train_tokenizer(texts, 50257, start="<|endoftext|>")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=50257, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save(str(out / "tokenizer.json"))
+
+
+def worker(argv: list[str]) -> dict[str, object]:
+    """Run ``qkov ARGV`` in this process; its exit code, wall time and peak RSS."""
+    from qkov.apps.cli import main
+
+    t = time.perf_counter()
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    wall = time.perf_counter() - t
+    return {"rc": rc, "wall_s": wall, "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def tl_worker(path: Path, text: Path) -> dict[str, object]:
+    """TransformerLens 3.9 on the same directory: load, run_with_cache on 2 x 1024 tokens, detect_head."""
+    import tokenizers
+    import torch
+    import transformers
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+    from transformer_lens.head_detector import detect_head
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+
+    t0 = time.perf_counter()
+    hf = transformers.GPT2LMHeadModel.from_pretrained(path).eval()
+    c = hf.config
+    cfg = HookedTransformerConfig(
+        n_layers=c.n_layer, n_heads=c.n_head, d_model=c.n_embd, d_head=c.n_embd // c.n_head, d_mlp=4 * c.n_embd,
+        d_vocab=c.vocab_size, n_ctx=c.n_positions, act_fn="gelu_new", normalization_type="LN",
+        default_prepend_bos=True,
+    )  # fmt: skip
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")),
+        bos_token="<|endoftext|>", eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+    )  # fmt: skip
+    saved = tempfile.mkdtemp()  # TransformerLens reloads its tokenizer by name: give it a path (kept to the end)
+    tok.save_pretrained(saved)
+    tok = transformers.AutoTokenizer.from_pretrained(saved)
+    model = HookedTransformer(cfg, tokenizer=tok)
+    model.load_and_process_state_dict(convert_gpt2_weights(hf, cfg))
+    model.eval()
+    del hf
+    t_load = time.perf_counter() - t0
+    ids = tok(text.read_text())["input_ids"]
+    rows = torch.tensor([[0, *ids[i * 1023 : (i + 1) * 1023]] for i in range(2)])
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        model.run_with_cache(rows)
+    t_cache = time.perf_counter() - t1
+    first = tok.decode(rows[0, 1:512].tolist())  # detect_head tokenizes its text itself (prepending BOS)
+    t2 = time.perf_counter()
+    with torch.no_grad():
+        for pattern in ("previous_token_head", "duplicate_token_head", "induction_head"):
+            detect_head(model, first, pattern)
+    t_detect = time.perf_counter() - t2
+    return {
+        "rc": 0,
+        "wall_s": time.perf_counter() - t0,
+        "load_s": t_load,
+        "run_with_cache_s": t_cache,
+        "detect_head_s": t_detect,
+        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+
+
+def qkov_detect_worker(path: Path, text: Path) -> dict[str, object]:
+    """qkov doing what the TransformerLens worker does: load, then the streamed text scores
+    (previous-token, self, sink, positional, ...) of every head on the same two 1024-token rows."""
+    import torch
+
+    from qkov.analysis.text_scores import text_scores
+    from qkov.io.sources import load_any
+    from qkov.weights import Weights
+
+    t0 = time.perf_counter()
+    model = load_any(path).eval()
+    w = Weights.from_model(model)
+    ids = model.tokenizer.encode(text.read_text()).ids
+    del model
+    t_load = time.perf_counter() - t0
+    rows = torch.tensor([[0, *ids[i * 1023 : (i + 1) * 1023]] for i in range(2)])
+    t1 = time.perf_counter()
+    text_scores(w, rows)
+    return {
+        "rc": 0,
+        "wall_s": time.perf_counter() - t0,
+        "load_s": t_load,
+        "scores_s": time.perf_counter() - t1,
+        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+    }
+
+
+def measure(kind: str, args: list[str]) -> dict[str, object]:
+    env = dict(os.environ, MALLOC_ARENA_MAX="2")
+    cmd = [sys.executable, __file__, "--worker", kind, "--", *args]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith('{"rc"')]
+    if not lines:
+        return {"rc": res.returncode, "wall_s": float("nan"), "peak_gib": float("nan"), "err": res.stderr[-400:]}
+    out = json.loads(lines[-1])
+    if out["rc"]:
+        out["err"] = res.stderr.strip().splitlines()[-1:] if res.stderr.strip() else []
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "qkov-gpt2s")
+    ap.add_argument("--only", nargs="*", choices=[*COMMANDS, *PEER], help="run only these")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker == "qkov":
+        print(json.dumps(worker(a.rest)))
+        return 0
+    if a.worker in ("tl", "detect"):
+        fn = tl_worker if a.worker == "tl" else qkov_detect_worker
+        print(json.dumps(fn(Path(a.rest[0]), Path(a.rest[1]))))
+        return 0
+    build(a.dir)
+    text = text_file()
+    todo = a.only or [*COMMANDS, *PEER]
+    print(f"GPT-2-small shape at {a.dir}; text {text.name}; {os.cpu_count()} CPU cores; default flags\n")
+    print(f"{'command':<34} {'exit':>4} {'wall s':>8} {'peak GiB':>9}  goal")
+    results: dict[str, dict[str, object]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in todo:
+            if name in PEER:
+                r = measure(PEER[name][0], [str(a.dir), str(text)])
+                label = PEER[name][1]
+            else:
+                args = [s.format(dir=a.dir, text=text, out=Path(tmp) / "report") for s in COMMANDS[name]]
+                args += ["--json"] if name in ("circuits", "heads", "paths", "trigrams") else ["--quiet"]
+                r = measure("qkov", args)
+                label = f"qkov {name}"
+            results[name] = r
+            goal = GOALS_S.get(name, GOAL_S)
+            ok = "" if name in PEER else ("ok" if r["wall_s"] <= goal and r["peak_gib"] <= GOAL_GIB else "MISSED")
+            print(f"{label:<34} {r['rc']:>4} {r['wall_s']:>8.1f} {r['peak_gib']:>9.2f}  {ok} {r.get('err', '')}")
+            if name == "transformer-lens" and r["rc"] == 0:
+                print(
+                    f"{'':<34}      load {r['load_s']:.1f} s, run_with_cache {r['run_with_cache_s']:.1f} s, "
+                    f"detect_head x3 {r['detect_head_s']:.1f} s"
+                )
+            if name == "qkov-detect" and r["rc"] == 0:
+                print(f"{'':<34}      load {r['load_s']:.1f} s, text scores {r['scores_s']:.1f} s")
+    if "qkov-detect" in results and "transformer-lens" in results:
+        q, t = results["qkov-detect"], results["transformer-lens"]
+        print(
+            f"\nsame work (load, the model on 2 x 1024 tokens, head scores on them): TransformerLens / qkov time "
+            f"{t['wall_s'] / q['wall_s']:.2f}x, peak memory {t['peak_gib'] / q['peak_gib']:.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

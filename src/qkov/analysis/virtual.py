@@ -1,0 +1,179 @@
+"""Virtual attention heads at any depth: which order-2 path terms to materialise, and what they cover.
+
+A virtual head ``l1.h1 -> l2.h2`` is the order-2 path through head ``h1`` of layer ``l1`` and
+then, through its values, head ``h2`` of a later layer ``l2`` (its pattern frozen). A model of
+``L`` layers of ``H`` heads has ``H^2 L (L-1) / 2`` of them (9,504 in GPT-2 small), and each costs
+a pass of its reader head over the batch. Where that is cheap every one is materialised; elsewhere
+the ones to materialise are chosen by an upper bound on each term's size that costs nothing per
+pair. For one sequence,
+
+    ||A2 D Y1 W_V2 W_O2||_F  <=  ||A2||_2 * max(D) * ||Y1||_F * sigma_max(W_V2 W_O2)
+
+where ``Y1`` is the order-1 term of ``h1`` (what the reader's values read), ``D`` the reader's
+frozen normalisation (``1/s`` per position; centring is a projection and only shrinks), and a
+row-stochastic pattern has ``||A||_2 <= sqrt(||A||_1 ||A||_inf) = sqrt(largest column sum)``.
+Summed over sequences, the squares give a bound on the whole term. What was left out is then
+stated exactly, not guessed: :class:`VirtualCoverage` holds the share of the order-2 term (the sum
+of *all* virtual heads, which the expansion carries exactly) that the materialised ones explain,
+and the largest bound among those left out, so no term that was not materialised can be larger.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..model.config import ModelConfig
+from ..weights.parts import WeightSource
+from .factored import LowRank
+from .forward import Run, head_terms
+from .progress import Progress, tick
+
+Key = tuple[int, int, int, int]  # (l1, h1, l2, h2): writer head, then reader head in a later layer
+
+
+def virtual_keys(cfg: ModelConfig) -> list[Key]:
+    """Every virtual head of a model, writer layer first."""
+    L, H = cfg.n_layers, cfg.n_heads
+    return [(l1, h1, l2, h2) for l1 in range(L) for h1 in range(H) for l2 in range(l1 + 1, L) for h2 in range(H)]
+
+
+@torch.no_grad()
+def virtual_bounds(source: WeightSource, run: Run, first_order: dict[tuple[int, int], Tensor]) -> dict[Key, float]:
+    """The upper bound of the module docstring on ``||term||_F`` of every virtual head.
+
+    ``run``: the frozen run (patterns and normalisation divisors recorded); ``first_order``:
+    each head's order-1 term ``[B, T, D]``.
+    """
+    cfg = source.cfg
+    patterns = run.patterns
+    assert patterns is not None, "a frozen run records the patterns"
+    y = {key: term.pow(2).sum((1, 2)).sqrt() for key, term in first_order.items()}  # [B] per writer head
+    bounds: dict[Key, float] = {}
+    for l2 in range(1, cfg.n_layers):
+        att = source.attention(l2)
+        sigma = LowRank(att.W_V, att.W_O).svd()[1][:, 0]  # [H] largest singular value of W_OV
+        col = patterns[l2].sum(-2).amax(-1).sqrt()  # [B, H]: sqrt of the largest column sum
+        scale = run.divisor("attn_v", l2)
+        inv = torch.ones_like(col[:, 0]) if scale is None else scale.reciprocal().flatten(1).amax(1)  # [B]
+        reader = col * inv[:, None] * sigma[None]  # [B, H]
+        for (l1, h1), norms in y.items():
+            if l1 < l2:
+                per_head = (reader * norms[:, None]).pow(2).sum(0).sqrt()  # [H]
+                for h2, b in enumerate(per_head.tolist()):
+                    bounds[(l1, h1, l2, h2)] = b
+    return bounds
+
+
+@torch.no_grad()
+def materialize(
+    source: WeightSource,
+    run: Run,
+    first_order: dict[tuple[int, int], Tensor],
+    keys: list[Key],
+    *,
+    keep: int | None = None,
+    progress: Progress | None = None,
+) -> tuple[dict[Key, Tensor], Tensor, float]:
+    """The terms ``[B, T, D]`` of the virtual heads ``keys``: every one, or with ``keep`` only that
+    many of the largest (by mean square), never holding more at once; the sum of all of them; and
+    the largest Frobenius norm among them. Reader heads of one writer and layer are computed together."""
+    groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    for l1, h1, l2, h2 in keys:
+        groups[(l1, h1, l2)].append(h2)
+    any_term = next(iter(first_order.values()))
+    total = torch.zeros_like(any_term)
+    terms: dict[Key, Tensor] = {}
+    heap: list[tuple[float, Key]] = []
+    largest = 0.0
+    for i, ((l1, h1, l2), readers) in enumerate(groups.items()):
+        outs = head_terms(source, run, l2, first_order[(l1, h1)], heads=readers)  # [h, B, T, D]
+        total += outs.sum(0)
+        largest = max(largest, float(outs.double().pow(2).sum((1, 2, 3)).sqrt().max()))
+        for h2, term in zip(readers, outs):
+            _keep_largest(terms, heap, keep, (l1, h1, l2, h2), term)
+        tick(progress, "paths: virtual heads", i + 1, len(groups))
+    return terms, total, largest
+
+
+def _keep_largest(
+    terms: dict[Key, Tensor], heap: list[tuple[float, Key]], most: int | None, key: Key, term: Tensor
+) -> None:
+    """Add a term, keeping only the ``most`` largest (``None``: all)."""
+    if most is None:
+        terms[key] = term
+        return
+    if most <= 0:
+        return
+    size = float(term.pow(2).mean())
+    if len(heap) < most:
+        heapq.heappush(heap, (size, key))
+        terms[key] = term.clone()  # a view of a larger block would keep the block alive
+    elif size > heap[0][0]:
+        _, gone = heapq.heapreplace(heap, (size, key))
+        del terms[gone]
+        terms[key] = term.clone()
+
+
+@dataclass
+class VirtualCoverage:
+    """How much of the order-2 term (every virtual head) the materialised virtual heads hold.
+
+    ``explained``: ``1 - ||order2 - sum(materialised)||^2 / ||order2||^2`` (1 when all are
+    materialised, up to float error); ``left_bound``: the largest upper bound among the heads left
+    out, over the Frobenius norm of the largest materialised term (no term left out is larger
+    than that multiple of it; 0 when none is left out).
+    """
+
+    pairs: int
+    materialised: int
+    explained: float
+    left_bound: float
+
+    @property
+    def exact(self) -> bool:
+        return self.materialised == self.pairs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "pairs": self.pairs,
+            "materialised": self.materialised,
+            "explained": self.explained,
+            "left_bound": self.left_bound,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "VirtualCoverage":
+        return cls(d["pairs"], d["materialised"], d["explained"], d["left_bound"])
+
+
+@torch.no_grad()
+def select_virtual(
+    source: WeightSource,
+    run: Run,
+    first_order: dict[tuple[int, int], Tensor],
+    order2: Tensor,
+    *,
+    most: int | None,
+    keep: int | None,
+    progress: Progress | None = None,
+) -> tuple[dict[Key, Tensor], VirtualCoverage]:
+    """Materialise every virtual head (``most`` is ``None`` or at least their number) or the
+    ``most`` with the largest bounds; keep the ``keep`` largest terms; state the coverage
+    against ``order2``, the exact order-2 term of the expansion."""
+    keys = virtual_keys(source.cfg)
+    left: list[float] = []
+    if most is not None and most < len(keys):
+        bounds = virtual_bounds(source, run, first_order)
+        ranked = sorted(keys, key=lambda k: -bounds[k])
+        keys, left = ranked[:most], [bounds[k] for k in ranked[most : most + 1]]
+    terms, total, largest = materialize(source, run, first_order, keys, keep=keep, progress=progress)
+    whole = float(order2.double().pow(2).sum())
+    explained = 1.0 - float((order2 - total).double().pow(2).sum()) / whole if whole > 0 else 1.0
+    ratio = left[0] / largest if left and largest > 0 else 0.0
+    return terms, VirtualCoverage(len(virtual_keys(source.cfg)), len(keys), explained, ratio)
