@@ -185,8 +185,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "virtual heads: the bound forgets the reader's normalisation": (
         "analysis/virtual.py",
-        "reader = col * inv[:, None] * sigma[None]",
-        "reader = col * sigma[None]",
+        "col = col / scale[..., 0].pow(2)[:, None]",
+        "col = col",
         "tests/test_scale.py::test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds",
     ),
     "virtual heads: the coverage counts only the kept terms": (

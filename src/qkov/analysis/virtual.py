@@ -4,15 +4,18 @@ A virtual head ``l1.h1 -> l2.h2`` is the order-2 path through head ``h1`` of lay
 then, through its values, head ``h2`` of a later layer ``l2`` (its pattern frozen). A model of
 ``L`` layers of ``H`` heads has ``H^2 L (L-1) / 2`` of them (9,504 in GPT-2 small), and each costs
 a pass of its reader head over the batch. Where that is cheap every one is materialised; elsewhere
-the ones to materialise are chosen by an upper bound on each term's size that costs nothing per
-pair. For one sequence,
+the ones to materialise are chosen by a cheap upper bound on each term's size. Each row of a
+frozen pattern ``A2`` is a convex combination (it sums to one), so by Jensen's inequality
 
-    ||A2 D Y1 W_V2 W_O2||_F  <=  ||A2||_2 * max(D) * ||Y1||_F * sigma_max(W_V2 W_O2)
+    ||A2 Z||_F^2 = sum_i ||sum_j A2[i, j] z_j||^2  <=  sum_j c_j ||z_j||^2,     c_j = sum_i A2[i, j]
 
-where ``Y1`` is the order-1 term of ``h1`` (what the reader's values read), ``D`` the reader's
-frozen normalisation (``1/s`` per position; centring is a projection and only shrinks), and a
-row-stochastic pattern has ``||A||_2 <= sqrt(||A||_1 ||A||_inf) = sqrt(largest column sum)``.
-Summed over sequences, the squares give a bound on the whole term. What was left out is then
+and with ``z_j = centre(y_j) / s_j @ W_V2 W_O2`` (``y_j`` the order-1 term of ``h1`` at key
+position ``j``, ``s_j`` the reader's frozen normalisation divisor; centring is a projection and
+only shrinks)
+
+    ||term||_F^2  <=  sigma_max(W_V2 W_O2)^2 * sum_j c_j ||y_j||^2 / s_j^2
+
+summed over sequences. It costs one ``[positions]`` product per pair. What was left out is then
 stated exactly, not guessed: :class:`VirtualCoverage` holds the share of the order-2 term (the sum
 of *all* virtual heads, which the expansion carries exactly) that the materialised ones explain,
 and the largest bound among those left out, so no term that was not materialised can be larger.
@@ -53,18 +56,18 @@ def virtual_bounds(source: WeightSource, run: Run, first_order: dict[tuple[int, 
     cfg = source.cfg
     patterns = run.patterns
     assert patterns is not None, "a frozen run records the patterns"
-    y = {key: term.pow(2).sum((1, 2)).sqrt() for key, term in first_order.items()}  # [B] per writer head
+    y2 = {key: term.pow(2).sum(-1) for key, term in first_order.items()}  # [B, T] squared norm per position
     bounds: dict[Key, float] = {}
     for l2 in range(1, cfg.n_layers):
         att = source.attention(l2)
         sigma = LowRank(att.W_V, att.W_O).svd()[1][:, 0]  # [H] largest singular value of W_OV
-        col = patterns[l2].sum(-2).amax(-1).sqrt()  # [B, H]: sqrt of the largest column sum
+        col = patterns[l2].sum(-2)  # [B, H, T]: how much attention each key position receives
         scale = run.divisor("attn_v", l2)
-        inv = torch.ones_like(col[:, 0]) if scale is None else scale.reciprocal().flatten(1).amax(1)  # [B]
-        reader = col * inv[:, None] * sigma[None]  # [B, H]
-        for (l1, h1), norms in y.items():
+        if scale is not None:
+            col = col / scale[..., 0].pow(2)[:, None]  # the reader divides each position by its s
+        for (l1, h1), norms in y2.items():
             if l1 < l2:
-                per_head = (reader * norms[:, None]).pow(2).sum(0).sqrt()  # [H]
+                per_head = torch.einsum("bht,bt->h", col, norms).clamp_min(0).sqrt() * sigma  # [H]
                 for h2, b in enumerate(per_head.tolist()):
                     bounds[(l1, h1, l2, h2)] = b
     return bounds
