@@ -138,10 +138,11 @@ def test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definit
         assert streamed.keys() == whole.keys()
         for k in whole:
             assert torch.allclose(streamed[k], whole[k], atol=1e-6, rtol=0), (chunk, k)
-    # the default chunk: as many sequences as keep one layer's patterns and value norms in TEXT_CHUNK_BYTES
-    per_sequence = 12 * 1024 * (1024 + 768) * 4  # GPT-2 small: heads x T x (T + d_model) float32
+    # the default chunk: as many sequences as fit TEXT_CHUNK_BYTES at one layer's peak
+    per_sequence = (12 * 1024 * (4 * 1024 + 768) + 1024 * 50257) * 4  # GPT-2 small, float32
+    assert Ts.sequence_bytes(_Shape(), 1024) == per_sequence  # type: ignore[arg-type]
     n = Ts.chunk_size(_Shape(), 1024)  # type: ignore[arg-type]
-    assert n == 3 and n * per_sequence <= Ts.TEXT_CHUNK_BYTES < (n + 1) * per_sequence
+    assert n == 1 and n * per_sequence <= Ts.TEXT_CHUNK_BYTES < (n + 1) * per_sequence
 
 
 class _Shape:
@@ -201,6 +202,11 @@ def test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds() -> N
     largest = sorted(chosen, key=lambda k: -norms[k])[:4]
     assert listed == {f"{a}.{b}->{c}.{d}" for a, b, c, d in largest}, (listed, largest)
     assert P.PathSummary.from_dict(s.to_dict()).coverage == cover
+    with pytest.raises(QkovError, match="must be >= 0"):
+        Vh.select_virtual(w, every.run, every.heads, every.orders[2], most=-1, keep=1)
+    # bounds are computed in float64 whatever the view's dtype (half-precision views have no QR on CPU)
+    half = Weights.from_model(model.float(), dtype=torch.bfloat16)
+    assert len(Vh.virtual_bounds(half, P.expand(half, tokens).run, P.expand(half, tokens).heads)) == 27
 
 
 def test_paths_refuses_what_would_not_fit_before_any_work(
@@ -213,7 +219,7 @@ def test_paths_refuses_what_would_not_fit_before_any_work(
     need = P.expansion_bytes(w, 1, 8, virtual=11)  # the 10 largest virtual heads kept, and their sum
     monkeypatch.setattr(D, "free_memory", lambda _dev: need - 1)
     with pytest.raises(
-        QkovError, match=r"paths: the expansion of 1 x 8 tokens needs about 0\.02 MiB, more than .* free: analyse fewer"
+        QkovError, match=r"paths: the expansion of 1 x 8 tokens needs about 21\.2 KiB, more than .* free: analyse fewer"
     ):
         P.summarize(w, torch.zeros(1, 8, dtype=torch.long))
     save_checkpoint(tmp_path / "m", Transformer(w.cfg, seed=0))
@@ -228,6 +234,7 @@ def test_paths_refuses_what_would_not_fit_before_any_work(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "memory budget" in err and "pass a smaller --batch, or a larger --max-memory" in err
     assert main(["paths", str(tmp_path / "m"), "--batch", "1", "--max-memory", f"{need}", "--json"]) == 0
+    assert D._budget is None, "--max-memory belongs to one command: later library calls are not capped"
     with pytest.raises(SystemExit) as bad:
         main(["paths", str(tmp_path / "m"), "--max-memory", "lots"])
     assert bad.value.code == 2 and "expected a memory size such as 4GiB" in capsys.readouterr().err

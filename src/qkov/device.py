@@ -34,8 +34,8 @@ def free_memory(device: torch.device) -> int | None:
     """Bytes a new allocation can take on ``device`` now: free GPU memory, or the kernel's
     ``MemAvailable`` (Linux) for the CPU; ``None`` where it cannot be known."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        free, _ = torch.cuda.mem_get_info(device)  # the driver's view: torch's cached blocks count as used
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     if device.type != "cpu":
         return None
     try:
@@ -48,7 +48,7 @@ def free_memory(device: torch.device) -> int | None:
     return None
 
 
-_budget: int | None = None  # bytes an analysis may allocate at most (set_memory_budget), on top of free memory
+_budget: int | None = None  # bytes an analysis may allocate at most (set_memory_budget): a cap below free memory
 
 
 def set_memory_budget(nbytes: int | None) -> None:
@@ -81,4 +81,6 @@ def check_fits(need: int, device: torch.device, what: str, advice: str, *, hint:
 
 
 def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+    if n >= 2**30:
+        return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..device import check_fits
+from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import WeightSource
 from .circuits import check_diag_k, copying_scores
@@ -27,7 +27,7 @@ from .text_scores import positional_fraction as positional_fraction
 from .text_scores import previous_token_scores as previous_token_scores
 from .text_scores import self_attention_scores as self_attention_scores
 from .text_scores import sink_scores as sink_scores
-from .text_scores import text_bytes, text_scores
+from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 from .text_scores import value_weighted_sink_scores as value_weighted_sink_scores
 
 # =========================================================================== detectors
@@ -277,13 +277,15 @@ def head_report(
         raise QkovError("heads: the model has no attention layers")
     if diag_k:
         check_diag_k(diag_k, cfg.d_vocab)  # before any work
+    have, _ = memory_budget(source.device)
+    chunk = chunk_size(source, text.shape[1], TEXT_CHUNK_BYTES if have is None else min(TEXT_CHUNK_BYTES, have))
     check_fits(
-        text_bytes(source, text.shape[1]),
+        chunk * sequence_bytes(source, text.shape[1]),
         source.device,
-        f"heads: the attention of one layer on one sequence of {text.shape[1]} tokens, and its logits,",
+        f"heads: scoring one layer's attention on {text.shape[1]}-token text",
         "analyse shorter sequences",
     )
-    on_text = text_scores(source, text, progress=progress)
+    on_text = text_scores(source, text, chunk=chunk, progress=progress)
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(cfg.d_vocab, length=length, seed=seed, bos=bos, frequencies=frequencies)
     rs = repeat_scores(source, rep, length)

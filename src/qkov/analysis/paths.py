@@ -376,6 +376,7 @@ def summarize(
     (:func:`expansion_bytes`), before any work.
     """
     do_virtual = virtual_pairs(source) > 0 and virtual_terms != 0
+    tokens = tokens[None] if tokens.ndim == 1 else tokens
     B, T = tokens.shape
     need = expansion_bytes(source, B, T, virtual=top_virtual + 1 if do_virtual else 0)
     check_fits(

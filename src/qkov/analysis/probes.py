@@ -169,9 +169,10 @@ LOGIT_BYTES = 256 * 2**20  # logits held at once while the ICL curve is computed
 def default_icl_examples(cfg: Any, most: int = 256) -> int:
     """Examples the ICL score takes by default: ``most``, or fewer so that they hold at most
     :data:`ICL_TOKENS` tokens and their forward passes cost at most :data:`ICL_FLOPS` (never fewer
-    than 16). Each is read up to position :data:`ICL_LATE` + 1 (the whole context if shorter)."""
+    than 16, unless ``most`` is). Each is read up to position :data:`ICL_LATE` + 1 (the whole context if shorter)."""
     per_example = min(cfg.n_ctx, ICL_LATE + 2)
-    return max(16, min(most, ICL_TOKENS // per_example, ICL_FLOPS // (flops_per_token(cfg) * per_example)))
+    affordable = min(ICL_TOKENS // per_example, ICL_FLOPS // (flops_per_token(cfg) * per_example))
+    return min(most, max(16, affordable))
 
 
 def icl_score(

@@ -20,7 +20,7 @@ from ..weights.parts import WeightSource
 from .forward import LayerView, Run, read, run
 from .progress import Progress, tick
 
-TEXT_CHUNK_BYTES = 256 * 2**20  # one layer's patterns (and value norms) held at once, at most
+TEXT_CHUNK_BYTES = 512 * 2**20  # what one chunk of sequences may take at its peak (sequence_bytes)
 
 
 def previous_token_scores(patterns: Tensor) -> Tensor:
@@ -92,19 +92,18 @@ def positional_fraction(source: WeightSource, r: Run) -> Tensor:
     return out
 
 
+def sequence_bytes(source: WeightSource, seq: int) -> int:
+    """Memory one sequence of ``seq`` tokens takes at the peak of one layer's scoring: scores, their
+    masked copy and the pattern (three ``[heads, seq, seq]``), the value-weighted pattern, and its
+    ``[seq, d_vocab]`` logits at the end of the pass."""
+    c = source.cfg
+    return (c.n_heads * seq * (4 * seq + c.d_model) + seq * c.d_vocab) * (torch.finfo(source.dtype).bits // 8)
+
+
 def chunk_size(source: WeightSource, seq: int, max_bytes: int = TEXT_CHUNK_BYTES) -> int:
-    """Sequences of ``seq`` tokens scored at once: one layer's patterns and value-norm products fit
-    ``max_bytes``."""
-    c = source.cfg
-    per_sequence = c.n_heads * seq * (seq + c.d_model) * (torch.finfo(source.dtype).bits // 8)
-    return max(1, max_bytes // per_sequence)
-
-
-def text_bytes(source: WeightSource, seq: int) -> int:
-    """Memory the streamed text scores need at least: one sequence's patterns and value-norm products
-    for one layer, and its ``[seq, d_vocab]`` logits."""
-    c = source.cfg
-    return (c.n_heads * seq * (seq + c.d_model) + seq * c.d_vocab) * (torch.finfo(source.dtype).bits // 8)
+    """Sequences of ``seq`` tokens scored at once: as many as :func:`sequence_bytes` fits in
+    ``max_bytes`` (at least one)."""
+    return max(1, max_bytes // sequence_bytes(source, seq))
 
 
 class _Sums:

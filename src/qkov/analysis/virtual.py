@@ -24,6 +24,7 @@ and the largest bound among those left out, so no term that was not materialised
 from __future__ import annotations
 
 import heapq
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..weights.parts import WeightSource
 from .factored import LowRank
@@ -56,15 +58,15 @@ def virtual_bounds(source: WeightSource, run: Run, first_order: dict[tuple[int, 
     cfg = source.cfg
     patterns = run.patterns
     assert patterns is not None, "a frozen run records the patterns"
-    y2 = {key: term.pow(2).sum(-1) for key, term in first_order.items()}  # [B, T] squared norm per position
+    y2 = {key: term.double().pow(2).sum(-1) for key, term in first_order.items()}  # [B, T] squared norms
     bounds: dict[Key, float] = {}
     for l2 in range(1, cfg.n_layers):
         att = source.attention(l2)
-        sigma = LowRank(att.W_V, att.W_O).svd()[1][:, 0]  # [H] largest singular value of W_OV
-        col = patterns[l2].sum(-2)  # [B, H, T]: how much attention each key position receives
+        sigma = LowRank(att.W_V.double(), att.W_O.double()).svd()[1][:, 0]  # [H] largest singular value of W_OV
+        col = patterns[l2].double().sum(-2)  # [B, H, T]: how much attention each key position receives
         scale = run.divisor("attn_v", l2)
         if scale is not None:
-            col = col / scale[..., 0].pow(2)[:, None]  # the reader divides each position by its s
+            col = col / scale[..., 0].double().pow(2)[:, None]  # the reader divides each position by its s
         for (l1, h1), norms in y2.items():
             if l1 < l2:
                 per_head = torch.einsum("bht,bt->h", col, norms).clamp_min(0).sqrt() * sigma  # [H]
@@ -147,12 +149,13 @@ class VirtualCoverage:
             "pairs": self.pairs,
             "materialised": self.materialised,
             "explained": self.explained,
-            "left_bound": self.left_bound,
+            "left_bound": self.left_bound if math.isfinite(self.left_bound) else None,  # JSON has no inf
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "VirtualCoverage":
-        return cls(d["pairs"], d["materialised"], d["explained"], d["left_bound"])
+        bound = d["left_bound"]
+        return cls(d["pairs"], d["materialised"], d["explained"], math.inf if bound is None else bound)
 
 
 @torch.no_grad()
@@ -170,6 +173,8 @@ def select_virtual(
     ``most`` with the largest bounds; keep the ``keep`` largest terms; state the coverage
     against ``order2``, the exact order-2 term of the expansion."""
     keys = virtual_keys(source.cfg)
+    if most is not None and most < 0:
+        raise QkovError(f"virtual heads: the number to materialise must be >= 0 or None, got {most}")
     left: list[float] = []
     if most is not None and most < len(keys):
         bounds = virtual_bounds(source, run, first_order)
@@ -178,5 +183,5 @@ def select_virtual(
     terms, total, largest = materialize(source, run, first_order, keys, keep=keep, progress=progress)
     whole = float(order2.double().pow(2).sum())
     explained = 1.0 - float((order2 - total).double().pow(2).sum()) / whole if whole > 0 else 1.0
-    ratio = left[0] / largest if left and largest > 0 else 0.0
+    ratio = (left[0] / largest if largest > 0 else math.inf) if left else 0.0
     return terms, VirtualCoverage(len(virtual_keys(source.cfg)), len(keys), explained, ratio)

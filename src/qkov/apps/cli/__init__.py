@@ -12,6 +12,7 @@ import argparse
 import sys
 from typing import Sequence
 
+from ...device import set_memory_budget
 from ...errors import QkovError
 from ...version import __version__
 from .behaviour_cmds import add_heads, add_paths
@@ -53,6 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("qkov: interrupted (a run continues from its last checkpoint with --resume)\n")
         return 130
+    finally:
+        set_memory_budget(None)  # --max-memory is one command's: it never outlives it in this process
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from typing import Any
 
@@ -126,7 +127,7 @@ def cmd_paths(args: argparse.Namespace) -> int:
             f"virtual heads: the {cover.materialised:,} of {cover.pairs:,} with the largest upper bounds were "
             "expanded; "
             f"they explain {cover.explained:.1%} of the order-2 term (squared norm), and none left out can exceed "
-            f"{cover.left_bound:.2f} x the largest expanded one (--virtual-terms sets how many)",
+            f"{math.ceil(cover.left_bound * 100) / 100:.2f} x the largest expanded one (--virtual-terms sets how many)",
             highlight=False,
         )
     return 0

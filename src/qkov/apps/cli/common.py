@@ -200,12 +200,14 @@ def add_device(p: argparse.ArgumentParser) -> None:
 
 
 def memory_size(text: str) -> int:
-    """``4GiB``, ``500MiB``, ``2G``, ``1.5GB`` or a number of bytes -> bytes."""
-    units = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(?:i?b)?\s*", text.lower())
-    if m is None or float(m.group(1)) <= 0:
+    """``4GiB``, ``500MiB``, ``2G``, ``1.5GB`` or a number of bytes -> bytes (K, M, G and T are
+    powers of 1024 with or without ``iB``/``B``)."""
+    units = {None: 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:([kmgt])(?:i?b)?|b)?\s*", text.lower())
+    value = int(float(m.group(1)) * units[m.group(2)]) if m else 0
+    if value < 1:
         raise argparse.ArgumentTypeError(f"expected a memory size such as 4GiB or 500MiB, got {text!r}")
-    return int(float(m.group(1)) * units[m.group(2)])
+    return value
 
 
 def device(args: argparse.Namespace) -> torch.device:

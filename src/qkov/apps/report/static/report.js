@@ -203,8 +203,9 @@
     if (c.materialised === c.pairs) return ` All ${n(c.pairs)} virtual heads were expanded one by one.`;
     return ` Of the model's ${n(c.pairs)} virtual heads, the ${n(c.materialised)} with the largest upper bounds ` +
       `on their size were expanded one by one: they explain ${(100 * c.explained).toFixed(1)}% of the ` +
-      `order-2 term (squared norm), and none left out can exceed ${fmt(c.left_bound, 2)}× the largest ` +
-      "expanded one; the whole order-2 term is in the term-importance runs.";
+      `order-2 term (squared norm), and ` + (c.left_bound === null ? "no bound holds for those left out " +
+      "(every expanded term is zero)" : `none left out can exceed ${fmt(c.left_bound, 2)}× the largest expanded one`) +
+      "; the whole order-2 term is in the term-importance runs.";
   }
 
   function paths(sec, p) {
