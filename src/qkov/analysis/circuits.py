@@ -27,11 +27,14 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..weights.parts import AttentionWeights, WeightSource, check_head
-from .bandwidth import LayerBandwidth as LayerBandwidth, WriteOverlap as WriteOverlap, write_overlap as write_overlap
+from .bandwidth import LayerBandwidth as LayerBandwidth
+from .bandwidth import WriteOverlap as WriteOverlap
 from .bandwidth import bandwidth
+from .bandwidth import write_overlap as write_overlap
 from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
 from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
 from .progress import Progress, tick
+from .sampling import seeded_subset
 
 VOCAB_BLOCK = 4096  # tokens per block when a streamed source's W_E / W_U are read in pieces
 
@@ -218,8 +221,7 @@ def diag_tokens(d_vocab: int, sample: int | None = None, *, seed: int = 0) -> Te
         raise QkovError(f"diag_sample must be a positive number of tokens, got {sample!r}")
     if sample >= d_vocab:
         return None
-    g = torch.Generator().manual_seed(seed)
-    return torch.randperm(d_vocab, generator=g)[:sample].sort().values
+    return seeded_subset(d_vocab, sample, seed)
 
 
 def rate_stderr(rate: float, n: int, population: int) -> float:

@@ -23,11 +23,12 @@ from .circuits import check_diag_k, copying_scores
 from .forward import run
 from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
 from .progress import Progress
+from .sampling import seeded_subset
+from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 from .text_scores import positional_fraction as positional_fraction
 from .text_scores import previous_token_scores as previous_token_scores
 from .text_scores import self_attention_scores as self_attention_scores
 from .text_scores import sink_scores as sink_scores
-from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 from .text_scores import value_weighted_sink_scores as value_weighted_sink_scores
 
 # =========================================================================== detectors
@@ -107,7 +108,7 @@ def copying_queries(queries: Tensor, batch: int, vocab: int, max_logits: int = C
     most = max(1, max_logits // (batch * vocab))
     if len(queries) <= most:
         return queries
-    pick = torch.randperm(len(queries), generator=torch.Generator().manual_seed(0))[:most].sort().values
+    pick = seeded_subset(len(queries), most)
     return queries[pick.to(queries.device)]
 
 

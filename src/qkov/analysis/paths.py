@@ -51,6 +51,7 @@ from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
 from .forward import Run, flops_per_token, head_terms, read, run
 from .progress import Progress, tick
+from .sampling import seeded_subset
 from .virtual import VirtualCoverage, materialize, select_virtual, virtual_keys
 
 FROZEN = ("patterns", "scales", "mlp_outputs")  # what a run must record to be frozen
@@ -264,7 +265,7 @@ def effect_positions(exp: Expansion, max_logits: int = EFFECT_LOGITS) -> Tensor 
     n = B * (T - 1)
     if n * V <= max_logits:
         return None
-    pick = torch.randperm(n, generator=torch.Generator().manual_seed(0))[: max(64, max_logits // V)].sort().values
+    pick = seeded_subset(n, max(64, max_logits // V))
     return torch.stack([pick // (T - 1), pick % (T - 1)], 1).to(exp.run.tokens.device)
 
 
