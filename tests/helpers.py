@@ -37,6 +37,25 @@ def train_flags(**opts: object) -> list[str]:
     return flags
 
 
+# a Llama-like small model: rotary positions, RMSNorm, grouped-query attention, a gated SiLU MLP
+MODERN = ModelConfig(
+    n_layers=2,
+    n_heads=4,
+    d_model=16,
+    d_head=4,
+    d_vocab=30,
+    n_ctx=12,
+    positional="rotary",
+    rotary_base=100.0,
+    normalization="rmsnorm",
+    d_mlp=24,
+    act_fn="silu",
+    gated_mlp=True,
+    bias=True,
+    n_kv_heads=2,
+)
+
+
 def tiny_train(corpus: Path, **kw: object) -> TrainConfig:
     """A TrainConfig for the tiny model on ``corpus``; ``kw`` overrides."""
     base: dict[str, object] = dict(

@@ -91,7 +91,7 @@ def test_user_errors_are_one_line_exit_2(tmp_path: Path, small_corpus: Path) -> 
     _one_line_error(run_cli("info", str(bad)), "config.json")
     (bad / "config.json").write_text("{not json")
     _one_line_error(run_cli("info", str(bad)), "not valid JSON")
-    _one_line_error(run_cli("train", "--positional", "rotary"), "invalid choice")
+    _one_line_error(run_cli("train", "--positional", "alibi"), "invalid choice")
     _one_line_error(run_cli("train", "--layers", "-1"), "integer >= 0")
     _one_line_error(run_cli("train", "--lr", "abc"), "positive number")
     _one_line_error(run_cli("train", "--corpus", str(tmp_path / "nope"), "--out", str(tmp_path / "o")), "corpus")

@@ -9,7 +9,7 @@ import torch
 from qkov import ModelConfig, QkovError, Transformer, Weights, run
 from qkov.analysis.forward import RECORDABLE
 
-from helpers import LN_MLP, perturb_non_matrices
+from helpers import LN_MLP, MODERN, perturb_non_matrices
 from reference import reference_forward
 
 CONFIGS = {
@@ -19,6 +19,32 @@ CONFIGS = {
     "ln-mlp-shortformer": LN_MLP,
     "ln-mlp-standard-gelu_new": LN_MLP.replace(positional="standard", act_fn="gelu_new"),
     "mlp-relu": LN_MLP.replace(normalization="none", act_fn="relu"),
+    # the modern families' pieces: rotary (full and partial, rescaled), RMSNorm, grouped-query
+    # attention, gated SiLU MLPs, parallel attention + MLP
+    "llama-like": MODERN,
+    "neox-like": MODERN.replace(
+        normalization="layernorm", gated_mlp=False, act_fn="gelu", parallel=True, n_kv_heads=None, rotary_dim=2
+    ),
+    "rotary-llama3-mqa": MODERN.replace(
+        n_kv_heads=1,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8,
+        },
+    ),
+    "rotary-linear-attn-only": ModelConfig(
+        n_layers=2,
+        n_heads=2,
+        d_model=16,
+        d_head=8,
+        d_vocab=30,
+        n_ctx=12,
+        positional="rotary",
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    ),
 }
 
 

@@ -129,7 +129,7 @@ def _write(dir: Path, config: dict | None, weights: dict | None = None) -> Path:
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"model_type": "llama"}, "only GPT-2"),
+        ({"model_type": "phi"}, "model_type 'phi' is not supported"),
         ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
         ({"scale_attn_weights": False}, "scale_attn_weights"),
         ({"activation_function": "silu"}, "activation 'silu'"),

@@ -20,14 +20,18 @@ from qkov.analysis import composition as Cm
 from qkov.analysis import paths as P
 from qkov.analysis import trigrams as T
 from qkov.apps.cli import main
+from qkov.analysis.rotary_circuits import offset_qk
 from qkov.io.tensorfile import TensorFile
 from qkov.weights import LazyCheckpoint, Weights
 
-from helpers import LN_MLP, perturb_non_matrices
+from helpers import LN_MLP, MODERN, perturb_non_matrices
 
 LN = LN_MLP.replace(n_layers=4, n_heads=3, positional="standard")  # LayerNorm, MLPs, biases
 ATTN_ONLY = ModelConfig(n_layers=3, n_heads=4, d_model=32, d_head=8, d_vocab=60, n_ctx=20)  # shortformer
-CASES = {"layernorm-mlp": LN, "attn-only": ATTN_ONLY}
+# rotary, RMSNorm, grouped-query attention, gated MLP, biases; and the parallel NeoX form
+MODERN3 = MODERN.replace(n_layers=4)
+NEOX = MODERN3.replace(normalization="layernorm", gated_mlp=False, act_fn="gelu", parallel=True, rotary_dim=2)
+CASES = {"layernorm-mlp": LN, "attn-only": ATTN_ONLY, "modern": MODERN3, "neox": NEOX}
 ATTN_FIELDS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 
 
@@ -72,16 +76,18 @@ def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path], mon
     w, path = saved
     ck = LazyCheckpoint(path, dtype=torch.float64)
     for layer in range(w.n_layers):
-        att = ck.attention(layer)
+        att, ref = ck.attention(layer), w.attention(layer)  # per query head (grouped K/V repeated)
         for f in ATTN_FIELDS:
-            assert _close(getattr(att, f), getattr(w, f)[layer]), (layer, f)
-        one = ck.attention(layer, 2)
-        for f in ATTN_FIELDS[:-1]:
-            assert _close(getattr(one, f)[0], getattr(w, f)[layer, 2]), (layer, f)
+            assert _close(getattr(att, f), getattr(ref, f)), (layer, f)
+        one, ref = ck.attention(layer, 2), w.attention(layer, 2)
+        for f in ATTN_FIELDS:
+            assert _close(getattr(one, f), getattr(ref, f)), (layer, f)
         if w.W_in is not None:
             mlp = ck.mlp(layer)
             assert _close(mlp.W_in, w.W_in[layer]) and _close(mlp.b_in, w.b_in[layer])  # type: ignore[index]
             assert _close(mlp.W_out, w.W_out[layer]) and _close(mlp.b_out, w.b_out[layer])  # type: ignore[index]
+            if w.W_gate is not None:
+                assert _close(mlp.W_gate, w.W_gate[layer]) and _close(mlp.b_gate, w.b_gate[layer])  # type: ignore[index]
         else:
             assert ck.mlp(layer) is None
     U = ck.unembed()
@@ -91,7 +97,10 @@ def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path], mon
     assert _close(ck.unembed().W_U, w.W_U) and _close(ck.unembed().b_U, w.b_U)
     assert _close(C.unembed_embed(ck, block=7), w.W_U @ w.W_E)
     assert _close(C.full_ov(ck, 2, 1).materialize(), C.full_ov(w, 2, 1).materialize())
-    assert _close(C.full_qk(ck, 2, 1).materialize(), C.full_qk(w, 2, 1).materialize())
+    if w.cfg.positional == "rotary":
+        assert _close(offset_qk(ck, 2, 1, 3).materialize(), offset_qk(w, 2, 1, 3).materialize())
+    else:
+        assert _close(C.full_qk(ck, 2, 1).materialize(), C.full_qk(w, 2, 1).materialize())
     with pytest.raises(QkovError, match="no head 4.0"):
         ck.attention(4, 0)
 
@@ -118,14 +127,16 @@ def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path], monkeypa
     if w.W_pos is not None:  # positions reach every reader (standard) or only queries and keys (shortformer)
         pairs += [(("pos",), ("v" if w.cfg.positional == "standard" else "k", 1, 0))]
     pairs += (
-        [(("mlp", 0), ("mlp", 3)), (("head", 2, 2), ("mlp", 2)), (("mlp", 1), ("unembed",))]
+        [(("mlp", 0), ("mlp", 3)), (("head", 1 if w.cfg.parallel else 2, 2), ("mlp", 2)), (("mlp", 1), ("unembed",))]
         if w.W_in is not None
         else []
     )
     for writer, reader in pairs:  # against the materialised product of the view's own tensors
         got = C.virtual_weights(ck, writer, reader).materialize()
         assert _close(got, C.virtual_weights(w, writer, reader).materialize())
-    assert _close(C.virtual_weights(ck, ("head", 0, 2), ("k", 2, 1)).materialize(), w.W_O[0, 2] @ w.W_K[2, 1])
+    assert _close(
+        C.virtual_weights(ck, ("head", 0, 2), ("k", 2, 1)).materialize(), w.W_O[0, 2] @ w.attention(2, 1).W_K[0]
+    )
     for writer, reader, msg in [
         (("head", 1, 0), ("k", 1, 1), "does not come after"),
         (("x",), ("unembed",), "unknown writer"),

@@ -114,7 +114,7 @@ def test_bad_tokens_are_user_errors(tokens: torch.Tensor, message: str) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"n_layers": -1}, {"n_heads": 0}, {"positional": "rotary"}, {"normalization": "rms"}, {"d_mlp": 0}],
+    [{"n_layers": -1}, {"n_heads": 0}, {"positional": "alibi"}, {"normalization": "rms"}, {"d_mlp": 0}],
 )
 def test_bad_config_is_a_user_error(kwargs: dict) -> None:
     with pytest.raises(QkovError):

@@ -34,6 +34,7 @@ from .bandwidth import write_overlap as write_overlap
 from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
 from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
 from .progress import Progress, tick
+from .rotary_circuits import OffsetProfiles, profiles
 from .sampling import seeded_subset
 
 VOCAB_BLOCK = 4096  # tokens per block when a streamed source's W_E / W_U are read in pieces
@@ -47,8 +48,18 @@ def _positions(source: WeightSource) -> Tensor:
     return pos
 
 
+def _not_rotary(source: WeightSource) -> None:
+    if source.cfg.positional == "rotary":
+        raise QkovError(
+            "rotary positions: a head's QK circuit depends on the offset between query and key; "
+            "use qkov.analysis.rotary_circuits.offset_qk (one offset) or offset_profile"
+        )
+
+
 def qk(source: WeightSource) -> LowRank:
-    """``W_QK = W_Q @ W_K^T`` for every head: ``[n_layers, n_heads, d_model, d_model]``."""
+    """``W_QK = W_Q @ W_K^T`` for every head: ``[n_layers, n_heads, d_model, d_model]`` (not for
+    rotary models: see :mod:`qkov.analysis.rotary_circuits`)."""
+    _not_rotary(source)
     atts = [source.attention(l) for l in range(source.cfg.n_layers)]
     return LowRank(torch.stack([a.W_Q for a in atts]), torch.stack([a.W_K for a in atts]).transpose(-1, -2))
 
@@ -67,6 +78,7 @@ def full_ov(source: WeightSource, layer: int, head: int) -> LowRank:
 
 def full_qk(source: WeightSource, layer: int, head: int) -> LowRank:
     """``W_E @ W_QK @ W_E^T``: ``[d_vocab (query token), d_vocab (key token)]`` (token part of the score)."""
+    _not_rotary(source)
     att = source.attention(layer, head)
     W_E = source.embed()
     return LowRank(W_E @ att.W_Q[0], (W_E @ att.W_K[0]).T)
@@ -95,11 +107,13 @@ def token_position_qk(source: WeightSource, layer: int, head: int) -> tuple[LowR
 Component = tuple  # ("embed",) ("pos",) ("head", l, h) ("mlp", l) ("q"|"k"|"v", l, h) ("unembed",)
 
 
-def _order(kind: str, index: tuple) -> float:
+def _order(kind: str, index: tuple, parallel: bool = False) -> float:
     """Where a component sits in the model: embeddings first, layer l's attention at 2l, its MLP
-    at 2l + 1, the unembedding last."""
+    at 2l + 1 (at 2l too in a parallel block: it reads the stream attention reads), the
+    unembedding last."""
     layer = index[0] if index else 0
-    return {"embed": -1.0, "pos": -1.0, "mlp": 2 * layer + 1, "unembed": math.inf}.get(kind, 2 * layer)
+    mlp = 2 * layer + (0 if parallel else 1)
+    return {"embed": -1.0, "pos": -1.0, "mlp": mlp, "unembed": math.inf}.get(kind, 2 * layer)
 
 
 def virtual_weights(source: WeightSource, writer: Component, reader: Component) -> LowRank:
@@ -126,7 +140,8 @@ def virtual_weights(source: WeightSource, writer: Component, reader: Component) 
         if source.cfg.d_mlp is None:
             raise QkovError("this model has no MLP")
         check_head(source.cfg, (wi if wk == "mlp" else ri)[0])
-    if _order(wk, tuple(wi)) >= _order(rk, tuple(ri)):
+    par = source.cfg.parallel
+    if _order(wk, tuple(wi), par) >= _order(rk, tuple(ri), par):
         raise QkovError(f"{reader!r} does not come after {writer!r}: no virtual weight")
     if wk == "pos" and rk not in ("q", "k") and source.cfg.positional == "shortformer":
         raise QkovError(f"shortformer positions enter only the query/key input: no virtual weight to {reader!r}")
@@ -337,13 +352,17 @@ class CircuitsReport:
     copying: list[HeadCopying]
     composition: dict[str, Composition] = field(default_factory=dict)
     bandwidth: list[LayerBandwidth] = field(default_factory=list)
+    offsets: OffsetProfiles | None = None  # rotary models: each head's weights-only offset profile
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "copying": [c.to_dict() for c in self.copying],
             "composition": {k: v.to_dict() for k, v in self.composition.items()},
             "bandwidth": [b.to_dict() for b in self.bandwidth],
         }
+        if self.offsets is not None:
+            out["offset_profiles"] = self.offsets.to_dict()
+        return out
 
 
 def analyse(
@@ -354,13 +373,19 @@ def analyse(
     max_bytes: int = DEFAULT_MAX_BYTES,
     writer_bytes: int = DEFAULT_WRITER_BYTES,
     progress: Progress | None = None,
+    offsets: list[int] | None = None,
 ) -> CircuitsReport:
     """Copying scores (``diag_k``/``diag_sample``: :func:`copying_scores`), Q/K/V composition
-    (with baselines) and the bandwidth audit of a source."""
+    (with baselines), the bandwidth audit of a source, and for a rotary model every head's offset
+    profile (``offsets``: the offset set of Q/K composition, see :func:`composition_scores`)."""
     if diag_k:
         check_diag_k(diag_k, source.cfg.d_vocab)  # before any work
+    rotary = source.cfg.positional == "rotary"
+    if offsets is not None and not rotary:
+        raise QkovError("offsets apply to rotary models only")
     return CircuitsReport(
         copying=copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, max_bytes=max_bytes, progress=progress),
-        composition=composition_scores(source, "qkv", max_bytes=writer_bytes, progress=progress),
+        composition=composition_scores(source, "qkv", max_bytes=writer_bytes, progress=progress, offsets=offsets),
         bandwidth=bandwidth(source.cfg),
+        offsets=profiles(source) if rotary else None,
     )

@@ -32,6 +32,7 @@ from ..errors import QkovError
 from ..weights.parts import AttentionWeights, WeightSource
 from .factored import LowRank, pair_norms
 from .progress import Progress, tick
+from .rotary_circuits import check_offsets, default_offsets, rotations
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[str, ...] = ("q", "k", "v")
@@ -48,13 +49,14 @@ def _kinds(kinds: str | Sequence[str]) -> tuple[str, ...]:
     return out
 
 
-def reader_matrix(att: AttentionWeights, kind: str) -> LowRank:
+def reader_matrix(att: AttentionWeights, kind: str, R: Tensor | None = None) -> LowRank:
     """The reader side of ``kind``-composition for every head of a layer: ``W_QK`` (q), ``W_QK^T``
-    (k) or ``W_OV`` (v), ``[h, d_model, d_model]`` factored."""
+    (k) or ``W_OV`` (v), ``[h, d_model, d_model]`` factored. A rotary head's QK circuit at one
+    offset puts its relative rotation ``R [d_head, d_head]`` between the factors: ``W_Q R W_K^T``."""
     if kind == "q":
-        return LowRank(att.W_Q, att.W_K.transpose(-1, -2))
+        return LowRank(att.W_Q if R is None else att.W_Q @ R, att.W_K.transpose(-1, -2))
     if kind == "k":
-        return LowRank(att.W_K, att.W_Q.transpose(-1, -2))
+        return LowRank(att.W_K if R is None else att.W_K @ R.T, att.W_Q.transpose(-1, -2))
     return LowRank(att.W_V, att.W_O)
 
 
@@ -64,11 +66,17 @@ def composition_raw(
     *,
     max_bytes: int = DEFAULT_WRITER_BYTES,
     progress: Progress | None = None,
+    offsets: list[int] | None = None,
 ) -> dict[str, Tensor]:
     """Raw composition scores ``{kind: [L, H, L, H]}`` (writer layer, writer head, reader layer,
     reader head) for ``kinds`` (e.g. ``"k"`` or ``"qkv"``). Entries whose reader layer is not
-    strictly after the writer layer are NaN."""
+    strictly after the writer layer are NaN.
+
+    Rotary models: a Q- or K-composition score is the mean, over the offset set ``offsets``
+    (default :func:`~qkov.analysis.rotary_circuits.default_offsets`), of the score against the
+    reader's QK circuit at that offset, ``W_Q R_delta W_K^T``; V-composition has no offset."""
     kinds = _kinds(kinds)
+    Rs = rotations(source, offsets)
     cfg = source.cfg
     L, H, D, E = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
     opts: dict[str, Any] = dict(dtype=source.dtype, device=source.device)
@@ -91,12 +99,17 @@ def composition_raw(
                 rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()
                 ov_norm[l2] = ov.norm()
             for kind in kinds if l2 > a else ():
-                reader = reader_matrix(att, kind)
-                cols, r_norm = reader.col_factor(), reader.norm()
+                turns = [None] if Rs is None or kind == "v" else list(Rs)
                 for lo in range(a, min(b, l2), group):  # writer layers lo .. hi-1, before this reader
-                    hi = min(b, l2, lo + group)
-                    num = pair_norms(rows[(lo - a) * H : (hi - a) * H], cols).reshape(hi - lo, H, H)
-                    out[kind][lo:hi, :, l2, :] = num / (ov_norm[lo:hi, :, None] * r_norm[None, None])
+                    out[kind][lo : min(b, l2, lo + group), :, l2, :] = 0.0
+                for R in turns:
+                    reader = reader_matrix(att, kind, R)
+                    cols, r_norm = reader.col_factor(), reader.norm()
+                    for lo in range(a, min(b, l2), group):
+                        hi = min(b, l2, lo + group)
+                        num = pair_norms(rows[(lo - a) * H : (hi - a) * H], cols).reshape(hi - lo, H, H)
+                        score = num / (ov_norm[lo:hi, :, None] * r_norm[None, None])
+                        out[kind][lo:hi, :, l2, :] += score / len(turns)
             done += 1
             tick(progress, "composition", done, total)
     return out
@@ -173,6 +186,7 @@ class Composition:
     kind: str
     raw: Tensor  # [L, H, L, H]
     baseline: Baseline
+    offsets: list[int] | None = None  # rotary Q/K: the offsets the score is averaged over
 
     @property
     def adjusted(self) -> Tensor:
@@ -199,7 +213,10 @@ class Composition:
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "baseline": vars(self.baseline), "pairs": self.pairs()}
+        out = {"kind": self.kind, "baseline": vars(self.baseline), "pairs": self.pairs()}
+        if self.offsets is not None:
+            out["offsets"] = self.offsets
+        return out
 
 
 def composition_scores(
@@ -210,12 +227,22 @@ def composition_scores(
     seed: int = 0,
     max_bytes: int = DEFAULT_WRITER_BYTES,
     progress: Progress | None = None,
+    offsets: list[int] | None = None,
 ) -> dict[str, Composition]:
     """Raw scores for every pair of heads in increasing layers, plus the random-matrix baseline,
-    for each of ``kinds`` (``{kind: Composition}``)."""
-    raw = composition_raw(source, kinds, max_bytes=max_bytes, progress=progress)
+    for each of ``kinds`` (``{kind: Composition}``). ``offsets``: rotary models only, see
+    :func:`composition_raw` (the baseline is unchanged: a rotation leaves Gaussian factors Gaussian)."""
+    raw = composition_raw(source, kinds, max_bytes=max_bytes, progress=progress, offsets=offsets)
     d, e = source.cfg.d_model, source.cfg.d_head
+    used = None
+    if source.cfg.positional == "rotary":
+        used = check_offsets(source.cfg.n_ctx, offsets if offsets is not None else default_offsets(source.cfg.n_ctx))
     return {
-        k: Composition(k, r, composition_baseline(d, e, k, samples=baseline_samples, seed=seed))  # type: ignore[arg-type]
+        k: Composition(
+            k,
+            r,
+            composition_baseline(d, e, k, samples=baseline_samples, seed=seed),
+            used if k != "v" else None,  # type: ignore[arg-type]
+        )
         for k, r in raw.items()
     }

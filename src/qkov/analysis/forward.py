@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import QkovError
-from ..model.ops import activation, attention_pattern, attention_scores, normalize
+from ..model import rotary
+from ..model.ops import attention_pattern, attention_scores, normalize
 from ..model.tokens import check_tokens
 from ..weights.parts import AttentionWeights, WeightSource
 
@@ -161,13 +162,27 @@ def _check_patterns(patterns: Tensor, source: WeightSource, tokens: Tensor) -> T
     return patterns.to(device=source.device, dtype=source.dtype)
 
 
+def queries_keys(att: AttentionWeights, qk_in: Tensor, turn: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+    """Queries and keys ``[B, H, T, E]`` from the (normalised) query/key input ``qk_in [B, T, D]``,
+    rotated by their positions when ``turn`` holds the rotary ``cos, sin`` tables."""
+    q, k = project(qk_in, att.W_Q, att.b_Q), project(qk_in, att.W_K, att.b_K)
+    if turn is not None:
+        q, k = rotary.rotate(q, *turn), rotary.rotate(k, *turn)
+    return q, k
+
+
 def _attend(
-    att: AttentionWeights, qk_in: Tensor, v: Tensor, pattern: Tensor | None, need_pattern: bool
+    att: AttentionWeights,
+    qk_in: Tensor,
+    v: Tensor,
+    pattern: Tensor | None,
+    need_pattern: bool,
+    turn: tuple[Tensor, Tensor] | None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The pattern (frozen or computed) and, when no pattern is wanted, the fused ``pattern @ v``."""
     if pattern is not None:
         return pattern, None
-    q, k = project(qk_in, att.W_Q, att.b_Q), project(qk_in, att.W_K, att.b_K)
+    q, k = queries_keys(att, qk_in, turn)
     if need_pattern:
         return attention_pattern(attention_scores(q, k)), None
     return None, F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -186,6 +201,7 @@ class _Pass:
     mlp_frozen: Tensor | None  # frozen MLP outputs [L, B, T, D]
     head_override: Tensor | None  # [L, B, H, T, D] written instead of the heads' own outputs
     pos: Tensor | None  # [T, D]
+    turn: tuple[Tensor, Tensor] | None  # rotary cos, sin [T, r]
     observe: Callable[[LayerView], None] | None = None
     kept: dict[str, Any] = field(default_factory=lambda: {"scales": []})
 
@@ -220,7 +236,8 @@ class _Pass:
         v = project(v_in, att.W_V, att.b_V)
         per_head = "head_outputs" in self.want or self.head_override is not None
         frozen = None if self.patterns is None else self.patterns[l]
-        p, z = _attend(att, qk_in, v, frozen, per_head or "patterns" in self.want or self.observe is not None)
+        need = per_head or "patterns" in self.want or self.observe is not None
+        p, z = _attend(att, qk_in, v, frozen, need, self.turn)
         if self.observe is not None:
             qk_scale = self.kept["scales"][-1][1] if self.source.norm != "none" else None
             self.observe(LayerView(l, p, v, qk_in, qk_scale))  # type: ignore[arg-type]
@@ -234,18 +251,20 @@ class _Pass:
             self._keep(name, l, value)  # type: ignore[arg-type]
         return x + written + att.b_O
 
-    def mlp(self, l: int, x: Tensor) -> Tensor:
-        """Layer ``l``'s MLP (or its frozen output) added to the stream ``x``."""
+    def mlp(self, l: int, x: Tensor, into: Tensor | None = None) -> Tensor:
+        """Layer ``l``'s MLP (or its frozen output) reading the stream ``x``, added to ``into``
+        (default ``x``; a parallel block's MLP reads the block's input and adds to the stream
+        attention already wrote to)."""
+        into = x if into is None else into
         mlp = self.source.mlp(l)
         if mlp is None:
-            return x
+            return into
         if self.mlp_frozen is not None:
             out = self.mlp_frozen[l]
         else:
-            m_in = self._norm(x, "mlp", l, mlp.ln_w, mlp.ln_b)
-            out = activation(self.source.cfg.act_fn, m_in @ mlp.W_in + mlp.b_in) @ mlp.W_out + mlp.b_out
+            out = mlp(self._norm(x, "mlp", l, mlp.ln_w, mlp.ln_b), self.source.cfg.act_fn)
         self._keep("mlp_outputs", l, out)
-        return x + out
+        return into + out
 
     def logits(self, x: Tensor) -> Tensor:
         unemb = self.source.unembed()
@@ -307,12 +326,13 @@ def run(
     pos = source.pos()
     pos = pos[: tokens.shape[1]] if pos is not None else None
     fixed, mlp_frozen = (None, None) if frozen is None else (frozen.scales, frozen.mlp_outputs)
-    state = _Pass(source, want, patterns, fixed, mlp_frozen, head_outputs, pos, observe)
+    turn = rotary.tables(cfg, tokens.shape[1], source.device, source.dtype) if cfg.positional == "rotary" else None
+    state = _Pass(source, want, patterns, fixed, mlp_frozen, head_outputs, pos, turn, observe)
     x = F.embedding(tokens, source.embed())
     if cfg.positional == "standard":
         x = x + pos
     for l in range(cfg.n_layers):
-        x = state.mlp(l, state.attention(l, x))
+        x = state.mlp(l, x, into=state.attention(l, x)) if cfg.parallel else state.mlp(l, state.attention(l, x))
     return _collect(source, tokens, state.logits(x), state)
 
 

@@ -38,6 +38,7 @@ import torch
 
 from ..errors import QkovError
 from ..weights.parts import WeightSource
+from .rotary_circuits import rotations
 from .factored import DEFAULT_MAX_BYTES, LowRank
 
 
@@ -74,10 +75,13 @@ class TrigramTable:
     destination]`` (the module docstring's ``qk[d, s]``, transposed so that both factors are
     indexed by source first) and ``.ov [source, output]``."""
 
-    def __init__(self, source: WeightSource, layer: int, head: int) -> None:
+    def __init__(self, source: WeightSource, layer: int, head: int, offsets: list[int] | None = None) -> None:
         att = source.attention(layer, head)
         W_E = source.embed()
         EQ, EK, EV = W_E @ att.W_Q[0], W_E @ att.W_K[0], W_E @ att.W_V[0]  # [V, d_head] each
+        Rs = rotations(source, offsets)
+        if Rs is not None:  # rotary: the QK side at an offset drawn uniformly from the offset set
+            EQ = EQ @ Rs.mean(0)
         del W_E
         OU = att.W_O[0] @ source.unembed().W_U  # [d_head, V]
         self.d_vocab = source.cfg.d_vocab

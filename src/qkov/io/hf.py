@@ -1,4 +1,7 @@
-"""Hugging Face GPT-2 <-> qkov: a local model directory or a ``transformers`` model, both ways.
+"""Hugging Face models -> qkov (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2), and qkov -> GPT-2.
+
+The newer families' configs and weight layouts are in :mod:`qkov.io.hf_families`; this module
+reads directories (one loader for every family) and holds GPT-2, both ways.
 
 GPT-2 is a qkov model with ``positional="standard"``, ``normalization="layernorm"``, an MLP
 (``d_mlp = n_inner or 4 * n_embd``) and biases. Its ``Conv1D`` layers already use the row
@@ -37,6 +40,7 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .atomic import atomic_write_text
 from .checkpoint import load_state, read_tokenizer, save_tensors
+from .hf_families import FAMILIES, family_config, family_state
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -54,11 +58,23 @@ _ACT_FROM_HF = {
 
 
 # ------------------------------------------------------------------ import
+def hf_config(hf: dict[str, Any]) -> ModelConfig:
+    """The qkov config of a supported ``config.json`` (a dict: GPT-2, GPT-NeoX, Llama, Mistral,
+    Qwen2), or a QkovError naming what is unsupported; nothing is read but the dict."""
+    model_type = hf.get("model_type")
+    if model_type == "gpt2":
+        return gpt2_config(hf)
+    if model_type in FAMILIES:
+        return family_config(hf)
+    supported = ", ".join(["gpt2", *FAMILIES])
+    raise QkovError(f"Hugging Face model: model_type {model_type!r} is not supported (qkov reads {supported})")
+
+
 def gpt2_config(hf: dict[str, Any]) -> ModelConfig:
     """The qkov config of a GPT-2 ``config.json`` (a dict), or a QkovError naming what is unsupported."""
     model_type = hf.get("model_type")
     if model_type != "gpt2":
-        raise QkovError(f"Hugging Face model: only GPT-2 (model_type 'gpt2') is supported, got {model_type!r}")
+        raise QkovError(f"Hugging Face model: expected model_type 'gpt2', got {model_type!r}")
     for flag, ok in (
         ("scale_attn_weights", True),
         ("scale_attn_by_inverse_layer_idx", False),
@@ -143,9 +159,13 @@ def _gpt2_state(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tied: bool)
 
 
 def _build(hf_cfg: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> Transformer:
-    cfg = gpt2_config(hf_cfg)
+    cfg = hf_config(hf_cfg)
+    if hf_cfg.get("model_type") == "gpt2":
+        state = _gpt2_state(cfg, hf_state, bool(hf_cfg.get("tie_word_embeddings", True)))
+    else:
+        state = family_state(cfg, hf_cfg, hf_state)
     model = Transformer(cfg, init=False).to(dtype=dtype)  # every parameter is loaded next
-    load_state(model, _gpt2_state(cfg, hf_state, bool(hf_cfg.get("tie_word_embeddings", True))), where=where)
+    load_state(model, state, where=where)
     bos = hf_cfg.get("bos_token_id")
     if isinstance(bos, int) and 0 <= bos < cfg.d_vocab:
         model.bos_token_id = bos
@@ -153,12 +173,14 @@ def _build(hf_cfg: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: tor
 
 
 def load_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transformer:
-    """Load a Hugging Face GPT-2 directory -> a qkov :class:`~qkov.Transformer` (CPU, eval mode).
+    """Load a Hugging Face model directory (GPT-2, GPT-NeoX/Pythia, Llama, Mistral, Qwen2) -> a
+    qkov :class:`~qkov.Transformer` (CPU, eval mode).
 
     Reads ``config.json``, ``model.safetensors`` (or the shards listed in
-    ``model.safetensors.index.json``) and, if present, ``tokenizer.json``; the start token
-    is the config's ``bos_token_id`` (50256, ``<|endoftext|>``, for the released GPT-2s).
-    Tested: logits agree with ``transformers``' ``GPT2LMHeadModel`` on the same directory.
+    ``model.safetensors.index.json``; float32, float16 or bfloat16 on disk, converted to
+    ``dtype``) and, if present, ``tokenizer.json``; the start token is the config's
+    ``bos_token_id`` (50256, ``<|endoftext|>``, for the released GPT-2s).
+    Tested: logits agree with ``transformers``' model of each family on the same directory.
     """
     path = Path(path)
     if not path.is_dir():
@@ -171,7 +193,7 @@ def load_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transfor
         raise QkovError(f"Hugging Face model {str(path)!r}: {CONFIG_FILE} is not valid JSON ({exc})") from None
     if not isinstance(hf_cfg, dict):
         raise QkovError(f"Hugging Face model {str(path)!r}: {CONFIG_FILE} is not a JSON object")
-    gpt2_config(hf_cfg)  # refuse an unsupported model before reading its weights
+    hf_config(hf_cfg)  # refuse an unsupported model before reading its weights
     model = _build(hf_cfg, _read_weights(path), dtype, where=str(path))
     model.tokenizer = read_tokenizer(path / TOKENIZER_FILE, where=f"Hugging Face model {str(path)!r}")
     return model
@@ -194,6 +216,8 @@ def _read_weights(path: Path) -> dict[str, torch.Tensor]:
         for f in files:
             if f.resolve().parent != path.resolve():
                 raise QkovError(f"Hugging Face model {str(path)!r}: shard {f.name!r} lies outside the directory")
+            if not f.is_file():
+                raise QkovError(f"Hugging Face model {str(path)!r}: shard {f.name} (listed in {INDEX_FILE}) is missing")
     state: dict[str, torch.Tensor] = {}
     for f in files:
         try:

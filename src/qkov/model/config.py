@@ -7,17 +7,24 @@ Conventions (docs/conventions.md): row vectors (``x @ W``), per-head weights
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..errors import QkovError, check_choice, check_int
 
-Positional = Literal["shortformer", "standard", "none"]
-Normalization = Literal["none", "layernorm"]
+Positional = Literal["shortformer", "standard", "rotary", "none"]
+Normalization = Literal["none", "layernorm", "rmsnorm"]
 
-POSITIONAL_CHOICES: tuple[str, ...] = ("shortformer", "standard", "none")
-NORMALIZATION_CHOICES: tuple[str, ...] = ("none", "layernorm")
-ACTIVATION_CHOICES: tuple[str, ...] = ("gelu", "gelu_new", "relu")
+POSITIONAL_CHOICES: tuple[str, ...] = ("shortformer", "standard", "rotary", "none")
+NORMALIZATION_CHOICES: tuple[str, ...] = ("none", "layernorm", "rmsnorm")
+ACTIVATION_CHOICES: tuple[str, ...] = ("gelu", "gelu_new", "relu", "silu")
+ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3")
+"""The rotary frequency rescalings qkov implements exactly (see :mod:`qkov.model.rotary`); the
+others some checkpoints ship (dynamic, yarn, longrope) are refused on import, never ignored."""
+_ROPE_KEYS: dict[str, tuple[str, ...]] = {
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
 
 
 @dataclass(frozen=True)
@@ -32,14 +39,28 @@ class ModelConfig:
         d_vocab: vocabulary size.
         n_ctx: longest sequence the model accepts (positions 0 .. n_ctx-1); at least 2.
         positional: ``shortformer`` (positions added to the query/key input only, as the
-            paper's models), ``standard`` (added to the residual stream) or ``none``.
-        normalization: ``none`` (the paper's attention-only models) or ``layernorm``
-            (pre-norm: before attention, before the MLP and before the unembedding).
+            paper's models), ``standard`` (added to the residual stream), ``rotary``
+            (queries and keys rotated by their position: Pythia, Llama, Mistral, Qwen2) or ``none``.
+        normalization: ``none`` (the paper's attention-only models), ``layernorm`` or ``rmsnorm``
+            (pre-norm: before attention, before the MLP and before the unembedding; RMSNorm
+            divides by the root mean square and has a gain but no bias and no centring).
         d_mlp: width of an MLP after each attention layer, or ``None`` for attention-only.
         act_fn: MLP non-linearity.
         bias: whether Q/K/V/O, MLP and unembedding carry biases (imported models do;
-            the paper's models do not).
-        ln_eps: LayerNorm epsilon.
+            the paper's models do not). An imported family with only some biases (Qwen2:
+            Q/K/V only) carries zeros for the others.
+        ln_eps: normalisation epsilon (LayerNorm or RMSNorm).
+        n_kv_heads: key/value heads (grouped-query attention: query head ``h`` reads key/value
+            head ``h // (n_heads // n_kv_heads)``); ``None`` means ``n_heads``.
+        gated_mlp: the MLP is ``(act(x W_gate) * (x W_in)) W_out`` (Llama's SiLU-gated MLP).
+        parallel: attention and MLP both read the block's input stream and add to it
+            together (GPT-NeoX's ``use_parallel_residual``), instead of one after the other.
+        rotary_dim: how many of each head's dimensions rotate (``None``: all of them; Pythia
+            rotates a quarter); only for ``positional="rotary"``.
+        rotary_base: the rotary frequencies' base (theta).
+        rope_scaling: ``None`` or a rescaling of the rotary frequencies, ``{"rope_type":
+            "linear", "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor",
+            "high_freq_factor", "original_max_position_embeddings"}`` (Llama 3.1).
     """
 
     n_layers: int = 2
@@ -54,6 +75,12 @@ class ModelConfig:
     act_fn: str = "gelu"
     bias: bool = False
     ln_eps: float = 1e-5
+    n_kv_heads: int | None = None
+    gated_mlp: bool = False
+    parallel: bool = False
+    rotary_dim: int | None = None
+    rotary_base: float = 10000.0
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "d_model", "d_head", "d_vocab"):
@@ -65,6 +92,67 @@ class ModelConfig:
         if self.d_mlp is not None and (not isinstance(self.d_mlp, int) or self.d_mlp < 1):
             raise QkovError(f"config: d_mlp must be a positive integer or null, got {self.d_mlp!r}")
         check_choice("config", "act_fn", self.act_fn, ACTIVATION_CHOICES)
+        if self.n_kv_heads is not None:
+            check_int("config", "n_kv_heads", self.n_kv_heads)
+            if self.n_heads % self.n_kv_heads:
+                raise QkovError(
+                    f"config: n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+                )
+        if self.gated_mlp and self.d_mlp is None:
+            raise QkovError("config: gated_mlp needs an MLP (d_mlp)")
+        if self.parallel and self.d_mlp is None:
+            raise QkovError("config: parallel attention and MLP needs an MLP (d_mlp)")
+        self._check_rotary()
+
+    def _check_rotary(self) -> None:
+        rotary = self.positional == "rotary"
+        if not rotary and (self.rotary_dim is not None or self.rope_scaling is not None):
+            raise QkovError("config: rotary_dim and rope_scaling apply to positional='rotary' only")
+        if self.rotary_dim is not None:
+            check_int("config", "rotary_dim", self.rotary_dim, minimum=2)
+            if self.rotary_dim % 2 or self.rotary_dim > self.d_head:
+                raise QkovError(
+                    f"config: rotary_dim must be even and at most d_head ({self.d_head}), got {self.rotary_dim}"
+                )
+        if not (isinstance(self.rotary_base, (int, float)) and self.rotary_base > 1):
+            raise QkovError(f"config: rotary_base must be a number above 1, got {self.rotary_base!r}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type") if isinstance(self.rope_scaling, dict) else None
+            if kind not in ROPE_SCALINGS:
+                known = ", ".join(ROPE_SCALINGS)
+                raise QkovError(f"config: rope scaling {kind!r} is not supported (qkov implements {known} exactly)")
+            for key in _ROPE_KEYS[kind]:
+                value = self.rope_scaling.get(key)
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                    raise QkovError(f"config: rope scaling {kind!r} needs a positive {key}, got {value!r}")
+
+    def describe(self) -> str:
+        """One line: shape and kind, e.g. ``2 layers x 8 heads (2 kv heads), d_model 64, ...``."""
+        kv = f" ({self.kv_heads} kv heads)" if self.kv_heads != self.n_heads else ""
+        pos = self.positional
+        if pos == "rotary":
+            extra = [f"{self.rotary_width} of {self.d_head} dims", f"base {self.rotary_base:g}"]
+            if self.rope_scaling is not None:
+                extra.append(f"{self.rope_scaling['rope_type']} x{self.rope_scaling['factor']:g}")
+            pos += f" ({', '.join(extra)})"
+        mlp = "none" if self.d_mlp is None else f"{self.d_mlp} ({'gated ' if self.gated_mlp else ''}{self.act_fn})"
+        return (
+            f"{self.n_layers} layers x {self.n_heads} heads{kv}, d_model {self.d_model}, d_head {self.d_head}, "
+            f"vocab {self.d_vocab}, ctx {self.n_ctx}, positions {pos}, norm {self.normalization}, mlp {mlp}"
+            + (", attention and MLP in parallel" if self.parallel else "")
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads per layer (``n_heads`` unless grouped-query)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def rotary_width(self) -> int:
+        """Rotated dimensions per head (0 for a model without rotary positions)."""
+        if self.positional != "rotary":
+            return 0
+        return self.rotary_dim or self.d_head
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

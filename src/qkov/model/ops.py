@@ -40,6 +40,8 @@ def activation(name: str, x: Tensor) -> Tensor:
         return F.gelu(x, approximate="tanh")
     if name == "relu":
         return F.relu(x)
+    if name == "silu":  # x * sigmoid(x), the gate of Llama-family MLPs
+        return F.silu(x)
     raise ValueError(f"unknown activation {name!r}")
 
 
@@ -51,10 +53,10 @@ def centre(x: Tensor) -> Tensor:
 def norm_scale(x: Tensor, kind: str, eps: float) -> Tensor:
     """The divisor a normalisation applies to ``x [..., d_model]``, ``[..., 1]``.
 
-    LayerNorm (``layernorm``, ``folded``): ``sqrt(var(x) + eps)``; RMS (``scale``):
+    LayerNorm (``layernorm``, ``folded``): ``sqrt(var(x) + eps)``; RMS (``rmsnorm``, ``scale``):
     ``sqrt(mean(x^2) + eps)``.
     """
-    if kind == "scale":
+    if kind in ("scale", "rmsnorm"):
         return torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return torch.sqrt(x.var(dim=-1, unbiased=False, keepdim=True) + eps)
 
@@ -71,17 +73,20 @@ def normalize(
     """Normalise ``x [..., d_model]`` as a weights view says (see :class:`qkov.weights.Weights`).
 
     ``kind``: ``none`` (identity), ``layernorm`` (centre, divide, then gain ``w`` and bias
-    ``b``), ``folded`` (centre and divide: the gain and bias live in the readers), ``scale``
-    (divide by the RMS: a folded, centred and rotated view). ``scale`` given (``[..., 1]``)
+    ``b``), ``folded`` (centre and divide: the gain and bias live in the readers), ``rmsnorm``
+    (divide by the RMS, then gain ``w``: no centring, no bias), ``scale`` (divide by the RMS: a
+    folded RMSNorm, or a folded, centred and rotated LayerNorm view). ``scale`` given (``[..., 1]``)
     freezes the divisor instead of computing it from ``x``. Returns the normalised stream and
     the divisor used (``None`` for ``none``).
     """
     if kind == "none":
         return x, None
     s = norm_scale(x, kind, eps) if scale is None else scale
-    out = (x if kind == "scale" else centre(x)) / s
+    out = (x if kind in ("scale", "rmsnorm") else centre(x)) / s
     if kind == "layernorm":
         out = out * w + b
+    elif kind == "rmsnorm":
+        out = out * w
     return out, s
 
 

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ..errors import QkovError
 from .config import ModelConfig
+from . import rotary
 from .ops import activation
 from .tokens import check_tokens, token_decoder
 
@@ -44,21 +45,46 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x, (x.shape[-1],), self.w, self.b, self.eps)
 
 
+class RMSNorm(nn.Module):
+    """Pre-norm RMSNorm: ``x / sqrt(mean(x^2) + eps) * w``, gain ``w [d_model]``, no bias, no centring."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.w = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.w, self.eps)
+
+
+def norm_layer(cfg: ModelConfig) -> nn.Module | None:
+    """The model's pre-norm (LayerNorm, RMSNorm) or ``None``."""
+    if cfg.normalization == "layernorm":
+        return LayerNorm(cfg.d_model, cfg.ln_eps)
+    if cfg.normalization == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.ln_eps)
+    return None
+
+
 class Attention(nn.Module):
-    """``n_heads`` independent heads; each writes ``pattern @ (x @ W_V) @ W_O``."""
+    """``n_heads`` independent heads; each writes ``pattern @ (x @ W_V) @ W_O``.
+
+    Grouped-query attention (``n_kv_heads < n_heads``) stores ``W_K, W_V [n_kv_heads, d_model,
+    d_head]``: query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``.
+    """
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        h, d, e = cfg.n_heads, cfg.d_model, cfg.d_head
+        h, d, e, kv = cfg.n_heads, cfg.d_model, cfg.d_head, cfg.kv_heads
         self.cfg = cfg
         self.W_Q = nn.Parameter(torch.empty(h, d, e))
-        self.W_K = nn.Parameter(torch.empty(h, d, e))
-        self.W_V = nn.Parameter(torch.empty(h, d, e))
+        self.W_K = nn.Parameter(torch.empty(kv, d, e))
+        self.W_V = nn.Parameter(torch.empty(kv, d, e))
         self.W_O = nn.Parameter(torch.empty(h, e, d))
         if cfg.bias:
             self.b_Q = nn.Parameter(torch.zeros(h, e))
-            self.b_K = nn.Parameter(torch.zeros(h, e))
-            self.b_V = nn.Parameter(torch.zeros(h, e))
+            self.b_K = nn.Parameter(torch.zeros(kv, e))
+            self.b_V = nn.Parameter(torch.zeros(kv, e))
             self.b_O = nn.Parameter(torch.zeros(d))
         else:
             self.register_parameter("b_Q", None)
@@ -98,11 +124,18 @@ class Attention(nn.Module):
     def forward(self, qk_in: Tensor, v_in: Tensor) -> Tensor:
         """Causal attention of every head, fused: ``[batch, seq, d_model]`` in and out."""
         q, k, v = self.qkv(qk_in, v_in)
+        if self.cfg.positional == "rotary":
+            cos, sin = rotary.tables(self.cfg, q.shape[-2], q.device, q.dtype)
+            q, k = rotary.rotate(q, cos, sin), rotary.rotate(k, cos, sin)
+        group = self.cfg.n_heads // self.cfg.kv_heads
+        if group > 1:
+            k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
         return self.write(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
 class MLP(nn.Module):
-    """``act(x @ W_in + b_in) @ W_out + b_out``."""
+    """``act(x @ W_in + b_in) @ W_out + b_out``; gated (Llama's):
+    ``(act(x @ W_gate + b_gate) * (x @ W_in + b_in)) @ W_out + b_out``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -110,18 +143,33 @@ class MLP(nn.Module):
         self.act_fn = cfg.act_fn
         self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
         self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
+        if cfg.gated_mlp:
+            self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        else:
+            self.register_parameter("W_gate", None)
         if cfg.bias:
             self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
             self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
         else:
             self.register_parameter("b_in", None)
             self.register_parameter("b_out", None)
+        if cfg.bias and cfg.gated_mlp:
+            self.b_gate = nn.Parameter(torch.zeros(cfg.d_mlp))
+        else:
+            self.register_parameter("b_gate", None)
 
     def forward(self, x: Tensor) -> Tensor:
         pre = x @ self.W_in
         if self.b_in is not None:
             pre = pre + self.b_in
-        out = activation(self.act_fn, pre) @ self.W_out
+        if self.W_gate is not None:
+            gate = x @ self.W_gate
+            if self.b_gate is not None:
+                gate = gate + self.b_gate
+            hidden = activation(self.act_fn, gate) * pre
+        else:
+            hidden = activation(self.act_fn, pre)
+        out = hidden @ self.W_out
         if self.b_out is not None:
             out = out + self.b_out
         return out
@@ -133,24 +181,27 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        layernorm = cfg.normalization == "layernorm"
-        self.ln1 = LayerNorm(cfg.d_model, cfg.ln_eps) if layernorm else None
+        self.ln1 = norm_layer(cfg)
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg) if cfg.d_mlp is not None else None
-        self.ln2 = LayerNorm(cfg.d_model, cfg.ln_eps) if (layernorm and self.mlp is not None) else None
+        self.ln2 = norm_layer(cfg) if self.mlp is not None else None
 
     def forward(self, x: Tensor, pos: Tensor | None) -> Tensor:
-        """One block on the stream ``x [batch, seq, d_model]``; ``pos`` the shortformer positions or ``None``."""
+        """One block on the stream ``x [batch, seq, d_model]``; ``pos`` the shortformer positions or ``None``.
+
+        Sequential: ``x + attn``, then ``+ mlp`` of that. Parallel: both read ``x``: ``x + attn(x) + mlp(x)``.
+        """
         # Shortformer: positions enter the query/key input only, never the values or the stream.
         qk_in = x if pos is None else x + pos
         v_in = x
         if self.ln1 is not None:
             v_in = self.ln1(x)
             qk_in = v_in if pos is None else self.ln1(qk_in)
-        x = x + self.attn(qk_in, v_in)
+        out = x + self.attn(qk_in, v_in)
         if self.mlp is not None:
-            x = x + self.mlp(self.ln2(x) if self.ln2 is not None else x)
-        return x
+            read = x if self.cfg.parallel else out
+            out = out + self.mlp(self.ln2(read) if self.ln2 is not None else read)
+        return out
 
 
 class Transformer(nn.Module):
@@ -169,12 +220,12 @@ class Transformer(nn.Module):
         self.tokenizer: Tokenizer | None = None
         self.bos_token_id: int = 0
         self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
-        if cfg.positional != "none":
+        if cfg.positional in ("standard", "shortformer"):
             self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
         else:
             self.register_parameter("W_pos", None)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_final = LayerNorm(cfg.d_model, cfg.ln_eps) if cfg.normalization == "layernorm" else None
+        self.ln_final = norm_layer(cfg)
         self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
         if cfg.bias:
             self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
@@ -215,12 +266,12 @@ class Transformer(nn.Module):
 
     @property
     def W_K(self) -> Tensor:
-        """``[n_layers, n_heads, d_model, d_head]``"""
+        """``[n_layers, n_kv_heads, d_model, d_head]``"""
         return self._stack(lambda b: b.attn.W_K)
 
     @property
     def W_V(self) -> Tensor:
-        """``[n_layers, n_heads, d_model, d_head]``"""
+        """``[n_layers, n_kv_heads, d_model, d_head]``"""
         return self._stack(lambda b: b.attn.W_V)
 
     @property

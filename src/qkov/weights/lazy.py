@@ -9,8 +9,8 @@ folds on its own) and moves them to the requested device and dtype. MLP weights 
 only when asked for (attention analyses never do). Nothing is cached: the caller decides
 what stays in memory.
 
-LayerNorm is always folded, and by default the writers of a LayerNorm model and the
-unembedding are centred: the view :meth:`Weights.from_model` gives by default. Each writer
+LayerNorm (or RMSNorm) is always folded, and by default the writers of a LayerNorm model and
+the unembedding are centred: the view :meth:`Weights.from_model` gives by default. Each writer
 row centres on its own; centring ``W_U`` needs its mean over the whole vocabulary, taken once
 in blocks of columns.
 """
@@ -85,12 +85,18 @@ class LazyCheckpoint:
     # ------------------------------------------------------------------ reading
     @property
     def layernorm(self) -> bool:
-        return self.cfg.normalization == "layernorm"
+        """Whether the model normalises (LayerNorm or RMSNorm): its gains are folded into the readers."""
+        return self.cfg.normalization != "none"
 
     @property
     def norm(self) -> str:
-        """``folded`` for a LayerNorm model (always folded here), else ``none``."""
-        return "folded" if self.layernorm else "none"
+        """``folded`` for a LayerNorm model, ``scale`` for an RMSNorm one (always folded here), else ``none``."""
+        return {"layernorm": "folded", "rmsnorm": "scale"}.get(self.cfg.normalization, "none")
+
+    def _ln(self, name: str) -> tuple[Tensor, Tensor | None]:
+        """A normalisation's gain and bias (``None`` for RMSNorm, which has none)."""
+        bias = self._get(name + ".b") if self.cfg.normalization == "layernorm" else None
+        return self._get(name + ".w"), bias
 
     def _get(self, name: str, index: int | slice | None = None, cols: slice | None = None) -> Tensor:
         t = self.file.read(name, index, cols)
@@ -112,7 +118,7 @@ class LazyCheckpoint:
 
     def pos(self) -> Tensor | None:
         """``W_pos [n_ctx, d_model]``, or ``None`` for a model without positional embeddings."""
-        if self.cfg.positional == "none":
+        if self.cfg.positional not in ("standard", "shortformer"):
             return None
         pos = self._get("W_pos")
         return self._writer(pos) if self.layernorm or self.cfg.positional == "standard" else pos
@@ -150,26 +156,33 @@ class LazyCheckpoint:
         W = self._get("W_U", cols=cols)
         b = self._get("b_U", cols=cols) if "b_U" in self.file.entries else W.new_zeros(W.shape[1])
         if self.layernorm:
-            W, b = fold_reader(W, b, self._get("ln_final.w"), self._get("ln_final.b"), read_dim=0)
+            W, b = fold_reader(W, b, *self._ln("ln_final"), read_dim=0)
         return Unembedding(W, b)
 
     def attention(self, layer: int, head: int | None = None) -> AttentionWeights:
-        """Layer ``layer``'s attention (every head, or only ``head``: leading dim 1), ln1 folded."""
+        """Layer ``layer``'s attention (every head, or only ``head``: leading dim 1), ln1 folded.
+        Grouped-query keys and values are read once per key/value head (and repeated for the
+        query heads of its group, for this read only)."""
         check_head(self.cfg, layer, head)
         c = self.cfg
         h = c.n_heads if head is None else 1
+        group = c.n_heads // c.kv_heads
         pre = f"blocks.{layer}.attn."
 
         def get(name: str, shape: tuple[int, ...]) -> Tensor:
             if pre + name not in self.file.entries:
                 return torch.zeros(shape, device=self.device, dtype=self.dtype)
-            return self._get(pre + name) if head is None else self._get(pre + name, head)[None]
+            shared = name[-1] in "KV" and group > 1
+            if head is not None:
+                return self._get(pre + name, head // group if shared else head)[None]
+            t = self._get(pre + name)
+            return t.repeat_interleave(group, dim=0) if shared else t
 
         D, E = c.d_model, c.d_head
         W = {n: get(f"W_{n}", (h, D, E)) for n in "QKV"}
         b = {n: get(f"b_{n}", (h, E)) for n in "QKV"}
         if self.layernorm:
-            g, beta = self._get(f"blocks.{layer}.ln1.w"), self._get(f"blocks.{layer}.ln1.b")
+            g, beta = self._ln(f"blocks.{layer}.ln1")
             for n in "QKV":
                 W[n], b[n] = fold_reader(W[n], b[n], g, beta, read_dim=1)
         b_O = self._writer(self._get_or_zeros(pre + "b_O", (D,)))
@@ -184,8 +197,13 @@ class LazyCheckpoint:
             return None
         pre = f"blocks.{layer}.mlp."
         W_in, b_in = self._get(pre + "W_in"), self._get_or_zeros(pre + "b_in", (M,))
+        gated = self.cfg.gated_mlp
+        W_gate = self._get(pre + "W_gate") if gated else None
+        b_gate = self._get_or_zeros(pre + "b_gate", (M,)) if gated else None
         if self.layernorm:
-            g, beta = self._get(f"blocks.{layer}.ln2.w"), self._get(f"blocks.{layer}.ln2.b")
+            g, beta = self._ln(f"blocks.{layer}.ln2")
             W_in, b_in = fold_reader(W_in, b_in, g, beta, read_dim=0)
+            if W_gate is not None:
+                W_gate, b_gate = fold_reader(W_gate, b_gate, g, beta, read_dim=0)  # type: ignore[arg-type]
         W_out, b_out = self._writer(self._get(pre + "W_out")), self._writer(self._get_or_zeros(pre + "b_out", (D,)))
-        return MLPWeights(W_in, b_in, W_out, b_out)
+        return MLPWeights(W_in, b_in, W_out, b_out, W_gate=W_gate, b_gate=b_gate)

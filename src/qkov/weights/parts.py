@@ -24,12 +24,14 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..model.config import ModelConfig
+from ..model.ops import activation
 
-NORMS: tuple[str, ...] = ("none", "layernorm", "folded", "scale")
-"""How a view's stream is normalised before each reader: ``none`` (no LayerNorm), ``layernorm``
-(the affine LayerNorm, gain and bias kept in the view), ``folded`` (centre and divide by the
-standard deviation; gain and bias folded into the readers), ``scale`` (divide by the RMS only:
-a folded view whose writers were centred, then rotated)."""
+NORMS: tuple[str, ...] = ("none", "layernorm", "rmsnorm", "folded", "scale")
+"""How a view's stream is normalised before each reader: ``none`` (no normalisation), ``layernorm``
+(the affine LayerNorm, gain and bias kept in the view), ``rmsnorm`` (RMSNorm with its gain kept in
+the view), ``folded`` (centre and divide by the standard deviation; gain and bias folded into the
+readers), ``scale`` (divide by the RMS only: a folded RMSNorm, or a folded LayerNorm view whose
+writers were centred, then rotated)."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,10 @@ class AttentionWeights:
     ``W_Q/W_K/W_V [h, d_model, d_head]``, ``W_O [h, d_head, d_model]``, ``b_Q/b_K/b_V
     [h, d_head]``, ``b_O [d_model]`` (zeros where the model has no bias). ``ln_w/ln_b
     [d_model]``: the pre-attention LayerNorm's gain and bias, only in a ``layernorm`` view
-    (folded into ``W_Q/W_K/W_V`` and their biases otherwise).
+    (``ln_w`` alone in an ``rmsnorm`` view; folded into ``W_Q/W_K/W_V`` and their biases otherwise).
+    ``W_K/W_V`` are per query head: under grouped-query attention the heads of a group read
+    the same key/value weights (views of one tensor for one head; one layer's read of every head
+    expands them, for that read only).
     """
 
     W_Q: Tensor
@@ -57,7 +62,8 @@ class AttentionWeights:
 @dataclass(frozen=True)
 class MLPWeights:
     """One layer's MLP: ``W_in [d_model, d_mlp]``, ``b_in [d_mlp]``, ``W_out [d_mlp, d_model]``,
-    ``b_out [d_model]``; ``ln_w/ln_b [d_model]`` the pre-MLP LayerNorm in a ``layernorm`` view."""
+    ``b_out [d_model]``; ``ln_w/ln_b [d_model]`` the pre-MLP LayerNorm in a ``layernorm`` view;
+    ``W_gate [d_model, d_mlp]``, ``b_gate [d_mlp]`` for a gated MLP (``None`` otherwise)."""
 
     W_in: Tensor
     b_in: Tensor
@@ -65,6 +71,20 @@ class MLPWeights:
     b_out: Tensor
     ln_w: Tensor | None = None
     ln_b: Tensor | None = None
+    W_gate: Tensor | None = None
+    b_gate: Tensor | None = None
+
+    def hidden(self, x: Tensor, act_fn: str) -> Tensor:
+        """The MLP's hidden activations ``[..., d_mlp]`` for its (normalised) input ``x [..., d_model]``."""
+        pre = x @ self.W_in + self.b_in
+        if self.W_gate is None:
+            return activation(act_fn, pre)
+        gate = x @ self.W_gate
+        return activation(act_fn, gate if self.b_gate is None else gate + self.b_gate) * pre
+
+    def __call__(self, x: Tensor, act_fn: str) -> Tensor:
+        """The MLP's output ``[..., d_model]`` for its (normalised) input ``x``."""
+        return self.hidden(x, act_fn) @ self.W_out + self.b_out
 
 
 @dataclass(frozen=True)
@@ -159,25 +179,29 @@ def check_head(cfg: ModelConfig, layer: int, head: int | None = None) -> None:
         raise QkovError(f"no {what}: the model has {cfg.n_layers} layers x {cfg.n_heads} heads")
 
 
-def fold_reader(W: Tensor, b: Tensor, g: Tensor, beta: Tensor, read_dim: int) -> tuple[Tensor, Tensor]:
+def fold_reader(W: Tensor, b: Tensor, g: Tensor, beta: Tensor | None, read_dim: int) -> tuple[Tensor, Tensor]:
     """Fold a LayerNorm's gain ``g`` and bias ``beta`` into a reader ``W`` (bias ``b``); centre ``W``.
 
     ``W`` reads the normalised stream along ``read_dim`` (size d_model): ``(n * g + beta) @ W =
     n @ (g W) + beta @ W``; then the mean over ``read_dim`` is removed (``n`` has zero mean).
+    ``beta=None``: an RMSNorm, whose output ``n`` is not centred: the gain is folded, and nothing
+    is centred (removing ``W``'s mean would change ``n @ W``).
     Either stacked over layers (``g, beta [L, D]``; ``W [L, H, D, E]`` or ``[L, D, M]``) or one
     LayerNorm (``g, beta [D]``; ``W [D, V]``, ``[H, D, E]`` or ``[D, M]``, read along ``read_dim``).
     Each output column folds on its own, so one head, one layer or a block of ``W_U``'s
     columns folds exactly as it would inside the whole.
     """
+    shape = [1] * W.ndim
+    if g.ndim == 2:
+        shape[0] = g.shape[0]
+    shape[read_dim] = g.shape[-1]
+    if beta is None:
+        return W * g.reshape(shape), b
     if beta.ndim == 1:
         read = beta @ W
     elif W.ndim == 4:
         read = torch.einsum("ld,lhde->lhe", beta, W)
     else:
         read = torch.einsum("ld,ldm->lm", beta, W)
-    shape = [1] * W.ndim
-    if g.ndim == 2:
-        shape[0] = g.shape[0]
-    shape[read_dim] = g.shape[-1]
     new_W = W * g.reshape(shape)
     return new_W - new_W.mean(dim=read_dim, keepdim=True), b + read

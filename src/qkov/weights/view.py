@@ -69,10 +69,12 @@ class Weights:
     b_in: Tensor | None = None
     W_out: Tensor | None = None
     b_out: Tensor | None = None
-    # LayerNorm as it stands in this view: "none", "layernorm" (affine w/b below),
-    # "folded" (centre + scale, affine folded away) or "scale" (divide by the RMS only).
+    W_gate: Tensor | None = None  # [n_layers, d_model, d_mlp] (gated MLPs only)
+    b_gate: Tensor | None = None
+    # Normalisation as it stands in this view: "none", "layernorm" (affine w/b below), "rmsnorm"
+    # (gain w below), "folded" (centre + scale, affine folded away) or "scale" (divide by the RMS only).
     norm: str = "none"
-    ln1_w: Tensor | None = None  # [n_layers, d_model] (only when norm == "layernorm")
+    ln1_w: Tensor | None = None  # [n_layers, d_model] (only when norm is "layernorm" or "rmsnorm")
     ln1_b: Tensor | None = None
     ln2_w: Tensor | None = None
     ln2_b: Tensor | None = None
@@ -113,18 +115,21 @@ class Weights:
             return torch.stack([torch.zeros(shape, dtype=dtype, device=dev) if p is None else t(p) for p in parts])
 
         mlp = cfg.d_mlp is not None
-        M = cfg.d_mlp or 0
+        M, KV = cfg.d_mlp or 0, cfg.kv_heads
+        norm = cfg.normalization  # "none", "layernorm" or "rmsnorm": the view starts unfolded
+        affine = norm == "layernorm"
+        gated = mlp and cfg.gated_mlp
         w = cls(
             cfg=cfg,
             W_E=t(model.W_E),  # type: ignore[arg-type]
             W_pos=t(model.W_pos),
             W_Q=stack(lambda b: b.attn.W_Q, (H, D, E)),
-            W_K=stack(lambda b: b.attn.W_K, (H, D, E)),
-            W_V=stack(lambda b: b.attn.W_V, (H, D, E)),
+            W_K=stack(lambda b: b.attn.W_K, (KV, D, E)),
+            W_V=stack(lambda b: b.attn.W_V, (KV, D, E)),
             W_O=stack(lambda b: b.attn.W_O, (H, E, D)),
             b_Q=stack(lambda b: b.attn.b_Q, (H, E)),
-            b_K=stack(lambda b: b.attn.b_K, (H, E)),
-            b_V=stack(lambda b: b.attn.b_V, (H, E)),
+            b_K=stack(lambda b: b.attn.b_K, (KV, E)),
+            b_V=stack(lambda b: b.attn.b_V, (KV, E)),
             b_O=stack(lambda b: b.attn.b_O, (D,)),
             W_U=t(model.W_U),  # type: ignore[arg-type]
             b_U=t(model.b_U) if model.b_U is not None else torch.zeros(cfg.d_vocab, dtype=dtype, device=dev),
@@ -132,13 +137,15 @@ class Weights:
             b_in=stack(lambda b: b.mlp.b_in, (M,)) if mlp else None,
             W_out=stack(lambda b: b.mlp.W_out, (M, D)) if mlp else None,
             b_out=stack(lambda b: b.mlp.b_out, (D,)) if mlp else None,
-            norm="layernorm" if cfg.normalization == "layernorm" else "none",
-            ln1_w=stack(lambda b: b.ln1.w, (D,)) if cfg.normalization == "layernorm" else None,
-            ln1_b=stack(lambda b: b.ln1.b, (D,)) if cfg.normalization == "layernorm" else None,
-            ln2_w=stack(lambda b: b.ln2.w, (D,)) if (cfg.normalization == "layernorm" and mlp) else None,
-            ln2_b=stack(lambda b: b.ln2.b, (D,)) if (cfg.normalization == "layernorm" and mlp) else None,
+            W_gate=stack(lambda b: b.mlp.W_gate, (D, M)) if gated else None,
+            b_gate=stack(lambda b: b.mlp.b_gate, (M,)) if gated else None,
+            norm=norm,
+            ln1_w=stack(lambda b: b.ln1.w, (D,)) if norm != "none" else None,
+            ln1_b=stack(lambda b: b.ln1.b, (D,)) if affine else None,
+            ln2_w=stack(lambda b: b.ln2.w, (D,)) if (norm != "none" and mlp) else None,
+            ln2_b=stack(lambda b: b.ln2.b, (D,)) if (affine and mlp) else None,
             lnf_w=t(model.ln_final.w) if model.ln_final is not None else None,
-            lnf_b=t(model.ln_final.b) if model.ln_final is not None else None,
+            lnf_b=t(model.ln_final.b) if affine else None,
         )
         if fold_ln:
             w = w.fold_ln()
@@ -195,18 +202,23 @@ class Weights:
         """Layer ``layer``'s attention, every head or only ``head`` (leading dim 1): views."""
         check_head(self.cfg, layer, head)
         hs = slice(None) if head is None else slice(head, head + 1)
-        ln = (self.ln1_w[layer], self.ln1_b[layer]) if self.norm == "layernorm" else (None, None)  # type: ignore[index]
+        ln = self._ln(self.ln1_w, self.ln1_b, layer)
+        W_K, W_V, b_K, b_V = (x[layer] for x in (self.W_K, self.W_V, self.b_K, self.b_V))
+        group = self.cfg.n_heads // self.cfg.kv_heads
+        if head is not None:  # the query head's key/value head: a view
+            kv = slice(head // group, head // group + 1)
+            W_K, W_V, b_K, b_V = W_K[kv], W_V[kv], b_K[kv], b_V[kv]
+        elif group > 1:  # every query head's key/value weights, for this read only
+            W_K, W_V, b_K, b_V = (x.repeat_interleave(group, dim=0) for x in (W_K, W_V, b_K, b_V))
         return AttentionWeights(
-            self.W_Q[layer, hs],
-            self.W_K[layer, hs],
-            self.W_V[layer, hs],
-            self.W_O[layer, hs],
-            self.b_Q[layer, hs],
-            self.b_K[layer, hs],
-            self.b_V[layer, hs],
-            self.b_O[layer],
-            *ln,
+            self.W_Q[layer, hs], W_K, W_V, self.W_O[layer, hs], self.b_Q[layer, hs], b_K, b_V, self.b_O[layer], *ln
         )
+
+    def _ln(self, w: Tensor | None, b: Tensor | None, layer: int) -> tuple[Tensor | None, Tensor | None]:
+        """A reader's unfolded normalisation (gain, bias) at ``layer``; ``(None, None)`` when folded."""
+        if self.norm not in ("layernorm", "rmsnorm"):
+            return None, None
+        return w[layer], (None if b is None else b[layer])  # type: ignore[index]
 
     def mlp(self, layer: int) -> MLPWeights | None:
         """Layer ``layer``'s MLP (views), or ``None`` for an attention-only model."""
@@ -214,27 +226,33 @@ class Weights:
         if self.W_in is None:
             return None
         assert self.b_in is not None and self.W_out is not None and self.b_out is not None
-        ln = (self.ln2_w[layer], self.ln2_b[layer]) if self.norm == "layernorm" else (None, None)  # type: ignore[index]
-        return MLPWeights(self.W_in[layer], self.b_in[layer], self.W_out[layer], self.b_out[layer], *ln)
+        ln = self._ln(self.ln2_w, self.ln2_b, layer)
+        gate = (None, None) if self.W_gate is None else (self.W_gate[layer], self.b_gate[layer])  # type: ignore[index]
+        return MLPWeights(self.W_in[layer], self.b_in[layer], self.W_out[layer], self.b_out[layer], *ln, *gate)
 
     # ---------------------------------------------------------------- folding
     def fold_ln(self) -> "Weights":
-        """Fold each LayerNorm's gain/bias into the weights that read its output; centre those readers."""
-        if self.norm != "layernorm":
+        """Fold each normalisation's gain (and LayerNorm's bias) into the weights that read its
+        output. LayerNorm's readers are then centred (its output has zero mean) and the view's norm
+        becomes ``folded``; RMSNorm's are not (its output is not centred) and it becomes ``scale``."""
+        if self.norm not in ("layernorm", "rmsnorm"):
             return self
-
         ch: dict[str, Tensor | None | str] = {}
         if self.n_layers:
-            assert self.ln1_w is not None and self.ln1_b is not None
+            assert self.ln1_w is not None
             for name in ("Q", "K", "V"):
                 W, b = getattr(self, f"W_{name}"), getattr(self, f"b_{name}")
                 ch[f"W_{name}"], ch[f"b_{name}"] = fold_reader(W, b, self.ln1_w, self.ln1_b, read_dim=2)
             if self.W_in is not None:
-                assert self.ln2_w is not None and self.ln2_b is not None and self.b_in is not None
+                assert self.ln2_w is not None and self.b_in is not None
                 ch["W_in"], ch["b_in"] = fold_reader(self.W_in, self.b_in, self.ln2_w, self.ln2_b, read_dim=1)
-        assert self.lnf_w is not None and self.lnf_b is not None
+            if self.W_gate is not None:
+                assert self.ln2_w is not None and self.b_gate is not None
+                ch["W_gate"], ch["b_gate"] = fold_reader(self.W_gate, self.b_gate, self.ln2_w, self.ln2_b, read_dim=1)
+        assert self.lnf_w is not None
         ch["W_U"], ch["b_U"] = fold_reader(self.W_U, self.b_U, self.lnf_w, self.lnf_b, read_dim=0)
-        ch.update(norm="folded", ln1_w=None, ln1_b=None, ln2_w=None, ln2_b=None, lnf_w=None, lnf_b=None)
+        ch.update(ln1_w=None, ln1_b=None, ln2_w=None, ln2_b=None, lnf_w=None, lnf_b=None)
+        ch["norm"] = "folded" if self.norm == "layernorm" else "scale"
         return self.replace(**ch)
 
     def center_writing_weights(self) -> "Weights":
@@ -273,8 +291,8 @@ class Weights:
         tol = 1e-4 if R.dtype == torch.float32 else 1e-10
         if (R.T @ R - eye).abs().max() > tol:
             raise QkovError("rotate: R is not orthogonal (R^T R != I)")
-        if self.norm == "layernorm":
-            raise QkovError("rotate: fold LayerNorm first (Weights.from_model(..., fold_ln=True, center_writing=True))")
+        if self.norm in ("layernorm", "rmsnorm"):
+            raise QkovError("rotate: fold the normalisation first (Weights.from_model(..., fold_ln=True))")
         if self.norm == "folded" and not self.centered_writing:
             raise QkovError("rotate: LayerNorm's centring breaks rotation unless the writing weights are centred")
         ch: dict[str, object] = {
@@ -291,6 +309,8 @@ class Weights:
         if self.W_in is not None:
             assert self.W_out is not None and self.b_out is not None
             ch.update(W_in=R.T @ self.W_in, W_out=self.W_out @ R, b_out=self.b_out @ R)
+        if self.W_gate is not None:
+            ch["W_gate"] = R.T @ self.W_gate
         if self.norm == "folded":
             ch["norm"] = "scale"
         return self.replace(**ch)

@@ -50,9 +50,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     save_checkpoint(args.out, model, training={"imported_from": {"format": kind, "path": str(args.ckpt)}})
     c = model.cfg
     print(
-        f"imported {args.ckpt} ({kind}) -> {args.out}: {c.n_layers} layers x {c.n_heads} heads, d_model {c.d_model}, "
-        f"vocab {c.d_vocab}, ctx {c.n_ctx}, positions {c.positional}, norm {c.normalization}, "
-        f"mlp {c.d_mlp or 'none'}, {model.num_parameters():,} parameters"
+        f"imported {args.ckpt} ({kind}) -> {args.out}: {c.describe()}, {model.num_parameters():,} parameters"
         + ("" if model.tokenizer is not None else " (no tokenizer: token ids only)")
     )
     return 0

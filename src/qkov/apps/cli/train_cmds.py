@@ -163,11 +163,7 @@ def _print_info(path: Path, model: Transformer, *, as_json: bool) -> None:
         return
     table = Table(title=f"qkov checkpoint {path}", show_header=False)
     m = info["model"]
-    arch = (
-        f"{m['n_layers']} layers x {m['n_heads']} heads, d_model {m['d_model']}, d_head {m['d_head']}, "
-        f"vocab {m['d_vocab']}, ctx {m['n_ctx']}, positional {m['positional']}, norm {m['normalization']}, "
-        f"mlp {m['d_mlp'] or 'none'}"
-    )
+    arch = ModelConfig.from_dict(m).describe()
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     table.add_row("model", arch)
     table.add_row("parameters", f"{info['parameters']:,}")

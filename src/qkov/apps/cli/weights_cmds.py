@@ -13,6 +13,7 @@ import torch
 from rich.table import Table
 
 from ...analysis import trigrams
+from ...analysis.rotary_circuits import OffsetProfiles
 from ...analysis.circuits import CircuitsReport, analyse
 from ...errors import QkovError
 from ...io.checkpoint import TOKENIZER_FILE, read_tokenizer
@@ -58,11 +59,20 @@ def add_circuits(sub: Any) -> None:
             "of the full OV circuit W_E W_OV W_U and the rate at which a token's own logit is in the top k "
             "of its OV row (exact over the whole vocabulary); for every pair of heads in increasing layers, "
             "Q-, K- and V-composition scores with the random-matrix baseline subtracted (raw and baseline "
-            "shown too); and the residual-stream bandwidth per layer."
+            "shown too); and the residual-stream bandwidth per layer. Rotary models (Pythia, Llama, Mistral, "
+            "Qwen2): Q- and K-composition are averaged over an offset set (--offsets), and each head's "
+            "offset profile (its expected score at each query-key offset, from the weights alone) is shown."
         ),
     )
     add_source_args(p)
     p.add_argument("--top", type=positive_int, default=5, help="composition pairs to show per kind (default 5)")
+    p.add_argument(
+        "--offsets",
+        type=offset_list,
+        default=None,
+        help="rotary models: query-key offsets Q/K composition is averaged over, e.g. 1,2,3 "
+        "(default 0,1,2,4,... up to the context or 1024)",
+    )
     add_diag(p)
     p.add_argument("--float64", action="store_true", help="compute in float64")
     add_device(p)
@@ -76,7 +86,9 @@ def cmd_circuits(args: argparse.Namespace) -> int:
     if source.cfg.n_layers == 0:
         raise QkovError("circuits: the model has no attention layers")
     with StageProgress() as progress:
-        report = analyse(source, diag_k=args.diag_k or None, diag_sample=args.diag_sample, progress=progress)
+        report = analyse(
+            source, diag_k=args.diag_k or None, diag_sample=args.diag_sample, progress=progress, offsets=args.offsets
+        )
     if args.json:
         dump_json({"path": str(args.ckpt), **report.to_dict()})
         return 0
@@ -104,9 +116,10 @@ def _print_circuits(report: CircuitsReport, diag_k: int, top: int, d_vocab: int)
         if not pairs:
             continue
         b = comp.baseline
+        over = "" if comp.offsets is None else f", mean over offsets {','.join(map(str, comp.offsets))}"
         t = Table(
             title=f"{kind.upper()}-composition, strongest {min(top, len(pairs))} of {len(pairs)} "
-            f"(baseline {b.mean:.3f} ± {b.std:.3f})"
+            f"(baseline {b.mean:.3f} ± {b.std:.3f}{over})"
         )
         for col in ("writer", "reader", "adjusted", "raw", "z"):
             t.add_column(col, justify="right")
@@ -114,6 +127,8 @@ def _print_circuits(report: CircuitsReport, diag_k: int, top: int, d_vocab: int)
             z = (row["raw"] - b.mean) / b.std if b.std > 0 else float("nan")
             t.add_row(row["writer"], row["reader"], f"{row['adjusted']:+.3f}", f"{row['raw']:.3f}", f"{z:+.1f}")
         con.print(t)
+    if report.offsets is not None:
+        _print_offsets(report.offsets, 2 * top)
     t = Table(title="residual-stream bandwidth (computational dimensions / d_model)")
     for col in ("layer", "own", "before", "after", "before/d_model", "after/d_model"):
         t.add_column(col, justify="right")
@@ -128,6 +143,33 @@ def _print_circuits(report: CircuitsReport, diag_k: int, top: int, d_vocab: int)
             f"{d['after_ratio']:.2f}",
         )
     con.print(t)
+
+
+def _print_offsets(prof: OffsetProfiles, top: int) -> None:
+    """The heads whose weights prefer one query-key offset most (a previous-token head: offset 1)."""
+    rows = prof.to_dict()["heads"]
+    rows.sort(key=lambda r: -r["height"])
+    t = Table(
+        title=f"rotary offset profile from the weights, strongest {min(top, len(rows))} of {len(rows)} heads "
+        f"(offsets {prof.offsets[0]}..{prof.offsets[-1]})",
+        caption="expected score of two random tokens at each offset; height = best minus median (logits)",
+    )
+    for col in ("head", "preferred offset", "height"):
+        t.add_column(col, justify="right")
+    for r in rows[:top]:
+        t.add_row(r["head"], str(r["peak_offset"]), f"{r['height']:.2f}")
+    console().print(t)
+
+
+def offset_list(text: str) -> list[int]:
+    """``"0,1,2"`` -> ``[0, 1, 2]`` (argparse type; the range is checked against the model later)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected offsets like 0,1,2, got {text!r}") from None
+    if not out or min(out) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative offsets like 0,1,2, got {text!r}")
+    return out
 
 
 # ------------------------------------------------------------------------ trigrams
