@@ -214,3 +214,49 @@ def test_transformerlens_parity(name: str, dirs: dict[str, Path]) -> None:
             ours = torch.linalg.matrix_norm(att.W_V @ att.W_O)
             theirs = torch.linalg.matrix_norm(tl.blocks[layer].attn.W_V @ tl.blocks[layer].attn.W_O)
             assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+
+
+@pytest.mark.parametrize("name", ["neox-parallel", "llama-gqa-bias", "llama-llama3-tied", "qwen2-window"])
+def test_streamed_directory_equals_the_imported_model(name: str, dirs: dict[str, Path], tmp_path: Path) -> None:
+    """The directory read memory-mapped under qkov's names (no conversion written) gives the weights,
+    the circuits and the forward of the imported model; attention analyses never read an MLP."""
+    from qkov.analysis import circuits as C
+    from qkov.weights import LazyCheckpoint
+
+    w = Weights.from_model(load_hf(dirs[name]), dtype=torch.float64)
+    for d in (dirs[name], save(name, tmp_path / "sharded", shard="20KB")):
+        ck = LazyCheckpoint(d, dtype=torch.float64)
+        assert ck.cfg == w.cfg and ck.norm == w.norm
+        for layer, head in [(0, None), (1, None), (1, 3)]:
+            a, b = ck.attention(layer, head), w.attention(layer, head)
+            for f in ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O"):
+                assert (getattr(a, f) - getattr(b, f)).abs().max() < 1e-12, (layer, head, f)
+        m1, m2 = ck.mlp(1), w.mlp(1)
+        for f in ("W_in", "b_in", "W_out", "b_out", "W_gate", "b_gate"):
+            assert (getattr(m1, f) is None) == (getattr(m2, f) is None)
+            if getattr(m1, f) is not None:
+                assert (getattr(m1, f) - getattr(m2, f)).abs().max() < 1e-12
+        assert (ck.unembed(slice(5, 17)).W_U - w.W_U[:, 5:17]).abs().max() < 1e-12
+        fresh = LazyCheckpoint(d, dtype=torch.float64)
+        ours, ref = C.analyse(fresh, diag_k=3), C.analyse(w, diag_k=3)
+        assert not [n for n in fresh.file.reads if ".mlp." in n]  # attention analyses read no MLP
+        for kind in "qkv":
+            assert torch.allclose(ours.composition[kind].raw.nan_to_num(), ref.composition[kind].raw.nan_to_num())
+        assert [c.eigen_score for c in ours.copying] == pytest.approx([c.eigen_score for c in ref.copying], abs=1e-9)
+        assert (run(ck, TOKENS).logits - run(w, TOKENS).logits).abs().max() < 1e-10
+
+
+def test_streamed_bfloat16_directory_converts_block_by_block(tmp_path: Path) -> None:
+    from qkov.weights import LazyCheckpoint
+
+    d = save("llama-gqa-bias", tmp_path / "bf16", dtype=torch.bfloat16, shard="20KB")
+    ck = LazyCheckpoint(d, dtype=torch.float32)
+    w = Weights.from_model(load_hf(d))  # the in-memory import of the same bfloat16 file
+    att = ck.attention(1, 2)
+    assert att.W_Q.dtype == torch.float32 and (att.W_Q - w.attention(1, 2).W_Q).abs().max() < 1e-6
+    assert (run(ck, TOKENS).logits - run(w, TOKENS).logits).abs().max() < 1e-4
+    gpt2_like = tmp_path / "gpt2"
+    gpt2_like.mkdir()
+    (gpt2_like / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(QkovError, match="import other models first"):
+        LazyCheckpoint(gpt2_like)

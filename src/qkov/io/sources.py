@@ -56,6 +56,16 @@ def source_kind(source: Path | str) -> str:
     raise QkovError(f"{str(source)!r} does not exist")
 
 
+def hf_model_type(path: Path | str) -> str | None:
+    """The ``model_type`` of a Hugging Face directory's ``config.json`` (``None`` if it has none)."""
+    try:
+        data = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    kind = data.get("model_type") if isinstance(data, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 def fetch_hub(name: str) -> Path:
     """Download (or find in the local cache) a Hub model's config, safetensors and tokenizer -> its directory."""
     try:

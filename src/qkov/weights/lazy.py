@@ -17,6 +17,7 @@ in blocks of columns.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar
 
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..io.checkpoint import MODEL_FILE, read_config
+from ..io.hf_store import HFStore
 from ..io.tensorfile import TensorFile
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
@@ -32,6 +34,17 @@ from .parts import AttentionWeights, MLPWeights, Unembedding, centre_rows, check
 
 _BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
 AUTO_LAZY_BYTES = 1 << 30  # the CLI streams a checkpoint whose model.safetensors is larger than this
+
+
+def _config_json(path: Path) -> dict:  # type: ignore[type-arg]
+    """A qkov checkpoint's config (checked), or a Hugging Face directory's ``config.json``."""
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raw = None
+    if isinstance(raw, dict) and "model_type" in raw and "model" not in raw:
+        return raw
+    return read_config(path)
 
 
 class LazyCheckpoint:
@@ -53,20 +66,31 @@ class LazyCheckpoint:
         center_writing: bool | None = None,
         center_unembed: bool = True,
     ):
-        """``center_writing`` and ``center_unembed`` as :meth:`Weights.from_model`'s (same defaults)."""
+        """``path``: a qkov checkpoint, or a GPT-NeoX / Llama / Mistral / Qwen2 Hugging Face
+        directory (read under qkov's names by :class:`~qkov.io.hf_store.HFStore`).
+        ``center_writing`` and ``center_unembed`` as :meth:`Weights.from_model`'s (same defaults)."""
         self.path = Path(path)
-        data = read_config(self.path)
-        self.cfg = ModelConfig.from_dict(data["model"])
+        self.dtype, self.device = dtype, torch.device(device)
+        data = _config_json(self.path)
+        self.file: TensorFile | HFStore
+        if "model" in data:
+            self.cfg = ModelConfig.from_dict(data["model"])
+            self.bos_token_id = int((data.get("tokenizer") or {}).get("bos_token_id", 0))
+            weights_path = self.path / MODEL_FILE
+            if not weights_path.is_file():
+                raise QkovError(f"checkpoint {str(self.path)!r} has no {MODEL_FILE}")
+            self.file = TensorFile(weights_path)
+            where = str(weights_path)
+        else:
+            self.file = HFStore(self.path, data)
+            self.cfg = self.file.cfg
+            bos = data.get("bos_token_id")
+            self.bos_token_id = bos if isinstance(bos, int) and 0 <= bos < self.cfg.d_vocab else 0
+            where = f"Hugging Face model {str(self.path)!r}"
         self.centered_writing = writer_centring(self.cfg, center_writing)
         self.centered_unembed = center_unembed
         self._unembed_mean: tuple[Tensor, Tensor] | None = None
-        self.bos_token_id = int((data.get("tokenizer") or {}).get("bos_token_id", 0))
-        self.dtype, self.device = dtype, torch.device(device)
-        weights_path = self.path / MODEL_FILE
-        if not weights_path.is_file():
-            raise QkovError(f"checkpoint {str(self.path)!r} has no {MODEL_FILE}")
-        self.file = TensorFile(weights_path)
-        self._check_header(str(weights_path))
+        self._check_header(where)
 
     in_memory: ClassVar[bool] = False
 

@@ -16,7 +16,8 @@ from rich.console import Console
 
 from ...device import pick_device, set_memory_budget
 from ...errors import QkovError
-from ...io.sources import load_any, source_kind
+from ...io.hf_families import FAMILIES
+from ...io.sources import hf_model_type, load_any, source_kind
 from ...model.config import ModelConfig
 from ...model.transformer import Transformer
 from ...weights.lazy import AUTO_LAZY_BYTES
@@ -227,13 +228,23 @@ def add_lazy(p: argparse.ArgumentParser) -> None:
 
 
 def lazy(args: argparse.Namespace) -> bool:
-    """``--lazy``, or automatically when ``model.safetensors`` is larger than ``AUTO_LAZY_BYTES``."""
-    if source_kind(args.ckpt) != "qkov":
+    """``--lazy``, or automatically when the weights (``model.safetensors``, or a Hugging Face
+    directory's shards) are larger than ``AUTO_LAZY_BYTES``."""
+    kind = source_kind(args.ckpt)
+    if kind not in ("qkov", "hf"):
         if args.lazy:
-            raise QkovError("--lazy reads qkov checkpoints: convert the model first with qkov import")
+            raise QkovError(
+                "--lazy reads qkov checkpoints and Hugging Face directories: convert the model first with qkov import"
+            )
         return False
-    weights = args.ckpt / "model.safetensors"
-    return bool(args.lazy) or (weights.is_file() and weights.stat().st_size > AUTO_LAZY_BYTES)
+    if kind == "hf" and hf_model_type(args.ckpt) not in FAMILIES:  # GPT-2: loaded whole (it is small)
+        if args.lazy:
+            raise QkovError(
+                f"--lazy reads {', '.join(FAMILIES)} Hugging Face directories; import GPT-2 first (qkov import)"
+            )
+        return False
+    size = sum(f.stat().st_size for f in Path(args.ckpt).glob("*.safetensors"))
+    return bool(args.lazy) or size > AUTO_LAZY_BYTES
 
 
 def parse_head(text: str, cfg: ModelConfig) -> tuple[int, int]:
