@@ -84,9 +84,10 @@ def save(name: str, folder: Path, *, dtype: torch.dtype = torch.float32, shard: 
 TL_VARIANTS = ("neox-parallel", "neox-sequential", "llama-llama3-tied", "mistral-window", "qwen2-window")
 
 
-def hooked(hf: Any) -> Any:
+def hooked(hf: Any, n_ctx: int | None = None) -> Any:
     """A TransformerLens ``HookedTransformer`` of a ``transformers`` model of these families,
-    converted with TransformerLens' own weight converters and its default weight processing."""
+    converted with TransformerLens' own weight converters and its default weight processing
+    (``n_ctx``: its context, default the model's ``max_position_embeddings``)."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
     from transformer_lens.pretrained import weight_conversions as wc
 
@@ -99,7 +100,7 @@ def hooked(hf: Any) -> Any:
         n_layers=c.num_hidden_layers,
         d_mlp=c.intermediate_size,
         d_vocab=c.vocab_size,
-        n_ctx=c.max_position_embeddings,
+        n_ctx=n_ctx or c.max_position_embeddings,
         act_fn=c.hidden_act,
         positional_embedding_type="rotary",
         rotary_adjacent_pairs=False,

@@ -260,3 +260,38 @@ def test_streamed_bfloat16_directory_converts_block_by_block(tmp_path: Path) -> 
     (gpt2_like / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(QkovError, match="import other models first"):
         LazyCheckpoint(gpt2_like)
+
+
+def test_every_command_runs_on_a_modern_directory(tmp_path: Path, dirs: dict[str, Path], capsys) -> None:  # type: ignore[no-untyped-def]
+    """circuits, trigrams, heads, paths and report on a Llama and a NeoX directory, with token ids;
+    the streamed circuits equal the in-memory ones and carry the offset profiles."""
+    import numpy as np
+
+    toks = tmp_path / "toks.npy"
+    np.save(toks, np.random.default_rng(0).integers(1, 96, size=600))
+    for name in ("llama-gqa-bias", "neox-parallel"):
+        d = dirs[name]
+        capsys.readouterr()
+        rc, eager, err = run_main(capsys, "circuits", d, "--json")
+        assert rc == 0, err
+        rc, streamed, err = run_main(capsys, "circuits", d, "--json", "--lazy", "--bf16-matmul")
+        assert rc == 0, err
+        a, b = json.loads(eager), json.loads(streamed)
+        assert [c["eigen_score"] for c in a["copying"]] == pytest.approx(
+            [c["eigen_score"] for c in b["copying"]], abs=1e-5
+        )
+        assert a["composition"]["k"]["offsets"] == [0, 1, 2, 4, 8, 16, 32]
+        top_a, top_b = a["composition"]["k"]["pairs"][0], b["composition"]["k"]["pairs"][0]
+        assert abs(top_a["raw"] - top_b["raw"]) < 2e-3  # bfloat16 products: close, not equal
+        assert len(a["offset_profiles"]["heads"]) == 8
+        for argv in (
+            ["trigrams", d, "--head", "0.1", "--json"],
+            ["heads", d, "--tokens", toks, "--json"],
+            ["paths", d, "--tokens", toks, "--json"],
+            ["report", d, "-o", tmp_path / f"rep-{name}", "--tokens", toks, "--quiet"],
+        ):
+            rc, out, err = run_main(capsys, *argv)
+            assert rc == 0, (argv, err)
+        assert (tmp_path / f"rep-{name}" / "index.html").is_file()
+    rc, _, err = run_main(capsys, "circuits", dirs["llama-gqa-bias"], "--offsets", "0,99")
+    assert rc == 2 and "offsets must lie in 0 .. 63" in err

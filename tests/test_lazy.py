@@ -318,3 +318,19 @@ def test_composition_baseline_draws_in_blocks_with_the_same_values() -> None:
     ref = fro(ov @ qk_t) / (fro(ov) * fro(qk_t))
     got = Cm.composition_baseline(32, 8, "k", samples=40)
     assert (got.mean, got.std) == pytest.approx((float(ref.mean()), float(ref.std())), rel=1e-12)
+
+
+def test_vocabulary_products_stream_in_blocks(saved: tuple[Weights, Path]) -> None:
+    """A streamed source's ``W_E @ M`` and ``M @ W_U`` are taken a block of tokens at a time and
+    equal the in-memory products (so a 128k-token vocabulary is never held whole in float32)."""
+    from qkov.analysis.vocab import embed_product, unembed_product
+
+    w, path = saved
+    ck = LazyCheckpoint(path, dtype=torch.float64)
+    M = torch.randn(w.cfg.d_model, 5, dtype=torch.float64)
+    assert _close(embed_product(ck, M, block=7), w.W_E @ M)
+    assert _close(embed_product(ck, M, block=7, rows=lambda x: 2 * x), 2 * w.W_E @ M)
+    assert _close(unembed_product(ck, M.T, block=7), M.T @ w.W_U)
+    before = ck.file.bytes_read
+    unembed_product(ck, M.T, block=7)
+    assert ck.file.bytes_read - before >= w.W_U.numel() * 4  # it read W_U, in blocks

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from qkov import ModelConfig, QkovError, Transformer, Weights
+from qkov import ModelConfig, QkovError, Transformer, Weights, run
 from qkov.analysis import circuits as Cc
 from qkov.analysis import heads as Hd
 from qkov.analysis import paths as P
@@ -203,3 +203,29 @@ def test_parallel_block_mlp_does_not_read_its_own_layers_heads() -> None:
     assert torch.allclose(vw, w.W_O[0, 0] @ w.W_in[1])
     sequential = Weights.from_model(Transformer(MODERN, seed=0))
     assert Cc.virtual_weights(sequential, ("head", 1, 0), ("mlp", 1)).shape == (cfg.d_head, cfg.d_mlp)
+
+
+def test_a_rotary_model_trains_saves_and_loads(tmp_path, small_corpus) -> None:  # type: ignore[no-untyped-def]
+    """Training keeps working with the new options (fused attention rotates and repeats K/V)."""
+    import qkov
+    from qkov.io.checkpoint import load
+
+    from helpers import TINY, tiny_train
+
+    cfg = TINY.replace(positional="rotary", n_kv_heads=1, normalization="rmsnorm", d_mlp=32, gated_mlp=True)
+    model = qkov.train(tmp_path / "run", cfg, tiny_train(small_corpus, steps=4), device="cpu")
+    back = load(tmp_path / "run")
+    assert back.cfg == cfg
+    toks = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (back(toks) - model(toks)).abs().max() == 0
+        assert (run(Weights.from_model(back, center_unembed=False), toks).logits - back(toks)).abs().max() < 1e-4
+
+
+def test_bfloat16_products_move_composition_scores_little() -> None:
+    m = perturb_non_matrices(Transformer(MODERN.replace(n_layers=3, d_model=64, d_head=16), seed=5), 0.2)
+    w = Weights.from_model(m)
+    exact, fast = composition_raw(w, "qkv"), composition_raw(w, "qkv", matmul_dtype=torch.bfloat16)
+    for kind in "qkv":
+        diff = (exact[kind] - fast[kind]).nan_to_num().abs().max()
+        assert 0 < diff < 2e-3, (kind, diff)

@@ -36,8 +36,7 @@ from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
 from .progress import Progress, tick
 from .rotary_circuits import OffsetProfiles, profiles
 from .sampling import seeded_subset
-
-VOCAB_BLOCK = 4096  # tokens per block when a streamed source's W_E / W_U are read in pieces
+from .vocab import VOCAB_BLOCK, embed_product, unembed_product
 
 
 # --------------------------------------------------------------------- circuits
@@ -73,15 +72,15 @@ def ov(source: WeightSource) -> LowRank:
 def full_ov(source: WeightSource, layer: int, head: int) -> LowRank:
     """``W_E @ W_OV @ W_U``: ``[d_vocab (source token), d_vocab (output logit)]``."""
     att = source.attention(layer, head)
-    return LowRank(source.embed() @ att.W_V[0], att.W_O[0] @ source.unembed().W_U)
+    return LowRank(embed_product(source, att.W_V[0]), unembed_product(source, att.W_O[0]))
 
 
 def full_qk(source: WeightSource, layer: int, head: int) -> LowRank:
     """``W_E @ W_QK @ W_E^T``: ``[d_vocab (query token), d_vocab (key token)]`` (token part of the score)."""
     _not_rotary(source)
     att = source.attention(layer, head)
-    W_E = source.embed()
-    return LowRank(W_E @ att.W_Q[0], (W_E @ att.W_K[0]).T)
+    EQ, EK = embed_product(source, torch.cat([att.W_Q[0], att.W_K[0]], -1)).split(att.W_Q.shape[-1], -1)
+    return LowRank(EQ, EK.T)
 
 
 def positional_qk(source: WeightSource, layer: int, head: int) -> LowRank:
@@ -374,10 +373,11 @@ def analyse(
     writer_bytes: int = DEFAULT_WRITER_BYTES,
     progress: Progress | None = None,
     offsets: list[int] | None = None,
+    matmul_dtype: torch.dtype | None = None,
 ) -> CircuitsReport:
     """Copying scores (``diag_k``/``diag_sample``: :func:`copying_scores`), Q/K/V composition
     (with baselines), the bandwidth audit of a source, and for a rotary model every head's offset
-    profile (``offsets``: the offset set of Q/K composition, see :func:`composition_scores`)."""
+    profile (``offsets``: the offset set of Q/K composition; ``matmul_dtype``: see :func:`composition_raw`)."""
     if diag_k:
         check_diag_k(diag_k, source.cfg.d_vocab)  # before any work
     rotary = source.cfg.positional == "rotary"
@@ -385,7 +385,9 @@ def analyse(
         raise QkovError("offsets apply to rotary models only")
     return CircuitsReport(
         copying=copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, max_bytes=max_bytes, progress=progress),
-        composition=composition_scores(source, "qkv", max_bytes=writer_bytes, progress=progress, offsets=offsets),
+        composition=composition_scores(
+            source, "qkv", max_bytes=writer_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
+        ),
         bandwidth=bandwidth(source.cfg),
         offsets=profiles(source) if rotary else None,
     )

@@ -8,9 +8,12 @@ reader head 2:
 * V: the same with ``W_OV2``
 
 The paper's formula, transposed. Every norm is taken through ``d_head``-sized factors
-(:meth:`LowRank.row_factor`, :meth:`LowRank.col_factor`, :func:`pair_norms`): a writer enters
-as ``S @ W_O`` (``S^T S = W_V^T W_V``, ``[d_head, d_model]``), a reader as ``A @ S_B^T``
-(``[d_model, d_head]``), and all pairs of two layers cost one ``[H r, D] @ [D, H r]`` product.
+(:meth:`LowRank.row_factor`, :meth:`LowRank.col_factor`): a writer enters as ``S @ W_O``
+(``S^T S = W_V^T W_V``, ``[d_head, d_model]``), a reader as ``A @ M`` with ``A`` its stream-side
+matrix (``W_Q``, ``W_K`` or ``W_V``, ``[d_model, d_head]``) and ``M = R S_B^T`` a ``[d_head, d_head]``
+factor (``R`` a rotary head's relative rotation, else the identity). All pairs of two layers cost
+one ``[H r, D] @ [D, U r]`` product, ``U`` the distinct stream-side matrices (one per key/value
+head for K and V under grouped-query attention), then per offset only ``d_head``-sized products.
 
 Reads go layer by layer through a :class:`~qkov.weights.WeightSource`: the writer factors of a
 block of layers are held (at most ``max_bytes``, at least one layer; every layer at once for
@@ -30,14 +33,14 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..weights.parts import AttentionWeights, WeightSource
-from .factored import LowRank, pair_norms
+from .factored import LowRank, gram_sqrt
 from .progress import Progress, tick
 from .rotary_circuits import check_offsets, default_offsets, rotations
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[str, ...] = ("q", "k", "v")
 DEFAULT_WRITER_BYTES = 1 << 30  # writer factors held per pass over a streamed source
-PRODUCT_BYTES = 64 << 20  # the [writers H d_head, H d_head] product of one pair_norms call
+PRODUCT_BYTES = 64 << 20  # the [writers H d_head, H d_head] product of one block of writer layers
 
 
 def _kinds(kinds: str | Sequence[str]) -> tuple[str, ...]:
@@ -67,10 +70,16 @@ def composition_raw(
     max_bytes: int = DEFAULT_WRITER_BYTES,
     progress: Progress | None = None,
     offsets: list[int] | None = None,
+    matmul_dtype: torch.dtype | None = None,
 ) -> dict[str, Tensor]:
     """Raw composition scores ``{kind: [L, H, L, H]}`` (writer layer, writer head, reader layer,
     reader head) for ``kinds`` (e.g. ``"k"`` or ``"qkv"``). Entries whose reader layer is not
     strictly after the writer layer are NaN.
+
+    ``matmul_dtype``: the dtype of the one large product per pair of layers (default: the
+    source's). ``torch.bfloat16`` runs it about 5x faster on CPUs with bfloat16 matrix units
+    (AMX) and moves scores by about 1e-5 (measured at Llama-3-8B shape); everything else stays
+    in the source's dtype.
 
     Rotary models: a Q- or K-composition score is the mean, over the offset set ``offsets``
     (default :func:`~qkov.analysis.rotary_circuits.default_offsets`), of the score against the
@@ -86,7 +95,7 @@ def composition_raw(
     ov_norm = torch.zeros(L, H, **opts)
     item = torch.empty(0, dtype=source.dtype).element_size()
     block = L - 1 if source.in_memory else max(1, min(L - 1, max_bytes // (H * E * D * item)))
-    group = max(1, PRODUCT_BYTES // (H * E * H * E * item))  # writer layers per pair_norms product
+    group = max(1, PRODUCT_BYTES // (H * E * H * E * item))  # writer layers per product
     starts = range(0, L - 1, block)
     total, done = sum(L - a for a in starts), 0
     for a in starts:
@@ -99,20 +108,77 @@ def composition_raw(
                 rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()
                 ov_norm[l2] = ov.norm()
             for kind in kinds if l2 > a else ():
-                turns = [None] if Rs is None or kind == "v" else list(Rs)
+                X, Ms, r_norms = _reader_parts(att, kind, None if kind == "v" else Rs, cfg.n_heads // cfg.kv_heads)
+                MM = _gram(Ms, X.shape[0])
                 for lo in range(a, min(b, l2), group):  # writer layers lo .. hi-1, before this reader
-                    out[kind][lo : min(b, l2, lo + group), :, l2, :] = 0.0
-                for R in turns:
-                    reader = reader_matrix(att, kind, R)
-                    cols, r_norm = reader.col_factor(), reader.norm()
-                    for lo in range(a, min(b, l2), group):
-                        hi = min(b, l2, lo + group)
-                        num = pair_norms(rows[(lo - a) * H : (hi - a) * H], cols).reshape(hi - lo, H, H)
-                        score = num / (ov_norm[lo:hi, :, None] * r_norm[None, None])
-                        out[kind][lo:hi, :, l2, :] += score / len(turns)
+                    hi = min(b, l2, lo + group)
+                    # the costly product once per reader layer: writer factors x the reader's stream side
+                    left = rows[(lo - a) * H : (hi - a) * H].reshape(-1, D)
+                    right = X.permute(1, 0, 2).reshape(D, -1)
+                    if matmul_dtype is not None:
+                        left, right = left.to(matmul_dtype), right.to(matmul_dtype)
+                    P = (left @ right).to(source.dtype)
+                    num = _offset_norms(P.view((hi - lo) * H, E, X.shape[0], E), Ms, MM).view(len(Ms), hi - lo, H, H)
+                    norms = ov_norm[lo:hi, :, None] * r_norms[:, None, None, :]  # [offsets, layers, H, H]
+                    out[kind][lo:hi, :, l2, :] = (num / norms).mean(0)
             done += 1
             tick(progress, "composition", done, total)
     return out
+
+
+def _offset_norms(P: Tensor, Ms: Tensor, MM: Tensor | None) -> Tensor:
+    """``||P[w, :, h // g] @ Ms[o, h]||_F`` ``[offsets, writers, heads]`` for ``P [writers, E, U, E]``
+    (``U`` distinct reader-side matrices, each shared by ``g = H / U`` consecutive reader heads).
+
+    Distinct matrices for every head and one factor: the product itself. Otherwise through each
+    pair's ``E x E`` Gram matrix, ``||P M||^2 = <P^T P, M M^T>``: formed once per distinct matrix
+    (a grouped-query group shares it) and reused by every head of the group and every offset;
+    the inner product runs in float64 (two positive semi-definite matrices: it cancels when the
+    norm is small). ``MM``: :func:`_gram` of ``Ms`` (``None``: the direct product)."""
+    n, _, U, E = P.shape
+    O, H = Ms.shape[:2]
+    if MM is None:
+        return torch.einsum("nrhe,hef->nrhf", P, Ms[0]).square_().sum((1, 3)).sqrt()[None]
+    C = torch.einsum("nrue,nruf->nuef", P, P).double().reshape(n, U, E * E)
+    sq = torch.einsum("nuk,oujk->onuj", C, MM.reshape(O, U, H // U, E * E)).reshape(O, n, H)
+    return sq.clamp_min(0).sqrt().to(P.dtype)
+
+
+def _gram(Ms: Tensor, distinct: int) -> Tensor | None:
+    """``M M^T`` in float64 for :func:`_offset_norms`, or ``None`` where the direct product is
+    as cheap (one factor per head and a distinct reader-side matrix for every head)."""
+    if len(Ms) == 1 and distinct == Ms.shape[1]:
+        return None
+    return Ms.double() @ Ms.double().transpose(-1, -2)
+
+
+def _reader_parts(att: AttentionWeights, kind: str, Rs: Tensor | None, group: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's reader side of ``kind``-composition split as ``col_factor_h = X[h // g] @ M_h``:
+    ``X [U, D, E]`` the distinct stream-side matrices (``W_Q``; for K and V one per key/value head,
+    shared by the ``g = H / U`` heads of a grouped-query group), ``Ms [n, H, E, E]`` the small
+    per-head right factors (one per offset of ``Rs``, else one) and ``r_norms [n, H]`` the reader
+    norms. So the ``[.., D] @ [D, ..]`` product runs once per distinct matrix, not per offset
+    and head (see :meth:`LowRank.col_factor`: ``col = A gram_sqrt(B B^T)^T``).
+
+    Everything offset-dependent goes through ``d_head``-sized Gram matrices: for
+    ``W_QK(R) = W_Q R W_K^T``, ``S`` depends only on the unrotated side and
+    ``||W_QK(R)||_F^2 = <R^T (W_Q^T W_Q) R, W_K^T W_K>``."""
+    if kind == "v":
+        reader = LowRank(att.W_V, att.W_O)
+        S = gram_sqrt(att.W_O @ att.W_O.transpose(-1, -2)).transpose(-1, -2)
+        return att.W_V[::group], S[None], reader.norm()[None]
+    GQ = att.W_Q.transpose(-1, -2) @ att.W_Q  # [H, E, E]
+    GK = att.W_K[::group].transpose(-1, -2) @ att.W_K[::group]
+    GK = GK.repeat_interleave(group, dim=0)
+    E = GQ.shape[-1]
+    turns = torch.eye(E, dtype=GQ.dtype, device=GQ.device)[None] if Rs is None else Rs
+    # ||W_Q R W_K^T||^2 = <R^T G_Q R, G_K>, the same for K-composition (the transpose)
+    norms = torch.einsum("ofe,hfg,ogk,hek->oh", turns, GQ, turns, GK).clamp_min(0).sqrt()
+    if kind == "q":
+        S = gram_sqrt(GK).transpose(-1, -2)  # B = W_K^T: B B^T = G_K
+        return att.W_Q, turns[:, None] @ S[None], norms
+    S = gram_sqrt(GQ).transpose(-1, -2)  # K: A = W_K R^T, B = W_Q^T
+    return att.W_K[::group], turns.transpose(-1, -2)[:, None] @ S[None], norms
 
 
 @dataclass(frozen=True)
@@ -228,11 +294,14 @@ def composition_scores(
     max_bytes: int = DEFAULT_WRITER_BYTES,
     progress: Progress | None = None,
     offsets: list[int] | None = None,
+    matmul_dtype: torch.dtype | None = None,
 ) -> dict[str, Composition]:
     """Raw scores for every pair of heads in increasing layers, plus the random-matrix baseline,
     for each of ``kinds`` (``{kind: Composition}``). ``offsets``: rotary models only, see
     :func:`composition_raw` (the baseline is unchanged: a rotation leaves Gaussian factors Gaussian)."""
-    raw = composition_raw(source, kinds, max_bytes=max_bytes, progress=progress, offsets=offsets)
+    raw = composition_raw(
+        source, kinds, max_bytes=max_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
+    )
     d, e = source.cfg.d_model, source.cfg.d_head
     used = None
     if source.cfg.positional == "rotary":

@@ -9,7 +9,7 @@ operation works through the factors ``A [..., m, r]`` and ``B [..., r, n]``:
 * Frobenius norm and trace through ``r x r`` Gram matrices;
 * :meth:`LowRank.row_factor` / :meth:`LowRank.col_factor`: the smallest factor with the same
   norms under multiplication, so norms of products of many pairs (composition scores) need
-  only ``r``-sized products (:func:`pair_norms`);
+  only ``r``-sized products;
 * rows, columns, diagonal, top-k entries (whole matrix or per row) and diagonal
   ranks in row chunks whose size obeys a caller-set memory bound (``max_bytes``).
 """
@@ -304,19 +304,6 @@ def gram_sqrt(G: Tensor) -> Tensor:
     with serial_linalg():
         evals, evecs = torch.linalg.eigh(G)
     return evals.clamp_min(0).sqrt()[..., :, None] * evecs.transpose(-1, -2)
-
-
-def pair_norms(rows: Tensor, cols: Tensor) -> Tensor:
-    """``||rows[i] @ cols[j]||_F`` for every pair: ``rows [N1, r1, D]``, ``cols [N2, D, r2]`` -> ``[N1, N2]``.
-
-    With ``rows`` from :meth:`LowRank.row_factor` of the left products and ``cols`` from
-    :meth:`LowRank.col_factor` of the right ones, this is ``||left_i @ right_j||_F`` for every
-    pair, in one ``[N1 r1, D] @ [D, N2 r2]`` product.
-    """
-    n1, r1, d = rows.shape
-    n2, _, r2 = cols.shape
-    M = rows.reshape(n1 * r1, d) @ cols.permute(1, 0, 2).reshape(d, n2 * r2)
-    return M.square_().reshape(n1, r1, n2, r2).sum(dim=(1, 3)).sqrt()
 
 
 def _broadcast(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:

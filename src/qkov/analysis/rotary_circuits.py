@@ -34,6 +34,7 @@ from ..model import rotary
 from ..model.ops import normalize
 from ..weights.parts import WeightSource, check_head
 from .factored import LowRank
+from .vocab import embed_product
 
 MAX_DEFAULT_OFFSET = 1024
 
@@ -83,9 +84,9 @@ def offset_qk(source: WeightSource, layer: int, head: int, delta: int) -> LowRan
     check_head(source.cfg, layer, head)
     (delta,) = check_offsets(source.cfg.n_ctx, [delta])
     att = source.attention(layer, head)
-    x = _read_rows(source, source.embed())
-    q = x @ att.W_Q[0] + att.b_Q[0]
-    k = x @ att.W_K[0] + att.b_K[0]
+    read = lambda rows: _read_rows(source, rows)  # noqa: E731
+    q, k = embed_product(source, torch.cat([att.W_Q[0], att.W_K[0]], -1), rows=read).split(att.W_Q.shape[-1], -1)
+    q, k = q + att.b_Q[0], k + att.b_K[0]
     R = rotary.relative_rotation(source.cfg, delta, dtype=q.dtype).to(q.device)
     return LowRank(q @ R / math.sqrt(source.cfg.d_head), k.T)
 

@@ -39,6 +39,7 @@ import torch
 from ..errors import QkovError
 from ..weights.parts import WeightSource
 from .rotary_circuits import rotations
+from .vocab import embed_product, unembed_product
 from .factored import DEFAULT_MAX_BYTES, LowRank
 
 
@@ -77,13 +78,14 @@ class TrigramTable:
 
     def __init__(self, source: WeightSource, layer: int, head: int, offsets: list[int] | None = None) -> None:
         att = source.attention(layer, head)
-        W_E = source.embed()
-        EQ, EK, EV = W_E @ att.W_Q[0], W_E @ att.W_K[0], W_E @ att.W_V[0]  # [V, d_head] each
+        # [V, d_head] each, from one pass over the embedding
+        EQ, EK, EV = embed_product(source, torch.cat([att.W_Q[0], att.W_K[0], att.W_V[0]], -1)).split(
+            att.W_Q.shape[-1], -1
+        )
         Rs = rotations(source, offsets)
         if Rs is not None:  # rotary: the QK side at an offset drawn uniformly from the offset set
             EQ = EQ @ Rs.mean(0)
-        del W_E
-        OU = att.W_O[0] @ source.unembed().W_U  # [d_head, V]
+        OU = unembed_product(source, att.W_O[0])  # [d_head, V]
         self.d_vocab = source.cfg.d_vocab
         self.ov = LowRank(EV, OU - OU.mean(dim=-1, keepdim=True))  # centred over outputs, per source
         B = EK.T - EK.T.mean(dim=-1, keepdim=True)  # full QK = EQ @ EK^T; centred over sources, per destination

@@ -1,7 +1,8 @@
 """One entry point for every model source: :func:`load_any` (what ``qkov import`` and the analyses read).
 
 A source is, in this order: a qkov checkpoint directory (``config.json`` with a ``model``
-section); a Hugging Face GPT-2 directory (``config.json`` with a ``model_type``); a
+section); a Hugging Face directory (``config.json`` with a ``model_type``: GPT-2, GPT-NeoX,
+Llama, Mistral, Qwen2); a
 TransformerLens state-dict file (``.pt``, ``.pth``, ``.safetensors``); or, when no such
 path exists, a Hugging Face Hub name such as ``gpt2`` or ``openai-community/gpt2``, fetched
 (safetensors, config and tokenizer only) when a network exists, or from the local Hugging

@@ -60,8 +60,8 @@ def load_state(path: Path, model: Transformer, opt: torch.optim.Optimizer) -> tu
     for name, p in model.named_parameters():
         prefix = f"opt.{name}."
         st = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        if st:
-            opt.state[p] = {k: v if k == "step" else v.to(device) for k, v in st.items()}
+        if st:  # fresh tensors (own, aligned memory), not views into the file's buffer
+            opt.state[p] = {k: v.clone() if k == "step" else v.to(device, copy=True) for k, v in st.items()}
     torch.set_rng_state(tensors["rng.cpu"])
     return step, extra
 

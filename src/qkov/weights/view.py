@@ -2,7 +2,8 @@
 
 ``Weights.from_model(model)`` copies every weight out of a model into one frozen
 object with a leading layer dimension: ``W_E [d_vocab, d_model]``, ``W_pos [n_ctx,
-d_model]``, ``W_Q/W_K/W_V [n_layers, n_heads, d_model, d_head]``, ``W_O [n_layers,
+d_model]``, ``W_Q [n_layers, n_heads, d_model, d_head]``, ``W_K/W_V [n_layers, n_kv_heads,
+d_model, d_head]`` (``n_kv_heads = n_heads`` unless grouped-query), ``W_O [n_layers,
 n_heads, d_head, d_model]``, ``W_in [n_layers, d_model, d_mlp]``, ``W_out [n_layers,
 d_mlp, d_model]``, ``W_U [d_model, d_vocab]`` and biases (zeros where the model has
 none). All analysis reads this view (or the memory-mapped :class:`~qkov.weights.LazyCheckpoint`)

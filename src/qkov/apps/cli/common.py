@@ -115,7 +115,8 @@ def add_source_args(p: argparse.ArgumentParser) -> None:
         "ckpt",
         type=Path,
         metavar="SOURCE",
-        help="a qkov checkpoint, Hugging Face GPT-2 directory, TransformerLens file (.pt/.pth/.safetensors), Hub name",
+        help="a qkov checkpoint, Hugging Face directory (GPT-2, Pythia, Llama, Mistral, Qwen2), TransformerLens file "
+        "(.pt/.pth/.safetensors), Hub name",
     )
     p.add_argument("--config", type=Path, help="TransformerLens config JSON, for a state-dict file that carries none")
 

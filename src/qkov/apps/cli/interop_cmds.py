@@ -15,7 +15,8 @@ from .common import add_source_args, load_source
 
 TARGETS = ("transformer-lens", "hf")
 SOURCES_HELP = (
-    "a qkov checkpoint, a Hugging Face GPT-2 directory (save_pretrained), a TransformerLens "
+    "a qkov checkpoint, a Hugging Face directory (save_pretrained: GPT-2, GPT-NeoX/Pythia, Llama, Mistral, "
+    "Qwen2), a TransformerLens "
     "state-dict file (.pt/.pth/.safetensors) or a Hugging Face Hub name"
 )
 
@@ -29,13 +30,15 @@ def _check_out(out: Path) -> None:
 def add_import(sub: Any) -> None:
     p = sub.add_parser(
         "import",
-        help="turn a TransformerLens file, Hugging Face GPT-2 directory or Hub name into a qkov checkpoint",
+        help="turn a TransformerLens file, Hugging Face directory (GPT-2, Pythia/GPT-NeoX, Llama, Mistral, Qwen2) "
+        "or Hub name into a qkov checkpoint",
         description=(
             "Convert a model into a qkov checkpoint that every qkov command reads. SOURCE is "
             + SOURCES_HELP
             + ". Torch files are read with weights_only=True (no code is unpickled); "
             "a Hub name needs a network or the local Hugging Face cache. Conversions are exact or refused "
-            "with the reason (e.g. rotary positions, RMSNorm, LayerNorm with shortformer positions)."
+            "with the reason (e.g. a rope scaling qkov does not implement, TransformerLens' LayerNorm with "
+            "shortformer positions). Analyses read Hugging Face directories directly too, memory-mapped."
         ),
     )
     add_source_args(p)

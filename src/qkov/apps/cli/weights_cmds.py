@@ -75,6 +75,12 @@ def add_circuits(sub: Any) -> None:
     )
     add_diag(p)
     p.add_argument("--float64", action="store_true", help="compute in float64")
+    p.add_argument(
+        "--bf16-matmul",
+        action="store_true",
+        help="composition's large products in bfloat16: ~5x faster on CPUs with AMX (composition of every pair "
+        "at Llama-3-8B shape: ~4 min instead of ~11), scores change by ~1e-5",
+    )
     add_device(p)
     add_lazy(p)
     p.add_argument("--json", action="store_true", help="print every score as JSON")
@@ -87,7 +93,12 @@ def cmd_circuits(args: argparse.Namespace) -> int:
         raise QkovError("circuits: the model has no attention layers")
     with StageProgress() as progress:
         report = analyse(
-            source, diag_k=args.diag_k or None, diag_sample=args.diag_sample, progress=progress, offsets=args.offsets
+            source,
+            diag_k=args.diag_k or None,
+            diag_sample=args.diag_sample,
+            progress=progress,
+            offsets=args.offsets,
+            matmul_dtype=torch.bfloat16 if args.bf16_matmul else None,
         )
     if args.json:
         dump_json({"path": str(args.ckpt), **report.to_dict()})

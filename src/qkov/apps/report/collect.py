@@ -265,7 +265,7 @@ def collect(
 
     Args:
         ckpt: a qkov checkpoint, or any source :func:`qkov.io.load_any` reads (a
-            Hugging Face GPT-2 directory, a TransformerLens file with ``config``, a Hub name).
+            Hugging Face directory, a TransformerLens file with ``config``, a Hub name).
         batch: sequences (of ``n_ctx`` tokens) for the pattern-based head scores and the path
             expansion (at most 2048 tokens of them); default :func:`~qkov.analysis.paths.default_batch`.
         icl_examples: sequences for the ICL curve; default :func:`~qkov.analysis.probes.default_icl_examples`.
