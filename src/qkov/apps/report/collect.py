@@ -166,6 +166,7 @@ def _composition(w: Weights) -> CompositionSection | Absent:
             baseline_mean=_r(c.baseline.mean),
             baseline_std=_r(c.baseline.std),
             top=[Pair(**_rd(p)) for p in c.pairs()[:10]],
+            offsets=c.offsets,
         )
     return CompositionSection(kinds)
 

@@ -211,6 +211,7 @@ class CompositionKind:
     baseline_mean: float | None
     baseline_std: float | None
     top: list[Pair]
+    offsets: list[int] | None = None  # rotary Q/K: the query-key offsets the scores are averaged over
 
     def to_dict(self) -> dict[str, Any]:
         return {**_plain(self), "top": [_plain(p) for p in self.top]}

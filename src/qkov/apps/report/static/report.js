@@ -187,7 +187,7 @@
           "baseline %{customdata[1]:.3f} ± %{customdata[2]:.3f}<extra></extra>",
         colorbar: { thickness: 10 },
       }], {
-        title: { text: `${kind.toUpperCase()}-composition (baseline ${fmt(c.baseline_mean)} ± ${fmt(c.baseline_std)})` },
+        title: { text: `${kind.toUpperCase()}-composition (baseline ${fmt(c.baseline_mean)} ± ${fmt(c.baseline_std)}${c.offsets ? `; mean over offsets ${c.offsets.join(",")}` : ""})` },
         width: 420, height: 380, xaxis: { title: { text: "reader head" }, type: "category" },
         yaxis: { title: { text: "writer head" }, type: "category", autorange: "reversed" },
       });
