@@ -82,6 +82,10 @@ def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path], mon
         one, ref = ck.attention(layer, 2), w.attention(layer, 2)
         for f in ATTN_FIELDS:
             assert _close(getattr(one, f), getattr(ref, f)), (layer, f)
+        packed, ref = ck.attention(layer, expand_kv=False), w.attention(layer, expand_kv=False)
+        assert packed.W_K.shape[0] == w.cfg.kv_heads  # grouped K/V once per key/value head
+        for f in ATTN_FIELDS:
+            assert _close(getattr(packed, f), getattr(ref, f)), (layer, f)
         if w.W_in is not None:
             mlp = ck.mlp(layer)
             assert _close(mlp.W_in, w.W_in[layer]) and _close(mlp.b_in, w.b_in[layer])  # type: ignore[index]

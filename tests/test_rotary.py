@@ -229,3 +229,26 @@ def test_bfloat16_products_move_composition_scores_little() -> None:
     for kind in "qkv":
         diff = (exact[kind] - fast[kind]).nan_to_num().abs().max()
         assert 0 < diff < 2e-3, (kind, diff)
+
+
+def test_term_importance_of_a_rotary_grouped_query_model_by_brute_force() -> None:
+    """Run n of the paper's procedure = orders 0..n-1 of the expansion with the (rotary) patterns
+    frozen, recomputed from the reference forward's patterns with each query head's KV weights."""
+    from reference import reference_loss
+
+    cfg = ModelConfig(
+        n_layers=2, n_heads=4, n_kv_heads=2, d_model=16, d_head=4, d_vocab=30, n_ctx=10, positional="rotary"
+    )
+    w = Weights.from_model(Transformer(cfg, seed=4).double(), dtype=torch.float64)
+    tokens = torch.randint(0, 30, (3, 10), generator=torch.Generator().manual_seed(1))
+    ti = P.term_importance(w, tokens)
+    _, patterns = reference_forward(w, tokens)
+    terms = [w.W_E[tokens]]
+    for l in range(2):
+        new = [t.clone() for t in terms] + [torch.zeros_like(terms[0])]
+        for k, t in enumerate(terms):
+            for h in range(4):
+                new[k + 1] += patterns[l, :, h] @ t @ w.W_V[l, h // 2] @ w.W_O[l, h]
+        terms = new
+    for n in range(1, 4):
+        assert ti.run_losses[n - 1] == pytest.approx(reference_loss(sum(terms[:n]) @ w.W_U, tokens), abs=1e-9)

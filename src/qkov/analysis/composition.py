@@ -39,7 +39,7 @@ from .rotary_circuits import check_offsets, default_offsets, rotations
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[str, ...] = ("q", "k", "v")
-DEFAULT_WRITER_BYTES = 1 << 30  # writer factors held per pass over a streamed source
+DEFAULT_WRITER_BYTES = 512 << 20  # writer factors held per pass over a streamed source (8B shape: 8 layers)
 PRODUCT_BYTES = 64 << 20  # the [writers H d_head, H d_head] product of one block of writer layers
 
 
@@ -87,6 +87,7 @@ def composition_raw(
     kinds = _kinds(kinds)
     Rs = rotations(source, offsets)
     cfg = source.cfg
+    group_size = cfg.n_heads // cfg.kv_heads
     L, H, D, E = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
     opts: dict[str, Any] = dict(dtype=source.dtype, device=source.device)
     out = {k: torch.full((L, H, L, H), float("nan"), **opts) for k in kinds}
@@ -102,13 +103,13 @@ def composition_raw(
         b = min(L - 1, a + block)  # writers a .. b-1 held; readers a+1 .. L-1 stream past
         rows = torch.empty((b - a) * H, E, D, **opts)  # writer layer a + i at rows[i H : (i + 1) H]
         for l2 in range(a, L):
-            att = source.attention(l2)
+            att = source.attention(l2, expand_kv=False)  # grouped K/V once per key/value head
             if l2 < b:
-                ov = LowRank(att.W_V, att.W_O)
+                ov = LowRank(att.W_V.repeat_interleave(group_size, dim=0), att.W_O)
                 rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()
                 ov_norm[l2] = ov.norm()
             for kind in kinds if l2 > a else ():
-                X, Ms, r_norms = _reader_parts(att, kind, None if kind == "v" else Rs, cfg.n_heads // cfg.kv_heads)
+                X, Ms, r_norms = _reader_parts(att, kind, None if kind == "v" else Rs, group_size)
                 MM = _gram(Ms, X.shape[0])
                 for lo in range(a, min(b, l2), group):  # writer layers lo .. hi-1, before this reader
                     hi = min(b, l2, lo + group)
@@ -153,7 +154,8 @@ def _gram(Ms: Tensor, distinct: int) -> Tensor | None:
 
 
 def _reader_parts(att: AttentionWeights, kind: str, Rs: Tensor | None, group: int) -> tuple[Tensor, Tensor, Tensor]:
-    """A layer's reader side of ``kind``-composition split as ``col_factor_h = X[h // g] @ M_h``:
+    """A layer's reader side of ``kind``-composition split as ``col_factor_h = X[h // g] @ M_h``
+    (``att`` read with ``expand_kv=False``: ``W_K, W_V`` once per key/value head):
     ``X [U, D, E]`` the distinct stream-side matrices (``W_Q``; for K and V one per key/value head,
     shared by the ``g = H / U`` heads of a grouped-query group), ``Ms [n, H, E, E]`` the small
     per-head right factors (one per offset of ``Rs``, else one) and ``r_norms [n, H]`` the reader
@@ -163,13 +165,13 @@ def _reader_parts(att: AttentionWeights, kind: str, Rs: Tensor | None, group: in
     Everything offset-dependent goes through ``d_head``-sized Gram matrices: for
     ``W_QK(R) = W_Q R W_K^T``, ``S`` depends only on the unrotated side and
     ``||W_QK(R)||_F^2 = <R^T (W_Q^T W_Q) R, W_K^T W_K>``."""
-    if kind == "v":
-        reader = LowRank(att.W_V, att.W_O)
-        S = gram_sqrt(att.W_O @ att.W_O.transpose(-1, -2)).transpose(-1, -2)
-        return att.W_V[::group], S[None], reader.norm()[None]
+    if kind == "v":  # ||W_V W_O||^2 = <W_V^T W_V, W_O W_O^T>
+        GO = att.W_O @ att.W_O.transpose(-1, -2)
+        GV = (att.W_V.transpose(-1, -2) @ att.W_V).repeat_interleave(group, dim=0)
+        norm = (GV * GO).sum((-1, -2)).clamp_min(0).sqrt()
+        return att.W_V, gram_sqrt(GO).transpose(-1, -2)[None], norm[None]
     GQ = att.W_Q.transpose(-1, -2) @ att.W_Q  # [H, E, E]
-    GK = att.W_K[::group].transpose(-1, -2) @ att.W_K[::group]
-    GK = GK.repeat_interleave(group, dim=0)
+    GK = (att.W_K.transpose(-1, -2) @ att.W_K).repeat_interleave(group, dim=0)
     E = GQ.shape[-1]
     turns = torch.eye(E, dtype=GQ.dtype, device=GQ.device)[None] if Rs is None else Rs
     # ||W_Q R W_K^T||^2 = <R^T G_Q R, G_K>, the same for K-composition (the transpose)
@@ -178,7 +180,7 @@ def _reader_parts(att: AttentionWeights, kind: str, Rs: Tensor | None, group: in
         S = gram_sqrt(GK).transpose(-1, -2)  # B = W_K^T: B B^T = G_K
         return att.W_Q, turns[:, None] @ S[None], norms
     S = gram_sqrt(GQ).transpose(-1, -2)  # K: A = W_K R^T, B = W_Q^T
-    return att.W_K[::group], turns.transpose(-1, -2)[:, None] @ S[None], norms
+    return att.W_K, turns.transpose(-1, -2)[:, None] @ S[None], norms
 
 
 @dataclass(frozen=True)

@@ -183,10 +183,10 @@ class LazyCheckpoint:
             W, b = fold_reader(W, b, *self._ln("ln_final"), read_dim=0)
         return Unembedding(W, b)
 
-    def attention(self, layer: int, head: int | None = None) -> AttentionWeights:
+    def attention(self, layer: int, head: int | None = None, *, expand_kv: bool = True) -> AttentionWeights:
         """Layer ``layer``'s attention (every head, or only ``head``: leading dim 1), ln1 folded.
         Grouped-query keys and values are read once per key/value head (and repeated for the
-        query heads of its group, for this read only)."""
+        query heads of its group, for this read only, unless ``expand_kv=False``)."""
         check_head(self.cfg, layer, head)
         c = self.cfg
         h = c.n_heads if head is None else 1
@@ -200,11 +200,12 @@ class LazyCheckpoint:
             if head is not None:
                 return self._get(pre + name, head // group if shared else head)[None]
             t = self._get(pre + name)
-            return t.repeat_interleave(group, dim=0) if shared else t
+            return t.repeat_interleave(group, dim=0) if shared and expand_kv else t
 
         D, E = c.d_model, c.d_head
-        W = {n: get(f"W_{n}", (h, D, E)) for n in "QKV"}
-        b = {n: get(f"b_{n}", (h, E)) for n in "QKV"}
+        kv = c.kv_heads if head is None and not expand_kv else h
+        W = {n: get(f"W_{n}", (h if n == "Q" else kv, D, E)) for n in "QKV"}
+        b = {n: get(f"b_{n}", (h if n == "Q" else kv, E)) for n in "QKV"}
         if self.layernorm:
             g, beta = self._ln(f"blocks.{layer}.ln1")
             for n in "QKV":

@@ -141,8 +141,10 @@ class WeightSource(Protocol):
         """The unembedding, all columns or the block ``cols``."""
         ...
 
-    def attention(self, layer: int, head: int | None = None) -> AttentionWeights:
-        """Layer ``layer``'s attention: every head, or only ``head`` (leading dim 1)."""
+    def attention(self, layer: int, head: int | None = None, *, expand_kv: bool = True) -> AttentionWeights:
+        """Layer ``layer``'s attention: every head, or only ``head`` (leading dim 1).
+        ``expand_kv=False`` (every head only): grouped-query ``W_K, W_V, b_K, b_V`` once per
+        key/value head, ``[n_kv_heads, ...]``, instead of repeated per query head."""
         ...
 
     def mlp(self, layer: int) -> MLPWeights | None:

@@ -199,8 +199,9 @@ class Weights:
         W_U, b_U = (self.W_U, self.b_U) if cols is None else (self.W_U[:, cols], self.b_U[cols])
         return Unembedding(W_U, b_U, self.lnf_w, self.lnf_b)
 
-    def attention(self, layer: int, head: int | None = None) -> AttentionWeights:
-        """Layer ``layer``'s attention, every head or only ``head`` (leading dim 1): views."""
+    def attention(self, layer: int, head: int | None = None, *, expand_kv: bool = True) -> AttentionWeights:
+        """Layer ``layer``'s attention, every head or only ``head`` (leading dim 1): views
+        (``expand_kv``: see :meth:`WeightSource.attention`)."""
         check_head(self.cfg, layer, head)
         hs = slice(None) if head is None else slice(head, head + 1)
         ln = self._ln(self.ln1_w, self.ln1_b, layer)
@@ -209,7 +210,7 @@ class Weights:
         if head is not None:  # the query head's key/value head: a view
             kv = slice(head // group, head // group + 1)
             W_K, W_V, b_K, b_V = W_K[kv], W_V[kv], b_K[kv], b_V[kv]
-        elif group > 1:  # every query head's key/value weights, for this read only
+        elif group > 1 and expand_kv:  # every query head's key/value weights, for this read only
             W_K, W_V, b_K, b_V = (x.repeat_interleave(group, dim=0) for x in (W_K, W_V, b_K, b_V))
         return AttentionWeights(
             self.W_Q[layer, hs], W_K, W_V, self.W_O[layer, hs], self.b_Q[layer, hs], b_K, b_V, self.b_O[layer], *ln
