@@ -295,3 +295,8 @@ def test_every_command_runs_on_a_modern_directory(tmp_path: Path, dirs: dict[str
         assert (tmp_path / f"rep-{name}" / "index.html").is_file()
     rc, _, err = run_main(capsys, "circuits", dirs["llama-gqa-bias"], "--offsets", "0,99")
     assert rc == 2 and "offsets must lie in 0 .. 63" in err
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    rc, _, err = run_main(capsys, "circuits", gpt2, "--lazy")
+    assert rc == 2 and "import GPT-2 first" in err and len(err.strip().splitlines()) == 1

@@ -223,8 +223,9 @@ def add_lazy(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lazy",
         action="store_true",
-        help="read the weights layer by layer from a memory map instead of loading the model "
-        "(automatic when model.safetensors is over 1 GiB; MLP weights are never read)",
+        help="read the weights layer by layer from a memory map instead of loading the model: a qkov "
+        "checkpoint or a Pythia/Llama/Mistral/Qwen2 directory (automatic when the weights are over 1 GiB; "
+        "MLP weights are never read)",
     )
 
 
