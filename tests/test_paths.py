@@ -186,6 +186,21 @@ def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> No
     assert (split.qk_pair(1, 4) - pairs[1, 4]).abs().max() <= TOL[dtype]
 
 
+def test_qk_split_of_a_rotary_rmsnorm_head_sums_to_its_scores() -> None:
+    """Each part is rotated by its position (rotation is linear): the parts still add up, and the
+    softmax of the sum is the reference forward's pattern."""
+    from helpers import MODERN
+
+    m = Transformer(MODERN.replace(n_layers=3, n_ctx=12), seed=1).double()
+    w = Weights.from_model(m, dtype=torch.float64)
+    tokens = toks((2, 12), vocab=30)
+    split = qk_split(w, tokens, 2, 3)
+    assert (split.total() - split.scores).abs().max() < 1e-10
+    pats = reference_forward(w, tokens)[1][2, :, 3]
+    mask = torch.ones(12, 12, dtype=torch.bool).triu(1)
+    assert torch.allclose(torch.softmax(split.scores.masked_fill(mask, float("-inf")), -1), pats, atol=1e-6)
+
+
 def test_qk_split_with_layernorm() -> None:
     m, _ = make(2, "shortformer", torch.float64, normalization="layernorm", bias=True, d_mlp=32)
     w = Weights.from_model(m, dtype=torch.float64)

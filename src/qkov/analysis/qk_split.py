@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ..model import rotary
 from ..weights.parts import WeightSource, check_head
 from .forward import Run, read
 from .paths import frozen_run
@@ -105,6 +106,9 @@ def qk_split(source: WeightSource, tokens: Tensor, layer: int, head: int) -> QKS
     qo, ko = proj(other, WQ) + att.b_Q[0], proj(other, WK) + att.b_K[0]
     qh = torch.stack([proj(c, WQ) for c in comps]) if comps else qd.new_zeros(0, *qd.shape)
     kh = torch.stack([proj(c, WK) for c in comps]) if comps else kd.new_zeros(0, *kd.shape)
+    if source.cfg.positional == "rotary":  # rotation is linear: each part turns by its position
+        cos, sin = rotary.tables(source.cfg, qd.shape[-2], qd.device, qd.dtype)
+        qd, kd, qo, ko, qh, kh = (rotary.rotate(x, cos, sin) for x in (qd, kd, qo, ko, qh, kh))
 
     def s(a: Tensor, b: Tensor) -> Tensor:
         return (a @ b.transpose(-1, -2)) * scale
