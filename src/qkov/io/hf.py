@@ -41,10 +41,9 @@ from ..model.transformer import Transformer
 from .atomic import atomic_write_text
 from .checkpoint import load_state, read_tokenizer, save_tensors
 from .hf_families import FAMILIES, family_config, family_state
+from .hf_store import WEIGHTS_FILE, shard_paths
 
 CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 
 # Hugging Face activation name -> qkov's (gelu_pytorch_tanh and gelu_fast: the tanh approximation).
@@ -200,26 +199,8 @@ def load_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transfor
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
-    files = [path / WEIGHTS_FILE]
-    if not files[0].is_file():
-        index = path / INDEX_FILE
-        if not index.is_file():
-            other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5")]
-            hint = f" (found {', '.join(sorted(other))}: qkov reads safetensors only, never pickle)" if other else ""
-            raise QkovError(f"Hugging Face model {str(path)!r} has no {WEIGHTS_FILE}{hint}")
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            names = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise QkovError(f"Hugging Face model {str(path)!r}: {INDEX_FILE} is unreadable ({exc})") from None
-        files = [path / n for n in names]
-        for f in files:
-            if f.resolve().parent != path.resolve():
-                raise QkovError(f"Hugging Face model {str(path)!r}: shard {f.name!r} lies outside the directory")
-            if not f.is_file():
-                raise QkovError(f"Hugging Face model {str(path)!r}: shard {f.name} (listed in {INDEX_FILE}) is missing")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in shard_paths(path):
         try:
             state.update(load_file(str(f)))
         except (SafetensorError, OSError, ValueError) as exc:

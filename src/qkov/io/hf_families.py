@@ -38,7 +38,7 @@ FAMILIES: dict[str, str] = {
 _ACT = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "gelu_fast": "gelu_new"}
 _ACT.update(relu="relu", silu="silu", swish="silu")
 # buffers some checkpoints carry that are not weights
-_BUFFERS = (".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
+BUFFERS = (".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
 
 
 def _fail(what: str) -> QkovError:
@@ -148,7 +148,7 @@ def _context(hf: dict[str, Any], kind: str) -> int:
 def family_state(cfg: ModelConfig, hf: dict[str, Any], sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors (Hugging Face names) -> a qkov state dict for ``cfg``; every tensor
     used once, shapes checked, buffers skipped, anything else refused."""
-    sd = {k: v for k, v in sd.items() if not k.endswith(_BUFFERS)}
+    sd = {k: v for k, v in sd.items() if not k.endswith(BUFFERS)}
     used: set[str] = set()
 
     def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:

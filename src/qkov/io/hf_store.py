@@ -64,7 +64,7 @@ class HFStore:
             )
         self.hf_config = hf_config
         self.cfg: ModelConfig = family_config(hf_config)
-        self.files = _open_shards(self.path, where)
+        self.files = [TensorFile(f) for f in shard_paths(self.path)]
         self._where: dict[str, TensorFile] = {n: f for f in self.files for n in f.entries}
         self.recipes = _recipes(self.cfg, hf_config, {n: f.shape(n) for n, f in self._where.items()}, where)
         self.entries = {name: r.shape for name, r in self.recipes.items()}
@@ -126,25 +126,28 @@ def _head_range(index: int | slice | None, heads: int) -> range:
     return range(index.start or 0, heads if index.stop is None else index.stop)
 
 
-def _open_shards(path: Path, where: str) -> list[TensorFile]:
+def shard_paths(path: Path) -> list[Path]:
+    """The safetensors files of a Hugging Face directory: ``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` lists (each checked to exist inside the directory)."""
+    where = f"Hugging Face model {str(path)!r}"
     single = path / WEIGHTS_FILE
     if single.is_file():
-        return [TensorFile(single)]
+        return [single]
     index = path / INDEX_FILE
     if not index.is_file():
-        raise QkovError(f"{where} has no {WEIGHTS_FILE} (nor {INDEX_FILE}); qkov reads safetensors only")
+        other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5")]
+        hint = f" (found {', '.join(sorted(other))}: qkov reads safetensors only, never pickle)" if other else ""
+        raise QkovError(f"{where} has no {WEIGHTS_FILE}{hint}")
     try:
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
         raise QkovError(f"{where}: {INDEX_FILE} is unreadable ({exc})") from None
-    files = []
-    for n in names:
-        f = path / n
+    files = [path / n for n in names]
+    for f in files:
         if f.resolve().parent != path.resolve():
-            raise QkovError(f"{where}: shard {n!r} lies outside the directory")
+            raise QkovError(f"{where}: shard {f.name!r} lies outside the directory")
         if not f.is_file():
-            raise QkovError(f"{where}: shard {n} (listed in {INDEX_FILE}) is missing")
-        files.append(TensorFile(f))
+            raise QkovError(f"{where}: shard {f.name} (listed in {INDEX_FILE}) is missing")
     return files
 
 
