@@ -190,6 +190,8 @@ def test_position_free_qk_circuits_are_refused_for_rotary_models() -> None:
         offset_qk(w, 0, 0, 12)
     with pytest.raises(QkovError, match="for rotary models"):
         offset_qk(Weights.from_model(Transformer(MODERN.replace(positional="standard"), seed=0)), 0, 0, 1)
+    with pytest.raises(QkovError, match="offsets apply to rotary models only"):
+        Cc.analyse(Weights.from_model(Transformer(MODERN.replace(positional="standard"), seed=0)), offsets=[1])
 
 
 def test_parallel_block_mlp_does_not_read_its_own_layers_heads() -> None:

@@ -34,7 +34,7 @@ from .bandwidth import write_overlap as write_overlap
 from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
 from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
 from .progress import Progress, tick
-from .rotary_circuits import OffsetProfiles, profiles
+from .rotary_circuits import OffsetProfiles, profiles, resolve_offsets
 from .sampling import seeded_subset
 from .vocab import VOCAB_BLOCK, embed_product, unembed_product
 
@@ -380,9 +380,7 @@ def analyse(
     profile (``offsets``: the offset set of Q/K composition; ``matmul_dtype``: see :func:`composition_raw`)."""
     if diag_k:
         check_diag_k(diag_k, source.cfg.d_vocab)  # before any work
-    rotary = source.cfg.positional == "rotary"
-    if offsets is not None and not rotary:
-        raise QkovError("offsets apply to rotary models only")
+    rotary = resolve_offsets(source.cfg, offsets) is not None  # checks the offsets before any work
     return CircuitsReport(
         copying=copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, max_bytes=max_bytes, progress=progress),
         composition=composition_scores(

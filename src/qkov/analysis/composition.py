@@ -35,7 +35,7 @@ from ..errors import QkovError
 from ..weights.parts import AttentionWeights, WeightSource
 from .factored import LowRank, gram_sqrt
 from .progress import Progress, tick
-from .rotary_circuits import check_offsets, default_offsets, rotations
+from .rotary_circuits import resolve_offsets, rotations
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[str, ...] = ("q", "k", "v")
@@ -305,9 +305,7 @@ def composition_scores(
         source, kinds, max_bytes=max_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
     )
     d, e = source.cfg.d_model, source.cfg.d_head
-    used = None
-    if source.cfg.positional == "rotary":
-        used = check_offsets(source.cfg.n_ctx, offsets if offsets is not None else default_offsets(source.cfg.n_ctx))
+    used = resolve_offsets(source.cfg, offsets)
     return {
         k: Composition(
             k,

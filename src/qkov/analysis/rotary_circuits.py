@@ -31,6 +31,7 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..model import rotary
+from ..model.config import ModelConfig
 from ..model.ops import normalize
 from ..weights.parts import WeightSource, check_head
 from .factored import LowRank
@@ -131,16 +132,24 @@ def offset_profile(
     return out[0] if head is not None else out
 
 
-def rotations(source: WeightSource, offsets: list[int] | None) -> Tensor | None:
-    """``R_delta [n, E, E]`` for ``offsets`` (default :func:`default_offsets`) in the source's dtype,
-    or ``None`` for a model without rotary positions."""
-    cfg = source.cfg
+def resolve_offsets(cfg: ModelConfig, offsets: list[int] | None) -> list[int] | None:
+    """The offset set an offset-averaged analysis uses: ``offsets`` checked, or
+    :func:`default_offsets`; ``None`` for a model without rotary positions (where giving offsets
+    is an error)."""
     if cfg.positional != "rotary":
         if offsets is not None:
             raise QkovError("offsets apply to rotary models only")
         return None
-    offsets = check_offsets(cfg.n_ctx, offsets if offsets is not None else default_offsets(cfg.n_ctx))
-    return rotary.relative_rotation(cfg, torch.tensor(offsets), dtype=source.dtype).to(source.device)
+    return check_offsets(cfg.n_ctx, offsets if offsets is not None else default_offsets(cfg.n_ctx))
+
+
+def rotations(source: WeightSource, offsets: list[int] | None) -> Tensor | None:
+    """``R_delta [n, E, E]`` for the offsets :func:`resolve_offsets` gives, in the source's dtype,
+    or ``None`` for a model without rotary positions."""
+    used = resolve_offsets(source.cfg, offsets)
+    if used is None:
+        return None
+    return rotary.relative_rotation(source.cfg, torch.tensor(used), dtype=source.dtype).to(source.device)
 
 
 @dataclass
