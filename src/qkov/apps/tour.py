@@ -30,6 +30,8 @@ from .progress import TrainProgress
 from .report import write_report
 from .report.render import to_json
 from .claims import Claim, claims, head_rows
+from .dynamics import write_dynamics
+from .phase_section import phase_claims, phase_html
 from .report.sections import Report, TrainingRecord
 
 LAYERS: tuple[int, ...] = (0, 1, 2)
@@ -95,10 +97,14 @@ def svg_curves(series: dict[str, list[float]], *, title: str, width: int = 640, 
 
 
 def render_page(
-    models: list[dict[str, Any]], table: list[Claim], meta: dict[str, Any], curves: dict[str, list[float]] | None = None
+    models: list[dict[str, Any]],
+    table: list[Claim],
+    meta: dict[str, Any],
+    curves: dict[str, list[float]] | None = None,
+    phase: str = "",
 ) -> str:
     """The comparison page: the models side by side, the claims table, the models' loss by
-    token position (static SVG), links to each report."""
+    token position and the phase-change curves (static SVG), links to each report."""
     verdict = {True: "agrees", False: "differs", None: "compare"}
     model_rows = "\n".join(
         f"<tr><td><a href='{html.escape(m['report'])}'>{m['layers']}-layer</a></td>"
@@ -139,6 +145,11 @@ report. Numbers are in <code>tour.json</code>.</p>
 <p class="note">Mean loss on validation text at each token index: models with induction heads keep improving
 late in the context (the in-context-learning score is the drop from token 50 to the last tokens).</p>
 {svg_curves(curves or {}, title="validation loss by token position")}
+<h2>The phase change</h2>
+<p class="note">Every snapshot the runs kept, measured on the same tokens (<code>qkov dynamics</code>): the
+best induction score, the best previous-token score of layer 0 and the in-context improvement (minus the ICL
+score), each drawn on its own scale; the shaded band is the window where the induction score rises fastest.</p>
+{phase or "<p class='note'>No snapshots: the runs kept none.</p>"}
 <h2>The paper's claims, measured here</h2>
 <table><tr><th class="l">claim (paper)</th><th class="l">measured here</th><th></th>
 <th class="l">verdict rule (against the paper's number)</th></tr>
@@ -161,6 +172,20 @@ def _state(ckpt: Path) -> str:
     if kind in ("free", "restartable"):
         return "new"
     raise QkovError(f"tour: {str(ckpt)!r} holds neither a finished nor a resumable qkov run; move it away", hint="out")
+
+
+def _dynamics(out: Path, layers: list[int], dev: Any, say: Callable[[str], None]) -> dict[int, dict[str, Any]]:
+    """``qkov dynamics`` of each run that kept snapshots, written to ``qkov-<n>l/dynamics``."""
+    found: dict[int, dict[str, Any]] = {}
+    for n in layers:
+        ckpt = out / f"qkov-{n}l"
+        if not (ckpt / "snapshots").is_dir():
+            say(f"[{n}-layer] no snapshots (a run trained before qkov kept them): no dynamics")
+            continue
+        t0 = time.perf_counter()
+        found[n] = write_dynamics(ckpt / "dynamics", [ckpt], device=str(dev))
+        say(f"[{n}-layer] dynamics -> {ckpt / 'dynamics' / 'index.html'} in {time.perf_counter() - t0:.0f} s")
+    return found
 
 
 def run_tour(
@@ -202,7 +227,8 @@ def run_tour(
         t_rep = time.perf_counter()
         reports[n] = write_report(ckpt, ckpt / "report", device=str(dev))
         say(f"[{n}-layer] report written in {time.perf_counter() - t_rep:.0f} s")
-    table = claims(reports)
+    dyn = _dynamics(out, [n for n in layers if n >= 1], dev, say)
+    table = claims(reports) + phase_claims(dyn.get(2), dyn.get(1))
     models = [_model_row(n, reports[n]) for n in layers]
     meta = {
         "device": str(dev),
@@ -210,8 +236,8 @@ def run_tour(
         "seconds": time.perf_counter() - t0,
     }
     curves = {f"{n}-layer": reports[n].icl.loss_by_position or [] for n in layers}
-    atomic_write_text(out / "index.html", render_page(models, table, meta, curves))
-    atomic_write_text(
-        out / "tour.json", to_json({"models": models, "claims": [c.to_dict() for c in table], **meta}, indent=1)
-    )
+    atomic_write_text(out / "index.html", render_page(models, table, meta, curves, phase_html(dyn)))
+    summary = {n: {"reading": d["reading"], "ablation": d["ablation"]} for n, d in dyn.items()}
+    body = {"models": models, "claims": [c.to_dict() for c in table], "dynamics": summary, **meta}
+    atomic_write_text(out / "tour.json", to_json(body, indent=1))
     return table, models

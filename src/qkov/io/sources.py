@@ -67,8 +67,9 @@ def hf_model_type(path: Path | str) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def fetch_hub(name: str) -> Path:
-    """Download (or find in the local cache) a Hub model's config, safetensors and tokenizer -> its directory."""
+def fetch_hub(name: str, revision: str | None = None) -> Path:
+    """Download (or find in the local cache) a Hub model's config, safetensors and tokenizer -> its
+    directory; ``revision``: a branch, tag or commit (Pythia names its checkpoints ``step1000``, ...)."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
@@ -78,12 +79,13 @@ def fetch_hub(name: str) -> Path:
         ) from None
     patterns = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
     try:
-        return Path(snapshot_download(name, allow_patterns=patterns))
+        return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # offline, unknown repo, gated, ...: one line, whatever the cause
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        what = f"{name!r}" if revision is None else f"revision {revision!r} of {name!r}"
         raise QkovError(
-            f"{name!r} is not a local checkpoint, model directory or file, and fetching it from the "
-            f"Hugging Face Hub failed (no network?): {type(exc).__name__}: {first[:200]}"
+            f"{what} is not a local checkpoint, model directory or file, and fetching it from the "
+            f"Hugging Face Hub failed (no network, or no such revision?): {type(exc).__name__}: {first[:200]}"
         ) from None
 
 

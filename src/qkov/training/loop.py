@@ -13,7 +13,6 @@ through the ``callback`` argument as event dicts.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -27,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..analysis.probes import induction_probe
-from ..device import pick_device
+from ..device import pick_device, tune_cpu_allocator
 from ..errors import QkovError
 from ..io.atomic import atomic_write_text
 from ..io.checkpoint import METRICS_FILE, STATE_FILE, read_config, read_metrics, save_checkpoint
@@ -39,25 +38,10 @@ from . import distributed
 from .config import TrainConfig, lr_at
 from .data import Batches, Corpus, load_corpus, val_batches
 from .losses import LossModule
-from . import rundir
+from . import rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state
 
 Callback = Callable[[dict[str, Any]], None]
-
-
-def tune_cpu_allocator() -> None:
-    """Keep freed memory in the process (glibc) instead of returning it to the OS.
-
-    Training allocates the same large buffers every step; with glibc's defaults each
-    one is a fresh mmap whose pages fault in again (measured: ~20% of a CPU step).
-    A no-op off glibc.
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD: serve up to 1 GiB from the heap
-        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB free at the top
-    except (OSError, AttributeError):
-        pass
 
 
 @torch.no_grad()
@@ -193,6 +177,7 @@ class Session:
     last: dict[str, Any] = field(default_factory=dict)  # the latest value of every metric
     loss_acc: float = 0.0  # the open log window: summed losses of the steps since the last log row
     n_acc: int = 0
+    snapshot_steps: frozenset[int] = frozenset()  # steps whose weights are kept (training.snapshots)
 
     @classmethod
     def build(cls, plan: Plan) -> "Session":
@@ -208,7 +193,8 @@ class Session:
         step_model: torch.nn.Module = LossModule(model)
         if plan.dist.enabled:  # gradients are averaged over ranks: the global batch's mean loss
             step_model = DistributedDataParallel(step_model, device_ids=[dev.index] if dev.type == "cuda" else None)
-        session = cls(plan, model, opt, step_model, batches, val_examples)
+        snaps = frozenset(snapshots.schedule(tc.steps, tc.snapshots))
+        session = cls(plan, model, opt, step_model, batches, val_examples, snapshot_steps=snaps)
         if plan.resume:
             session.step, extra = load_state(plan.out / STATE_FILE, model, opt)
             session.wall = float(extra.get("wall_s", 0.0))
@@ -217,6 +203,8 @@ class Session:
                 session.metrics = extra["metrics"]
             else:  # a state written before the log was kept in it
                 session.metrics = [r for r in read_metrics(plan.out) if r.get("step", 0) <= session.step]
+            if plan.dist.main:  # snapshots written after the state are written again, equal
+                snapshots.drop_after(plan.out, session.step)
         else:
             torch.manual_seed(tc.seed)
         session.last = {k: v for r in session.metrics for k, v in r.items()}
@@ -264,6 +252,12 @@ class Session:
         save_checkpoint(out, self.model, training=self.summary(), tokenizer_json=self.plan.corpus.tokenizer_json)
         self.plan.emit({"event": "checkpoint", "step": self.step})
 
+    def snapshot(self) -> None:
+        """Keep this step's weights if the schedule asks for them (before any checkpoint of the same
+        step: a kill between the two then leaves a state from which the snapshot is redone)."""
+        if self.step in self.snapshot_steps and self.plan.dist.main:
+            snapshots.write(self.plan.out, self.model, self.step, self.step * self.tokens_per_step)
+
     def evaluate(self) -> None:
         """Validation loss, and for two layers or more the induction probe (repeated random tokens)."""
         dev = self.plan.device
@@ -307,6 +301,8 @@ class Session:
         t_log, n_timed = time.perf_counter(), 0
         if self.step >= tc.steps and p.dist.main:  # a kill after the final state: write what derives from it
             self.checkpoint()
+        if self.step == 0:
+            self.snapshot()  # the initial weights
         while self.step < tc.steps:
             t0 = time.perf_counter()
             self.loss_acc += self.train_step(autocast)
@@ -327,6 +323,7 @@ class Session:
                 self.log(row, "log")
                 self.loss_acc, self.n_acc, n_timed = 0.0, 0, 0
             stopping = stop_after is not None and step >= stop_after
+            self.snapshot()
             if p.dist.main and (step % tc.eval_interval == 0 or last_step):
                 self.evaluate()
             if p.dist.main and (step % tc.ckpt_interval == 0 or last_step or stopping):

@@ -5,7 +5,7 @@ A directory is a qkov run, refused, or free:
 * **free** — it does not exist, or is empty: a new run starts there;
 * **qkov's** — it holds only qkov's files (``train_state.safetensors``, ``model.safetensors``,
   ``config.json`` with a ``model`` section, ``tokenizer.json``, ``metrics.jsonl``, the lock, the
-  ``report`` folder and the temporary files of killed writes), and then it is
+  ``report``, ``snapshots`` and ``dynamics`` folders and the temporary files of killed writes), and then it is
 
   - *resumable*: it holds a training state (written first at every checkpoint, so a kill
     anywhere after the first state write leaves one);
@@ -37,7 +37,8 @@ from ..io.checkpoint import CONFIG_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, T
 
 LOCK_FILE = ".qkov.lock"
 RUN_FILES = (STATE_FILE, MODEL_FILE, CONFIG_FILE, TOKENIZER_FILE, METRICS_FILE)
-OURS = {*RUN_FILES, LOCK_FILE, "report"}
+FOLDERS = ("report", "snapshots", "dynamics")
+OURS = {*RUN_FILES, LOCK_FILE, *FOLDERS}
 
 
 def _is_ours(entry: Path) -> bool:
@@ -50,7 +51,7 @@ def _is_ours(entry: Path) -> bool:
             return "model" in json.loads(entry.read_text())
         except (OSError, ValueError, TypeError):
             return False
-    return entry.is_dir() == (entry.name == "report")
+    return entry.is_dir() == (entry.name in FOLDERS)
 
 
 def inspect(path: Path) -> str:
@@ -79,13 +80,21 @@ def foreign_entries(path: Path) -> list[str]:
 
 
 def clear(path: Path) -> None:
-    """Remove the run files of a start that never wrote its first training state (the lock and
-    the ``report`` folder stay); refuses any other directory."""
+    """Remove the run files and snapshots of a start that never wrote its first training state (the
+    lock and the ``report`` folder stay); refuses any other directory."""
     if inspect(path) not in ("free", "restartable"):
         raise QkovError(f"{str(path)!r} holds a qkov run or checkpoint: it is not cleared")
     for name in RUN_FILES:
         with contextlib.suppress(FileNotFoundError):
             (path / name).unlink()
+    shutil.rmtree(path / "snapshots", ignore_errors=True)
+
+
+def _nothing_written(path: Path) -> bool:
+    """Only the lock, and at most an empty snapshot folder (a first write that failed)."""
+    names = {e.name for e in path.iterdir()}
+    snaps = path / "snapshots"
+    return names <= {LOCK_FILE, "snapshots"} and not (snaps.is_dir() and any(snaps.iterdir()))
 
 
 @contextlib.contextmanager
@@ -118,6 +127,6 @@ def lock(path: Path) -> Iterator[None]:
         remove_stale_temporaries(path, RUN_FILES)
         yield
     finally:
-        if created and [e.name for e in path.iterdir()] == [LOCK_FILE]:
+        if created and _nothing_written(path):
             shutil.rmtree(path, ignore_errors=True)
         fh.close()  # releases the flock

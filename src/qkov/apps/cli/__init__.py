@@ -3,7 +3,8 @@
 User mistakes (:class:`qkov.QkovError`, bad options) print one line and exit 2; a library
 error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`). Commands live in
 ``train_cmds`` (train, info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
-heads), ``report_cmds`` (report, tour) and ``interop_cmds`` (import, export).
+heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics, ablate) and ``interop_cmds``
+(import, export).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ...device import set_memory_budget
 from ...errors import QkovError
 from ...version import __version__
 from .behaviour_cmds import add_heads, add_paths
+from .dynamics_cmds import add_ablate, add_dynamics
 from .common import EXIT_USAGE, Parser, error_line
 from .interop_cmds import add_export, add_import
 from .report_cmds import add_report, add_tour
@@ -34,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"qkov {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for add in (add_train, add_info, add_circuits, add_paths, add_heads, add_trigrams, add_report, add_tour):
+        add(sub)
+    for add in (add_dynamics, add_ablate):
         add(sub)
     add_import(sub)
     add_export(sub)

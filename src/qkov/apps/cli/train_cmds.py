@@ -16,10 +16,19 @@ from ...model.transformer import Transformer
 from ...training.config import SCHEDULES, TrainConfig
 from ...training.distributed import from_env
 from ...training.loop import saved_configs, train
+from ...training.snapshots import parse_spec
 from ..progress import TrainProgress
 from .common import console, dump_json, nonneg_int, positive_float, positive_int, token_count
 
+
 # --------------------------------------------------------------------------- train
+def snapshot_spec(text: str) -> int | tuple[int, ...]:
+    try:
+        return parse_spec(text)
+    except QkovError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("snapshots: ")) from None
+
+
 MODEL_FLAGS = {  # flag dest -> ModelConfig field
     "layers": "n_layers",
     "heads": "n_heads",
@@ -43,6 +52,7 @@ TRAIN_FLAGS = {  # flag dest -> TrainConfig field
     "ckpt_interval": "ckpt_interval",
     "weight_decay": "weight_decay",
     "precision": "precision",
+    "snapshots": "snapshots",
 }
 
 
@@ -99,6 +109,13 @@ def add_train(sub: Any) -> None:
         "evaluation stay fp32) is ~1.4x faster for wide models on CPUs with AMX and on GPUs, but was "
         "measured to delay induction heads on the default model",
     )
+    o.add_argument(
+        "--snapshots",
+        type=snapshot_spec,
+        metavar="N|none|STEP,...",
+        help=f"weight-only snapshots for 'qkov dynamics' in OUT/snapshots: a count (default {t.snapshots}, "
+        "log-spaced, dense early), 'none', or comma-separated steps",
+    )
     p.add_argument("--device", default="auto", help="auto (default: cuda if present), cpu, cuda, cuda:N")
     p.add_argument("--out", type=Path, default=None, help="checkpoint directory (default runs/qkov-<layers>l)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
@@ -138,7 +155,8 @@ def _check_resume_flags(out: Path, model_over: dict[str, Any], train_over: dict[
                 f"--resume continues the saved run, which has {field}={saved_model.get(field)!r}, not {value!r}"
             )
     for field, value in train_over.items():
-        if saved_train.get(field) != value:
+        saved = saved_train.get(field)
+        if (tuple(saved) if isinstance(saved, list) else saved) != value:
             raise QkovError(
                 f"--resume continues the saved run, which has {field}={saved_train.get(field)!r}, not {value!r}"
             )

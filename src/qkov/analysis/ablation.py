@@ -1,0 +1,184 @@
+"""Head ablation ([I]'s causal evidence): remove heads' outputs and measure what the model loses.
+
+A head's output ``A (x W_V + b_V) W_O`` reaches the residual stream only through its ``W_O``,
+so ablation is done exactly in the weights: **zero** ablation sets the head's ``W_O`` to zero;
+**mean** ablation also adds the head's mean output (over every position of a stated sample of
+text) to its layer's output bias ``b_O``, so the stream receives that constant vector instead of
+the head's varying output. Everything downstream (later heads' patterns, MLPs, logits) is then
+recomputed by the ordinary forward.
+
+:func:`ablation_study` sets the model beside the ablated one and beside ablations of the same
+number of other heads drawn at random (seeded): validation loss, the ICL score and the loss on
+the first and second copy of repeated random tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..model.ops import next_token_nll
+from ..weights.view import Weights
+from .forward import run
+from .probes import icl_score, induction_probe, induction_probe_tokens
+
+Head = tuple[int, int]
+MODES = ("zero", "mean")
+
+
+def parse_heads(text: str, cfg: Any) -> list[Head]:
+    """``"1.0,1.3"`` -> ``[(1, 0), (1, 3)]``, each checked against ``cfg``'s layers and heads."""
+    heads: list[Head] = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            layer, head = (int(x) for x in part.split("."))
+        except ValueError:
+            raise QkovError(f"ablate: {part!r} is not a head; write LAYER.HEAD, e.g. 1.0") from None
+        if not (0 <= layer < cfg.n_layers and 0 <= head < cfg.n_heads):
+            raise QkovError(
+                f"ablate: the model has no head {layer}.{head} ({cfg.n_layers} layers of {cfg.n_heads} heads)"
+            )
+        if (layer, head) not in heads:
+            heads.append((layer, head))
+    if not heads:
+        raise QkovError("ablate: no heads given")
+    return heads
+
+
+@torch.no_grad()
+def head_means(w: Weights, tokens: Tensor, heads: Sequence[Head]) -> Tensor:
+    """Each head's output averaged over every position of ``tokens [B, T]``: ``[len(heads), d_model]``."""
+    outs = run(w, tokens, record=("head_outputs",)).head_outputs  # [L, B, H, T, D]
+    assert outs is not None
+    return torch.stack([outs[l, :, h].mean(dim=(0, 1)) for l, h in heads])
+
+
+def ablated(w: Weights, heads: Sequence[Head], mode: str = "zero", means: Tensor | None = None) -> Weights:
+    """``w`` with ``heads`` removed (``mode="zero"``) or replaced by ``means [len(heads), d_model]``
+    (``mode="mean"``, from :func:`head_means`)."""
+    if mode not in MODES:
+        raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "mean" and (means is None or means.shape[0] != len(heads)):
+        raise QkovError("ablate: mean ablation needs one mean output per head (head_means)")
+    W_O, b_O = w.W_O.clone(), w.b_O.clone()
+    for i, (l, h) in enumerate(heads):
+        W_O[l, h] = 0
+        if mode == "mean":
+            assert means is not None
+            b_O[l] += means[i].to(b_O)
+    return w.replace(W_O=W_O, b_O=b_O)
+
+
+@dataclass
+class Measures:
+    """What an ablation is judged by; ``None`` where the text does not allow it."""
+
+    loss: float | None  # mean next-token loss on the validation sample
+    icl: float | None  # ICL score (loss late minus loss at token 50; negative = learns in context)
+    repeat_first: float  # loss on the first copy of repeated random tokens
+    repeat_second: float  # ... and on the second copy (an induction head makes it far lower)
+
+
+@torch.no_grad()
+def measures(w: Weights, text: Tensor | None, icl_text: Tensor | None, *, bos: int = 0, seed: int = 0) -> Measures:
+    """Loss on ``text [B, T]``, ICL score on ``icl_text [N, T]`` (``None``: not measured) and the
+    repeated-token losses (:func:`~qkov.analysis.probes.induction_probe`, seeded)."""
+    loss = None if text is None else float(next_token_nll(run(w, text, record=()).logits, text).mean())
+    icl = None if icl_text is None or icl_text.shape[1] <= 60 else icl_score(w, icl_text).score
+    probe = induction_probe(w, bos=bos, seed=seed)
+    return Measures(loss, icl, probe.loss_by_copy[0], probe.loss_by_copy[1])
+
+
+@dataclass
+class AblationStudy:
+    """The intact model, the ablated one, and random ablations of as many other heads."""
+
+    heads: list[str]
+    mode: str
+    mean_sample: str | None  # what the mean ablation averaged over
+    intact: Measures
+    ablated: Measures
+    random_heads: list[list[str]] = field(default_factory=list)
+    random: list[Measures] = field(default_factory=list)
+
+    def icl_removed(self, which: Measures | None = None) -> float | None:
+        """Share of the intact model's in-context improvement (``-icl``) that the ablation removes:
+        ``(icl_ablated - icl_intact) / -icl_intact``; ``None`` without an improvement to remove."""
+        m = which or self.ablated
+        if self.intact.icl is None or m.icl is None or self.intact.icl >= 0:
+            return None
+        return (m.icl - self.intact.icl) / -self.intact.icl
+
+    def random_icl_removed(self) -> float | None:
+        """The mean of :meth:`icl_removed` over the random ablations."""
+        parts = [self.icl_removed(m) for m in self.random]
+        vals = [p for p in parts if p is not None]
+        return sum(vals) / len(vals) if vals else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "heads": self.heads,
+            "mode": self.mode,
+            "mean_sample": self.mean_sample,
+            "intact": asdict(self.intact),
+            "ablated": asdict(self.ablated),
+            "random_heads": self.random_heads,
+            "random": [asdict(m) for m in self.random],
+            "icl_removed": self.icl_removed(),
+            "random_icl_removed": self.random_icl_removed(),
+        }
+
+
+def ablation_study(
+    w: Weights,
+    heads: Sequence[Head],
+    *,
+    text: Tensor | None,
+    icl_text: Tensor | None = None,
+    mode: str = "mean",
+    draws: int = 5,
+    bos: int = 0,
+    seed: int = 0,
+) -> AblationStudy:
+    """Ablate ``heads`` and ``draws`` seeded random sets of as many other heads; measure each.
+
+    ``text [B, T]`` is the validation sample (loss, and the mean of mean ablation; without it
+    mean ablation averages over the repeated random tokens of the probe and the loss is left out).
+    """
+    heads = list(heads)
+    if mode not in MODES:
+        raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    mean_on = text if text is not None else _probe_tokens(w, bos, seed)
+    sample = None
+    if mode == "mean":
+        sample = (
+            f"every position of {mean_on.shape[0]} validation sequences of {mean_on.shape[1]} tokens"
+            if text is not None
+            else f"every position of {mean_on.shape[0]} sequences of repeated random tokens"
+        )
+
+    def measure(hs: list[Head]) -> Measures:
+        means = head_means(w, mean_on, hs) if mode == "mean" else None
+        return measures(ablated(w, hs, mode, means), text, icl_text, bos=bos, seed=seed)
+
+    intact = measures(w, text, icl_text, bos=bos, seed=seed)
+    study = AblationStudy([f"{l}.{h}" for l, h in heads], mode, sample, intact, measure(heads))
+    others = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads) if (l, h) not in heads]
+    rng = random.Random(seed)
+    if len(others) >= len(heads):
+        for _ in range(draws):
+            pick = sorted(rng.sample(others, len(heads)))
+            study.random_heads.append([f"{l}.{h}" for l, h in pick])
+            study.random.append(measure(pick))
+    return study
+
+
+def _probe_tokens(w: Weights, bos: int, seed: int) -> Tensor:
+    cfg = w.cfg
+    length = min(50, (cfg.n_ctx - 1) // 2)
+    return induction_probe_tokens(cfg.d_vocab, length=length, repeats=2, batch=8, seed=seed, bos=bos)

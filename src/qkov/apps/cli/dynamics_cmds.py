@@ -1,0 +1,194 @@
+"""``qkov dynamics`` (a series of snapshots -> the phase change) and ``qkov ablate`` (remove heads)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from ...analysis import ablation as Ab
+from ...errors import QkovError
+from ...io.sources import source_kind
+from ...analysis.probes import default_icl_examples
+from ...weights.view import Weights
+from ..dynamics import write_dynamics
+from ..inputs import analysis_inputs
+from ..progress import StageProgress
+from .common import add_device, add_inputs, add_source_args, console, device, dump_json, load_source, nonneg_int
+
+
+def add_dynamics(sub: Any) -> None:
+    p = sub.add_parser(
+        "dynamics",
+        help="measure every snapshot of a training run (or a list of checkpoints) and find the phase change",
+        description=(
+            "Measure each snapshot of one model on the same tokens (validation loss and per-token losses, ICL "
+            "score, every head's previous-token / prefix-matching / induction / eigenvalue-copying score, the "
+            "strongest K-composition pair, repeated-token loss on the 1st and 2nd copy), find the window where "
+            "the induction score, the previous-token score and the in-context improvement rise fastest, the "
+            "loss bump and the per-token-loss trajectory, and ablate the last snapshot's induction heads. "
+            "Writes OUT/dynamics.json and OUT/index.html (offline). Under torchrun the snapshots are split "
+            "over the ranks."
+        ),
+    )
+    p.add_argument(
+        "sources",
+        nargs="+",
+        metavar="SOURCE",
+        help="a qkov run with snapshots; or checkpoints (paths or a quoted glob); or a Hugging Face Hub "
+        "name with --revisions",
+    )
+    p.add_argument("--revisions", help="comma-separated Hub revisions of SOURCE, e.g. step1000,step2000 (Pythia)")
+    p.add_argument(
+        "--tokens-per-step",
+        type=nonneg_int,
+        help="tokens per training step, to put checkpoints that record only a step on a token axis (Pythia: 2097152)",
+    )
+    p.add_argument("-o", "--out", type=Path, help="output directory (default RUN/dynamics for a qkov run)")
+    p.add_argument("--force", action="store_true", help="replace outputs in OUT that qkov did not write")
+    add_inputs(p)
+    p.add_argument("--mode", choices=Ab.MODES, default="mean", help="ablation of the induction heads (default mean)")
+    p.add_argument("--draws", type=nonneg_int, default=5, help="random head sets ablated for comparison (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens and head draws (default 0)")
+    add_device(p)
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of a summary")
+    p.set_defaults(func=cmd_dynamics)
+
+
+def cmd_dynamics(args: argparse.Namespace) -> int:
+    one_run = len(args.sources) == 1 and not args.revisions and Path(args.sources[0]).is_dir()
+    if args.out is None and not (one_run and source_kind(args.sources[0]) == "qkov"):
+        raise QkovError("dynamics: give -o DIR (the default, RUN/dynamics, exists only for one qkov run)")
+    out = args.out or Path(args.sources[0]) / "dynamics"
+    device(args)
+    revisions = [r.strip() for r in args.revisions.split(",") if r.strip()] if args.revisions else None
+    if args.revisions is not None and not revisions:
+        raise QkovError("dynamics: --revisions names no revision")
+    t0 = time.perf_counter()
+    with StageProgress() as progress:
+        result = write_dynamics(
+            out,
+            args.sources,
+            overwrite=args.force,
+            revisions=revisions,
+            tokens_per_step=args.tokens_per_step,
+            text=args.text,
+            tokens=args.tokens,
+            mode=args.mode,
+            draws=args.draws,
+            seed=args.seed,
+            device=args.device,
+            progress=progress,
+        )
+    if result is None:  # a rank other than 0 under torchrun
+        return 0
+    if args.json:
+        dump_json(result)
+        return 0
+    _print_summary(result, out, time.perf_counter() - t0)
+    return 0
+
+
+def _print_summary(result: dict[str, Any], out: Path, seconds: float) -> None:
+    con = console()
+    axis = result["axis"]
+    table = Table(title=f"dynamics of {result['description']}: {len(result['snapshots'])} snapshots")
+    for col in ("metric", f"window ({axis})", "fastest at", "rise", "sharpness"):
+        table.add_column(col)
+    for key, name in (
+        ("induction", "induction score"),
+        ("previous_token", "previous-token score"),
+        ("icl", "in-context improvement"),
+    ):
+        w = result["reading"]["windows"][key]
+        if w is None:
+            table.add_row(name, "no window", "-", "-", "-")
+        else:
+            table.add_row(
+                name,
+                f"{w['start']:,.0f} - {w['end']:,.0f}",
+                f"{w['peak']:,.0f}",
+                f"{w['rise']:.3f}",
+                f"{w['sharpness']:.1f}",
+            )
+    con.print(table)
+    bump = result["reading"]["bump"]
+    if bump is not None:
+        con.print(
+            f"loss bump: {bump['height']:+.4f} nats over the fit at {bump['at']:,.0f} "
+            f"({'seen' if bump['seen'] else 'within the noise'}, fit RMS {bump['noise']:.4f})"
+        )
+    ab = result["ablation"]
+    if ab is not None:
+        removed, rand = ab["icl_removed"], ab["random_icl_removed"]
+        fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+        con.print(
+            f"ablating {', '.join(ab['heads'])} ({ab['mode']}): share of the in-context improvement removed "
+            f"{fmt(removed)} (random heads: {fmt(rand)})"
+        )
+    con.print(f"wrote {out / 'index.html'} and dynamics.json in {seconds:.0f} s")
+
+
+def add_ablate(sub: Any) -> None:
+    p = sub.add_parser(
+        "ablate",
+        help="remove heads (zero or mean ablation) and measure the loss, ICL score and repeated-token loss",
+        description=(
+            "Ablate the given heads and print the validation loss, the ICL score and the loss on the first and "
+            "second copy of repeated random tokens: intact, ablated, and with as many random other heads "
+            "ablated instead. Zero ablation removes a head's output; mean ablation replaces it by its mean "
+            "over every position of the validation sample."
+        ),
+    )
+    add_source_args(p)
+    p.add_argument("--heads", required=True, help="comma-separated heads as LAYER.HEAD, e.g. 1.0,1.3")
+    p.add_argument("--mode", choices=Ab.MODES, default="mean", help="zero or mean ablation (default mean)")
+    p.add_argument("--draws", type=nonneg_int, default=5, help="random head sets for comparison (default 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tokens and head draws (default 0)")
+    add_inputs(p)
+    add_device(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=cmd_ablate)
+
+
+def cmd_ablate(args: argparse.Namespace) -> int:
+    dev = device(args)
+    model = load_source(args, "ablate", "nothing to ablate")
+    heads = Ab.parse_heads(args.heads, model.cfg)  # before any work
+    n = max(16, default_icl_examples(model.cfg))
+    inp = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=n, seed=args.seed)
+    text = inp.tokens.to(dev) if inp.natural else None
+    w = Weights.from_model(model.to(dev))
+    study = Ab.ablation_study(
+        w,
+        heads,
+        text=None if text is None else text[:16],
+        icl_text=text,
+        mode=args.mode,
+        draws=args.draws,
+        bos=model.bos_token_id,
+        seed=args.seed,
+    )
+    data = {**study.to_dict(), "sample": inp.source}
+    if args.json:
+        dump_json(data)
+        return 0
+    table = Table(title=f"ablating {', '.join(study.heads)} ({study.mode}); text: {inp.source}")
+    for col in ("model", "val loss", "ICL score", "repeated: 1st copy", "2nd copy"):
+        table.add_column(col)
+    fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
+
+    def row(name: str, m: Ab.Measures) -> None:
+        table.add_row(name, fmt(m.loss, 4), fmt(m.icl, 4), fmt(m.repeat_first, 3), fmt(m.repeat_second, 3))
+
+    row("intact", study.intact)
+    row("ablated", study.ablated)
+    for hs, m in zip(study.random_heads, study.random):
+        row(f"random {', '.join(hs)}", m)
+    console().print(table)
+    if study.mean_sample:
+        console().print(f"mean ablation: each head's mean output over {study.mean_sample}")
+    return 0

@@ -1,0 +1,139 @@
+"""The tour's phase-change section: [I]'s three dynamic claims judged from ``qkov dynamics`` results,
+and the curves of the 2-layer and 1-layer runs as static SVG (window shaded).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from .claims import Claim
+
+REMOVED = 0.5  # ablating the induction heads must remove at least half the in-context improvement ...
+RANDOM_REMOVED = 0.25  # ... and random heads (mean over draws) at most a quarter
+
+
+def _window(dyn: dict[str, Any], key: str) -> dict[str, Any] | None:
+    return dyn["reading"]["windows"].get(key)
+
+
+def _span(w: dict[str, Any] | None) -> str:
+    return "none" if w is None else f"{w['start'] / 1e6:.2f}M-{w['end'] / 1e6:.2f}M tokens"
+
+
+def phase_claims(two: dict[str, Any] | None, one: dict[str, Any] | None) -> list[Claim]:
+    """The three claims of the tour's phase-change section (a claim whose run is missing is left out)."""
+    out: list[Claim] = []
+    if two is not None:
+        ind, prev, icl = (_window(two, k) for k in ("induction", "previous_token", "icl"))
+        out.append(
+            Claim(
+                "2-layer: induction heads, the previous-token head and the in-context-learning improvement "
+                "appear in the same narrow window of training (the phase change)",
+                f"windows: induction {_span(ind)}, previous-token {_span(prev)}, ICL {_span(icl)}",
+                bool(two["reading"]["together"]),
+                {"induction": ind, "previous_token": prev, "icl": icl},
+                "each metric has a window (qkov dynamics: the shortest span climbing 80% of its rise, at least "
+                "2.5x steeper than average) and the previous-token and ICL windows overlap the induction window",
+            )
+        )
+    if one is not None:
+        ws = {k: _window(one, k) for k in ("induction", "icl")}
+        out.append(
+            Claim(
+                "1-layer: no such window (a one-layer model cannot form induction heads)",
+                f"windows: best-head induction score {_span(ws['induction'])}, ICL {_span(ws['icl'])}",
+                ws["induction"] is None and ws["icl"] is None,
+                ws,
+                "the same method finds no window in the induction score nor in the in-context improvement",
+            )
+        )
+    if two is not None:
+        out.append(_ablation_claim(two))
+    return out
+
+
+def _ablation_claim(two: dict[str, Any]) -> Claim:
+    claim = (
+        "2-layer: ablating the induction heads removes most of the in-context-learning advantage; ablating "
+        "random heads does not"
+    )
+    ab = two.get("ablation")
+    if ab is None or ab["icl_removed"] is None:
+        why = "no induction heads to ablate" if ab is None else "the intact model shows no in-context improvement"
+        return Claim(claim, why, False, {"ablation": ab}, "needs induction heads and a negative ICL score")
+    removed, rand = ab["icl_removed"], ab["random_icl_removed"]
+    holds = removed >= REMOVED and (rand is None or rand <= RANDOM_REMOVED)
+    rand_txt = "n/a" if rand is None else f"{rand:.0%}"
+    return Claim(
+        claim,
+        f"{ab['mode']} ablation of {', '.join(ab['heads'])}: ICL {ab['intact']['icl']:+.3f} -> "
+        f"{ab['ablated']['icl']:+.3f} ({removed:.0%} of the improvement removed); {len(ab['random'])} random "
+        f"sets of as many heads: {rand_txt} removed on average",
+        holds,
+        {"icl_removed": removed, "random_icl_removed": rand, "heads": ab["heads"]},
+        f"the induction heads remove >= {REMOVED:.0%} of -ICL and random heads <= {RANDOM_REMOVED:.0%} on average",
+    )
+
+
+COLORS = {"induction": "#d3562f", "previous_token": "#2a9d5b", "icl": "#3056d3"}
+LABELS = {"induction": "induction score", "previous_token": "previous-token score", "icl": "−ICL score (nats)"}
+
+
+def svg_dynamics(dyn: dict[str, Any], *, title: str, width: int = 560, height: int = 300) -> str:
+    """The run's induction, previous-token and −ICL curves over tokens (each scaled to its own
+    range, labelled with it) with the induction window shaded, as inline SVG."""
+    snaps = dyn["snapshots"]
+    xs = [s["at"] for s in snaps]
+    L, R, T, B = 50, 170, 30, 40
+    x_hi = max(xs) or 1.0
+    fx = lambda x: L + (width - L - R) * x / x_hi  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="12">']
+    parts.append(f'<text x="{(width - R + L) / 2}" y="18" text-anchor="middle">{html.escape(title)}</text>')
+    w = _window(dyn, "induction")
+    if w is not None:
+        x0, x1 = fx(w["start"]), fx(w["end"])
+        parts.append(
+            f'<rect class="window" x="{x0:.1f}" y="{T}" width="{max(1.0, x1 - x0):.1f}" '
+            f'height="{height - T - B}" fill="#d3562f" opacity="0.12"/>'
+        )
+    parts.append(f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#999"/>')
+    for frac in (0.0, 0.5, 1.0):
+        parts.append(
+            f'<text x="{fx(frac * x_hi):.1f}" y="{height - B + 15}" text-anchor="middle">'
+            f"{frac * x_hi / 1e6:.0f}M</text>"
+        )
+    parts.append(f'<text x="{(L + width - R) / 2}" y="{height - 6}" text-anchor="middle">tokens seen</text>')
+    row = 0
+    for key, sign in (("induction", 1.0), ("previous_token", 1.0), ("icl", -1.0)):
+        ys = [None if s.get(key) is None else sign * s[key] for s in snaps]
+        vals = [y for y in ys if y is not None]
+        if not vals:
+            continue
+        lo, hi = min(vals), max(vals)
+        fy = lambda y: T + (height - T - B) * (hi - y) / ((hi - lo) or 1.0)  # noqa: E731
+        pts = " ".join(f"{fx(x):.1f},{fy(y):.1f}" for x, y in zip(xs, ys) if y is not None)
+        c = COLORS[key]
+        parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{pts}"/>')
+        parts.append(f'<text x="{width - R + 8}" y="{T + 30 * row + 10}" fill="{c}">{LABELS[key]}</text>')
+        parts.append(f'<text x="{width - R + 8}" y="{T + 30 * row + 24}" fill="{c}">{lo:.2f} .. {hi:.2f}</text>')
+        row += 1
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def phase_html(runs: dict[int, dict[str, Any]]) -> str:
+    """The section's curves, one chart per run (the 2-layer first), with links to the dynamics pages."""
+    if not runs:
+        return ""
+    charts = []
+    for n in sorted(runs, reverse=True):
+        dyn = runs[n]
+        link = f"qkov-{n}l/dynamics/index.html"
+        charts.append(
+            f"<div style='display:inline-block;vertical-align:top'>"
+            f"{svg_dynamics(dyn, title=f'{n}-layer: detectors over training')}"
+            f"<p class='note'><a href='{link}'>{n}-layer dynamics page</a> "
+            f"(induction window: {html.escape(_span(_window(dyn, 'induction')))})</p></div>"
+        )
+    return "\n".join(charts)

@@ -1,0 +1,267 @@
+"""Training dynamics: snapshots, `qkov dynamics` on built and trained series, its errors, torchrun."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import qkov
+from qkov.analysis.probes import default_icl_examples, induction_probe
+from qkov.apps.inputs import analysis_inputs
+from qkov.apps.dynamics import dynamics
+from qkov.io.checkpoint import save_checkpoint
+from qkov.model.ops import next_token_loss
+from qkov.training import snapshots as snaps
+
+from helpers import TINY, run_main, tiny_train
+from test_heads import CTX, V, hand_built
+
+T0, WIDTH = 6e6, 4e5  # where the hand-made series forms its induction circuit, in tokens
+
+
+def _structured_text(n: int = 24, seed: int = 0) -> np.ndarray:
+    """Sequences of 55 random tokens that then start again (positions 56-63 repeat 1-8): text an
+    induction head predicts late in the context (the ICL score's late window) and not early."""
+    g = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        block = g.integers(1, V, size=55)
+        rows.append(np.concatenate([[0], block, block[: CTX - 56]]))
+    return np.stack(rows).astype(np.int64)
+
+
+def _hand_series(folder: Path, alphas: list[float], tokens: list[int]) -> list[str]:
+    """Checkpoints of the hand-built induction model with every weight scaled by ``alpha``
+    (0: every attention uniform and every output zero; 1: the circuit as built)."""
+    base = hand_built()
+    paths = []
+    for i, (a, t) in enumerate(zip(alphas, tokens)):
+        m = hand_built()
+        with torch.no_grad():
+            for p, q in zip(m.parameters(), base.parameters()):
+                p.copy_(a * q)
+        path = folder / f"ckpt-{i:02d}"
+        save_checkpoint(path, m, training={"step": i * 100, "tokens": t})
+        paths.append(str(path))
+    return paths
+
+
+def test_the_window_is_where_the_circuit_was_built_and_a_flat_series_has_none(tmp_path: Path) -> None:
+    tokens = [int(x) for x in np.linspace(0, 12e6, 31)]
+    alphas = [1 / (1 + math.exp(-(t - T0) / WIDTH)) for t in tokens]
+    text = tmp_path / "text.npy"
+    np.save(text, _structured_text())
+    built = dynamics(_hand_series(tmp_path / "rise", alphas, tokens), tokens=text, draws=2, device="cpu")
+    assert built is not None and built["axis"] == "tokens"
+    windows = built["reading"]["windows"]
+    for key in ("induction", "previous_token", "icl"):
+        w = windows[key]
+        assert w is not None and w["start"] <= T0 <= w["end"] and w["end"] - w["start"] < 3e6, (key, w)
+    assert built["reading"]["together"] is True
+    # the last snapshot is the hand-built model: its induction head is found and ablated
+    assert built["induction_heads"] == ["1.0"]
+    ab = built["ablation"]
+    assert ab["icl_removed"] > 0.5 and ab["ablated"]["repeat_second"] > 0.9 * ab["ablated"]["repeat_first"]
+    last = built["snapshots"][-1]
+    assert last["k_composition"]["writer"] == "0.0" and last["k_composition"]["reader"] == "1.0"
+    probe = induction_probe(qkov.Weights.from_model(hand_built()), seed=0)
+    assert last["induction"] == pytest.approx(float(probe.scores[1:].max()), abs=1e-4)  # the probe on the model
+    flat = dynamics(_hand_series(tmp_path / "flat", [0.9] * 12, tokens[:12]), tokens=text, draws=0, device="cpu")
+    assert flat is not None and all(w is None for w in flat["reading"]["windows"].values())
+    assert flat["reading"]["together"] is None
+
+
+@pytest.fixture(scope="module")
+def tiny_run(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("dyn") / "run"
+    qkov.train(out, TINY, tiny_train(small_corpus, steps=30, snapshots=8), device="cpu")
+    return out
+
+
+def test_training_keeps_scheduled_snapshots_equal_to_the_weights_at_their_step(tiny_run: Path) -> None:
+    steps = [s for s, _ in snaps.listing(tiny_run)]
+    assert steps == snaps.schedule(30, 8) and steps[0] == 0 and steps[-1] == 30
+    final = load_file(str(tiny_run / "model.safetensors"))
+    last, meta = snaps.read(snaps.path_for(tiny_run, 30))
+    assert meta == {"step": 30, "tokens": 30 * 4 * TINY.n_ctx}
+    assert final.keys() == last.keys() and all(torch.equal(final[k], last[k]) for k in final)
+    init = qkov.Transformer(TINY, seed=0).state_dict()  # the run's seed: step 0 is the initial weights
+    first, _ = snaps.read(snaps.path_for(tiny_run, 0))
+    assert all(torch.equal(init[k], first[k]) for k in init)
+
+
+def test_dynamics_cli_on_a_run_matches_independent_measures(tiny_run: Path, capsys: pytest.CaptureFixture) -> None:
+    code, out, err = run_main(capsys, "dynamics", tiny_run, "--draws", "1", "--device", "cpu", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert len(data["snapshots"]) == len(snaps.listing(tiny_run)) and data["axis"] == "tokens"
+    assert (tiny_run / "dynamics" / "index.html").is_file() and (tiny_run / "dynamics" / "dynamics.json").is_file()
+    # the final snapshot's validation loss: the training model's own loss on the same tokens
+    model = qkov.load(tiny_run)
+    ids = analysis_inputs(tiny_run, model, batch=max(16, default_icl_examples(TINY))).tokens[:16]
+    with torch.no_grad():
+        want = float(next_token_loss(model(ids), ids))
+    assert data["snapshots"][-1]["val_loss"] == pytest.approx(want, abs=1e-4)
+    assert "validation split" in data["sample"]
+    assert len(data["snapshots"][-1]["per_token_loss"]) == 8 * (TINY.n_ctx - 1)
+    assert qkov.training.rundir.inspect(tiny_run) == "resumable"  # the dynamics folder is the run's own
+
+
+def test_resume_rewrites_the_snapshots_after_the_state(tmp_path: Path, small_corpus: Path) -> None:
+    tc = tiny_train(small_corpus, steps=20, ckpt_interval=10, snapshots=(0, 5, 12, 15, 20))
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    qkov.train(full, TINY, tc, device="cpu")
+    qkov.train(cut, TINY, tc, device="cpu", stop_after=10)
+    snaps.write(cut, qkov.Transformer(TINY, seed=5), 12, 0)  # a stale snapshot after the state (as a kill leaves)
+    (cut / "snapshots" / ".step-00000015.safetensors.x.tmp").write_text("half")
+    qkov.train(cut, device="cpu", resume=True)
+    names = sorted(p.name for p in (cut / "snapshots").iterdir())
+    assert names == sorted(p.name for p in (full / "snapshots").iterdir()) and len(names) == 5
+    for name in names:
+        a, b = load_file(str(full / "snapshots" / name)), load_file(str(cut / "snapshots" / name))
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+
+
+def test_bad_series_are_one_line_errors(tmp_path: Path, tiny_run: Path, capsys: pytest.CaptureFixture) -> None:
+    plain = tmp_path / "plain"
+    save_checkpoint(plain, hand_built())
+    other = tmp_path / "other"
+    save_checkpoint(other, qkov.Transformer(TINY, seed=0))
+    cases = [
+        ((plain,), "holds no snapshots"),
+        ((plain, other, "-o", tmp_path / "o1"), "different architecture"),
+        ((str(tmp_path / "nothing*"), "-o", tmp_path / "o2"), "matches nothing"),
+        ((plain, "-o", tmp_path / "o3", "--revisions", "step1"), "revisions apply to one Hugging Face Hub name|Hub"),
+        ((tmp_path / "absent", "-o", tmp_path / "o4"), "does not exist"),
+    ]
+    for args, says in cases:
+        code, _, err = run_main(capsys, "dynamics", *args, "--device", "cpu")
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("qkov: error:"), (args, err)
+        assert any(s in lines[0] for s in says.split("|")), (args, lines[0])
+    code, _, err = run_main(capsys, "ablate", tiny_run, "--heads", "1.9")
+    assert code == 2 and "no head 1.9" in err and len(err.strip().splitlines()) == 1
+
+
+def _fake_hub(cache: Path, repo: str, revisions: dict[str, Path]) -> None:
+    """A Hugging Face cache holding ``repo`` at ``revisions`` (name -> a saved model directory)."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "refs").mkdir(parents=True)
+    for i, (rev, src) in enumerate(revisions.items()):
+        commit = f"{i + 1:040x}"
+        (root / "refs" / rev).write_text(commit)
+        snap = root / "snapshots" / commit
+        snap.mkdir(parents=True)
+        for f in src.iterdir():
+            (snap / f.name).write_bytes(f.read_bytes())
+
+
+def test_hub_revisions_from_the_local_cache(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    pytest.importorskip("transformers")
+    import hf_models
+
+    dirs = {f"step{s}": hf_models.save("neox-parallel", tmp_path / f"s{s}") for s in (0, 1000, 2000)}
+    for i, d in enumerate(dirs.values()):  # three different points of "training"
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps(cfg))
+        w = load_file(str(d / "model.safetensors"))
+        from safetensors.torch import save_file
+
+        save_file({k: v * (1 + 0.1 * i) for k, v in w.items()}, str(d / "model.safetensors"))
+    cache = tmp_path / "hub"
+    _fake_hub(cache, "acme/pythia-mini", dirs)
+    env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import huggingface_hub.constants as C
+
+        C.HF_HUB_CACHE, C.HF_HUB_OFFLINE = str(cache), True
+        code, out, err = run_main(
+            capsys,
+            "dynamics",
+            "acme/pythia-mini",
+            "--revisions",
+            "step2000,step0,step1000",
+            "--tokens-per-step",
+            "100",
+            "-o",
+            tmp_path / "d",
+            "--device",
+            "cpu",
+            "--json",
+            "--draws",
+            "0",
+        )
+        assert code == 0, err
+        data = json.loads(out)
+        assert [s["label"] for s in data["snapshots"]] == ["step0", "step1000", "step2000"]  # in training order
+        assert [s["tokens"] for s in data["snapshots"]] == [0, 100000, 200000]
+        assert data["snapshots"][0]["val_loss"] is None  # no text given: random tokens, no loss
+        code, _, err = run_main(
+            capsys,
+            "dynamics",
+            "acme/pythia-mini",
+            "--revisions",
+            "step0,step9",
+            "-o",
+            tmp_path / "e",
+            "--device",
+            "cpu",
+        )
+        assert code == 2 and "revision 'step9'" in err and len(err.strip().splitlines()) == 1
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        import importlib
+
+        importlib.reload(C)
+
+
+def test_two_ranks_give_the_same_result_as_one(tiny_run: Path, tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = ["dynamics", str(tiny_run), "--device", "cpu", "--draws", "1"]
+    one = subprocess.run(
+        [sys.executable, "-m", "qkov", *base, "-o", str(tmp_path / "one")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert one.returncode == 0, one.stderr[-2000:]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "qkov",
+        *base,
+        "-o",
+        str(tmp_path / "two"),
+    ]
+    two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+
+    def strip(path: Path) -> dict:
+        data = json.loads((path / "dynamics.json").read_text())
+        data.pop("timings")
+        for s in data["snapshots"]:
+            s.pop("seconds")
+        return data
+
+    assert strip(tmp_path / "one") == strip(tmp_path / "two")
