@@ -52,10 +52,10 @@ def token(decode: Callable[[int], str] | None, i: int) -> str:
 def heads_text(rep: HeadReport) -> str:
     rows = rep.rows()
     cols = [(label, name) for label, name in SCORE_COLUMNS if name in rep.scores]
-    body = [[r["head"], *(num(r[n], 2) for _, n in cols), ", ".join(r["roles"]) or "-"] for r in rows]  # type: ignore[arg-type]
+    body = [[r["head"], *(num(r[n], 2) for _, n in cols), ",".join(r["roles"]) or "-"] for r in rows]  # type: ignore[arg-type]
     icl = "" if rep.icl is None else f"; ICL score {num(rep.icl.score)} (token {rep.icl.late} - token {rep.icl.early})"
     title = f"HeadReport: {len(rows)} heads{icl}; memory-management neurons: {len(rep.memory_neurons)}"
-    return title + "\n" + table(["head", *(c for c, _ in cols), "roles"], body)
+    return title + "\n" + table(["head", *(c.replace(" ", "_") for c, _ in cols), "roles"], body)
 
 
 @register(TEXT, Composition)
@@ -103,8 +103,10 @@ def topk_text(t: TopK) -> str:
 @register(TEXT, SkipTrigrams)
 def trigrams_text(tri: SkipTrigrams) -> str:
     d = decoder(tri)
-    rows = [[token(d, t.source), token(d, t.destination), token(d, t.output), num(t.qk), num(t.ov), num(t.score)]
-            for t in tri]
+    rows = [
+        [token(d, t.source), token(d, t.destination), token(d, t.output), num(t.qk), num(t.ov), num(t.score)]
+        for t in tri
+    ]
     title = f"skip-trigrams of head {tri.head}: [source] ... [destination] -> [output], strongest first"
     return title + "\n" + table(["source", "destination", "output", "qk", "ov", "score"], rows)
 
@@ -128,11 +130,11 @@ def paths_text(p: PathSummary) -> str:
         "loss by run:  " + "  ".join(f"{r} {num(v)}" for r, v in zip(runs, losses)),
         "marginal loss reduction by order:  " + "  ".join(num(v) for v in ti.marginal_by_order),
         "single-head terms (loss increase when removed):",
-        table(["term", "d loss", "RMS logit"], terms(p.singles)),
+        table(["term", "loss_change", "rms_logit"], terms(p.singles)),
     ]
     if p.virtual:
         lines.append("virtual-head terms:")
-        lines.append(table(["term", "d loss", "RMS logit"], terms(p.virtual)))
+        lines.append(table(["term", "loss_change", "rms_logit"], terms(p.virtual)))
     return "\n".join(lines)
 
 

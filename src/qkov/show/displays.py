@@ -97,14 +97,14 @@ def _decode(obj: Any) -> Any:
 
 @register(HTML, SkipTrigrams)
 def trigrams_html(tri: SkipTrigrams) -> str:
-    rows = trigram_rows(tri[:MAX_ROWS * 4], _decode(tri))
+    rows = trigram_rows(tri[: MAX_ROWS * 4], _decode(tri))
     section = {"heads": [{"head": tri.head, "rows": [vars(r) for r in rows]}], "bigrams": [], "note": None}
     return page(mounted("trigrams", {"trigrams": section}, repr(tri), title="Skip-trigrams"))
 
 
 @register(HTML, Bigrams)
 def bigrams_html(bi: Bigrams) -> str:
-    section = {"heads": [], "bigrams": [vars(b) for b in bigram_rows(bi[:MAX_ROWS * 4], _decode(bi))], "note": None}
+    section = {"heads": [], "bigrams": [vars(b) for b in bigram_rows(bi[: MAX_ROWS * 4], _decode(bi))], "note": None}
     return page(mounted("trigrams", {"trigrams": section}, repr(bi), title="Bigrams"))
 
 
