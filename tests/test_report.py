@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -24,11 +22,13 @@ from qkov.apps.claims import claims
 from qkov.io.checkpoint import load, save_checkpoint
 from qkov.training.loop import train
 
+from browser import CHROMIUM, console_lines
+from browser import chromium as _chromium
+from browser import need_browser as _need_browser
 from helpers import tiny_train
 from reference import reference_forward
 from test_heads import CTX, V, hand_built
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 ARTIFACTS = Path(os.environ.get("QKOV_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
 SECTIONS = ("card", "heads", "composition", "paths", "attention", "icl", "trigrams")
 
@@ -141,37 +141,10 @@ def _umask() -> int:
     return m
 
 
-def _chromium(url: str, profile: Path, *extra: str) -> subprocess.CompletedProcess:
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--hide-scrollbars",
-        f"--user-data-dir={profile}",
-        "--enable-logging=stderr",
-        "--v=0",
-        "--virtual-time-budget=10000",
-    ]
-    assert CHROMIUM is not None
-    return subprocess.run([CHROMIUM, *flags, *extra, url], capture_output=True, text=True, timeout=120)
-
-
-def _need_browser() -> None:
-    if CHROMIUM is None:
-        if os.environ.get("QKOV_REQUIRE_BROWSER") == "1":
-            pytest.fail("chromium is required (QKOV_REQUIRE_BROWSER=1) but not installed: apt-get install chromium")
-        pytest.skip("chromium not installed (apt-get install chromium); .ci/run installs it and requires this test")
-
-
 def _check_page(index: Path, profile: Path, name: str, sections: tuple[str, ...], hash_: str = "") -> str:
     res = _chromium(index.as_uri() + hash_, profile, "--dump-dom")
     assert res.returncode == 0, res.stderr[-2000:]
-    console = [line for line in res.stderr.splitlines() if ":CONSOLE" in line]
+    console = console_lines(res)
     assert not console, "console output from the page:\n" + "\n".join(console)
     dom = res.stdout
     assert 'data-ready="1"' in dom

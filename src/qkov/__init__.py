@@ -11,6 +11,7 @@ The flow, one package per step (each imports only the ones before it):
   analysis forward :func:`run`.
 * :mod:`qkov.training` — corpora, tokenizer, the training loop (which tracks the induction probe).
 * :mod:`qkov.apps` — the report, the tour and the command line.
+* :mod:`qkov.show` — notebooks: rich displays of analysis results, the inline attention viewer.
 """
 
 from .analysis.factored import LowRank
@@ -27,6 +28,7 @@ from .training.loop import train
 from .version import __version__
 from .weights.lazy import LazyCheckpoint
 from .weights.view import Weights
+from . import show  # last: registers the notebook displays of analysis results
 
 __all__ = [
     "Corpus",
@@ -48,5 +50,6 @@ __all__ = [
     "prefix_matching_tokens",
     "run",
     "save_checkpoint",
+    "show",
     "train",
 ]

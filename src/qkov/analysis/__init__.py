@@ -11,8 +11,11 @@ from its behaviour (through the one analysis forward, :func:`forward.run`).
 * :mod:`~qkov.analysis.probes` — repeated random tokens, the induction probe, the ICL score.
 * :mod:`~qkov.analysis.heads` — head detectors, thresholds and roles.
 * :mod:`~qkov.analysis.trigrams` — skip-trigram and bigram tables.
+* :mod:`~qkov.analysis.shown` / :mod:`~qkov.analysis.reprs` — how results show themselves
+  (text here; rich HTML registered by :mod:`qkov.show`).
 """
 
+from . import reprs as reprs  # registers the results' text forms
 from .factored import LowRank
 from .forward import Run, run
 

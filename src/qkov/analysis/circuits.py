@@ -36,6 +36,7 @@ from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
 from .progress import Progress, tick
 from .rotary_circuits import OffsetProfiles, profiles, resolve_offsets
 from .sampling import seeded_subset
+from .shown import CopyingScores, Shown
 from .vocab import VOCAB_BLOCK, embed_product, unembed_product
 
 
@@ -296,7 +297,7 @@ def copying_scores(
     seed: int = 0,
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: Progress | None = None,
-) -> list[HeadCopying]:
+) -> CopyingScores:
     """Per head: eigenvalue copying score of the full OV circuit, the diagonal top-``diag_k``
     rate (``None``/0 skips it) and the residual-space score.
 
@@ -340,12 +341,12 @@ def copying_scores(
         err = None if rate is None else rate_stderr(rate, n, V)
         return HeadCopying(l, h, float(eig[l, h]), rate, float(res[l, h]), n if diag_k else None, err)
 
-    return [head(l, h) for l in range(L) for h in range(H)]
+    return CopyingScores([head(l, h) for l in range(L) for h in range(H)], diag_k or None)
 
 
 # ------------------------------------------------------------------ everything
-@dataclass
-class CircuitsReport:
+@dataclass(repr=False)
+class CircuitsReport(Shown):
     """What ``qkov circuits`` shows: per-head copying, Q/K/V composition, the bandwidth audit."""
 
     copying: list[HeadCopying]

@@ -36,6 +36,7 @@ from ..weights.parts import AttentionWeights, WeightSource
 from .factored import LowRank, gram_sqrt
 from .progress import Progress, tick
 from .rotary_circuits import resolve_offsets, rotations
+from .shown import CompositionScores, Shown
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[str, ...] = ("q", "k", "v")
@@ -247,8 +248,8 @@ def _seeded_normals(
         yield parts
 
 
-@dataclass
-class Composition:
+@dataclass(repr=False)
+class Composition(Shown):
     """Composition scores of one kind, labelled. ``adjusted = raw - baseline.mean`` (the paper's default)."""
 
     kind: str
@@ -297,7 +298,7 @@ def composition_scores(
     progress: Progress | None = None,
     offsets: list[int] | None = None,
     matmul_dtype: torch.dtype | None = None,
-) -> dict[str, Composition]:
+) -> CompositionScores:
     """Raw scores for every pair of heads in increasing layers, plus the random-matrix baseline,
     for each of ``kinds`` (``{kind: Composition}``). ``offsets``: rotary models only, see
     :func:`composition_raw` (the baseline is unchanged: a rotation leaves Gaussian factors Gaussian)."""
@@ -306,7 +307,7 @@ def composition_scores(
     )
     d, e = source.cfg.d_model, source.cfg.d_head
     used = resolve_offsets(source.cfg, offsets)
-    return {
+    return CompositionScores({
         k: Composition(
             k,
             r,
@@ -314,4 +315,4 @@ def composition_scores(
             used if k != "v" else None,  # type: ignore[arg-type]
         )
         for k, r in raw.items()
-    }
+    })

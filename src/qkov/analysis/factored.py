@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
+from .shown import Shown
 
 DEFAULT_MAX_BYTES = 256 * 2**20  # working memory of one chunk
 CACHE_BYTES = 8 * 2**20  # a row chunk this small stays in cache: scans over it run several times faster
@@ -45,8 +46,8 @@ def serial_linalg() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-@dataclass(frozen=True)
-class TopK:
+@dataclass(frozen=True, repr=False)
+class TopK(Shown):
     """Top-k entries: ``values [..., k]``, ``rows [..., k]``, ``cols [..., k]``."""
 
     values: Tensor

@@ -24,6 +24,7 @@ from .forward import run
 from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
 from .progress import Progress
 from .sampling import seeded_subset
+from .shown import Shown
 from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 from .text_scores import positional_fraction as positional_fraction
 from .text_scores import previous_token_scores as previous_token_scores
@@ -180,8 +181,8 @@ SCORE_COLUMNS: tuple[tuple[str, str], ...] = (
 report page both read this list (the report carries it in its JSON)."""
 
 
-@dataclass
-class HeadReport:
+@dataclass(repr=False)
+class HeadReport(Shown):
     """Every per-head score, ``[n_layers, n_heads]`` each, and the roles assigned from them."""
 
     scores: dict[str, Tensor]

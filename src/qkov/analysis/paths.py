@@ -52,6 +52,7 @@ from ..weights.parts import WeightSource
 from .forward import Run, flops_per_token, head_terms, read, run
 from .progress import Progress, tick
 from .sampling import seeded_subset
+from .shown import Shown
 from .virtual import VirtualCoverage, materialize, select_virtual, virtual_keys
 
 FROZEN = ("patterns", "scales", "mlp_outputs")  # what a run must record to be frozen
@@ -306,8 +307,8 @@ def term_effects(
     return singles, virtual
 
 
-@dataclass
-class PathSummary:
+@dataclass(repr=False)
+class PathSummary(Shown):
     """What ``qkov paths`` and the report show: exactness, term importance, the terms that matter."""
 
     shape: list[int]  # [batch, seq] of the tokens

@@ -27,6 +27,7 @@ from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
 from .progress import Progress, tick
 from .forward import flops_per_token, run
+from .shown import Shown
 
 
 def induction_probe_tokens(
@@ -100,8 +101,8 @@ def induction_attention(patterns: Tensor, period: int, *, first: int = 1) -> Ten
     return patterns[..., q, k].mean(dim=(1, 3))  # [layers, batch, heads, n_queries] -> [layers, heads]
 
 
-@dataclass
-class InductionProbe:
+@dataclass(repr=False)
+class InductionProbe(Shown):
     """Induction score per head and the loss on each copy of repeated random tokens."""
 
     scores: Tensor  # [n_layers, n_heads]

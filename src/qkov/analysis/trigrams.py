@@ -38,6 +38,7 @@ import torch
 
 from ..errors import QkovError
 from ..weights.parts import WeightSource
+from .shown import Bigrams, SkipTrigrams
 from .rotary_circuits import rotations
 from .vocab import embed_product, unembed_product
 from .factored import DEFAULT_MAX_BYTES, LowRank
@@ -167,9 +168,10 @@ class TrigramTable:
         ]
 
 
-def skip_trigrams(source: WeightSource, layer: int, head: int, *, top: int = 20, **options: Any) -> list[SkipTrigram]:
-    """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there)."""
-    return TrigramTable(source, layer, head).top(top, **options)
+def skip_trigrams(source: WeightSource, layer: int, head: int, *, top: int = 20, **options: Any) -> SkipTrigrams:
+    """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there).
+    ``.with_tokens(model)`` on the result shows token strings."""
+    return SkipTrigrams(TrigramTable(source, layer, head).top(top, **options), f"{layer}.{head}")
 
 
 @dataclass
@@ -205,7 +207,7 @@ class Bigram:
 
 def bigrams(
     source: WeightSource, *, top: int = 20, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES
-) -> list[Bigram]:
+) -> Bigrams:
     """The ``top`` strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram
     model. Entries in an excluded token's row or column are skipped; when the largest entries
     sit there, more are fetched until ``top`` remain (or the matrix is exhausted)."""
@@ -222,5 +224,5 @@ def bigrams(
         entries = zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist())
         out = [Bigram(r, c, v) for v, r, c in entries if r not in exclude and c not in exclude]
         if len(out) >= top or k == total:
-            return out[:top]
+            return Bigrams(out[:top])
         k = min(total, 4 * k)

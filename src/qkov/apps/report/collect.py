@@ -11,17 +11,17 @@ import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
 from ...analysis import trigrams
 from ...analysis.circuits import DIAG_EXACT_MAX, bandwidth, check_diag_k, eigen_copying_score, full_ov, ov_eigenvalues
-from ...analysis.composition import composition_scores
+from ...analysis.composition import Composition, composition_scores
 from ...analysis.forward import run
-from ...analysis.heads import SCORE_COLUMNS, head_report
+from ...analysis.heads import SCORE_COLUMNS, HeadReport, head_report
 from ...analysis.paths import PathSummary, TermEffect, default_batch, paths_batch, summarize
-from ...analysis.probes import default_icl_examples, icl_score, induction_probe
+from ...analysis.probes import InductionProbe, default_icl_examples, icl_score, induction_probe
 from ...device import pick_device
 from ...errors import QkovError
 from ...io.checkpoint import checkpoint_info, read_metrics
@@ -124,11 +124,15 @@ def _heads(
     rep = head_report(
         w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=k or None, diag_sample=sample, icl=natural
     )
+    return heads_section(rep), None if rep.icl is None else rep.icl.loss_by_position
+
+
+def heads_section(rep: HeadReport) -> HeadsSection:
+    """The heads section of a head report (scores rounded as the page shows them)."""
     rows = [HeadRow.from_dict(_rd(row)) for row in rep.rows()]
     icl = None if rep.icl is None else ICLSummary(rep.icl.score, rep.icl.early, rep.icl.late)
     columns = [list(c) for c in SCORE_COLUMNS]
-    section = HeadsSection(rows, rep.thresholds, len(rep.memory_neurons), icl, columns, rep.diag_tokens)
-    return section, None if rep.icl is None else rep.icl.loss_by_position
+    return HeadsSection(rows, rep.thresholds, len(rep.memory_neurons), icl, columns, rep.diag_tokens)
 
 
 def _eigenvalues(w: Weights) -> EigenSection:
@@ -147,16 +151,22 @@ def _eigenvalues(w: Weights) -> EigenSection:
 def _composition(w: Weights) -> CompositionSection | Absent:
     if w.cfg.n_layers < 2:
         return Absent("composition needs at least two layers" if w.cfg.n_layers else "a 0-layer model has no heads")
-    L, H = w.cfg.n_layers, w.cfg.n_heads
+    return composition_section(composition_scores(w, "qkv"))
+
+
+def composition_section(scores: Mapping[str, Composition]) -> CompositionSection:
+    """Heatmaps ``[writer][reader]`` (every head of layers ``0..L-2`` by every head of ``1..L-1``)
+    and the 10 strongest pairs of each kind of ``scores`` (``{kind: Composition}``, L >= 2)."""
+    L, H = next(iter(scores.values())).raw.shape[:2]
     writers = [f"{l}.{h}" for l in range(L - 1) for h in range(H)]
     readers = [f"{l}.{h}" for l in range(1, L) for h in range(H)]
     # a cell (writer, reader) only means something when the writer's layer is earlier
-    wl = torch.tensor([l for l in range(L - 1) for _ in range(H)], device=w.device)
-    rl = torch.tensor([l for l in range(1, L) for _ in range(H)], device=w.device)
+    wl = torch.tensor([l for l in range(L - 1) for _ in range(H)])
+    rl = torch.tensor([l for l in range(1, L) for _ in range(H)])
     valid = wl[:, None] < rl[None, :]
     kinds = {}
-    for kind, c in composition_scores(w, "qkv").items():
-        rawm = c.raw[: L - 1].reshape((L - 1) * H, L, H)[:, 1:].reshape((L - 1) * H, (L - 1) * H)
+    for kind, c in scores.items():
+        rawm = c.raw.cpu()[: L - 1].reshape((L - 1) * H, L, H)[:, 1:].reshape((L - 1) * H, (L - 1) * H)
         rawm = torch.where(valid, rawm, torch.full_like(rawm, float("nan")))
         kinds[kind] = CompositionKind(
             writers=writers,
@@ -178,7 +188,8 @@ def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
     return PathSummary(s.shape, s.reconstruction_error, s.importance, *effects, s.coverage, s.effect_positions)
 
 
-def _attention(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
+def attention_section(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
+    """The viewer's section: every head's pattern on ``tokens [seq]`` (one sequence)."""
     pat = run(w, tokens[None]).patterns[:, 0].float().cpu()  # type: ignore[index]  # [L, H, T, T]
     T, (L, H) = tokens.shape[0], pat.shape[:2]
     # lower triangle only, row by row: row q has q+1 entries
@@ -189,7 +200,11 @@ def _attention(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSec
 def _repeat_losses(w: Weights, bos: int, length: int, batch: int, seed: int) -> RepeatCurves:
     """Per-position loss on random tokens repeated twice: the first copy is unpredictable,
     the second can be copied from context (induction)."""
-    probe = induction_probe(w, bos=bos, length=length, repeats=2, batch=batch, seed=seed)
+    return repeat_curves(induction_probe(w, bos=bos, length=length, repeats=2, batch=batch, seed=seed))
+
+
+def repeat_curves(probe: InductionProbe) -> RepeatCurves:
+    """The loss curves of the first two copies of a probe's repeated tokens."""
     n, nll = probe.length, probe.loss_by_position
     # token j of copy r sits at position 1 + r*n + j and is predicted at position r*n + j
     return RepeatCurves(n, _rl(nll[0:n]), _rl(nll[n : 2 * n]), probe.loss_by_copy[0], probe.loss_by_copy[1])
@@ -223,9 +238,16 @@ def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection
     chosen, note = _trigram_heads(w)
     for h in chosen:
         tri = trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,))
-        heads.append(HeadTrigrams(f"0.{h}", [TrigramRow(**_rd(t.to_dict(decode))) for t in tri]))
-    bigrams = [BigramRow(**_rd(b.to_dict(decode))) for b in trigrams.bigrams(w, top=top, exclude=(bos,))]
-    return TrigramsSection(heads, bigrams, note)
+        heads.append(HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)))
+    return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top, exclude=(bos,)), decode), note)
+
+
+def trigram_rows(tri: list[trigrams.SkipTrigram], decode: Decode) -> list[TrigramRow]:
+    return [TrigramRow(**_rd(t.to_dict(decode))) for t in tri]
+
+
+def bigram_rows(bi: list[trigrams.Bigram], decode: Decode) -> list[BigramRow]:
+    return [BigramRow(**_rd(b.to_dict(decode))) for b in bi]
 
 
 def _inputs(
@@ -318,7 +340,7 @@ def collect(
         paths = _paths(w, text_ids[:batch], top)
     with _stage(timings, "attention", progress):
         viewer = text_ids[0, : min(viewer_tokens, w.cfg.n_ctx)]
-        attention: Any = _attention(w, viewer, decode) if L >= 1 else Absent("a 0-layer model has no attention")
+        attention: Any = attention_section(w, viewer, decode) if L >= 1 else Absent("a 0-layer model has no attention")
     with _stage(timings, "in-context learning", progress):
         icl_section = _icl(w, bos, seed, icl_curve, icl_info)
     with _stage(timings, "skip-trigrams", progress):

@@ -45,11 +45,11 @@ def plotly_js() -> str:
     return get_plotlyjs()
 
 
-def _static(name: str) -> str:
+def static(name: str) -> str:
     return resources.files("qkov.apps.report").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def _script_safe(text: str) -> str:
+def script_safe(text: str) -> str:
     """Text that cannot end the <script> element it sits in."""
     return text.replace("</", "<\\/").replace("<!--", "<\\!--")
 
@@ -58,14 +58,14 @@ def render_html(report: Report, *, title: str | None = None) -> str:
     """The report page for ``report`` (one string of HTML, self-contained)."""
     data = report.to_dict()
     title = title or f"qkov report: {report.name}"
-    page = _static("template.html")
+    page = static("template.html")
     parts = {
-        "CSS": _static("report.css"),
-        "DATA": _script_safe(to_json(data)),
-        "JS": _script_safe(_static("report.js")),
+        "CSS": static("report.css"),
+        "DATA": script_safe(to_json(data)),
+        "JS": script_safe(static("report.js")),
         "TITLE": html.escape(title),
         "VERSION": html.escape(__version__),
-        "PLOTLY": _script_safe(plotly_js()),
+        "PLOTLY": script_safe(plotly_js()),
     }
     # one pass over the template, so nothing inserted is ever scanned for placeholders
     return re.sub(r"__(CSS|DATA|JS|TITLE|VERSION|PLOTLY)__", lambda m: parts[m.group(1)], page)

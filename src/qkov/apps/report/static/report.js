@@ -1,17 +1,15 @@
-/* qkov report: draws every section from the JSON embedded in the page (no network).
+/* qkov report: draws every section from JSON embedded in the page (no network).
+ * The renderers are one library, window.qkovReport, defined once per page: the report page
+ * draws its sections from #qkov-data; a notebook display (qkov.show) calls
+ * qkovReport.mount(id) on its own element, whose data sits in the element "<id>-data".
  * Each section's renderer runs on its own; success sets data-rendered="ok" on the section,
  * failure shows the error in the section and sets data-rendered="error", so a test (or a
  * reader) sees which part failed. Nothing is written to the console. */
 "use strict";
 (function () {
-  const D = JSON.parse(document.getElementById("qkov-data").textContent);
+  if (window.qkovReport) return;  // a notebook may carry this script more than once
   // no mode bar: it hides titles and axis labels; drag to zoom and double-click to reset still work
   const CONFIG = { displaylogo: false, responsive: true, displayModeBar: false };
-  const errors = [];
-  window.addEventListener("error", (e) => {
-    errors.push(String(e.message));
-    document.documentElement.dataset.errors = errors.join(" | ");
-  });
 
   // ------------------------------------------------------------------ helpers
   function el(tag, attrs, ...children) {
@@ -59,7 +57,7 @@
   }
 
   // ------------------------------------------------------------------ sections
-  function card(sec, c) {
+  function card(sec, c, inputs) {
     const m = c.model;
     const arch = `${m.n_layers} layers × ${m.n_heads} heads, d_model ${m.d_model}, d_head ${m.d_head}, ` +
       `vocab ${m.d_vocab}, context ${m.n_ctx}, positions ${m.positional}, norm ${m.normalization}, ` +
@@ -83,7 +81,7 @@
       v.center_unembed && "unembedding centred"].filter(Boolean);
     rows.push(["weights analysed", (done.length ? done.join(", ") : "as stored") +
       " (TransformerLens's processed weights by default)"]);
-    rows.push(["analysed on", String(D.inputs || "–")]);
+    rows.push(["analysed on", String(inputs || "–")]);
     table(sec, ["", ""], rows, [0, 1]);
     const cv = c.curve;
     if (cv && cv.tokens.length) {
@@ -121,12 +119,14 @@
         `${(50 / Math.sqrt(h.diag_tokens)).toFixed(1)} points); qkov report --diag-sample sets the sample.`);
     }
     const shown = diag ? [...HEAD_COLS, [diag.replace("diag_", "own in "), diag]] : HEAD_COLS;
+    const listed = h.max_rows ? h.rows.slice(0, h.max_rows) : h.rows;  // a notebook display lists the first ones
     table(sec, ["head", ...shown.map((c) => c[0]), "roles"],
-      h.rows.map((r) => {
+      listed.map((r) => {
         const roles = el("span");
         (r.roles.length ? r.roles : ["–"]).forEach((x) => roles.append(el("span", { class: "role", text: x })));
         return [r.head, ...shown.map((c) => fmt(r[c[1]], 2)), roles];
       }), [shown.length + 1]);
+    if (listed.length < h.rows.length) note(sec, `... ${h.rows.length - listed.length} more heads (in the object)`);
     note(sec, "Thresholds: " + Object.entries(h.thresholds).map(([k, v]) => `${k} ${v}`).join(", ") +
       (h.memory_neurons ? `; memory-management neurons: ${h.memory_neurons}` : ""));
     const layers = [...new Set(h.rows.map((r) => r.layer))];
@@ -175,7 +175,7 @@
       "same shapes. Cells show the adjusted score; hover shows the raw score and the baseline.");
     const grid = el("div", { class: "cols" });
     sec.append(grid);
-    for (const kind of ["q", "k", "v"]) {
+    for (const kind of ["q", "k", "v"].filter((k) => comp[k])) {
       const c = comp[kind];
       const custom = c.raw.map((row) => row.map((v) => [v, c.baseline_mean, c.baseline_std]));
       const div = el("div");
@@ -243,17 +243,18 @@
     }
   }
 
-  function attention(sec, a) {
+  // ids: prefix of the viewer's element ids (unique per page); hash: "#attend=L.H.Q" opens head L.H at token Q
+  function attention(sec, a, ids = "viewer", hash = "") {
     if (absent(sec, a)) return;
     note(sec, "The start of a validation sequence. Choose a head; hover (or click) a token to see where it " +
       "attends: earlier tokens are shaded by attention weight. The heatmap shows the head's whole pattern.");
     const L = a.patterns.length, H = a.patterns[0].length, T = a.tokens.length;
-    const selL = el("select", { id: "viewer-layer" }), selH = el("select", { id: "viewer-head" });
+    const selL = el("select", { id: `${ids}-layer` }), selH = el("select", { id: `${ids}-head` });
     for (let l = 0; l < L; l++) selL.append(el("option", { value: l, text: String(l) }));
     for (let h = 0; h < H; h++) selH.append(el("option", { value: h, text: String(h) }));
-    const status = el("span", { id: "viewer-status", class: "note" });
+    const status = el("span", { id: `${ids}-status`, class: "note viewer-status" });
     sec.append(el("div", { class: "controls" }, el("label", { text: "layer " }, selL), el("label", { text: "head " }, selH), status));
-    const box = el("div", { id: "viewer-text" });
+    const box = el("div", { id: `${ids}-text`, class: "viewer-text" });
     sec.append(box);
     const spans = a.tokens.map((t, i) => {
       const sp = el("span", { "data-pos": i, title: `${i}: ${tok(t)}` });
@@ -299,7 +300,7 @@
     selL.addEventListener("change", redraw);
     selH.addEventListener("change", redraw);
     // a link like index.html#attend=1.2.40 opens head 1.2 with token 40 selected
-    const m = /attend=(\d+)\.(\d+)\.(\d+)/.exec(location.hash);
+    const m = /attend=(\d+)\.(\d+)\.(\d+)/.exec(hash);
     if (m && +m[1] < L && +m[2] < H && +m[3] < T) { selL.value = m[1]; selH.value = m[2]; current = +m[3]; }
     redraw();
   }
@@ -340,28 +341,88 @@
       table(d, ["source", "destination", "output", "score"],
         h.rows.map((r) => [tok(r.source_str), tok(r.destination_str), tok(r.output_str), fmt(r.score, 1)]), [0, 1, 2]);
     }
+    if (!t.bigrams.length) return;
     const d = el("div"); grid.append(d);
     d.append(el("h3", { text: "bigrams (direct path W_E W_U)" }));
     table(d, ["token", "next", "logit"], t.bigrams.map((b) => [tok(b.token_str), tok(b.next_str), fmt(b.logit, 2)]), [0, 1]);
   }
 
+  // ------------------------------------------- notebook-only displays (qkov.show)
+  function copying(sec, c) {
+    note(sec, "Per head: eigen copying = Σλ / Σ|λ| of the full OV circuit W_E W_OV W_U (1 = copies its input, " +
+      "−1 = suppresses it); own in top k = share of tokens whose own logit is among the k largest of their OV row; " +
+      "residual eig = the same eigenvalue score of W_OV in the residual stream.");
+    table(sec, ["head", "eigen copying", `own in top ${c.k || "k"}`, "residual eig"],
+      c.heads.map((h) => [h.head, fmt(h.eigen_score), fmt(h.diag_topk_rate), fmt(h.residual_eigen_score)]));
+    if (c.more) note(sec, `... ${c.more} more heads (in the object)`);
+  }
+
+  function topk(sec, t) {
+    note(sec, `The ${t.k} largest entries of ${t.what}${t.batch ? ` (batch ${t.batch})` : ""}.`);
+    table(sec, ["#", "row", "column", "value"],
+      t.entries.map((e, i) => [i, e.row_str ? `${e.row} ${tok(e.row_str)}` : e.row,
+        e.col_str ? `${e.col} ${tok(e.col_str)}` : e.col, fmt(e.value, 4)]), [1, 2]);
+    if (t.more) note(sec, `... ${t.more} more (in the object)`);
+  }
+
+  function probe(sec, p) {
+    note(sec, `Induction score per head: attention from each token of the 2nd copy of ${p.repeat.length} repeated ` +
+      `random tokens to the token after its earlier copy. Best head ${p.best_head || "–"} (${fmt(p.best)}).`);
+    table(sec, ["layer", ...p.scores[0].map((_, h) => `head ${h}`)],
+      p.scores.map((row, l) => [l, ...row.map((v) => fmt(v))]));
+    icl(sec, { loss_by_position: null, repeat: p.repeat });
+  }
+
+  // each renderer reads the sections it needs from D (the report's JSON, or a part of it)
   const RENDER = {
-    card: (s) => card(s, D.card),
-    heads: (s) => heads(s, D.heads, D.eigenvalues, D.card.model.d_vocab),
-    composition: (s) => composition(s, D.composition),
-    paths: (s) => paths(s, D.paths),
-    attention: (s) => attention(s, D.attention),
-    icl: (s) => icl(s, D.icl),
-    trigrams: (s) => trigrams(s, D.trigrams),
+    card: (s, D) => card(s, D.card, D.inputs),
+    heads: (s, D) => heads(s, D.heads, D.eigenvalues, D.card.model.d_vocab),
+    composition: (s, D) => composition(s, D.composition),
+    paths: (s, D) => paths(s, D.paths),
+    attention: (s, D, o) => attention(s, D.attention, o.ids, o.hash),
+    icl: (s, D) => icl(s, D.icl),
+    trigrams: (s, D) => trigrams(s, D.trigrams),
+    copying: (s, D) => copying(s, D.copying),
+    topk: (s, D) => topk(s, D.topk),
+    probe: (s, D) => probe(s, D.probe),
   };
-  for (const sec of document.querySelectorAll("section[data-section]")) {
+  // draw section `name` of D into sec; returns the error text, or null
+  function draw(sec, name, D, opts = {}) {
     try {
-      RENDER[sec.dataset.section](sec);
+      RENDER[name](sec, D, opts);
       sec.dataset.rendered = "ok";
+      return null;
     } catch (e) {
       sec.dataset.rendered = "error";
       sec.append(el("p", { class: "error", text: "could not draw this section: " + e }));
-      errors.push(sec.dataset.section + ": " + e);
+      return name + ": " + e;
+    }
+  }
+  // a notebook display: element `id` (its text form inside, replaced) and its data {section, data, opts}
+  function mount(id) {
+    const root = document.getElementById(id);
+    const spec = JSON.parse(document.getElementById(id + "-data").textContent);
+    const sec = el("section", { "data-section": spec.section });
+    if (spec.title) sec.append(el("h2", { text: spec.title }));
+    root.replaceChildren(sec);
+    const error = draw(sec, spec.section, spec.data, Object.assign({ ids: id }, spec.opts || {}));
+    root.dataset.rendered = error ? "error" : "ok";
+  }
+  window.qkovReport = { draw, mount };
+
+  // the report page: every section from #qkov-data
+  const page = document.getElementById("qkov-data");
+  if (!page) return;
+  const D = JSON.parse(page.textContent);
+  const errors = [];
+  window.addEventListener("error", (e) => {
+    errors.push(String(e.message));
+    document.documentElement.dataset.errors = errors.join(" | ");
+  });
+  for (const sec of document.querySelectorAll("section[data-section]")) {
+    const error = draw(sec, sec.dataset.section, D, { hash: location.hash });
+    if (error) {
+      errors.push(error);
       document.documentElement.dataset.errors = errors.join(" | ");
     }
   }
