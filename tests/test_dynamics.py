@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import math
 import os
 import subprocess
@@ -183,7 +184,7 @@ def test_hub_revisions_from_the_local_cache(tmp_path: Path, capsys: pytest.Captu
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        import huggingface_hub.constants as C
+        import huggingface_hub.constants as C  # read once at import: point it at the fake cache
 
         C.HF_HUB_CACHE, C.HF_HUB_OFFLINE = str(cache), True
         code, out, err = run_main(
@@ -265,3 +266,29 @@ def test_two_ranks_give_the_same_result_as_one(tiny_run: Path, tmp_path: Path) -
         return data
 
     assert strip(tmp_path / "one") == strip(tmp_path / "two")
+
+
+def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_path: Path) -> None:
+    from browser import RESOURCES_PROBE, chromium, console_lines, need_browser, requested
+
+    need_browser()
+    folder = tiny_run / "dynamics"
+    if not (folder / "index.html").exists():
+        qkov.apps.dynamics.write_dynamics(folder, [tiny_run], device="cpu", draws=1)
+    data = json.loads((folder / "dynamics.json").read_text())
+    probed = tmp_path / "index.html"
+    probed.write_text((folder / "index.html").read_text().replace("</body>", RESOURCES_PROBE + "</body>"))
+    res = chromium(probed.as_uri(), tmp_path / "profile", "--dump-dom")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert not console_lines(res), console_lines(res)
+    dom = res.stdout
+    assert 'data-ready="1"' in dom and "data-errors" not in dom
+    for s in ("summary", "curves", "loss", "heads", "trajectory", "ablation", "table"):
+        assert f'data-section="{s}" data-rendered="ok"' in dom, s
+    assert requested(dom) == []
+    # the snapshot table shows every snapshot's numbers as the JSON has them
+    table = dom[dom.index('id="snapshot-table"') :]
+    rows = re.findall(r"<tr><td[^>]*>(step \d+)</td>(.*?)</tr>", table)
+    assert [r[0] for r in rows] == [s["label"] for s in data["snapshots"]]
+    for (_, cells), snap in zip(rows, data["snapshots"]):
+        assert re.search(rf"<td[^>]*>{snap['val_loss']:.4f}</td>", cells), (snap["label"], cells)

@@ -307,12 +307,14 @@ def composition_scores(
     )
     d, e = source.cfg.d_model, source.cfg.d_head
     used = resolve_offsets(source.cfg, offsets)
-    return CompositionScores({
-        k: Composition(
-            k,
-            r,
-            composition_baseline(d, e, k, samples=baseline_samples, seed=seed),
-            used if k != "v" else None,  # type: ignore[arg-type]
-        )
-        for k, r in raw.items()
-    })
+    return CompositionScores(
+        {
+            k: Composition(
+                k,
+                r,
+                composition_baseline(d, e, k, samples=baseline_samples, seed=seed),
+                used if k != "v" else None,  # type: ignore[arg-type]
+            )
+            for k, r in raw.items()
+        }
+    )

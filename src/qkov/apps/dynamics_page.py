@@ -1,30 +1,19 @@
 """The ``qkov dynamics`` page: one self-contained HTML file drawn from the result's JSON.
 
-The same stack as the report (:mod:`qkov.apps.report.render`): plotly.js from the installed
-package, the report's CSS, a script that draws each section from the embedded JSON and marks it
-``data-rendered="ok"`` (or shows its error), no network.
+The same stack as the report (:func:`qkov.apps.report.render.render_page`): plotly.js from the
+installed package, the report's CSS and its script library (``window.qkovReport``, whose helpers
+the page's own script uses), no network. Each section is marked ``data-rendered="ok"`` or shows
+its error.
 """
 
 from __future__ import annotations
 
-import html
-import re
 from typing import Any
 
-from ..version import __version__
-from .report.render import _script_safe, _static, plotly_js, to_json
+from .report.render import render_page
 
 
 def render_dynamics(result: dict[str, Any], *, title: str | None = None) -> str:
     """The page of a :func:`qkov.apps.dynamics.dynamics` result (one string of HTML)."""
     title = title or f"qkov dynamics: {result.get('description', '')}"
-    parts = {
-        "CSS": _static("report.css"),
-        "DATA": _script_safe(to_json(result)),
-        "JS": _script_safe(_static("dynamics.js")),
-        "TITLE": html.escape(title),
-        "VERSION": html.escape(__version__),
-        "PLOTLY": _script_safe(plotly_js()),
-    }
-    page = _static("dynamics.html")
-    return re.sub(r"__(CSS|DATA|JS|TITLE|VERSION|PLOTLY)__", lambda m: parts[m.group(1)], page)
+    return render_page("dynamics.html", result, ("report.js", "dynamics.js"), title)

@@ -54,18 +54,21 @@ def script_safe(text: str) -> str:
     return text.replace("</", "<\\/").replace("<!--", "<\\!--")
 
 
-def render_html(report: Report, *, title: str | None = None) -> str:
-    """The report page for ``report`` (one string of HTML, self-contained)."""
-    data = report.to_dict()
-    title = title or f"qkov report: {report.name}"
-    page = static("template.html")
+def render_page(template: str, data: dict[str, Any], scripts: tuple[str, ...], title: str) -> str:
+    """A self-contained page: the static ``template`` with the report's CSS, plotly.js, ``data`` as
+    embedded JSON and the static ``scripts`` (in order) filled in."""
     parts = {
         "CSS": static("report.css"),
         "DATA": script_safe(to_json(data)),
-        "JS": script_safe(static("report.js")),
+        "JS": script_safe("\n".join(static(name) for name in scripts)),
         "TITLE": html.escape(title),
         "VERSION": html.escape(__version__),
         "PLOTLY": script_safe(plotly_js()),
     }
     # one pass over the template, so nothing inserted is ever scanned for placeholders
-    return re.sub(r"__(CSS|DATA|JS|TITLE|VERSION|PLOTLY)__", lambda m: parts[m.group(1)], page)
+    return re.sub(r"__(CSS|DATA|JS|TITLE|VERSION|PLOTLY)__", lambda m: parts[m.group(1)], static(template))
+
+
+def render_html(report: Report, *, title: str | None = None) -> str:
+    """The report page for ``report`` (one string of HTML, self-contained)."""
+    return render_page("template.html", report.to_dict(), ("report.js",), title or f"qkov report: {report.name}")

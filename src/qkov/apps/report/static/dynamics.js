@@ -1,48 +1,16 @@
-/* qkov dynamics page: draws every section from the JSON embedded in the page (no network).
- * As in the report, each section's renderer runs on its own and marks its section
- * data-rendered="ok" or "error"; nothing is written to the console. */
+/* qkov dynamics page: draws every section from the JSON embedded in the page (no network), with
+ * the report library's helpers (report.js, loaded first). As in the report, each section's renderer
+ * runs on its own and marks its section data-rendered="ok" or "error"; nothing goes to the console. */
 "use strict";
 (function () {
-  const D = JSON.parse(document.getElementById("qkov-data").textContent);
-  const CONFIG = { displaylogo: false, responsive: true, displayModeBar: false };
+  const D = JSON.parse(document.getElementById("qkov-dynamics").textContent);
+  const { el, fmt, note, table, plot } = window.qkovReport.helpers;
   const errors = [];
   window.addEventListener("error", (e) => {
     errors.push(String(e.message));
     document.documentElement.dataset.errors = errors.join(" | ");
   });
-  function el(tag, attrs, ...children) {
-    const node = document.createElement(tag);
-    for (const [k, v] of Object.entries(attrs || {})) {
-      if (k === "class") node.className = v;
-      else if (k === "text") node.textContent = v;
-      else node.setAttribute(k, v);
-    }
-    for (const c of children) if (c != null) node.append(c);
-    return node;
-  }
-  const fmt = (v, d = 3) => (v == null || Number.isNaN(v) ? "–" : Number(v).toFixed(d));
   const big = (v) => (v == null ? "–" : Number(v).toLocaleString("en-US", { maximumFractionDigits: 0 }));
-  function note(parent, text) { parent.append(el("p", { class: "note", text })); }
-  function table(parent, head, rows, id) {
-    const t = el("table", id ? { id } : {});
-    const tr = el("tr");
-    head.forEach((h) => tr.append(el("th", { text: h })));
-    t.append(tr);
-    for (const r of rows) {
-      const row = el("tr");
-      r.forEach((c) => row.append(el("td", { text: c })));
-      t.append(row);
-    }
-    parent.append(t);
-    return t;
-  }
-  function plot(parent, traces, layout) {
-    const div = el("div", { class: "plot" });
-    parent.append(div);
-    const base = { margin: { l: 60, r: 40, t: 40, b: 50 }, font: { size: 12 }, paper_bgcolor: "#fff" };
-    Plotly.newPlot(div, traces, Object.assign(base, layout), CONFIG);
-    return div;
-  }
   const S = D.snapshots;
   const X = S.map((s) => s.at);
   const AXIS = D.axis === "tokens" ? "tokens seen" : "step";
@@ -64,7 +32,7 @@
       return [NAMES[k], w ? big(w.start) : "no window", w ? big(w.end) : "–", w ? big(w.peak) : "–",
         w ? fmt(w.rise) : "–", w ? fmt(w.sharpness, 1) : "–"];
     });
-    table(sec, ["metric", `window start (${AXIS})`, "end", "fastest at", "rise", "sharpness"], rows, "windows");
+    table(sec, ["metric", `window start (${AXIS})`, "end", "fastest at", "rise", "sharpness"], rows).id = "windows";
     const m = D.reading.method;
     note(sec, `Method: each metric smoothed (median of 3, then 1-2-1); its rise is the largest increase; the window is the ` +
       `shortest span climbing ${Math.round(m.share * 100)}% of it, kept only when the rise is at least the metric's ` +
@@ -143,7 +111,7 @@
     const row = (name, m) => [name, fmt(m.loss, 4), fmt(m.icl, 4), fmt(m.repeat_first, 3), fmt(m.repeat_second, 3)];
     const rows = [row("intact", a.intact), row(`ablated ${a.heads.join(", ")}`, a.ablated)];
     a.random.forEach((m, i) => rows.push(row(`random ${a.random_heads[i].join(", ")}`, m)));
-    table(sec, ["model", "validation loss", "ICL score", "repeated: 1st copy", "2nd copy"], rows, "ablation-table");
+    table(sec, ["model", "validation loss", "ICL score", "repeated: 1st copy", "2nd copy"], rows).id = "ablation-table";
     sec.append(el("p", { id: "icl-removed", text: `Share of the in-context improvement removed: ${fmt(a.icl_removed, 2)} by the induction heads, ` +
       `${fmt(a.random_icl_removed, 2)} by random heads (mean).` }));
   }
@@ -151,7 +119,7 @@
   function snapshots(sec) {
     table(sec, ["snapshot", "step", "tokens", "val loss", "ICL", "induction", "previous-token", "K-composition", "s"],
       S.map((s) => [s.label, big(s.step), big(s.tokens), fmt(s.val_loss, 4), fmt(s.icl, 4), fmt(s.induction), fmt(s.previous_token),
-        s.k_composition ? `${s.k_composition.writer}→${s.k_composition.reader} ${fmt(s.k_composition.adjusted)}` : "–", fmt(s.seconds, 2)]), "snapshot-table");
+        s.k_composition ? `${s.k_composition.writer}→${s.k_composition.reader} ${fmt(s.k_composition.adjusted)}` : "–", fmt(s.seconds, 2)])).id = "snapshot-table";
   }
 
   const RENDER = { summary, curves, loss, heads, trajectory, ablation, table: snapshots };

@@ -408,7 +408,8 @@
     const error = draw(sec, spec.section, spec.data, Object.assign({ ids: id }, spec.opts || {}));
     root.dataset.rendered = error ? "error" : "ok";
   }
-  window.qkovReport = { draw, mount };
+  // the helpers serve the other qkov pages drawn with this library (the dynamics page)
+  window.qkovReport = { draw, mount, helpers: { el, fmt, note, table, plot } };
 
   // the report page: every section from #qkov-data
   const page = document.getElementById("qkov-data");
