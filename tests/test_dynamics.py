@@ -292,3 +292,30 @@ def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_
     assert [r[0] for r in rows] == [s["label"] for s in data["snapshots"]]
     for (_, cells), snap in zip(rows, data["snapshots"]):
         assert re.search(rf"<td[^>]*>{snap['val_loss']:.4f}</td>", cells), (snap["label"], cells)
+
+
+def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
+    """The notebook forms (text and HTML) of a dynamics result and an ablation study show the
+    object's own numbers."""
+    from qkov.apps.dynamics import DynamicsResult
+    from qkov.analysis import ablation as Ab
+
+    win = {"start": 1234567.0, "end": 2345678.0, "peak": 2e6, "rise": 0.4321, "share": 0.8, "sharpness": 6.5}
+    snap = {"at": 0.0, "induction": 0.1, "previous_token": 0.2, "icl": -0.01}
+    r = DynamicsResult(
+        description="toy",
+        axis="tokens",
+        sample="text",
+        snapshots=[snap, {**snap, "at": 3e6, "induction": 0.5}],
+        reading={"windows": {"induction": win, "previous_token": None, "icl": None}},
+        ablation={"heads": ["1.0"], "mode": "mean", "icl_removed": 0.83, "random_icl_removed": 0.04},
+    )
+    text, page = repr(r), r._repr_html_()
+    assert "1,234,567 - 2,345,678 (rise 0.432)" in text and "removes 83%" in text and "random heads 4%" in text
+    assert "<td>1,234,567</td><td>2,345,678</td><td>0.432</td><td>6.5</td>" in page and 'class="window"' in page
+    m = lambda loss, icl: Ab.Measures(loss, icl, 5.0, 1.25)  # noqa: E731
+    study = Ab.AblationStudy(["1.0"], "zero", None, m(2.5, -0.2), m(2.75, -0.05), [["0.1"]], [m(2.6, -0.19)])
+    assert "2.5000" in repr(study) and "+0.0500" not in repr(study) and "-0.0500" in repr(study)
+    assert "75%" in repr(study) and "random heads: 5%" in repr(study)
+    html_ = study._repr_html_()
+    assert "<td>intact</td><td>2.5000</td><td>-0.2000</td><td>5.000</td><td>1.250</td>" in html_

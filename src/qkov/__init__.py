@@ -14,9 +14,11 @@ The flow, one package per step (each imports only the ones before it):
 * :mod:`qkov.show` — notebooks: rich displays of analysis results, the inline attention viewer.
 """
 
+from .analysis.ablation import ablation_study
 from .analysis.factored import LowRank
 from .analysis.forward import Run, run
 from .analysis.probes import InductionProbe, induction_probe, induction_probe_tokens, prefix_matching_tokens
+from .apps.dynamics import dynamics
 from .errors import QkovError
 from .io.checkpoint import load, save_checkpoint
 from .io.sources import load_any
@@ -42,6 +44,8 @@ __all__ = [
     "Transformer",
     "Weights",
     "__version__",
+    "ablation_study",
+    "dynamics",
     "induction_probe",
     "induction_probe_tokens",
     "load",

@@ -26,6 +26,7 @@ from ..model.ops import next_token_nll
 from ..weights.view import Weights
 from .forward import run
 from .probes import icl_score, induction_probe, induction_probe_tokens
+from .shown import TEXT, Shown, register
 
 Head = tuple[int, int]
 MODES = ("zero", "mean")
@@ -94,8 +95,8 @@ def measures(w: Weights, text: Tensor | None, icl_text: Tensor | None, *, bos: i
     return Measures(loss, icl, probe.loss_by_copy[0], probe.loss_by_copy[1])
 
 
-@dataclass
-class AblationStudy:
+@dataclass(repr=False)
+class AblationStudy(Shown):
     """The intact model, the ablated one, and random ablations of as many other heads."""
 
     heads: list[str]
@@ -132,6 +133,28 @@ class AblationStudy:
             "icl_removed": self.icl_removed(),
             "random_icl_removed": self.random_icl_removed(),
         }
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+@register(TEXT, AblationStudy)
+def study_text(s: AblationStudy) -> str:
+    rows = [("intact", s.intact), ("ablated", s.ablated)]
+    rows += [(f"random {', '.join(h)}", m) for h, m in zip(s.random_heads, s.random)]
+    lines = [
+        f"ablating {', '.join(s.heads)} ({s.mode}):",
+        f"  {'':24s} {'loss':>8s} {'ICL':>8s} {'rep 1st':>8s} {'rep 2nd':>8s}",
+    ]
+    for name, m in rows:
+        lines.append(
+            f"  {name[:24]:24s} {_fmt(m.loss, '8.4f')} {_fmt(m.icl, '+8.4f')} "
+            f"{m.repeat_first:8.3f} {m.repeat_second:8.3f}"
+        )
+    removed, rand = _fmt(s.icl_removed(), ".0%"), _fmt(s.random_icl_removed(), ".0%")
+    lines.append(f"  in-context improvement removed: {removed} (random heads: {rand})")
+    return "\n".join(lines)
 
 
 def ablation_study(

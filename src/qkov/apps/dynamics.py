@@ -19,6 +19,7 @@ from ..analysis import ablation as Ab
 from ..analysis.dynamics import Sample, analyse, measure
 from ..analysis.heads import THRESHOLDS
 from ..analysis.probes import default_icl_examples
+from ..analysis.shown import TEXT, Shown, register
 from ..device import pick_device
 from ..errors import QkovError
 from ..io.atomic import atomic_write_text
@@ -36,6 +37,28 @@ SCHEMA_VERSION = 1
 DYNAMICS_FILES = ("index.html", "dynamics.json")
 TEXT_SEQUENCES = 16  # validation sequences for the loss, per-token losses and previous-token scores
 Tick = Callable[[str, int, int], None]
+
+
+class DynamicsResult(Shown, dict):
+    """What :func:`dynamics` returns: the JSON-ready dict (its keys are documented there), which
+    prints as a short summary and draws itself in a notebook (:mod:`qkov.show`)."""
+
+
+@register(TEXT, DynamicsResult)
+def dynamics_text(r: DynamicsResult) -> str:
+    lines = [f"dynamics of {r['description']}: {len(r['snapshots'])} snapshots ({r['axis']}); {r['sample']}"]
+    for key, name in (("induction", "induction"), ("previous_token", "previous-token"), ("icl", "in-context")):
+        w = r["reading"]["windows"][key]
+        where = "no window" if w is None else f"{w['start']:,.0f} - {w['end']:,.0f} (rise {w['rise']:.3f})"
+        lines.append(f"  {name:15s} window: {where}")
+    ab = r.get("ablation")
+    if ab is not None and ab["icl_removed"] is not None:
+        rand = ab["random_icl_removed"]
+        lines.append(
+            f"  ablating {', '.join(ab['heads'])} ({ab['mode']}) removes {ab['icl_removed']:.0%} of the in-context "
+            f"improvement; random heads {'-' if rand is None else format(rand, '.0%')}"
+        )
+    return "\n".join(lines)
 
 
 def sample_for(s: Series, model: Transformer, *, text: Path | None, tokens: Path | None, seed: int) -> Sample:
@@ -126,7 +149,7 @@ def dynamics(
     seed: int = 0,
     device: str = "auto",
     progress: Tick | None = None,
-) -> dict[str, Any] | None:
+) -> DynamicsResult | None:
     """Measure and read the series ``sources`` name (:func:`qkov.apps.series.series`); returns the
     result on rank 0 (``None`` on other ranks under torchrun). ``mode``/``draws``: the ablation
     of the last snapshot's induction heads (``"mean"`` or ``"zero"``; random sets of as many heads)."""
@@ -153,20 +176,22 @@ def dynamics(
         study = Ab.ablation_study(
             w, heads, text=sample.text, icl_text=sample.icl_text, mode=mode, draws=draws, bos=sample.bos, seed=seed
         )
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "generator": f"qkov {__version__}",
-        "sources": [str(x) for x in sources] + ([f"revisions: {', '.join(revisions)}"] if revisions else []),
-        "model": s.cfg.to_dict(),
-        "description": s.cfg.describe(),
-        "axis": s.axis,
-        "sample": sample.source,
-        "snapshots": records,
-        "reading": reading.to_dict(),
-        "induction_heads": [f"{l}.{h}" for l, h in heads],
-        "ablation": None if study is None else study.to_dict(),
-        "timings": {"measure_s": round(t_measure, 2), "total_s": round(time.perf_counter() - t0, 2)},
-    }
+    return DynamicsResult(
+        {
+            "schema_version": SCHEMA_VERSION,
+            "generator": f"qkov {__version__}",
+            "sources": [str(x) for x in sources] + ([f"revisions: {', '.join(revisions)}"] if revisions else []),
+            "model": s.cfg.to_dict(),
+            "description": s.cfg.describe(),
+            "axis": s.axis,
+            "sample": sample.source,
+            "snapshots": records,
+            "reading": reading.to_dict(),
+            "induction_heads": [f"{l}.{h}" for l, h in heads],
+            "ablation": None if study is None else study.to_dict(),
+            "timings": {"measure_s": round(t_measure, 2), "total_s": round(time.perf_counter() - t0, 2)},
+        }
+    )
 
 
 def write_dynamics(out: Path, sources: Sequence[str | Path], *, overwrite: bool = False, **options: Any) -> Any:
