@@ -90,7 +90,7 @@ def measures(w: Weights, text: Tensor | None, icl_text: Tensor | None, *, bos: i
     """Loss on ``text [B, T]``, ICL score on ``icl_text [N, T]`` (``None``: not measured) and the
     repeated-token losses (:func:`~qkov.analysis.probes.induction_probe`, seeded)."""
     loss = None if text is None else float(next_token_nll(run(w, text, record=()).logits, text).mean())
-    icl = None if icl_text is None or icl_text.shape[1] <= 60 else icl_score(w, icl_text).score
+    icl = None if icl_text is None or icl_text.shape[1] <= 60 else icl_score(w, icl_text, curve=False).score
     probe = induction_probe(w, bos=bos, seed=seed)
     return Measures(loss, icl, probe.loss_by_copy[0], probe.loss_by_copy[1])
 

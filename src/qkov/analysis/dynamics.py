@@ -60,13 +60,18 @@ def _grid(t: Tensor) -> list[list[float]]:
 def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     """Every measure of one snapshot (see the module docstring) as a JSON-ready dict."""
     cfg = w.cfg
-    rec: dict[str, Any] = {"val_loss": None, "per_token_loss": None, "icl": None}
+    rec: dict[str, Any] = {"val_loss": None, "per_token_loss": None, "icl": None, "icl_improvement": None}
     if sample.text is not None:
         nll = next_token_nll(run(w, sample.text, record=()).logits, sample.text)  # [B, T-1]
         rec["val_loss"] = _r(nll.mean())
         rec["per_token_loss"] = [_r(v, 3) for v in nll[:PER_TOKEN_SEQUENCES].flatten().tolist()]
     if sample.icl_text is not None and sample.icl_text.shape[1] > 60:
-        rec["icl"] = _r(icl_score(w, sample.icl_text).score)
+        rec["icl"] = _r(icl_score(w, sample.icl_text, curve=False).score)
+        # how much better late tokens are predicted than token 50: max(0, -icl). A model that
+        # predicts late tokens *worse* (a positive ICL score, as a 1-layer model does mid-training)
+        # improves nothing in context: 0, not a negative number whose return to zero would look
+        # like in-context learning appearing
+        rec["icl_improvement"] = _r(max(0.0, -rec["icl"]))
     probe = induction_probe(w, bos=sample.bos, seed=sample.seed)
     rec["repeat_first"], rec["repeat_second"] = _r(probe.loss_by_copy[0]), _r(probe.loss_by_copy[1])
     if cfg.n_layers == 0:
@@ -124,8 +129,7 @@ def analyse(records: Sequence[dict[str, Any]], *, until: float | None = None) ->
     windows = {
         "induction": phase.rise_window(t, series("induction"), min_rise=MIN_RISE["induction"]),
         "previous_token": phase.rise_window(t, series("previous_token"), min_rise=MIN_RISE["previous_token"]),
-        # the ICL score falls as in-context learning appears: its negation rises
-        "icl": phase.rise_window(t, series("icl", -1.0), min_rise=MIN_RISE["icl"]),
+        "icl": phase.rise_window(t, series("icl_improvement"), min_rise=MIN_RISE["icl"]),
     }
     ind = windows["induction"]
     bump = phase.loss_bump(t, series("val_loss"), ind, until=until) if ind is not None else None

@@ -292,6 +292,7 @@ def run(
     frozen: Run | None = None,
     head_outputs: Tensor | None = None,
     observe: Callable[[LayerView], None] | None = None,
+    positions: Tensor | None = None,
 ) -> Run:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
 
@@ -307,6 +308,8 @@ def run(
             live output (the live output is still computed and can be recorded); ``b_O`` is
             added as usual. Used by the term-importance runs.
         observe: called with each layer's :class:`LayerView` as soon as it is computed.
+        positions: ``[P]`` positions: the logits are unembedded there only (``Run.logits`` is then
+            ``[B, P, d_vocab]``), for scores that read a few positions of long examples.
     Returns:
         :class:`Run`. Computed under ``torch.no_grad``.
     """
@@ -333,7 +336,7 @@ def run(
         x = x + pos
     for l in range(cfg.n_layers):
         x = state.mlp(l, x, into=state.attention(l, x)) if cfg.parallel else state.mlp(l, state.attention(l, x))
-    return _collect(source, tokens, state.logits(x), state)
+    return _collect(source, tokens, state.logits(x if positions is None else x[:, positions.to(x.device)]), state)
 
 
 def _collect(source: WeightSource, tokens: Tensor, logits: Tensor, state: _Pass) -> Run:

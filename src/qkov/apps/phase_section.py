@@ -77,12 +77,13 @@ def _ablation_claim(two: dict[str, Any]) -> Claim:
 
 
 COLORS = {"induction": "#d3562f", "previous_token": "#2a9d5b", "icl": "#3056d3"}
-LABELS = {"induction": "induction score", "previous_token": "previous-token score", "icl": "−ICL score (nats)"}
+LABELS = {"induction": "induction score", "previous_token": "previous-token score", "icl": "ICL improvement (nats)"}
 
 
 def svg_dynamics(dyn: dict[str, Any], *, title: str, width: int = 560, height: int = 300) -> str:
-    """The run's induction, previous-token and −ICL curves over tokens (each scaled to its own
-    range, labelled with it) with the induction window shaded, as inline SVG."""
+    """The run's induction, previous-token and in-context-improvement (``max(0, -ICL)``) curves over
+    tokens (each scaled to its own range, labelled with it) with the induction window shaded, as
+    inline SVG."""
     snaps = dyn["snapshots"]
     xs = [s["at"] for s in snaps]
     L, R, T, B = 50, 170, 30, 40
@@ -105,8 +106,8 @@ def svg_dynamics(dyn: dict[str, Any], *, title: str, width: int = 560, height: i
         )
     parts.append(f'<text x="{(L + width - R) / 2}" y="{height - 6}" text-anchor="middle">tokens seen</text>')
     row = 0
-    for key, sign in (("induction", 1.0), ("previous_token", 1.0), ("icl", -1.0)):
-        ys = [None if s.get(key) is None else sign * s[key] for s in snaps]
+    for key, field in (("induction", "induction"), ("previous_token", "previous_token"), ("icl", "icl_improvement")):
+        ys = [s.get(field) for s in snaps]
         vals = [y for y in ys if y is not None]
         if not vals:
             continue

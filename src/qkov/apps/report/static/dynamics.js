@@ -37,7 +37,7 @@
     note(sec, `Method: each metric smoothed (median of 3, then 1-2-1); its rise is the largest increase; the window is the ` +
       `shortest span climbing ${Math.round(m.share * 100)}% of it, kept only when the rise is at least the metric's ` +
       `minimum (${Object.entries(m.min_rise).map(([k, v]) => NAMES[k] + " " + v).join(", ")}) and the window is ` +
-      `${m.sharpness}x steeper than the whole series on average. The in-context improvement is minus the ICL score.`);
+      `${m.sharpness}x steeper than the whole series on average. The in-context improvement is max(0, −ICL score): a model that predicts late tokens worse improves nothing in context.`);
     const t = D.reading.together;
     sec.append(el("p", { id: "together", text: t == null ? "No induction window: no phase change in this series." :
       t ? "The previous-token and in-context-learning windows overlap the induction window: they change together." :
@@ -53,7 +53,7 @@
     };
     add("induction", 1, "induction score (best head)", COLORS.induction, "y");
     add("previous_token", 1, "previous-token score (best layer-0 head)", COLORS.previous_token, "y");
-    add("icl", -1, "in-context improvement (−ICL, nats)", COLORS.icl, "y2");
+    add("icl_improvement", 1, "in-context improvement (max(0, −ICL), nats)", COLORS.icl, "y2");
     plot(sec, traces, { title: "detectors over training (windows shaded)", xaxis, shapes: shade(["induction", "previous_token", "icl"]),
       yaxis: { title: "attention score", range: [0, 1] }, yaxis2: { title: "nats", overlaying: "y", side: "right" },
       height: 420, legend: { orientation: "h", y: -0.25 } });
