@@ -224,8 +224,11 @@ def test_tour_trains_reports_and_reuses(small_corpus: Path, tmp_path: Path, caps
     assert "qkov-1l/report/index.html" in page and "1-layer models have no induction heads" in page
     weights = tmp_path / "t" / "qkov-1l" / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
+    assert (tmp_path / "t" / "qkov-1l" / "dynamics" / "index.html").is_file()
+    assert "The phase change" in page and "1-layer: no such window" in page
     assert main(args) == 0
-    assert "reusing the finished run" in capsys.readouterr().out
+    again = capsys.readouterr().out
+    assert "reusing the finished run" in again and "reusing the dynamics of these snapshots" in again
     assert weights.stat().st_mtime_ns == stamp
     assert main(["tour", "--layers", "1,x"]) == 2
     assert "--layers" in capsys.readouterr().err

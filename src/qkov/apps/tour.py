@@ -11,6 +11,7 @@ checked on any set of reports.
 from __future__ import annotations
 
 import html
+import json
 import math
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from ..io.atomic import atomic_write_text
 from ..io.checkpoint import read_config
 from ..model.config import ModelConfig
 from ..training.config import TrainConfig
-from ..training import rundir
+from ..training import rundir, snapshots
 from ..training.loop import train
 from ..version import __version__
 from .outputs import output_folder
@@ -30,6 +31,7 @@ from .progress import TrainProgress
 from .report import write_report
 from .report.render import to_json
 from .claims import Claim, claims, head_rows
+from .dynamics import SCHEMA_VERSION as DYNAMICS_SCHEMA
 from .dynamics import write_dynamics
 from .phase_section import phase_claims, phase_html
 from .report.sections import Report, TrainingRecord
@@ -174,6 +176,17 @@ def _state(ckpt: Path) -> str:
     raise QkovError(f"tour: {str(ckpt)!r} holds neither a finished nor a resumable qkov run; move it away", hint="out")
 
 
+def _earlier_dynamics(ckpt: Path) -> dict[str, Any] | None:
+    """The dynamics a previous tour wrote for exactly the snapshots ``ckpt`` holds now, if any."""
+    try:
+        data = json.loads((ckpt / "dynamics" / "dynamics.json").read_text())
+        labels = [s["label"] for s in data["snapshots"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    now = [f"step {step}" for step, _ in snapshots.listing(ckpt)]
+    return data if labels == now and data.get("schema_version") == DYNAMICS_SCHEMA else None
+
+
 def _dynamics(out: Path, layers: list[int], dev: Any, say: Callable[[str], None]) -> dict[int, dict[str, Any]]:
     """``qkov dynamics`` of each run that kept snapshots, written to ``qkov-<n>l/dynamics``."""
     found: dict[int, dict[str, Any]] = {}
@@ -181,6 +194,11 @@ def _dynamics(out: Path, layers: list[int], dev: Any, say: Callable[[str], None]
         ckpt = out / f"qkov-{n}l"
         if not (ckpt / "snapshots").is_dir():
             say(f"[{n}-layer] no snapshots (a run trained before qkov kept them): no dynamics")
+            continue
+        earlier = _earlier_dynamics(ckpt)
+        if earlier is not None:
+            say(f"[{n}-layer] reusing the dynamics of these snapshots in {ckpt / 'dynamics'}")
+            found[n] = earlier
             continue
         t0 = time.perf_counter()
         found[n] = write_dynamics(ckpt / "dynamics", [ckpt], device=str(dev))
