@@ -253,6 +253,7 @@ def executed(name: str, corpus: Path, work: Path) -> Any:
             "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
             "QKOV_CACHE": str(work / "cache"),
             "QKOV_EXAMPLE_STEPS": "20",
+            "QKOV_EXAMPLE_MODEL": "train",  # not a model the tour may have left in runs/
             "QKOV_EXAMPLE_CORPUS": str(corpus),
             "QKOV_EXAMPLE_CONFIG": json.dumps({"n_heads": 2, "d_model": 32, "d_vocab": 300, "n_ctx": 64}),
         }
