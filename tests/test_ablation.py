@@ -84,6 +84,13 @@ def test_icl_removed_is_the_share_of_the_intact_improvement() -> None:
     s = Ab.AblationStudy(["1.0"], "mean", None, m(-0.2), m(-0.05), [["0.1"], ["1.1"]], [m(-0.2), m(-0.1)])
     assert s.icl_removed() == pytest.approx(0.75)
     assert s.random_icl_removed() == pytest.approx(0.25)
+    assert s.random_icl_removed("median") == pytest.approx(0.25)  # two draws: the mean of the middle two
+    s.random.append(m(-0.2))  # removes nothing: median 0, mean (0 + 0.5 + 0) / 3
+    assert s.random_icl_removed("median") == 0 and s.random_icl_removed() == pytest.approx(1 / 6)
+    assert (
+        Ab.random_sets([(0, 0), (0, 1), (1, 1)], 1, 5, seed=0) == [[(0, 0)], [(0, 1)], [(1, 1)]]
+        or len({tuple(x) for x in Ab.random_sets([(0, 0), (0, 1), (1, 1)], 1, 5, seed=0)}) == 3
+    )  # all three distinct sets when fewer than the draws exist
     assert Ab.AblationStudy(["1.0"], "zero", None, m(0.1), m(0.3)).icl_removed() is None  # nothing to remove
 
 

@@ -308,15 +308,22 @@ def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
         sample="text",
         snapshots=[snap, {**snap, "at": 3e6, "induction": 0.5}],
         reading={"windows": {"induction": win, "previous_token": None, "icl": None}},
-        ablation={"heads": ["1.0"], "mode": "mean", "icl_removed": 0.83, "random_icl_removed": 0.04},
+        ablation={
+            "heads": ["1.0"],
+            "mode": "mean",
+            "icl_removed": 0.83,
+            "random_icl_removed": 0.04,
+            "random_icl_removed_median": 0.02,
+        },
     )
     text, page = repr(r), r._repr_html_()
-    assert "1,234,567 - 2,345,678 (rise 0.432)" in text and "removes 83%" in text and "random heads 4%" in text
+    assert "1,234,567 - 2,345,678 (rise 0.432)" in text and "removes 83%" in text
+    assert "random heads 2% (median), 4% (mean)" in text
     assert "<td>1,234,567</td><td>2,345,678</td><td>0.432</td><td>6.5</td>" in page and 'class="window"' in page
     m = lambda loss, icl: Ab.Measures(loss, icl, 5.0, 1.25)  # noqa: E731
     study = Ab.AblationStudy(["1.0"], "zero", None, m(2.5, -0.2), m(2.75, -0.05), [["0.1"]], [m(2.6, -0.19)])
     assert "2.5000" in repr(study) and "+0.0500" not in repr(study) and "-0.0500" in repr(study)
-    assert "75%" in repr(study) and "random heads: 5%" in repr(study)
+    assert "75%" in repr(study) and "random heads: median 5%, mean 5%" in repr(study)
     html_ = study._repr_html_()
     assert "<td>intact</td><td>2.5000</td><td>-0.2000</td><td>5.000</td><td>1.250</td>" in html_
 

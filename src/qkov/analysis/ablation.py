@@ -14,6 +14,8 @@ the first and second copy of repeated random tokens.
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -115,11 +117,15 @@ class AblationStudy(Shown):
             return None
         return (m.icl - self.intact.icl) / -self.intact.icl
 
-    def random_icl_removed(self) -> float | None:
-        """The mean of :meth:`icl_removed` over the random ablations."""
-        parts = [self.icl_removed(m) for m in self.random]
-        vals = [p for p in parts if p is not None]
-        return sum(vals) / len(vals) if vals else None
+    def random_icl_removed(self, statistic: str = "mean") -> float | None:
+        """The mean (or ``"median"``) of :meth:`icl_removed` over the random ablations."""
+        vals = sorted(v for v in (self.icl_removed(m) for m in self.random) if v is not None)
+        if not vals:
+            return None
+        if statistic == "median":
+            mid = len(vals) // 2
+            return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+        return sum(vals) / len(vals)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -132,6 +138,7 @@ class AblationStudy(Shown):
             "random": [asdict(m) for m in self.random],
             "icl_removed": self.icl_removed(),
             "random_icl_removed": self.random_icl_removed(),
+            "random_icl_removed_median": self.random_icl_removed("median"),
         }
 
 
@@ -152,8 +159,9 @@ def study_text(s: AblationStudy) -> str:
             f"  {name[:24]:24s} {_fmt(m.loss, '8.4f')} {_fmt(m.icl, '+8.4f')} "
             f"{m.repeat_first:8.3f} {m.repeat_second:8.3f}"
         )
-    removed, rand = _fmt(s.icl_removed(), ".0%"), _fmt(s.random_icl_removed(), ".0%")
-    lines.append(f"  in-context improvement removed: {removed} (random heads: {rand})")
+    removed, med = _fmt(s.icl_removed(), ".0%"), _fmt(s.random_icl_removed("median"), ".0%")
+    lines.append(f"  in-context improvement removed: {removed} (random heads: median {med}, ")
+    lines[-1] += f"mean {_fmt(s.random_icl_removed(), '.0%')})"
     return "\n".join(lines)
 
 
@@ -192,13 +200,25 @@ def ablation_study(
     intact = measures(w, text, icl_text, bos=bos, seed=seed)
     study = AblationStudy([f"{l}.{h}" for l, h in heads], mode, sample, intact, measure(heads))
     others = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads) if (l, h) not in heads]
-    rng = random.Random(seed)
-    if len(others) >= len(heads):
-        for _ in range(draws):
-            pick = sorted(rng.sample(others, len(heads)))
-            study.random_heads.append([f"{l}.{h}" for l, h in pick])
-            study.random.append(measure(pick))
+    for pick in random_sets(others, len(heads), draws, seed):
+        study.random_heads.append([f"{l}.{h}" for l, h in pick])
+        study.random.append(measure(pick))
     return study
+
+
+def random_sets(others: list[Head], k: int, draws: int, seed: int) -> list[list[Head]]:
+    """Up to ``draws`` distinct seeded sets of ``k`` heads from ``others`` (all of them when fewer exist)."""
+    if len(others) < k or k == 0:
+        return []
+    total = math.comb(len(others), k)
+    rng = random.Random(seed)
+    if total <= max(draws, 1000):
+        every = [list(c) for c in itertools.combinations(others, k)]
+        return [sorted(c) for c in rng.sample(every, min(draws, total))]
+    seen: set[tuple[Head, ...]] = set()
+    while len(seen) < draws:
+        seen.add(tuple(sorted(rng.sample(others, k))))
+    return [list(c) for c in sorted(seen)]
 
 
 def _probe_tokens(w: Weights, bos: int, seed: int) -> Tensor:

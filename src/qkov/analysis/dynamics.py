@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,13 +40,15 @@ MIN_RISE = {"induction": 0.1, "previous_token": 0.1, "icl": 0.05}
 class Sample:
     """The tokens every snapshot is measured on: natural ``text [B, T]`` (loss, per-token loss,
     previous-token scores; ``None`` without natural text), ``icl_text [N, T]`` (the ICL score), and
-    the seed and start token of the repeated random tokens."""
+    the seed and start token of the repeated random tokens (drawn, as the report draws them, away
+    from the most and least frequent tokens when the training ``frequencies`` are known)."""
 
     text: Tensor | None
     icl_text: Tensor | None
     bos: int = 0
     seed: int = 0
     source: str = ""
+    frequencies: np.ndarray | None = None  # training token counts: the repeated tokens avoid the extremes
 
 
 def _r(x: float, digits: int = 5) -> float:
@@ -81,7 +84,10 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     readers = probe.scores[1:] if cfg.n_layers >= 2 else probe.scores
     rec["induction"] = _r(readers.max())
     length = min(25, (cfg.n_ctx - 1) // 4)
-    rs = repeat_scores(w, prefix_matching_tokens(cfg.d_vocab, length=length, seed=sample.seed, bos=sample.bos), length)
+    rep = prefix_matching_tokens(
+        cfg.d_vocab, length=length, seed=sample.seed, bos=sample.bos, frequencies=sample.frequencies
+    )
+    rs = repeat_scores(w, rep, length)
     heads = {"prefix_matching": rs.prefix_matching, "induction": rs.induction, "copying_rank": rs.copying_rank}
     if sample.text is not None:
         heads["previous_token"] = text_scores(w, sample.text[:PER_TOKEN_SEQUENCES])["previous_token"]

@@ -53,10 +53,11 @@ def dynamics_text(r: DynamicsResult) -> str:
         lines.append(f"  {name:15s} window: {where}")
     ab = r.get("ablation")
     if ab is not None and ab["icl_removed"] is not None:
-        rand = ab["random_icl_removed"]
+        pct = lambda v: "-" if v is None else format(v, ".0%")  # noqa: E731
         lines.append(
-            f"  ablating {', '.join(ab['heads'])} ({ab['mode']}) removes {ab['icl_removed']:.0%} of the in-context "
-            f"improvement; random heads {'-' if rand is None else format(rand, '.0%')}"
+            f"  ablating {', '.join(ab['heads'])} ({ab['mode']}) removes {pct(ab['icl_removed'])} of the in-context "
+            f"improvement; random heads {pct(ab.get('random_icl_removed_median'))} (median), "
+            f"{pct(ab['random_icl_removed'])} (mean)"
         )
     return "\n".join(lines)
 
@@ -65,11 +66,14 @@ def sample_for(s: Series, model: Transformer, *, text: Path | None, tokens: Path
     """The fixed tokens of the series: the run's validation text (or a given text / token file);
     with none, seeded random tokens, on which loss, ICL and previous-token scores are left out."""
     n_icl = default_icl_examples(model.cfg)
-    inp = analysis_inputs(s.origin, model, text=text, tokens=tokens, batch=max(TEXT_SEQUENCES, n_icl), seed=seed)
+    inp = analysis_inputs(
+        s.origin, model, text=text, tokens=tokens, batch=max(TEXT_SEQUENCES, n_icl), want_corpus=True, seed=seed
+    )
+    bos, freqs = model.bos_token_id, inp.frequencies
     if not inp.natural:
-        return Sample(None, None, model.bos_token_id, seed, inp.source + " (loss, ICL and previous-token left out)")
+        return Sample(None, None, bos, seed, inp.source + " (loss, ICL and previous-token left out)", freqs)
     ids = inp.tokens
-    return Sample(ids[:TEXT_SEQUENCES], ids[:n_icl], model.bos_token_id, seed, inp.source)
+    return Sample(ids[:TEXT_SEQUENCES], ids[:n_icl], bos, seed, inp.source, freqs)
 
 
 def _load(s: Series, i: int, device: torch.device) -> Transformer:

@@ -46,7 +46,8 @@ def dynamics_html(r: DynamicsResult) -> str:
         parts.append(
             f"<p>ablating {html.escape(', '.join(ab['heads']))} ({ab['mode']}): "
             f"{_f(ab['icl_removed'], '.0%')} of the in-context improvement removed "
-            f"(random heads: {_f(ab['random_icl_removed'], '.0%')})</p>"
+            f"(random heads: median {_f(ab.get('random_icl_removed_median'), '.0%')}, "
+            f"mean {_f(ab['random_icl_removed'], '.0%')})</p>"
         )
     return page(f"<div class='qkov-nb'>{''.join(parts)}</div>")
 

@@ -123,11 +123,11 @@ def _print_summary(result: dict[str, Any], out: Path, seconds: float) -> None:
         )
     ab = result["ablation"]
     if ab is not None:
-        removed, rand = ab["icl_removed"], ab["random_icl_removed"]
+        removed, rand, med = ab["icl_removed"], ab["random_icl_removed"], ab.get("random_icl_removed_median")
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         con.print(
             f"ablating {', '.join(ab['heads'])} ({ab['mode']}): share of the in-context improvement removed "
-            f"{fmt(removed)} (random heads: {fmt(rand)})"
+            f"{fmt(removed)} (random sets of as many heads: median {fmt(med)}, mean {fmt(rand)})"
         )
     con.print(f"wrote {out / 'index.html'} and dynamics.json in {seconds:.0f} s")
 

@@ -113,7 +113,7 @@
     a.random.forEach((m, i) => rows.push(row(`random ${a.random_heads[i].join(", ")}`, m)));
     table(sec, ["model", "validation loss", "ICL score", "repeated: 1st copy", "2nd copy"], rows).id = "ablation-table";
     sec.append(el("p", { id: "icl-removed", text: `Share of the in-context improvement removed: ${fmt(a.icl_removed, 2)} by the induction heads, ` +
-      `${fmt(a.random_icl_removed, 2)} by random heads (mean).` }));
+      `${fmt(a.random_icl_removed_median, 2)} by random heads (median; mean ${fmt(a.random_icl_removed, 2)}).` }));
   }
 
   function snapshots(sec) {
