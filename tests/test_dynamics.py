@@ -337,3 +337,36 @@ def test_icl_score_read_at_its_window_positions_equals_the_full_curve(length: in
     full, fast = icl_score(w, ex), icl_score(w, ex, curve=False, chunk=5)
     assert fast.score == pytest.approx(full.score, abs=1e-6) and fast.loss_by_position == []
     assert (fast.early, fast.late) == (full.early, full.late) and len(full.loss_by_position) == length - 1
+
+
+def test_phase_claims_follow_the_numbers() -> None:
+    from qkov.apps.phase_section import phase_claims
+
+    win = {"start": 8e6, "end": 1.2e7, "peak": 1e7, "rise": 0.4, "share": 0.8, "sharpness": 4.0}
+    meas = lambda icl: {"loss": 2.5, "icl": icl, "repeat_first": 10.0, "repeat_second": 7.0}  # noqa: E731
+
+    def two(together: bool, removed: float, median: float | None) -> dict:
+        ab = {
+            "heads": ["1.1"],
+            "mode": "mean",
+            "intact": meas(-0.1),
+            "ablated": meas(0.0),
+            "random": [meas(-0.1)],
+            "random_heads": [["0.1"]],
+            "icl_removed": removed,
+            "random_icl_removed": median,
+            "random_icl_removed_median": median,
+        }
+        windows = {"induction": win, "previous_token": win, "icl": win}
+        return {"reading": {"windows": windows, "together": together}, "ablation": ab}
+
+    one = {"reading": {"windows": {"induction": None, "previous_token": None, "icl": None}}}
+    verdicts = lambda t, o: [c.holds for c in phase_claims(t, o)]  # noqa: E731
+    assert verdicts(two(True, 1.6, -0.1), one) == [True, True, True]
+    assert verdicts(two(False, 0.4, -0.1), one) == [False, True, False]  # not together; removes too little
+    assert verdicts(two(True, 0.9, 0.6), one) == [True, True, False]  # a typical random set removes most too
+    one_with = {"reading": {"windows": {"induction": None, "icl": win}}}
+    assert verdicts(None, one_with) == [False]  # a 1-layer ICL window is a difference
+    no_heads = two(True, 1.0, 0.0)
+    no_heads["ablation"] = None
+    assert phase_claims(no_heads, None)[1].holds is False
