@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,3 +94,9 @@ def run_main(capsys: Any, *argv: object) -> tuple[int, str, str]:
         rc = int(exc.code)
     out = capsys.readouterr()
     return rc, out.out, out.err
+
+
+def torchrun(args: list[str], env: dict[str, str], nproc: int = 2) -> "subprocess.CompletedProcess[str]":
+    """``qkov ARGS`` under torchrun: ``nproc`` local processes (gloo on CPU)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return subprocess.run([*cmd, "-m", "qkov", *args], env=env, capture_output=True, text=True, timeout=600)

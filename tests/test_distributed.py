@@ -13,25 +13,13 @@ import torch
 import qkov
 from qkov import ModelConfig, TrainConfig
 
-from helpers import train_flags
+from helpers import torchrun, train_flags
 
 FLAGS = train_flags(steps=30, ckpt_interval=10, eval_interval=10)
 
 
 def _torchrun(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "qkov",
-        "train",
-        *args,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    return torchrun(["train", *args], env)
 
 
 def _losses(path: Path) -> list[float]:

@@ -23,7 +23,7 @@ from qkov.io.checkpoint import save_checkpoint
 from qkov.model.ops import next_token_loss
 from qkov.training import snapshots as snaps
 
-from helpers import TINY, run_main, tiny_train
+from helpers import TINY, run_main, tiny_train, torchrun
 from test_heads import CTX, V, hand_built
 
 T0, WIDTH = 6e6, 4e5  # where the hand-made series forms its induction circuit, in tokens
@@ -242,20 +242,7 @@ def test_two_ranks_give_the_same_result_as_one(tiny_run: Path, tmp_path: Path) -
         timeout=600,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        "-m",
-        "qkov",
-        *base,
-        "-o",
-        str(tmp_path / "two"),
-    ]
-    two = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    two = torchrun([*base, "-o", str(tmp_path / "two")], env)
     assert two.returncode == 0, two.stderr[-3000:]
 
     def strip(path: Path) -> dict:

@@ -131,7 +131,8 @@ def test_config_round_trip_and_unknown_fields() -> None:
 def test_public_api_is_what_the_package_docs_list() -> None:
     """``qkov.__all__`` is the documented API: each name is importable, is the object defined where
     the docs say, and nothing else is exported."""
-    from qkov.analysis import forward, probes
+    from qkov.analysis import ablation, forward, probes
+    from qkov.apps import dynamics
     from qkov.io import checkpoint, sources
     from qkov.model import config, transformer
     from qkov.training import data, loop
@@ -154,10 +155,12 @@ def test_public_api_is_what_the_package_docs_list() -> None:
         "induction_probe_tokens": probes,
         "prefix_matching_tokens": probes,
         "InductionProbe": probes,
+        "dynamics": dynamics,
+        "ablation_study": ablation,
     }
     for name, module in homes.items():
         assert getattr(qkov, name) is getattr(module, name), name
-    expected = set(homes) | {"QkovError", "TrainConfig", "LowRank", "__version__"}
+    expected = set(homes) | {"QkovError", "TrainConfig", "LowRank", "__version__", "show"}
     assert set(qkov.__all__) == expected
     for name in qkov.__all__:
         assert getattr(qkov, name) is not None

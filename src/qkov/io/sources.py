@@ -79,7 +79,8 @@ def fetch_hub(name: str, revision: str | None = None) -> Path:
         ) from None
     patterns = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
     try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=patterns))
+        pinned = {} if revision is None else {"revision": revision}
+        return Path(snapshot_download(name, allow_patterns=patterns, **pinned))
     except Exception as exc:  # offline, unknown repo, gated, ...: one line, whatever the cause
         first = (str(exc).splitlines() or [type(exc).__name__])[0]
         what = f"{name!r}" if revision is None else f"revision {revision!r} of {name!r}"
