@@ -103,8 +103,8 @@ def measure_series(
     out: dict[int, dict[str, Any]] = {}
     for n, i in enumerate(mine):
         out[i] = _record(s, i, sample, device)
-        if progress is not None:
-            progress("dynamics: snapshots", (n + 1) * info.world, len(s.entries))
+        if progress is not None and info.main:  # rank 0 speaks for all: the ranks advance together
+            progress("dynamics: snapshots", min(len(s.entries), (n + 1) * info.world), len(s.entries))
     if not info.enabled:
         return [out[i] for i in range(len(s.entries))]
     gathered: list[Any] = [None] * info.world if info.main else []
