@@ -80,13 +80,13 @@ def _ablation_claim(two: dict[str, Any]) -> Claim:
 
 
 COLORS = {"induction": "#d3562f", "previous_token": "#2a9d5b", "icl": "#3056d3"}
-LABELS = {"induction": "induction score", "previous_token": "previous-token score", "icl": "ICL improvement (nats)"}
+LABELS = {"induction": "induction score", "previous_token": "previous-token score", "icl": "ICL improvement"}
 
 
-def svg_dynamics(dyn: dict[str, Any], *, title: str, width: int = 560, height: int = 300) -> str:
-    """The run's induction, previous-token and in-context-improvement (``max(0, -ICL)``) curves over
-    tokens (each scaled to its own range, labelled with it) with the induction window shaded, as
-    inline SVG."""
+def svg_dynamics(dyn: dict[str, Any], *, title: str, icl_top: float = 0.2, width: int = 560, height: int = 300) -> str:
+    """The run's induction and previous-token scores (attention, on 0..1) and its in-context
+    improvement (``max(0, -ICL)``, on 0..``icl_top`` nats) over tokens, with the induction window
+    shaded, as inline SVG. Fixed scales, so that charts of different runs compare."""
     snaps = dyn["snapshots"]
     xs = [s["at"] for s in snaps]
     L, R, T, B = 50, 170, 30, 40
@@ -102,25 +102,30 @@ def svg_dynamics(dyn: dict[str, Any], *, title: str, width: int = 560, height: i
             f'height="{height - T - B}" fill="#d3562f" opacity="0.12"/>'
         )
     parts.append(f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#999"/>')
+    parts.append(f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#999"/>')
     for frac in (0.0, 0.5, 1.0):
-        parts.append(
-            f'<text x="{fx(frac * x_hi):.1f}" y="{height - B + 15}" text-anchor="middle">'
-            f"{frac * x_hi / 1e6:.0f}M</text>"
-        )
+        tick = f"{frac * x_hi / 1e6:.0f}M"
+        parts.append(f'<text x="{fx(frac * x_hi):.1f}" y="{height - B + 15}" text-anchor="middle">{tick}</text>')
+        y = T + (height - T - B) * (1 - frac)
+        parts.append(f'<text x="{L - 6}" y="{y + 4:.1f}" text-anchor="end">{frac:g}</text>')
     parts.append(f'<text x="{(L + width - R) / 2}" y="{height - 6}" text-anchor="middle">tokens seen</text>')
     row = 0
-    for key, field in (("induction", "induction"), ("previous_token", "previous_token"), ("icl", "icl_improvement")):
+    for key, field, top in (
+        ("induction", "induction", 1.0),
+        ("previous_token", "previous_token", 1.0),
+        ("icl", "icl_improvement", icl_top),
+    ):
         ys = [s.get(field) for s in snaps]
         vals = [y for y in ys if y is not None]
         if not vals:
             continue
-        lo, hi = min(vals), max(vals)
-        fy = lambda y: T + (height - T - B) * (hi - y) / ((hi - lo) or 1.0)  # noqa: E731
+        fy = lambda y: T + (height - T - B) * (1 - min(1.0, max(0.0, y / top)))  # noqa: E731
         pts = " ".join(f"{fx(x):.1f},{fy(y):.1f}" for x, y in zip(xs, ys) if y is not None)
         c = COLORS[key]
+        scale = "0 .. 1 (left axis)" if top == 1.0 else f"0 .. {top:.2f} nats"
         parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{pts}"/>')
         parts.append(f'<text x="{width - R + 8}" y="{T + 30 * row + 10}" fill="{c}">{LABELS[key]}</text>')
-        parts.append(f'<text x="{width - R + 8}" y="{T + 30 * row + 24}" fill="{c}">{lo:.2f} .. {hi:.2f}</text>')
+        parts.append(f'<text x="{width - R + 8}" y="{T + 30 * row + 24}" fill="{c}">{scale}</text>')
         row += 1
     parts.append("</svg>")
     return "".join(parts)
@@ -131,12 +136,14 @@ def phase_html(runs: dict[int, dict[str, Any]]) -> str:
     if not runs:
         return ""
     charts = []
+    icl = [s.get("icl_improvement") or 0.0 for d in runs.values() for s in d["snapshots"]]
+    icl_top = max(0.2, max(icl, default=0.0))  # one scale for every chart
     for n in sorted(runs, reverse=True):
         dyn = runs[n]
         link = f"qkov-{n}l/dynamics/index.html"
         charts.append(
             f"<div style='display:inline-block;vertical-align:top'>"
-            f"{svg_dynamics(dyn, title=f'{n}-layer: detectors over training')}"
+            f"{svg_dynamics(dyn, title=f'{n}-layer: detectors over training', icl_top=icl_top)}"
             f"<p class='note'><a href='{link}'>{n}-layer dynamics page</a> "
             f"(induction window: {html.escape(_span(_window(dyn, 'induction')))})</p></div>"
         )

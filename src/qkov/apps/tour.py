@@ -149,8 +149,9 @@ late in the context (the in-context-learning score is the drop from token 50 to 
 {svg_curves(curves or {}, title="validation loss by token position")}
 <h2>The phase change</h2>
 <p class="note">Every snapshot the runs kept, measured on the same tokens (<code>qkov dynamics</code>): the
-best induction score, the best previous-token score of layer 0 and the in-context improvement (minus the ICL
-score), each drawn on its own scale; the shaded band is the window where the induction score rises fastest.</p>
+best induction score and the best previous-token score of layer 0 (attention, 0 to 1) and the in-context
+improvement (max(0, minus the ICL score), in nats, one scale for both charts); the shaded band is the window
+where the induction score rises fastest.</p>
 {phase or "<p class='note'>No snapshots: the runs kept none.</p>"}
 <h2>The paper's claims, measured here</h2>
 <table><tr><th class="l">claim (paper)</th><th class="l">measured here</th><th></th>
