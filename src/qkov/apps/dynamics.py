@@ -62,12 +62,13 @@ def dynamics_text(r: DynamicsResult) -> str:
     return "\n".join(lines)
 
 
-def sample_for(s: Series, model: Transformer, *, text: Path | None, tokens: Path | None, seed: int) -> Sample:
-    """The fixed tokens of the series: the run's validation text (or a given text / token file);
-    with none, seeded random tokens, on which loss, ICL and previous-token scores are left out."""
+def sample_for(origin: Path, model: Transformer, *, text: Path | None, tokens: Path | None, seed: int) -> Sample:
+    """The fixed tokens ``model`` (loaded from ``origin``) is measured on: the validation text of
+    the corpus ``origin`` records (or a given text / token file); with none, seeded random tokens,
+    on which loss, ICL and previous-token scores are left out. Serves dynamics and ablate."""
     n_icl = default_icl_examples(model.cfg)
     inp = analysis_inputs(
-        s.origin, model, text=text, tokens=tokens, batch=max(TEXT_SEQUENCES, n_icl), want_corpus=True, seed=seed
+        origin, model, text=text, tokens=tokens, batch=max(TEXT_SEQUENCES, n_icl), want_corpus=True, seed=seed
     )
     bos, freqs = model.bos_token_id, inp.frequencies
     if not inp.natural:
@@ -164,7 +165,7 @@ def dynamics(
     info, dev = distributed.setup(pick_device(device))
     try:
         last = _load(s, len(s.entries) - 1, dev)
-        sample = sample_for(s, last, text=text, tokens=tokens, seed=seed)
+        sample = sample_for(s.origin, last, text=text, tokens=tokens, seed=seed)
         sample = Sample(*(x.to(dev) if isinstance(x, torch.Tensor) else x for x in vars(sample).values()))
         records = measure_series(s, sample, dev, info, progress)
     finally:

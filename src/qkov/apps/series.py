@@ -51,6 +51,8 @@ class Series:
     origin: Path  # the run or checkpoint that gives the tokenizer and the corpus
     run: Path | None = None  # the qkov run directory, when the series is its snapshots
     training: dict[str, Any] = field(default_factory=dict)  # the run's training config
+    bos: int = 0  # the run's start token and tokenizer (read once; snapshots hold weights only)
+    tokenizer: Any = None
 
     @property
     def axis(self) -> str:
@@ -71,10 +73,7 @@ class Series:
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[-1].strip()
             raise QkovError(f"snapshot {str(e.path)!r} does not fit the run's model config ({first})") from None
-        assert self.run is not None
-        data = read_config(self.run)
-        model.bos_token_id = int((data.get("tokenizer") or {}).get("bos_token_id", 0))
-        model.tokenizer = read_tokenizer(self.run / "tokenizer.json", where=f"run {str(self.run)!r}")
+        model.bos_token_id, model.tokenizer = self.bos, self.tokenizer
         return model.eval()
 
 
@@ -107,11 +106,10 @@ def _from_run(run: Path) -> Series:
     data = read_config(run)
     cfg = ModelConfig.from_dict(data["model"])
     training = (data.get("training") or {}).get("config") or {}
-    entries = []
-    for step, path in found:
-        _, meta = snaps.read(path)
-        entries.append(Entry(f"step {step}", path, step, meta["tokens"], snapshot=True))
-    return Series(entries, cfg, run, run, training)
+    entries = [Entry(f"step {step}", path, step, snaps.meta(path)["tokens"], snapshot=True) for step, path in found]
+    bos = int((data.get("tokenizer") or {}).get("bos_token_id", 0))
+    tokenizer = read_tokenizer(run / "tokenizer.json", where=f"run {str(run)!r}")
+    return Series(entries, cfg, run, run, training, bos, tokenizer)
 
 
 def _expand(sources: Sequence[str]) -> list[Path]:

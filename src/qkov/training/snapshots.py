@@ -103,14 +103,23 @@ def clear(out: Path) -> None:
     shutil.rmtree(out / SNAPSHOT_DIR, ignore_errors=True)
 
 
-def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The weights and metadata (``step``, ``tokens``) of one snapshot file."""
+def _open(path: Path, with_tensors: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     try:
         with safe_open(str(path), framework="pt") as fh:
             meta = fh.metadata() or {}
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()} if with_tensors else {}
     except (SafetensorError, OSError) as exc:
         raise QkovError(f"snapshot {str(path)!r} cannot be read ({exc})") from None
     if meta.get("format") != "qkov-snapshot":
         raise QkovError(f"{str(path)!r} is not a qkov snapshot")
     return tensors, {"step": int(meta["step"]), "tokens": int(meta["tokens"])}
+
+
+def read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The weights and metadata (``step``, ``tokens``) of one snapshot file."""
+    return _open(path, True)
+
+
+def meta(path: Path) -> dict[str, Any]:
+    """The metadata (``step``, ``tokens``) of one snapshot file, without reading its weights."""
+    return _open(path, False)[1]

@@ -12,10 +12,8 @@ from rich.table import Table
 from ...analysis import ablation as Ab
 from ...errors import QkovError
 from ...io.sources import source_kind
-from ...analysis.probes import default_icl_examples
 from ...weights.view import Weights
-from ..dynamics import write_dynamics
-from ..inputs import analysis_inputs
+from ..dynamics import sample_for, write_dynamics
 from ..progress import StageProgress
 from .common import add_device, add_inputs, add_source_args, console, device, dump_json, load_source, nonneg_int
 
@@ -158,25 +156,23 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "ablate", "nothing to ablate")
     heads = Ab.parse_heads(args.heads, model.cfg)  # before any work
-    n = max(16, default_icl_examples(model.cfg))
-    inp = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=n, seed=args.seed)
-    text = inp.tokens.to(dev) if inp.natural else None
+    sample = sample_for(args.ckpt, model, text=args.text, tokens=args.tokens, seed=args.seed)
     w = Weights.from_model(model.to(dev))
     study = Ab.ablation_study(
         w,
         heads,
-        text=None if text is None else text[:16],
-        icl_text=text,
+        text=None if sample.text is None else sample.text.to(dev),
+        icl_text=None if sample.icl_text is None else sample.icl_text.to(dev),
         mode=args.mode,
         draws=args.draws,
-        bos=model.bos_token_id,
+        bos=sample.bos,
         seed=args.seed,
     )
-    data = {**study.to_dict(), "sample": inp.source}
+    data = {**study.to_dict(), "sample": sample.source}
     if args.json:
         dump_json(data)
         return 0
-    table = Table(title=f"ablating {', '.join(study.heads)} ({study.mode}); text: {inp.source}")
+    table = Table(title=f"ablating {', '.join(study.heads)} ({study.mode}); text: {sample.source}")
     for col in ("model", "val loss", "ICL score", "repeated: 1st copy", "2nd copy"):
         table.add_column(col)
     fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
