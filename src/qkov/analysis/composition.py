@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
+from ..model.ops import expand_kv
 from ..weights.parts import AttentionWeights, WeightSource
 from .factored import LowRank, gram_sqrt
 from .progress import Progress, tick
@@ -106,7 +107,7 @@ def composition_raw(
         for l2 in range(a, L):
             att = source.attention(l2, expand_kv=False)  # grouped K/V once per key/value head
             if l2 < b:
-                ov = LowRank(att.W_V.repeat_interleave(group_size, dim=0), att.W_O)
+                ov = LowRank(expand_kv(att.W_V, group_size), att.W_O)
                 rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()
                 ov_norm[l2] = ov.norm()
             for kind in kinds if l2 > a else ():
@@ -168,11 +169,11 @@ def _reader_parts(att: AttentionWeights, kind: str, Rs: Tensor | None, group: in
     ``||W_QK(R)||_F^2 = <R^T (W_Q^T W_Q) R, W_K^T W_K>``."""
     if kind == "v":  # ||W_V W_O||^2 = <W_V^T W_V, W_O W_O^T>
         GO = att.W_O @ att.W_O.transpose(-1, -2)
-        GV = (att.W_V.transpose(-1, -2) @ att.W_V).repeat_interleave(group, dim=0)
+        GV = expand_kv(att.W_V.transpose(-1, -2) @ att.W_V, group)
         norm = (GV * GO).sum((-1, -2)).clamp_min(0).sqrt()
         return att.W_V, gram_sqrt(GO).transpose(-1, -2)[None], norm[None]
     GQ = att.W_Q.transpose(-1, -2) @ att.W_Q  # [H, E, E]
-    GK = (att.W_K.transpose(-1, -2) @ att.W_K).repeat_interleave(group, dim=0)
+    GK = expand_kv(att.W_K.transpose(-1, -2) @ att.W_K, group)
     E = GQ.shape[-1]
     turns = torch.eye(E, dtype=GQ.dtype, device=GQ.device)[None] if Rs is None else Rs
     # ||W_Q R W_K^T||^2 = <R^T G_Q R, G_K>, the same for K-composition (the transpose)

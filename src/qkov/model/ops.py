@@ -1,8 +1,10 @@
-"""The operations every forward pass shares, each defined once: causal mask, activations,
-normalisation, attention pattern, next-token loss.
+"""The operations every forward pass shares, each defined once: the embedding and where positions
+enter, the per-head projections and grouped-query expansion, causal mask, attention pattern,
+activations and the MLP, normalisation, next-token loss.
 
 The training model (:mod:`qkov.model.transformer`) and the analysis forward
-(:mod:`qkov.analysis.forward`) both call these, so the two passes cannot drift apart.
+(:mod:`qkov.analysis.forward`) both call these, so the two passes cannot drift apart: adding an
+architecture feature to the block is one edit here.
 """
 
 from __future__ import annotations
@@ -14,6 +16,71 @@ import torch.nn.functional as F
 from torch import Tensor
 
 
+# ------------------------------------------------------------------ the block's pieces
+def embed(tokens: Tensor, W_E: Tensor, W_pos: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """The token embedding ``W_E[tokens]`` and the positions ``W_pos[:seq]`` (``None`` without
+    learned positions) of ``tokens [batch, seq]``: ``[batch, seq, d_model]`` and ``[seq, d_model]``."""
+    return F.embedding(tokens, W_E), None if W_pos is None else W_pos[: tokens.shape[-1]]
+
+
+def stream_start(embedded: Tensor, pos: Tensor | None, positional: str) -> Tensor:
+    """The residual stream before the first block: the embedding, plus the positions for
+    ``standard`` positions (shortformer positions never enter the stream; rotary ones act on q, k)."""
+    return embedded + pos if positional == "standard" else embedded  # type: ignore[operator]
+
+
+def query_key_stream(x: Tensor, pos: Tensor | None, positional: str) -> Tensor:
+    """The stream the queries and keys read, before normalisation: ``x`` plus the positions for
+    ``shortformer`` positions (as the paper: positions enter the query/key input only), else ``x``."""
+    return x + pos if positional == "shortformer" else x  # type: ignore[operator]
+
+
+def project_heads(x: Tensor, W: Tensor, b: Tensor | None = None) -> Tensor:
+    """``x [..., seq, d_model]`` through per-head ``W [heads, d_model, d_head]`` (plus ``b [heads,
+    d_head]``) -> ``[..., heads, seq, d_head]``, as one matrix product."""
+    h, d, e = W.shape
+    out = x @ W.permute(1, 0, 2).reshape(d, h * e)
+    out = out.view(*x.shape[:-1], h, e).transpose(-3, -2)
+    return out if b is None else out + b[:, None, :]
+
+
+def write_heads(z: Tensor, W_O: Tensor, b_O: Tensor | None = None) -> Tensor:
+    """Concatenate-then-project ``z [batch, heads, seq, d_head]`` through ``W_O [heads, d_head,
+    d_model]`` (plus ``b_O``) -> ``[batch, seq, d_model]``: the sum over heads of ``z[:, h] @ W_O[h]``."""
+    h, e, d = W_O.shape
+    out = z.transpose(-3, -2).reshape(*z.shape[:-3], z.shape[-2], h * e) @ W_O.reshape(h * e, d)
+    return out if b_O is None else out + b_O
+
+
+def expand_kv(x: Tensor, group: int, dim: int = 0) -> Tensor:
+    """Grouped-query attention: key/value heads along ``dim`` repeated for the ``group`` query heads
+    that read each (query head ``h`` reads key/value head ``h // group``); ``x`` itself when ``group == 1``."""
+    return x if group == 1 else x.repeat_interleave(group, dim=dim)
+
+
+def mlp_preactivation(
+    x: Tensor, W_in: Tensor, b_in: Tensor | None, W_gate: Tensor | None = None, b_gate: Tensor | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """An MLP's pre-activations ``[..., d_mlp]`` from its (normalised) input ``x [..., d_model]``:
+    ``(x @ W_in + b_in, None)``, or for a gated MLP ``(x @ W_gate + b_gate, x @ W_in + b_in)``: the
+    activation's input and the linear factor it multiplies."""
+    linear = x @ W_in if b_in is None else x @ W_in + b_in
+    if W_gate is None:
+        return linear, None
+    return (x @ W_gate if b_gate is None else x @ W_gate + b_gate), linear
+
+
+def mlp_hidden(act_fn: str, pre: Tensor, linear: Tensor | None) -> Tensor:
+    """The hidden activations ``act(pre)``, times ``linear`` for a gated MLP (Llama's SwiGLU)."""
+    return activation(act_fn, pre) if linear is None else activation(act_fn, pre) * linear
+
+
+def mlp_output(hidden: Tensor, W_out: Tensor, b_out: Tensor | None) -> Tensor:
+    """What the MLP writes: ``hidden @ W_out + b_out``."""
+    return hidden @ W_out if b_out is None else hidden @ W_out + b_out
+
+
+# ------------------------------------------------------------------ attention
 def causal_mask(seq: int, device: torch.device | str | None = None) -> Tensor:
     """``[seq, seq]`` booleans, ``True`` where a query may **not** see a key (keys after the query)."""
     return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
@@ -28,8 +95,12 @@ def attention_scores(q: Tensor, k: Tensor) -> Tensor:
 def attention_pattern(scores: Tensor) -> Tensor:
     """Causal softmax of ``scores [..., query, key]`` over keys: each query's row sums to one over
     the keys at or before it, and is zero after it."""
-    seq = scores.shape[-1]
-    return torch.softmax(scores.masked_fill(causal_mask(seq, scores.device), float("-inf")), dim=-1)
+    return torch.softmax(masked_scores(scores), dim=-1)
+
+
+def masked_scores(scores: Tensor) -> Tensor:
+    """``scores [..., query, key]`` with every key after its query set to ``-inf``."""
+    return scores.masked_fill(causal_mask(scores.shape[-1], scores.device), float("-inf"))
 
 
 def activation(name: str, x: Tensor) -> Tensor:

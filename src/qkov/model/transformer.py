@@ -25,7 +25,17 @@ from torch import Tensor, nn
 from ..errors import QkovError
 from .config import ModelConfig
 from . import rotary
-from .ops import activation
+from .ops import (
+    embed,
+    expand_kv,
+    mlp_hidden,
+    mlp_output,
+    mlp_preactivation,
+    project_heads,
+    query_key_stream,
+    stream_start,
+    write_heads,
+)
 from .tokens import check_tokens, token_decoder
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -92,22 +102,13 @@ class Attention(nn.Module):
             self.register_parameter("b_V", None)
             self.register_parameter("b_O", None)
 
-    @staticmethod
-    def _project(x: Tensor, W: Tensor, b: Tensor | None) -> Tensor:
-        """``x [batch, seq, d_model]`` through ``W [heads, d_model, d_head]`` -> ``[batch, heads, seq, d_head]``."""
-        h, d, e = W.shape
-        out = x @ W.permute(1, 0, 2).reshape(d, h * e)
-        out = out.view(*x.shape[:-1], h, e).transpose(-3, -2)
-        if b is not None:
-            out = out + b[:, None, :]
-        return out
-
     def qkv(self, qk_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries, keys, values ``[batch, heads, seq, d_head]`` from the stream inputs."""
+        """Queries ``[batch, heads, seq, d_head]``, keys and values ``[batch, kv_heads, seq, d_head]``
+        from the stream inputs."""
         return (
-            self._project(qk_in, self.W_Q, self.b_Q),
-            self._project(qk_in, self.W_K, self.b_K),
-            self._project(v_in, self.W_V, self.b_V),
+            project_heads(qk_in, self.W_Q, self.b_Q),
+            project_heads(qk_in, self.W_K, self.b_K),
+            project_heads(v_in, self.W_V, self.b_V),
         )
 
     def write(self, z: Tensor) -> Tensor:
@@ -115,11 +116,7 @@ class Attention(nn.Module):
 
         Equal to the sum over heads of ``z[:, h] @ W_O[h]`` (tested).
         """
-        h, e, d = self.W_O.shape
-        out = z.transpose(-3, -2).reshape(*z.shape[:-3], z.shape[-2], h * e) @ self.W_O.reshape(h * e, d)
-        if self.b_O is not None:
-            out = out + self.b_O
-        return out
+        return write_heads(z, self.W_O, self.b_O)
 
     def forward(self, qk_in: Tensor, v_in: Tensor) -> Tensor:
         """Causal attention of every head, fused: ``[batch, seq, d_model]`` in and out."""
@@ -128,8 +125,7 @@ class Attention(nn.Module):
             cos, sin = rotary.tables(self.cfg, q.shape[-2], q.device, q.dtype)
             q, k = rotary.rotate(q, cos, sin), rotary.rotate(k, cos, sin)
         group = self.cfg.n_heads // self.cfg.kv_heads
-        if group > 1:
-            k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+        k, v = expand_kv(k, group, dim=-3), expand_kv(v, group, dim=-3)
         return self.write(F.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
@@ -159,20 +155,8 @@ class MLP(nn.Module):
             self.register_parameter("b_gate", None)
 
     def forward(self, x: Tensor) -> Tensor:
-        pre = x @ self.W_in
-        if self.b_in is not None:
-            pre = pre + self.b_in
-        if self.W_gate is not None:
-            gate = x @ self.W_gate
-            if self.b_gate is not None:
-                gate = gate + self.b_gate
-            hidden = activation(self.act_fn, gate) * pre
-        else:
-            hidden = activation(self.act_fn, pre)
-        out = hidden @ self.W_out
-        if self.b_out is not None:
-            out = out + self.b_out
-        return out
+        pre, linear = mlp_preactivation(x, self.W_in, self.b_in, self.W_gate, self.b_gate)
+        return mlp_output(mlp_hidden(self.act_fn, pre, linear), self.W_out, self.b_out)
 
 
 class Block(nn.Module):
@@ -187,16 +171,17 @@ class Block(nn.Module):
         self.ln2 = norm_layer(cfg) if self.mlp is not None else None
 
     def forward(self, x: Tensor, pos: Tensor | None) -> Tensor:
-        """One block on the stream ``x [batch, seq, d_model]``; ``pos`` the shortformer positions or ``None``.
+        """One block on the stream ``x [batch, seq, d_model]``; ``pos [seq, d_model]`` the learned
+        positions (``None`` without them; only shortformer positions enter here).
 
         Sequential: ``x + attn``, then ``+ mlp`` of that. Parallel: both read ``x``: ``x + attn(x) + mlp(x)``.
         """
         # Shortformer: positions enter the query/key input only, never the values or the stream.
-        qk_in = x if pos is None else x + pos
+        qk_in = query_key_stream(x, pos, self.cfg.positional)
         v_in = x
         if self.ln1 is not None:
             v_in = self.ln1(x)
-            qk_in = v_in if pos is None else self.ln1(qk_in)
+            qk_in = v_in if qk_in is x else self.ln1(qk_in)
         out = x + self.attn(qk_in, v_in)
         if self.mlp is not None:
             read = x if self.cfg.parallel else out
@@ -303,14 +288,10 @@ class Transformer(nn.Module):
     # ------------------------------------------------------------- forward
     def stream(self, tokens: Tensor) -> Tensor:
         """The final residual stream ``[batch, seq, d_model]`` (before the final LayerNorm) of checked ids."""
-        seq = tokens.shape[-1]
-        x = F.embedding(tokens, self.W_E)
-        pos = None if self.W_pos is None else self.W_pos[:seq]
-        if self.cfg.positional == "standard":
-            x = x + pos
-        qk_pos = pos if self.cfg.positional == "shortformer" else None
+        x, pos = embed(tokens, self.W_E, self.W_pos)
+        x = stream_start(x, pos, self.cfg.positional)
         for block in self.blocks:
-            x = block(x, qk_pos)
+            x = block(x, pos)
         return x
 
     def unembed(self, resid: Tensor) -> Tensor:

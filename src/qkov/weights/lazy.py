@@ -29,6 +29,7 @@ from ..io.checkpoint import MODEL_FILE, read_config
 from ..io.hf_store import HFStore
 from ..io.tensorfile import TensorFile
 from ..model.config import ModelConfig
+from ..model.ops import expand_kv as expand
 from ..model.transformer import Transformer
 from .parts import AttentionWeights, MLPWeights, Unembedding, centre_rows, check_head, fold_reader, writer_centring
 
@@ -200,7 +201,7 @@ class LazyCheckpoint:
             if head is not None:
                 return self._get(pre + name, head // group if shared else head)[None]
             t = self._get(pre + name)
-            return t.repeat_interleave(group, dim=0) if shared and expand_kv else t
+            return expand(t, group) if shared and expand_kv else t
 
         D, E = c.d_model, c.d_head
         kv = c.kv_heads if head is None and not expand_kv else h

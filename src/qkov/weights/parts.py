@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..model.config import ModelConfig
-from ..model.ops import activation
+from ..model.ops import mlp_hidden, mlp_output, mlp_preactivation
 
 NORMS: tuple[str, ...] = ("none", "layernorm", "rmsnorm", "folded", "scale")
 """How a view's stream is normalised before each reader: ``none`` (no normalisation), ``layernorm``
@@ -76,15 +76,11 @@ class MLPWeights:
 
     def hidden(self, x: Tensor, act_fn: str) -> Tensor:
         """The MLP's hidden activations ``[..., d_mlp]`` for its (normalised) input ``x [..., d_model]``."""
-        pre = x @ self.W_in + self.b_in
-        if self.W_gate is None:
-            return activation(act_fn, pre)
-        gate = x @ self.W_gate
-        return activation(act_fn, gate if self.b_gate is None else gate + self.b_gate) * pre
+        return mlp_hidden(act_fn, *mlp_preactivation(x, self.W_in, self.b_in, self.W_gate, self.b_gate))
 
     def __call__(self, x: Tensor, act_fn: str) -> Tensor:
         """The MLP's output ``[..., d_model]`` for its (normalised) input ``x``."""
-        return self.hidden(x, act_fn) @ self.W_out + self.b_out
+        return mlp_output(self.hidden(x, act_fn), self.W_out, self.b_out)
 
 
 @dataclass(frozen=True)

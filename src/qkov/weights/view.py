@@ -41,6 +41,7 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..model.config import ModelConfig
+from ..model.ops import expand_kv as expand
 from ..model.transformer import Transformer
 from .parts import AttentionWeights, MLPWeights, Unembedding, centre_rows, check_head, fold_reader, writer_centring
 
@@ -210,8 +211,8 @@ class Weights:
         if head is not None:  # the query head's key/value head: a view
             kv = slice(head // group, head // group + 1)
             W_K, W_V, b_K, b_V = W_K[kv], W_V[kv], b_K[kv], b_V[kv]
-        elif group > 1 and expand_kv:  # every query head's key/value weights, for this read only
-            W_K, W_V, b_K, b_V = (x.repeat_interleave(group, dim=0) for x in (W_K, W_V, b_K, b_V))
+        elif expand_kv:  # every query head's key/value weights, for this read only
+            W_K, W_V, b_K, b_V = (expand(x, group) for x in (W_K, W_V, b_K, b_V))
         return AttentionWeights(
             self.W_Q[layer, hs], W_K, W_V, self.W_O[layer, hs], self.b_Q[layer, hs], b_K, b_V, self.b_O[layer], *ln
         )
