@@ -112,7 +112,7 @@ def test_frozen_patterns_replace_the_models() -> None:
     toks = _tokens(cfg, batch=2)
     T = cfg.n_ctx
     uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
-    forced = run(w, toks, patterns=uniform.expand(cfg.n_layers, cfg.n_heads, T, T).double())
+    forced = run(w, toks, patterns=uniform.expand(cfg.n_layers, cfg.n_heads, T, T).double(), record=("patterns",))
     expected, _ = reference_forward(w, toks, patterns=uniform.expand(cfg.n_layers, 2, cfg.n_heads, T, T).double())
     assert (forced.logits - expected).abs().max() < 1e-12
     assert (forced.logits - run(w, toks).logits).abs().max() > 1e-3
@@ -124,9 +124,9 @@ def test_shortformer_positions_only_enter_queries_and_keys() -> None:
     cfg = CONFIGS["shortformer"]
     w = Weights.from_model(_model(cfg), dtype=torch.float64)
     toks = _tokens(cfg, batch=2)
-    own = run(w, toks)
+    own = run(w, toks, record=("patterns",))
     moved = w.replace(W_pos=w.W_pos * 3)
-    assert (run(moved, toks).patterns - own.patterns).abs().max() > 1e-3
+    assert (run(moved, toks, record=("patterns",)).patterns - own.patterns).abs().max() > 1e-3
     assert (run(moved, toks, patterns=own.patterns).logits - own.logits).abs().max() < 1e-12
 
 

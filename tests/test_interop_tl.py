@@ -63,7 +63,7 @@ def test_export_matches_transformerlens_forward_and_patterns(name: str) -> None:
     m, tokens = _model(cfg), _tokens(cfg)
     hooked = to_hooked(m, dtype=D)
     with torch.no_grad():
-        ours = run(Weights.from_model(m, dtype=D, fold_ln=False, center_unembed=False), tokens)
+        ours = run(Weights.from_model(m, dtype=D, fold_ln=False, center_unembed=False), tokens, cache="pattern.*")
         logits, cache = hooked.run_with_cache(tokens)
         assert (m(tokens) - logits).abs().max() < 1e-10
     assert (ours.logits - logits).abs().max() < 1e-10

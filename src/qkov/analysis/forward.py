@@ -1,20 +1,23 @@
-"""The analysis forward: one pass over any :class:`~qkov.weights.WeightSource`, written once.
+"""The analysis forward: one pass over any :class:`~qkov.weights.WeightSource`, written once, that
+can read and write every activation by name.
 
-:func:`run` computes the model's logits from a weights view and records what an analysis
-asks for (``record``): every head's attention pattern, every normalisation's divisor, each
-head's values and output, each MLP's output, each layer's query/key input. It can also run
-with parts of the computation frozen: attention patterns alone (``patterns=``), or
-everything a previous run fixed (``frozen=``: its patterns, normalisation divisors and MLP
-outputs), with each head adding a given output instead of its own (``head_outputs=``).
-Path expansion, term importance, the QK-side split, the head detectors, the probes and the
-report all use it. ``observe=`` hands each layer's attention (:class:`LayerView`) to a callback
-as it is computed, so scores can be accumulated layer by layer without holding any of it past
-its layer (the streamed head detectors). The layer-level pieces (:func:`project`, :func:`read`,
-:func:`head_writes`) are what the path expansion applies to single stream terms.
+``run(source, tokens, cache=[...], edits={...}, grad=False)`` computes the logits and passes
+every activation through a named site (:mod:`qkov.analysis.sites`: ``embed``, ``resid_pre.1``,
+``pattern.0``, ``z.1``, ``head_out.1``, ``mlp_hidden.0``, ``final``, ``logits``, ...). ``cache``
+names the sites to keep (names, tuples, globs or TransformerLens hook names); ``edits`` replaces
+a site's value by a tensor or a function of it (:mod:`qkov.analysis.edits`); ``grad=True`` runs it
+differentiably (cached activations keep their ``.grad`` after a backward pass). It returns a
+:class:`~qkov.analysis.activations.Run` that indexes like TransformerLens' cache.
 
-The training model (:class:`qkov.Transformer`) has its own fused forward; a test checks the
-two against each other. The shared operations (mask, softmax, activations, normalisation,
-loss) live in :mod:`qkov.model.ops`.
+What a site does not need is not computed: with nothing asked of a layer's scores, patterns or
+per-head outputs, attention runs fused; a pattern replaced by a tensor skips the queries and
+keys; an MLP output replaced by a tensor skips the MLP. The older modes are uses of the same
+sites: ``patterns=`` (replace every pattern), ``frozen=`` (replace patterns, normalisation
+divisors and MLP outputs by those of a previous run), ``head_outputs=`` (each head writes a given
+output; its live one is still recorded), ``record=`` (cache by the older names) and ``observe=``
+(each layer's attention handed to a callback and dropped). The training model
+(:class:`qkov.Transformer`) runs the same block pieces (:mod:`qkov.model.ops`); a test checks the two
+against each other and against an independent reference.
 
 Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head,
 ``V`` d_vocab.
@@ -22,8 +25,9 @@ Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -31,25 +35,31 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..model import rotary
-from ..model.ops import attention_pattern, attention_scores, normalize
+from ..model.ops import (
+    attention_scores,
+    embed,
+    expand_kv,
+    masked_scores,
+    mlp_hidden,
+    mlp_output,
+    mlp_preactivation,
+    norm_scale,
+    normalize,
+    project_heads,
+    query_key_stream,
+    stream_start,
+    write_heads,
+)
 from ..model.tokens import check_tokens
 from ..weights.parts import AttentionWeights, WeightSource
+from .activations import Run, Scales
+from .edits import Edit, Edits
+from .legacy import legacy_edits, legacy_kinds
+from .sites import Address, Sites
 
 RECORDABLE: tuple[str, ...] = ("patterns", "scales", "values", "head_outputs", "mlp_outputs", "qk_inputs")
-"""What :func:`run` can record (see :class:`Run` for shapes)."""
-
-
-@dataclass
-class Scales:
-    """The divisor of every normalisation on a run (``sqrt(var + eps)``, or the RMS in a ``scale``
-    view): ``attn_v`` the attention's value input, ``attn_qk`` its query/key input (different
-    from ``attn_v`` only with shortformer positions), ``mlp`` the MLP's input, each
-    ``[L, B, T, 1]``; ``final`` the unembedding's input ``[B, T, 1]``."""
-
-    attn_v: Tensor
-    attn_qk: Tensor
-    mlp: Tensor | None
-    final: Tensor
+"""The older ``record=`` names (see :class:`~qkov.analysis.activations.Run` for their layouts)."""
+__all__ = ["RECORDABLE", "LayerView", "Run", "Scales", "flops_per_token", "head_terms", "project", "read", "run"]
 
 
 @dataclass
@@ -65,38 +75,6 @@ class LayerView:
     qk_scale: Tensor | None
 
 
-@dataclass
-class Run:
-    """One forward pass: ``tokens [B, T]``, ``logits [B, T, V]`` and what was recorded (else ``None``).
-
-    * ``patterns [L, B, H, T, T]`` — attention patterns (query, key);
-    * ``scales`` — :class:`Scales` (``None`` for a model without normalisation);
-    * ``values [L, B, H, T, E]`` — each head's values, ``b_V`` included;
-    * ``head_outputs [L, B, H, T, D]`` — what each head writes, ``pattern @ values @ W_O``
-      (``b_V`` included through the row-stochastic pattern, ``b_O`` not: it belongs to the layer);
-    * ``mlp_outputs [L, B, T, D]`` — what each MLP writes (biases included; ``None`` without MLPs);
-    * ``qk_inputs [L, B, T, D]`` — each layer's normalised query/key input.
-    """
-
-    tokens: Tensor
-    logits: Tensor
-    patterns: Tensor | None = None
-    scales: Scales | None = None
-    values: Tensor | None = None
-    head_outputs: Tensor | None = None
-    mlp_outputs: Tensor | None = None
-    qk_inputs: Tensor | None = None
-
-    def divisor(self, site: str, layer: int | None = None) -> Tensor | None:
-        """The recorded normalisation divisor at ``site`` (a :class:`Scales` field: ``attn_v``,
-        ``attn_qk``, ``mlp``, ``final``), of ``layer`` for the per-layer sites; ``None`` for a
-        model without normalisation."""
-        if self.scales is None:
-            return None
-        s = getattr(self.scales, site)
-        return s if layer is None or s is None else s[layer]
-
-
 def flops_per_token(cfg: Any) -> int:
     """Floating-point operations of one token through the model (matrix products, attention over a
     full context, the unembedding): what sizes the default batches of the analyses."""
@@ -104,11 +82,10 @@ def flops_per_token(cfg: Any) -> int:
     return 2 * (L * (4 * D * HE + 2 * D * M + T * HE) + D * V)
 
 
-# ------------------------------------------------------------------ layer pieces
+# ------------------------------------------------------------------ layer pieces (path expansion)
 def project(x: Tensor, W: Tensor, b: Tensor | None = None) -> Tensor:
     """``x [B, T, D]`` through per-head ``W [H, D, E]`` (plus ``b [H, E]``) -> ``[B, H, T, E]``."""
-    out = torch.einsum("btd,hde->bhte", x, W)
-    return out if b is None else out + b[:, None]
+    return project_heads(x, W, b)
 
 
 def head_writes(pattern: Tensor, v: Tensor, W_O: Tensor) -> Tensor:
@@ -116,7 +93,7 @@ def head_writes(pattern: Tensor, v: Tensor, W_O: Tensor) -> Tensor:
     return torch.einsum("bhte,hed->bhtd", pattern @ v, W_O)
 
 
-def head_terms(source: WeightSource, run: "Run", layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
+def head_terms(source: WeightSource, run: Run, layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
     """What each head of ``layer`` (or only ``heads``) writes for one stream term ``x [B, T, D]``
     alone, with the run's patterns and normalisation divisors frozen, no biases: ``[h, B, T, D]``."""
     att = source.attention(layer)
@@ -137,226 +114,275 @@ def read(x: Tensor, norm: str, scale: Tensor | None) -> Tensor:
     return normalize(x, norm, 0.0, scale=scale)[0] if scale is not None else x
 
 
-def _check_record(record: Iterable[str]) -> frozenset[str]:
-    want = frozenset(record)
-    unknown = sorted(want - set(RECORDABLE))
-    if unknown:
-        raise QkovError(f"run: cannot record {', '.join(unknown)} (choose from {', '.join(RECORDABLE)})")
-    return want
+# ------------------------------------------------------------------ the pass
+class _Store:
+    """The cache being filled: every site asked for, kinds asked at every layer kept in one
+    ``[L, ...]`` buffer (so stacking them later copies nothing) unless gradients are wanted."""
+
+    def __init__(self, wanted: set[tuple[str, int | None]], stacked: set[str], n_layers: int, grad: bool) -> None:
+        self.wanted, self.stacked, self.L, self.grad = wanted, stacked, n_layers, grad
+        self.items: dict[str, Tensor] = {}
+        self.buffers: dict[str, Tensor] = {}
+
+    def put(self, kind: str, layer: int | None, value: Tensor) -> None:
+        name = Address(kind, layer).name
+        if self.grad:
+            if value.requires_grad and not value.is_leaf:
+                value.retain_grad()
+        elif kind in self.stacked and layer is not None:
+            if kind not in self.buffers:
+                self.buffers[kind] = value.new_empty(self.L, *value.shape)
+            self.buffers[kind][layer] = value
+            value = self.buffers[kind][layer]
+        self.items[name] = value
 
 
-def _check_patterns(patterns: Tensor, source: WeightSource, tokens: Tensor) -> Tensor:
-    c, (b, t) = source.cfg, tokens.shape
-    if patterns.ndim == 4:
-        patterns = patterns[:, None]
-    if (
-        patterns.ndim != 5
-        or patterns.shape[0] != c.n_layers
-        or patterns.shape[2] != c.n_heads
-        or patterns.shape[3:] != (t, t)
-        or patterns.shape[1] not in (1, b)
-    ):
-        raise QkovError(
-            f"patterns: expected shape [{c.n_layers}, {b}, {c.n_heads}, {t}, {t}], got {tuple(patterns.shape)}"
-        )
-    return patterns.to(device=source.device, dtype=source.dtype)
-
-
-def queries_keys(att: AttentionWeights, qk_in: Tensor, turn: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
-    """Queries and keys ``[B, H, T, E]`` from the (normalised) query/key input ``qk_in [B, T, D]``,
-    rotated by their positions when ``turn`` holds the rotary ``cos, sin`` tables."""
-    q, k = project(qk_in, att.W_Q, att.b_Q), project(qk_in, att.W_K, att.b_K)
-    if turn is not None:
-        q, k = rotary.rotate(q, *turn), rotary.rotate(k, *turn)
-    return q, k
-
-
-def _attend(
-    att: AttentionWeights,
-    qk_in: Tensor,
-    v: Tensor,
-    pattern: Tensor | None,
-    need_pattern: bool,
-    turn: tuple[Tensor, Tensor] | None,
-) -> tuple[Tensor | None, Tensor | None]:
-    """The pattern (frozen or computed) and, when no pattern is wanted, the fused ``pattern @ v``."""
-    if pattern is not None:
-        return pattern, None
-    q, k = queries_keys(att, qk_in, turn)
-    if need_pattern:
-        return attention_pattern(attention_scores(q, k)), None
-    return None, F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-# ------------------------------------------------------------------------- run
-@dataclass
 class _Pass:
-    """One forward pass in progress: what is fixed (source, frozen parts, what to record) and
-    what it has kept so far, layer by layer."""
+    """One forward pass in progress: the source, its sites' edits and cache, the positions."""
 
-    source: WeightSource
-    want: frozenset[str]
-    patterns: Tensor | None  # frozen [L, B|1, H, T, T]
-    fixed: Scales | None  # frozen divisors
-    mlp_frozen: Tensor | None  # frozen MLP outputs [L, B, T, D]
-    head_override: Tensor | None  # [L, B, H, T, D] written instead of the heads' own outputs
-    pos: Tensor | None  # [T, D]
-    turn: tuple[Tensor, Tensor] | None  # rotary cos, sin [T, r]
-    observe: Callable[[LayerView], None] | None = None
-    kept: dict[str, Any] = field(default_factory=lambda: {"scales": []})
+    def __init__(self, source: WeightSource, edits: Edits, store: _Store, observe: Any, grad: bool) -> None:
+        self.source, self.cfg, self.edits, self.store = source, source.cfg, edits, store
+        self.observe, self.grad = observe, grad
+        self.group = self.cfg.n_heads // self.cfg.kv_heads
+        self.pos: Tensor | None = None
+        self.turn: tuple[Tensor, Tensor] | None = None
 
-    def _keep(self, name: str, layer: int, value: Tensor) -> None:
-        """Record ``value`` as layer ``layer``'s ``name`` (only what was asked for is held past its
-        layer), into one ``[n_layers, ...]`` buffer: stacking a list at the end would hold two copies."""
-        if name not in self.want:
-            return
-        if name not in self.kept:
-            self.kept[name] = value.new_empty(self.source.cfg.n_layers, *value.shape)
-        self.kept[name][layer] = value
+    # ------------------------------------------------------------------ sites
+    def active(self, kind: str, layer: int | None) -> bool:
+        return (kind, layer) in self.edits or (kind, layer) in self.store.wanted
 
-    def _norm(self, x: Tensor, site: str, layer: int | None, w: Tensor | None, b: Tensor | None) -> Tensor:
-        """Normalise at ``site`` (a :class:`Scales` field), with the frozen divisor when there is one."""
-        frozen = None if self.fixed is None else getattr(self.fixed, site)
-        scale = frozen if frozen is None or layer is None else frozen[layer]
-        out, s = normalize(x, self.source.norm, self.source.cfg.ln_eps, scale=scale, w=w, b=b)
-        if s is not None:
-            self.kept["scales"].append((site, s))
-        return out
+    def at(self, kind: str, layer: int | None, value: Tensor) -> Tensor:
+        """``value`` through site ``kind.layer``: edited, then cached."""
+        site = (kind, layer)
+        if site in self.edits:
+            value = self.edits.apply(site, value)
+        if site in self.store.wanted:
+            self.store.put(kind, layer, value)
+        return value
+
+    def at_heads(self, kind: str, layer: int, x: Tensor) -> Tensor:
+        """A ``[B, H, T, E]`` tensor through a site with TransformerLens' ``[B, T, H, E]`` layout."""
+        return self.at(kind, layer, x.transpose(1, 2)).transpose(1, 2) if self.active(kind, layer) else x
+
+    def normed(self, prefix: str, layer: int | None, x: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """``x`` normalised at ``{prefix}_scale`` / ``{prefix}_in`` (``final_scale`` / ``final``):
+        the normalised stream and the divisor used."""
+        name = "final" if prefix == "final" else f"{prefix}_in"
+        if self.source.norm == "none":
+            return self.at(name, layer, x), None
+        s = self.edits.fixed((f"{prefix}_scale", layer))
+        s = self.at(f"{prefix}_scale", layer, norm_scale(x, self.source.norm, self.cfg.ln_eps) if s is None else s)
+        out = normalize(x, self.source.norm, self.cfg.ln_eps, scale=s, w=w, b=b)[0]
+        return self.at(name, layer, out), s
+
+    # ------------------------------------------------------------------ attention
+    def head_input(self, kind: str, l: int, x: Tensor, normed: Tensor, W: Tensor, b: Tensor, ln: Any) -> Tensor:
+        """Queries, keys or values ``[B, n, T, E]``; through the per-head input site ``{kind}_input``
+        when that site is used: each head's own copy of the stream ``x`` (shortformer positions added
+        after the site, for queries and keys), normalised on its own."""
+        if not self.active(f"{kind}_input", l):
+            return project_heads(normed, W, b)
+        split = self.at(f"{kind}_input", l, x[:, :, None, :].expand(-1, -1, W.shape[0], -1))
+        if kind != "v":
+            split = query_key_stream(split, None if self.pos is None else self.pos[:, :, None], self.cfg.positional)
+        split = normalize(split, self.source.norm, self.cfg.ln_eps, w=ln[0], b=ln[1])[0]
+        return torch.einsum("btnd,nde->bnte", split, W) + b[:, None]
+
+    def queries_keys(self, l: int, att: AttentionWeights, x: Tensor, qk_in: Tensor) -> tuple[Tensor | None, ...]:
+        """Queries ``[B, H, T, E]`` and keys ``[B, K, T, E]`` (rotated); ``None`` when the pattern is
+        replaced by a tensor and nothing asks for them."""
+        needs = ("q_input", "k_input", "q", "k", "scores")
+        if self.edits.fixed(("pattern", l)) is not None and not any(self.active(k, l) for k in needs):
+            return None, None
+        ln = (att.ln_w, att.ln_b)
+        q = self.head_input("q", l, x, qk_in, att.W_Q, att.b_Q, ln)
+        k = self.head_input("k", l, x, qk_in, att.W_K, att.b_K, ln)
+        if self.turn is not None:
+            q, k = rotary.rotate(q, *self.turn), rotary.rotate(k, *self.turn)
+        return self.at_heads("q", l, q), self.at_heads("k", l, k)
+
+    def attend(self, l: int, q: Tensor | None, k: Tensor | None, v: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``z [B, H, T, E]`` and the pattern (``None`` when attention ran fused)."""
+        v = expand_kv(v, self.group, dim=1)
+        if not (self.observe or self.active("scores", l) or self.active("pattern", l)):
+            return F.scaled_dot_product_attention(q, expand_kv(k, self.group, dim=1), v, is_causal=True), None  # type: ignore[arg-type]
+        if q is None:
+            B, H, T = v.shape[0], self.cfg.n_heads, v.shape[2]
+            pattern = self.edits.fixed(("pattern", l)).expand(B, H, T, T)  # type: ignore[union-attr]
+        else:
+            scores = self.at("scores", l, masked_scores(attention_scores(q, expand_kv(k, self.group, dim=1))))  # type: ignore[arg-type]
+            pattern = torch.softmax(scores, dim=-1)
+        pattern = self.at("pattern", l, pattern)
+        return pattern @ v, pattern
 
     def attention(self, l: int, x: Tensor) -> Tensor:
-        """Layer ``l``'s attention added to the stream ``x``."""
-        att, cfg = self.source.attention(l), self.source.cfg
-        v_in = self._norm(x, "attn_v", l, att.ln_w, att.ln_b)
-        if cfg.positional == "shortformer":
-            qk_in = self._norm(x + self.pos, "attn_qk", l, att.ln_w, att.ln_b)  # type: ignore[operator]
+        """Layer ``l``'s attention output ``[B, T, D]`` (``b_O`` included) for the stream ``x``."""
+        att = self.source.attention(l, expand_kv=False)
+        v_in, v_scale = self.normed("attn", l, x, att.ln_w, att.ln_b)
+        qk_src = query_key_stream(x, self.pos, self.cfg.positional)
+        if qk_src is x:
+            qk_in, qk_scale = self.at("qk_in", l, v_in), v_scale
         else:
-            qk_in = v_in
-            if self.source.norm != "none":  # the query/key input is the value input: one divisor
-                self.kept["scales"].append(("attn_qk", self.kept["scales"][-1][1]))
-        v = project(v_in, att.W_V, att.b_V)
-        per_head = "head_outputs" in self.want or self.head_override is not None
-        frozen = None if self.patterns is None else self.patterns[l]
-        need = per_head or "patterns" in self.want or self.observe is not None
-        p, z = _attend(att, qk_in, v, frozen, need, self.turn)
+            qk_in, qk_scale = self.normed("qk", l, qk_src, att.ln_w, att.ln_b)
+        v = self.at_heads("v", l, self.head_input("v", l, x, v_in, att.W_V, att.b_V, (att.ln_w, att.ln_b)))
+        q, k = self.queries_keys(l, att, x, qk_in)
+        z, pattern = self.attend(l, q, k, v)
+        z = self.at_heads("z", l, z)
         if self.observe is not None:
-            qk_scale = self.kept["scales"][-1][1] if self.source.norm != "none" else None
-            self.observe(LayerView(l, p, v, qk_in, qk_scale))  # type: ignore[arg-type]
-        if per_head:
-            outputs = head_writes(p, v, att.W_O)  # type: ignore[arg-type]  # [B, H, T, D]
-            self._keep("head_outputs", l, outputs)
-            written = (outputs if self.head_override is None else self.head_override[l]).sum(1)
+            self.observe(LayerView(l, pattern, expand_kv(v, self.group, dim=1), qk_in, qk_scale))  # type: ignore[arg-type]
+        if self.active("head_out", l):
+            per_head = self.at("head_out", l, torch.einsum("bhte,hed->bthd", z, att.W_O))
+            out = per_head.sum(2) + att.b_O
         else:
-            written = torch.einsum("bhte,hed->btd", p @ v if z is None else z, att.W_O)  # type: ignore[operator]
-        for name, value in (("patterns", p), ("values", v), ("qk_inputs", qk_in)):
-            self._keep(name, l, value)  # type: ignore[arg-type]
-        return x + written + att.b_O
+            out = write_heads(z, att.W_O, att.b_O)
+        return self.at("attn_out", l, out)
 
-    def mlp(self, l: int, x: Tensor, into: Tensor | None = None) -> Tensor:
-        """Layer ``l``'s MLP (or its frozen output) reading the stream ``x``, added to ``into``
-        (default ``x``; a parallel block's MLP reads the block's input and adds to the stream
-        attention already wrote to)."""
-        into = x if into is None else into
+    # ------------------------------------------------------------------ MLP, blocks, logits
+    def mlp(self, l: int, x: Tensor) -> Tensor | None:
+        """Layer ``l``'s MLP output for the stream ``x`` it reads (``None`` without an MLP)."""
         mlp = self.source.mlp(l)
         if mlp is None:
-            return into
-        if self.mlp_frozen is not None:
-            out = self.mlp_frozen[l]
+            return None
+        inside = ("mlp_scale", "mlp_in", "mlp_pre", "mlp_linear", "mlp_hidden")
+        out = self.edits.fixed(("mlp_out", l))
+        if out is None or any(self.active(k, l) for k in inside):
+            m_in = self.normed("mlp", l, x, mlp.ln_w, mlp.ln_b)[0]
+            pre, linear = mlp_preactivation(m_in, mlp.W_in, mlp.b_in, mlp.W_gate, mlp.b_gate)
+            pre = self.at("mlp_pre", l, pre)
+            linear = None if linear is None else self.at("mlp_linear", l, linear)
+            hidden = self.at("mlp_hidden", l, mlp_hidden(self.cfg.act_fn, pre, linear))
+            out = mlp_output(hidden, mlp.W_out, mlp.b_out)
+        return self.at("mlp_out", l, out)
+
+    def block(self, l: int, x: Tensor) -> Tensor:
+        x = self.at("resid_pre", l, x)
+        a = self.attention(l, x)
+        if self.cfg.parallel:  # attention and MLP both read the block's input
+            m = self.mlp(l, x)
+            x = x + a if m is None else x + a + m
         else:
-            out = mlp(self._norm(x, "mlp", l, mlp.ln_w, mlp.ln_b), self.source.cfg.act_fn)
-        self._keep("mlp_outputs", l, out)
-        return into + out
+            x = x + a
+            if self.cfg.d_mlp is not None:
+                x = self.at("resid_mid", l, x)
+                x = x + self.mlp(l, x)  # type: ignore[operator]
+        return self.at("resid_post", l, x)
 
-    def logits(self, x: Tensor) -> Tensor:
+    def start(self, tokens: Tensor, start_at: tuple[int, Tensor] | None) -> tuple[int, Tensor | None]:
+        """Embed ``tokens`` (or take the stream given by ``start_at``); set the positions."""
+        B, T = tokens.shape
+        emb, pos = embed(tokens, self.source.embed(), self.source.pos())
+        if pos is not None:
+            pos = pos.expand(B, T, -1)
+            if self.grad and not pos.requires_grad:
+                pos = pos.clone().requires_grad_()
+            self.pos = pos = self.at("pos", None, pos)
+        if self.cfg.positional == "rotary":
+            self.turn = rotary.tables(self.cfg, T, self.source.device, self.source.dtype)
+        if start_at is not None:
+            return start_at[0], start_at[1]
+        if self.grad and not emb.requires_grad:
+            emb = emb.requires_grad_()
+        return 0, stream_start(self.at("embed", None, emb), pos, self.cfg.positional)
+
+    def logits(self, x: Tensor, positions: Tensor | None) -> Tensor:
         unemb = self.source.unembed()
-        return self._norm(x, "final", None, unemb.ln_w, unemb.ln_b) @ unemb.W_U + unemb.b_U
-
-    def scales(self) -> Scales | None:
-        """The divisors this pass used, stacked by site (the frozen ones when it had them)."""
-        if self.fixed is not None or self.source.norm == "none":
-            return self.fixed
-        by_site: dict[str, list[Tensor]] = {"attn_v": [], "attn_qk": [], "mlp": [], "final": []}
-        for site, s in self.kept["scales"]:
-            by_site[site].append(s)
-        final = by_site["final"][0]
-        layer = {k: torch.stack(v) if v else final.new_zeros(0, *final.shape) for k, v in by_site.items()}
-        return Scales(layer["attn_v"], layer["attn_qk"], layer["mlp"] if by_site["mlp"] else None, final)
+        x = x if positions is None else x[:, positions.to(x.device)]
+        final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
+        return self.at("logits", None, final @ unemb.W_U + unemb.b_U)
 
 
-@torch.no_grad()
 def run(
     source: WeightSource,
     tokens: Tensor,
     *,
-    record: Iterable[str] = ("patterns",),
+    cache: Iterable[Any] | str = (),
+    edits: Mapping[Any, Edit] | None = None,
+    grad: bool = False,
+    positions: Tensor | None = None,
+    start_at: tuple[int, Tensor] | None = None,
+    record: Iterable[str] = (),
     patterns: Tensor | None = None,
     frozen: Run | None = None,
     head_outputs: Tensor | None = None,
     observe: Callable[[LayerView], None] | None = None,
-    positions: Tensor | None = None,
 ) -> Run:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
 
     Args:
-        record: names from :data:`RECORDABLE` to keep (default: the attention patterns).
-        patterns: frozen attention patterns ``[L, B, H, T, T]`` (or ``[L, H, T, T]``, broadcast
-            over the batch) used instead of the model's own.
-        frozen: a previous run of the same tokens that recorded ``patterns`` and ``scales``
-            (and ``mlp_outputs`` for a model with MLPs): its patterns, divisors and MLP
-            outputs are used instead of being computed. With patterns, divisors and MLP
-            outputs frozen, the logits are linear in the one-hot tokens.
-        head_outputs: ``[L, B, H, T, D]``: each head adds this to the stream instead of its
-            live output (the live output is still computed and can be recorded); ``b_O`` is
-            added as usual. Used by the term-importance runs.
+        cache: sites to keep (names, ``(kind, layer)`` tuples, globs such as ``"pattern.*"``,
+            TransformerLens hook names); read them from the result, ``out["pattern", 1]``.
+        edits: ``{site: tensor | fn(value, site)}``: what to write at a site (:mod:`qkov.analysis.edits`).
+        grad: run differentiably (else under ``torch.no_grad``); cached activations that
+            require grad keep their gradient after a backward pass.
+        positions: ``[P]`` positions: the logits (and the final sites) are computed there only
+            (``Run.logits`` is then ``[B, P, V]``), for scores that read a few positions.
+        start_at: ``(layer, stream [B, T, D])``: start at that layer's ``resid_pre`` (``n_layers``:
+            the final stream) with the given stream; earlier sites are not computed.
+        record: the older names of :data:`RECORDABLE` to cache (at every layer).
+        patterns: attention patterns ``[L, B, H, T, T]`` (or ``[L, H, T, T]``) replacing the model's own.
+        frozen: a previous run of the same tokens that recorded ``patterns`` and ``scales`` (and
+            ``mlp_outputs`` for a model with MLPs): its patterns, divisors and MLP outputs
+            replace the computed ones, so the logits are linear in the one-hot tokens.
+        head_outputs: ``[L, B, H, T, D]``: each head adds this instead of its live output (the
+            live output is still recorded under ``head_outputs``); ``b_O`` is added as usual.
         observe: called with each layer's :class:`LayerView` as soon as it is computed.
-        positions: ``[P]`` positions: the logits are unembedded there only (``Run.logits`` is then
-            ``[B, P, d_vocab]``), for scores that read a few positions of long examples.
     Returns:
-        :class:`Run`. Computed under ``torch.no_grad``.
+        :class:`~qkov.analysis.activations.Run`.
     """
     cfg = source.cfg
-    want = _check_record(record)
+    _check_source(source)
     tokens = check_tokens(tokens, cfg).to(source.device)
-    if patterns is not None and frozen is not None:
-        raise QkovError("run: give frozen patterns or a frozen run, not both")
-    if frozen is not None:
-        if frozen.patterns is None or (source.norm != "none" and frozen.scales is None):
-            raise QkovError("run: a frozen run must have recorded its patterns and scales")
-        if cfg.d_mlp is not None and frozen.mlp_outputs is None:
-            raise QkovError("run: a frozen run of a model with MLPs must have recorded mlp_outputs")
-        patterns = frozen.patterns
-    if patterns is not None:
-        patterns = _check_patterns(patterns, source, tokens)
-    pos = source.pos()
-    pos = pos[: tokens.shape[1]] if pos is not None else None
-    fixed, mlp_frozen = (None, None) if frozen is None else (frozen.scales, frozen.mlp_outputs)
-    turn = rotary.tables(cfg, tokens.shape[1], source.device, source.dtype) if cfg.positional == "rotary" else None
-    state = _Pass(source, want, patterns, fixed, mlp_frozen, head_outputs, pos, turn, observe)
-    x = F.embedding(tokens, source.embed())
-    if cfg.positional == "standard":
-        x = x + pos
-    for l in range(cfg.n_layers):
-        x = state.mlp(l, x, into=state.attention(l, x)) if cfg.parallel else state.mlp(l, state.attention(l, x))
-    return _collect(source, tokens, state.logits(x if positions is None else x[:, positions.to(x.device)]), state)
+    sites = Sites(cfg, source.norm)
+    kinds = legacy_kinds(record, sites)
+    wanted = {a.site for a in sites.resolve_all(cache)} | {(k, l) for k in kinds for l in _layers(sites, k)}
+    stacked = set(kinds) | _whole_kinds(sites, cache)
+    ed = Edits(sites, None, device=source.device, dtype=source.dtype)
+    live = legacy_edits(ed, tokens, patterns=patterns, frozen=frozen, head_outputs=head_outputs)
+    ed.update(edits)
+    _check_start(start_at, tokens, cfg, source)
+    state = _Pass(source, ed, _Store(wanted, stacked, cfg.n_layers, grad), observe, grad)
+    with contextlib.nullcontext() if grad else torch.no_grad():
+        first, x = state.start(tokens, start_at)
+        for l in range(first, cfg.n_layers):
+            x = state.block(l, x)
+        logits = state.logits(x, positions)  # type: ignore[arg-type]
+    out = Run(tokens, logits, state.store.items, source, positions, dict(state.store.buffers))
+    if live is not None and "head_out" in kinds:  # head_outputs=: the live outputs, not the ones written
+        out.cache.update({f"head_out.{l}": v for l, v in live.items()})
+        out.stacks.pop("head_out", None)
+    return out
 
 
-def _collect(source: WeightSource, tokens: Tensor, logits: Tensor, state: _Pass) -> Run:
-    """The :class:`Run` of what was asked for, per-layer lists stacked along a leading layer dim."""
+def _layers(sites: Sites, kind: str) -> list[int | None]:
+    """The layers a kind has sites at (``[None]`` for a global kind)."""
+    per = {k.name: k.per_layer for k in sites.kinds}
+    return list(range(sites.cfg.n_layers)) if per[kind] else [None]
+
+
+def _whole_kinds(sites: Sites, cache: Iterable[Any] | str) -> set[str]:
+    """Kinds ``cache`` asks for at every layer (kept in one buffer)."""
+    by_kind: dict[str, set[int]] = {}
+    for a in sites.resolve_all(cache):
+        if a.layer is not None:
+            by_kind.setdefault(a.kind, set()).add(a.layer)
+    return {k for k, ls in by_kind.items() if len(ls) == sites.cfg.n_layers}
+
+
+def _check_source(source: Any) -> None:
+    if not all(hasattr(source, n) for n in ("cfg", "attention", "embed", "unembed", "norm")):
+        raise QkovError(
+            f"run: expected a weights view (qkov.Weights.from_model(model), or a LazyCheckpoint), got {type(source).__name__}"
+        )
+
+
+def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, source: Any) -> None:
+    if start_at is None:
+        return
+    layer, x = start_at
     B, T = tokens.shape
-    c = source.cfg
-
-    def stacked(name: str, empty: tuple[int, ...]) -> Tensor | None:
-        if name not in state.want:
-            return None
-        return state.kept.get(name, logits.new_zeros(0, *empty))
-
-    H, D, E = c.n_heads, c.d_model, c.d_head
-    return Run(
-        tokens=tokens,
-        logits=logits,
-        patterns=stacked("patterns", (B, H, T, T)),
-        scales=state.scales() if "scales" in state.want else None,
-        values=stacked("values", (B, H, T, E)),
-        head_outputs=stacked("head_outputs", (B, H, T, D)),
-        mlp_outputs=stacked("mlp_outputs", (B, T, D)) if c.d_mlp is not None else None,
-        qk_inputs=stacked("qk_inputs", (B, T, D)),
-    )
+    if not (isinstance(layer, int) and 0 <= layer <= cfg.n_layers):
+        raise QkovError(f"start_at: layer must be in 0..{cfg.n_layers}, got {layer!r}")
+    if tuple(x.shape) != (B, T, cfg.d_model):
+        raise QkovError(f"start_at: expected a stream of shape [{B}, {T}, {cfg.d_model}], got {list(x.shape)}")
+    if x.device != source.device or x.dtype != source.dtype:
+        raise QkovError("start_at: the stream must be on the source's device and dtype")

@@ -16,7 +16,7 @@ Two token sets, for two jobs:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -133,12 +133,14 @@ def induction_probe(
     repeats: int = 2,
     batch: int = 8,
     seed: int = 0,
+    edits: Mapping[Any, Any] | None = None,
 ) -> InductionProbe:
-    """Run the model on :func:`induction_probe_tokens`; score every head's induction attention."""
+    """Run the model (with ``edits``, see :func:`~qkov.analysis.forward.run`) on
+    :func:`induction_probe_tokens`; score every head's induction attention."""
     cfg = source.cfg
     length = min(length, (cfg.n_ctx - 1) // repeats)
     tokens = induction_probe_tokens(cfg.d_vocab, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
-    r = run(source, tokens)
+    r = run(source, tokens, cache="pattern.*", edits=edits)
     assert r.patterns is not None
     scores = induction_attention(r.patterns, length)
     nll = next_token_nll(r.logits, r.tokens)  # [batch, seq-1]; position i predicts token i+1
@@ -186,6 +188,7 @@ def icl_score(
     chunk: int | None = None,
     progress: Progress | None = None,
     curve: bool = True,
+    edits: Mapping[Any, Any] | None = None,
 ) -> ICLScore:
     """Loss at token ``late`` minus loss at token ``early``, over ``examples [B, T]`` of validation text.
 
@@ -198,7 +201,9 @@ def icl_score(
     better (the model learns in context). Examples run ``chunk`` at a time (default: as many as
     keep their ``[chunk, T, d_vocab]`` logits within :data:`LOGIT_BYTES`). ``curve=False``
     unembeds only the positions of the two windows (the same score, ~T/20 times less unembedding;
-    ``loss_by_position`` is then empty).
+    ``loss_by_position`` is then empty). ``edits`` apply to every forward pass
+    (:func:`~qkov.analysis.forward.run`); chunks are as even as they can be, so no chunk of a
+    resample ablation holds a single sequence.
     """
     examples = examples[:, : late + 2]  # nothing after the late position enters the score
     T = examples.shape[1]
@@ -212,15 +217,17 @@ def icl_score(
     if chunk is None:
         chunk = max(1, LOGIT_BYTES // (width * source.cfg.d_vocab * torch.finfo(source.dtype).bits // 8))
     parts = []
-    for i in range(0, examples.shape[0], chunk):
-        ex = examples[i : i + chunk]
-        logits = run(source, ex, record=(), positions=at).logits
+    N = examples.shape[0]
+    bounds = torch.linspace(0, N, -(-N // chunk) + 1).round().long().tolist()
+    for i, stop in zip(bounds[:-1], bounds[1:]):
+        ex = examples[i:stop]
+        logits = run(source, ex, positions=at, edits=edits).logits
         if at is None:
             parts.append(next_token_nll(logits, ex))
         else:  # position p predicts token p + 1
             logp = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).log_softmax(-1)
             parts.append(-logp.gather(-1, ex[:, at.to(ex.device) + 1, None])[..., 0])
-        tick(progress, "heads: in-context learning", min(i + chunk, examples.shape[0]), examples.shape[0])
+        tick(progress, "heads: in-context learning", stop, N)
     mean = torch.cat(parts).mean(0)  # [T-1], or [len(at)]
     index = {int(p): k for k, p in enumerate(at)} if at is not None else None
     pick = (lambda ps: mean[ps]) if index is None else (lambda ps: mean[[index[int(p)] for p in ps]])  # noqa: E731

@@ -1,0 +1,201 @@
+"""What one analysis forward returns: :class:`Run`, the logits and the cached activations.
+
+``out = run(source, tokens, cache=["pattern.*", "resid_pre.*"])`` indexes like TransformerLens'
+cache: ``out["pattern", 1]``, ``out["blocks.1.attn.hook_pattern"]``, ``out["z.0.3"]`` (head 3 of
+``z.0``), ``out.stack("pattern")`` (every layer, ``[L, ...]``). The residual-stream decompositions
+(:meth:`Run.accumulated_resid`, :meth:`Run.decompose_resid`, :meth:`Run.stack_head_results`)
+return a :class:`~qkov.analysis.decompose.Stack` that projects itself onto a direction or a
+logit difference.
+
+The older fields (``patterns [L, B, H, T, T]``, ``head_outputs [L, B, H, T, D]``, ``values``,
+``mlp_outputs``, ``qk_inputs``, ``scales``) read the same cache in qkov's earlier layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..model.ops import expand_kv
+from .decompose import Stack, accumulated, by_component, by_head
+from .sites import BY_NAME, Address, Sites
+
+
+@dataclass
+class Scales:
+    """The divisor of every normalisation on a run (``sqrt(var + eps)``, or the RMS in a ``scale``
+    view): ``attn_v`` the attention's value input, ``attn_qk`` its query/key input (different
+    from ``attn_v`` only with shortformer positions), ``mlp`` the MLP's input, each
+    ``[L, B, T, 1]``; ``final`` the unembedding's input ``[B, T, 1]``."""
+
+    attn_v: Tensor
+    attn_qk: Tensor
+    mlp: Tensor | None
+    final: Tensor
+
+
+@dataclass(repr=False)
+class Run:
+    """One forward pass: ``tokens [B, T]``, ``logits [B, T, V]`` (``[B, P, V]`` when the run was
+    asked for ``positions``) and ``cache``, the activations asked for by site name."""
+
+    tokens: Tensor
+    logits: Tensor
+    cache: dict[str, Tensor] = field(default_factory=dict)
+    source: Any = None
+    positions: Tensor | None = None  # where the logits (and final sites) were computed; None: everywhere
+    stacks: dict[str, Tensor] = field(default_factory=dict)  # kind -> [L, ...] when cached at every layer
+
+    # ------------------------------------------------------------------ the cache
+    def _sites(self) -> Sites:
+        return Sites(self.source.cfg, self.source.norm)
+
+    def address(self, key: Any) -> Address:
+        found = self._sites().resolve(key)
+        if len(found) != 1:
+            raise QkovError(f"{key!r} names {len(found)} sites; index one at a time (or use stack())")
+        return found[0]
+
+    def __getitem__(self, key: Any) -> Tensor:
+        a = self.address(key)
+        name = Address(a.kind, a.layer).name
+        if name not in self.cache:
+            raise QkovError(f"{name} was not cached: run(..., cache=[{name!r}]) (cached: {self._cached()})")
+        value = self.cache[name]
+        dim = BY_NAME[a.kind].head_dim
+        return value if a.head is None or dim is None else value.select(dim, a.head)
+
+    def _cached(self) -> str:
+        names = list(self.cache)
+        return ", ".join(names[:8]) + (" ..." if len(names) > 8 else "") if names else "nothing"
+
+    def __contains__(self, key: Any) -> bool:
+        try:
+            a = self.address(key)
+        except QkovError:
+            return False
+        return Address(a.kind, a.layer).name in self.cache
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.cache)
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def keys(self) -> list[str]:
+        return list(self.cache)
+
+    def items(self) -> list[tuple[str, Tensor]]:
+        return list(self.cache.items())
+
+    def __repr__(self) -> str:
+        return f"Run(tokens {list(self.tokens.shape)}, logits {list(self.logits.shape)}, cached: {self._cached()})"
+
+    def stack(self, kind: str) -> Tensor:
+        """A per-layer kind cached at every layer, stacked: ``[L, ...]`` (a view when the run kept it
+        in one buffer)."""
+        if kind in self.stacks:
+            return self.stacks[kind]
+        L = self.source.cfg.n_layers
+        if L == 0:
+            return self.logits.new_zeros(0, *self._sites().shape(kind, *self.tokens.shape))
+        return torch.stack([self[(kind, l)] for l in range(L)])
+
+    def select(self, index: Any) -> "Run":
+        """The run of some sequences only (``index`` along the batch: an int, slice or index tensor)."""
+        pick = (lambda t: t[index : index + 1]) if isinstance(index, int) else (lambda t: t[index])  # noqa: E731
+        cache = {name: pick(value) for name, value in self.cache.items()}
+        return Run(pick(self.tokens), pick(self.logits), cache, self.source, self.positions)
+
+    def logits_at(self, positions: Tensor | list[int] | int) -> Tensor:
+        """The logits at ``positions`` (absolute; negative from the end of the sequence), whether or not
+        the run unembedded only some positions: ``[B, len(positions), V]`` (``[B, V]`` for an int)."""
+        one = isinstance(positions, int)
+        T = self.tokens.shape[1]
+        want = torch.tensor([positions] if one else list(positions) if not isinstance(positions, Tensor) else positions)
+        want = torch.where(want < 0, want + T, want)
+        if self.positions is None:
+            out = self.logits[:, want.to(self.logits.device)]
+        else:
+            where = {int(p): i for i, p in enumerate(self.positions.tolist())}
+            missing = [int(p) for p in want.tolist() if int(p) not in where]
+            if missing:
+                raise QkovError(f"the run computed logits at positions {sorted(where)} only, not {missing}")
+            out = self.logits[:, [where[int(p)] for p in want.tolist()]]
+        return out[:, 0] if one else out
+
+    # ------------------------------------------------------------------ decompositions
+    def accumulated_resid(self, layer: int | None = None, *, incl_mid: bool = False) -> Stack:
+        """The residual stream as it accumulates: ``resid_pre`` of every layer before ``layer`` (all
+        of them, then the final stream, for ``None``), with ``resid_mid`` too if ``incl_mid``.
+        Needs those sites cached (``cache=["resid_pre.*", "resid_post.*"]``)."""
+        return accumulated(self, layer, incl_mid)
+
+    def decompose_resid(self, layer: int | None = None, *, mode: str = "all") -> Stack:
+        """The stream entering ``layer`` (the final stream for ``None``) as the sum of what wrote it:
+        the embedding, standard positions, each earlier layer's ``attn_out`` and ``mlp_out``
+        (``mode``: ``all``, ``attn`` or ``mlp``). The components sum to the stream exactly."""
+        return by_component(self, layer, mode)
+
+    def stack_head_results(self, layer: int | None = None) -> Stack:
+        """Every head's output (``head_out``, no ``b_O``) in the layers before ``layer`` (all for
+        ``None``), one component per head labelled ``"layer.head"``."""
+        return by_head(self, layer)
+
+    # ------------------------------------------------------------------ the older fields
+    def _legacy(self, kind: str) -> Tensor | None:
+        L = self.source.cfg.n_layers
+        if kind not in self.stacks and not all(f"{kind}.{l}" in self.cache for l in range(L)):
+            return None
+        return self.stack(kind)
+
+    @property
+    def patterns(self) -> Tensor | None:
+        """``[L, B, H, T, T]`` attention patterns (query, key)."""
+        return self._legacy("pattern")
+
+    @property
+    def head_outputs(self) -> Tensor | None:
+        """``[L, B, H, T, D]`` what each head writes (``b_V`` included through the pattern, not ``b_O``)."""
+        s = self._legacy("head_out")
+        return None if s is None else s.transpose(2, 3)
+
+    @property
+    def values(self) -> Tensor | None:
+        """``[L, B, H, T, E]`` each query head's values (``b_V`` included)."""
+        s = self._legacy("v")
+        cfg = self.source.cfg
+        return None if s is None else expand_kv(s.transpose(2, 3), cfg.n_heads // cfg.kv_heads, dim=2)
+
+    @property
+    def mlp_outputs(self) -> Tensor | None:
+        """``[L, B, T, D]`` what each MLP writes (``None`` without MLPs)."""
+        return self._legacy("mlp_out") if self.source.cfg.d_mlp is not None else None
+
+    @property
+    def qk_inputs(self) -> Tensor | None:
+        """``[L, B, T, D]`` each layer's normalised query/key input."""
+        return self._legacy("qk_in")
+
+    @property
+    def scales(self) -> Scales | None:
+        """The normalisation divisors (:class:`Scales`), ``None`` without normalisation or when not cached."""
+        attn, final = self._legacy("attn_scale"), self.cache.get("final_scale")
+        if attn is None or final is None:
+            return None
+        qk = self._legacy("qk_scale")
+        mlp = self._legacy("mlp_scale") if self.source.cfg.d_mlp is not None else None
+        return Scales(attn, attn if qk is None else qk, mlp, final)
+
+    def divisor(self, site: str, layer: int | None = None) -> Tensor | None:
+        """The recorded normalisation divisor at ``site`` (a :class:`Scales` field: ``attn_v``,
+        ``attn_qk``, ``mlp``, ``final``), of ``layer`` for the per-layer sites; ``None`` for a
+        model without normalisation."""
+        if self.scales is None:
+            return None
+        s = getattr(self.scales, site)
+        return s if layer is None or s is None else s[layer]

@@ -1,0 +1,158 @@
+"""The residual stream taken apart on one run: accumulated by layer, by component (embedding,
+positions, each layer's attention and MLP output), by head, and each part projected onto a
+direction or a logit difference (direct logit attribution).
+
+A :class:`Stack` holds components ``[C, B, T, D]`` of the stream at one place: the input of
+layer ``layer``'s attention, or the final stream (``layer=None``). :meth:`Stack.apply_ln` reads
+every component through that place's normalisation with the run's divisor frozen, which is linear,
+so normalised components still add up to the normalised stream; :meth:`Stack.logit_attrs` then
+gives each component's share of a logit or logit difference (they sum to the logit minus ``b_U``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..model.ops import normalize
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .activations import Run
+
+
+@dataclass
+class Stack:
+    """Stream components ``values [C, B, T, D]`` with one label each, read at ``layer``'s attention
+    input (``None``: the final stream); ``normalized`` once :meth:`apply_ln` has run."""
+
+    values: Tensor
+    labels: list[str]
+    run: "Run"
+    layer: int | None
+    normalized: bool = False
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __repr__(self) -> str:
+        at = "the final stream" if self.layer is None else f"layer {self.layer}'s input"
+        return f"Stack({len(self)} components of {at}: {', '.join(self.labels[:6])}{' ...' if len(self) > 6 else ''})"
+
+    def total(self) -> Tensor:
+        """The sum of the components ``[B, T, D]``."""
+        return self.values.sum(0)
+
+    def apply_ln(self) -> "Stack":
+        """Every component through the normalisation at this place, its divisor frozen at the run's
+        (``attn_scale`` of the layer, or ``final_scale``): centred and divided (LayerNorm folded) or
+        divided (RMS). Needs a view with the normalisation folded (``fold_ln=True``, the default)."""
+        src = self.run.source
+        if self.normalized or src.norm == "none":
+            return replace(self, normalized=True)
+        if src.norm not in ("folded", "scale"):
+            raise QkovError("apply_ln needs a weights view with the normalisation folded (fold_ln=True)")
+        name = "final_scale" if self.layer is None else f"attn_scale.{self.layer}"
+        if name not in self.run.cache:
+            raise QkovError(f"apply_ln needs {name} cached: run(..., cache=[{name!r}, ...])")
+        scale = self.run.cache[name]
+        if scale.shape[1] != self.values.shape[2]:
+            raise QkovError("apply_ln at the final stream needs a run with logits at every position")
+        return replace(self, values=normalize(self.values, src.norm, 0.0, scale=scale)[0], normalized=True)
+
+    def project(self, direction: Tensor) -> Tensor:
+        """Each component's dot product with ``direction`` (``[D]``, or per sequence / position,
+        broadcasting to ``[B, T, D]``): ``[C, B, T]``."""
+        direction = direction.to(self.values)
+        if direction.shape[-1] != self.values.shape[-1]:
+            raise QkovError(f"project: a direction has {self.values.shape[-1]} entries (d_model), got {direction.shape[-1]}")
+        return (self.values * direction).sum(-1)
+
+    def logit_attrs(self, tokens: Any, incorrect: Any = None) -> Tensor:
+        """Each component's direct contribution to the logit of ``tokens`` (minus that of ``incorrect``,
+        for a logit difference): ``[C, B, T]``. ``tokens``: an id, ``[B]`` (one per sequence) or ``[B, T]``.
+        Components read at the final stream are normalised first (:meth:`apply_ln`); summed over
+        components they give ``logits[..., token] - b_U[token]`` (tested)."""
+        stack = self.apply_ln() if self.layer is None and not self.normalized else self
+        W_U = self.run.source.unembed().W_U  # [D, V]
+        direction = _directions(W_U, tokens, stack.values.shape[1:3])
+        if incorrect is not None:
+            direction = direction - _directions(W_U, incorrect, stack.values.shape[1:3])
+        return stack.project(direction)
+
+
+def _directions(W_U: Tensor, tokens: Any, batch_pos: torch.Size) -> Tensor:
+    """Unembedding columns of ``tokens`` shaped to broadcast over ``[B, T, D]``."""
+    t = torch.as_tensor(tokens, device=W_U.device)
+    if t.ndim > 2 or (t.ndim >= 1 and t.shape[0] != batch_pos[0]) or (t.ndim == 2 and t.shape[1] != batch_pos[1]):
+        raise QkovError(f"logit_attrs: tokens must be one id, [batch] or [batch, positions]; got {list(t.shape)}")
+    if bool(((t < 0) | (t >= W_U.shape[1])).any()):
+        raise QkovError(f"logit_attrs: token ids must be in 0..{W_U.shape[1] - 1}")
+    cols = W_U[:, t].movedim(0, -1)  # [..., D]
+    return cols[:, None] if t.ndim == 1 else cols
+
+
+def _final_stream(run: "Run") -> Tensor:
+    L = run.source.cfg.n_layers
+    if L:
+        return run["resid_post", L - 1]
+    x = run["embed"]
+    return x + run["pos"] if run.source.cfg.positional == "standard" else x
+
+
+def _upto(run: "Run", layer: int | None) -> int:
+    L = run.source.cfg.n_layers
+    if layer is not None and not 0 <= layer <= L:
+        raise QkovError(f"layer {layer}: the model has {L} layers (0..{L - 1}, or {L} for the final stream)")
+    return L if layer is None else layer
+
+
+def accumulated(run: "Run", layer: int | None, incl_mid: bool) -> Stack:
+    """``resid_pre`` of layers ``0 .. layer`` (with ``resid_mid`` of those before it when ``incl_mid``);
+    for ``None`` every layer's and then the final stream, labelled ``"0_pre"``, ``"0_mid"``, ``"final"``."""
+    upto = _upto(run, layer)
+    L = run.source.cfg.n_layers
+    mid = incl_mid and run.source.cfg.d_mlp is not None and not run.source.cfg.parallel
+    parts, labels = [], []
+    for l in range(min(upto + 1, L)):
+        parts.append(run["resid_pre", l])
+        labels.append(f"{l}_pre")
+        if mid and l < upto:
+            parts.append(run["resid_mid", l])
+            labels.append(f"{l}_mid")
+    if upto == L:
+        parts.append(_final_stream(run))
+        labels.append("final")
+    return Stack(torch.stack(parts), labels, run, None if upto == L else upto)
+
+
+def by_component(run: "Run", layer: int | None, mode: str) -> Stack:
+    """The stream entering ``layer`` as embedding, positions and each earlier layer's outputs."""
+    if mode not in ("all", "attn", "mlp"):
+        raise QkovError(f"decompose_resid: mode must be all, attn or mlp, got {mode!r}")
+    upto, cfg = _upto(run, layer), run.source.cfg
+    parts, labels = [run["embed"]], ["embed"]
+    if cfg.positional == "standard":
+        parts.append(run["pos"])
+        labels.append("pos")
+    for l in range(upto):
+        if mode in ("all", "attn"):
+            parts.append(run["attn_out", l])
+            labels.append(f"{l}_attn_out")
+        if mode in ("all", "mlp") and cfg.d_mlp is not None:
+            parts.append(run["mlp_out", l])
+            labels.append(f"{l}_mlp_out")
+    return Stack(torch.stack(parts), labels, run, None if upto == cfg.n_layers else upto)
+
+
+def by_head(run: "Run", layer: int | None) -> Stack:
+    """Every head's output in the layers before ``layer``, one component per head."""
+    upto, cfg = _upto(run, layer), run.source.cfg
+    if upto == 0:
+        raise QkovError("stack_head_results: no heads before layer 0")
+    outs = torch.cat([run["head_out", l].permute(2, 0, 1, 3) for l in range(upto)])  # [upto * H, B, T, D]
+    labels = [f"{l}.{h}" for l in range(upto) for h in range(cfg.n_heads)]
+    return Stack(outs, labels, run, None if upto == cfg.n_layers else upto)
