@@ -16,7 +16,8 @@ from test_heads import V, hand_built, natural_text
 
 def _module_logits(model, tokens, heads, means=None):  # type: ignore[no-untyped-def]
     """The training model (fused SDPA forward, not qkov.run) with ``heads``' W_O zeroed and, for
-    mean ablation, the mean added to the attention block's output by a hook."""
+    mean or resample ablation, ``means[i]`` (a vector, or one per sequence and position) added to
+    the attention block's output by a hook."""
     m = copy.deepcopy(model)
     hooks = []
     with torch.no_grad():
@@ -32,15 +33,20 @@ def _module_logits(model, tokens, heads, means=None):  # type: ignore[no-untyped
     return logits
 
 
+def _ablated_logits(w: Weights, toks: torch.Tensor, heads, mode: str = "zero", **kw) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    means = Ab.z_means(w, toks, heads) if mode == "mean" else None
+    return run(w, toks, edits=Ab.ablation_edits(heads, mode, means=means, **kw)).logits
+
+
 @pytest.mark.parametrize("heads", [[(0, 0)], [(0, 1)], [(1, 0)], [(0, 0), (1, 1)]])
 def test_zero_ablation_equals_the_training_model_with_the_head_removed(heads) -> None:  # type: ignore[no-untyped-def]
     model = hand_built()
     w = Weights.from_model(model, center_unembed=False)
     toks = natural_text(3)
-    got = run(Ab.ablated(w, heads, "zero"), toks, record=()).logits
+    got = _ablated_logits(w, toks, heads)
     want = _module_logits(model, toks, heads)
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
-    change = float((got - run(w, toks, record=()).logits).abs().max())
+    change = float((got - run(w, toks).logits).abs().max())
     assert (change == 0) == (heads == [(0, 1)])  # 0.1 (the sink) has a zero OV: removing it changes nothing
 
 
@@ -48,23 +54,76 @@ def test_mean_ablation_equals_independent_forwards() -> None:
     model = hand_built()
     w = Weights.from_model(model, center_unembed=False)
     toks = natural_text(3)
-    # layer 0: the training model with the head zeroed and its mean added by a hook
-    means = Ab.head_means(w, toks, [(0, 0)])
     full = run(w, toks, record=("head_outputs",)).head_outputs
-    assert torch.allclose(means[0], full[0, :, 0].mean(dim=(0, 1)))
-    got = run(Ab.ablated(w, [(0, 0)], "mean", means), toks, record=()).logits
-    want = _module_logits(model, toks, [(0, 0)], means)
+    # the mean z times W_O is the mean of the head's recorded output
+    means = Ab.z_means(w, toks, [(0, 0), (1, 0)])
+    for i, (l, h) in enumerate([(0, 0), (1, 0)]):
+        assert torch.allclose(means[i] @ w.W_O[l, h], full[l, :, h].mean(dim=(0, 1)), atol=1e-5)
+    # layer 0: the training model with the head zeroed and its mean output added by a hook
+    got = _ablated_logits(w, toks, [(0, 0)], "mean")
+    want = _module_logits(model, toks, [(0, 0)], [full[0, :, 0].mean(dim=(0, 1))])
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
-    # last layer: the analysis forward with that head's recorded output replaced by its mean
-    means1 = Ab.head_means(w, toks, [(1, 0)])
+    # last layer: the older head_outputs= mode with that head's recorded output replaced by its mean
     swapped = full.clone()
-    swapped[1, :, 0] = means1[0]
-    want1 = run(w, toks, record=(), head_outputs=swapped).logits
-    got1 = run(Ab.ablated(w, [(1, 0)], "mean", means1), toks, record=()).logits
-    assert torch.allclose(got1, want1, atol=1e-4)
+    swapped[1, :, 0] = full[1, :, 0].mean(dim=(0, 1))
+    want1 = run(w, toks, head_outputs=swapped).logits
+    assert torch.allclose(_ablated_logits(w, toks, [(1, 0)], "mean"), want1, atol=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["zero", "mean"])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_resample_ablation_takes_the_output_another_sequence_gave(layer: int) -> None:
+    """Head ``layer``.0's output at every position is the one it gave on another sequence of the batch
+    (a seeded derangement): the training model with the head zeroed and that output added by a hook."""
+    model = hand_built()
+    w = Weights.from_model(model, center_unembed=False)
+    toks = natural_text(4)
+    full = run(w, toks, record=("head_outputs",)).head_outputs
+    perm = Ab.derangement(4, seed=3)
+    assert sorted(perm.tolist()) == [0, 1, 2, 3] and bool((perm != torch.arange(4)).all())
+    got = _ablated_logits(w, toks, [(layer, 0)], "resample", seed=3)
+    want = _module_logits(model, toks, [(layer, 0)], [full[layer, perm, 0]])
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    with pytest.raises(QkovError, match="at least 2 sequences"):
+        _ablated_logits(w, toks[:1], [(layer, 0)], "resample")
+
+
+def test_ablation_at_positions_changes_only_those_positions_onwards() -> None:
+    """Zero ablation at some positions: the training model with the head's output removed there by a
+    hook; earlier positions' logits are untouched."""
+    model = hand_built()
+    w = Weights.from_model(model, center_unembed=False)
+    toks = natural_text(3)
+    full = run(w, toks, record=("head_outputs",)).head_outputs
+    at = torch.tensor([5, 6, *range(40, 64)])
+    got = _ablated_logits(w, toks, [(0, 0)], positions="5,6,40:")
+    removed = torch.zeros_like(full[0, :, 0])
+    removed[:, at] = full[0, :, 0][:, at]
+    m = copy.deepcopy(model)
+    hook = m.blocks[0].attn.register_forward_hook(lambda _m, _i, out: out - removed)
+    with torch.no_grad():
+        want = m(toks)
+    hook.remove()
+    assert (got - want).abs().max() < 1e-3 * want.abs().max()
+    assert torch.equal(got[:, :5], run(w, toks).logits[:, :5]) and (got[:, 5:] - run(w, toks).logits[:, 5:]).abs().max() > 1
+
+
+def test_ablating_the_induction_head_on_the_second_copy_removes_only_the_second_copy_advantage() -> None:
+    """On repeated random tokens, zero-ablating 1.0 (the last layer) at the second copy's positions
+    costs the second copy exactly what ablating it everywhere costs, and the first copy nothing;
+    at the first copy's positions, the reverse."""
+    w = Weights.from_model(hand_built())
+    L = min(50, (w.cfg.n_ctx - 1) // 2)  # the probe's copy length (31 for a 64-token context)
+    at = lambda positions: Ab.measures(w, None, None, edits=Ab.ablation_edits([(1, 0)], "zero", positions=positions))  # noqa: E731
+    intact, everywhere = Ab.measures(w, None, None), at(None)
+    second, first = at(slice(L + 1, None)), at(slice(1, L + 1))
+    assert everywhere.repeat_second > 2.5 * intact.repeat_second  # 1.0 carries the second-copy advantage
+    assert second.repeat_second == pytest.approx(everywhere.repeat_second, abs=1e-5)
+    assert second.repeat_first == pytest.approx(intact.repeat_first, abs=1e-5)
+    assert first.repeat_second == pytest.approx(intact.repeat_second, abs=1e-5)
+    assert first.repeat_first == pytest.approx(everywhere.repeat_first, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean", "resample"])
 def test_ablating_the_induction_head_removes_its_advantage_and_a_distractor_does_not(mode: str) -> None:
     w = Weights.from_model(hand_built())
     text = natural_text(4)
@@ -101,5 +160,10 @@ def test_bad_heads_are_one_line_errors() -> None:
         with pytest.raises(QkovError, match=says):
             Ab.parse_heads(bad, cfg)
     with pytest.raises(QkovError, match="mode"):
-        Ab.ablated(Weights.from_model(hand_built()), [(0, 0)], "half")
+        Ab.ablation_edits([(0, 0)], "half")
+    with pytest.raises(QkovError, match="mean z per head"):
+        Ab.ablation_edits([(0, 0)], "mean")
+    w = Weights.from_model(hand_built())
+    with pytest.raises(QkovError, match="out of range for a sequence of 64"):
+        run(w, natural_text(2), edits=Ab.ablation_edits([(0, 0)], "zero", positions=70))
     assert V == cfg.d_vocab

@@ -1,11 +1,13 @@
 """Head ablation ([I]'s causal evidence): remove heads' outputs and measure what the model loses.
 
-A head's output ``A (x W_V + b_V) W_O`` reaches the residual stream only through its ``W_O``,
-so ablation is done exactly in the weights: **zero** ablation sets the head's ``W_O`` to zero;
-**mean** ablation also adds the head's mean output (over every position of a stated sample of
-text) to its layer's output bias ``b_O``, so the stream receives that constant vector instead of
-the head's varying output. Everything downstream (later heads' patterns, MLPs, logits) is then
-recomputed by the ordinary forward.
+Ablation is an edit of the analysis forward (:func:`ablation_edits`), at every position or at
+chosen ones (:mod:`qkov.analysis.positions`). A head's output is ``z @ W_O`` (``z`` its
+attention-weighted values), so each mode edits the head's ``z``: **zero** sets it to zero (the
+head writes nothing); **mean** sets it to its mean over every position of a stated sample of text
+(:func:`z_means`; the head then writes its mean output, a constant vector); **resample** takes it
+from another sequence of the same batch (a seeded derangement: each sequence gets the head's
+output on a different input, at the same position). Everything downstream (later heads'
+patterns, MLPs, logits) is recomputed by the ordinary forward.
 
 :func:`ablation_study` sets the model beside the ablated one and beside ablations of the same
 number of other heads drawn at random (seeded): validation loss, the ICL score and the loss on
@@ -18,20 +20,22 @@ import itertools
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from ..errors import QkovError
 from ..model.ops import next_token_nll
-from ..weights.view import Weights
+from ..weights.parts import WeightSource
 from .forward import run
+from .positions import PositionSpec, describe_positions, resolve_positions
 from .probes import icl_score, induction_probe, induction_probe_tokens
 from .shown import TEXT, Shown, register
+from .sites import Address
 
 Head = tuple[int, int]
-MODES = ("zero", "mean")
+MODES = ("zero", "mean", "resample")
 
 
 def parse_heads(text: str, cfg: Any) -> list[Head]:
@@ -53,28 +57,63 @@ def parse_heads(text: str, cfg: Any) -> list[Head]:
     return heads
 
 
-@torch.no_grad()
-def head_means(w: Weights, tokens: Tensor, heads: Sequence[Head]) -> Tensor:
-    """Each head's output averaged over every position of ``tokens [B, T]``: ``[len(heads), d_model]``."""
-    outs = run(w, tokens, record=("head_outputs",)).head_outputs  # [L, B, H, T, D]
-    assert outs is not None
-    return torch.stack([outs[l, :, h].mean(dim=(0, 1)) for l, h in heads])
+def z_means(source: WeightSource, tokens: Tensor, heads: Sequence[Head]) -> Tensor:
+    """Each head's ``z`` averaged over every position of ``tokens [B, T]``: ``[len(heads), d_head]``
+    (its mean output is this times its ``W_O``)."""
+    layers = sorted({l for l, _ in heads})
+    r = run(source, tokens, cache=[("z", l) for l in layers])
+    return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])
 
 
-def ablated(w: Weights, heads: Sequence[Head], mode: str = "zero", means: Tensor | None = None) -> Weights:
-    """``w`` with ``heads`` removed (``mode="zero"``) or replaced by ``means [len(heads), d_model]``
-    (``mode="mean"``, from :func:`head_means`)."""
+def derangement(n: int, seed: int) -> Tensor:
+    """A seeded permutation of ``range(n)`` that moves every element (``n >= 2``)."""
+    if n < 2:
+        raise QkovError("resample ablation needs at least 2 sequences in a batch (it takes each head's output from another)")
+    gen = torch.Generator().manual_seed(seed)
+    while True:
+        perm = torch.randperm(n, generator=gen)
+        if bool((perm != torch.arange(n)).all()):
+            return perm
+
+
+def ablation_edits(
+    heads: Sequence[Head],
+    mode: str = "zero",
+    *,
+    positions: PositionSpec = None,
+    means: Tensor | None = None,
+    seed: int = 0,
+) -> dict[Address, Callable[[Tensor, Address], Tensor]]:
+    """Edits that ablate ``heads`` (``mode`` zero, mean or resample) at ``positions`` (default every
+    position): pass them to :func:`~qkov.analysis.forward.run` or any analysis taking ``edits``.
+    ``means [len(heads), d_head]`` (from :func:`z_means`) for mean ablation."""
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "mean" and (means is None or means.shape[0] != len(heads)):
-        raise QkovError("ablate: mean ablation needs one mean output per head (head_means)")
-    W_O, b_O = w.W_O.clone(), w.b_O.clone()
+        raise QkovError("ablate: mean ablation needs one mean z per head (z_means)")
+    edits = {}
     for i, (l, h) in enumerate(heads):
-        W_O[l, h] = 0
-        if mode == "mean":
-            assert means is not None
-            b_O[l] += means[i].to(b_O)
-    return w.replace(W_O=W_O, b_O=b_O)
+        mean = None if means is None else means[i]
+        edits[Address("z", l, h)] = _ablate(mode, positions, mean, seed)
+    return edits
+
+
+def _ablate(mode: str, positions: PositionSpec, mean: Tensor | None, seed: int) -> Callable[[Tensor, Address], Tensor]:
+    def edit(z: Tensor, site: Address) -> Tensor:  # one head's z [B, T, E]
+        if mode == "zero":
+            new = torch.zeros_like(z)
+        elif mode == "mean":
+            new = mean.to(z).expand_as(z)  # type: ignore[union-attr]
+        else:
+            new = z[derangement(z.shape[0], seed).to(z.device)]
+        at = resolve_positions(positions, z.shape[1], z.device)
+        if at is None:
+            return new
+        out = z.clone()
+        out[:, at] = new[:, at]
+        return out
+
+    return edit
 
 
 @dataclass
@@ -87,13 +126,21 @@ class Measures:
     repeat_second: float  # ... and on the second copy (an induction head makes it far lower)
 
 
-@torch.no_grad()
-def measures(w: Weights, text: Tensor | None, icl_text: Tensor | None, *, bos: int = 0, seed: int = 0) -> Measures:
+def measures(
+    source: WeightSource,
+    text: Tensor | None,
+    icl_text: Tensor | None,
+    *,
+    bos: int = 0,
+    seed: int = 0,
+    edits: dict[Any, Any] | None = None,
+) -> Measures:
     """Loss on ``text [B, T]``, ICL score on ``icl_text [N, T]`` (``None``: not measured) and the
-    repeated-token losses (:func:`~qkov.analysis.probes.induction_probe`, seeded)."""
-    loss = None if text is None else float(next_token_nll(run(w, text, record=()).logits, text).mean())
-    icl = None if icl_text is None or icl_text.shape[1] <= 60 else icl_score(w, icl_text, curve=False).score
-    probe = induction_probe(w, bos=bos, seed=seed)
+    repeated-token losses (:func:`~qkov.analysis.probes.induction_probe`, seeded), every forward
+    pass with ``edits``."""
+    loss = None if text is None else float(next_token_nll(run(source, text, edits=edits).logits, text).mean())
+    icl = None if icl_text is None or icl_text.shape[1] <= 60 else icl_score(source, icl_text, curve=False, edits=edits).score
+    probe = induction_probe(source, bos=bos, seed=seed, edits=edits)
     return Measures(loss, icl, probe.loss_by_copy[0], probe.loss_by_copy[1])
 
 
@@ -108,6 +155,7 @@ class AblationStudy(Shown):
     ablated: Measures
     random_heads: list[list[str]] = field(default_factory=list)
     random: list[Measures] = field(default_factory=list)
+    positions: str = "all"  # where the heads were ablated (every position, or a spec such as "50:")
 
     def icl_removed(self, which: Measures | None = None) -> float | None:
         """Share of the intact model's in-context improvement (``-icl``) that the ablation removes:
@@ -131,6 +179,7 @@ class AblationStudy(Shown):
         return {
             "heads": self.heads,
             "mode": self.mode,
+            "positions": self.positions,
             "mean_sample": self.mean_sample,
             "intact": asdict(self.intact),
             "ablated": asdict(self.ablated),
@@ -151,7 +200,7 @@ def study_text(s: AblationStudy) -> str:
     rows = [("intact", s.intact), ("ablated", s.ablated)]
     rows += [(f"random {', '.join(h)}", m) for h, m in zip(s.random_heads, s.random)]
     lines = [
-        f"ablating {', '.join(s.heads)} ({s.mode}):",
+        f"ablating {', '.join(s.heads)} ({s.mode}{'' if s.positions == 'all' else ', positions ' + s.positions}):",
         f"  {'':24s} {'loss':>8s} {'ICL':>8s} {'rep 1st':>8s} {'rep 2nd':>8s}",
     ]
     for name, m in rows:
@@ -166,7 +215,7 @@ def study_text(s: AblationStudy) -> str:
 
 
 def ablation_study(
-    w: Weights,
+    w: WeightSource,
     heads: Sequence[Head],
     *,
     text: Tensor | None,
@@ -175,8 +224,10 @@ def ablation_study(
     draws: int = 5,
     bos: int = 0,
     seed: int = 0,
+    positions: PositionSpec = None,
 ) -> AblationStudy:
-    """Ablate ``heads`` and ``draws`` seeded random sets of as many other heads; measure each.
+    """Ablate ``heads`` (at ``positions`` of every sequence; default all) and ``draws`` seeded random
+    sets of as many other heads; measure each.
 
     ``text [B, T]`` is the validation sample (loss, and the mean of mean ablation; without it
     mean ablation averages over the repeated random tokens of the probe and the loss is left out).
@@ -194,11 +245,13 @@ def ablation_study(
         )
 
     def measure(hs: list[Head]) -> Measures:
-        means = head_means(w, mean_on, hs) if mode == "mean" else None
-        return measures(ablated(w, hs, mode, means), text, icl_text, bos=bos, seed=seed)
+        means = z_means(w, mean_on, hs) if mode == "mean" else None
+        edits = ablation_edits(hs, mode, positions=positions, means=means, seed=seed)
+        return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits)
 
     intact = measures(w, text, icl_text, bos=bos, seed=seed)
     study = AblationStudy([f"{l}.{h}" for l, h in heads], mode, sample, intact, measure(heads))
+    study.positions = describe_positions(positions)
     others = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads) if (l, h) not in heads]
     for pick in random_sets(others, len(heads), draws, seed):
         study.random_heads.append([f"{l}.{h}" for l, h in pick])
@@ -221,7 +274,7 @@ def random_sets(others: list[Head], k: int, draws: int, seed: int) -> list[list[
     return [list(c) for c in sorted(seen)]
 
 
-def _probe_tokens(w: Weights, bos: int, seed: int) -> Tensor:
+def _probe_tokens(w: WeightSource, bos: int, seed: int) -> Tensor:
     cfg = w.cfg
     length = min(50, (cfg.n_ctx - 1) // 2)
     return induction_probe_tokens(cfg.d_vocab, length=length, repeats=2, batch=8, seed=seed, bos=bos)

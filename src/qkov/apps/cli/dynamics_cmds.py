@@ -10,6 +10,7 @@ from typing import Any
 from rich.table import Table
 
 from ...analysis import ablation as Ab
+from ...analysis.positions import parse_positions
 from ...errors import QkovError
 from ...io.sources import source_kind
 from ...weights.view import Weights
@@ -133,17 +134,23 @@ def _print_summary(result: dict[str, Any], out: Path, seconds: float) -> None:
 def add_ablate(sub: Any) -> None:
     p = sub.add_parser(
         "ablate",
-        help="remove heads (zero or mean ablation) and measure the loss, ICL score and repeated-token loss",
+        help="remove heads (zero, mean or resample ablation) and measure the loss, ICL score and repeated-token loss",
         description=(
             "Ablate the given heads and print the validation loss, the ICL score and the loss on the first and "
             "second copy of repeated random tokens: intact, ablated, and with as many random other heads "
             "ablated instead. Zero ablation removes a head's output; mean ablation replaces it by its mean "
-            "over every position of the validation sample."
+            "over every position of the validation sample; resample ablation replaces it by its output on "
+            "another sequence of the same batch. --positions limits the ablation to some positions."
         ),
     )
     add_source_args(p)
     p.add_argument("--heads", required=True, help="comma-separated heads as LAYER.HEAD, e.g. 1.0,1.3")
-    p.add_argument("--mode", choices=Ab.MODES, default="mean", help="zero or mean ablation (default mean)")
+    p.add_argument("--mode", choices=Ab.MODES, default="mean", help="zero, mean or resample ablation (default mean)")
+    p.add_argument(
+        "--positions",
+        help="ablate at these positions of every sequence only: comma-separated I or A:B as in Python, e.g. "
+        "0,50: or -1 (default: every position)",
+    )
     p.add_argument("--draws", type=nonneg_int, default=5, help="random head sets for comparison (default 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tokens and head draws (default 0)")
     add_inputs(p)
@@ -156,6 +163,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "ablate", "nothing to ablate")
     heads = Ab.parse_heads(args.heads, model.cfg)  # before any work
+    positions = None if args.positions is None else parse_positions(args.positions, model.cfg.n_ctx)
     sample = sample_for(args.ckpt, model, text=args.text, tokens=args.tokens, seed=args.seed)
     w = Weights.from_model(model.to(dev))
     study = Ab.ablation_study(
@@ -167,12 +175,14 @@ def cmd_ablate(args: argparse.Namespace) -> int:
         draws=args.draws,
         bos=sample.bos,
         seed=args.seed,
+        positions=positions,
     )
     data = {**study.to_dict(), "sample": sample.source}
     if args.json:
         dump_json(data)
         return 0
-    table = Table(title=f"ablating {', '.join(study.heads)} ({study.mode}); text: {sample.source}")
+    where = "" if study.positions == "all" else f" at positions {study.positions}"
+    table = Table(title=f"ablating {', '.join(study.heads)} ({study.mode}{where}); text: {sample.source}")
     for col in ("model", "val loss", "ICL score", "repeated: 1st copy", "2nd copy"):
         table.add_column(col)
     fmt = lambda v, d: "-" if v is None else f"{v:.{d}f}"  # noqa: E731
