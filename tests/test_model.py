@@ -131,7 +131,7 @@ def test_config_round_trip_and_unknown_fields() -> None:
 def test_public_api_is_what_the_package_docs_list() -> None:
     """``qkov.__all__`` is the documented API: each name is importable, is the object defined where
     the docs say, and nothing else is exported."""
-    from qkov.analysis import ablation, forward, probes
+    from qkov.analysis import ablation, forward, patch_study, patching, path_patching, probes
     from qkov.apps import dynamics
     from qkov.io import checkpoint, sources
     from qkov.model import config, transformer
@@ -157,6 +157,11 @@ def test_public_api_is_what_the_package_docs_list() -> None:
         "InductionProbe": probes,
         "dynamics": dynamics,
         "ablation_study": ablation,
+        "ablation_edits": ablation,
+        "activation_patching": patching,
+        "attribution_patching": patching,
+        "path_patching": path_patching,
+        "patch_study": patch_study,
     }
     for name, module in homes.items():
         assert getattr(qkov, name) is getattr(module, name), name

@@ -285,6 +285,8 @@ class _Pass:
         return 0, stream_start(self.at("embed", None, emb), pos, self.cfg.positional)
 
     def logits(self, x: Tensor, positions: Tensor | None) -> Tensor:
+        if positions is not None and len(positions) == 0:  # a metric that reads no logits: unembed nothing
+            return x.new_zeros(x.shape[0], 0, self.cfg.d_vocab)
         unemb = self.source.unembed()
         x = x if positions is None else x[:, positions.to(x.device)]
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]

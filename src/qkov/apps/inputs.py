@@ -143,3 +143,45 @@ def analysis_inputs(
     return AnalysisInput(
         seqs, None, f"seeded random tokens (seed {seed}): no text, token ids or training corpus given", natural=False
     )
+
+
+def read_sequences(path: Path, model: Transformer) -> torch.Tensor:
+    """The sequences of a patching input ``path``: a token file as :func:`read_token_file` reads it
+    (``.npy``, ``.bin``, or text made only of integers; a 1-D stream is one sequence, ids as given),
+    else text with one sequence per non-empty line, each encoded with the model's tokenizer and
+    started with its start token. ``[sequences, tokens]``; one-line errors for lines of different
+    lengths or sequences longer than the context."""
+    where = f"{str(path)!r}"
+    try:
+        raw = path.read_bytes() if path.suffix not in (".npy", ".bin") else b""
+    except OSError as exc:
+        raise QkovError(f"cannot read {where} ({exc.strerror})") from None
+    lines = [ln for ln in raw.decode("utf-8", errors="replace").splitlines() if ln.strip()]
+    numeric = all(all(t.lstrip("-").isdigit() for t in ln.split()) for ln in lines)
+    if path.suffix in (".npy", ".bin") or (lines and numeric):
+        arr = read_token_file(path, model.cfg.d_vocab)
+        seqs = [arr] if arr.ndim == 1 else list(arr)
+    elif not lines:
+        raise QkovError(f"{where} is empty")
+    elif model.tokenizer is None:
+        raise QkovError(f"{where} is text, and the model has no tokenizer: give token ids (.npy, .bin or integers)")
+    else:
+        seqs = [np.asarray([model.bos_token_id, *model.tokenizer.encode(ln).ids], dtype=np.int64) for ln in lines]
+    lengths = sorted({len(s) for s in seqs})
+    if len(lengths) > 1:
+        raise QkovError(f"{where}: every sequence must have the same number of tokens; got lengths {lengths}")
+    if lengths[0] > model.cfg.n_ctx:
+        raise QkovError(f"{where}: sequences of {lengths[0]} tokens are longer than the context ({model.cfg.n_ctx})")
+    return torch.from_numpy(np.stack(seqs))
+
+
+def patching_pair(clean: Path, corrupted: Path, model: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean and corrupted sequences of ``qkov patch`` (:func:`read_sequences`), checked to have
+    the same shape."""
+    a, b = read_sequences(clean, model), read_sequences(corrupted, model)
+    if a.shape != b.shape:
+        raise QkovError(
+            f"the clean and corrupted inputs must have the same number of sequences and tokens: "
+            f"{list(a.shape)} vs {list(b.shape)} (sequences x tokens)"
+        )
+    return a, b

@@ -3,8 +3,8 @@
 User mistakes (:class:`qkov.QkovError`, bad options) print one line and exit 2; a library
 error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`). Commands live in
 ``train_cmds`` (train, info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
-heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics, ablate) and ``interop_cmds``
-(import, export).
+heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics, ablate), ``patch_cmds`` (patch)
+and ``interop_cmds`` (import, export).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from .behaviour_cmds import add_heads, add_paths
 from .dynamics_cmds import add_ablate, add_dynamics
 from .common import EXIT_USAGE, Parser, error_line
 from .interop_cmds import add_export, add_import
+from .patch_cmds import add_patch
 from .report_cmds import add_report, add_tour
 from .train_cmds import add_info, add_train
 from .weights_cmds import add_circuits, add_trigrams
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for add in (add_train, add_info, add_circuits, add_paths, add_heads, add_trigrams, add_report, add_tour):
         add(sub)
-    for add in (add_dynamics, add_ablate):
+    for add in (add_dynamics, add_ablate, add_patch):
         add(sub)
     add_import(sub)
     add_export(sub)

@@ -1,0 +1,154 @@
+"""Path patching: the causal effect of one path, sender head -> receiver heads' query, key or value
+input (or -> the logits), with everything not on the path held at the base run's values.
+
+The definition (Wang et al. 2022, "Interpretability in the Wild", section 3.1 and appendix B;
+Goldowsky-Dill et al. 2023, "Localizing Model Behavior with Path Patching"), written for the
+residual stream, where it is exact: a receiver head's input is the sum of what every earlier
+component wrote. On the path sender -> receiver, the receiver's input is the *base* run's input
+plus the sender's *change*, ``head_out(source) - head_out(base)``, and nothing else changes: no
+other component sees the sender's change, every other term of the receiver's input keeps its base
+value (the receiver's normalisation is recomputed on the patched input, as the model would). The
+receivers' outputs then flow on and everything after them is recomputed; the metric is read at
+the end. With several receivers, each receives base input plus the sender's change (a later
+receiver does not see an earlier receiver's change: both sit on their own path). "-> logits"
+adds the change to the final stream only (the direct path to the logits).
+
+``direction="denoise"`` (default): base = corrupted, source = clean (how much the path restores);
+``"noise"``: base = clean, source = corrupted (how much the path's corruption removes).
+One forward pass carries many senders (one patched copy of the base tokens each), started at the
+first receiver's layer from the base run's stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import QkovError
+from ..weights.parts import WeightSource
+from .activations import Run
+from .forward import run
+from .metrics import Metric, as_metric
+from .patching import PatchResult, batched, copy_bytes, final_stream, pair, reads_from, scalar
+from .progress import Progress, tick
+from .sites import Address
+
+Head = tuple[int, int]
+INPUTS = ("q", "k", "v")
+
+
+def _check(source: WeightSource, receivers: Sequence[Head] | str, kind: str) -> list[Head]:
+    cfg = source.cfg
+    if isinstance(receivers, str):
+        if receivers != "logits":
+            raise QkovError(f"path patching: receivers are heads or 'logits', got {receivers!r}")
+        return []
+    if kind not in INPUTS:
+        raise QkovError(f"path patching: a receiver's input is q, k or v, got {kind!r}")
+    heads = [(int(l), int(h)) for l, h in receivers]
+    if not heads:
+        raise QkovError("path patching: no receivers")
+    for l, h in heads:
+        if not (0 <= l < cfg.n_layers and 0 <= h < cfg.n_heads):
+            raise QkovError(f"path patching: the model has no head {l}.{h}")
+    if min(l for l, _ in heads) == 0:
+        raise QkovError("path patching: a receiver in layer 0 has no earlier head to receive from")
+    return heads
+
+
+def path_patching(
+    source: WeightSource,
+    clean: Tensor,
+    corrupted: Tensor,
+    *,
+    receivers: Sequence[Head] | str,
+    input: str = "k",
+    senders: Sequence[Head] | None = None,
+    metric: Any = None,
+    direction: str = "denoise",
+    max_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> PatchResult:
+    """Patch the path from each sender head (default: every head before the first receiver; every
+    head for ``receivers="logits"``) into the ``input`` (``q``, ``k`` or ``v``) of ``receivers``
+    (heads ``(layer, head)``), one sender at a time; see the module docstring. Returns the metric per
+    sender, ``values [L, H]`` (NaN for heads that are not senders)."""
+    heads = _check(source, receivers, input)
+    cfg = source.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    first = min((l for l, _ in heads), default=L)
+    if senders is None:
+        senders = [(l, h) for l in range(first) for h in range(H)]
+    senders = [(int(l), int(h)) for l, h in senders]
+    bad = [f"{l}.{h}" for l, h in senders if not (0 <= l < first and 0 <= h < H)]
+    if bad or not senders:
+        raise QkovError(f"path patching: senders must be heads before layer {first} (got {', '.join(bad) or 'none'})")
+    base, src = pair(source, clean, corrupted, direction)
+    m = as_metric(metric, clean)
+    T = base.shape[1]
+    layers = sorted({l for l, _ in heads})
+    cache = ["head_out.*", "resid_pre.*", *(f"{input}_input.{l}" for l in layers), *m.reads]
+    cache += [] if heads else [f"resid_post.{L - 1}"]
+    base_run = run(source, base, cache=cache, positions=m.logit_positions(T))
+    src_run = run(source, src, cache=["head_out.*", *m.reads], positions=m.logit_positions(T))
+    start = min(first, reads_from(source, m))
+    K_max = max(1, (max_bytes or 512 * 2**20) // copy_bytes(source, base, m.logit_positions(T)))
+    values = torch.full((L, H), float("nan"))
+    for lo in range(0, len(senders), K_max):
+        chunk = senders[lo : lo + K_max]
+        delta = torch.stack([src_run[("head_out", l)][:, :, h] - base_run[("head_out", l)][:, :, h] for l, h in chunk])
+        got = _run_chunk(source, base, base_run, m, heads, input, chunk, delta, start)
+        for (l, h), v in zip(chunk, got.tolist()):
+            values[l, h] = v
+        tick(progress, "path patching", lo + len(chunk), len(senders))
+    clean_run, corrupt_run = (src_run, base_run) if direction == "denoise" else (base_run, src_run)
+    into = "logits" if not heads else f"{','.join(f'{l}.{h}' for l, h in heads)} {input}"
+    labels = {"layer": [str(l) for l in range(L)], "head": [str(h) for h in range(H)]}
+    return PatchResult(
+        "path", f"sender -> {into}", ("layer", "head"), values, scalar(m, clean_run), scalar(m, corrupt_run),
+        direction, m.name, labels,
+    )  # fmt: skip
+
+
+def _run_chunk(
+    source: WeightSource,
+    base: Tensor,
+    base_run: Run,
+    m: Metric,
+    heads: list[Head],
+    kind: str,
+    chunk: list[Head],
+    delta: Tensor,
+    start: int,
+) -> Tensor:
+    """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes."""
+    K, B = delta.shape[:2]
+    L = source.cfg.n_layers
+    if not heads:  # -> logits: the final stream of each copy is the base one plus the sender's change
+        stream = (final_stream(base_run)[None] + delta).reshape(K * B, *delta.shape[2:])
+        out = run(source, base.repeat(K, 1), start_at=(L, stream), cache=m.reads, positions=m.logit_positions(base.shape[1]))
+        return torch.stack([m(out.select(slice(k * B, (k + 1) * B))) for k in range(K)])
+    group = source.cfg.n_heads // source.cfg.kv_heads if kind in ("k", "v") else 1
+    edits: dict[Any, Any] = {}
+    for l2 in sorted({l for l, _ in heads}):
+        slots = sorted({h // group for l, h in heads if l == l2})
+        before = torch.tensor([l1 < l2 for l1, _ in chunk], device=delta.device)
+        d = delta * before[:, None, None, None].to(delta)
+        edits[Address(f"{kind}_input", l2)] = _receive(base_run[(f"{kind}_input", l2)], slots, d)
+    return batched(source, base, base_run, m, start, edits, K)
+
+
+def _receive(base_input: Tensor, slots: list[int], delta: Tensor):  # type: ignore[no-untyped-def]
+    """An edit of a per-head input ``[K*B, T, n, D]``: receiver slots get the base input plus each
+    copy's sender change ``delta [K, B, T, D]``; other slots keep the live value."""
+    K, B = delta.shape[:2]
+
+    def receive(value: Tensor, site: Address) -> Tensor:
+        out = value.clone().view(K, B, *value.shape[1:])
+        for s in slots:
+            out[:, :, :, s] = base_input[None, :, :, s] + delta
+        return out.view(value.shape)
+
+    return receive
