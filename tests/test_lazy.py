@@ -166,6 +166,23 @@ def test_forward_and_paths_stream_the_same_model(saved: tuple[Weights, Path]) ->
     assert P.expand(ck, toks).reconstruction_error() < 1e-10
 
 
+def test_a_view_read_from_the_memory_map_is_the_loaded_models(saved: tuple[Weights, Path]) -> None:
+    """Weights.from_source(LazyCheckpoint(path)) (layer by layer, no model beside it) holds the same
+    tensors, options and forward as Weights.from_model(load(path)); from_source of a view is itself."""
+    import dataclasses
+
+    w, path = saved
+    for got in (Weights.from_source(LazyCheckpoint(path, dtype=torch.float64)), Weights.from_source(w)):
+        for f in dataclasses.fields(w):
+            a, b = getattr(got, f.name), getattr(w, f.name)
+            assert _close(a, b) if isinstance(a, torch.Tensor) else a == b, f.name
+    unfolded = Weights.from_model(qkov.load(path), dtype=torch.float64, fold_ln=False)
+    again = Weights.from_source(unfolded)
+    assert again.norm == unfolded.norm and (again.ln1_w is None) == (unfolded.ln1_w is None)
+    toks = torch.randint(0, w.cfg.d_vocab, (2, 10), generator=torch.Generator().manual_seed(4))
+    assert _close(run(again, toks).logits, run(unfolded, toks).logits)
+
+
 def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path: Path) -> None:
     cfg = ModelConfig(
         n_layers=4, n_heads=4, d_model=64, d_head=16, d_vocab=500, n_ctx=16, d_mlp=4096, normalization="layernorm"

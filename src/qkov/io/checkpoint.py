@@ -93,7 +93,7 @@ def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.d
         state = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise QkovError(f"checkpoint {str(path)!r}: {MODEL_FILE} is corrupt ({exc})") from None
-    load_state(model, state, where=str(weights_path))
+    load_state(model, state, where=str(weights_path), assign=True)  # the file's tensors, not copies of them
     tok_info = data.get("tokenizer") or {}
     model.bos_token_id = int(tok_info.get("bos_token_id", 0))
     model.tokenizer = read_tokenizer(path / TOKENIZER_FILE, where=f"checkpoint {str(path)!r}")
@@ -110,8 +110,10 @@ def read_tokenizer(path: Path, *, where: str) -> Tokenizer | None:
         raise QkovError(f"{where}: {path.name} is corrupt ({exc})") from None
 
 
-def load_state(model: Transformer, state: dict[str, torch.Tensor], *, where: str) -> None:
-    """Copy ``state`` into ``model``, naming any missing, unexpected or mis-shaped tensor."""
+def load_state(model: Transformer, state: dict[str, torch.Tensor], *, where: str, assign: bool = False) -> None:
+    """Copy ``state`` into ``model``, naming any missing, unexpected or mis-shaped tensor; ``assign``
+    makes ``state``'s tensors the parameters instead of copying them (half the memory while loading;
+    for tensors that are nothing else's, as a freshly read file's are)."""
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -128,7 +130,7 @@ def load_state(model: Transformer, state: dict[str, torch.Tensor], *, where: str
             )
         if not torch.isfinite(tensor).all():
             raise QkovError(f"{where}: {name} holds NaN or infinite values")
-    model.load_state_dict(state)
+    model.load_state_dict(state, assign=assign)
 
 
 def read_metrics(path: Path | str) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ from ..io.tensorfile import TensorFile
 from ..model.config import ModelConfig
 from ..model.ops import expand_kv as expand
 from ..model.transformer import Transformer
-from .parts import AttentionWeights, MLPWeights, Unembedding, centre_rows, check_head, fold_reader, writer_centring
+from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader, writer_centring
 
 _BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
 AUTO_LAZY_BYTES = 1 << 30  # the CLI streams a checkpoint whose model.safetensors is larger than this
@@ -135,7 +135,8 @@ class LazyCheckpoint:
         return torch.zeros(shape, device=self.device, dtype=self.dtype)
 
     def _writer(self, t: Tensor) -> Tensor:
-        return centre_rows(t) if self.centered_writing else t  # type: ignore[return-value]
+        """A freshly read writer, centred in place when centring (no second copy of, say, ``W_E``)."""
+        return t.sub_(t.mean(dim=-1, keepdim=True)) if self.centered_writing else t
 
     def embed(self, rows: slice | None = None) -> Tensor:
         """``W_E [d_vocab, d_model]``, or the block ``rows`` of it."""
@@ -164,7 +165,7 @@ class LazyCheckpoint:
                 b_sum += block.b_U.sum(dtype=torch.float64)
             self._unembed_mean = ((W_sum / V).to(self.dtype), (b_sum / V).to(self.dtype))
         W_mean, b_mean = self._unembed_mean
-        return Unembedding(part.W_U - W_mean[:, None], part.b_U - b_mean)
+        return Unembedding(part.W_U.sub_(W_mean[:, None]), part.b_U.sub_(b_mean))  # freshly read: in place
 
     def _unembed_folded(self, cols: slice | None = None) -> Unembedding:
         """``W_U``/``b_U`` with the final LayerNorm folded in (in blocks of columns: no full-size temporaries)."""

@@ -43,7 +43,16 @@ from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..model.ops import expand_kv as expand
 from ..model.transformer import Transformer
-from .parts import AttentionWeights, MLPWeights, Unembedding, centre_rows, check_head, fold_reader, writer_centring
+from .parts import (
+    AttentionWeights,
+    MLPWeights,
+    Unembedding,
+    WeightSource,
+    centre_rows,
+    check_head,
+    fold_reader,
+    writer_centring,
+)
 
 
 @dataclass(frozen=True)
@@ -114,7 +123,8 @@ class Weights:
             if L == 0:
                 return torch.zeros(0, *shape, dtype=dtype, device=dev)
             parts = [get(b) for b in model.blocks]
-            return torch.stack([torch.zeros(shape, dtype=dtype, device=dev) if p is None else t(p) for p in parts])
+            zeros = torch.zeros(shape, dtype=dtype, device=dev)
+            return torch.stack([zeros if p is None else p.detach().to(device=dev, dtype=dtype) for p in parts])  # one copy
 
         mlp = cfg.d_mlp is not None
         M, KV = cfg.d_mlp or 0, cfg.kv_heads
@@ -156,6 +166,39 @@ class Weights:
         if center_unembed:
             w = w.center_unembed()
         return w
+
+    @classmethod
+    def from_source(cls, source: WeightSource) -> "Weights":
+        """An in-memory view of any :class:`~qkov.weights.WeightSource` (a memory-mapped
+        :class:`~qkov.weights.LazyCheckpoint`, say), read layer by layer into tensors allocated once:
+        it takes the view's own memory plus one layer, never a model beside it. The view keeps the
+        source's folding and centring (tested equal to ``from_model`` of the loaded model)."""
+        cfg = source.cfg
+        L, H, KV, D, E, M = cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.d_model, cfg.d_head, cfg.d_mlp or 0
+        opts: dict[str, Any] = dict(dtype=source.dtype, device=source.device)
+        shapes = {"W_Q": (H, D, E), "W_K": (KV, D, E), "W_V": (KV, D, E), "W_O": (H, E, D), "b_Q": (H, E), "b_K": (KV, E)}
+        shapes |= {"b_V": (KV, E), "b_O": (D,), "ln1_w": (D,), "ln1_b": (D,)}
+        if cfg.d_mlp is not None:
+            shapes |= {"W_in": (D, M), "b_in": (M,), "W_out": (M, D), "b_out": (D,), "ln2_w": (D,), "ln2_b": (D,)}
+            shapes |= {"W_gate": (D, M), "b_gate": (M,)} if cfg.gated_mlp else {}
+        out: dict[str, Any] = {k: torch.empty(L, *v, **opts) for k, v in shapes.items()}
+        for l in range(L):
+            att, mlp = source.attention(l, expand_kv=False), source.mlp(l)
+            parts = {**vars(att), "ln1_w": att.ln_w, "ln1_b": att.ln_b}
+            if mlp is not None:
+                parts |= {**vars(mlp), "ln2_w": mlp.ln_w, "ln2_b": mlp.ln_b}
+            for k in shapes:
+                if parts.get(k) is None:
+                    out[k] = None
+                elif out[k] is not None:
+                    out[k][l] = parts[k]
+            del att, mlp, parts
+        unemb = source.unembed()
+        return cls(
+            cfg=cfg, W_E=source.embed(), W_pos=source.pos(), W_U=unemb.W_U, b_U=unemb.b_U, lnf_w=unemb.ln_w,
+            lnf_b=unemb.ln_b, norm=source.norm, centered_writing=source.centered_writing,
+            centered_unembed=source.centered_unembed, **out,
+        )  # fmt: skip
 
     def replace(self, **changes: object) -> "Weights":
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
