@@ -170,6 +170,26 @@ def test_paths_and_probe_displays(hand: tuple) -> None:
     assert f"{float(probe.scores[1, 0]):.3f}" in repr(probe).splitlines()[-1]
 
 
+def test_patching_and_composition_path_displays(hand: tuple) -> None:
+    """A patch study, one result and the composition paths show their own numbers (the report's
+    patching and causal renderers draw them)."""
+    from qkov.analysis.causal_composition import composition_paths
+
+    _, w, toks = hand
+    clean = qkov.induction_probe_tokens(V, length=10, repeats=2, batch=2, seed=1)
+    corrupted = qkov.induction_probe_tokens(V, length=20, repeats=1, batch=2, seed=2)
+    study = qkov.patch_study(w, clean, corrupted, receivers=[(1, 0)])
+    spec = the_spec(study)
+    assert spec["section"] == "patching" and spec["data"]["patching"] == json.loads(json.dumps(study.to_dict()))
+    one = study.results[1]
+    assert sum(the_spec(one)["data"]["patching"]["results"][0]["values"], []) == pytest.approx(one.values.flatten().tolist())
+    assert "activation patching of head_out by layer x head" in repr(study) and "agreement" in repr(study)
+    paths = composition_paths(w, (0, 0), (1, 0), text=toks)
+    data = the_spec(paths)["data"]["causal"]
+    assert data["prefix_removed"] == pytest.approx(paths.prefix_removed) and data["writer"] == "0.0"
+    assert f"{paths.prefix_removed['k']:+.0%}" in repr(paths)
+
+
 def test_text_reprs_fit_one_screen_and_say_what_was_left_out() -> None:
     model = qkov.Transformer(qkov.ModelConfig(n_layers=3, n_heads=6, d_model=48, d_head=8, d_vocab=50, n_ctx=16))
     w = Weights.from_model(model)

@@ -7,6 +7,7 @@ import os
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,6 +19,8 @@ from qkov.analysis.probes import induction_probe_tokens
 from qkov.apps.cli import main
 from qkov.apps.report import Report, collect, write_report
 from qkov.apps.report import sections as S
+from qkov.apps.report.causal_sections import CausalSection
+from qkov.analysis.patching import activation_patching
 from qkov.apps.claims import claims
 from qkov.io.checkpoint import load, save_checkpoint
 from qkov.training.loop import train
@@ -30,7 +33,7 @@ from reference import reference_forward
 from test_heads import CTX, V, hand_built
 
 ARTIFACTS = Path(os.environ.get("QKOV_TEST_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
-SECTIONS = ("card", "heads", "composition", "paths", "attention", "icl", "trigrams")
+SECTIONS = ("card", "heads", "composition", "paths", "attention", "icl", "trigrams", "causal", "patching")
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,21 @@ def tiny2(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def tiny2_report(tiny2: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("tiny2-report")
-    report = write_report(tiny2, out, icl_examples=32, batch=4, viewer_tokens=40)
+    clean, corrupted = _pair(out.parent)
+    report = write_report(tiny2, out, icl_examples=32, batch=4, viewer_tokens=40, clean=clean, corrupted=corrupted)
     return out, report.to_dict()
+
+
+def _pair(folder: Path) -> tuple[Path, Path]:
+    """A clean/corrupted pair of token-id files (2 sequences of 12 tokens, 3 positions changed)."""
+    g = torch.Generator().manual_seed(3)
+    clean = torch.randint(1, 300, (2, 12), generator=g)
+    clean[:, 0] = 0
+    corrupted = clean.clone()
+    corrupted[:, 4:7] = torch.randint(1, 300, (2, 3), generator=g)
+    np.save(folder / "clean.npy", clean.numpy())
+    np.save(folder / "corrupted.npy", corrupted.numpy())
+    return folder / "clean.npy", folder / "corrupted.npy"
 
 
 def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report: tuple[Path, dict]) -> None:
@@ -94,6 +110,15 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
     nll = -lp.gather(-1, toks[:, 1:, None])[..., 0].mean(0)
     assert rep["second_mean"] == pytest.approx(float(nll[n + 1 : 2 * n].mean()), abs=1e-4)
     assert rep["first_mean"] == pytest.approx(float(nll[1:n].mean()), abs=1e-4)
+    # the patching section: the library's sweeps on the same pair, and its inputs named
+    pt = data["patching"]
+    clean, corrupted = (torch.from_numpy(np.load(f)) for f in (out.parent / "clean.npy", out.parent / "corrupted.npy"))
+    assert pt["clean"].endswith("clean.npy") and [(r["method"], r["site"]) for r in pt["results"]] == [
+        ("activation", "resid_pre"), ("activation", "head_out"), ("attribution", "head_out")
+    ]
+    want = activation_patching(w, clean, corrupted, site="head_out")
+    assert np.allclose(pt["results"][1]["values"], want.values.numpy(), atol=1e-5)
+    assert -1 <= pt["agreement"]["head_out"] <= 1 and data["causal"]["absent"]  # 20 steps: no induction head
 
 
 def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
@@ -114,6 +139,12 @@ def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
     assert induction.holds is True
     assert [f["head"] for f in induction.values["induction_heads"]] == ["1.0"]
     assert induction.values["induction_heads"][0]["k_writer"] == "0.0"
+    # the composition made causal: the key path carries 1.0's prefix matching, query and value none
+    c = report.causal
+    assert isinstance(c, CausalSection) and (c.writer, c.reader) == ("0.0", "1.0")
+    assert c.prefix_removed["k"] >= 0.9 and max(abs(c.prefix_removed["q"]), abs(c.prefix_removed["v"])) < 0.01
+    (causal,) = [c for c in claims({2: report}) if "K-composition with the previous-token head" in c.claim]
+    assert causal.holds is True and "K 99%" in causal.measured and "Q 0%" in causal.measured
     # an untrained model of the same shape has no induction head: the claim does not hold
     from qkov import Transformer
 
@@ -273,8 +304,8 @@ def test_claims_verdicts_follow_the_numbers() -> None:
     assert two.paths.importance.marginal_by_order == pytest.approx([1.8, 5.2, 0.3])
     by = {c.claim.split(":")[0] + c.claim[:12]: c for c in claims({1: one, 2: two})}
     verdicts = [c.holds for c in claims({1: one, 2: two})]
-    assert verdicts == [True, True, True, False, None, True]
-    assert "3 of 4 heads copying" in claims({1: one})[0].measured and len(by) == 6
+    assert verdicts == [True, True, True, False, False, None, True]  # no induction head: nothing patched
+    assert "3 of 4 heads copying" in claims({1: one})[0].measured and len(by) == 7
     (importance,) = [c for c in claims({2: two}) if "term importance" in c.claim]
     assert importance.measured.startswith("1.80 / 5.20 / 0.30 nats")
     # every verdict states its rule beside the paper's number, and says when it is looser
@@ -286,7 +317,13 @@ def test_claims_verdicts_follow_the_numbers() -> None:
     assert "rank copying > 0.5" in rule("2-layer: induction")
     one.heads.rows = rows(0.6, [0.1, 0.1, 0.1, 0.9])  # type: ignore[union-attr]
     two.icl.score = 0.0
-    assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, None, False]
+    two.causal = CausalSection("0.1", "1.0", 0.8, 0.05, {"q": 0.1, "k": 0.7, "v": 0.2}, -0.2, {"q": 0.0, "k": 0.5, "v": 0.1})
+    assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, True, None, False]
+    assert "K 70% (in-context improvement 50%), Q 10%" in claims({2: two})[1].measured
+    for flip in ({"k": 0.49}, {"q": 0.21}, {"v": 0.25}):
+        two.causal.prefix_removed = {"q": 0.1, "k": 0.7, "v": 0.2, **flip}
+        assert claims({2: two})[1].holds is False, flip
+    assert "key input removes >= 50%" in rule("2-layer: the induction head's K-composition")
 
 
 def test_report_of_an_imported_gpt2_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

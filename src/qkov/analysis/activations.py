@@ -116,7 +116,7 @@ class Run:
         the run unembedded only some positions: ``[B, len(positions), V]`` (``[B, V]`` for an int)."""
         one = isinstance(positions, int)
         T = self.tokens.shape[1]
-        want = torch.tensor([positions] if one else list(positions) if not isinstance(positions, Tensor) else positions)
+        want = positions.cpu() if isinstance(positions, Tensor) else torch.tensor([positions] if one else list(positions))
         want = torch.where(want < 0, want + T, want)
         if self.positions is None:
             out = self.logits[:, want.to(self.logits.device)]

@@ -132,6 +132,31 @@ class Attention(Metric):
         return p[:, q, q - self.offset].mean()
 
 
+@dataclass
+class ICLWindows(Metric):
+    """The in-context-learning score's form on a run of ``tokens`` (the clean ones by default): the
+    mean loss at positions ``late`` minus the mean loss at positions ``early`` (each predicting the
+    next token), mean over the batch; negative when later tokens are predicted better."""
+
+    early: Sequence[int] = field(default_factory=list)
+    late: Sequence[int] = field(default_factory=list)
+    tokens: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.name = f"ICL: loss at {len(self.late)} late minus {len(self.early)} early positions"
+        self.positions = sorted({*self.early, *self.late})
+
+    def __call__(self, out: Run) -> Tensor:
+        toks = (out.tokens if self.tokens is None else self.tokens).to(out.logits.device)
+
+        def loss(at: Sequence[int]) -> Tensor:
+            idx = torch.tensor(list(at))
+            logp = out.logits_at(idx).float().log_softmax(-1)
+            return -logp.gather(-1, toks[:, idx + 1, None])[..., 0].mean()
+
+        return loss(self.late) - loss(self.early)
+
+
 def as_metric(metric: Any, clean: Tensor) -> Metric:
     """``metric`` as a :class:`Metric`: ``None`` -> the loss on the clean tokens; a plain function of
     the logits -> :class:`OfLogits`."""

@@ -178,6 +178,15 @@ def default_icl_examples(cfg: Any, most: int = 256) -> int:
     return min(most, max(16, affordable))
 
 
+def icl_windows(seq: int, early: int = 50, late: int = ICL_LATE, window: int = 10) -> tuple[int, int, Tensor, Tensor]:
+    """The ICL score's positions in examples of ``seq`` tokens: ``(early, late, early_at, late_at)``,
+    ``late`` capped at the last predicting position, each side ``window`` positions (see :func:`icl_score`)."""
+    late = min(late, seq - 2)
+    early = min(early, late)
+    lo = max(0, early - window // 2)
+    return early, late, torch.arange(lo, min(lo + window, seq - 1)), torch.arange(max(0, late - window + 1), late + 1)
+
+
 def icl_score(
     source: WeightSource,
     examples: Tensor,
@@ -207,11 +216,7 @@ def icl_score(
     """
     examples = examples[:, : late + 2]  # nothing after the late position enters the score
     T = examples.shape[1]
-    late = min(late, T - 2)
-    early = min(early, late)
-    lo = max(0, early - window // 2)
-    late_at = torch.arange(max(0, late - window + 1), late + 1)
-    early_at = torch.arange(lo, min(lo + window, T - 1))
+    early, late, early_at, late_at = icl_windows(T, early, late, window)
     at = None if curve else torch.cat([early_at, late_at]).unique()  # sorted
     width = T if at is None else len(at)
     if chunk is None:

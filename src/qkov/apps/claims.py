@@ -15,6 +15,8 @@ from ..analysis.heads import THRESHOLDS
 from .report.sections import Absent, CompositionSection, HeadRow, Report, TrigramRow
 
 ICL_GAP = 0.1  # nats: the 2-layer ICL score must be this far below the 1-layer one
+K_PATH_MOST = 0.5  # the key path must remove at least this share of the induction head's prefix matching ...
+OTHER_PATH_LITTLE = 0.2  # ... and the query and value paths at most this share each
 
 
 @dataclass
@@ -117,6 +119,37 @@ def _induction_claim(two: Report) -> Claim:
     )
 
 
+def _causal_claim(two: Report) -> Claim:
+    c = two.causal
+    claim = (
+        "2-layer: the induction head's K-composition with the previous-token head is what it attends with "
+        "(path patching: the key path carries most of its prefix matching; query and value paths little)"
+    )
+    rule = (
+        f"noising the previous-token head's path into the induction head's key input removes >= {K_PATH_MOST:.0%} "
+        f"of its prefix-matching attention, the query and value paths <= {OTHER_PATH_LITTLE:.0%} each "
+        "([F] infers K-composition from the weights; this is the causal test); the in-context-improvement "
+        "shares are shown, not judged"
+    )
+    if isinstance(c, Absent):
+        return Claim(claim, f"not measured: {c.absent}", False, {}, rule)
+    icl = c.icl_removed or {}
+    pct = lambda v: f"{v:.0%}".replace("-0%", "0%")  # noqa: E731
+    shares = ", ".join(
+        f"{i.upper()} {pct(c.prefix_removed[i])}" + (f" (in-context improvement {pct(icl[i])})" if i in icl else "")
+        for i in ("k", "q", "v")
+    )
+    p = c.prefix_removed
+    return Claim(
+        claim,
+        f"paths {c.writer} -> {c.reader} noised one at a time remove of {c.reader}'s prefix matching "
+        f"(clean {c.prefix_clean:.2f}): {shares}",
+        p["k"] >= K_PATH_MOST and p["q"] <= OTHER_PATH_LITTLE and p["v"] <= OTHER_PATH_LITTLE,
+        c.to_dict(),
+        rule,
+    )
+
+
 def claims(reports: dict[int, Report]) -> list[Claim]:
     """The paper's claims beside the measurements, from reports keyed by layer count.
 
@@ -127,7 +160,7 @@ def claims(reports: dict[int, Report]) -> list[Claim]:
     if one is not None:
         out += _one_layer_claims(one)
     if two is not None:
-        out.append(_induction_claim(two))
+        out += [_induction_claim(two), _causal_claim(two)]
         ti = two.paths.importance.marginal_by_order
         names = ("direct", "heads", "virtual heads")
         out.append(

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..analysis.causal_composition import CompositionPaths
 from ..analysis.circuits import CircuitsReport
 from ..analysis.composition import Composition
 from ..analysis.factored import TopK
 from ..analysis.heads import HeadReport
+from ..analysis.patch_study import PatchStudy
+from ..analysis.patching import PatchResult
 from ..analysis.paths import PathSummary
 from ..analysis.probes import InductionProbe
 from ..analysis.shown import (
@@ -121,3 +124,18 @@ def probe_html(p: InductionProbe) -> str:
     curves = vars(repeat_curves(p))
     data = {"probe": {"scores": p.scores.tolist(), "best_head": best, "best": p.best, "repeat": curves}}
     return page(mounted("probe", data, repr(p), title="Induction probe"))
+
+
+@register(HTML, PatchStudy)
+def patch_study_html(s: PatchStudy) -> str:
+    return page(mounted("patching", {"patching": s.to_dict()}, repr(s), title="Patching"))
+
+
+@register(HTML, PatchResult)
+def patch_result_html(r: PatchResult) -> str:
+    return page(mounted("patching", {"patching": {"results": [r.to_dict()]}}, repr(r), title="Patching"))
+
+
+@register(HTML, CompositionPaths)
+def composition_paths_html(c: CompositionPaths) -> str:
+    return page(mounted("causal", {"causal": c.to_dict()}, repr(c), title="Composition, patched"))

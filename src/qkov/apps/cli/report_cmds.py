@@ -35,7 +35,8 @@ def add_report(sub: Any) -> None:
             "DIR/report.json (every number in the page): model card and bandwidth audit; per-head scores and "
             "roles, copying vs prefix matching, OV eigenvalues; Q/K/V composition heatmaps; path expansion and "
             "term importance; an attention-pattern viewer on validation text; in-context learning curves; "
-            "skip-trigram and bigram tables."
+            "skip-trigram and bigram tables; the induction circuit's composition paths, path-patched; and, "
+            "given --clean and --corrupted, activation and attribution patching of that pair."
         ),
     )
     add_source_args(p)
@@ -50,6 +51,9 @@ def add_report(sub: Any) -> None:
     p.add_argument("--icl-examples", type=positive_int, help=ICL_HELP)
     p.add_argument("--viewer-tokens", type=positive_int, default=128, help="tokens in the attention viewer")
     p.add_argument("--top", type=positive_int, default=20, help="rows per skip-trigram / bigram table")
+    p.add_argument("--clean", type=Path, metavar="FILE", help="a clean input for a patching section (as qkov patch reads it)")
+    p.add_argument("--corrupted", type=Path, metavar="FILE", help="the corrupted input of that pair, same shape")
+    p.add_argument("--metric", help="the patching metric: loss (default), logit-diff:A,B or prob:T")
     add_diag(p)
     add_device(p)
     p.add_argument("--quiet", action="store_true", help="print only where the report went")
@@ -82,6 +86,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         diag_sample=args.diag_sample,
         config=args.config,
         overwrite=args.force,
+        clean=args.clean,
+        corrupted=args.corrupted,
+        metric=args.metric,
     )
     size = (out / "index.html").stat().st_size
     print(f"wrote {out / 'index.html'} ({size / 1e6:.1f} MB) and report.json in {time.perf_counter() - t0:.1f} s")

@@ -30,6 +30,7 @@ from ...model.tokens import token_decoder
 from ...model.transformer import Transformer
 from ...weights.view import Weights
 from ..inputs import AnalysisInput, analysis_inputs
+from .interventions import causal_section, patching_section, read_patching
 from .sections import (
     Absent,
     AttentionSection,
@@ -282,6 +283,9 @@ def collect(
     tokens: torch.Tensor | Path | None = None,
     diag_k: int = 5,
     diag_sample: int | None = None,
+    clean: Path | None = None,
+    corrupted: Path | None = None,
+    metric: str | None = None,
     progress: Progress | None = None,
 ) -> Report:
     """Compute every number of the report of checkpoint ``ckpt``.
@@ -303,6 +307,8 @@ def collect(
         diag_sample: tokens that rate is measured on: ``None`` = all up to a vocabulary of 8192
             (exact), else a seeded sample of 1024 with its standard error
             (:func:`qkov.analysis.circuits.copying_scores`).
+        clean, corrupted, metric: a clean/corrupted pair (text or token files, as ``qkov patch``
+            reads them) and a metric (``loss``, ``logit-diff:A,B``, ``prob:T``) for a patching section.
         progress: called with the name of each stage as it starts.
     Raises:
         QkovError: the checkpoint or a given file cannot be read.
@@ -318,17 +324,43 @@ def collect(
         if diag_k:
             check_diag_k(diag_k, model.cfg.d_vocab)  # before the long work
         inputs = _inputs(ckpt, model, tokens, text, max(batch, icl_examples), seed)
+        pair = read_patching(model, clean, corrupted, metric, dev)  # bad input fails before the work
         text_ids = inputs.tokens.to(dev)
         w = Weights.from_model(model, device=dev)  # the default view: TransformerLens's processed weights
-    decode, bos, L = token_decoder(model.tokenizer), model.bos_token_id, model.cfg.n_layers
+    decode, bos = token_decoder(model.tokenizer), model.bos_token_id
     with _stage(timings, "model card", progress):
         card = _card(ckpt, model, w)
     del model  # the view holds what the analyses read (GPT-2 small: 0.65 GB less at the peak)
+    opts = dict(batch=batch, icl_examples=icl_examples, viewer_tokens=viewer_tokens, top=top, seed=seed)
+    sections = _sections(w, text_ids, inputs, decode, bos, pair, (diag_k, diag_sample), timings, progress, **opts)
+    timings["total"] = round(time.perf_counter() - t_start, 3)
+    return Report(str(ckpt), ckpt.name, card, *sections[:7], timings=timings, inputs=inputs.source, **sections[7])
+
+
+def _sections(
+    w: Weights,
+    text_ids: torch.Tensor,
+    inputs: AnalysisInput,
+    decode: Decode,
+    bos: int,
+    pair: Any,
+    diag: tuple[int, int | None],
+    timings: dict[str, float],
+    progress: Progress | None,
+    *,
+    batch: int,
+    icl_examples: int,
+    viewer_tokens: int,
+    top: int,
+    seed: int,
+) -> tuple[Any, ...]:
+    """Every section after the card, each timed as its own stage; the causal ones as a dict."""
+    L = w.cfg.n_layers
     heads: Any = Absent("a 0-layer model has no attention heads")
     eigen: Any = heads
     if L >= 1:
         with _stage(timings, "heads", progress):
-            heads, icl_curve = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], (diag_k, diag_sample))
+            heads, icl_curve = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], diag)
             icl_info = heads.icl
         with _stage(timings, "OV eigenvalues", progress):
             eigen = _eigenvalues(w)
@@ -345,6 +377,9 @@ def collect(
         icl_section = _icl(w, bos, seed, icl_curve, icl_info)
     with _stage(timings, "skip-trigrams", progress):
         tri = _trigrams(w, decode, bos, top)
-    timings["total"] = round(time.perf_counter() - t_start, 3)
-    sections = (card, heads, eigen, composition, paths, attention, icl_section, tri)
-    return Report(str(ckpt), ckpt.name, *sections, timings=timings, inputs=inputs.source)
+    with _stage(timings, "composition paths (path patching)", progress):
+        icl_text = text_ids[:icl_examples] if inputs.natural else None
+        causal = causal_section(w, heads, composition, icl_text, bos, seed)
+    with _stage(timings, "patching", progress):
+        patching = patching_section(w, pair)
+    return heads, eigen, composition, paths, attention, icl_section, tri, {"causal": causal, "patching": patching}

@@ -15,8 +15,9 @@ from typing import Any, TypeVar, Union
 
 from ...analysis.paths import PathSummary
 from ...errors import QkovError
+from .causal_sections import CausalSection, PatchingSection
 
-SCHEMA_VERSION = 2  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, "schema_version", heads "columns"
+SCHEMA_VERSION = 3  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, heads "columns"; 3: causal, patching
 
 
 @dataclass
@@ -353,6 +354,8 @@ class Report:
     trigrams: TrigramsSection
     timings: dict[str, float] = field(default_factory=dict)
     inputs: str = ""  # the tokens the behavioural sections ran on
+    causal: Maybe[CausalSection] = field(default_factory=lambda: Absent("not computed"))
+    patching: Maybe[PatchingSection] = field(default_factory=lambda: Absent("no clean/corrupted pair given"))
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -369,6 +372,7 @@ class Report:
             "attention": self.attention.to_dict(),
             "icl": self.icl.to_dict(),
             "trigrams": self.trigrams.to_dict(),
+            **{k: getattr(self, k).to_dict() for k in ("causal", "patching")},
             "timings": self.timings,
         }
 
@@ -391,4 +395,6 @@ class Report:
             trigrams=TrigramsSection.from_dict(d["trigrams"]),
             timings=d.get("timings", {}),
             inputs=d["inputs"],
+            causal=_maybe(d["causal"], CausalSection.from_dict),
+            patching=_maybe(d["patching"], PatchingSection.from_dict),
         )

@@ -347,6 +347,49 @@
     table(d, ["token", "next", "logit"], t.bigrams.map((b) => [tok(b.token_str), tok(b.next_str), fmt(b.logit, 2)]), [0, 1]);
   }
 
+  const pct = (v) => (v == null || Number.isNaN(v) ? "–" : `${(100 * v).toFixed(0)}%`);
+  function causal(sec, c) {
+    if (absent(sec, c)) return;
+    note(sec, `[F]'s K-composition, tested causally: each path from the previous-token head ${c.writer} into the ` +
+      `induction head ${c.reader}'s query, key or value input is noised on its own (path patching: ${c.writer}'s ` +
+      `output from a corrupted run reaches only that input; everything else keeps its clean value). Shares of ` +
+      `${c.reader}'s prefix-matching attention on ${c.repeat_length}-token repeats (clean ${fmt(c.prefix_clean)}, ` +
+      `non-repeating tokens ${fmt(c.prefix_corrupted)}) and of the in-context improvement ` +
+      (c.icl_clean == null ? "(no text)" : `(ICL score ${signed(c.icl_clean)} on ${c.icl_examples} examples)`) +
+      " each path removes. [F]'s reading predicts: the key path carries most of it; query and value little.");
+    table(sec, ["path", "prefix matching removed", "in-context improvement removed"],
+      ["q", "k", "v"].map((i) => [`${c.writer} → ${c.reader} ${i}`, pct(c.prefix_removed[i]),
+        c.icl_removed ? pct(c.icl_removed[i]) : "–"]), [0]);
+  }
+
+  // one patching result as a heatmap: layer rows by position or head columns (layer.head rows for 3 axes)
+  function patchResult(sec, r, agreement) {
+    sec.append(el("h3", { text: `${r.method} patching of ${r.site} by ${r.axes.join(" × ")}` }));
+    const share = r.normalized != null;
+    note(sec, `${r.direction}; metric: ${r.metric}, clean ${fmt(r.clean, 4)}, corrupted ${fmt(r.corrupted, 4)}. ` +
+      (share ? "Cells: the share of the way each patch moves the metric from the base run's value to the source " +
+        "run's (1 = all the way)." : "Cells: the metric after each patch.") +
+      (agreement == null ? "" : ` Agreement with activation patching: r = ${fmt(agreement)}.`));
+    let z = share ? r.normalized : r.values;
+    let y = r.labels.layer;
+    const x = r.labels[r.axes[r.axes.length - 1]];
+    if (r.axes.length === 3) {  // (layer, a, b) -> rows "layer a", columns b
+      y = []; const rows = [];
+      z.forEach((plane, l) => plane.forEach((row, i) => { rows.push(row); y.push(`${l} · ${r.labels[r.axes[1]][i]}`); }));
+      z = rows;
+    }
+    plot(sec, [{ type: "heatmap", z, x, y, colorscale: "RdBu", reversescale: true, zmid: 0, colorbar: { thickness: 10 },
+      hovertemplate: `${r.axes[0]} %{y}<br>${r.axes[r.axes.length - 1]} %{x}<br>%{z:.3f}<extra></extra>` }], {
+      height: Math.min(900, 140 + 22 * y.length), xaxis: { type: "category", title: { text: r.axes[r.axes.length - 1] } },
+      yaxis: { type: "category", autorange: "reversed", title: { text: r.axes.slice(0, -1).join(" · ") } },
+    });
+  }
+  function patching(sec, p) {
+    if (absent(sec, p)) return;
+    if (p.clean) note(sec, `Clean input ${p.clean}, corrupted input ${p.corrupted}.`);
+    for (const r of p.results) patchResult(sec, r, r.method === "attribution" ? (p.agreement || {})[r.site] : null);
+  }
+
   // ------------------------------------------- notebook-only displays (qkov.show)
   function copying(sec, c) {
     note(sec, "Per head: eigen copying = Σλ / Σ|λ| of the full OV circuit W_E W_OV W_U (1 = copies its input, " +
@@ -382,6 +425,8 @@
     attention: (s, D, o) => attention(s, D.attention, o.ids, o.hash),
     icl: (s, D) => icl(s, D.icl),
     trigrams: (s, D) => trigrams(s, D.trigrams),
+    causal: (s, D) => causal(s, D.causal),
+    patching: (s, D) => patching(s, D.patching),
     copying: (s, D) => copying(s, D.copying),
     topk: (s, D) => topk(s, D.topk),
     probe: (s, D) => probe(s, D.probe),

@@ -1,0 +1,98 @@
+"""The report's causal sections: the induction circuit's composition paths, patched
+(:mod:`qkov.analysis.causal_composition`), and a patching study of a clean/corrupted pair when
+the report is given one (:mod:`qkov.analysis.patch_study`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...analysis.causal_composition import CompositionPaths, composition_paths
+from ...analysis.metrics import parse_metric
+from ...analysis.patch_study import PatchStudy, patch_study
+from ...errors import QkovError
+from ...model.tokens import token_decoder
+from ...model.transformer import Transformer
+from ...weights.view import Weights
+from ..inputs import patching_pair
+from .causal_sections import CausalSection, PatchingSection
+from .sections import Absent, CompositionSection, HeadsSection
+
+
+def circuit_heads(heads: HeadsSection | Absent, comp: CompositionSection | Absent) -> tuple[str, str] | str:
+    """``(writer, reader)``: the induction head with the highest prefix matching, and the previous-token
+    head in an earlier layer it K-composes with most; or why there is none."""
+    if isinstance(heads, Absent) or isinstance(comp, Absent) or "k" not in comp.kinds:
+        return "no induction circuit: the model has fewer than two layers"
+    induction = sorted((r for r in heads.rows if "induction" in r.roles), key=lambda r: -r.scores["prefix_matching"])
+    if not induction:
+        return "no induction head was found (see the heads section)"
+    reader = induction[0]
+    k = comp.kinds["k"]
+    col = k.readers.index(reader.head)
+    prev = [r for r in heads.rows if "previous-token" in r.roles and r.layer < reader.layer]
+    if not prev:
+        return f"the induction head {reader.head} has no previous-token head in an earlier layer"
+
+    def score(head: str) -> float:
+        v = k.adjusted[k.writers.index(head)][col] if head in k.writers else None
+        return -math.inf if v is None else float(v)
+
+    writer = max(prev, key=lambda r: score(r.head))
+    return writer.head, reader.head
+
+
+def causal_section(w: Weights, heads: Any, comp: Any, text: torch.Tensor | None, bos: int, seed: int) -> Any:
+    """The composition paths of the report's induction circuit (``Absent`` without one)."""
+    pair = circuit_heads(heads, comp)
+    if isinstance(pair, str):
+        return Absent(pair)
+    writer, reader = (tuple(int(x) for x in h.split(".")) for h in pair)
+    got: CompositionPaths = composition_paths(w, writer, reader, text=text, bos=bos, seed=seed)  # type: ignore[arg-type]
+    d = got.to_dict()
+    rounded = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
+    for key in ("prefix_removed", "icl_removed"):
+        if d[key] is not None:
+            rounded[key] = {k: round(v, 4) for k, v in d[key].items()}
+    return CausalSection(**rounded)
+
+
+@dataclass
+class PatchingInputs:
+    """A clean/corrupted pair read (and its metric parsed) before the analysis, so bad input fails first."""
+
+    clean: torch.Tensor
+    corrupted: torch.Tensor
+    metric: Any
+    decode: Any
+    names: tuple[str, str]
+
+
+def read_patching(
+    model: Transformer, clean: Path | None, corrupted: Path | None, metric: str | None, device: Any
+) -> PatchingInputs | None:
+    """The report's patching inputs (``None`` when no pair is given; one-line errors for half a pair)."""
+    if clean is None and corrupted is None:
+        return None
+    if clean is None or corrupted is None:
+        raise QkovError("report: patching needs both a clean and a corrupted input")
+    c, x = patching_pair(clean, corrupted, model)
+    encode = None if model.tokenizer is None else (lambda s: model.tokenizer.encode(s).ids)  # type: ignore[union-attr]
+    m = parse_metric(metric, c.to(device), encode, model.cfg.d_vocab)
+    decode = None if model.tokenizer is None else token_decoder(model.tokenizer)
+    return PatchingInputs(c.to(device), x.to(device), m, decode, (str(clean), str(corrupted)))
+
+
+def patching_section(w: Weights, given: PatchingInputs | None) -> Any:
+    """Patching of the pair (:func:`~qkov.analysis.patch_study.patch_study` with its defaults: the
+    residual stream by layer and position, head outputs, attribution); ``Absent`` without one."""
+    if given is None:
+        return Absent("no clean/corrupted pair given (qkov report --clean FILE --corrupted FILE)")
+    if w.cfg.n_layers == 0:
+        return Absent("a 0-layer model has nothing to patch")
+    study: PatchStudy = patch_study(w, given.clean, given.corrupted, metric=given.metric, decode=given.decode)
+    return PatchingSection(*given.names, **study.to_dict())
