@@ -275,8 +275,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "attribution: the difference taken the wrong way round": (
         "analysis/patching.py",
-        "        effect = (src_run[(kind, l)] - a.detach()) * a.grad",
-        "        effect = (a.detach() - src_run[(kind, l)]) * a.grad",
+        "        effect = (src_run[(kind, l)] - a.detach()) * grad",
+        "        effect = (a.detach() - src_run[(kind, l)]) * grad",
         "tests/test_patching.py::test_attribution_is_the_first_order_term_of_the_patch",
     ),
     "metrics: the logit difference read at the first position": (

@@ -76,6 +76,13 @@ def test_head_edits_touch_one_head_and_in_place_functions_work() -> None:
 
     again = run(w, toks, edits={"z.0": in_place})
     assert (again.logits - out.logits).abs().max() == 0
+    # per-head input copies: an in-place edit of one head's copy equals a tensor edit of its address
+    in_place_q = run(w, toks, edits={"q_input.1": in_place}, cache="q.1")
+    by_address = run(w, toks, edits={"q_input.1.1": torch.zeros(())}, cache="q.1")
+    assert torch.equal(in_place_q.logits, by_address.logits) and (in_place_q.logits - base.logits).abs().max() > 1e-6
+    base_q = run(w, toks, cache="q.1")["q", 1]
+    assert (in_place_q["q", 1][:, :, 0] - base_q[:, :, 0]).abs().max() < 1e-12  # head 0 reads its own copy
+    assert (in_place_q["q", 1][:, :, 1] - base_q[:, :, 1]).abs().max() > 1e-3
     # two edits of one site apply in order; a pattern edit reaches the logits like patterns= does
     P = torch.tril(torch.ones(GPT2_LIKE.n_ctx, GPT2_LIKE.n_ctx, dtype=torch.float64))
     P = (P / P.sum(-1, keepdim=True)).expand(3, GPT2_LIKE.n_heads, -1, -1)

@@ -182,7 +182,10 @@ class _Pass:
         after the site, for queries and keys), normalised on its own."""
         if not self.active(f"{kind}_input", l):
             return project_heads(normed, W, b)
-        split = self.at(f"{kind}_input", l, x[:, :, None, :].expand(-1, -1, W.shape[0], -1))
+        split = x[:, :, None, :].expand(-1, -1, W.shape[0], -1)
+        if (f"{kind}_input", l) in self.edits:  # an edit may write in place: each head its own memory
+            split = split.clone()
+        split = self.at(f"{kind}_input", l, split)
         if kind != "v":
             split = query_key_stream(split, None if self.pos is None else self.pos[:, :, None], self.cfg.positional)
         split = normalize(split, self.source.norm, self.cfg.ln_eps, w=ln[0], b=ln[1])[0]

@@ -318,9 +318,8 @@ def attribution_patching(
     rows = []
     for l in range(L):
         a = base_run[(kind, l)]
-        if a.grad is None:
-            raise QkovError(f"attribution patching: the metric does not depend on {kind}.{l}")
-        effect = (src_run[(kind, l)] - a.detach()) * a.grad
+        grad = torch.zeros_like(a) if a.grad is None else a.grad  # None: the metric does not depend on it
+        effect = (src_run[(kind, l)] - a.detach()) * grad
         summed = effect.sum(dim=[d for d in range(effect.ndim) if d not in keep])  # [..kept dims in layout order]
         rows.append(_to_axes(summed, [d for d in keep], [dims[x] for x in axes[1:]]))
     values = float(base_value.detach()) + torch.stack(rows).float().cpu() if rows else torch.zeros(0)
