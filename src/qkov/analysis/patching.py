@@ -99,20 +99,12 @@ def largest(r: PatchResult, k: int = 8) -> list[tuple[str, float, float]]:
     gap = r.target - r.base
     rows = []
     for i in flat.tolist():
-        index = tuple(int(x) for x in _unravel(i, r.values.shape))
+        index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), r.values.shape))
         v = float(r.values[index])
         if v != v:
             continue
         rows.append((_cell(r, index), v, (v - r.base) / gap if gap else float("nan")))
     return rows
-
-
-def _unravel(i: int, shape: Sequence[int]) -> list[int]:
-    out = []
-    for n in reversed(shape):
-        out.append(i % n)
-        i //= n
-    return out[::-1]
 
 
 @register(TEXT, PatchResult)
