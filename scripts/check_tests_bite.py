@@ -229,7 +229,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "analysis/sites.py",
         '    "rot_k": "k",\n',
         '    "rot_k": "q",\n',
-        "tests/test_sites.py::test_names_tuples_globs_aliases_and_heads_address_the_same_tensors",
+        "tests/test_patching_tl.py::test_transformerlens_short_names_resolve_as_transformerlens_resolves_them",
     ),
     "edits: a head's edit lands on head 0": (
         "analysis/edits.py",

@@ -4,6 +4,8 @@ attribution against finite differences; bad input."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -57,11 +59,11 @@ def test_batched_sweeps_equal_one_patch_at_a_time(direction: str) -> None:
         ("pattern", ("layer", "head", "pos"), lambda h, p: (h, p)),
     ]
     for kind, axes, index in cases:
+        budget = 3 * Pt.copy_bytes(w, clean, metric.logit_positions(clean.shape[1]))
         got = Pt.activation_patching(
-            w, clean, corrupted, site=kind, axes=axes, metric=metric, direction=direction, max_bytes=50_000
-        )  # a small budget: many batches of a few copies
-        sizes = got.values.shape
-        for cell in [(0,) + (0,) * (len(sizes) - 1), (1,) + tuple(s - 1 for s in sizes[1:]), (1,) + (1,) * (len(sizes) - 1)]:
+            w, clean, corrupted, site=kind, axes=axes, metric=metric, direction=direction, max_bytes=budget
+        )  # batches of three patched copies (the last one shorter)
+        for cell in itertools.product(*(range(n) for n in got.values.shape)):  # every patch
             want = _one_patch(w, base, src, kind, cell[0], index(*cell[1:]), lambda r: metric(r))
             assert got.values[cell] == pytest.approx(want, abs=1e-10), (kind, cell)
     assert got.base == pytest.approx(float(metric(run(w, base)))) and got.target == pytest.approx(float(metric(run(w, src))))

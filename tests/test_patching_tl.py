@@ -87,6 +87,33 @@ def test_every_transformerlens_hook_equals_the_qkov_site_of_its_name(name: str, 
                 _close(out[f"blocks.{l}.hook_{x}_input"], split[f"blocks.{l}.hook_{x}_input"], f"{x}_input.{l}")
 
 
+def test_transformerlens_short_names_resolve_as_transformerlens_resolves_them() -> None:
+    """Every short activation name TransformerLens' get_act_name knows and qkov accepts names the same
+    site as the full hook name TransformerLens makes of it (in a rotary model, its pre-rotary hook_q
+    and hook_k are refused: qkov's q and k are after rotary)."""
+    from transformer_lens.utils import get_act_name
+
+    from qkov.analysis.sites import Sites
+
+    short = ["resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "q", "k", "v", "z", "pattern",
+             "attn_scores", "result", "rot_q", "rot_k", "pre", "pre_linear", "post", "q_input", "k_input", "v_input"]
+    for positional in ("rotary", "standard"):
+        cfg = ModelConfig(
+            n_layers=2, n_heads=4, n_kv_heads=2, d_model=16, d_head=4, d_vocab=30, n_ctx=12, positional=positional,
+            normalization="rmsnorm", d_mlp=24, act_fn="silu", gated_mlp=True,
+        )  # fmt: skip
+        sites = Sites(cfg, "scale")
+        for name in short:
+            full = get_act_name(name, 1)
+            if positional == "rotary" and full.endswith(("attn.hook_q", "attn.hook_k")):
+                with pytest.raises(QkovError, match="before rotary"):
+                    sites.resolve(full)
+            elif name not in ("rot_q", "rot_k") or positional == "rotary":
+                assert sites.resolve((name, 1)) == sites.resolve(full), (name, full)
+    for name in ("embed", "pos_embed"):
+        assert sites.resolve(name) == sites.resolve(get_act_name(name)), name
+
+
 def _logit_diff(toks: torch.Tensor):  # type: ignore[no-untyped-def]
     a, b = toks[:, -1], (toks[:, -1] + 1) % 30
 
