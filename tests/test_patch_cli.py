@@ -82,7 +82,8 @@ def test_patch_and_ablate_user_mistakes_are_one_line_errors(tiny: Path, tmp_path
     (tmp_path / "two.txt").write_text("a b\nsomething longer than that\n")
     save_tl(model, tmp_path / "m.safetensors")  # no tokenizer
     cases = [
-        (["--clean", c, "--corrupted", tmp_path / "long.txt"], "same number of sequences and tokens"),
+        (["--clean", c, "--corrupted", tmp_path / "long.txt"], "same number of sequences and tokens: [1, "),
+        (["--clean", c, "--corrupted", tmp_path / "long.txt"], "they split as '"),
         (["--clean", tmp_path / "two.txt", "--corrupted", x], "same number of tokens"),
         (["--clean", c, "--corrupted", x, "--metric", "median"], "expected loss, logit-diff"),
         (["--clean", c, "--corrupted", x, "--site", "patern"], "no site"),

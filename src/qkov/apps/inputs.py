@@ -180,8 +180,12 @@ def patching_pair(clean: Path, corrupted: Path, model: Transformer) -> tuple[tor
     the same shape."""
     a, b = read_sequences(clean, model), read_sequences(corrupted, model)
     if a.shape != b.shape:
+        shown = ""
+        if a.shape[0] == b.shape[0] and model.tokenizer is not None:  # say how the first sequences split
+            words = [model.to_str_tokens(x[0])[1:] for x in (a, b)]
+            shown = "; they split as " + " vs ".join(repr("|".join(w)) for w in words)
         raise QkovError(
             f"the clean and corrupted inputs must have the same number of sequences and tokens: "
-            f"{list(a.shape)} vs {list(b.shape)} (sequences x tokens)"
+            f"{list(a.shape)} vs {list(b.shape)} (sequences x tokens){shown}"
         )
     return a, b

@@ -91,6 +91,8 @@ def cmd_patch(args: argparse.Namespace) -> int:
             f"clean {r.clean:.4g}, corrupted {r.corrupted:.4g}"
             + ("" if agree is None else f"; agreement with activation patching r = {agree:.3f}")
         )
+        if abs(r.target - r.base) < 1e-3 * max(1.0, abs(r.clean)):
+            con.print(f"the clean and corrupted runs give almost the same metric ({r.target - r.base:+.2g}): shares are unstable")
         con.print(_table(r))
     return 0
 
