@@ -40,6 +40,8 @@ import threading
 import time
 from pathlib import Path
 
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
+
 SHAPE = dict(
     n_layers=24,
     n_heads=16,
@@ -185,7 +187,7 @@ def worker(task: str, ckpt: str, cap_bytes: int) -> dict[str, object]:
                 result = {"loaded": False, "error": f"{type(exc).__name__}: {str(exc)[:120]}"}
     result.update(
         seconds=time.perf_counter() - t0,
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_rss_mib=peak_mib(),
         peak_anon_mib=anon.peak,
     )
     return result

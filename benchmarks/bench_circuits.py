@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
+
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 SHAPE = dict(n_layers=12, n_heads=12, d_model=768, d_head=64, d_vocab=50257, n_ctx=1024)
 
@@ -127,7 +128,7 @@ def worker(lib: str, task: str) -> dict[str, object]:
         else:
             raise SystemExit(3)
     dt = time.perf_counter() - t0
-    return {"seconds": dt, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "out": out}
+    return {"seconds": dt, "peak_rss_mib": peak_mib(), "out": out}
 
 
 def measure(lib: str, task: str) -> dict[str, object]:

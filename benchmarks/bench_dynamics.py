@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
+
 
 def core_worker(lib: str, run: str) -> dict[str, float]:
     import torch
@@ -68,7 +70,7 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
             ind = induction_attention(pats, length)
         out.append([loss, prev.flatten().tolist(), ind.flatten().tolist()])
     dt = time.perf_counter() - t0
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    rss = peak_mib() / 1024
     return {"seconds": dt, "peak_gib": rss, "snapshots": len(found), "values": out, "seqs": PER_TOKEN_SEQUENCES}
 
 

@@ -11,10 +11,11 @@ Face directory, and reloads each. Needs transformers and transformer-lens (pip i
 
 from __future__ import annotations
 
-import resource
 import tempfile
 import time
 from pathlib import Path
+
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
         t_export = time.perf_counter() - t0
         with torch.no_grad():
             d_round = float((again(tokens).logits - expected).abs().max())
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_mib()
     print(f"GPT-2-small shape, {model.num_parameters():,} parameters, float32, logits over 4 x 128 random tokens")
     print(
         f"  load_hf (save_pretrained directory)             {t_import:6.2f} s   max |logit - transformers| {d_hf:.1e}"

@@ -30,12 +30,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 ROOT = Path(tempfile.gettempdir())
 PYTHIA = dict(
@@ -54,7 +55,7 @@ LLAMA8B = dict(
 
 
 def _peak_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return peak_mib() / 1024
 
 
 # ----------------------------------------------------------------------------- pythia

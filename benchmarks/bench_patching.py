@@ -14,7 +14,9 @@ corrupted one differs at 8 positions) with a logit-difference metric at the last
 
 Both give the same numbers (the largest difference is printed). Every measurement runs in its own
 subprocess, so its peak memory (max RSS, the loaded model included) is its own; the time is the
-patching call alone, the load is printed beside it.
+patching call alone, the load is printed beside it. The model is built in a subprocess too and this
+process never imports torch: Linux carries a forked parent's resident size into the child's
+``ru_maxrss``, which would count the parent's model in every measurement.
 
     python benchmarks/bench_patching.py [--repeat 3]
 """
@@ -22,13 +24,15 @@ patching call alone, the load is printed beside it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 SHAPE = dict(
     n_layers=12, n_heads=12, d_model=768, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=1024,
@@ -100,7 +104,7 @@ def worker(lib: str, task: str, root: Path) -> dict[str, object]:
         t1 = time.perf_counter()
         out = getattr(patching, TASKS[task])(model, corrupted, clean_cache, metric)
     seconds = time.perf_counter() - t1
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_mib()
     return {"seconds": seconds, "load_s": loaded, "peak_rss_mib": peak, "out": out.flatten().tolist()}
 
 
@@ -116,19 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each cell (default 1)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--build", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.worker[1], Path(args.worker[2]))))
         return 0
-    try:
-        import transformer_lens  # noqa: F401
-    except ImportError:
+    if args.build:
+        build(Path(args.build))
+        return 0
+    if importlib.util.find_spec("transformer_lens") is None:
         print("transformer-lens is not installed: pip install -e '.[peer]'", file=sys.stderr)
         return 2
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        build(root)
+        subprocess.run([sys.executable, __file__, "--build", str(root)], check=True)
         print(f"GPT-2-small shape, random weights; {SEQ}-token clean/corrupted pair ({CHANGED} positions differ)")
         print(f"{'task':<10} {'qkov s':>8} {'TL s':>8} {'ratio':>7} {'qkov MiB':>9} {'TL MiB':>8} {'mem':>6} {'max diff':>9}")
         for _ in range(args.repeat):

@@ -14,10 +14,11 @@ Each cell runs in its own process (peak RSS is its own).
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import time
+
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 CFG = dict(n_layers=2, n_heads=8, d_model=256, d_head=32, d_vocab=4096, n_ctx=256)
 
@@ -49,7 +50,7 @@ def worker(lib: str) -> dict[str, float]:
         hooked.run_with_cache(tokens)
         dt = time.perf_counter() - t0
         extra = {}
-    return {"seconds": dt, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
+    return {"seconds": dt, "peak_rss_mib": peak_mib(), **extra}
 
 
 def main() -> int:

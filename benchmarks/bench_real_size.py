@@ -26,13 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import sysconfig
 import tempfile
 import time
 from pathlib import Path
+
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 COMMANDS = {
     "circuits": ["circuits", "{dir}"],
@@ -84,7 +85,7 @@ def worker(argv: list[str]) -> dict[str, object]:
     except SystemExit as exc:
         rc = int(exc.code or 0)
     wall = time.perf_counter() - t
-    return {"rc": rc, "wall_s": wall, "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+    return {"rc": rc, "wall_s": wall, "peak_gib": peak_mib() / 1024}
 
 
 def tl_worker(path: Path, text: Path) -> dict[str, object]:
@@ -134,7 +135,7 @@ def tl_worker(path: Path, text: Path) -> dict[str, object]:
         "load_s": t_load,
         "run_with_cache_s": t_cache,
         "detect_head_s": t_detect,
-        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_gib": peak_mib() / 1024,
     }
 
 
@@ -161,7 +162,7 @@ def qkov_detect_worker(path: Path, text: Path) -> dict[str, object]:
         "wall_s": time.perf_counter() - t0,
         "load_s": t_load,
         "scores_s": time.perf_counter() - t1,
-        "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "peak_gib": peak_mib() / 1024,
     }
 
 

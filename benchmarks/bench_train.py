@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import time
+
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 CFG = dict(n_layers=2, n_heads=8, d_model=256, d_head=32, d_vocab=4096, n_ctx=256)
 BATCH = 8
@@ -102,7 +103,7 @@ def worker(lib: str, task: str, steps: int) -> dict[str, float]:
                     t0 = time.perf_counter()
                 fwd(toks).sum().item()
     dt = time.perf_counter() - t0
-    rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss_mib = peak_mib()
     return {"tokens_per_s": steps * BATCH * CFG["n_ctx"] / dt, "peak_rss_mib": rss_mib}
 
 

@@ -38,7 +38,7 @@ from .shown import TEXT, Shown, register
 from .sites import BY_NAME, Address, Sites
 
 DIRECTIONS = ("denoise", "noise")
-PATCH_BYTES = 512 * 2**20  # activations of the patched copies held at once (one batch)
+PATCH_BYTES = 256 * 2**20  # activations of the patched copies held at once (one batch)
 
 
 @dataclass(repr=False)

@@ -31,7 +31,7 @@ from ..weights.parts import WeightSource
 from .activations import Run
 from .forward import run
 from .metrics import Metric, as_metric
-from .patching import PatchResult, batched, copy_bytes, final_stream, pair, reads_from, scalar
+from .patching import PATCH_BYTES, PatchResult, batched, copy_bytes, final_stream, pair, reads_from, scalar
 from .progress import Progress, tick
 from .sites import Address
 
@@ -94,7 +94,7 @@ def path_patching(
     base_run = run(source, base, cache=cache, positions=m.logit_positions(T))
     src_run = run(source, src, cache=["head_out.*", *m.reads], positions=m.logit_positions(T))
     start = min(first, reads_from(source, m))
-    K_max = max(1, (max_bytes or 512 * 2**20) // copy_bytes(source, base, m.logit_positions(T)))
+    K_max = max(1, (max_bytes or PATCH_BYTES) // copy_bytes(source, base, m.logit_positions(T)))
     values = torch.full((L, H), float("nan"))
     for lo in range(0, len(senders), K_max):
         chunk = senders[lo : lo + K_max]
