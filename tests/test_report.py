@@ -19,7 +19,7 @@ from qkov.analysis.probes import induction_probe_tokens
 from qkov.apps.cli import main
 from qkov.apps.report import Report, collect, write_report
 from qkov.apps.report import sections as S
-from qkov.apps.report.causal_sections import CausalSection
+from qkov.analysis.causal_composition import CompositionPaths
 from qkov.analysis.patching import activation_patching
 from qkov.apps.claims import claims
 from qkov.io.checkpoint import load, save_checkpoint
@@ -141,7 +141,7 @@ def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
     assert induction.values["induction_heads"][0]["k_writer"] == "0.0"
     # the composition made causal: the key path carries 1.0's prefix matching, query and value none
     c = report.causal
-    assert isinstance(c, CausalSection) and (c.writer, c.reader) == ("0.0", "1.0")
+    assert isinstance(c, CompositionPaths) and (c.writer, c.reader) == ("0.0", "1.0")
     assert c.prefix_removed["k"] >= 0.9 and max(abs(c.prefix_removed["q"]), abs(c.prefix_removed["v"])) < 0.01
     (causal,) = [c for c in claims({2: report}) if "K-composition with the previous-token head" in c.claim]
     assert causal.holds is True and "K 99%" in causal.measured and "Q 0%" in causal.measured
@@ -317,7 +317,7 @@ def test_claims_verdicts_follow_the_numbers() -> None:
     assert "rank copying > 0.5" in rule("2-layer: induction")
     one.heads.rows = rows(0.6, [0.1, 0.1, 0.1, 0.9])  # type: ignore[union-attr]
     two.icl.score = 0.0
-    two.causal = CausalSection("0.1", "1.0", 0.8, 0.05, {"q": 0.1, "k": 0.7, "v": 0.2}, -0.2, {"q": 0.0, "k": 0.5, "v": 0.1})
+    two.causal = CompositionPaths("0.1", "1.0", 0.8, 0.05, {"q": 0.1, "k": 0.7, "v": 0.2}, -0.2, {"q": 0.0, "k": 0.5, "v": 0.1})
     assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, True, None, False]
     assert "K 70% (in-context improvement 50%), Q 10%" in claims({2: two})[1].measured
     for flip in ({"k": 0.49}, {"q": 0.21}, {"v": 0.25}):

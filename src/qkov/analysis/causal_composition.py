@@ -57,6 +57,19 @@ class CompositionPaths(Shown):
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompositionPaths":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def rounded(self, digits: int = 4) -> "CompositionPaths":
+        """The same numbers rounded as the report stores them."""
+        r = lambda v: v if v is None else round(v, digits)  # noqa: E731
+        shares = lambda d: None if d is None else {k: r(v) for k, v in d.items()}  # noqa: E731
+        return CompositionPaths(
+            self.writer, self.reader, r(self.prefix_clean), r(self.prefix_corrupted), shares(self.prefix_removed),  # type: ignore[arg-type]
+            r(self.icl_clean), shares(self.icl_removed), self.repeat_length, self.icl_examples,
+        )  # fmt: skip
+
 
 def _repeated(source: WeightSource, bos: int, seed: int, batch: int) -> tuple[Tensor, Tensor, int]:
     length = min(50, (source.cfg.n_ctx - 1) // 2)

@@ -334,17 +334,20 @@ def run(
     Returns:
         :class:`~qkov.analysis.activations.Run`.
     """
-    cfg = source.cfg
     _check_source(source)
+    cfg = source.cfg
     tokens = check_tokens(tokens, cfg).to(source.device)
     sites = Sites(cfg, source.norm)
     kinds = legacy_kinds(record, sites)
-    wanted = {a.site for a in sites.resolve_all(cache)} | {(k, l) for k in kinds for l in _layers(sites, k)}
-    stacked = set(kinds) | _whole_kinds(sites, cache)
+    asked = sites.resolve_all(cache)
+    wanted = {a.site for a in asked} | {(k, l) for k in kinds for l in _layers(sites, k)}
+    stacked = set(kinds) | _whole_kinds(asked, cfg.n_layers)
     ed = Edits(sites, None, device=source.device, dtype=source.dtype)
     live = legacy_edits(ed, tokens, patterns=patterns, frozen=frozen, head_outputs=head_outputs)
     ed.update(edits)
     _check_start(start_at, tokens, cfg, source)
+    if positions is not None and len(positions) and not bool(((positions >= -tokens.shape[1]) & (positions < tokens.shape[1])).all()):
+        raise QkovError(f"positions: every position must be in -{tokens.shape[1]}..{tokens.shape[1] - 1}")
     state = _Pass(source, ed, _Store(wanted, stacked, cfg.n_layers, grad), observe, grad)
     with contextlib.nullcontext() if grad else torch.no_grad():
         first, x = state.start(tokens, start_at)
@@ -364,13 +367,13 @@ def _layers(sites: Sites, kind: str) -> list[int | None]:
     return list(range(sites.cfg.n_layers)) if per[kind] else [None]
 
 
-def _whole_kinds(sites: Sites, cache: Iterable[Any] | str) -> set[str]:
-    """Kinds ``cache`` asks for at every layer (kept in one buffer)."""
+def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
+    """Kinds asked for at every layer (kept in one buffer)."""
     by_kind: dict[str, set[int]] = {}
-    for a in sites.resolve_all(cache):
+    for a in asked:
         if a.layer is not None:
             by_kind.setdefault(a.kind, set()).add(a.layer)
-    return {k for k, ls in by_kind.items() if len(ls) == sites.cfg.n_layers}
+    return {k for k, ls in by_kind.items() if len(ls) == n_layers}
 
 
 def _check_source(source: Any) -> None:

@@ -119,13 +119,8 @@ class Sites:
     def __init__(self, cfg: Any, norm: str) -> None:
         self.cfg, self.norm = cfg, norm
         self.kinds = [k for k in KINDS if self._exists(k.name)]
-        names = {k.name for k in self.kinds}
-        self.layer_names = [
-            Address(k.name, l).name
-            for k in self.kinds
-            for l in (range(cfg.n_layers) if k.per_layer else [None])  # type: ignore[list-item]
-        ]
-        self.order = {name: i for i, name in enumerate(self._forward_order(names))}
+        self.layer_names = self._forward_order()  # every site of kind and layer, in the forward's order
+        self.order = {name: i for i, name in enumerate(self.layer_names)}
 
     def _exists(self, kind: str) -> bool:
         c, normed = self.cfg, self.norm != "none"
@@ -144,7 +139,7 @@ class Sites:
             "mlp_out": mlp,
         }.get(kind, True)
 
-    def _forward_order(self, names: set[str]) -> list[str]:
+    def _forward_order(self) -> list[str]:
         """Every site name in the order the forward computes it."""
         first = [k.name for k in self.kinds if not k.per_layer and k.name in ("embed", "pos")]
         last = [k.name for k in self.kinds if not k.per_layer and k.name not in ("embed", "pos")]

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ...analysis.causal_composition import CompositionPaths, composition_paths
+from ...analysis.causal_composition import composition_paths
 from ...analysis.metrics import parse_metric
 from ...analysis.patch_study import PatchStudy, patch_study
 from ...errors import QkovError
@@ -19,7 +19,7 @@ from ...model.tokens import token_decoder
 from ...model.transformer import Transformer
 from ...weights.view import Weights
 from ..inputs import patching_pair
-from .causal_sections import CausalSection, PatchingSection
+from .causal_sections import PatchingSection
 from .sections import Absent, CompositionSection, HeadsSection
 
 
@@ -52,13 +52,7 @@ def causal_section(w: Weights, heads: Any, comp: Any, text: torch.Tensor | None,
     if isinstance(pair, str):
         return Absent(pair)
     writer, reader = (tuple(int(x) for x in h.split(".")) for h in pair)
-    got: CompositionPaths = composition_paths(w, writer, reader, text=text, bos=bos, seed=seed)  # type: ignore[arg-type]
-    d = got.to_dict()
-    rounded = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
-    for key in ("prefix_removed", "icl_removed"):
-        if d[key] is not None:
-            rounded[key] = {k: round(v, 4) for k, v in d[key].items()}
-    return CausalSection(**rounded)
+    return composition_paths(w, writer, reader, text=text, bos=bos, seed=seed).rounded()  # type: ignore[arg-type]
 
 
 @dataclass

@@ -3,9 +3,8 @@
 tables all read these fields; ``report.json`` carries :data:`SCHEMA_VERSION`.
 
 A section a model cannot have (heads of a 0-layer model, composition of a 1-layer model) is
-:class:`Absent` (``{"absent": why}`` in JSON). Numbers are stored as the page shows them
-(rounded to 4 significant digits where :mod:`qkov.apps.report.collect` says so).
-"""
+:class:`Absent` (``{"absent": why}`` in JSON). Numbers are stored as the page shows them (rounded
+where :mod:`qkov.apps.report.collect` says so)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union
 
+from ...analysis.causal_composition import CompositionPaths
 from ...analysis.paths import PathSummary
 from ...errors import QkovError
-from .causal_sections import CausalSection, PatchingSection
+from .causal_sections import PatchingSection
 
 SCHEMA_VERSION = 3  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, heads "columns"; 3: causal, patching
 
@@ -354,7 +354,7 @@ class Report:
     trigrams: TrigramsSection
     timings: dict[str, float] = field(default_factory=dict)
     inputs: str = ""  # the tokens the behavioural sections ran on
-    causal: Maybe[CausalSection] = field(default_factory=lambda: Absent("not computed"))
+    causal: Maybe[CompositionPaths] = field(default_factory=lambda: Absent("not computed"))
     patching: Maybe[PatchingSection] = field(default_factory=lambda: Absent("no clean/corrupted pair given"))
     schema_version: int = SCHEMA_VERSION
 
@@ -395,6 +395,6 @@ class Report:
             trigrams=TrigramsSection.from_dict(d["trigrams"]),
             timings=d.get("timings", {}),
             inputs=d["inputs"],
-            causal=_maybe(d["causal"], CausalSection.from_dict),
+            causal=_maybe(d["causal"], CompositionPaths.from_dict),
             patching=_maybe(d["patching"], PatchingSection.from_dict),
         )
