@@ -95,6 +95,13 @@ def _directions(W_U: Tensor, tokens: Any, batch_pos: torch.Size) -> Tensor:
     return cols[:, None] if t.ndim == 1 else cols
 
 
+def _need(run: "Run", names: list[str], what: str) -> None:
+    """A one-line error naming every site ``what`` reads that the run did not cache."""
+    missing = [n for n in names if n not in run.cache]
+    if missing:
+        raise QkovError(f"{what} reads {', '.join(names)}: run(..., cache={missing!r}) to cache the missing ones")
+
+
 def _final_stream(run: "Run") -> Tensor:
     L = run.source.cfg.n_layers
     if L:
@@ -116,6 +123,8 @@ def accumulated(run: "Run", layer: int | None, incl_mid: bool) -> Stack:
     upto = _upto(run, layer)
     L = run.source.cfg.n_layers
     mid = incl_mid and run.source.cfg.d_mlp is not None and not run.source.cfg.parallel
+    names = [f"resid_pre.{l}" for l in range(min(upto + 1, L))] + [f"resid_mid.{l}" for l in range(upto) if mid]
+    _need(run, names + ([f"resid_post.{L - 1}"] if upto == L and L else []), "accumulated_resid")
     parts, labels = [], []
     for l in range(min(upto + 1, L)):
         parts.append(run["resid_pre", l])
@@ -134,6 +143,9 @@ def by_component(run: "Run", layer: int | None, mode: str) -> Stack:
     if mode not in ("all", "attn", "mlp"):
         raise QkovError(f"decompose_resid: mode must be all, attn or mlp, got {mode!r}")
     upto, cfg = _upto(run, layer), run.source.cfg
+    writers = ["attn_out"] * (mode != "mlp") + ["mlp_out"] * (mode != "attn" and cfg.d_mlp is not None)
+    names = ["embed"] + ["pos"] * (cfg.positional == "standard") + [f"{k}.{l}" for l in range(upto) for k in writers]
+    _need(run, names, "decompose_resid")
     parts, labels = [run["embed"]], ["embed"]
     if cfg.positional == "standard":
         parts.append(run["pos"])
@@ -153,6 +165,7 @@ def by_head(run: "Run", layer: int | None) -> Stack:
     upto, cfg = _upto(run, layer), run.source.cfg
     if upto == 0:
         raise QkovError("stack_head_results: no heads before layer 0")
+    _need(run, [f"head_out.{l}" for l in range(upto)], "stack_head_results")
     outs = torch.cat([run["head_out", l].permute(2, 0, 1, 3) for l in range(upto)])  # [upto * H, B, T, D]
     labels = [f"{l}.{h}" for l in range(upto) for h in range(cfg.n_heads)]
     return Stack(outs, labels, run, None if upto == cfg.n_layers else upto)

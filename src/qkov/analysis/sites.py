@@ -70,6 +70,10 @@ KINDS: tuple[Kind, ...] = (
     Kind("logits", "[B, T, V]", None, "unembed.hook_out", "the logits", False),
 )
 BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
+SPLIT_INPUTS = ("q_input", "k_input", "v_input")
+"""Each head's own copy of the stream: ``H`` times a layer's stream in memory, and each head then
+normalises its own copy, so a glob whose kind is a wildcard (``"*"``, ``"*.1"``) leaves them out;
+name them to cache or edit them (``"q_input.1"``, ``"k_input.*"``)."""
 
 _TL_EXTRA = {"unembed.hook_in": "final", "blocks.{l}.attn.hook_q": "q", "blocks.{l}.attn.hook_k": "k"}
 _TL_SHORT = {
@@ -156,8 +160,13 @@ class Sites:
         if not isinstance(key, str):
             raise QkovError(f"site {key!r}: give a name such as 'pattern.1' or a tuple such as ('pattern', 1)")
         if any(c in key for c in "*?["):
-            found = [Address(*_split(n)) for n in self.layer_names if fnmatch.fnmatchcase(n, key)]
             kind_part = key.split(".")[0]
+            split = kind_part not in SPLIT_INPUTS  # a wildcard kind never takes the per-head copies
+            found = [
+                Address(*_split(n))
+                for n in self.layer_names
+                if fnmatch.fnmatchcase(n, key) and (not split or n.split(".")[0] not in SPLIT_INPUTS)
+            ]
             if not found and not any(fnmatch.fnmatchcase(k.name, kind_part) for k in self.kinds if k.per_layer):
                 raise QkovError(f"no site matches {key!r}; sites are {self.summary()}")
             return found
