@@ -66,7 +66,7 @@ def test_every_transformerlens_hook_equals_the_qkov_site_of_its_name(name: str, 
     h.set_use_attn_result(True)
     with torch.no_grad():
         logits, cache = h.run_with_cache(toks)
-    out = run(w, toks, cache="*")
+    out = run(w, toks, cache=["*", "q_input.*", "k_input.*", "v_input.*"])
     _close(out.logits, logits, "logits")
     compared = []
     for hook, theirs in cache.items():
