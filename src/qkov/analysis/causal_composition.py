@@ -30,13 +30,14 @@ from torch import Tensor
 
 from ..weights.parts import WeightSource
 from .metrics import Attention, ICLWindows
-from .path_patching import path_patching
+from .path_patching import input_paths
+from .patching import PATCH_BYTES, copy_bytes
 from .probes import icl_windows, induction_probe_tokens
 from .shown import TEXT, Shown, register
 
 Head = tuple[int, int]
 INPUTS = ("q", "k", "v")
-ICL_CHUNK = 32  # ICL examples per path-patching pass (their per-head inputs are held at once)
+ICL_CHUNK = 32  # ICL examples per path-patching pass at most (fewer where their activations exceed PATCH_BYTES)
 
 
 @dataclass(repr=False)
@@ -93,10 +94,8 @@ def composition_paths(
     ``[N, T]`` validation examples for the ICL share (at least 2, longer than 60 tokens)."""
     clean, corrupted, L = _repeated(source, bos, seed, batch)
     m = Attention(layer=reader[0], head=reader[1], queries=list(range(L + 1, 2 * L + 1)), offset=L - 1)
-    removed, base, target = {}, 0.0, 0.0
-    for inp in INPUTS:
-        r = path_patching(source, clean, corrupted, receivers=[reader], input=inp, senders=[writer], metric=m, direction="noise")
-        removed[inp], base, target = float(r.normalized()[writer]), r.clean, r.corrupted
+    got, base, target = input_paths(source, clean, corrupted, sender=writer, receiver=reader, metric=m)
+    removed = {inp: (got[inp] - base) / (target - base) for inp in INPUTS}  # noised: base = clean
     out = CompositionPaths(f"{writer[0]}.{writer[1]}", f"{reader[0]}.{reader[1]}", base, target, removed, repeat_length=L)
     if text is not None and text.shape[0] >= 2 and text.shape[1] > 60:
         out.icl_clean, out.icl_removed = _icl_paths(source, writer, reader, text.to(source.device))
@@ -111,14 +110,18 @@ def _icl_paths(source: WeightSource, writer: Head, reader: Head, text: Tensor) -
     other = torch.roll(text, 1, dims=0)  # each example's writer output from another example
     sums = {inp: 0.0 for inp in INPUTS}
     clean = 0.0
-    N = text.shape[0]
-    for lo in range(0, N, ICL_CHUNK):
-        part, corrupted = text[lo : lo + ICL_CHUNK], other[lo : lo + ICL_CHUNK]
+    N, T = text.shape
+    c = source.cfg
+    K = len(INPUTS)  # one patched copy per input, each holding every input's per-head copies
+    one = K * (copy_bytes(source, text[:1], None) + 2 * K * T * c.n_heads * c.d_model * torch.finfo(source.dtype).bits // 8)
+    chunk = max(1, min(ICL_CHUNK, PATCH_BYTES // one))  # examples whose patched pass fits the budget
+    for lo in range(0, N, chunk):
+        part, corrupted = text[lo : lo + chunk], other[lo : lo + chunk]
         m = ICLWindows(early=early_at.tolist(), late=late_at.tolist(), tokens=part)
+        got, base, _ = input_paths(source, part, corrupted, sender=writer, receiver=reader, metric=m)
         for inp in INPUTS:
-            r = path_patching(source, part, corrupted, receivers=[reader], input=inp, senders=[writer], metric=m, direction="noise")
-            sums[inp] += float(r.values[writer]) * part.shape[0]
-            clean += r.clean * part.shape[0] / len(INPUTS)
+            sums[inp] += got[inp] * part.shape[0]
+        clean += base * part.shape[0]
     clean /= N
     if clean >= 0:
         return clean, None

@@ -16,7 +16,8 @@ adds the change to the final stream only (the direct path to the logits).
 ``direction="denoise"`` (default): base = corrupted, source = clean (how much the path restores);
 ``"noise"``: base = clean, source = corrupted (how much the path's corruption removes).
 One forward pass carries many senders (one patched copy of the base tokens each), started at the
-first receiver's layer from the base run's stream.
+first receiver's layer from the base run's stream; the runs keep only what the paths need (the
+senders' ``z``, the receivers' inputs, the stream where the patched passes start).
 """
 
 from __future__ import annotations
@@ -88,17 +89,21 @@ def path_patching(
     base, src = pair(source, clean, corrupted, direction)
     m = as_metric(metric, clean)
     T = base.shape[1]
-    layers = sorted({l for l, _ in heads})
-    cache = ["head_out.*", "resid_pre.*", *(f"{input}_input.{l}" for l in layers), *m.reads]
-    cache += [] if heads else [f"resid_post.{L - 1}"]
-    base_run = run(source, base, cache=cache, positions=m.logit_positions(T))
-    src_run = run(source, src, cache=["head_out.*", *m.reads], positions=m.logit_positions(T))
+    layers, sender_layers = sorted({l for l, _ in heads}), sorted({l for l, _ in senders})
     start = min(first, reads_from(source, m))
-    K_max = max(1, (max_bytes or PATCH_BYTES) // copy_bytes(source, base, m.logit_positions(T)))
+    z = [f"z.{l}" for l in sender_layers]  # a head's output is z @ W_O: the changes come from z, d_head wide
+    stream = [f"resid_pre.{start}"] if start < L else []
+    cache = [*z, *stream, *(f"{input}_input.{l}" for l in layers), *m.reads] + ([] if heads else [f"resid_post.{L - 1}"])
+    base_run = run(source, base, cache=cache, positions=m.logit_positions(T))
+    src_run = run(source, src, cache=[*z, *m.reads], positions=m.logit_positions(T))
+    W_O = {l: source.attention(l).W_O for l in sender_layers}
+    # each patched copy also holds the receivers' per-head inputs, edited and normalised
+    split = 2 * base.numel() * cfg.n_heads * cfg.d_model * base_run.logits.element_size() * len(layers)
+    K_max = max(1, (max_bytes or PATCH_BYTES) // (copy_bytes(source, base, m.logit_positions(T)) + split))
     values = torch.full((L, H), float("nan"))
     for lo in range(0, len(senders), K_max):
         chunk = senders[lo : lo + K_max]
-        delta = torch.stack([src_run[("head_out", l)][:, :, h] - base_run[("head_out", l)][:, :, h] for l, h in chunk])
+        delta = torch.stack([(src_run[("z", l)][:, :, h] - base_run[("z", l)][:, :, h]) @ W_O[l][h] for l, h in chunk])
         got = _run_chunk(source, base, base_run, m, heads, input, chunk, delta, start)
         for (l, h), v in zip(chunk, got.tolist()):
             values[l, h] = v
@@ -152,3 +157,40 @@ def _receive(base_input: Tensor, slots: list[int], delta: Tensor):  # type: igno
         return out.view(value.shape)
 
     return receive
+
+
+def input_paths(
+    source: WeightSource,
+    clean: Tensor,
+    corrupted: Tensor,
+    *,
+    sender: Head,
+    receiver: Head,
+    metric: Any,
+    direction: str = "noise",
+    inputs: Sequence[str] = INPUTS,
+) -> tuple[dict[str, float], float, float]:
+    """One sender's path into each of ``receiver``'s ``inputs``, each patched alone (the definition of
+    :func:`path_patching`), from one base run, one source run and one pass of ``len(inputs)`` copies:
+    ``({input: metric}, metric on clean, metric on corrupted)``."""
+    (l1, h1), (l2, h2) = sender, receiver
+    _check(source, [receiver], inputs[0])
+    if not l1 < l2:
+        raise QkovError(f"path patching: the sender {l1}.{h1} must come before the receiver {l2}.{h2}")
+    base, src = pair(source, clean, corrupted, direction)
+    m = as_metric(metric, clean)
+    T = base.shape[1]
+    start = min(l2, reads_from(source, m))
+    cache = [f"z.{l1}", f"resid_pre.{start}", *(f"{i}_input.{l2}" for i in inputs), *m.reads]
+    base_run = run(source, base, cache=cache, positions=m.logit_positions(T))
+    src_run = run(source, src, cache=[f"z.{l1}", *m.reads], positions=m.logit_positions(T))
+    change = (src_run[("z", l1)][:, :, h1] - base_run[("z", l1)][:, :, h1]) @ source.attention(l1).W_O[h1]
+    K, edits = len(inputs), {}
+    for k, inp in enumerate(inputs):
+        group = source.cfg.n_heads // source.cfg.kv_heads if inp in ("k", "v") else 1
+        only = torch.zeros(K, 1, 1, 1, dtype=change.dtype, device=change.device)
+        only[k] = 1  # copy k carries the change into this input; the others keep the base input
+        edits[Address(f"{inp}_input", l2)] = _receive(base_run[(f"{inp}_input", l2)], [h2 // group], change[None] * only)
+    got = batched(source, base, base_run, m, start, edits, K).tolist()
+    clean_run, corrupt_run = (src_run, base_run) if direction == "denoise" else (base_run, src_run)
+    return dict(zip(inputs, got)), scalar(m, clean_run), scalar(m, corrupt_run)

@@ -334,7 +334,7 @@ def collect(
     opts = dict(batch=batch, icl_examples=icl_examples, viewer_tokens=viewer_tokens, top=top, seed=seed)
     sections = _sections(w, text_ids, inputs, decode, bos, pair, (diag_k, diag_sample), timings, progress, **opts)
     timings["total"] = round(time.perf_counter() - t_start, 3)
-    return Report(str(ckpt), ckpt.name, card, *sections[:7], timings=timings, inputs=inputs.source, **sections[7])
+    return Report(str(ckpt), ckpt.name, card, timings=timings, inputs=inputs.source, **sections)
 
 
 def _sections(
@@ -353,8 +353,8 @@ def _sections(
     viewer_tokens: int,
     top: int,
     seed: int,
-) -> tuple[Any, ...]:
-    """Every section after the card, each timed as its own stage; the causal ones as a dict."""
+) -> dict[str, Any]:
+    """Every section after the card, by :class:`Report` field, each timed as its own stage."""
     L = w.cfg.n_layers
     heads: Any = Absent("a 0-layer model has no attention heads")
     eigen: Any = heads
@@ -382,4 +382,7 @@ def _sections(
         causal = causal_section(w, heads, composition, icl_text, bos, seed)
     with _stage(timings, "patching", progress):
         patching = patching_section(w, pair)
-    return heads, eigen, composition, paths, attention, icl_section, tri, {"causal": causal, "patching": patching}
+    return dict(
+        heads=heads, eigenvalues=eigen, composition=composition, paths=paths, attention=attention, icl=icl_section,
+        trigrams=tri, causal=causal, patching=patching,
+    )  # fmt: skip
