@@ -279,6 +279,12 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         '        edits[Address("v_input" if kind == "k" else f"{kind}_input", l2)] = _receive(',
         "tests/test_patching.py::test_the_induction_heads_key_path_carries_its_prefix_matching",
     ),
+    "path patching: each input's copy carries every input's change": (
+        "analysis/path_patching.py",
+        "        only[k] = 1  # copy k carries the change into this input; the others keep the base input",
+        "        only[:] = 1",
+        "tests/test_report.py::test_report_on_a_hand_built_model_names_its_circuit",
+    ),
     "attribution: the difference taken the wrong way round": (
         "analysis/patching.py",
         "        effect = (src_run[(kind, l)] - a.detach()) * grad",
@@ -305,8 +311,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "causal composition: the paths denoised instead of noised": (
         "analysis/causal_composition.py",
-        "senders=[writer], metric=m, direction=\"noise\")\n        removed[inp]",
-        "senders=[writer], metric=m, direction=\"denoise\")\n        removed[inp]",
+        "got, base, target = input_paths(source, clean, corrupted, sender=writer, receiver=reader, metric=m)",
+        'got, base, target = input_paths(source, clean, corrupted, sender=writer, receiver=reader, metric=m, direction="denoise")',
         "tests/test_report.py::test_report_on_a_hand_built_model_names_its_circuit",
     ),
     "claims: the causal claim ignores the value path": (

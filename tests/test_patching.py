@@ -123,6 +123,21 @@ def test_the_induction_heads_key_path_carries_its_prefix_matching() -> None:
     assert max(abs(x) for x in removed["q"] + removed["v"]) < 0.01
 
 
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_one_senders_paths_into_each_input_in_one_pass_equal_path_patching(direction: str) -> None:
+    from qkov.analysis.path_patching import input_paths
+
+    w, clean, corrupted = _setup()
+    m = LogitDiff(correct=clean[:, -1], incorrect=3)
+    got, c, x = input_paths(w, clean, corrupted, sender=(0, 1), receiver=(1, 0), metric=m, direction=direction)
+    for inp in ("q", "k", "v"):
+        r = path_patching(w, clean, corrupted, receivers=[(1, 0)], input=inp, senders=[(0, 1)], metric=m, direction=direction)
+        assert got[inp] == pytest.approx(float(r.values[0, 1]), abs=1e-10) and (c, x) == pytest.approx((r.clean, r.corrupted))
+    assert len({round(v, 6) for v in got.values()}) == 3  # three different paths
+    with pytest.raises(QkovError, match="must come before the receiver"):
+        input_paths(w, clean, corrupted, sender=(1, 1), receiver=(1, 0), metric=m)
+
+
 def test_attribution_is_the_first_order_term_of_the_patch() -> None:
     """Attribution patching against finite differences of the same patch scaled by a small eps."""
     w, clean, corrupted = _setup()
