@@ -259,7 +259,7 @@ def activation_patching(
     base_run, src_run = metric_values(source, base, src, m, [f"{kind}.*", "resid_pre.*"])
     sizes = {"pos": base.shape[1], "head": Sites(source.cfg, source.norm).heads(kind)}
     L = source.cfg.n_layers
-    values = torch.full((L, *(sizes[a] for a in axes[1:])), float("nan"))
+    values = torch.full((L, *(sizes[a] for a in axes[1:])), float("nan"), dtype=torch.float64)
     K_max = max(1, max_bytes // copy_bytes(source, base, m.logit_positions(base.shape[1])))
     cells = list(itertools.product(*(range(sizes[a]) for a in axes[1:])))
     total, done = L * len(cells), 0
@@ -314,7 +314,7 @@ def attribution_patching(
         effect = (src_run[(kind, l)] - a.detach()) * grad
         summed = effect.sum(dim=[d for d in range(effect.ndim) if d not in keep])  # [..kept dims in layout order]
         rows.append(_to_axes(summed, [d for d in keep], [dims[x] for x in axes[1:]]))
-    values = float(base_value.detach()) + torch.stack(rows).float().cpu() if rows else torch.zeros(0)
+    values = float(base_value.detach()) + torch.stack(rows).double().cpu() if rows else torch.zeros(0)
     other = float(m(src_run))
     b = float(base_value.detach())
     clean_v, corrupt_v = (other, b) if direction == "denoise" else (b, other)

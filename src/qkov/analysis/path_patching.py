@@ -100,7 +100,7 @@ def path_patching(
     # each patched copy also holds the receivers' per-head inputs, edited and normalised
     split = 2 * base.numel() * cfg.n_heads * cfg.d_model * base_run.logits.element_size() * len(layers)
     K_max = max(1, (max_bytes or PATCH_BYTES) // (copy_bytes(source, base, m.logit_positions(T)) + split))
-    values = torch.full((L, H), float("nan"))
+    values = torch.full((L, H), float("nan"), dtype=torch.float64)
     for lo in range(0, len(senders), K_max):
         chunk = senders[lo : lo + K_max]
         delta = torch.stack([(src_run[("z", l)][:, :, h] - base_run[("z", l)][:, :, h]) @ W_O[l][h] for l, h in chunk])
