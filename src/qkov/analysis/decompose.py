@@ -102,7 +102,9 @@ def _need(run: "Run", names: list[str], what: str) -> None:
         raise QkovError(f"{what} reads {', '.join(names)}: run(..., cache={missing!r}) to cache the missing ones")
 
 
-def _final_stream(run: "Run") -> Tensor:
+def final_stream(run: "Run") -> Tensor:
+    """The run's final residual stream (before the final normalisation): ``resid_post`` of the last
+    layer, or the embedding (plus standard positions) of a 0-layer model."""
     L = run.source.cfg.n_layers
     if L:
         return run["resid_post", L - 1]
@@ -133,7 +135,7 @@ def accumulated(run: "Run", layer: int | None, incl_mid: bool) -> Stack:
             parts.append(run["resid_mid", l])
             labels.append(f"{l}_mid")
     if upto == L:
-        parts.append(_final_stream(run))
+        parts.append(final_stream(run))
         labels.append("final")
     return Stack(torch.stack(parts), labels, run, None if upto == L else upto)
 

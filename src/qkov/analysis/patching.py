@@ -31,6 +31,7 @@ from ..errors import QkovError
 from ..model.tokens import check_tokens
 from ..weights.parts import WeightSource
 from .activations import Run
+from .decompose import final_stream
 from .forward import run
 from .metrics import Metric, as_metric
 from .progress import Progress, tick
@@ -167,12 +168,6 @@ def batched(
     return torch.stack([m(out.select(slice(k * B, (k + 1) * B))).detach() for k in range(K)])
 
 
-def final_stream(r: Run) -> Tensor:
-    """The run's final residual stream (before the final normalisation): ``resid_post`` of the last layer."""
-    L = r.source.cfg.n_layers
-    return r[("resid_post", L - 1)] if L else r["embed"]
-
-
 def reads_from(source: WeightSource, m: Metric) -> int:
     """The first layer whose sites the metric reads (``n_layers`` if it reads none): a patched pass
     must start there or earlier."""
@@ -214,6 +209,24 @@ def _dims(kind: str, axes: Sequence[str]) -> dict[str, int]:
     return {a: where[a] for a in axes[1:]}  # type: ignore[misc]
 
 
+def _plan(
+    source: WeightSource, clean: Tensor, corrupted: Tensor, site: str, axes: Any, metric: Any, direction: str
+) -> tuple[str, tuple[str, ...], dict[str, int], dict[str, int], Tensor, Tensor, Metric]:
+    """What a sweep of ``site`` patches: its kind, axes, their place in the layout and sizes, the base
+    and source tokens, the metric (every argument checked before any work)."""
+    sites = Sites(source.cfg, source.norm)
+    kind = sites.resolve((site, 0) if source.cfg.n_layers else site)[0].kind
+    axes = tuple(axes or default_axes(kind))
+    dims = _dims(kind, axes)
+    base, src = pair(source, clean, corrupted, direction)
+    sizes = {"pos": base.shape[1], "head": sites.heads(kind)}
+    return kind, axes, dims, sizes, base, src, as_metric(metric, clean)
+
+
+def _labels(L: int, axes: Sequence[str], sizes: dict[str, int]) -> dict[str, list[str]]:
+    return {"layer": [str(l) for l in range(L)], **{a: [str(i) for i in range(sizes[a])] for a in axes[1:]}}
+
+
 def _setter(clean: Tensor, dims: dict[str, int], chunk: list[tuple[int, ...]], K: int):  # type: ignore[no-untyped-def]
     """An edit putting ``clean`` (the source run's value of the site) into copy ``k`` at ``chunk[k]``."""
     shape = clean.shape
@@ -251,13 +264,8 @@ def activation_patching(
     ``get_act_patch_attn_head_out_by_pos`` is ``site="z", axes=("layer", "pos", "head")``) and
     measure ``metric`` (:mod:`qkov.analysis.metrics`; default the loss on the clean tokens).
     ``clean``/``corrupted`` ``[B, T]``: the same shape. See the module docstring."""
-    kind = Sites(source.cfg, source.norm).resolve((site, 0) if source.cfg.n_layers else site)[0].kind
-    axes = tuple(axes or default_axes(kind))
-    dims = _dims(kind, axes)
-    base, src = pair(source, clean, corrupted, direction)
-    m = as_metric(metric, clean)
+    kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
     base_run, src_run = metric_values(source, base, src, m, [f"{kind}.*", "resid_pre.*"])
-    sizes = {"pos": base.shape[1], "head": Sites(source.cfg, source.norm).heads(kind)}
     L = source.cfg.n_layers
     values = torch.full((L, *(sizes[a] for a in axes[1:])), float("nan"), dtype=torch.float64)
     K_max = max(1, max_bytes // copy_bytes(source, base, m.logit_positions(base.shape[1])))
@@ -274,7 +282,7 @@ def activation_patching(
             done += len(chunk)
             tick(progress, f"patching: {kind}", done, total)
     clean_run, corrupt_run = (src_run, base_run) if direction == "denoise" else (base_run, src_run)
-    labels = {"layer": [str(l) for l in range(L)], **{a: [str(i) for i in range(sizes[a])] for a in axes[1:]}}
+    labels = _labels(L, axes, sizes)
     return PatchResult(
         "activation", kind, axes, values, scalar(m, clean_run), scalar(m, corrupt_run), direction, m.name, labels
     )
@@ -294,11 +302,7 @@ def attribution_patching(
     """The first-order estimate of :func:`activation_patching` with the same arguments, from one
     backward pass on the base run: ``metric(base) + sum((source - base) * grad)`` over the
     dimensions not in ``axes``."""
-    kind = Sites(source.cfg, source.norm).resolve((site, 0) if source.cfg.n_layers else site)[0].kind
-    axes = tuple(axes or default_axes(kind))
-    dims = _dims(kind, axes)
-    base, src = pair(source, clean, corrupted, direction)
-    m = as_metric(metric, clean)
+    kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
     T = base.shape[1]
     want = [f"{kind}.*", *m.reads]
     base_run = run(source, base, cache=want, positions=m.logit_positions(T), grad=True)
@@ -318,8 +322,7 @@ def attribution_patching(
     other = float(m(src_run))
     b = float(base_value.detach())
     clean_v, corrupt_v = (other, b) if direction == "denoise" else (b, other)
-    sizes = {a: values.shape[i + 1] for i, a in enumerate(axes[1:])}
-    labels = {"layer": [str(l) for l in range(L)], **{a: [str(i) for i in range(n)] for a, n in sizes.items()}}
+    labels = _labels(L, axes, sizes)
     return PatchResult("attribution", kind, axes, values.detach(), clean_v, corrupt_v, direction, m.name, labels)
 
 

@@ -32,7 +32,8 @@ from ..weights.parts import WeightSource
 from .activations import Run
 from .forward import run
 from .metrics import Metric, as_metric
-from .patching import PATCH_BYTES, PatchResult, batched, copy_bytes, final_stream, pair, reads_from, scalar
+from .decompose import final_stream
+from .patching import PATCH_BYTES, PatchResult, batched, copy_bytes, pair, reads_from, scalar
 from .progress import Progress, tick
 from .sites import Address
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
+from ..analysis.metrics import parse_metric
 from ..errors import QkovError
 from ..io.checkpoint import read_config
 from ..io.sources import source_kind
+from ..model.tokens import token_decoder
 from ..model.transformer import Transformer
 from ..training.data import Corpus, load_corpus, val_batches
 
@@ -189,3 +192,24 @@ def patching_pair(clean: Path, corrupted: Path, model: Transformer) -> tuple[tor
             f"{list(a.shape)} vs {list(b.shape)} (sequences x tokens){shown}"
         )
     return a, b
+
+
+@dataclass
+class PatchingInputs:
+    """A clean/corrupted pair read (and its metric parsed) before the analysis, so bad input fails first."""
+
+    clean: torch.Tensor
+    corrupted: torch.Tensor
+    metric: Any
+    decode: Any
+    names: tuple[str, str]
+
+
+def patching_inputs(model: Transformer, clean: Path, corrupted: Path, metric: str | None, device: Any) -> PatchingInputs:
+    """The pair (:func:`patching_pair`) on ``device``, its metric parsed (token strings through the
+    model's tokenizer) and a decoder for position labels: what ``qkov patch`` and the report read."""
+    c, x = patching_pair(clean, corrupted, model)
+    encode = None if model.tokenizer is None else (lambda s: model.tokenizer.encode(s).ids)  # type: ignore[union-attr]
+    m = parse_metric(metric, c.to(device), encode, model.cfg.d_vocab)
+    decode = None if model.tokenizer is None else token_decoder(model.tokenizer)
+    return PatchingInputs(c.to(device), x.to(device), m, decode, (str(clean), str(corrupted)))

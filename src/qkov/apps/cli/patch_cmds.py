@@ -8,14 +8,12 @@ from typing import Any
 
 from rich.table import Table
 
-from ...analysis.metrics import parse_metric
 from ...analysis.patch_study import patch_study
 from ...analysis.patching import DIRECTIONS, PatchResult, largest
 from ...analysis.path_patching import INPUTS
 from ...errors import QkovError
-from ...model.tokens import token_decoder
 from ...weights.view import Weights
-from ..inputs import patching_pair
+from ..inputs import patching_inputs
 from ..progress import StageProgress
 from .common import add_device, add_source_args, console, device, dump_json, load_source, parse_head
 
@@ -64,20 +62,18 @@ def add_patch(sub: Any) -> None:
 def cmd_patch(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "patch", ": nothing to patch")
-    clean, corrupted = patching_pair(args.clean, args.corrupted, model)
-    encode = None if model.tokenizer is None else (lambda s: model.tokenizer.encode(s).ids)  # type: ignore[union-attr]
-    metric = parse_metric(args.metric, clean.to(dev), encode, model.cfg.d_vocab)
+    given = patching_inputs(model, args.clean, args.corrupted, args.metric, dev)
     receivers = _receivers(args.receivers, model.cfg)
     sites = [s.strip() for s in args.site.split(",") if s.strip()]
     if not sites and receivers is None:
         raise QkovError("nothing to patch: give --site or --receivers")
     w = Weights.from_model(model.to(dev))
-    decode = None if model.tokenizer is None else token_decoder(model.tokenizer)
+    clean = given.clean
     with StageProgress() as progress:
         study = patch_study(
-            w, clean.to(dev), corrupted.to(dev), metric=metric, sites=sites, by_pos=args.by_pos,
+            w, clean, given.corrupted, metric=given.metric, sites=sites, by_pos=args.by_pos,
             receivers=receivers, input=args.input, direction=args.direction,
-            attribution=not args.no_attribution, decode=decode, progress=progress,
+            attribution=not args.no_attribution, decode=given.decode, progress=progress,
         )  # fmt: skip
     if args.json:
         dump_json({"clean": str(args.clean), "corrupted": str(args.corrupted), **study.to_dict()})

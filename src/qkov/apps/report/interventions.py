@@ -5,20 +5,17 @@ the report is given one (:mod:`qkov.analysis.patch_study`)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...analysis.causal_composition import composition_paths
-from ...analysis.metrics import parse_metric
 from ...analysis.patch_study import PatchStudy, patch_study
 from ...errors import QkovError
-from ...model.tokens import token_decoder
 from ...model.transformer import Transformer
 from ...weights.view import Weights
-from ..inputs import patching_pair
+from ..inputs import PatchingInputs, patching_inputs
 from .causal_sections import PatchingSection
 from .sections import Absent, CompositionSection, HeadsSection
 
@@ -55,17 +52,6 @@ def causal_section(w: Weights, heads: Any, comp: Any, text: torch.Tensor | None,
     return composition_paths(w, writer, reader, text=text, bos=bos, seed=seed).rounded()  # type: ignore[arg-type]
 
 
-@dataclass
-class PatchingInputs:
-    """A clean/corrupted pair read (and its metric parsed) before the analysis, so bad input fails first."""
-
-    clean: torch.Tensor
-    corrupted: torch.Tensor
-    metric: Any
-    decode: Any
-    names: tuple[str, str]
-
-
 def read_patching(
     model: Transformer, clean: Path | None, corrupted: Path | None, metric: str | None, device: Any
 ) -> PatchingInputs | None:
@@ -74,11 +60,7 @@ def read_patching(
         return None
     if clean is None or corrupted is None:
         raise QkovError("report: patching needs both a clean and a corrupted input")
-    c, x = patching_pair(clean, corrupted, model)
-    encode = None if model.tokenizer is None else (lambda s: model.tokenizer.encode(s).ids)  # type: ignore[union-attr]
-    m = parse_metric(metric, c.to(device), encode, model.cfg.d_vocab)
-    decode = None if model.tokenizer is None else token_decoder(model.tokenizer)
-    return PatchingInputs(c.to(device), x.to(device), m, decode, (str(clean), str(corrupted)))
+    return patching_inputs(model, clean, corrupted, metric, device)
 
 
 def patching_section(w: Weights, given: PatchingInputs | None) -> Any:
