@@ -16,7 +16,7 @@ import re
 import uuid
 from typing import Any
 
-from ..apps.report.render import plotly_js, script_safe, static, to_json
+from ..apps.report.render import plotly_js, script_code, script_json, static
 
 SCOPE = "qkov-nb"  # class of every display's root element; the report's CSS applies below it only
 _state = {"sent": False}
@@ -49,8 +49,8 @@ def assets() -> str:
     css = scoped_css(static("report.css")) + f"\n.{SCOPE} pre.qkov-text {{ font-size: 12px; }}"
     return (
         f'<style data-qkov="css">{css}</style>\n'
-        f'<script data-qkov="plotly">{script_safe(bundle)}</script>\n'
-        f'<script data-qkov="report">{script_safe(static("report.js"))}</script>\n'
+        f'<script data-qkov="plotly">{script_code(bundle)}</script>\n'
+        f'<script data-qkov="report">{script_code(static("report.js"))}</script>\n'
     )
 
 
@@ -81,11 +81,11 @@ def mounted(section: str, data: dict[str, Any], text: str, *, title: str = "", o
         f'(function () {{ var root = document.getElementById("{uid}");'
         f' if (window.qkovReport) window.qkovReport.mount("{uid}");'
         f' else {{ root.dataset.rendered = "missing"; var p = document.createElement("p");'
-        f" p.textContent = {to_json(MISSING)}; root.append(p); }} }})();"
+        f" p.textContent = {script_json(MISSING)}; root.append(p); }} }})();"
     )
     return (
         f'<div class="{SCOPE}" id="{uid}"><pre class="qkov-text">{html.escape(text)}</pre></div>\n'
-        f'<script type="application/json" id="{uid}-data">{script_safe(to_json(spec))}</script>\n'
+        f'<script type="application/json" id="{uid}-data">{script_json(spec)}</script>\n'
         f"<script>{script}</script>\n"
     )
 

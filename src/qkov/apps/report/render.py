@@ -3,6 +3,10 @@
 The page carries its own copy of plotly.js (from the installed ``plotly`` package), its
 CSS and script, and the report's numbers as embedded JSON: it opens from disk with no
 network. Non-finite numbers become ``null`` so the JSON is strict.
+
+Text inside a ``<script>`` element is not HTML-escaped, so two functions make it safe there:
+:func:`script_json` for data (JSON that stays valid JSON for every input) and :func:`script_code`
+for code (the page's scripts and the plotly bundle). Every qkov page embeds through them.
 """
 
 from __future__ import annotations
@@ -49,21 +53,46 @@ def static(name: str) -> str:
     return resources.files("qkov.apps.report").joinpath("static", name).read_text(encoding="utf-8")
 
 
-def script_safe(text: str) -> str:
-    """Text that cannot end the <script> element it sits in."""
-    return text.replace("</", "<\\/").replace("<!--", "<\\!--")
+# inside JSON text these characters occur only within strings, where \uXXXX stands for any of them
+_JSON_ESCAPES = {ord(c): f"\\u{ord(c):04x}" for c in "<>&\u2028\u2029"}
+
+
+def script_json(data: Any) -> str:
+    """``data`` as strict JSON text that can sit verbatim inside any ``<script>`` element.
+
+    ``<``, ``>``, ``&``, U+2028 and U+2029 are written as ``\\uXXXX`` escapes: the text holds no
+    ``</script``, no ``<!--`` and no ``<script`` (nothing can end the element or change how HTML
+    reads it), and ``JSON.parse`` (or ``json.loads``) of it gives back ``data`` for every input,
+    strings of any content included. The text is also a valid JavaScript expression."""
+    return to_json(data).translate(_JSON_ESCAPES)
+
+
+_SCRIPT_BREAKERS = re.compile(r"<(?=/script|!--)", re.IGNORECASE)
+
+
+def script_code(code: str) -> str:
+    """JavaScript ``code`` that cannot end the ``<script>`` element it sits in.
+
+    ``</script`` (any case) becomes ``<\\/script`` and ``<!--`` becomes ``<\\!--``; with no
+    ``<!--`` the HTML parser never enters the state in which a later ``<script`` keeps the element
+    open. Inside a string, template or regular-expression literal the added backslash leaves the
+    value as it was, and that is where such text sits in qkov's scripts and the plotly bundle, if at
+    all (code using ``<!--`` as a comment, or in a regular expression with the ``u`` flag, would
+    have to be written otherwise). Data goes through :func:`script_json` instead."""
+    return _SCRIPT_BREAKERS.sub(lambda m: "<\\", code)
 
 
 def render_page(template: str, data: dict[str, Any], scripts: tuple[str, ...], title: str) -> str:
     """A self-contained page: the static ``template`` with the report's CSS, plotly.js, ``data`` as
-    embedded JSON and the static ``scripts`` (in order) filled in."""
+    embedded JSON (:func:`script_json`, read by the page's script with ``JSON.parse``) and the
+    static ``scripts`` (in order, :func:`script_code`) filled in."""
     parts = {
         "CSS": static("report.css"),
-        "DATA": script_safe(to_json(data)),
-        "JS": script_safe("\n".join(static(name) for name in scripts)),
+        "DATA": script_json(data),
+        "JS": script_code("\n".join(static(name) for name in scripts)),
         "TITLE": html.escape(title),
         "VERSION": html.escape(__version__),
-        "PLOTLY": script_safe(plotly_js()),
+        "PLOTLY": script_code(plotly_js()),
     }
     # one pass over the template, so nothing inserted is ever scanned for placeholders
     return re.sub(r"__(CSS|DATA|JS|TITLE|VERSION|PLOTLY)__", lambda m: parts[m.group(1)], static(template))

@@ -1,20 +1,20 @@
 /* qkov dynamics page: draws every section from the JSON embedded in the page (no network), with
- * the report library's helpers (report.js, loaded first). As in the report, each section's renderer
- * runs on its own and marks its section data-rendered="ok" or "error"; nothing goes to the console. */
+ * the report library (report.js, loaded first): qkovReport.drawPage runs each section's renderer on
+ * its own and marks its section data-rendered="ok" or "error" (data that cannot be read fails every
+ * section, visibly); nothing goes to the console. */
 "use strict";
 (function () {
-  const D = JSON.parse(document.getElementById("qkov-dynamics").textContent);
   const { el, fmt, note, table, plot } = window.qkovReport.helpers;
-  const errors = [];
-  window.addEventListener("error", (e) => {
-    errors.push(String(e.message));
-    document.documentElement.dataset.errors = errors.join(" | ");
-  });
   const big = (v) => (v == null ? "–" : Number(v).toLocaleString("en-US", { maximumFractionDigits: 0 }));
-  const S = D.snapshots;
-  const X = S.map((s) => s.at);
-  const AXIS = D.axis === "tokens" ? "tokens seen" : "step";
-  const W = D.reading.windows;
+  let D, S, X, AXIS, W, xaxis;  // set by prepare() from the page's data
+  function prepare(data) {
+    D = data;
+    S = D.snapshots;
+    X = S.map((s) => s.at);
+    AXIS = D.axis === "tokens" ? "tokens seen" : "step";
+    W = D.reading.windows;
+    xaxis = { title: AXIS };
+  }
   const COLORS = { induction: "#d3562f", previous_token: "#2a9d5b", icl: "#3056d3" };
   const NAMES = { induction: "induction score", previous_token: "previous-token score", icl: "in-context improvement" };
   function shade(which) {  // plotly shapes for the windows in ``which``
@@ -23,7 +23,6 @@
       fillcolor: COLORS[k], opacity: 0.12, line: { width: 0 },
     }));
   }
-  const xaxis = { title: AXIS };
 
   function summary(sec) {
     note(sec, `${D.description}; ${S.length} snapshots; measured on ${D.sample}.`);
@@ -123,16 +122,5 @@
   }
 
   const RENDER = { summary, curves, loss, heads, trajectory, ablation, table: snapshots };
-  for (const sec of document.querySelectorAll("section[data-section]")) {
-    try {
-      RENDER[sec.dataset.section](sec);
-      sec.dataset.rendered = "ok";
-    } catch (e) {
-      sec.dataset.rendered = "error";
-      sec.append(el("p", { class: "error", text: "could not draw this section: " + e }));
-      errors.push(sec.dataset.section + ": " + e);
-      document.documentElement.dataset.errors = errors.join(" | ");
-    }
-  }
-  document.documentElement.dataset.ready = "1";
+  window.qkovReport.drawPage("qkov-dynamics", RENDER, {}, prepare);
 })();

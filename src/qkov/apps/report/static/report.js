@@ -1,10 +1,12 @@
 /* qkov report: draws every section from JSON embedded in the page (no network).
  * The renderers are one library, window.qkovReport, defined once per page: the report page
  * draws its sections from #qkov-data; a notebook display (qkov.show) calls
- * qkovReport.mount(id) on its own element, whose data sits in the element "<id>-data".
+ * qkovReport.mount(id) on its own element, whose data sits in the element "<id>-data"; the
+ * dynamics and tour pages draw theirs with qkovReport.drawPage and the helpers.
  * Each section's renderer runs on its own; success sets data-rendered="ok" on the section,
  * failure shows the error in the section and sets data-rendered="error", so a test (or a
- * reader) sees which part failed. Nothing is written to the console. */
+ * reader) sees which part failed; data that cannot be read fails every section, visibly.
+ * Nothing is written to the console. */
 "use strict";
 (function () {
   if (window.qkovReport) return;  // a notebook may carry this script more than once
@@ -26,15 +28,18 @@
   const signed = (v, d = 3) => (v == null ? "–" : (v >= 0 ? "+" : "") + Number(v).toFixed(d));
   const tok = (s) => JSON.stringify(s);  // quotes and escapes: whitespace tokens stay visible
   function note(parent, text) { parent.append(el("p", { class: "note", text })); }
-  function table(parent, head, rows, leftCols = []) {
+  // a table of rows (cells: text or nodes); leftCols are left-aligned, wrapCols' cells wrap their text
+  function table(parent, head, rows, leftCols = [], wrapCols = []) {
     const t = el("table");
     const tr = el("tr");
-    head.forEach((h, i) => tr.append(el("th", { class: leftCols.includes(i) ? "l" : "", text: h })));
+    const left = (i) => (leftCols.includes(i) ? "l" : "");
+    const cls = (i) => [left(i), wrapCols.includes(i) ? "w" : ""].join(" ").trim();
+    head.forEach((h, i) => tr.append(el("th", { class: left(i), text: h })));
     t.append(tr);
     for (const r of rows) {
       const row = el("tr");
       r.forEach((c, i) => {
-        const td = el("td", { class: leftCols.includes(i) ? "l" : "" });
+        const td = el("td", { class: cls(i) });
         if (c instanceof Node) td.append(c); else td.textContent = c;
         row.append(td);
       });
@@ -82,7 +87,7 @@
     rows.push(["weights analysed", (done.length ? done.join(", ") : "as stored") +
       " (TransformerLens's processed weights by default)"]);
     rows.push(["analysed on", String(inputs || "–")]);
-    table(sec, ["", ""], rows, [0, 1]);
+    table(sec, ["", ""], rows, [0, 1], [1]);  // long values (paths) wrap
     const cv = c.curve;
     if (cv && cv.tokens.length) {
       plot(sec, [
@@ -431,46 +436,76 @@
     topk: (s, D) => topk(s, D.topk),
     probe: (s, D) => probe(s, D.probe),
   };
-  // draw section `name` of D into sec; returns the error text, or null
-  function draw(sec, name, D, opts = {}) {
+  // show `message` as the section's failure; returns it
+  function fail(sec, message) {
+    sec.dataset.rendered = "error";
+    sec.append(el("p", { class: "error", text: message }));
+    return message;
+  }
+  // draw section `name` of D into sec with render[name] (default: the report's); returns the error text, or null
+  function draw(sec, name, D, opts = {}, render = RENDER) {
     try {
-      RENDER[name](sec, D, opts);
+      render[name](sec, D, opts);
       sec.dataset.rendered = "ok";
       return null;
     } catch (e) {
-      sec.dataset.rendered = "error";
-      sec.append(el("p", { class: "error", text: "could not draw this section: " + e }));
-      return name + ": " + e;
+      return fail(sec, "could not draw this section: " + e);
+    }
+  }
+  // the JSON in element `id`; throws an Error that says what went wrong
+  function readData(id) {
+    const node = document.getElementById(id);
+    if (!node) throw new Error(`could not read the page's data: no element #${id}`);
+    try {
+      return JSON.parse(node.textContent);
+    } catch (e) {
+      throw new Error(`could not read the page's data (#${id}): ${e}`);
     }
   }
   // a notebook display: element `id` (its text form inside, replaced) and its data {section, data, opts}
   function mount(id) {
     const root = document.getElementById(id);
-    const spec = JSON.parse(document.getElementById(id + "-data").textContent);
+    let spec;
+    try {
+      spec = readData(id + "-data");
+    } catch (e) {
+      root.append(el("p", { class: "error", text: e.message }));
+      root.dataset.rendered = "error";
+      return;
+    }
     const sec = el("section", { "data-section": spec.section });
     if (spec.title) sec.append(el("h2", { text: spec.title }));
     root.replaceChildren(sec);
     const error = draw(sec, spec.section, spec.data, Object.assign({ ids: id }, spec.opts || {}));
     root.dataset.rendered = error ? "error" : "ok";
   }
-  // the helpers serve the other qkov pages drawn with this library (the dynamics page)
-  window.qkovReport = { draw, mount, helpers: { el, fmt, note, table, plot } };
+  // a page: the JSON in element `dataId`, given to prepare(D) once, then every section[data-section]
+  // drawn by render[name](sec, D, opts). Errors (and data that cannot be read: every section says
+  // so) are listed in the root element's dataset.errors; dataset.ready = "1" marks the end.
+  function drawPage(dataId, render, opts = {}, prepare = null) {
+    const root = document.documentElement;
+    const errors = [];
+    const record = (e) => { errors.push(e); root.dataset.errors = errors.join(" | "); };
+    window.addEventListener("error", (e) => record(String(e.message)));
+    let D = null, failure = null;
+    try {
+      D = readData(dataId);
+    } catch (e) {
+      failure = e.message;
+    }
+    if (!failure && prepare) {
+      try { prepare(D); } catch (e) { failure = "could not read the page's data: " + e; }
+    }
+    for (const sec of document.querySelectorAll("section[data-section]")) {
+      const name = sec.dataset.section;
+      const error = failure ? fail(sec, failure) : draw(sec, name, D, opts, render);
+      if (error) record(name + ": " + error);
+    }
+    root.dataset.ready = "1";
+  }
+  // the helpers serve the other qkov pages drawn with this library (the dynamics and tour pages)
+  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot } };
 
   // the report page: every section from #qkov-data
-  const page = document.getElementById("qkov-data");
-  if (!page) return;
-  const D = JSON.parse(page.textContent);
-  const errors = [];
-  window.addEventListener("error", (e) => {
-    errors.push(String(e.message));
-    document.documentElement.dataset.errors = errors.join(" | ");
-  });
-  for (const sec of document.querySelectorAll("section[data-section]")) {
-    const error = draw(sec, sec.dataset.section, D, { hash: location.hash });
-    if (error) {
-      errors.push(error);
-      document.documentElement.dataset.errors = errors.join(" | ");
-    }
-  }
-  document.documentElement.dataset.ready = "1";
+  if (document.getElementById("qkov-data")) drawPage("qkov-data", RENDER, { hash: location.hash });
 })();
