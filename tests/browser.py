@@ -1,7 +1,10 @@
-"""Headless Chromium for the tests that open pages: the report and exported notebooks.
+"""Headless Chromium for the tests that open pages: the report, the dynamics and tour pages, and
+exported notebooks.
 
 Pages are opened from disk with the network cut off (every host name resolves to nothing); a page
-probed with :data:`RESOURCES_PROBE` lists what it requested, so a test can assert it requested nothing."""
+probed with :data:`RESOURCES_PROBE` lists what it requested, so a test can assert it requested nothing;
+a page probed with :data:`LAYOUT_PROBE` and opened at a width (:func:`at_width`) records which of its
+text boxes overlap and whether it scrolls sideways (:func:`layout`)."""
 
 from __future__ import annotations
 
@@ -64,3 +67,87 @@ def requested(dom: str) -> list[str]:
     m = re.search(r'data-resources="([^"]*)"', dom)
     assert m is not None, "the resource probe did not run"
     return [u for u in json.loads(html.unescape(m.group(1))) if not u.startswith(("data:", "blob:"))]
+
+
+def at_width(width: int, height: int = 1000) -> str:
+    """The flag that opens a page in a window (viewport) ``width`` CSS pixels wide."""
+    return f"--window-size={width},{height}"
+
+
+# injected before </body>: once the page has drawn, every visible text fragment (one box per line
+# of each text node, cut to what its scrolling or clipping ancestors show) and every chart (a
+# plotly chart's stacked layers as one box, any other top-level <svg>) is collected, and the pairs
+# that overlap by more than 2 px both ways are recorded with the page's widths on the root element
+# (two lines of one text node are not a pair: a heading's tight line height lets them touch).
+# Text inside a chart is the chart's own business (plotly places it) and is not collected.
+LAYOUT_PROBE = """<script>
+window.addEventListener("load", () => setTimeout(() => {
+  const inter = (a, b) => ({ l: Math.max(a.l, b.l), t: Math.max(a.t, b.t),
+    r: Math.min(a.r, b.r), b: Math.min(a.b, b.b) });
+  const box = (r) => ({ l: r.left, t: r.top, r: r.right, b: r.bottom });
+  const clips = new Map();
+  function clip(elem) {  // the part of the page elem's content can show in (null: unclipped)
+    if (!elem || elem === document.documentElement || elem === document.body) return null;
+    if (clips.has(elem)) return clips.get(elem);
+    let c = clip(elem.parentElement);
+    const s = getComputedStyle(elem);
+    if (s.overflowX !== "visible" || s.overflowY !== "visible") {
+      const own = box(elem.getBoundingClientRect());
+      c = c ? inter(c, own) : own;
+    }
+    clips.set(elem, c);
+    return c;
+  }
+  const boxes = [];
+  function add(b, elem, what, node = elem) {  // b cut to what elem's clipping ancestors show
+    const c = clip(elem);
+    if (c) b = inter(b, c);
+    if (b.r - b.l >= 1 && b.b - b.t >= 1) boxes.push(Object.assign(b, { elem, what, node }));
+  }
+  const charts = [...document.querySelectorAll(".js-plotly-plot")];
+  for (const chart of charts) {
+    const layers = [...chart.querySelectorAll("svg.main-svg")].map((s) => box(s.getBoundingClientRect()));
+    if (!layers.length) continue;
+    const union = (a, b) => ({ l: Math.min(a.l, b.l), t: Math.min(a.t, b.t),
+      r: Math.max(a.r, b.r), b: Math.max(a.b, b.b) });
+    add(layers.reduce(union), chart, "[chart]");
+  }
+  for (const svg of document.querySelectorAll("svg")) {
+    if (svg.parentElement.closest("svg") || svg.closest(".js-plotly-plot")) continue;
+    add(box(svg.getBoundingClientRect()), svg, "[svg]");
+  }
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    const p = n.parentElement;
+    if (!n.data.trim() || !p || p.closest("svg, script, style, select, template, noscript, .js-plotly-plot")) continue;
+    if (getComputedStyle(p).visibility !== "visible") continue;
+    const range = document.createRange();
+    range.selectNodeContents(n);
+    for (const r of range.getClientRects()) add(box(r), p, n.data.trim().slice(0, 60), n);
+  }
+  boxes.sort((a, b) => a.t - b.t);
+  const overlaps = [];
+  const fix = (b) => [b.what, Math.round(b.l), Math.round(b.t), Math.round(b.r), Math.round(b.b)];
+  for (let i = 0; i < boxes.length; i++) {
+    const a = boxes[i];
+    for (let j = i + 1; j < boxes.length && boxes[j].t < a.b - 2; j++) {
+      const b = boxes[j];
+      const o = inter(a, b);
+      if (o.r - o.l > 2 && o.b - o.t > 2 && a.node !== b.node) overlaps.push([fix(a), fix(b)]);
+    }
+  }
+  document.documentElement.dataset.layout = JSON.stringify({
+    width: window.innerWidth, scroll_width: document.documentElement.scrollWidth, boxes: boxes.length,
+    charts: charts.length, overlaps: overlaps.slice(0, 30), n_overlaps: overlaps.length,
+  });
+}, 300));
+</script>"""
+
+
+def layout(dom: str) -> dict:
+    """What :data:`LAYOUT_PROBE` recorded (``--dump-dom`` output): ``width`` (the viewport's),
+    ``scroll_width`` (the page's), ``boxes`` (boxes collected), ``overlaps`` (the first 30 pairs:
+    [text, left, top, right, bottom] each) and ``n_overlaps``."""
+    m = re.search(r'data-layout="([^"]*)"', dom)
+    assert m is not None, "the layout probe did not run"
+    return json.loads(html.unescape(m.group(1)))

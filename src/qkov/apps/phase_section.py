@@ -1,5 +1,6 @@
 """The tour's phase-change section: [I]'s three dynamic claims judged from ``qkov dynamics`` results,
-and the curves of the 2-layer and 1-layer runs as static SVG (window shaded).
+and the data of the 2-layer and 1-layer runs' curves (window shaded) that the tour page draws;
+:func:`svg_dynamics` draws the same curves as static SVG (a notebook display of a dynamics result).
 """
 
 from __future__ import annotations
@@ -131,20 +132,25 @@ def svg_dynamics(dyn: dict[str, Any], *, title: str, icl_top: float = 0.2, width
     return "".join(parts)
 
 
-def phase_html(runs: dict[int, dict[str, Any]]) -> str:
-    """The section's curves, one chart per run (the 2-layer first), with links to the dynamics pages."""
-    if not runs:
-        return ""
-    charts = []
+def phase_charts(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The data of the section's charts, one per run (the 2-layer first), as the tour page draws
+    them: each run's detectors over tokens seen, its induction window, the link to its dynamics
+    page; ``icl_top`` is the in-context improvement's scale, one for every chart."""
     icl = [s.get("icl_improvement") or 0.0 for d in runs.values() for s in d["snapshots"]]
-    icl_top = max(0.2, max(icl, default=0.0))  # one scale for every chart
+    charts = []
     for n in sorted(runs, reverse=True):
         dyn = runs[n]
-        link = f"qkov-{n}l/dynamics/index.html"
+        w = _window(dyn, "induction")
+        snaps = dyn["snapshots"]
         charts.append(
-            f"<div style='display:inline-block;vertical-align:top'>"
-            f"{svg_dynamics(dyn, title=f'{n}-layer: detectors over training', icl_top=icl_top)}"
-            f"<p class='note'><a href='{link}'>{n}-layer dynamics page</a> "
-            f"(induction window: {html.escape(_span(_window(dyn, 'induction')))})</p></div>"
+            {
+                "layers": n,
+                "link": f"qkov-{n}l/dynamics/index.html",
+                "window": None if w is None else {"start": w["start"], "end": w["end"]},
+                "span": _span(w),
+                "axis": dyn.get("axis", "tokens"),
+                "at": [s["at"] for s in snaps],
+                **{key: [s.get(key) for s in snaps] for key in ("induction", "previous_token", "icl_improvement")},
+            }
         )
-    return "\n".join(charts)
+    return {"icl_top": max(0.2, max(icl, default=0.0)), "runs": charts}

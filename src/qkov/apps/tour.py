@@ -10,9 +10,7 @@ checked on any set of reports.
 
 from __future__ import annotations
 
-import html
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -25,21 +23,25 @@ from ..model.config import ModelConfig
 from ..training.config import TrainConfig
 from ..training import rundir, snapshots
 from ..training.loop import train
-from ..version import __version__
 from .outputs import output_folder
 from .progress import TrainProgress
 from .report import write_report
+from .report.render import render_page as draw_page
 from .report.render import to_json
 from .claims import Claim, claims, head_rows
 from .dynamics import SCHEMA_VERSION as DYNAMICS_SCHEMA
 from .dynamics import write_dynamics
-from .phase_section import phase_claims, phase_html
+from .phase_section import phase_charts, phase_claims
 from .report.sections import Report, TrainingRecord
 
 LAYERS: tuple[int, ...] = (0, 1, 2)
+phase_html = phase_charts  # the name run_tour calls the page's phase data by (to be renamed there)
 
 
 # ------------------------------------------------------------------------- page
+TITLE = "qkov tour: the paper's attention-only models, trained here"
+
+
 def _model_row(n: int, rep: Report) -> dict[str, Any]:
     record = rep.card.record or TrainingRecord()
     rows = head_rows(rep)
@@ -59,43 +61,23 @@ def _model_row(n: int, rep: Report) -> dict[str, Any]:
     }
 
 
-def _cell(v: Any, spec: str = "") -> str:
-    if v is None:
-        return "–"
-    return html.escape(format(v, spec) if spec else str(v))
-
-
-def svg_curves(series: dict[str, list[float]], *, title: str, width: int = 640, height: int = 320) -> str:
-    """A small static line chart (log x axis: token index 1..n; y: loss) as inline SVG."""
-    colors = ("#8a8f99", "#3056d3", "#d3562f", "#2a9d5b", "#9b59b6")
-    pts = {k: v for k, v in series.items() if v}
-    if not pts:
-        return ""
-    ys = [y for v in pts.values() for y in v if y is not None]
-    lo, hi = min(ys), max(ys)
-    n = max(len(v) for v in pts.values())
-    L, R, T, B = 50, 130, 30, 40
-    fx = lambda i: L + (width - L - R) * math.log(i + 1) / math.log(n)  # noqa: E731
-    fy = lambda y: T + (height - T - B) * (hi - y) / ((hi - lo) or 1.0)  # noqa: E731
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-size="12">']
-    parts.append(f'<text x="{width / 2 - R / 2}" y="18" text-anchor="middle">{html.escape(title)}</text>')
-    parts.append(f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#999"/>')
-    parts.append(f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#999"/>')
-    for tick in (1, 10, 100, 1000):
-        if tick <= n:
-            x = fx(tick - 1)
-            parts.append(f'<text x="{x:.1f}" y="{height - B + 15}" text-anchor="middle">{tick}</text>')
-    for frac in (0.0, 0.5, 1.0):
-        y = lo + frac * (hi - lo)
-        parts.append(f'<text x="{L - 6}" y="{fy(y) + 4:.1f}" text-anchor="end">{y:.1f}</text>')
-    parts.append(f'<text x="{(L + width - R) / 2}" y="{height - 6}" text-anchor="middle">token index</text>')
-    for k, (name, v) in enumerate(pts.items()):
-        c = colors[k % len(colors)]
-        d = " ".join(f"{fx(i):.1f},{fy(y):.1f}" for i, y in enumerate(v) if y is not None)
-        parts.append(f'<polyline fill="none" stroke="{c}" stroke-width="1.5" points="{d}"/>')
-        parts.append(f'<text x="{width - R + 8}" y="{T + 16 * k + 10}" fill="{c}">{html.escape(name)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+def page_data(
+    models: list[dict[str, Any]],
+    table: list[Claim],
+    meta: dict[str, Any],
+    curves: dict[str, list[float]] | None = None,
+    phase: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """What the comparison page shows (its embedded JSON): the model rows, the claims (without
+    their values: those are in ``tour.json``), the run's facts, the loss-by-position curves and the
+    phase-change charts (:func:`~qkov.apps.phase_section.phase_charts`)."""
+    return {
+        "models": models,
+        "claims": [{"claim": c.claim, "measured": c.measured, "holds": c.holds, "rule": c.rule} for c in table],
+        "meta": meta,
+        "curves": curves or {},
+        "phase": phase or {"icl_top": 0.2, "runs": []},
+    }
 
 
 def render_page(
@@ -103,63 +85,13 @@ def render_page(
     table: list[Claim],
     meta: dict[str, Any],
     curves: dict[str, list[float]] | None = None,
-    phase: str = "",
+    phase: dict[str, Any] | None = None,
 ) -> str:
-    """The comparison page: the models side by side, the claims table, the models' loss by
-    token position and the phase-change curves (static SVG), links to each report."""
-    verdict = {True: "agrees", False: "differs", None: "compare"}
-    model_rows = "\n".join(
-        f"<tr><td><a href='{html.escape(m['report'])}'>{m['layers']}-layer</a></td>"
-        f"<td>{_cell(m['parameters'], ',')}</td><td>{_cell(m['tokens'], ',')}</td>"
-        f"<td>{_cell(m['val_loss'], '.4f')}</td><td>{_cell(m['icl'], '+.3f')}</td>"
-        f"<td>{_cell(m['repeat_first'], '.2f')} / {_cell(m['repeat_second'], '.2f')}</td>"
-        f"<td>{_cell(m['max_prefix_matching'], '.3f')}</td>"
-        f"<td>{m['copying_heads']} / {m['heads']}</td><td>{_cell(m['wall_s'], '.0f')}</td></tr>"
-        for m in models
-    )
-    claim_rows = "\n".join(
-        f"<tr><td class='l'>{html.escape(c.claim)}</td><td class='l'>{html.escape(c.measured)}</td>"
-        f"<td class='{verdict[c.holds]}'>{verdict[c.holds]}</td><td class='l rule'>{html.escape(c.rule)}</td></tr>"
-        for c in table
-    )
-    return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><meta name="generator" content="qkov {__version__}"><title>qkov tour</title>
-<style>
-body {{ font: 14px/1.45 system-ui, sans-serif; margin: 24px 32px; color: #1d2330; max-width: 1300px; }}
-table {{ border-collapse: collapse; margin: 8px 0 20px; }}
-th, td {{ border-bottom: 1px solid #d9dde5; padding: 4px 10px; text-align: right; vertical-align: top; }}
-th {{ background: #f2f4f8; }} td.l, th.l {{ text-align: left; max-width: 620px; }}
-td:first-child {{ white-space: nowrap; }}
-td.agrees {{ color: #1a7f37; font-weight: 600; }} td.differs {{ color: #b00020; font-weight: 600; }}
-td.compare {{ color: #5b6475; }} .note {{ color: #5b6475; max-width: 900px; }}
-</style></head><body>
-<h1>qkov tour: the paper's attention-only models, trained here</h1>
-<p class="note">Trained on {html.escape(str(meta.get("corpus", "the built-in corpus")))} with qkov's default
-settings on {html.escape(str(meta.get("device", "")))}; this run of the tour took {meta.get("seconds", 0):.0f} s
-(models already trained in its directory are reused; training times are in the table). Each model links to its full
-report. Numbers are in <code>tour.json</code>.</p>
-<h2>Models</h2>
-<table><tr><th>model</th><th>parameters</th><th>tokens</th><th>validation loss</th><th>ICL score (nats)</th>
-<th>repeated tokens: loss 1st / 2nd copy</th><th>max prefix matching</th><th>copying heads</th><th>training s</th></tr>
-{model_rows}
-</table>
-<h2>Loss by token position</h2>
-<p class="note">Mean loss on validation text at each token index: models with induction heads keep improving
-late in the context (the in-context-learning score is the drop from token 50 to the last tokens).</p>
-{svg_curves(curves or {}, title="validation loss by token position")}
-<h2>The phase change</h2>
-<p class="note">Every snapshot the runs kept, measured on the same tokens (<code>qkov dynamics</code>): the
-best induction score and the best previous-token score of layer 0 (attention, 0 to 1) and the in-context
-improvement (max(0, minus the ICL score), in nats, one scale for both charts); the shaded band is the window
-where the induction score rises fastest.</p>
-{phase or "<p class='note'>No snapshots: the runs kept none.</p>"}
-<h2>The paper's claims, measured here</h2>
-<table><tr><th class="l">claim (paper)</th><th class="l">measured here</th><th></th>
-<th class="l">verdict rule (against the paper's number)</th></tr>
-{claim_rows}
-</table>
-</body></html>
-"""
+    """The comparison page: the models side by side (each linking to its report), the models' loss
+    by token position, the phase-change charts (linking to the dynamics pages) and the claims table.
+    Drawn as the report is (:func:`~qkov.apps.report.render.render_page`): its stylesheet, its
+    script library and plotly.js, the data of :func:`page_data` embedded; opens with no network."""
+    return draw_page("tour.html", page_data(models, table, meta, curves, phase), ("report.js", "tour.js"), TITLE)
 
 
 # --------------------------------------------------------------------------- run
