@@ -445,3 +445,57 @@ def test_a_full_disk_during_a_pair_write_replaces_nothing_and_leaves_no_temporar
     with pytest.raises(QkovError, match=r"No space left on device.*nothing was replaced"):
         O.replace_pair(folder, files("new"), overwrite=False, what="report")
     assert _listing(folder) == sorted(REPORT) and _version(folder) == "old" and O.pair_id(folder, REPORT)
+
+
+def test_a_refused_pair_write_killed_at_any_step_of_its_undo_still_keeps_the_users_page(tmp_path: Path) -> None:
+    """The user's page appears in the instant before the swap, so the write is undone; a kill at
+    any step after that, in the swaps or in the undo, is settled into the same end: the user's
+    page and the old report.json, nothing else in the folder."""
+    import qkov.apps.outputs as O
+    import qkov.io.dirfd as fs
+
+    user = "<html>user</html>"
+    old = {"index.html": _page("old"), "report.json": json.dumps({"schema_version": 3, "v": "old"})}
+    new = {"index.html": _page("new"), "report.json": json.dumps({"schema_version": 3, "v": "new"})}
+    ends, raced_kills = set(), 0
+    for k in range(1, 100):
+        folder = tmp_path / f"k{k}"
+        folder.mkdir()
+        O.replace_pair(folder, old, overwrite=False, what="report")
+        old_json = (folder / "report.json").read_text()
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                real = fs.exchange
+
+                def racing(dfd: int, a: str, b: str) -> bool:
+                    if b == "index.html" and not (folder / "raced").exists():
+                        (folder / "raced").write_text("")
+                        (folder / "index.html").write_text(user)
+                    return real(dfd, a, b)
+
+                fs.exchange = racing
+                _kill_at(k, [])
+                O.replace_pair(folder, new, overwrite=False, what="report")
+            except QkovError:
+                code = 3
+            finally:
+                os._exit(code)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        assert code in (3, 137), code
+        O.settle(folder, REPORT)
+        raced = (folder / "raced").exists()
+        if raced:
+            (folder / "raced").unlink()
+        assert _listing(folder) == sorted(REPORT), f"kill at step {k}: {_listing(folder)}"
+        if raced:  # the user's page, beside the report.json that was there
+            assert (folder / "index.html").read_text() == user, f"kill at step {k}"
+            assert (folder / "report.json").read_text() == old_json, f"kill at step {k}"
+        else:  # killed before the user saved: a whole pair (a journal in place is rolled forward)
+            assert _version(folder) in ("old", "new") and O.pair_id(folder, REPORT), f"kill at step {k}"
+        ends.add(raced)
+        raced_kills += raced and code == 137
+        if code == 3:
+            break
+    assert code == 3 and ends == {False, True} and raced_kills >= 8, (k, raced_kills)  # the undo has steps

@@ -11,7 +11,9 @@ analysis is kept).
 **Links.** The output folder and the files in it must not be symbolic links (nor anything but a
 plain file): such an output is refused, with ``overwrite`` too, so qkov never writes into a
 folder a link points at. The folders above the output folder are the user's path and are
-followed (a ``runs`` that links to a bigger disk works).
+followed (a ``runs`` that links to a bigger disk works). The writes go through the folder's
+descriptor, opened without following a link (:mod:`qkov.io.dirfd`), so a link swapped in for the
+folder or a file after the checks is not followed either.
 
 **A pair, replaced as one.** :func:`replace_pair` writes a page and its JSON so that no kill
 leaves the page of one write beside the data of another:
@@ -29,7 +31,7 @@ leaves the page of one write beside the data of another:
 
 A kill before (4) leaves the old pair whole, and temporaries the next writer deletes. A kill
 after (4) leaves the journal, and the next writer, or any qkov reader of the folder (which calls
-:func:`settle` first), rolls the write forward from it. A journal rather than a versioned folder
+:func:`settle` first), rolls the write forward from it (or back, if (6) had begun to undo it). A journal rather than a versioned folder
 switched by one rename: the outputs keep being plain files at their own names (a user opens,
 links to and copies ``OUT/index.html``), and a directory cannot be renamed over a non-empty one,
 so the switch would need ``index.html`` to be a link, which this module refuses to write through.
@@ -37,7 +39,8 @@ so the switch would need ``index.html`` to be a link, which this module refuses 
 **A write id.** Each page carries ``<meta name="qkov-write" content="ID">``, ID a digest of the
 JSON written with it, so a page beside JSON of another write (a kill between the swaps that no one
 has settled yet, a hand edit) is detectable: :func:`pair_id` returns ``None`` for it. The JSON
-carries no extra key: its content is its id.
+carries no extra key (its content is its id): a key would make two writes of the same result
+differ, and ``report.json``'s schema belongs to the report's typed sections.
 
 **The moment of replacement.** On Linux each swap is an atomic exchange (``renameat2``
 ``RENAME_EXCHANGE``): the new file takes the name, and the file that held the name at that
@@ -174,7 +177,7 @@ def _journal(dfd: int) -> dict[str, Any] | None:
 
 
 def _save_journal(folder: Path, dfd: int, journal: dict[str, Any]) -> None:
-    atomic_write_text(folder / JOURNAL, json.dumps(journal, indent=1))
+    atomic_write_text(fs.held(dfd, folder) / JOURNAL, json.dumps(journal, indent=1))
     os.fsync(dfd)
 
 
@@ -187,8 +190,8 @@ def _refusal(folder: Path, name: str, kind: str, what: str) -> _Refused:
         return _Refused(QkovError(f"{what}: {str(target)!r} is not a plain file and is not replaced", hint="out"))
     return _Refused(
         QkovError(
-            f"{what}: {str(target)!r} was not written by qkov and is not overwritten "
-            f"(it changed while the {what} was being made; nothing was replaced)",
+            f"{what}: {str(target)!r} was not written by qkov (it changed while the {what} was being made): "
+            "nothing was replaced",
             hint="overwrite",
         )
     )
@@ -273,7 +276,7 @@ def _settle_locked(folder: Path, dfd: int, names: tuple[str, ...]) -> None:
     if journal is not None:
         with contextlib.suppress(_Refused):  # undone: the user's file is back where it was
             _complete(folder, dfd, journal)
-    remove_stale_temporaries(folder, (*names, JOURNAL))
+    remove_stale_temporaries(fs.held(dfd, folder), (*names, JOURNAL))
 
 
 def settle(folder: Path | str, names: tuple[str, ...]) -> None:
@@ -289,8 +292,8 @@ def settle(folder: Path | str, names: tuple[str, ...]) -> None:
     with _locked(folder, "output") as dfd:
         try:
             _settle_locked(folder, dfd, names)
-        except OSError as exc:
-            raise QkovError(f"cannot write to {str(folder)!r} ({exc.strerror})") from None
+        except (OSError, QkovError) as exc:
+            raise QkovError(f"cannot write to {str(folder)!r} ({_reason(exc)})") from None
 
 
 def _stamped(files: dict[str, str]) -> tuple[str, dict[str, bytes]]:
@@ -366,12 +369,16 @@ def replace_pair(folder: Path | str, files: dict[str, str], *, overwrite: bool, 
                 if saved and fs.kind(dfd, JOURNAL) != "absent":
                     _undo(folder, dfd, journal)
             _drop(dfd, journal)
-            reason = exc if isinstance(exc, OSError) else exc.__context__  # a QkovError of atomic_write
             if isinstance(exc, (OSError, QkovError)):
-                why = getattr(reason, "strerror", None) or str(exc)
-                raise QkovError(f"{what}: cannot write to {str(folder)!r} ({why}); nothing was replaced") from None
+                raise QkovError(f"{what}: cannot write to {str(folder)!r} ({_reason(exc)}); nothing was replaced") from None
             raise
     return wid
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a write failed: an OSError's reason, also behind the QkovError of an atomic write."""
+    cause = exc if isinstance(exc, OSError) else exc.__context__
+    return getattr(cause, "strerror", None) or str(exc)
 
 
 def _drop(dfd: int, journal: dict[str, Any]) -> None:

@@ -96,6 +96,13 @@ def unlink(dfd: int, name: str) -> None:
         os.unlink(name, dir_fd=dfd)
 
 
+def held(dfd: int, folder: Path) -> Path:
+    """A path to the folder ``dfd`` holds, for code that takes paths: ``/proc/self/fd/N`` on Linux
+    (the opened folder itself, even if a link were swapped in for its name since), else ``folder``."""
+    path = Path(f"/proc/self/fd/{dfd}")
+    return path if path.is_dir() else folder
+
+
 def open_locked(folder: Path) -> int:
     """The folder's descriptor, opened without following a link, under an exclusive ``flock``
     (one holder at a time; closing the descriptor releases it, and so does the holder's death).
