@@ -22,14 +22,13 @@ from ..analysis.probes import default_icl_examples
 from ..analysis.shown import TEXT, Shown, register
 from ..device import pick_device
 from ..errors import QkovError
-from ..io.atomic import atomic_write_text
 from ..model.transformer import Transformer
 from ..training import distributed
 from ..version import __version__
 from ..weights.view import Weights
 from .dynamics_page import render_dynamics
 from .inputs import analysis_inputs
-from .outputs import output_folder
+from .outputs import output_folder, replace_pair
 from .report.render import to_json
 from .series import Series, series
 
@@ -201,12 +200,13 @@ def dynamics(
 
 def write_dynamics(out: Path, sources: Sequence[str | Path], *, overwrite: bool = False, **options: Any) -> Any:
     """Check ``out`` first (as the report does), run :func:`dynamics`, write ``out/dynamics.json`` and
-    the page ``out/index.html`` (atomically; rank 0 only). Returns the result (``None`` off rank 0)."""
+    the page ``out/index.html`` (as one pair, :func:`~qkov.apps.outputs.replace_pair`; rank 0 only).
+    Returns the result (``None`` off rank 0)."""
     if not distributed.from_env().main:
         return dynamics(sources, **options)
     with output_folder(out, DYNAMICS_FILES, overwrite=overwrite, what="dynamics") as folder:
         result = dynamics(sources, **options)
         if result is not None:
-            atomic_write_text(folder / "dynamics.json", to_json(result, indent=1))
-            atomic_write_text(folder / "index.html", render_dynamics(result))
+            files = {"index.html": render_dynamics(result), "dynamics.json": to_json(result, indent=1)}
+            replace_pair(folder, files, overwrite=overwrite, what="dynamics")
     return result

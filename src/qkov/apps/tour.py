@@ -17,25 +17,23 @@ from typing import Any, Callable, Sequence
 
 from ..device import pick_device
 from ..errors import QkovError
-from ..io.atomic import atomic_write_text
 from ..io.checkpoint import read_config
 from ..model.config import ModelConfig
 from ..training.config import TrainConfig
 from ..training import rundir, snapshots
 from ..training.loop import train
-from .outputs import output_folder
+from .outputs import output_folder, replace_pair, settle
 from .progress import TrainProgress
 from .report import write_report
 from .report.render import render_page as draw_page
 from .report.render import to_json
 from .claims import Claim, claims, head_rows
 from .dynamics import SCHEMA_VERSION as DYNAMICS_SCHEMA
-from .dynamics import write_dynamics
+from .dynamics import DYNAMICS_FILES, write_dynamics
 from .phase_section import phase_charts, phase_claims
 from .report.sections import Report, TrainingRecord
 
 LAYERS: tuple[int, ...] = (0, 1, 2)
-phase_html = phase_charts  # the name run_tour calls the page's phase data by (to be renamed there)
 
 
 # ------------------------------------------------------------------------- page
@@ -112,9 +110,10 @@ def _state(ckpt: Path) -> str:
 def _earlier_dynamics(ckpt: Path) -> dict[str, Any] | None:
     """The dynamics a previous tour wrote for exactly the snapshots ``ckpt`` holds now, if any."""
     try:
+        settle(ckpt / "dynamics", DYNAMICS_FILES)  # a write killed between its two files is finished first
         data = json.loads((ckpt / "dynamics" / "dynamics.json").read_text())
         labels = [s["label"] for s in data["snapshots"]]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, QkovError):
         return None
     now = [f"step {step}" for step, _ in snapshots.listing(ckpt)]
     return data if labels == now and data.get("schema_version") == DYNAMICS_SCHEMA else None
@@ -187,8 +186,8 @@ def run_tour(
         "seconds": time.perf_counter() - t0,
     }
     curves = {f"{n}-layer": reports[n].icl.loss_by_position or [] for n in layers}
-    atomic_write_text(out / "index.html", render_page(models, table, meta, curves, phase_html(dyn)))
     summary = {n: {"reading": d["reading"], "ablation": d["ablation"]} for n, d in dyn.items()}
     body = {"models": models, "claims": [c.to_dict() for c in table], "dynamics": summary, **meta}
-    atomic_write_text(out / "tour.json", to_json(body, indent=1))
+    page = render_page(models, table, meta, curves, phase_charts(dyn))
+    replace_pair(out, {"index.html": page, "tour.json": to_json(body, indent=1)}, overwrite=False, what="tour")
     return table, models

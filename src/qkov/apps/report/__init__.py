@@ -13,8 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...io.atomic import atomic_write_text
-from ..outputs import output_folder
+from ..outputs import output_folder, replace_pair
 from .collect import Progress, collect
 from .render import render_html, to_json
 from .sections import SCHEMA_VERSION, Report
@@ -36,12 +35,13 @@ def write_report(
 
     ``out`` is checked first (a folder that can be written, holding no ``index.html`` or
     ``report.json`` that qkov did not write, unless ``overwrite``), so a bad output location
-    fails before the analysis. Both files are written atomically (a crash leaves the previous
-    report or none). ``options`` go to :func:`collect`. Returns the report.
+    fails before the analysis. The two files are replaced as one pair when the analysis is done
+    (:func:`~qkov.apps.outputs.replace_pair`: checked again at that moment; a kill leaves the
+    previous report or the new one, never half of each). ``options`` go to :func:`collect`.
+    Returns the report.
     """
     with output_folder(Path(out), REPORT_FILES, overwrite=overwrite, what="report") as folder:
         report = collect(ckpt, progress=progress, **options)
-        page = render_html(report)
-        atomic_write_text(folder / "report.json", to_json(report.to_dict(), indent=1))
-        atomic_write_text(folder / "index.html", page)
+        files = {"index.html": render_html(report), "report.json": to_json(report.to_dict(), indent=1)}
+        replace_pair(folder, files, overwrite=overwrite, what="report")
     return report
