@@ -88,6 +88,18 @@ def test_a_directory_qkov_did_not_create_is_refused_unless_empty(tmp_path: Path,
     with pytest.raises(QkovError, match="not a qkov run"):
         rundir.clear(old)
     assert _tree(old) == before
+    # a manifest that lists anything but the names qkov writes (a way out of the directory) is not qkov's
+    (tmp_path / "victim.txt").write_text("keep")
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    escape = {"format": "qkov-manifest", "version": 1, "files": ["../victim.txt"]}
+    (hostile / MANIFEST_FILE).write_text(json.dumps(escape))
+    assert rundir.inspect(hostile) == "foreign"
+    with pytest.raises(QkovError, match=r"not a qkov run \(\.qkov-manifest\.json\)"):
+        qkov.train(hostile, TINY, tiny_train(small_corpus, steps=5), device="cpu")
+    with pytest.raises(QkovError, match="not cleared"):
+        rundir.clear(hostile)
+    assert (tmp_path / "victim.txt").read_text() == "keep"
     # save_checkpoint never replaces a file it did not write
     mine = tmp_path / "mine"
     mine.mkdir()

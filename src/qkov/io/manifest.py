@@ -21,7 +21,7 @@ them, never by file names alone. The manifest is a JSON file
   qkov writes recorded names only under the run's lock; where a file's origin must be proved
   (a directory without a manifest) its content proves it, below.
 
-**Directories written before the manifest** (qkov 0.2 and earlier) are *adopted*
+**Directories written before the manifest** (by an earlier qkov) are *adopted*
 (:func:`adopt`) when every entry carries one of the names qkov gave its files (see
 :func:`legacy_name`) and a training state, a model or a config among them proves qkov's by its
 content. The manifest then lists exactly the qkov-named files whose content is qkov's: a
@@ -77,9 +77,16 @@ def recorded(folder: Path) -> set[str] | None:
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise QkovError(f"{str(path)!r} is not a qkov manifest ({exc}): move it away") from None
     files = data.get("files") if isinstance(data, dict) and data.get("format") == _FORMAT else None
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+    if not isinstance(files, list) or not all(isinstance(f, str) and writable_name(f) for f in files):
         raise QkovError(f"{str(path)!r} is not a qkov manifest: move it away")
     return set(files)
+
+
+def writable_name(name: str) -> bool:
+    """``name`` is one qkov writes into a run or checkpoint: a run file or ``snapshots/step-<n>.safetensors``
+    (a manifest listing anything else, ``../`` or an absolute path say, is not qkov's)."""
+    folder, _, base = name.rpartition("/")
+    return (not folder and name in RUN_FILES) or (folder == SNAPSHOT_DIR and bool(SNAPSHOT_NAME.match(base)))
 
 
 def write(folder: Path, names: Iterable[str]) -> None:
@@ -127,6 +134,11 @@ def record(folder: Path, names: Iterable[str]) -> None:
     new = [n for n in dict.fromkeys(names) if n not in files]
     if not new:
         return
+    if not all(writable_name(n) for n in new):  # pragma: no cover - a programming error
+        raise ValueError(f"not a name qkov writes: {new}")
+    linked = [n for n in new if (folder / n).parent.is_symlink()]
+    if linked:
+        raise QkovError(f"{str((folder / linked[0]).parent)!r} is a link: qkov does not write through links")
     taken = [n for n in new if occupied(folder, n)]
     if taken:
         raise QkovError(
@@ -142,8 +154,8 @@ def remove_temporaries(folder: Path) -> None:
     for tmp in folder.glob(f".{MANIFEST_FILE}.*.tmp"):
         tmp.unlink(missing_ok=True)
     files = recorded(folder)
-    if files:
-        remove_stale_temporaries(folder, files)
+    if files:  # not through a folder turned into a link: what it points to is not the run's
+        remove_stale_temporaries(folder, [n for n in files if not (folder / n).parent.is_symlink()])
 
 
 # --------------------------------------------------------------------------- before the manifest
@@ -153,6 +165,8 @@ def legacy_name(entry: Path) -> bool:
     name = entry.name
     if name.startswith(".") and name.endswith(".tmp"):
         return any(name.startswith(f".{n}.") for n in RUN_FILES)
+    if entry.is_symlink():
+        return False
     if name == LOCK_FILE:
         return entry.is_file()
     return (name in RUN_FILES and entry.is_file()) or (name in LEGACY_FOLDERS and entry.is_dir())

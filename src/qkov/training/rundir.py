@@ -21,7 +21,7 @@ and a file not listed is the user's, never replaced or deleted. A directory is t
 * **foreign** — a file, an unreadable manifest, or a directory qkov did not create (no manifest,
   not empty): refused, never written into.
 
-**Runs written before the manifest** (qkov 0.2 and earlier): a directory without a manifest
+**Runs written before the manifest** (by an earlier qkov): a directory without a manifest
 whose every entry carries one of qkov's names (the run files, the lock, ``report/``,
 ``snapshots/``, ``dynamics/``, temporaries of run files) and whose ``train_state.safetensors``
 is a qkov training state by its content is *resumable*; ``qkov train --resume`` adopts it: it
@@ -112,8 +112,11 @@ def clear(path: Path) -> None:
     if not files:
         return
     for name in files:
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-            (path / name).unlink()
+        target = path / name
+        if target.parent.is_symlink():  # a folder turned into a link since: what it points to is not the run's
+            continue
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+            target.unlink()
     with contextlib.suppress(OSError):  # only when empty: a folder holding the user's files stays
         (path / SNAPSHOT_DIR).rmdir()
     manifest.write(path, [])  # after the files: a kill in between leaves recorded names, absent

@@ -102,6 +102,8 @@ def listing(out: Path) -> list[tuple[int, Path]]:
 def drop_after(out: Path, step: int) -> None:
     """Remove the recorded snapshots later than ``step`` (a resumed run writes them again) and the
     temporary files of killed snapshot writes; nothing the manifest does not list."""
+    if (out / SNAPSHOT_DIR).is_symlink():  # what the link points to is not the run's
+        return
     ours = sorted(n for n in manifest.recorded(out) or () if n.startswith(f"{SNAPSHOT_DIR}/"))
     remove_stale_temporaries(out, ours)
     for name in ours:
