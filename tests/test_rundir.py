@@ -132,6 +132,13 @@ def test_a_users_file_inside_a_run_is_kept_and_never_replaced(tmp_path: Path, sm
     qkov.save_checkpoint(ck, qkov.Transformer(TINY, seed=0))
     qkov.save_checkpoint(ck, qkov.Transformer(TINY, seed=1))
     assert sorted(_manifest(ck)) == ["config.json", "model.safetensors"]
+    # ... but not a tokenizer.json the user put beside it (this checkpoint never wrote one)
+    (ck / "tokenizer.json").write_text('{"my":"tok"}')
+    with_tokenizer = qkov.load(full)
+    with pytest.raises(QkovError, match=r"tokenizer\.json.*a file qkov did not write is there"):
+        qkov.save_checkpoint(ck, with_tokenizer)
+    assert (ck / "tokenizer.json").read_text() == '{"my":"tok"}'
+    assert sorted(_manifest(ck)) == ["config.json", "model.safetensors"], "nothing recorded for a refused write"
 
 
 # ------------------------------------------------------------------ runs written before the manifest
