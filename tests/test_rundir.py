@@ -154,9 +154,13 @@ def test_a_run_written_before_the_manifest_is_analysed_resumed_and_adopted(tmp_p
     assert not (old / MANIFEST_FILE).exists(), "inspecting writes nothing"
     res = _cli("info", old, "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["steps"] == 10, res.stderr
+    res = _cli("report", old, "--device", "cpu")  # into old/report, a folder the old rule knew
+    assert res.returncode == 0 and (old / "report" / "index.html").is_file(), res.stderr
+    report = _tree(old / "report")
+    assert rundir.inspect(old) == "resumable"
     res = _cli("train", "--resume", "--out", old, "--quiet")
     assert res.returncode == 0, res.stderr
-    assert (old / "snapshots" / "notes.txt").read_text() == "mine"
+    assert (old / "snapshots" / "notes.txt").read_text() == "mine" and _tree(old / "report") == report
     (old / "snapshots" / "notes.txt").unlink()
     _same_run(full, old)
     # adopted: the manifest lists exactly qkov's files (the ones whose content proved them qkov's)
