@@ -123,6 +123,8 @@ def test_resume_rewrites_the_snapshots_after_the_state(tmp_path: Path, small_cor
     qkov.train(full, TINY, tc, device="cpu")
     qkov.train(cut, TINY, tc, device="cpu", stop_after=10)
     snaps.write(cut, qkov.Transformer(TINY, seed=5), 12, 0)  # a stale snapshot after the state (as a kill leaves)
+    # a killed snapshot write: its name recorded in the run's manifest first, then its temporary
+    qkov.io.manifest.record(cut, [snaps.name_for(15)])
     (cut / "snapshots" / ".step-00000015.safetensors.x.tmp").write_text("half")
     qkov.train(cut, device="cpu", resume=True)
     names = sorted(p.name for p in (cut / "snapshots").iterdir())

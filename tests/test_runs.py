@@ -24,7 +24,10 @@ from qkov.training.state import load_state, make_optimizer
 from helpers import TINY, tiny_train, train_flags
 
 # two checkpoints of five writes each, and three snapshots (steps 0 and 5 before the first
-# checkpoint, 15 between the two): 13 atomic writes
+# checkpoint, 15 between the two), each new name recorded in the manifest first (one write before
+# each snapshot, one before the first checkpoint for its five files): 17 atomic writes
+#   1 record snap 0, 2 snap 0, 3 record snap 5, 4 snap 5, 5 record the checkpoint's five files,
+#   6-10 state, metrics, tokenizer, model, config, 11 record snap 15, 12 snap 15, 13-17 the checkpoint
 SHORT = dict(steps=20, ckpt_interval=10, eval_interval=10, snapshots="0,5,15")
 
 
@@ -198,8 +201,8 @@ def test_a_full_disk_is_a_one_line_error_and_keeps_the_last_checkpoint(tmp_path:
     flags = train_flags(corpus=small_corpus, **SHORT)
     full, cut = tmp_path / "full", tmp_path / "cut"
     assert _cli("train", *flags, "--out", full).returncode == 0
-    res = _cli("train", *flags, "--out", cut, env={"QKOV_FAULT": "enospc:10"})  # the 2nd checkpoint's log
-    _one_line_error(res, r"cannot write .*metrics.jsonl.*No space left on device")
+    res = _cli("train", *flags, "--out", cut, env={"QKOV_FAULT": "enospc:14"})  # the 2nd checkpoint's log
+    _one_line_error(res, r"cannot write .*metrics.jsonl.*No space left on device \(the previous version")
     assert not [p.name for p in cut.iterdir() if p.name.endswith(".tmp")]
     assert qkov.load(cut) is not None
     # the state of the second checkpoint was written before the disk filled; resume redoes the rest
@@ -208,7 +211,7 @@ def test_a_full_disk_is_a_one_line_error_and_keeps_the_last_checkpoint(tmp_path:
     _same_run(full, cut)
     # a disk full at the very first write leaves nothing behind
     res = _cli("train", *flags, "--out", tmp_path / "none", env={"QKOV_FAULT": "enospc:1"})
-    _one_line_error(res, r"cannot write .*step-00000000.safetensors.*No space left on device")  # the 1st snapshot
+    _one_line_error(res, r"cannot write .*\.qkov-manifest\.json.*No space left on device")  # recording snapshot 0
     assert not (tmp_path / "none").exists()
 
 
@@ -272,4 +275,4 @@ def test_a_kill_at_any_write_is_recoverable_and_exact(tmp_path: Path, small_corp
             _same_run(full, out)
         except AssertionError as exc:
             raise AssertionError(f"killed at write {kill} ({kind}): {exc}") from None
-    assert kill == 14, "two checkpoints of five writes each and three snapshots: 13 kill points"
+    assert kill == 18, "17 kill points: two checkpoints of five writes, three snapshots, four manifest writes (SHORT)"

@@ -2,6 +2,8 @@
 
 * :mod:`~qkov.io.checkpoint` — qkov checkpoint directories (safetensors + JSON, no pickle):
   :func:`load`, :func:`save_checkpoint`, :func:`checkpoint_info`.
+* :mod:`~qkov.io.manifest` — which files in a directory are qkov's (``.qkov-manifest.json``):
+  qkov replaces or deletes only files it recorded there.
 * :mod:`~qkov.io.tensorfile` — a safetensors file memory-mapped read-only, read tensor by tensor.
 * :mod:`~qkov.io.tl` — TransformerLens objects and state-dict files (:func:`from_hooked`,
   :func:`to_hooked`, :func:`load_tl`, :func:`save_tl`).

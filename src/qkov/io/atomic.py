@@ -2,7 +2,8 @@
 
 A reader (or a process killed mid-write) sees either the old file or the new one, never half
 of one. A write that fails (a full disk, a read-only folder) removes its temporary file, leaves
-the old file as it was, and raises a one-line :class:`~qkov.QkovError`.
+the old file as it was (or no file, when there was none), and raises a one-line
+:class:`~qkov.QkovError` that says which.
 
 Temporary files are named ``.<name>.<random>.tmp`` beside their target; a process killed
 mid-write leaves one behind, which :func:`remove_stale_temporaries` cleans up.
@@ -15,10 +16,11 @@ before the rename; ``QKOV_FAULT=enospc:N`` makes the N-th write fail as a full d
 from __future__ import annotations
 
 import errno
+import glob
 import os
 import tempfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..errors import QkovError
 
@@ -47,7 +49,9 @@ def _fault() -> None:
 
 
 def _disk_error(path: Path, exc: BaseException) -> QkovError | None:
-    """A one-line error for a write the file system refused (``None``: not such an error)."""
+    """A one-line error for a write the file system refused (``None``: not such an error); it says
+    that the previous version of ``path`` is kept only when there is one (a failed write never
+    touches its target, so whether it exists now is whether it existed before)."""
     text = str(exc)
     if isinstance(exc, OSError):
         reason = exc.strerror or text
@@ -55,7 +59,8 @@ def _disk_error(path: Path, exc: BaseException) -> QkovError | None:
         reason = os.strerror(errno.ENOSPC)
     else:
         return None
-    return QkovError(f"cannot write {str(path)!r}: {reason} (the previous version of the file is kept)")
+    kept = "the previous version of the file is kept" if os.path.lexists(path) else "nothing was written"
+    return QkovError(f"cannot write {str(path)!r}: {reason} ({kept})")
 
 
 def atomic_write(path: Path | str, writer: Callable[[str], None]) -> None:
@@ -101,11 +106,19 @@ def atomic_write_text(path: Path | str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def remove_stale_temporaries(folder: Path, names: tuple[str, ...]) -> list[Path]:
-    """Delete the temporary files killed writes of ``names`` left in ``folder``; return them."""
+def temporaries(path: Path) -> list[Path]:
+    """The temporary files that killed writes of ``path`` left beside it."""
+    if not path.parent.is_dir():
+        return []
+    return sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp"))
+
+
+def remove_stale_temporaries(folder: Path, names: Iterable[str]) -> list[Path]:
+    """Delete the temporary files killed writes of ``names`` (paths relative to ``folder``, such as
+    ``snapshots/step-00000000.safetensors``) left in ``folder``; return them."""
     gone = []
     for name in names:
-        for tmp in folder.glob(f".{name}.*.tmp"):
+        for tmp in temporaries(folder / name):
             try:
                 tmp.unlink()
                 gone.append(tmp)

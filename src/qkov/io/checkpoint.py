@@ -3,6 +3,11 @@
 No pickle anywhere: weights are safetensors, everything else JSON. Every file is
 written atomically. ``config.json`` holds ``{"model": ModelConfig, "tokenizer":
 {...}, "training": {...}}``.
+
+:func:`save_checkpoint` writes only into a directory qkov keeps a manifest in (or an empty one,
+where it starts the manifest; or one written by a qkov from before manifests, which it adopts),
+and records each file's name there before writing it: it never replaces a file it did not
+write (:mod:`qkov.io.manifest`).
 """
 
 from __future__ import annotations
@@ -19,13 +24,26 @@ from tokenizers import Tokenizer
 from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
+from . import manifest
 from .atomic import atomic_write, atomic_write_text
+from .manifest import CONFIG_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TOKENIZER_FILE
 
-MODEL_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"
-TOKENIZER_FILE = "tokenizer.json"
-METRICS_FILE = "metrics.jsonl"
-STATE_FILE = "train_state.safetensors"
+__all__ = [
+    "CONFIG_FILE",
+    "METRICS_FILE",
+    "MODEL_FILE",
+    "STATE_FILE",
+    "TOKENIZER_FILE",
+    "checkpoint_files",
+    "checkpoint_info",
+    "load",
+    "load_state",
+    "read_config",
+    "read_metrics",
+    "read_tokenizer",
+    "save_checkpoint",
+    "save_tensors",
+]
 
 
 def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -60,11 +78,19 @@ def save_checkpoint(
     training: dict[str, Any] | None = None,
     tokenizer_json: str | None = None,
 ) -> None:
-    """Write the model's weights and config (and tokenizer, if given) into ``path``."""
+    """Write the model's weights and config (and tokenizer, if given) into ``path``.
+
+    Raises:
+        QkovError: ``path`` holds files qkov did not write (or one is at a name it would write).
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    if path.exists() and not path.is_dir():
+        raise QkovError(f"{str(path)!r} exists and is not a directory")
     if tokenizer_json is None and model.tokenizer is not None:
         tokenizer_json = model.tokenizer.to_str()
+    if path.is_dir() and manifest.recorded(path) is None and not manifest.bare(path):
+        manifest.adopt(path)  # written by a qkov from before manifests (or refused, untouched)
+    manifest.record(path, checkpoint_files(tokenizer_json is not None))
     if tokenizer_json is not None:
         atomic_write_text(path / TOKENIZER_FILE, tokenizer_json)
     save_tensors(path / MODEL_FILE, dict(model.state_dict()), metadata={"format": "qkov"})
@@ -74,6 +100,11 @@ def save_checkpoint(
         "training": training or {},
     }
     atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2))
+
+
+def checkpoint_files(with_tokenizer: bool) -> list[str]:
+    """The names :func:`save_checkpoint` writes (in its order)."""
+    return [*([TOKENIZER_FILE] if with_tokenizer else []), MODEL_FILE, CONFIG_FILE]
 
 
 def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:

@@ -29,7 +29,8 @@ from ..analysis.probes import induction_probe
 from ..device import pick_device, tune_cpu_allocator
 from ..errors import QkovError
 from ..io.atomic import atomic_write_text
-from ..io.checkpoint import METRICS_FILE, STATE_FILE, read_config, read_metrics, save_checkpoint
+from ..io import manifest
+from ..io.checkpoint import METRICS_FILE, STATE_FILE, checkpoint_files, read_config, read_metrics, save_checkpoint
 from ..model.config import ModelConfig
 from ..model.ops import next_token_loss
 from ..model.transformer import Transformer
@@ -237,8 +238,13 @@ class Session:
         self.plan.emit({"event": event, **row})
 
     def checkpoint(self) -> None:
-        """Write the training state (first: everything else is derived from it), the log, the model."""
+        """Write the training state (first: everything else is derived from it), the log, the model;
+        their names recorded in the run's manifest before the first of them (one manifest write, at
+        the first checkpoint only)."""
         out, p = self.plan.out, self.plan
+        tokenizer_json = p.corpus.tokenizer_json
+        has_tokenizer = tokenizer_json is not None or self.model.tokenizer is not None
+        manifest.record(out, [STATE_FILE, METRICS_FILE, *checkpoint_files(has_tokenizer)])
         extra = {
             "wall_s": self.wall,
             "loss_acc": self.loss_acc,
@@ -249,7 +255,7 @@ class Session:
         }
         save_state(out / STATE_FILE, self.model, self.opt, self.step, extra)
         atomic_write_text(out / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.metrics))
-        save_checkpoint(out, self.model, training=self.summary(), tokenizer_json=self.plan.corpus.tokenizer_json)
+        save_checkpoint(out, self.model, training=self.summary(), tokenizer_json=tokenizer_json)
         self.plan.emit({"event": "checkpoint", "step": self.step})
 
     def snapshot(self) -> None:
@@ -363,7 +369,9 @@ def train(
     with rundir.lock(plan.out):  # only rank 0 writes: it alone holds the directory's lock
         if not plan.resume:
             _configs(plan.out, plan.model_cfg, plan.train_cfg, False)  # again, now that no one else writes
-            rundir.clear(plan.out)  # the files of an earlier start that never completed a checkpoint
+        # a new run clears the recorded files of an earlier start that never completed a checkpoint;
+        # a resumed run from before the manifest is adopted; a file qkov did not write is refused
+        rundir.begin(plan.out, resume=plan.resume)
         return _train(plan, stop_after)
 
 

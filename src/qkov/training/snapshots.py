@@ -5,15 +5,15 @@ A run keeps its model's weights at chosen steps in ``OUT/snapshots/step-<step>.s
 steps spaced evenly in ``log(step + steps/10)``: dense at the start (step 0, the initial
 weights, then every ~0.6% of the run), never sparser than ~6% of the run at the end, so a change
 in the middle of training (where the default 2-layer model forms its induction heads) is seen
-by several snapshots. Each file is written atomically; a resumed run rewrites the snapshots
-after its last training state (they are a pure function of the state, so they come out equal).
+by several snapshots. Each file is written atomically, its name recorded in the run's manifest
+first (:mod:`qkov.io.manifest`); a resumed run rewrites the snapshots after its last training
+state (they are a pure function of the state, so they come out equal). Only recorded snapshots
+are ever deleted: another file in the folder, even one named like a snapshot, is left alone.
 """
 
 from __future__ import annotations
 
 import math
-import re
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +21,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import QkovError
+from ..io import manifest
+from ..io.atomic import remove_stale_temporaries
 from ..io.checkpoint import save_tensors
+from ..io.manifest import SNAPSHOT_DIR, SNAPSHOT_NAME
 
-SNAPSHOT_DIR = "snapshots"
 DEFAULT_SNAPSHOTS = 40
-_NAME = re.compile(r"^step-(\d+)\.safetensors$")
 
 
 def schedule(steps: int, spec: int | tuple[int, ...]) -> list[int]:
@@ -67,12 +68,23 @@ def parse_spec(text: str) -> int | tuple[int, ...]:
         ) from None
 
 
+def name_for(step: int) -> str:
+    """The snapshot of ``step``'s path relative to the run directory (as the manifest records it)."""
+    return f"{SNAPSHOT_DIR}/step-{step:08d}.safetensors"
+
+
 def path_for(out: Path, step: int) -> Path:
-    return out / SNAPSHOT_DIR / f"step-{step:08d}.safetensors"
+    return out / name_for(step)
 
 
 def write(out: Path, model: torch.nn.Module, step: int, tokens: int) -> None:
-    """Atomically write ``model``'s weights as the snapshot of ``step`` (``tokens`` seen so far)."""
+    """Atomically write ``model``'s weights as the snapshot of ``step`` (``tokens`` seen so far),
+    recording its name in the run's manifest first.
+
+    Raises:
+        QkovError: a file qkov did not write is at the snapshot's path (it is left as it is).
+    """
+    manifest.record(out, [name_for(step)])
     (out / SNAPSHOT_DIR).mkdir(parents=True, exist_ok=True)
     meta = {"format": "qkov-snapshot", "step": str(step), "tokens": str(tokens)}
     save_tensors(path_for(out, step), dict(model.state_dict()), metadata=meta)
@@ -83,24 +95,21 @@ def listing(out: Path) -> list[tuple[int, Path]]:
     folder = out / SNAPSHOT_DIR
     if not folder.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := SNAPSHOT_NAME.match(p.name))]
     return sorted(found)
 
 
 def drop_after(out: Path, step: int) -> None:
-    """Remove the snapshots later than ``step`` (a resumed run writes them again) and the
-    temporary files of killed snapshot writes."""
-    folder = out / SNAPSHOT_DIR
-    for tmp in folder.glob(".step-*.tmp") if folder.is_dir() else ():
-        tmp.unlink(missing_ok=True)
-    for s, p in listing(out):
-        if s > step:
-            p.unlink(missing_ok=True)
-
-
-def clear(out: Path) -> None:
-    """Remove the snapshot folder of a start that never wrote its first training state."""
-    shutil.rmtree(out / SNAPSHOT_DIR, ignore_errors=True)
+    """Remove the recorded snapshots later than ``step`` (a resumed run writes them again) and the
+    temporary files of killed snapshot writes; nothing the manifest does not list."""
+    if (out / SNAPSHOT_DIR).is_symlink():  # what the link points to is not the run's
+        return
+    ours = sorted(n for n in manifest.recorded(out) or () if n.startswith(f"{SNAPSHOT_DIR}/"))
+    remove_stale_temporaries(out, ours)
+    for name in ours:
+        m = SNAPSHOT_NAME.match(name.split("/", 1)[1])
+        if m and int(m.group(1)) > step:
+            (out / name).unlink(missing_ok=True)
 
 
 def _open(path: Path, with_tensors: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
