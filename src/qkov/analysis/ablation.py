@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
+from ..expect import expect_source
 from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
 from .forward import run
@@ -232,6 +233,7 @@ def ablation_study(
     ``text [B, T]`` is the validation sample (loss, and the mean of mean ablation; without it
     mean ablation averages over the repeated random tokens of the probe and the loss is left out).
     """
+    expect_source("qkov.ablation_study", w)
     heads = list(heads)
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")

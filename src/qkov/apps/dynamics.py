@@ -22,6 +22,7 @@ from ..analysis.probes import default_icl_examples
 from ..analysis.shown import TEXT, Shown, register
 from ..device import pick_device
 from ..errors import QkovError
+from ..expect import expect_paths
 from ..io.atomic import atomic_write_text
 from ..model.transformer import Transformer
 from ..training import distributed
@@ -158,6 +159,7 @@ def dynamics(
     """Measure and read the series ``sources`` name (:func:`qkov.apps.series.series`); returns the
     result on rank 0 (``None`` on other ranks under torchrun). ``mode``/``draws``: the ablation
     of the last snapshot's induction heads (``"mean"`` or ``"zero"``; random sets of as many heads)."""
+    expect_paths("qkov.dynamics", sources)
     if mode not in Ab.MODES:
         raise QkovError(f"dynamics: mode must be one of {', '.join(Ab.MODES)}, got {mode!r}")
     t0 = time.perf_counter()

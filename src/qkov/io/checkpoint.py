@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from ..errors import QkovError
+from ..expect import expect_path
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .atomic import atomic_write, atomic_write_text
@@ -82,6 +83,7 @@ def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.d
     ``model.tokenizer`` is the checkpoint's tokenizer (``tokenizers.Tokenizer``) or
     ``None``; ``model.bos_token_id`` its start token.
     """
+    expect_path("qkov.load", path)
     path = Path(path)
     data = read_config(path)
     cfg = ModelConfig.from_dict(data["model"])

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
+from ..expect import expect_path
 from ..io.checkpoint import MODEL_FILE, read_config
 from ..io.hf_store import HFStore
 from ..io.tensorfile import TensorFile
@@ -70,6 +71,7 @@ class LazyCheckpoint:
         """``path``: a qkov checkpoint, or a GPT-NeoX / Llama / Mistral / Qwen2 Hugging Face
         directory (read under qkov's names by :class:`~qkov.io.hf_store.HFStore`).
         ``center_writing`` and ``center_unembed`` as :meth:`Weights.from_model`'s (same defaults)."""
+        expect_path("qkov.LazyCheckpoint", path)
         self.path = Path(path)
         self.dtype, self.device = dtype, torch.device(device)
         data = _config_json(self.path)
