@@ -1,0 +1,266 @@
+"""Limits honoured and checked in time (issue 24, cases 7, 8 and 10): a config that does not
+describe its weights is refused before anything is allocated; an allocation that fails anyway is
+one line; messages about too-small corpora and out-of-vocabulary start tokens say what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import qkov
+from qkov import LazyCheckpoint, ModelConfig, QkovError, Transformer, save_checkpoint
+from qkov.apps.cli import main
+
+from helpers import run_main
+
+SMALL = ModelConfig(n_layers=1, n_heads=2, d_model=16, d_head=8, n_ctx=16, d_vocab=32)
+LIE = {"n_layers": 100000, "d_model": 4096}  # what the probe's config.json claimed
+
+
+def _lying_checkpoint(tmp_path: Path, **lie: Any) -> Path:
+    ck = tmp_path / "ck"
+    save_checkpoint(ck, Transformer(SMALL, seed=0))
+    data = json.loads((ck / "config.json").read_text())
+    data["model"].update(lie or LIE)
+    (ck / "config.json").write_text(json.dumps(data))
+    return ck
+
+
+def _lying_gpt2(tmp_path: Path, name: str, **lie: Any) -> Path:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16, bos_token_id=0)
+    folder = tmp_path / name
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(folder)
+    data = json.loads((folder / "config.json").read_text())
+    data.update(lie)
+    (folder / "config.json").write_text(json.dumps(data))
+    return folder
+
+
+def _under_8gb(*argv: object) -> subprocess.CompletedProcess[str]:
+    """``qkov ARGV`` in a child whose address space is capped at 8 GiB (the probe's ``ulimit -v``)."""
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))
+
+    return subprocess.run(
+        [sys.executable, "-m", "qkov", *map(str, argv)],
+        preexec_fn=cap,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(qkov.__file__).parents[1])},
+    )
+
+
+def _one_line(err: str) -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qkov: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+# ------------------------------------------------------------------ case 8: configs checked first
+@pytest.mark.parametrize("command", [["info"], ["circuits"], ["circuits", "--lazy"]])
+def test_a_lying_qkov_config_is_refused_before_the_model_is_allocated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    ck = _lying_checkpoint(tmp_path)
+    t0 = time.perf_counter()
+    rc, _, err = run_main(capsys, command[0], ck, *command[1:])
+    seconds = time.perf_counter() - t0
+    assert rc == 2 and seconds < 5, (rc, seconds)
+    line = _one_line(err)
+    assert "the config says 100000 layer(s), but the weights hold 1 (block 0)" in line, line
+
+
+def test_a_lying_qkov_config_is_refused_by_every_library_loader(tmp_path: Path) -> None:
+    ck = _lying_checkpoint(tmp_path)
+    for load in (qkov.load, qkov.load_any, LazyCheckpoint):
+        t0 = time.perf_counter()
+        with pytest.raises(QkovError, match=r"says 100000 layer\(s\), but the weights hold 1"):
+            load(ck)
+        assert time.perf_counter() - t0 < 5
+    wide = _lying_checkpoint(tmp_path / "wide", d_model=4096)  # the right layers, a wrong width
+    for load in (qkov.load, LazyCheckpoint):
+        with pytest.raises(QkovError, match=r"W_E has shape \(32, 16\) but the config implies \(32, 4096\)"):
+            load(wide)
+
+
+@pytest.mark.parametrize(
+    "lie, needle",
+    [
+        (dict(n_layer=100000, n_embd=4096), r"W_E has shape (32, 16) but the config implies (32, 4096)"),
+        (dict(n_inner=10**9), r"blocks.0.mlp.W_in has shape (16, 64) but the config implies (16, 1000000000)"),
+        (dict(vocab_size=10**10), r"W_E has shape (32, 16) but the config implies (10000000000, 16)"),
+    ],
+)
+def test_a_lying_gpt2_config_is_refused_before_the_model_is_allocated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], lie: dict[str, int], needle: str
+) -> None:
+    hf = _lying_gpt2(tmp_path, "hf", **lie)
+    capsys.readouterr()  # transformers' own progress lines while saving
+    t0 = time.perf_counter()
+    rc, _, err = run_main(capsys, "circuits", hf)
+    assert rc == 2 and time.perf_counter() - t0 < 5
+    assert needle in _one_line(err)
+    with pytest.raises(QkovError, match="the config implies"):
+        qkov.load_any(hf)
+
+
+def test_lying_configs_under_an_8gb_address_space_are_one_line_errors(tmp_path: Path) -> None:
+    ck = _lying_checkpoint(tmp_path)
+    inner = _lying_gpt2(tmp_path, "inner", n_inner=10**9)  # 64 GB of W_in before any check, today
+    vocab = _lying_gpt2(tmp_path, "vocab", vocab_size=10**10)  # a 40 GB b_U
+    for argv in (["info", ck], ["circuits", ck], ["circuits", inner], ["circuits", vocab]):
+        r = _under_8gb(*argv)
+        assert r.returncode == 2, (argv, r.stderr[-2000:])
+        assert "config implies" in _one_line(r.stderr) or "config says" in r.stderr
+
+
+def test_a_lying_transformerlens_config_is_refused_before_allocation(tmp_path: Path) -> None:
+    from qkov.io.tl import load_tl, save_tl
+
+    f = tmp_path / "m.safetensors"
+    save_tl(Transformer(SMALL, seed=0), f)
+    from qkov.io.tl import tl_config_dict
+
+    cfg = {**tl_config_dict(SMALL), "n_layers": 100000, "d_model": 4096}
+    t0 = time.perf_counter()
+    with pytest.raises(QkovError, match=r"config says 100000 layer\(s\), but the weights hold 1"):
+        load_tl(f, cfg)
+    cfg = {**tl_config_dict(SMALL), "d_model": 4096}
+    with pytest.raises(QkovError, match=r"W_E has shape \(32, 16\) but the config implies \(32, 4096\)"):
+        load_tl(f, cfg)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_an_allocation_failure_is_one_line_and_other_errors_keep_their_traceback(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qkov.apps.cli import train_cmds
+
+    ck = tmp_path / "m"
+    save_checkpoint(ck, Transformer(SMALL, seed=0))
+
+    def no_memory(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+            "to allocate 2800000000 bytes. Error code 12 (Cannot allocate memory)"
+        )
+
+    monkeypatch.setattr(train_cmds, "load", no_memory)
+    rc, _, err = run_main(capsys, "info", ck)
+    assert rc == 2 and "out of memory: an allocation of 2.6 GiB failed" in _one_line(err)
+    monkeypatch.setattr(train_cmds, "load", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
+    rc, _, err = run_main(capsys, "info", ck)
+    assert rc == 2 and "out of memory" in _one_line(err)
+    monkeypatch.setattr(train_cmds, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["info", str(ck)])
+
+
+# ------------------------------------------------------------------ case 10: messages that say what is wrong
+TRAIN = ["train", "--layers", "1", "--heads", "2", "--d-model", "16", "--d-head", "8", "--ctx", "128", "--vocab", "512"]
+TRAIN += ["--batch", "2", "--steps", "2", "--device", "cpu", "--quiet"]
+
+
+def _least_total(n_ctx: int, val_fraction: float = 0.05) -> int:
+    """The smallest token file whose split by position (the last val_fraction) holds one example each side."""
+    n, width = 1, n_ctx - 1
+    while not (n - int(n * (1 - val_fraction)) >= width and int(n * (1 - val_fraction)) >= width):
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("size, train, val", [(300, 285, 15), (16, 15, 1)])
+def test_a_too_small_token_corpus_says_how_many_tokens_it_holds_and_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], size: int, train: int, val: int
+) -> None:
+    import numpy as np
+
+    corpus = tmp_path / "c.bin"
+    np.arange(size, dtype=np.uint16).tofile(corpus)
+    rc, _, err = run_main(capsys, *TRAIN, "--corpus", corpus, "--out", tmp_path / "run")
+    line = _one_line(err)
+    assert rc == 2 and not (tmp_path / "run").exists(), line
+    assert f"holds {size} tokens, {train} for training and {val} for validation (its last 5%)" in line, line
+    assert "an example of n_ctx 128 is the start token and 127 tokens" in line, line
+    assert f"a token file of at least {_least_total(128):,} tokens" in line, line
+
+
+def test_tiny_token_files_are_counted_in_the_singular_and_in_bytes(tmp_path: Path) -> None:
+    import numpy as np
+
+    np.save(tmp_path / "one.npy", np.array([3], dtype=np.int64))
+    with pytest.raises(QkovError, match=r"holds only 1 token$"):
+        qkov.load_corpus(str(tmp_path / "one.npy"))
+    (tmp_path / "c3.bin").write_bytes(b"abc")
+    with pytest.raises(QkovError, match=r"'.*c3.bin' has 3 byte\(s\), not a whole number of token ids: .* 2 bytes each"):
+        qkov.load_corpus(str(tmp_path / "c3.bin"))
+
+
+def test_a_one_token_analysis_input_is_named_for_what_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from qkov.training.data import train_tokenizer
+
+    tok = train_tokenizer(["ab ba ab"], 8, alphabet=list("ab "))
+    model = Transformer(SMALL.replace(d_vocab=tok.get_vocab_size()), seed=0)
+    save_checkpoint(tmp_path / "m", model, tokenizer_json=tok.to_str())
+    (tmp_path / "one.txt").write_text("a")
+    (tmp_path / "one.ids").write_text("3")
+    (tmp_path / "c3.bin").write_bytes(b"\x01\x00\x07")  # one uint16 id (1) and a stray byte
+    for flag, name in (("--text", "one.txt"), ("--tokens", "one.ids"), ("--tokens", "c3.bin")):
+        rc, _, err = run_main(capsys, "ablate", tmp_path / "m", "--heads", "0.0", flag, tmp_path / name)
+        line = _one_line(err)
+        assert rc == 2 and "corpus" not in line and "validation" not in line, line
+        assert f"{name}' holds 1 token, fewer than one example needs: an example of n_ctx 16 is the start token" in line
+
+
+def _gpt2_dir(tmp_path: Path, vocab: int = 32) -> Path:
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "gpt2"  # a stock config: bos_token_id 50256, outside a vocabulary of 32
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=vocab, n_positions=16)).save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["bos_token_id"] == 50256
+    return folder
+
+
+def test_a_start_token_outside_the_vocabulary_is_a_warning_and_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qkov.errors import QkovWarning
+
+    hf = _gpt2_dir(tmp_path)
+    capsys.readouterr()
+    rc, out, err = run_main(capsys, "import", hf, "--out", tmp_path / "ck")
+    assert rc == 0 and out.startswith("imported"), err
+    warning = "bos_token_id 50256 in config.json is not a token of its vocabulary of 32: start token 0 is used instead"
+    assert err.strip().splitlines() == [f"qkov: warning: Hugging Face model {str(hf)!r}: {warning}"], err
+    config = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert config["tokenizer"]["bos_token_id"] == 0
+    assert config["training"]["imported_from"]["warnings"] == [f"Hugging Face model {str(hf)!r}: {warning}"]
+    with pytest.warns(QkovWarning, match="bos_token_id 50256 .* start token 0 is used"):
+        assert qkov.load_any(hf).bos_token_id == 0
+    fine = _gpt2_dir(tmp_path / "fine", vocab=50257)  # the released GPT-2's vocabulary holds 50256
+    with __import__("warnings").catch_warnings():
+        __import__("warnings").simplefilter("error", QkovWarning)
+        assert qkov.load_any(fine).bos_token_id == 50256
+
+
+def test_a_streamed_directory_warns_of_its_start_token_too(tmp_path: Path) -> None:
+    from hf_models import save
+
+    from qkov.errors import QkovWarning
+
+    folder = save("llama-gqa-bias", tmp_path / "llama")
+    data = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**data, "bos_token_id": 5000}))
+    with pytest.warns(QkovWarning, match="bos_token_id 5000 in config.json is not a token of its vocabulary of 96"):
+        assert LazyCheckpoint(folder).bos_token_id == 0
