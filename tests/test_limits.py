@@ -264,3 +264,131 @@ def test_a_streamed_directory_warns_of_its_start_token_too(tmp_path: Path) -> No
     (folder / "config.json").write_text(json.dumps({**data, "bos_token_id": 5000}))
     with pytest.warns(QkovWarning, match="bos_token_id 5000 in config.json is not a token of its vocabulary of 96"):
         assert LazyCheckpoint(folder).bos_token_id == 0
+
+
+# ------------------------------------------------------------------ case 7: --max-memory honoured by every command
+@pytest.fixture(scope="module")
+def trained(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny run with a corpus (natural validation text) and snapshots (a series for dynamics)."""
+    from helpers import TINY, tiny_train
+
+    out = tmp_path_factory.mktemp("limits") / "run"
+    qkov.train(out, TINY, tiny_train(small_corpus, steps=20, snapshots=4), device="cpu")
+    return out
+
+
+def _commands(run: Path, out: Path) -> dict[str, list[object]]:
+    return {
+        "circuits": ["circuits", run, "--json"],
+        "trigrams": ["trigrams", run, "--head", "1.0", "--json"],
+        "ablate": ["ablate", run, "--heads", "1.0", "--json"],
+        "dynamics": ["dynamics", run, "-o", out, "--force", "--json"],
+    }
+
+
+def _stable(text: str) -> Any:
+    """A command's JSON without its timings (the only fields that change run to run)."""
+    data = json.loads(text)
+    data.pop("timings", None)
+    for snap in data.get("snapshots", []):
+        snap.pop("seconds", None)
+    return data
+
+
+@pytest.mark.parametrize("command", ["circuits", "trigrams", "ablate", "dynamics"])
+def test_max_memory_is_honoured_a_tiny_budget_refused_a_generous_one_changes_nothing(
+    trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    argv = _commands(trained, tmp_path / "dyn")[command]
+    rc, out, err = run_main(capsys, *argv, "--max-memory", "1k")
+    line = _one_line(err)
+    assert rc == 2 and out == "", (rc, out)
+    assert line.startswith(f"qkov: error: {command}: ") and "more than the 1.0 KiB memory budget" in line, line
+    assert "(or pass a larger --max-memory if more is free)" in line, line
+    if command == "dynamics":
+        assert not (tmp_path / "dyn" / "dynamics.json").exists()  # refused before any work
+    rc, plain, err = run_main(capsys, *argv)
+    assert rc == 0, err
+    rc, generous, err = run_main(capsys, *argv, "--max-memory", "1T")
+    assert rc == 0, err
+    assert _stable(generous) == _stable(plain)
+
+
+def _least_budget(fits: Any, lo: int = 1, hi: int = 1 << 34) -> int:
+    """The smallest budget under which ``fits()`` (a plan) does not refuse, by bisection."""
+    import qkov.device as D
+
+    while lo < hi:
+        mid = (lo + hi) // 2
+        D.set_memory_budget(mid)
+        try:
+            fits()
+            hi = mid
+        except QkovError:
+            lo = mid + 1
+        finally:
+            D.set_memory_budget(None)
+    return lo
+
+
+def test_a_tight_budget_splits_the_ablation_passes_and_measures_the_same(
+    trained: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qkov.analysis import ablation as Ab
+    from qkov.apps.dynamics import sample_for
+    import qkov.device as D
+
+    model = qkov.load(trained)
+    w = qkov.Weights.from_model(model)
+    sample = sample_for(trained, model, text=None, tokens=None, seed=0)
+    assert sample.text is not None and sample.text.shape[0] > 2
+
+    def plan() -> Ab.Chunks:
+        return Ab.ablation_budget(w, sample.text, sample.icl_text, "mean", bos=sample.bos)
+
+    least = _least_budget(plan)
+    D.set_memory_budget(least)
+    try:
+        tight = plan()
+    finally:
+        D.set_memory_budget(None)
+    assert tight.text is not None and tight.text < sample.text.shape[0] and tight.mean is not None, tight
+    assert plan() == Ab.Chunks()  # without a budget (and memory free) every pass is whole
+    rc, plain, _ = run_main(capsys, "ablate", trained, "--heads", "1.0", "--json")
+    rc2, split, err = run_main(capsys, "ablate", trained, "--heads", "1.0", "--json", "--max-memory", least)
+    assert rc == rc2 == 0, err
+    a, b = json.loads(plain), json.loads(split)
+    for key in ("intact", "ablated"):
+        for measure, value in a[key].items():
+            assert value == pytest.approx(b[key][measure], rel=1e-5, abs=1e-6), (key, measure)
+    rc, _, err = run_main(capsys, "ablate", trained, "--heads", "1.0", "--max-memory", least - 1)
+    assert rc == 2 and "memory budget" in _one_line(err)
+
+
+def test_a_tight_budget_narrows_the_trigram_search_and_finds_the_same_trigrams(
+    trained: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from qkov.analysis import trigrams as T
+    import qkov.device as D
+
+    w = qkov.Weights.from_model(qkov.load(trained))
+    least = _least_budget(lambda: T._search_budget(w, 1, 0))
+    D.set_memory_budget(least)
+    try:
+        batch, max_bytes = T._search_budget(w, 1, 0)
+    finally:
+        D.set_memory_budget(None)
+    assert batch < T.SEARCH_BATCH, batch
+    rc, plain, _ = run_main(capsys, "trigrams", trained, "--head", "1.0", "--json")
+    rc2, tight, err = run_main(capsys, "trigrams", trained, "--head", "1.0", "--json", "--max-memory", least)
+    assert rc == rc2 == 0, err
+    a, b = json.loads(plain)["trigrams"], json.loads(tight)["trigrams"]
+    assert [(t["source"], t["destination"], t["output"]) for t in a] == [(t["source"], t["destination"], t["output"]) for t in b]
+    assert [t["score"] for t in a] == pytest.approx([t["score"] for t in b], rel=1e-5)
+
+
+def test_patch_does_not_offer_a_budget_it_cannot_honour(trained: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "a.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "b.txt").write_text("def g(y):\n    return y\n")
+    rc, _, err = run_main(capsys, "patch", trained, "--clean", tmp_path / "a.txt", "--corrupted", tmp_path / "b.txt", "--max-memory", "1k")
+    assert rc == 2 and "unrecognized arguments: --max-memory 1k" in _one_line(err)

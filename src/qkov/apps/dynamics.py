@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..analysis import ablation as Ab
-from ..analysis.dynamics import Sample, analyse, measure
+from ..analysis.budget import Planned
+from ..analysis.dynamics import Sample, analyse, measure, measure_budget
 from ..analysis.heads import THRESHOLDS
 from ..analysis.probes import default_icl_examples
 from ..analysis.shown import TEXT, Shown, register
@@ -169,6 +170,9 @@ def dynamics(
         last = _load(s, len(s.entries) - 1, dev)
         sample = sample_for(s.origin, last, text=text, tokens=tokens, seed=seed)
         sample = Sample(*(x.to(dev) if isinstance(x, torch.Tensor) else x for x in vars(sample).values()))
+        planned = Planned(s.cfg, torch.float32, dev)  # every snapshot's view: refused before the first if it cannot fit
+        measure_budget(planned, sample)  # type: ignore[arg-type]
+        Ab.ablation_budget(planned, sample.text, sample.icl_text, mode, bos=sample.bos, seed=seed, where="dynamics")  # type: ignore[arg-type]
         records = measure_series(s, sample, dev, info, progress)
     finally:
         distributed.teardown(info)
