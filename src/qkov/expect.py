@@ -50,7 +50,9 @@ def _foreign_model_advice(value: Any) -> str | None:
     """How to bring another library's model into qkov, or ``None`` when ``value`` is not one."""
     module = type(value).__module__.split(".")[0]
     if module == "transformers":
-        return "convert it first with qkov.io.from_hf(model) (GPT-2), or save it and read the directory with qkov.load_any"
+        return (
+            "convert it first with qkov.io.from_hf(model) (GPT-2), or save it and read the directory with qkov.load_any"
+        )
     if module == "transformer_lens":
         return "convert it first with qkov.io.from_hooked(model)"
     return None
@@ -93,7 +95,9 @@ def expect_model(where: str, value: Any) -> None:
     elif isinstance(value, (str, Path)):
         advice = "load it first: qkov.load_any(path)"
     else:
-        advice = _foreign_model_advice(value) or "build one with qkov.Transformer(cfg) or load one with qkov.load_any(path)"
+        advice = (
+            _foreign_model_advice(value) or "build one with qkov.Transformer(cfg) or load one with qkov.load_any(path)"
+        )
     raise QkovError(f"{where} expects a qkov model (qkov.Transformer); got {describe(value)}: {advice}")
 
 

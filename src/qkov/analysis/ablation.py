@@ -83,7 +83,10 @@ def sequence_losses(
     """Next-token losses ``[B, T - 1]`` of ``text [B, T]`` (with ``edits``), ``chunk`` sequences
     per forward pass (default all: one pass)."""
     chunk = chunk or text.shape[0]
-    parts = [next_token_nll(run(source, text[i : i + chunk], edits=edits).logits, text[i : i + chunk]) for i in range(0, text.shape[0], chunk)]
+    parts = []
+    for lo in range(0, text.shape[0], chunk):
+        part = text[lo : lo + chunk]
+        parts.append(next_token_nll(run(source, part, edits=edits).logits, part))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

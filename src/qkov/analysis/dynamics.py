@@ -67,7 +67,8 @@ def measure_budget(w: Weights, sample: Sample) -> tuple[Chunks, int | None]:
     scores at once. Refuses (one line, before any work) what cannot be split and does not fit: the
     probes of repeated tokens, the copying and K-composition scores."""
     cfg = w.cfg
-    chunks = ablation_budget(w, sample.text, sample.icl_text, "zero", bos=sample.bos, seed=sample.seed, where="dynamics")
+    text, icl = sample.text, sample.icl_text
+    chunks = ablation_budget(w, text, icl, "zero", bos=sample.bos, seed=sample.seed, where="dynamics")
     if cfg.n_layers == 0:
         return chunks, None
     length = min(25, (cfg.n_ctx - 1) // 4)
@@ -83,7 +84,8 @@ def measure_budget(w: Weights, sample: Sample) -> tuple[Chunks, int | None]:
     T = sample.text.shape[1]
     have, _ = memory_budget(w.device)
     text_chunk = chunk_size(w, T, TEXT_CHUNK_BYTES if have is None else min(TEXT_CHUNK_BYTES, have))
-    check_fits(text_chunk * sequence_bytes(w, T), w.device, f"dynamics: scoring one layer's attention on {T}-token text", "analyse shorter sequences", hint="memory")
+    what = f"dynamics: scoring one layer's attention on {T}-token text"
+    check_fits(text_chunk * sequence_bytes(w, T), w.device, what, "analyse shorter sequences", hint="memory")
     return chunks, text_chunk
 
 

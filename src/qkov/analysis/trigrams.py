@@ -188,7 +188,8 @@ def _search_budget(source: WeightSource, layer: int, head: int) -> tuple[int, in
     V, row = source.cfg.d_vocab, source.cfg.d_vocab * item(source)
     table = trigram_table_bytes(source)
     least = table + trigram_search_bytes(source, batch=1, chunk_rows=1)
-    check_fits(least, source.device, f"trigrams: the skip-trigram table of head {layer}.{head}", "analyse a model with a smaller vocabulary", hint="memory")
+    what = f"trigrams: the skip-trigram table of head {layer}.{head}"
+    check_fits(least, source.device, what, "analyse a model with a smaller vocabulary", hint="memory")
     have, _ = memory_budget(source.device)
     chunk = min(DEFAULT_MAX_BYTES, CACHE_BYTES)
     full = table + trigram_search_bytes(source, batch=SEARCH_BATCH, chunk_rows=rows_per_chunk(source, V, V, chunk))
@@ -247,7 +248,8 @@ def bigrams(
     shrink to fit it."""
     V = source.cfg.d_vocab
     least = bigram_bytes(source, chunk_rows=1)
-    check_fits(least, source.device, "trigrams: the bigram table", "analyse a model with a smaller vocabulary", hint="memory")
+    advice = "analyse a model with a smaller vocabulary"
+    check_fits(least, source.device, "trigrams: the bigram table", advice, hint="memory")
     have, _ = memory_budget(source.device)
     if have is not None:
         max_bytes = min(max_bytes, V * item(source) * (1 + (have - least) // (V * item(source))))

@@ -46,9 +46,7 @@ def _names(names: list[str]) -> str:
     return f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
 
 
-def check_shapes(
-    cfg: ModelConfig, shapes: Mapping[str, Sequence[int]], where: str, *, complete: bool = True
-) -> None:
+def check_shapes(cfg: ModelConfig, shapes: Mapping[str, Sequence[int]], where: str, *, complete: bool = True) -> None:
     """Refuse (one line) weights ``shapes`` (qkov's names) that ``cfg`` does not describe.
 
     First the layers: the ``blocks.N.`` the weights hold must be exactly ``0 .. n_layers - 1``;
@@ -60,8 +58,12 @@ def check_shapes(
     """
     layers = {int(m.group(1)) for m in map(_LAYER.match, shapes) if m is not None}
     if layers != set(range(cfg.n_layers)) and (complete or layers):
-        held = "none" if not layers else f"{len(layers)} (block {min(layers)})" if len(layers) == 1 else (
-            f"{len(layers)} (blocks {min(layers)} to {max(layers)})"
+        held = (
+            "none"
+            if not layers
+            else f"{len(layers)} (block {min(layers)})"
+            if len(layers) == 1
+            else (f"{len(layers)} (blocks {min(layers)} to {max(layers)})")
         )
         raise QkovError(
             f"{where}: the config says {cfg.n_layers} layer(s), but the weights hold {held}: "

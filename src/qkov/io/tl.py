@@ -164,7 +164,8 @@ def _from_tl_state(c: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, wher
     """
     bias = any(_is_bias(k) and v.is_floating_point() and bool(v.abs().max() > 0) for k, v in sd.items() if v.numel())
     cfg = tl_config_to_qkov(c, bias=bias)
-    check_shapes(cfg, {_QKOV_NAMES.get(k, k): v.shape for k, v in sd.items()}, where, complete=False)  # before allocating
+    shapes = {_QKOV_NAMES.get(k, k): v.shape for k, v in sd.items()}
+    check_shapes(cfg, shapes, where, complete=False)  # before anything the config claims is allocated
     used: set[str] = set()
 
     def take(name: str, default: torch.Tensor | None = None) -> torch.Tensor:
