@@ -29,6 +29,7 @@ from .circuits import copying_scores
 from .composition import DEFAULT_WRITER_BYTES, composition_scores
 from .heads import repeat_scores
 from .probes import icl_score, induction_probe, prefix_matching_tokens
+from .rotary_circuits import resolve_offsets
 from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 
 PER_TOKEN_SEQUENCES = 8  # sequences whose per-token losses each record keeps (the trajectory's sample)
@@ -72,10 +73,11 @@ def measure_budget(w: Weights, sample: Sample) -> tuple[Chunks, int | None]:
     if cfg.n_layers == 0:
         return chunks, None
     length = min(25, (cfg.n_ctx - 1) // 4)
+    offsets = resolve_offsets(cfg, None)
     need = max(
         repeat_bytes(w, 10, 1 + 4 * length),  # prefix_matching_tokens: 10 examples of 4 repeats
         copying_bytes(w, diag=False, rows=None, chunk_rows=0),
-        composition_bytes(w, 1, writer_bytes=DEFAULT_WRITER_BYTES),
+        composition_bytes(w, 1, writer_bytes=DEFAULT_WRITER_BYTES, offsets=1 if offsets is None else len(offsets)),
     )
     what = "dynamics: the repeated-token, copying and composition scores of one snapshot"
     check_fits(need, w.device, what, "analyse a smaller model", hint="memory")
