@@ -5,17 +5,19 @@ command-line flag. When the user can fix it by supplying something (a text to an
 ``resume=True``), ``hint`` names that thing with a library word from :data:`HINTS`, and
 the command line turns it into its own advice ("pass --text FILE"). The CLI prints a
 :class:`QkovError` as one line and exits with status 2; anything else is a bug and keeps
-its traceback.
+its traceback. A :class:`QkovWarning` reports a choice made for the user (a start token put in
+place of one that does not exist) without stopping.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable
 
-HINTS: tuple[str, ...] = ("text", "resume", "out", "config", "overwrite", "batch")
+HINTS: tuple[str, ...] = ("text", "resume", "out", "config", "overwrite", "batch", "memory")
 """What a hint may name: ``text`` (something to analyse), ``resume`` (continue the run that
 is there), ``out`` (another output location), ``config`` (a config for a weights file that carries
-none), ``overwrite`` (permission to replace a file qkov did not write), ``batch`` (fewer sequences at once)."""
+none), ``overwrite`` (permission to replace a file qkov did not write), ``batch`` (fewer sequences at once),
+``memory`` (a larger memory budget, where more is free)."""
 
 
 class QkovError(Exception):
@@ -31,6 +33,11 @@ class QkovError(Exception):
             raise ValueError(f"unknown hint {hint!r}")
         super().__init__(message)
         self.hint = hint
+
+
+class QkovWarning(UserWarning):
+    """Something qkov did on the user's behalf that they should know about (a choice made where the
+    input was inconsistent), in one line; the command line prints it as ``qkov: warning: ...``."""
 
 
 def check_choice(where: str, name: str, value: Any, choices: Iterable[str]) -> None:

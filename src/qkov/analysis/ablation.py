@@ -25,12 +25,15 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from ..device import check_fits
 from ..errors import QkovError
+from ..expect import expect_source
 from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
+from .budget import fit_chunk, item, run_bytes
 from .forward import run
 from .positions import PositionSpec, describe_positions, resolve_positions
-from .probes import icl_score, induction_probe, induction_probe_tokens
+from .probes import ICL_LATE, LOGIT_BYTES, icl_score, icl_windows, induction_probe, induction_probe_tokens
 from .shown import TEXT, Shown, register
 from .sites import Address
 
@@ -57,12 +60,92 @@ def parse_heads(text: str, cfg: Any) -> list[Head]:
     return heads
 
 
-def z_means(source: WeightSource, tokens: Tensor, heads: Sequence[Head]) -> Tensor:
+def z_means(source: WeightSource, tokens: Tensor, heads: Sequence[Head], *, chunk: int | None = None) -> Tensor:
     """Each head's ``z`` averaged over every position of ``tokens [B, T]``: ``[len(heads), d_head]``
-    (its mean output is this times its ``W_O``)."""
+    (its mean output is this times its ``W_O``); ``chunk`` sequences per forward pass (default all)."""
     layers = sorted({l for l, _ in heads})
-    r = run(source, tokens, cache=[("z", l) for l in layers])
-    return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])
+    chunk = chunk or tokens.shape[0]
+    if chunk >= tokens.shape[0]:
+        r = run(source, tokens, cache=[("z", l) for l in layers])
+        return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])
+    total = None
+    for lo in range(0, tokens.shape[0], chunk):
+        r = run(source, tokens[lo : lo + chunk], cache=[("z", l) for l in layers])
+        part = torch.stack([r["z", l][:, :, h].double().sum(dim=(0, 1)) for l, h in heads])
+        total = part if total is None else total + part
+    assert total is not None
+    return (total / (tokens.shape[0] * tokens.shape[1])).to(source.dtype)
+
+
+def sequence_losses(
+    source: WeightSource, text: Tensor, *, chunk: int | None = None, edits: dict[Any, Any] | None = None
+) -> Tensor:
+    """Next-token losses ``[B, T - 1]`` of ``text [B, T]`` (with ``edits``), ``chunk`` sequences
+    per forward pass (default all: one pass)."""
+    chunk = chunk or text.shape[0]
+    parts = []
+    for lo in range(0, text.shape[0], chunk):
+        part = text[lo : lo + chunk]
+        parts.append(next_token_nll(run(source, part, edits=edits).logits, part))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Sequences per forward pass that fit the memory budget (``None``: all at once, or the
+    analysis's own default): of the validation text, of the ICL examples, of the mean's sample."""
+
+    text: int | None = None
+    icl: int | None = None
+    mean: int | None = None
+
+
+def ablation_budget(
+    source: WeightSource,
+    text: Tensor | None,
+    icl_text: Tensor | None,
+    mode: str,
+    *,
+    bos: int = 0,
+    seed: int = 0,
+    where: str = "ablate",
+) -> Chunks:
+    """How :func:`ablation_study` splits its forward passes to fit the memory budget
+    (:func:`qkov.device.memory_budget`): every pass whole when it fits, else as few sequences at
+    once as fit. Refuses (one-line :class:`QkovError`, before any work) when a pass that cannot be
+    split does not fit: the repeated-token probe, one sequence (a resample ablation: the whole
+    batch, whose sequences swap outputs), two ICL examples. ``where`` begins the message."""
+    what, advice = f"{where}: a forward pass of", "analyse fewer or shorter sequences"
+    c, it = source.cfg, item(source)
+
+    def split(tokens: Tensor, one: int, name: str, least: int = 1) -> int | None:
+        B = tokens.shape[0]
+        n = fit_chunk(source, B, one, (least - 1) * one, f"{what} {name}", advice, hint="memory")
+        return None if n >= B else max(least, n)
+
+    probe = _probe_tokens(source, bos, seed)
+    need = run_bytes(source, *probe.shape, cached_patterns=True, loss=True)
+    check_fits(need, source.device, f"{what} the repeated-token probe", advice, hint="memory")
+    mean = text_chunk = icl = None
+    if mode == "mean":
+        on = text if text is not None else probe
+        T = on.shape[1]
+        z = c.n_layers * T * c.n_heads * c.d_head * it  # the cached z of one sequence
+        mean = split(on, run_bytes(source, 1, T) + z, f"one {T}-token sequence (the mean)")
+    if text is not None and mode == "resample":  # its sequences swap outputs: the batch is one pass
+        need = run_bytes(source, *text.shape, loss=True)
+        check_fits(need, source.device, f"{what} {text.shape[0]} x {text.shape[1]} tokens", advice, hint="memory")
+    elif text is not None:
+        T = text.shape[1]
+        text_chunk = split(text, run_bytes(source, 1, T, loss=True), f"one {T}-token sequence")
+    if icl_text is not None and icl_text.shape[1] > 60:
+        T = min(icl_text.shape[1], ICL_LATE + 2)
+        width = len(torch.cat(icl_windows(T)[2:]).unique())  # the positions the score unembeds
+        own = max(1, LOGIT_BYTES // (width * c.d_vocab * it))  # icl_score's own chunk
+        least = 2 if mode == "resample" else 1
+        one = run_bytes(source, 1, T, logits=width, loss=True)
+        icl = split(icl_text[:own], one, f"{least} {T}-token ICL example(s)", least)
+    return Chunks(text_chunk, icl, mean)
 
 
 def derangement(n: int, seed: int) -> Tensor:
@@ -134,12 +217,15 @@ def measures(
     bos: int = 0,
     seed: int = 0,
     edits: dict[Any, Any] | None = None,
+    chunks: Chunks = Chunks(),
 ) -> Measures:
     """Loss on ``text [B, T]``, ICL score on ``icl_text [N, T]`` (``None``: not measured) and the
     repeated-token losses (:func:`~qkov.analysis.probes.induction_probe`, seeded), every forward
-    pass with ``edits``."""
-    loss = None if text is None else float(next_token_nll(run(source, text, edits=edits).logits, text).mean())
-    icl = None if icl_text is None or icl_text.shape[1] <= 60 else icl_score(source, icl_text, curve=False, edits=edits).score
+    pass with ``edits``, the text and ICL examples ``chunks`` sequences at a time."""
+    loss = None if text is None else float(sequence_losses(source, text, chunk=chunks.text, edits=edits).mean())
+    icl = None
+    if icl_text is not None and icl_text.shape[1] > 60:
+        icl = icl_score(source, icl_text, curve=False, edits=edits, chunk=chunks.icl).score
     probe = induction_probe(source, bos=bos, seed=seed, edits=edits)
     return Measures(loss, icl, probe.loss_by_copy[0], probe.loss_by_copy[1])
 
@@ -232,9 +318,11 @@ def ablation_study(
     ``text [B, T]`` is the validation sample (loss, and the mean of mean ablation; without it
     mean ablation averages over the repeated random tokens of the probe and the loss is left out).
     """
+    expect_source("qkov.ablation_study", w)
     heads = list(heads)
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed)  # before any work
     mean_on = text if text is not None else _probe_tokens(w, bos, seed)
     sample = None
     if mode == "mean":
@@ -245,11 +333,11 @@ def ablation_study(
         )
 
     def measure(hs: list[Head]) -> Measures:
-        means = z_means(w, mean_on, hs) if mode == "mean" else None
+        means = z_means(w, mean_on, hs, chunk=chunks.mean) if mode == "mean" else None
         edits = ablation_edits(hs, mode, positions=positions, means=means, seed=seed)
-        return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits)
+        return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits, chunks=chunks)
 
-    intact = measures(w, text, icl_text, bos=bos, seed=seed)
+    intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks)
     study = AblationStudy([f"{l}.{h}" for l, h in heads], mode, sample, intact, measure(heads))
     study.positions = describe_positions(positions)
     others = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads) if (l, h) not in heads]

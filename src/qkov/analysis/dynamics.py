@@ -20,15 +20,17 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..model.ops import next_token_nll
+from ..device import check_fits, memory_budget
 from ..weights.view import Weights
 from . import phase
+from .ablation import Chunks, ablation_budget, sequence_losses
+from .budget import composition_bytes, copying_bytes, repeat_bytes
 from .circuits import copying_scores
-from .composition import composition_scores
-from .forward import run
+from .composition import DEFAULT_WRITER_BYTES, composition_scores
 from .heads import repeat_scores
 from .probes import icl_score, induction_probe, prefix_matching_tokens
-from .text_scores import text_scores
+from .rotary_circuits import resolve_offsets
+from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 
 PER_TOKEN_SEQUENCES = 8  # sequences whose per-token losses each record keeps (the trajectory's sample)
 # the smallest rise that counts as a change (the phase change of the default 2-layer run:
@@ -59,17 +61,49 @@ def _grid(t: Tensor) -> list[list[float]]:
     return [[_r(v, 4) for v in row] for row in t.tolist()]
 
 
+def measure_budget(w: Weights, sample: Sample) -> tuple[Chunks, int | None]:
+    """How :func:`measure` splits its forward passes to fit the memory budget
+    (:func:`qkov.device.memory_budget`): the loss and ICL passes as an ablation's
+    (:func:`~qkov.analysis.ablation.ablation_budget`), and the sequences of the previous-token
+    scores at once. Refuses (one line, before any work) what cannot be split and does not fit: the
+    probes of repeated tokens, the copying and K-composition scores."""
+    cfg = w.cfg
+    text, icl = sample.text, sample.icl_text
+    chunks = ablation_budget(w, text, icl, "zero", bos=sample.bos, seed=sample.seed, where="dynamics")
+    if cfg.n_layers == 0:
+        return chunks, None
+    length = min(25, (cfg.n_ctx - 1) // 4)
+    offsets = resolve_offsets(cfg, None)
+    need = max(
+        repeat_bytes(w, 10, 1 + 4 * length),  # prefix_matching_tokens: 10 examples of 4 repeats
+        copying_bytes(w, diag=False, rows=None, chunk_rows=0),
+        composition_bytes(w, 1, writer_bytes=DEFAULT_WRITER_BYTES, offsets=1 if offsets is None else len(offsets)),
+    )
+    what = "dynamics: the repeated-token, copying and composition scores of one snapshot"
+    check_fits(need, w.device, what, "analyse a smaller model", hint="memory")
+    if sample.text is None:
+        return chunks, None
+    T = sample.text.shape[1]
+    have, _ = memory_budget(w.device)
+    text_chunk = chunk_size(w, T, TEXT_CHUNK_BYTES if have is None else min(TEXT_CHUNK_BYTES, have))
+    what = f"dynamics: scoring one layer's attention on {T}-token text"
+    check_fits(text_chunk * sequence_bytes(w, T), w.device, what, "analyse shorter sequences", hint="memory")
+    return chunks, text_chunk
+
+
 @torch.no_grad()
 def measure(w: Weights, sample: Sample) -> dict[str, Any]:
-    """Every measure of one snapshot (see the module docstring) as a JSON-ready dict."""
+    """Every measure of one snapshot (see the module docstring) as a JSON-ready dict; its forward
+    passes split to fit the memory budget (:func:`measure_budget`, checked before any work)."""
     cfg = w.cfg
+    chunks, text_chunk = measure_budget(w, sample)
     rec: dict[str, Any] = {"val_loss": None, "per_token_loss": None, "icl": None, "icl_improvement": None}
     if sample.text is not None:
-        nll = next_token_nll(run(w, sample.text, record=()).logits, sample.text)  # [B, T-1]
+        nll = sequence_losses(w, sample.text, chunk=chunks.text)  # [B, T-1]
         rec["val_loss"] = _r(nll.mean())
         rec["per_token_loss"] = [_r(v, 3) for v in nll[:PER_TOKEN_SEQUENCES].flatten().tolist()]
     if sample.icl_text is not None and sample.icl_text.shape[1] > 60:
-        rec["icl"] = _r(icl_score(w, sample.icl_text, curve=False).score)
+        rec["icl"] = _r(icl_score(w, sample.icl_text, curve=False, chunk=chunks.icl).score)
         # how much better late tokens are predicted than token 50: max(0, -icl). A model that
         # predicts late tokens *worse* (a positive ICL score, as a 1-layer model does mid-training)
         # improves nothing in context: 0, not a negative number whose return to zero would look
@@ -90,7 +124,7 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     rs = repeat_scores(w, rep, length)
     heads = {"prefix_matching": rs.prefix_matching, "induction": rs.induction, "copying_rank": rs.copying_rank}
     if sample.text is not None:
-        heads["previous_token"] = text_scores(w, sample.text[:PER_TOKEN_SEQUENCES])["previous_token"]
+        heads["previous_token"] = text_scores(w, sample.text[:PER_TOKEN_SEQUENCES], chunk=text_chunk)["previous_token"]
     copying = copying_scores(w, diag_k=None)
     heads["eigen_copying"] = torch.tensor([c.eigen_score for c in copying]).reshape(cfg.n_layers, cfg.n_heads)
     rec["heads"] = {k: _grid(v.float()) for k, v in heads.items()}

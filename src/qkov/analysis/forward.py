@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import QkovError
+from ..expect import expect_source, expect_tokens
 from ..model import rotary
 from ..model.ops import (
     attention_scores,
@@ -334,7 +335,8 @@ def run(
     Returns:
         :class:`~qkov.analysis.activations.Run`.
     """
-    _check_source(source)
+    expect_source("qkov.run", source)
+    expect_tokens("qkov.run", tokens)
     cfg = source.cfg
     tokens = check_tokens(tokens, cfg).to(source.device)
     sites = Sites(cfg, source.norm)
@@ -374,13 +376,6 @@ def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
         if a.layer is not None:
             by_kind.setdefault(a.kind, set()).add(a.layer)
     return {k for k, ls in by_kind.items() if len(ls) == n_layers}
-
-
-def _check_source(source: Any) -> None:
-    if not all(hasattr(source, n) for n in ("cfg", "attention", "embed", "unembed", "norm")):
-        raise QkovError(
-            f"run: expected a weights view (qkov.Weights.from_model(model), or a LazyCheckpoint), got {type(source).__name__}"
-        )
 
 
 def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, source: Any) -> None:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
+from ..expect import expect_source
 from ..weights.parts import WeightSource
 from .metrics import as_metric
 from .patching import PatchResult, activation_patching, agreement, attribution_patching, default_axes, result_text
@@ -59,6 +60,7 @@ def patch_study(
     """Activation patching of each of ``sites`` (head sites by (layer, head), or by (layer, position,
     head) with ``by_pos``), attribution patching of the head sites, and path patching into
     ``receivers``' ``input`` when given. ``decode`` turns the clean tokens into position labels."""
+    expect_source("qkov.patch_study", source)
     m = as_metric(metric, clean)
     out = PatchStudy([])
     kinds = [Sites(source.cfg, source.norm).resolve((s, 0))[0].kind for s in sites]

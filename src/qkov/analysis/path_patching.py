@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
+from ..expect import expect_source
 from ..weights.parts import WeightSource
 from .activations import Run
 from .forward import run
@@ -77,6 +78,7 @@ def path_patching(
     head for ``receivers="logits"``) into the ``input`` (``q``, ``k`` or ``v``) of ``receivers``
     (heads ``(layer, head)``), one sender at a time; see the module docstring. Returns the metric per
     sender, ``values [L, H]`` (NaN for heads that are not senders)."""
+    expect_source("qkov.path_patching", source)
     heads = _check(source, receivers, input)
     cfg = source.cfg
     L, H = cfg.n_layers, cfg.n_heads

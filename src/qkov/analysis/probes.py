@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
+from ..expect import expect_source
 from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
 from .progress import Progress, tick
@@ -137,6 +138,7 @@ def induction_probe(
 ) -> InductionProbe:
     """Run the model (with ``edits``, see :func:`~qkov.analysis.forward.run`) on
     :func:`induction_probe_tokens`; score every head's induction attention."""
+    expect_source("qkov.induction_probe", source)
     cfg = source.cfg
     length = min(length, (cfg.n_ctx - 1) // repeats)
     tokens = induction_probe_tokens(cfg.d_vocab, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)

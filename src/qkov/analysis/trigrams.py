@@ -36,12 +36,14 @@ from typing import Any
 
 import torch
 
+from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import WeightSource
 from .shown import Bigrams, SkipTrigrams
 from .rotary_circuits import rotations
 from .vocab import embed_product, unembed_product
-from .factored import DEFAULT_MAX_BYTES, LowRank
+from .budget import bigram_bytes, item, rows_per_chunk, trigram_search_bytes, trigram_table_bytes
+from .factored import CACHE_BYTES, DEFAULT_MAX_BYTES, LowRank
 
 
 @dataclass(frozen=True)
@@ -75,9 +77,15 @@ class SkipTrigram:
 class TrigramTable:
     """One head's factored skip-trigram table, read from ``source`` once: ``.qk [source,
     destination]`` (the module docstring's ``qk[d, s]``, transposed so that both factors are
-    indexed by source first) and ``.ov [source, output]``."""
+    indexed by source first) and ``.ov [source, output]``.
+
+    The table and its search are planned against the memory budget first
+    (:func:`qkov.device.memory_budget`): :meth:`top` visits fewer sources at once, in smaller row
+    chunks, when the defaults would not fit, and a table whose smallest search would not fit is
+    refused before anything is read."""
 
     def __init__(self, source: WeightSource, layer: int, head: int, offsets: list[int] | None = None) -> None:
+        self.batch, self.max_bytes = _search_budget(source, layer, head)
         att = source.attention(layer, head)
         # [V, d_head] each, from one pass over the embedding
         EQ, EK, EV = embed_product(source, torch.cat([att.W_Q[0], att.W_K[0], att.W_V[0]], -1)).split(
@@ -93,7 +101,7 @@ class TrigramTable:
         self.qk = LowRank(B.T, EQ.T)  # [source, destination]
 
     def top(
-        self, top: int = 20, *, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES, batch: int = 256
+        self, top: int = 20, *, exclude: tuple[int, ...] = (0,), max_bytes: int | None = None, batch: int | None = None
     ) -> list[SkipTrigram]:
         """The ``top`` skip-trigrams over the whole vocabulary, strongest first (exact).
 
@@ -101,9 +109,12 @@ class TrigramTable:
         (one cheap row-maximum pass over each factored circuit). Sources are visited from the
         largest bound down, ``batch`` at a time; each visited source contributes its best
         ``top`` destinations x ``top`` outputs; the search stops once the ``top``-th best score
-        found beats every remaining bound.
+        found beats every remaining bound. ``max_bytes`` and ``batch`` default to the planned ones
+        (at most :data:`~qkov.analysis.factored.DEFAULT_MAX_BYTES` and :data:`SEARCH_BATCH`).
         """
         V, qk, ov = self.d_vocab, self.qk, self.ov
+        max_bytes = self.max_bytes if max_bytes is None else max_bytes
+        batch = self.batch if batch is None else batch
         k = min(top, V - len(exclude))
         if k < 1:
             raise QkovError("skip_trigrams: vocabulary too small")
@@ -168,6 +179,28 @@ class TrigramTable:
         ]
 
 
+SEARCH_BATCH = 256  # sources whose rows the search of the top trigrams reads at once
+
+
+def _search_budget(source: WeightSource, layer: int, head: int) -> tuple[int, int]:
+    """``(batch, max_bytes)`` of :meth:`TrigramTable.top` under the memory budget, refusing a table
+    whose search of one source at a time, in one-row chunks, would not fit."""
+    V, row = source.cfg.d_vocab, source.cfg.d_vocab * item(source)
+    table = trigram_table_bytes(source)
+    least = table + trigram_search_bytes(source, batch=1, chunk_rows=1)
+    what = f"trigrams: the skip-trigram table of head {layer}.{head}"
+    check_fits(least, source.device, what, "analyse a model with a smaller vocabulary", hint="memory")
+    have, _ = memory_budget(source.device)
+    chunk = min(DEFAULT_MAX_BYTES, CACHE_BYTES)
+    full = table + trigram_search_bytes(source, batch=SEARCH_BATCH, chunk_rows=rows_per_chunk(source, V, V, chunk))
+    if have is None or full <= have:
+        return SEARCH_BATCH, DEFAULT_MAX_BYTES
+    spare = have - least  # shared between the batch's rows (two circuits, values and indices) and the row chunk
+    per_source = 2 * row + 16 * V
+    batch = min(SEARCH_BATCH, 1 + spare // (2 * per_source))
+    return batch, min(chunk, row * (1 + (spare - (batch - 1) * per_source) // row))
+
+
 def skip_trigrams(source: WeightSource, layer: int, head: int, *, top: int = 20, **options: Any) -> SkipTrigrams:
     """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there).
     ``.with_tokens(model)`` on the result shows token strings."""
@@ -210,7 +243,16 @@ def bigrams(
 ) -> Bigrams:
     """The ``top`` strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram
     model. Entries in an excluded token's row or column are skipped; when the largest entries
-    sit there, more are fetched until ``top`` remain (or the matrix is exhausted)."""
+    sit there, more are fetched until ``top`` remain (or the matrix is exhausted). Its copies of the
+    embedding and unembedding are checked against the memory budget first, and the row chunks
+    shrink to fit it."""
+    V = source.cfg.d_vocab
+    least = bigram_bytes(source, chunk_rows=1)
+    advice = "analyse a model with a smaller vocabulary"
+    check_fits(least, source.device, "trigrams: the bigram table", advice, hint="memory")
+    have, _ = memory_budget(source.device)
+    if have is not None:
+        max_bytes = min(max_bytes, V * item(source) * (1 + (have - least) // (V * item(source))))
     W_U = source.unembed().W_U
     B = W_U - W_U.mean(dim=-1, keepdim=True)
     A = source.embed().clone()

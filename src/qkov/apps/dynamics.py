@@ -16,12 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ..analysis import ablation as Ab
-from ..analysis.dynamics import Sample, analyse, measure
+from ..analysis.budget import Planned
+from ..analysis.dynamics import Sample, analyse, measure, measure_budget
 from ..analysis.heads import THRESHOLDS
 from ..analysis.probes import default_icl_examples
 from ..analysis.shown import TEXT, Shown, register
 from ..device import pick_device
 from ..errors import QkovError
+from ..expect import expect_paths
 from ..model.transformer import Transformer
 from ..training import distributed
 from ..version import __version__
@@ -157,6 +159,7 @@ def dynamics(
     """Measure and read the series ``sources`` name (:func:`qkov.apps.series.series`); returns the
     result on rank 0 (``None`` on other ranks under torchrun). ``mode``/``draws``: the ablation
     of the last snapshot's induction heads (``"mean"`` or ``"zero"``; random sets of as many heads)."""
+    expect_paths("qkov.dynamics", sources)
     if mode not in Ab.MODES:
         raise QkovError(f"dynamics: mode must be one of {', '.join(Ab.MODES)}, got {mode!r}")
     t0 = time.perf_counter()
@@ -166,6 +169,9 @@ def dynamics(
         last = _load(s, len(s.entries) - 1, dev)
         sample = sample_for(s.origin, last, text=text, tokens=tokens, seed=seed)
         sample = Sample(*(x.to(dev) if isinstance(x, torch.Tensor) else x for x in vars(sample).values()))
+        planned = Planned(s.cfg, torch.float32, dev)  # every snapshot's view: refused before the first if it cannot fit
+        measure_budget(planned, sample)  # type: ignore[arg-type]
+        Ab.ablation_budget(planned, sample.text, sample.icl_text, mode, bos=sample.bos, seed=seed, where="dynamics")  # type: ignore[arg-type]
         records = measure_series(s, sample, dev, info, progress)
     finally:
         distributed.teardown(info)

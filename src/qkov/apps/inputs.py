@@ -84,7 +84,7 @@ def _sequences(arr: np.ndarray, model: Transformer, batch: int, where: str) -> t
         if arr.shape[1] > model.cfg.n_ctx:
             raise QkovError(f"{where}: sequences of {arr.shape[1]} tokens are longer than n_ctx={model.cfg.n_ctx}")
         return torch.from_numpy(arr[:batch])
-    return torch.from_numpy(val_batches(arr, model.cfg.n_ctx, model.bos_token_id, batch))
+    return torch.from_numpy(val_batches(arr, model.cfg.n_ctx, model.bos_token_id, batch, what=where))
 
 
 def _corpus(ckpt: Path, model: Transformer, needed: bool) -> Corpus | None:

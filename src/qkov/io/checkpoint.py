@@ -22,11 +22,13 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from ..errors import QkovError
+from ..expect import expect_path
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from . import manifest
 from .atomic import atomic_write, atomic_write_text
 from .manifest import CONFIG_FILE, METRICS_FILE, MODEL_FILE, STATE_FILE, TOKENIZER_FILE
+from .plausible import check_shapes, file_shapes
 
 __all__ = [
     "CONFIG_FILE",
@@ -113,13 +115,13 @@ def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.d
     ``model.tokenizer`` is the checkpoint's tokenizer (``tokenizers.Tokenizer``) or
     ``None``; ``model.bos_token_id`` its start token.
     """
+    expect_path("qkov.load", path)
     path = Path(path)
     data = read_config(path)
     cfg = ModelConfig.from_dict(data["model"])
-    model = Transformer(cfg, init=False)  # every parameter is loaded next (load_state checks)
     weights_path = path / MODEL_FILE
-    if not weights_path.is_file():
-        raise QkovError(f"checkpoint {str(path)!r} has no {MODEL_FILE}")
+    check_weights_header(cfg, path)  # before the model of the config is allocated
+    model = Transformer(cfg, init=False)  # every parameter is loaded next (load_state checks)
     try:
         state = load_file(str(weights_path))
     except (SafetensorError, OSError, ValueError) as exc:
@@ -129,6 +131,15 @@ def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.d
     model.bos_token_id = int(tok_info.get("bos_token_id", 0))
     model.tokenizer = read_tokenizer(path / TOKENIZER_FILE, where=f"checkpoint {str(path)!r}")
     return model.to(device=device, dtype=dtype).eval()
+
+
+def check_weights_header(cfg: ModelConfig, path: Path) -> None:
+    """Refuse a checkpoint whose ``config.json`` does not describe its ``model.safetensors``,
+    from the file's header alone (nothing is read or allocated): :func:`~qkov.io.plausible.check_shapes`."""
+    weights_path = path / MODEL_FILE
+    if not weights_path.is_file():
+        raise QkovError(f"checkpoint {str(path)!r} has no {MODEL_FILE}")
+    check_shapes(cfg, file_shapes(weights_path, f"checkpoint {str(path)!r}"), str(weights_path))
 
 
 def read_tokenizer(path: Path, *, where: str) -> Tokenizer | None:

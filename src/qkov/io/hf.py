@@ -40,8 +40,9 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .atomic import atomic_write_text
 from .checkpoint import load_state, read_tokenizer, save_tensors
-from .hf_families import FAMILIES, family_config, family_state
+from .hf_families import FAMILIES, family_config, family_state, start_token
 from .hf_store import WEIGHTS_FILE, shard_paths
+from .plausible import check_shapes
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -124,6 +125,7 @@ def _gpt2_state(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tied: bool)
         return sd[name]
 
     out: dict[str, torch.Tensor] = {"W_E": take("wte.weight"), "W_pos": take("wpe.weight")}
+    check_shapes(cfg, {k: v.shape for k, v in out.items()}, "Hugging Face model", complete=False)  # before b_U
     for l in range(cfg.n_layers):
         h, p = f"h.{l}.", f"blocks.{l}."
         w_attn, b_attn = take(h + "attn.c_attn.weight"), take(h + "attn.c_attn.bias")
@@ -163,11 +165,10 @@ def _build(hf_cfg: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: tor
         state = _gpt2_state(cfg, hf_state, bool(hf_cfg.get("tie_word_embeddings", True)))
     else:
         state = family_state(cfg, hf_cfg, hf_state)
+    check_shapes(cfg, {k: v.shape for k, v in state.items()}, where)  # before the model is allocated
     model = Transformer(cfg, init=False).to(dtype=dtype)  # every parameter is loaded next
     load_state(model, state, where=where)
-    bos = hf_cfg.get("bos_token_id")
-    if isinstance(bos, int) and 0 <= bos < cfg.d_vocab:
-        model.bos_token_id = bos
+    model.bos_token_id = start_token(hf_cfg, cfg.d_vocab, f"Hugging Face model {where!r}")
     return model.eval()
 
 

@@ -20,11 +20,12 @@ than ``linear`` and ``llama3`` (``dynamic``, ``yarn``, ``longrope``) are refused
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
 
-from ..errors import QkovError
+from ..errors import QkovError, QkovWarning
 from ..model.config import ModelConfig
 
 FAMILIES: dict[str, str] = {
@@ -39,6 +40,23 @@ _ACT = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new",
 _ACT.update(relu="relu", silu="silu", swish="silu")
 # buffers some checkpoints carry that are not weights
 BUFFERS = (".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
+
+
+def start_token(hf: dict[str, Any], d_vocab: int, where: str) -> int:
+    """The start token of a Hugging Face ``config.json``: its ``bos_token_id`` when that is a token of
+    the vocabulary; else 0, with a :class:`~qkov.errors.QkovWarning` naming the id, the vocabulary and
+    the token used (a small model built from a stock config keeps GPT-2's 50256, say). The start token
+    begins the repeated and random sequences the analyses build, so a silent substitute would be wrong."""
+    bos = hf.get("bos_token_id")
+    if bos is None or (isinstance(bos, int) and not isinstance(bos, bool) and 0 <= bos < d_vocab):
+        return 0 if bos is None else bos
+    warnings.warn(
+        f"{where}: bos_token_id {bos!r} in config.json is not a token of its vocabulary of {d_vocab:,}: "
+        "start token 0 is used instead",
+        QkovWarning,
+        stacklevel=3,
+    )
+    return 0
 
 
 def _fail(what: str) -> QkovError:

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import QkovError
+from ..expect import expect_path
 from ..model.transformer import Transformer
 from .checkpoint import load
 from .hf import load_hf
@@ -97,6 +98,7 @@ def load_any(
 
     ``config`` is the TransformerLens config for a TransformerLens file that carries none.
     """
+    expect_path("qkov.load_any", source)
     kind = source_kind(source)
     if config is not None and kind != "tl":
         raise QkovError("a separate config applies to TransformerLens files only")

@@ -41,6 +41,7 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .atomic import atomic_write
 from .checkpoint import load_state, save_tensors
+from .plausible import check_shapes
 from .torchfile import read_torch_file
 
 CONFIG_KEY = "transformer_lens_config"  # safetensors metadata key holding the config JSON
@@ -145,6 +146,10 @@ def tl_config_to_qkov(c: Any, *, bias: bool) -> ModelConfig:
     )
 
 
+_QKOV_NAMES = {"embed.W_E": "W_E", "pos_embed.W_pos": "W_pos", "unembed.W_U": "W_U", "unembed.b_U": "b_U"}
+"""TransformerLens names that differ from qkov's (the blocks' names are the same)."""
+
+
 def _is_bias(name: str) -> bool:
     """A Q/K/V/O, MLP or unembedding bias (not a LayerNorm bias) in TransformerLens naming."""
     parent, leaf = name.rsplit(".", 1) if "." in name else ("", name)
@@ -159,6 +164,8 @@ def _from_tl_state(c: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, wher
     """
     bias = any(_is_bias(k) and v.is_floating_point() and bool(v.abs().max() > 0) for k, v in sd.items() if v.numel())
     cfg = tl_config_to_qkov(c, bias=bias)
+    shapes = {_QKOV_NAMES.get(k, k): v.shape for k, v in sd.items()}
+    check_shapes(cfg, shapes, where, complete=False)  # before anything the config claims is allocated
     used: set[str] = set()
 
     def take(name: str, default: torch.Tensor | None = None) -> torch.Tensor:

@@ -276,13 +276,19 @@ def _load_token_file(path: Path, val_fraction: float) -> Corpus:
         if path.suffix == ".npy":
             arr = np.load(path, allow_pickle=False, mmap_mode="r")
         else:
+            size = path.stat().st_size
+            if size % 2 or size == 0:
+                raise QkovError(
+                    f"corpus: token file {str(path)!r} has {size:,} byte(s), not a whole number of token ids: a .bin "
+                    "token file is a raw stream of uint16 ids, 2 bytes each"
+                )
             arr = np.memmap(path, dtype=np.uint16, mode="r")
     except (ValueError, OSError) as exc:
         raise QkovError(f"corpus: cannot read token file {str(path)!r}: {exc}") from None
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         raise QkovError(f"corpus: token file must hold a 1-D integer array, got {arr.dtype} {arr.shape}")
     if arr.size < 16:
-        raise QkovError(f"corpus: token file {str(path)!r} holds only {arr.size} tokens")
+        raise QkovError(f"corpus: token file {str(path)!r} holds only {tokens(arr.size)}")
     arr = np.asarray(arr)
     if int(arr.min()) < 0:
         raise QkovError("corpus: token file holds negative ids")
@@ -299,8 +305,49 @@ def _load_token_file(path: Path, val_fraction: float) -> Corpus:
         bos = 0 if found is None else found
         d_vocab = max(d_vocab, tok.get_vocab_size())
     cut = int(arr.size * (1 - val_fraction))
-    stats = {"train_tokens": cut, "val_tokens": int(arr.size - cut)}
+    stats = {"train_tokens": cut, "val_tokens": int(arr.size - cut), "val_fraction": val_fraction}
     return Corpus(arr[:cut], arr[cut:], tok_json, bos, d_vocab, str(path), stats)
+
+
+def tokens(n: int) -> str:
+    """``1 token``, ``2,540 tokens``."""
+    return f"{n:,} token" + ("" if n == 1 else "s")
+
+
+def _too_short(what: str, n: int, n_ctx: int) -> str:
+    return (
+        f"{what} holds {tokens(n)}, fewer than one example needs: an example of n_ctx {n_ctx} is the start "
+        f"token and {tokens(n_ctx - 1)}"
+    )
+
+
+def least_tokens(n_ctx: int, val_fraction: float) -> int:
+    """The fewest tokens a token file needs for a training and a validation split (its last
+    ``val_fraction``) of one example of ``n_ctx`` each."""
+    width = n_ctx - 1
+    n = max(2 * width, int((width - 1) / val_fraction))  # at most this many short: the split holds < n f + 1
+    while n - int(n * (1 - val_fraction)) < width or int(n * (1 - val_fraction)) < width:
+        n += 1
+    return n
+
+
+def check_examples(corpus: Corpus, n_ctx: int) -> None:
+    """Refuse, before training starts, a corpus whose training or validation split is shorter than
+    one example of ``n_ctx``, saying how many tokens it holds and how many it would need."""
+    width = n_ctx - 1
+    train, val = int(corpus.train.size), int(corpus.val.size)
+    if train >= width and val >= width:
+        return
+    f = corpus.stats.get("val_fraction")
+    if f is not None:  # a token file: split by position
+        split, need = f"its last {f:.0%}", f"a token file of at least {tokens(least_tokens(n_ctx, f))}"
+    else:  # a text corpus: split by file
+        split, need = str(corpus.stats.get("split", "by file")), f"at least {tokens(width)} in each split"
+    raise QkovError(
+        f"corpus: {corpus.source!r} holds {tokens(train + val)}, {train:,} for training and {val:,} for validation "
+        f"({split}); an example of n_ctx {n_ctx} is the start token and {tokens(width)}, so a training and a "
+        f"validation split of one example each need {need}: give a larger corpus or a shorter context (n_ctx)"
+    )
 
 
 class Batches:
@@ -318,7 +365,7 @@ class Batches:
         self.width = n_ctx - 1
         self.n_windows = len(stream) // self.width
         if self.n_windows < 1:
-            raise QkovError(f"corpus: {len(stream)} training tokens is fewer than one example of {n_ctx}")
+            raise QkovError(f"corpus: {_too_short('the training split', len(stream), n_ctx)}")
         self.batch = batch
         self.seed = seed
         self.bos = bos
@@ -349,12 +396,15 @@ class Batches:
         return self.examples(step * self.batch + rank * per, per)
 
 
-def val_batches(stream: np.ndarray, n_ctx: int, bos: int, max_examples: int) -> np.ndarray:
-    """Fixed validation examples ``[n, n_ctx]``: evenly spaced windows, each starting with bos."""
+def val_batches(
+    stream: np.ndarray, n_ctx: int, bos: int, max_examples: int, *, what: str = "corpus: the validation split"
+) -> np.ndarray:
+    """Fixed validation examples ``[n, n_ctx]``: evenly spaced windows, each starting with bos.
+    ``what`` names the stream in the error when it is shorter than one example."""
     width = n_ctx - 1
     n = len(stream) // width
     if n < 1:
-        raise QkovError(f"corpus: validation split ({len(stream)} tokens) is shorter than one example of {n_ctx}")
+        raise QkovError(_too_short(what, len(stream), n_ctx))
     idx = np.linspace(0, n - 1, num=min(n, max_examples)).astype(np.int64)
     out = np.empty((len(idx), n_ctx), dtype=np.int64)
     out[:, 0] = bos

@@ -37,7 +37,7 @@ from ..model.transformer import Transformer
 from ..weights.view import Weights
 from . import distributed
 from .config import TrainConfig, lr_at
-from .data import Batches, Corpus, load_corpus, val_batches
+from .data import Batches, Corpus, check_examples, load_corpus, val_batches
 from .losses import LossModule
 from . import rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state
@@ -158,6 +158,7 @@ def prepare(
         )
     if sync_cache and dist_info.main:
         distributed.barrier(dist_info)
+    check_examples(corpus, model_cfg.n_ctx)  # one example of each split, before any output exists (every rank)
     return Plan(out, model_cfg, tc, resume, dist_info, dev, corpus, emit)
 
 

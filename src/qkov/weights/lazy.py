@@ -25,12 +25,14 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
+from ..expect import expect_path
 from ..io.checkpoint import MODEL_FILE, read_config
+from ..io.hf_families import start_token
 from ..io.hf_store import HFStore
+from ..io.plausible import check_shapes
 from ..io.tensorfile import TensorFile
 from ..model.config import ModelConfig
 from ..model.ops import expand_kv as expand
-from ..model.transformer import Transformer
 from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader, writer_centring
 
 _BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
@@ -70,6 +72,7 @@ class LazyCheckpoint:
         """``path``: a qkov checkpoint, or a GPT-NeoX / Llama / Mistral / Qwen2 Hugging Face
         directory (read under qkov's names by :class:`~qkov.io.hf_store.HFStore`).
         ``center_writing`` and ``center_unembed`` as :meth:`Weights.from_model`'s (same defaults)."""
+        expect_path("qkov.LazyCheckpoint", path)
         self.path = Path(path)
         self.dtype, self.device = dtype, torch.device(device)
         data = _config_json(self.path)
@@ -85,9 +88,8 @@ class LazyCheckpoint:
         else:
             self.file = HFStore(self.path, data)
             self.cfg = self.file.cfg
-            bos = data.get("bos_token_id")
-            self.bos_token_id = bos if isinstance(bos, int) and 0 <= bos < self.cfg.d_vocab else 0
             where = f"Hugging Face model {str(self.path)!r}"
+            self.bos_token_id = start_token(data, self.cfg.d_vocab, where)
         self.centered_writing = writer_centring(self.cfg, center_writing)
         self.centered_unembed = center_unembed
         self._unembed_mean: tuple[Tensor, Tensor] | None = None
@@ -96,16 +98,7 @@ class LazyCheckpoint:
     in_memory: ClassVar[bool] = False
 
     def _check_header(self, where: str) -> None:
-        with torch.device("meta"):  # shapes only: nothing is allocated
-            expected = {k: tuple(v.shape) for k, v in Transformer(self.cfg, seed=0).state_dict().items()}
-        have = self.file.entries
-        missing, unexpected = sorted(set(expected) - set(have)), sorted(set(have) - set(expected))
-        for what, names in (("missing", missing), ("unexpected", unexpected)):
-            if names:
-                raise QkovError(f"{where}: {what} weight(s) {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}")
-        for name, shape in expected.items():
-            if self.file.shape(name) != shape:
-                raise QkovError(f"{where}: {name} has shape {self.file.shape(name)} but the config implies {shape}")
+        check_shapes(self.cfg, {name: self.file.shape(name) for name in self.file.entries}, where)
 
     # ------------------------------------------------------------------ reading
     @property

@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
+from ..expect import expect_model, expect_source
 from ..model.config import ModelConfig
 from ..model.ops import expand_kv as expand
 from ..model.transformer import Transformer
@@ -111,6 +112,7 @@ class Weights:
         ``center_writing=None`` centres the writers of a LayerNorm model (where it is exact) and
         leaves a model without LayerNorm alone; ``True`` on a model without LayerNorm is refused.
         """
+        expect_model("qkov.Weights.from_model", model)
         cfg = model.cfg
         center_writing = writer_centring(cfg, center_writing)
         dev = torch.device(device) if device is not None else model.W_E.device
@@ -173,6 +175,7 @@ class Weights:
         :class:`~qkov.weights.LazyCheckpoint`, say), read layer by layer into tensors allocated once:
         it takes the view's own memory plus one layer, never a model beside it. The view keeps the
         source's folding and centring (tested equal to ``from_model`` of the loaded model)."""
+        expect_source("qkov.Weights.from_source", source)
         cfg = source.cfg
         L, H, KV, D, E, M = cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.d_model, cfg.d_head, cfg.d_mlp or 0
         opts: dict[str, Any] = dict(dtype=source.dtype, device=source.device)

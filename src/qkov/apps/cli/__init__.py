@@ -1,7 +1,9 @@
 """The ``qkov`` command line: parse, call the public API, print. Nothing else lives here.
 
 User mistakes (:class:`qkov.QkovError`, bad options) print one line and exit 2; a library
-error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`). Commands live in
+error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`); a
+:class:`qkov.errors.QkovWarning` prints as one line ``qkov: warning: ...`` and the command goes on. An allocation that
+fails anyway (the analyses plan their memory first; this is the backstop) is one line too. Commands live in
 ``train_cmds`` (train, info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
 heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics, ablate), ``patch_cmds`` (patch)
 and ``interop_cmds`` (import, export).
@@ -11,14 +13,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from typing import Sequence
 
 from ...device import set_memory_budget
-from ...errors import QkovError
+from ...errors import QkovError, QkovWarning
 from ...version import __version__
 from .behaviour_cmds import add_heads, add_paths
 from .dynamics_cmds import add_ablate, add_dynamics
-from .common import EXIT_USAGE, Parser, error_line
+from .common import EXIT_USAGE, Parser, error_line, out_of_memory_line, show_warning
 from .interop_cmds import add_export, add_import
 from .patch_cmds import add_patch
 from .report_cmds import add_report, add_tour
@@ -52,9 +55,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():  # qkov's warnings print as one line each (restored on return)
+            warnings.simplefilter("always", QkovWarning)
+            warnings.showwarning = show_warning
+            return int(args.func(args) or 0)
     except QkovError as exc:
         sys.stderr.write(error_line(exc))
+        return EXIT_USAGE
+    except (MemoryError, RuntimeError) as exc:  # the backstop: work is planned to fit before it starts
+        line = out_of_memory_line(exc)
+        if line is None:
+            raise  # any other RuntimeError is a bug: it keeps its traceback
+        sys.stderr.write(line)
         return EXIT_USAGE
     except KeyboardInterrupt:
         sys.stderr.write("qkov: interrupted (a run continues from its last checkpoint with --resume)\n")

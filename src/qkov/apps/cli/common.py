@@ -8,6 +8,7 @@ import json
 import math
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, Callable, NoReturn
 
@@ -15,7 +16,7 @@ import torch
 from rich.console import Console
 
 from ...device import pick_device, set_memory_budget
-from ...errors import QkovError
+from ...errors import QkovError, QkovWarning
 from ...io.hf_families import FAMILIES
 from ...io.sources import hf_model_type, load_any, source_kind
 from ...model.config import ModelConfig
@@ -31,8 +32,41 @@ HINT_ADVICE = {
     "config": "pass --config CONFIG.json",
     "overwrite": "pass --force to replace it, or choose another output directory",
     "batch": "pass a smaller --batch, or a larger --max-memory if more is free",
+    "memory": "or pass a larger --max-memory if more is free",
 }
 """What the command line adds to a :class:`QkovError` carrying each hint."""
+
+
+def out_of_memory_line(exc: BaseException) -> str | None:
+    """The one line for an allocation that failed (CPU allocator, CUDA, Python), ``None`` for any other error."""
+    text = str(exc)
+    oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
+    if not (oom or "DefaultCPUAllocator" in text or "out of memory" in text.lower()):
+        return None
+    m = re.search(r"allocate (\d+(?:\.\d+)?) ?(bytes|[KMGT]iB)", text)
+    size = ""
+    if m:
+        size = f" {m.group(1)} {m.group(2)}" if m.group(2) != "bytes" else f" {_size(int(m.group(1)))}"
+    return (
+        f"qkov: error: out of memory: an allocation of{size or ' memory'} failed (pass --max-memory to have the "
+        "analyses refuse work that would not fit before they start, analyse less at once, or use another --device)\n"
+    )
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
+    """``warnings.showwarning`` for the command line: a :class:`QkovWarning` as ``qkov: warning: ...``
+    on one line; any other warning as Python formats it."""
+    if issubclass(category, QkovWarning):
+        sys.stderr.write(f"qkov: warning: {message}\n")
+    else:
+        sys.stderr.write(warnings.formatwarning(message, category, filename, lineno))
 
 
 def error_line(exc: QkovError) -> str:
@@ -188,16 +222,21 @@ def diag_caption(n: int | None, d_vocab: int) -> str | None:
     )
 
 
-def add_device(p: argparse.ArgumentParser) -> None:
+def add_device(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
+    """``--device``, and ``--max-memory`` for a command whose analyses plan their memory against it
+    (``memory=False``: a command that cannot honour a budget does not offer one)."""
     p.add_argument(
         "--device", default="auto", help="where to compute: auto (default; cuda if available), cpu, cuda or cuda:N"
     )
+    if not memory:
+        return
     p.add_argument(
         "--max-memory",
         type=memory_size,
         metavar="SIZE",
-        help="what the analysis may allocate, e.g. 4GiB or 500MiB (default: the memory free on the device); "
-        "work estimated to need more is refused before it starts, naming the option that reduces it",
+        help="what the analysis may allocate beyond the weights, e.g. 4GiB or 500MiB (default: the memory free on "
+        "the device); chunked work is split to fit, and work whose smallest part would not fit is refused before "
+        "it starts, naming what reduces it",
     )
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 from typing import Any
 
-from ...errors import QkovError
+from ...errors import QkovError, QkovWarning
 from ...io.checkpoint import save_checkpoint
 from ...io.hf import gpt2_export, save_hf
 from ...io.sources import source_kind
@@ -49,8 +50,16 @@ def add_import(sub: Any) -> None:
 def cmd_import(args: argparse.Namespace) -> int:
     _check_out(args.out)
     kind = source_kind(args.ckpt)
-    model = load_source(args)
-    save_checkpoint(args.out, model, training={"imported_from": {"format": kind, "path": str(args.ckpt)}})
+    with warnings.catch_warnings(record=True) as caught:  # what the import chose for the user is recorded too
+        warnings.simplefilter("always", QkovWarning)
+        model = load_source(args)
+    for w in caught:
+        warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+    origin: dict[str, Any] = {"format": kind, "path": str(args.ckpt)}
+    notes = [str(w.message) for w in caught if issubclass(w.category, QkovWarning)]
+    if notes:
+        origin["warnings"] = notes
+    save_checkpoint(args.out, model, training={"imported_from": origin})
     c = model.cfg
     print(
         f"imported {args.ckpt} ({kind}) -> {args.out}: {c.describe()}, {model.num_parameters():,} parameters"

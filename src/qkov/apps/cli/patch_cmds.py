@@ -54,7 +54,7 @@ def add_patch(sub: Any) -> None:
     p.add_argument("--input", choices=INPUTS, default="k", help="the receivers' input the paths enter (default k)")
     p.add_argument("--direction", choices=DIRECTIONS, default="denoise", help="denoise (default) or noise")
     p.add_argument("--no-attribution", action="store_true", help="skip attribution patching")
-    add_device(p)
+    add_device(p, memory=False)  # patching's chunks are fixed in size: no budget it could honour
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_patch)
 

@@ -256,6 +256,7 @@ def trigram_data(
             "trigrams": [t.to_dict(decode) for t in bug],
             "crossed": [t.to_dict(decode) for t in table.crossed(*bug)],
         }
+    del table  # the bigram table is planned alone: the two are never held at once
     data["bigrams"] = [b.to_dict(decode) for b in trigrams.bigrams(source, top=top, exclude=(bos,))]
     return data
 

@@ -1,0 +1,121 @@
+"""Library misuse: every public entry point that takes a model, a weights source, tokens or a path
+refuses a wrong argument with a one-line QkovError naming the function, what it expected, what it
+got and what to pass, never an AttributeError from deep inside (issue 24, case 9)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import qkov
+from qkov import LazyCheckpoint, ModelConfig, QkovError, Transformer, Weights
+
+CFG = ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, n_ctx=16, d_vocab=32)
+MODEL = Transformer(CFG, seed=0)
+VIEW = Weights.from_model(MODEL)
+TOKENS = torch.arange(8)[None] % CFG.d_vocab
+OTHER = (TOKENS + 1) % CFG.d_vocab
+
+
+def _gpt2() -> Any:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=16, bos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+# what each bad value is described as in the message, and the advice it gets
+NOT_MODELS: dict[str, tuple[Callable[[], Any], str, str]] = {
+    "None": (lambda: None, "got None", "qkov.Transformer(cfg)"),
+    "str": (lambda: "runs/model", "got a str ('runs/model')", "qkov.load_any(path)"),
+    "linear": (lambda: torch.nn.Linear(2, 2), "got a torch.nn Linear", "qkov.Transformer(cfg)"),
+    "dict": (lambda: {"W_E": torch.zeros(2, 2)}, "got a dict", "qkov.Transformer(cfg)"),
+    "weights": (lambda: VIEW, "got a Weights", "already a weights source"),
+    "gpt2": (_gpt2, "got a transformers GPT2LMHeadModel", "qkov.io.from_hf(model)"),
+}
+NOT_SOURCES: dict[str, tuple[Callable[[], Any], str, str]] = {
+    "None": (lambda: None, "got None", "qkov.Weights.from_model(model)"),
+    "str": (lambda: "path", "got a str ('path')", "qkov.LazyCheckpoint(path)"),
+    "linear": (lambda: torch.nn.Linear(2, 2), "got a torch.nn Linear", "qkov.Weights.from_model(model)"),
+    "dict": (lambda: {}, "got a dict", "qkov.Weights.from_model(model)"),
+    "transformer": (lambda: MODEL, "got a Transformer", "pass qkov.Weights.from_model(model)"),
+    "gpt2": (_gpt2, "got a transformers GPT2LMHeadModel", "qkov.io.from_hf(model)"),
+}
+
+SOURCE_ENTRY_POINTS: dict[str, Callable[[Any], Any]] = {
+    "qkov.run": lambda s: qkov.run(s, TOKENS),
+    "qkov.Weights.from_source": lambda s: Weights.from_source(s),
+    "qkov.induction_probe": lambda s: qkov.induction_probe(s),
+    "qkov.ablation_study": lambda s: qkov.ablation_study(s, [(0, 0)], text=None, mode="zero"),
+    "qkov.activation_patching": lambda s: qkov.activation_patching(s, TOKENS, OTHER),
+    "qkov.attribution_patching": lambda s: qkov.attribution_patching(s, TOKENS, OTHER),
+    "qkov.path_patching": lambda s: qkov.path_patching(s, TOKENS, OTHER, receivers="logits"),
+    "qkov.patch_study": lambda s: qkov.patch_study(s, TOKENS, OTHER),
+}
+
+
+@pytest.mark.parametrize("bad", NOT_MODELS)
+def test_weights_from_model_refuses_what_is_not_a_model(bad: str) -> None:
+    make, got, advice = NOT_MODELS[bad]
+    with pytest.raises(QkovError) as err:
+        Weights.from_model(make())
+    msg = str(err.value)
+    assert msg.startswith("qkov.Weights.from_model expects a qkov model (qkov.Transformer); ") and "\n" not in msg
+    assert got in msg and advice in msg, msg
+
+
+@pytest.mark.parametrize("bad", NOT_SOURCES)
+@pytest.mark.parametrize("entry", SOURCE_ENTRY_POINTS)
+def test_source_entry_points_refuse_what_is_not_a_weights_source(entry: str, bad: str) -> None:
+    make, got, advice = NOT_SOURCES[bad]
+    with pytest.raises(QkovError) as err:
+        SOURCE_ENTRY_POINTS[entry](make())
+    msg = str(err.value)
+    assert msg.startswith(f"{entry} expects a weights view (qkov.Weights) or a LazyCheckpoint; "), msg
+    assert got in msg and advice in msg and "\n" not in msg, msg
+
+
+def test_the_checks_let_every_real_source_through(tmp_path: Path) -> None:
+    qkov.save_checkpoint(tmp_path / "m", MODEL)
+    lazy = LazyCheckpoint(tmp_path / "m")
+    for source in (VIEW, lazy):
+        assert qkov.run(source, TOKENS).logits.shape == (1, 8, CFG.d_vocab)
+        assert Weights.from_source(source).cfg == CFG
+    assert "Weights" in str(type(Weights.from_model(MODEL)))
+    with pytest.raises(QkovError, match=r"read it into memory with qkov\.Weights\.from_source"):
+        Weights.from_model(lazy)
+
+
+@pytest.mark.parametrize("bad", [None, 3, MODEL, VIEW])
+@pytest.mark.parametrize(
+    "entry, call",
+    [
+        ("qkov.load", lambda p: qkov.load(p)),
+        ("qkov.load_any", lambda p: qkov.load_any(p)),
+        ("qkov.LazyCheckpoint", lambda p: LazyCheckpoint(p)),
+    ],
+)
+def test_path_entry_points_refuse_what_is_not_a_path(entry: str, call: Callable[[Any], Any], bad: Any) -> None:
+    with pytest.raises(QkovError, match=rf"^{entry}: path must be a path \(str or pathlib\.Path\); got "):
+        call(bad)
+
+
+@pytest.mark.parametrize(
+    "bad, expected",
+    [
+        ("runs/x", r"sources must be a list of paths; got a str \('runs/x'\): pass \['runs/x'\]"),
+        (None, "sources must be a list of paths; got None"),
+        ([MODEL], r"each of sources must be a path .*got a Transformer"),
+    ],
+)
+def test_dynamics_refuses_what_is_not_a_list_of_paths(bad: Any, expected: str) -> None:
+    with pytest.raises(QkovError, match=rf"^qkov\.dynamics: {expected}"):
+        qkov.dynamics(bad)
+
+
+@pytest.mark.parametrize("bad", [None, MODEL, "0 1 2"])
+def test_run_refuses_tokens_that_are_not_ids(bad: Any) -> None:
+    with pytest.raises(QkovError, match=r"^qkov\.run: tokens must be token ids .*; got "):
+        qkov.run(VIEW, bad)
