@@ -115,8 +115,12 @@ def clear(path: Path) -> None:
         target = path / name
         if target.parent.is_symlink():  # a folder turned into a link since: what it points to is not the run's
             continue
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError, PermissionError):
+        try:
             target.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # before the manifest forgets it: a file left unlisted would be the user's
+            raise QkovError(f"cannot remove {str(target)!r} of the earlier start ({exc.strerror})") from None
     with contextlib.suppress(OSError):  # only when empty: a folder holding the user's files stays
         (path / SNAPSHOT_DIR).rmdir()
     manifest.write(path, [])  # after the files: a kill in between leaves recorded names, absent
