@@ -1,8 +1,10 @@
-"""Where to compute: the one place a device name becomes a ``torch.device``."""
+"""Where to compute: the one place a device name becomes a ``torch.device``; and the process-wide
+settings that make CPU results reproducible (:func:`reproducible_blas`, applied when qkov is imported)."""
 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import torch
 
@@ -101,3 +103,54 @@ def tune_cpu_allocator() -> None:
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB free at the top
     except (OSError, AttributeError):
         pass
+
+
+# MKL's conditional numerical reproducibility (CNR) settings, as its mkl_cbwr.h names them
+_CBWR_ALL, _CBWR_BRANCH_OFF, _CBWR_AUTO = ~0, 1, 2
+
+
+def _mkl_cnr_functions() -> tuple[object, object] | None:
+    """MKL's CNR getter and setter (``mkl_serv_cbwr_get``, ``mkl_serv_cbwr_set``, which torch's
+    library exports), or ``None`` where torch has no MKL or does not export them."""
+    if not torch.backends.mkl.is_available():
+        return None
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
+        if not (lib_dir / name).is_file():
+            continue
+        try:
+            lib = ctypes.CDLL(str(lib_dir / name))  # the library torch has loaded already
+            get, set_ = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set
+        except (OSError, AttributeError):
+            return None
+        get.argtypes, get.restype = [ctypes.c_int], ctypes.c_int
+        set_.argtypes, set_.restype = [ctypes.c_int], ctypes.c_int
+        return get, set_
+    return None
+
+
+def reproducible_blas() -> bool | None:
+    """Put MKL, torch's CPU BLAS on x86, in its reproducible mode (CNR, branch ``AUTO``), unless the
+    environment chose a mode (``MKL_CBWR``); qkov calls this when it is imported.
+
+    Every float32 matrix product of training and analysis on a CPU is an MKL ``sgemm``, and MKL
+    promises bitwise equal results from one run to the next (on the same CPU and thread count)
+    only in a CNR mode, which is off by default: without it, a resumed run could part from the
+    uninterrupted one in the last bits, and then everywhere. ``AUTO`` keeps MKL's fastest code
+    path for the CPU. MKL takes the setting only before its first computation in the process.
+
+    Returns:
+        ``True`` when MKL computes in a CNR mode; ``False`` when it does not and it is too late
+        (MKL computed in this process before qkov was imported); ``None`` without MKL (ARM,
+        macOS: other BLAS libraries, nothing to set).
+    """
+    funcs = _mkl_cnr_functions()
+    if funcs is None:
+        return None
+    get, set_ = funcs
+    if get(_CBWR_ALL) != _CBWR_BRANCH_OFF:  # MKL_CBWR in the environment, or already set
+        return True
+    return set_(_CBWR_AUTO) == 0  # MKL refuses a change once it has computed
+
+
+reproducible_blas()  # when qkov is imported: before the process computes, if qkov comes first

@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..analysis.probes import induction_probe
-from ..device import pick_device, tune_cpu_allocator
+from ..device import pick_device, reproducible_blas, tune_cpu_allocator
 from ..errors import QkovError
 from ..io.atomic import atomic_write_text
 from ..io.checkpoint import METRICS_FILE, STATE_FILE, read_config, read_metrics, save_checkpoint
@@ -42,6 +42,10 @@ from . import rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state
 
 Callback = Callable[[dict[str, Any]], None]
+BLAS_NOT_REPRODUCIBLE = (
+    "MKL computed in this process before qkov was imported, so its reproducible mode is off: a resume "
+    "of this run may not be bit-exact (import qkov before computing with torch, or start Python with MKL_CBWR=AUTO)"
+)
 
 
 @torch.no_grad()
@@ -142,6 +146,8 @@ def prepare(
         tune_cpu_allocator()
         # Overconfident softmaxes produce denormal floats, which run ~20x slower on x86.
         torch.set_flush_denormal(True)
+        if reproducible_blas() is False:
+            emit({"event": "message", "text": BLAS_NOT_REPRODUCIBLE})
     sync_cache = corpus is None and dist_info.enabled
     if sync_cache and not dist_info.main:
         distributed.barrier(dist_info)  # rank 0 builds the token cache first; the others then read it
