@@ -1,5 +1,6 @@
 """Where to compute: the one place a device name becomes a ``torch.device``; and the process-wide
-settings that make CPU results reproducible (:func:`reproducible_blas`, applied when qkov is imported)."""
+settings that make CPU results reproducible: :func:`reproducible_blas` (applied when qkov is
+imported) and :func:`flush_denormals` (in every thread, when training starts)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,46 @@ def reproducible_blas() -> bool | None:
 
 
 reproducible_blas()  # when qkov is imported: before the process computes, if qkov comes first
+
+
+_SET_IN_THREAD = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+@_SET_IN_THREAD
+def _flush_in_this_thread(_data: object) -> None:
+    torch.set_flush_denormal(True)
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch computes with (the ``libgomp`` it loaded), or ``None`` (not Linux, not found)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if "libgomp" in line and "/" in line}
+    except OSError:
+        return None
+    torch_dir = Path(torch.__file__).parent
+    own = (str(torch_dir) + "/", str(torch_dir) + ".libs/")  # the wheel's lib/ or its auditwheel folder
+    mine = sorted(p for p in paths if p.startswith(own)) or sorted(paths)
+    try:
+        return ctypes.CDLL(mine[0]) if mine else None
+    except OSError:
+        return None
+
+
+def flush_denormals() -> None:
+    """Flush denormal floats to zero in this thread and in every thread of torch's CPU pool.
+
+    Denormals (|x| < 1.2e-38, from overconfident softmaxes late in training) run ~20x slower on
+    x86. ``torch.set_flush_denormal`` sets only the calling thread's floating-point control, and
+    torch's OpenMP worker threads copy it only when they start after it: in a process that ran
+    parallel torch work before (a notebook), the workers kept denormals while the main thread
+    flushed them, and the same training computed differently there than under ``qkov train``.
+    This also sets it once in each worker (one OpenMP parallel region of torch's own runtime).
+    """
+    torch.set_flush_denormal(True)
+    threads = torch.get_num_threads()
+    gomp = _openmp_runtime() if threads > 1 else None
+    if gomp is not None:
+        gomp.GOMP_parallel.argtypes = [_SET_IN_THREAD, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        gomp.GOMP_parallel.restype = None
+        gomp.GOMP_parallel(_flush_in_this_thread, None, threads, 0)

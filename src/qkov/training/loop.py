@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..analysis.probes import induction_probe
-from ..device import pick_device, reproducible_blas, tune_cpu_allocator
+from ..device import flush_denormals, pick_device, reproducible_blas, tune_cpu_allocator
 from ..errors import QkovError
 from ..io.atomic import atomic_write_text
 from ..io.checkpoint import METRICS_FILE, STATE_FILE, read_config, read_metrics, save_checkpoint
@@ -144,8 +144,7 @@ def prepare(
     if dev.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_info.local_world))
         tune_cpu_allocator()
-        # Overconfident softmaxes produce denormal floats, which run ~20x slower on x86.
-        torch.set_flush_denormal(True)
+        flush_denormals()  # in every thread: overconfident softmaxes produce denormals, ~20x slower on x86
         if reproducible_blas() is False:
             emit({"event": "message", "text": BLAS_NOT_REPRODUCIBLE})
     sync_cache = corpus is None and dist_info.enabled
