@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -110,7 +111,7 @@ def tune_cpu_allocator() -> None:
 _CBWR_ALL, _CBWR_BRANCH_OFF, _CBWR_AUTO = ~0, 1, 2
 
 
-def _mkl_cnr_functions() -> tuple[object, object] | None:
+def _mkl_cnr_functions() -> tuple[Callable[[int], int], Callable[[int], int]] | None:
     """MKL's CNR getter and setter (``mkl_serv_cbwr_get``, ``mkl_serv_cbwr_set``, which torch's
     library exports), or ``None`` where torch has no MKL or does not export them."""
     if not torch.backends.mkl.is_available():
@@ -154,9 +155,6 @@ def reproducible_blas() -> bool | None:
     return set_(_CBWR_AUTO) == 0  # MKL refuses a change once it has computed
 
 
-reproducible_blas()  # when qkov is imported: before the process computes, if qkov comes first
-
-
 _SET_IN_THREAD = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
@@ -187,14 +185,21 @@ def flush_denormals() -> None:
     Denormals (|x| < 1.2e-38, from overconfident softmaxes late in training) run ~20x slower on
     x86. ``torch.set_flush_denormal`` sets only the calling thread's floating-point control, and
     torch's OpenMP worker threads copy it only when they start after it: in a process that ran
-    parallel torch work before (a notebook), the workers kept denormals while the main thread
-    flushed them, and the same training computed differently there than under ``qkov train``.
+    parallel torch work before (a notebook), the workers would keep denormals while the main thread
+    flushes them, and the same training would compute differently there than under ``qkov train``.
     This also sets it once in each worker (one OpenMP parallel region of torch's own runtime).
     """
     torch.set_flush_denormal(True)
     threads = torch.get_num_threads()
     gomp = _openmp_runtime() if threads > 1 else None
-    if gomp is not None:
-        gomp.GOMP_parallel.argtypes = [_SET_IN_THREAD, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-        gomp.GOMP_parallel.restype = None
-        gomp.GOMP_parallel(_flush_in_this_thread, None, threads, 0)
+    try:
+        parallel = gomp.GOMP_parallel if gomp is not None else None
+    except AttributeError:  # another OpenMP runtime
+        parallel = None
+    if parallel is not None:
+        parallel.argtypes = [_SET_IN_THREAD, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        parallel.restype = None
+        parallel(_flush_in_this_thread, None, threads, 0)
+
+
+reproducible_blas()  # when qkov is imported: before the process computes, if qkov comes first
