@@ -1,8 +1,12 @@
-"""Where to compute: the one place a device name becomes a ``torch.device``."""
+"""Where to compute: the one place a device name becomes a ``torch.device``; and the process-wide
+settings that make CPU results reproducible: :func:`reproducible_blas` (applied when qkov is
+imported) and :func:`flush_denormals` (in every thread, when training starts)."""
 
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -101,3 +105,101 @@ def tune_cpu_allocator() -> None:
         libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD: keep up to 1 GiB free at the top
     except (OSError, AttributeError):
         pass
+
+
+# MKL's conditional numerical reproducibility (CNR) settings, as its mkl_cbwr.h names them
+_CBWR_ALL, _CBWR_BRANCH_OFF, _CBWR_AUTO = ~0, 1, 2
+
+
+def _mkl_cnr_functions() -> tuple[Callable[[int], int], Callable[[int], int]] | None:
+    """MKL's CNR getter and setter (``mkl_serv_cbwr_get``, ``mkl_serv_cbwr_set``, which torch's
+    library exports), or ``None`` where torch has no MKL or does not export them."""
+    if not torch.backends.mkl.is_available():
+        return None
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib", "torch_cpu.dll"):
+        if not (lib_dir / name).is_file():
+            continue
+        try:
+            lib = ctypes.CDLL(str(lib_dir / name))  # the library torch has loaded already
+            get, set_ = lib.mkl_serv_cbwr_get, lib.mkl_serv_cbwr_set
+        except (OSError, AttributeError):
+            return None
+        get.argtypes, get.restype = [ctypes.c_int], ctypes.c_int
+        set_.argtypes, set_.restype = [ctypes.c_int], ctypes.c_int
+        return get, set_
+    return None
+
+
+def reproducible_blas() -> bool | None:
+    """Put MKL, torch's CPU BLAS on x86, in its reproducible mode (CNR, branch ``AUTO``), unless the
+    environment chose a mode (``MKL_CBWR``); qkov calls this when it is imported.
+
+    Every float32 matrix product of training and analysis on a CPU is an MKL ``sgemm``, and MKL
+    promises bitwise equal results from one run to the next (on the same CPU and thread count)
+    only in a CNR mode, which is off by default: without it, a resumed run could part from the
+    uninterrupted one in the last bits, and then everywhere. ``AUTO`` keeps MKL's fastest code
+    path for the CPU. MKL takes the setting only before its first computation in the process.
+
+    Returns:
+        ``True`` when MKL computes in a CNR mode; ``False`` when it does not and it is too late
+        (MKL computed in this process before qkov was imported); ``None`` without MKL (ARM,
+        macOS: other BLAS libraries, nothing to set).
+    """
+    funcs = _mkl_cnr_functions()
+    if funcs is None:
+        return None
+    get, set_ = funcs
+    if get(_CBWR_ALL) != _CBWR_BRANCH_OFF:  # MKL_CBWR in the environment, or already set
+        return True
+    return set_(_CBWR_AUTO) == 0  # MKL refuses a change once it has computed
+
+
+_SET_IN_THREAD = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+@_SET_IN_THREAD
+def _flush_in_this_thread(_data: object) -> None:
+    torch.set_flush_denormal(True)
+
+
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime torch computes with (the ``libgomp`` it loaded), or ``None`` (not Linux, not found)."""
+    try:
+        with open("/proc/self/maps") as fh:
+            paths = {line.split()[-1] for line in fh if "libgomp" in line and "/" in line}
+    except OSError:
+        return None
+    torch_dir = Path(torch.__file__).parent
+    own = (str(torch_dir) + "/", str(torch_dir) + ".libs/")  # the wheel's lib/ or its auditwheel folder
+    mine = sorted(p for p in paths if p.startswith(own)) or sorted(paths)
+    try:
+        return ctypes.CDLL(mine[0]) if mine else None
+    except OSError:
+        return None
+
+
+def flush_denormals() -> None:
+    """Flush denormal floats to zero in this thread and in every thread of torch's CPU pool.
+
+    Denormals (|x| < 1.2e-38, from overconfident softmaxes late in training) run ~20x slower on
+    x86. ``torch.set_flush_denormal`` sets only the calling thread's floating-point control, and
+    torch's OpenMP worker threads copy it only when they start after it: in a process that ran
+    parallel torch work before (a notebook), the workers would keep denormals while the main thread
+    flushes them, and the same training would compute differently there than under ``qkov train``.
+    This also sets it once in each worker (one OpenMP parallel region of torch's own runtime).
+    """
+    torch.set_flush_denormal(True)
+    threads = torch.get_num_threads()
+    gomp = _openmp_runtime() if threads > 1 else None
+    try:
+        parallel = gomp.GOMP_parallel if gomp is not None else None
+    except AttributeError:  # another OpenMP runtime
+        parallel = None
+    if parallel is not None:
+        parallel.argtypes = [_SET_IN_THREAD, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+        parallel.restype = None
+        parallel(_flush_in_this_thread, None, threads, 0)
+
+
+reproducible_blas()  # when qkov is imported: before the process computes, if qkov comes first

@@ -26,7 +26,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..analysis.probes import induction_probe
-from ..device import pick_device, tune_cpu_allocator
+from ..device import flush_denormals, pick_device, reproducible_blas, tune_cpu_allocator
 from ..errors import QkovError
 from ..io.atomic import atomic_write_text
 from ..io import manifest
@@ -43,6 +43,10 @@ from . import rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state
 
 Callback = Callable[[dict[str, Any]], None]
+BLAS_NOT_REPRODUCIBLE = (
+    "MKL computed in this process before qkov was imported, so its reproducible mode is off: a resume "
+    "of this run may not be bit-exact (import qkov before computing with torch, or start Python with MKL_CBWR=AUTO)"
+)
 
 
 @torch.no_grad()
@@ -141,8 +145,9 @@ def prepare(
     if dev.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_info.local_world))
         tune_cpu_allocator()
-        # Overconfident softmaxes produce denormal floats, which run ~20x slower on x86.
-        torch.set_flush_denormal(True)
+        flush_denormals()  # in every thread: overconfident softmaxes produce denormals, ~20x slower on x86
+        if reproducible_blas() is False:
+            emit({"event": "message", "text": BLAS_NOT_REPRODUCIBLE})
     sync_cache = corpus is None and dist_info.enabled
     if sync_cache and not dist_info.main:
         distributed.barrier(dist_info)  # rank 0 builds the token cache first; the others then read it
