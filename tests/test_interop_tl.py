@@ -280,7 +280,8 @@ def test_plain_state_dict_file_with_separate_config(tmp_path: Path) -> None:
     wrong = {**fields, "attn_only": False, "d_mlp": 64, "act_fn": "relu"}
     with pytest.raises(QkovError, match="missing weight 'blocks.0.mlp.W_in'"):
         load_tl(tmp_path / "attn_only_2L.pth", wrong)
-    with pytest.raises(QkovError, match="are not explained by the config"):  # a 1-layer config: layer 1 left over
+    # a 1-layer config: layer 1 left over, refused from the shapes before anything is built
+    with pytest.raises(QkovError, match=r"the config says 1 layer\(s\), but the weights hold 2 \(blocks 0 to 1\)"):
         load_tl(tmp_path / "attn_only_2L.pth", {**fields, "n_layers": 1})
     m = load_tl(tmp_path / "attn_only_2L.pth", tmp_path / "cfg.json")
     assert m.cfg.positional == "shortformer" and m.cfg.normalization == "none" and m.cfg.d_mlp is None
