@@ -21,10 +21,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from .errors import QkovError
 from .model.config import ModelConfig
+from .model.transformer import Transformer
 
 _SOURCE_PARTS = ("attention", "embed", "unembed", "pos", "mlp", "norm", "device", "dtype")
 
@@ -69,8 +71,6 @@ def expect_source(where: str, value: Any) -> None:
     ``qkov.LazyCheckpoint``, or another object with the :class:`~qkov.weights.WeightSource` parts)."""
     if _is_source(value):
         return
-    from .model.transformer import Transformer  # here: the model package need not load for a bad path
-
     if isinstance(value, Transformer):
         advice = "pass qkov.Weights.from_model(model)"
     elif isinstance(value, (str, Path)):
@@ -84,8 +84,6 @@ def expect_source(where: str, value: Any) -> None:
 
 def expect_model(where: str, value: Any) -> None:
     """Refuse (one-line :class:`QkovError`) anything but a qkov :class:`~qkov.Transformer`."""
-    from .model.transformer import Transformer
-
     if isinstance(value, Transformer):
         return
     if _is_source(value):
@@ -104,8 +102,6 @@ def expect_model(where: str, value: Any) -> None:
 def expect_tokens(where: str, value: Any, name: str = "tokens") -> None:
     """Refuse what cannot hold token ids (ids themselves are checked against the model by the
     forward: :func:`~qkov.model.tokens.check_tokens`)."""
-    import numpy as np
-
     if isinstance(value, (torch.Tensor, np.ndarray, list, tuple)):
         return
     raise QkovError(

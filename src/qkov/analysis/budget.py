@@ -17,6 +17,12 @@ import torch
 from ..device import check_fits, memory_budget
 from ..model.config import ModelConfig
 from ..weights.parts import WeightSource
+from .composition import DEFAULT_WRITER_BYTES, PRODUCT_BYTES
+from .factored import CACHE_BYTES, DEFAULT_MAX_BYTES
+from .rotary_circuits import resolve_offsets
+from .vocab import VOCAB_BLOCK
+
+COPYING_LOGITS = 2**24  # logits per head the copying scores read at most (beyond: sampled queries)
 
 
 def item(source: WeightSource) -> int:
@@ -97,8 +103,6 @@ def copying_bytes(source: WeightSource, *, diag: bool, rows: int | None, chunk_r
         elems += n * E + E * V + chunk_rows * V
         extra = chunk_rows * V  # the comparison with the diagonal (bool)
     elif not source.in_memory:
-        from .vocab import VOCAB_BLOCK
-
         elems += 2 * VOCAB_BLOCK * D  # W_U W_E summed over blocks of the vocabulary
     return elems * it + extra + layer_read_bytes(source)
 
@@ -109,8 +113,6 @@ def composition_bytes(source: WeightSource, kinds: int, *, writer_bytes: int, of
     ``writer_bytes`` for a streamed source), the product of a group of writer layers with one
     reader layer (and its float64 Gram matrices for rotary offsets or grouped-query heads), and
     the random-matrix baseline's sample blocks."""
-    from .composition import PRODUCT_BYTES
-
     c, it = source.cfg, item(source)
     L, H, D, E = c.n_layers, c.n_heads, c.d_model, c.d_head
     out = (kinds * L * L * H * H + L * H) * it
@@ -129,8 +131,6 @@ def composition_bytes(source: WeightSource, kinds: int, *, writer_bytes: int, of
 def trigram_table_bytes(source: WeightSource) -> int:
     """What a :class:`~qkov.analysis.trigrams.TrigramTable` holds: its ``[d_vocab, d_head]``
     factors (and one block of the vocabulary while a streamed source is read)."""
-    from .vocab import VOCAB_BLOCK
-
     c = source.cfg
     read = 0 if source.in_memory else VOCAB_BLOCK * c.d_model
     return (8 * c.d_vocab * c.d_head + read) * item(source)
@@ -154,9 +154,7 @@ def bigram_bytes(source: WeightSource, *, chunk_rows: int) -> int:
 def repeat_bytes(source: WeightSource, batch: int, seq: int) -> int:
     """Peak of :func:`~qkov.analysis.heads.repeat_scores` on ``[batch, seq]`` repeated tokens: the
     pass with every layer's pattern and per-head output, and one head's copying logits (at most
-    :data:`~qkov.analysis.heads.COPYING_LOGITS`) with their rectified copy and mask."""
-    from .heads import COPYING_LOGITS
-
+    :data:`COPYING_LOGITS`) with their rectified copy and mask."""
     c, it = source.cfg, item(source)
     outputs = c.n_layers * batch * c.n_heads * seq * c.d_model * it
     logits = min(COPYING_LOGITS, batch * seq * c.d_vocab) * it * 3
@@ -169,3 +167,48 @@ class Planned:
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, in_memory: bool = True) -> None:
         self.cfg, self.dtype, self.device, self.in_memory = cfg, dtype, device, in_memory
+
+
+def circuits_budget(
+    source: WeightSource,
+    *,
+    diag_k: int | None,
+    rows: int | None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    writer_bytes: int = DEFAULT_WRITER_BYTES,
+    offsets: list[int] | None = None,
+) -> tuple[int, int]:
+    """The chunk bounds :func:`~qkov.analysis.circuits.analyse` uses (``rows``: the tokens whose
+    own-logit rate is measured, ``None`` for all), ``(max_bytes, writer_bytes)``: the ones given when
+    the copying scores (:func:`~qkov.analysis.budget.copying_bytes`) and composition
+    (:func:`~qkov.analysis.budget.composition_bytes`) fit the memory budget
+    (:func:`qkov.device.memory_budget`) with them, else smaller ones that fit. Refuses (one-line
+    :class:`QkovError`) when one row of a full OV circuit and one writer layer do not fit."""
+    c, it = source.cfg, item(source)
+    V = c.d_vocab
+    n = V if rows is None else rows
+    offs = resolve_offsets(c, offsets)
+    spots = 1 if offs is None else len(offs)
+    layer = c.n_heads * c.d_head * c.d_model * it  # one layer's writer factors
+
+    def need(chunk: int, writers: int) -> int:
+        copy = copying_bytes(
+            source, diag=bool(diag_k), rows=None if rows is None else n, chunk_rows=rows_per_chunk(source, n, V, chunk)
+        )
+        return max(copy, composition_bytes(source, 3, writer_bytes=writers, offsets=spots))
+
+    least = need(1, layer)
+    check_fits(
+        least,
+        source.device,
+        "circuits: scoring copying and composition",
+        "skip the own-logit rate (diag_k=0) or measure it on fewer tokens (diag_sample)",
+        hint="memory",
+    )
+    have, _ = memory_budget(source.device)
+    chunk, writers = min(max_bytes, CACHE_BYTES), writer_bytes
+    if have is None or need(chunk, writers) <= have:
+        return max_bytes, writer_bytes
+    spare = have - least  # each step runs alone: either may take all of it
+    row = V * it
+    return min(chunk, row * (1 + spare // (row + V))), min(writers, layer * (1 + spare // layer))

@@ -25,16 +25,13 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import AttentionWeights, WeightSource, check_head
-from .bandwidth import LayerBandwidth as LayerBandwidth
-from .bandwidth import WriteOverlap as WriteOverlap
-from .bandwidth import bandwidth
-from .budget import composition_bytes, copying_bytes, item, rows_per_chunk
-from .bandwidth import write_overlap as write_overlap
+from .bandwidth import LayerBandwidth as LayerBandwidth, WriteOverlap as WriteOverlap
+from .bandwidth import bandwidth, write_overlap as write_overlap
+from .budget import circuits_budget as circuits_budget
 from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
-from .factored import CACHE_BYTES, DEFAULT_MAX_BYTES, LowRank, eigenvalues
+from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
 from .progress import Progress, tick
 from .rotary_circuits import OffsetProfiles, profiles, resolve_offsets
 from .sampling import seeded_subset
@@ -347,51 +344,6 @@ def copying_scores(
 
 
 # ------------------------------------------------------------------ everything
-def circuits_budget(
-    source: WeightSource,
-    *,
-    diag_k: int | None,
-    diag_sample: int | None,
-    max_bytes: int = DEFAULT_MAX_BYTES,
-    writer_bytes: int = DEFAULT_WRITER_BYTES,
-    offsets: list[int] | None = None,
-) -> tuple[int, int]:
-    """The chunk bounds :func:`analyse` uses, ``(max_bytes, writer_bytes)``: the ones given when
-    the copying scores (:func:`~qkov.analysis.budget.copying_bytes`) and composition
-    (:func:`~qkov.analysis.budget.composition_bytes`) fit the memory budget
-    (:func:`qkov.device.memory_budget`) with them, else smaller ones that fit. Refuses (one-line
-    :class:`QkovError`) when one row of a full OV circuit and one writer layer do not fit."""
-    c, it = source.cfg, item(source)
-    V = c.d_vocab
-    rows = diag_tokens(V, diag_sample) if diag_k else None
-    n = V if rows is None else len(rows)
-    offs = resolve_offsets(c, offsets)
-    spots = 1 if offs is None else len(offs)
-    layer = c.n_heads * c.d_head * c.d_model * it  # one layer's writer factors
-
-    def need(chunk: int, writers: int) -> int:
-        copy = copying_bytes(
-            source, diag=bool(diag_k), rows=None if rows is None else n, chunk_rows=rows_per_chunk(source, n, V, chunk)
-        )
-        return max(copy, composition_bytes(source, 3, writer_bytes=writers, offsets=spots))
-
-    least = need(1, layer)
-    check_fits(
-        least,
-        source.device,
-        "circuits: scoring copying and composition",
-        "skip the own-logit rate (diag_k=0) or measure it on fewer tokens (diag_sample)",
-        hint="memory",
-    )
-    have, _ = memory_budget(source.device)
-    chunk, writers = min(max_bytes, CACHE_BYTES), writer_bytes
-    if have is None or need(chunk, writers) <= have:
-        return max_bytes, writer_bytes
-    spare = have - least  # each step runs alone: either may take all of it
-    row = V * it
-    return min(chunk, row * (1 + spare // (row + V))), min(writers, layer * (1 + spare // layer))
-
-
 @dataclass(repr=False)
 class CircuitsReport(Shown):
     """What ``qkov circuits`` shows: per-head copying, Q/K/V composition, the bandwidth audit."""
@@ -431,8 +383,12 @@ def analyse(
     if diag_k:
         check_diag_k(diag_k, source.cfg.d_vocab)  # before any work
     rotary = resolve_offsets(source.cfg, offsets) is not None  # checks the offsets before any work
+    rows = diag_tokens(source.cfg.d_vocab, diag_sample) if diag_k else None
     max_bytes, writer_bytes = circuits_budget(
-        source, diag_k=diag_k, diag_sample=diag_sample, max_bytes=max_bytes, writer_bytes=writer_bytes, offsets=offsets
+        source,
+        diag_k=diag_k,
+        rows=None if rows is None else len(rows),
+        max_bytes=max_bytes, writer_bytes=writer_bytes, offsets=offsets,
     )
     return CircuitsReport(
         copying=copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, max_bytes=max_bytes, progress=progress),

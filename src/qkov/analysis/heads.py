@@ -19,6 +19,7 @@ from torch import Tensor
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import WeightSource
+from .budget import COPYING_LOGITS as COPYING_LOGITS
 from .circuits import check_diag_k, copying_scores
 from .forward import run
 from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
@@ -33,7 +34,6 @@ from .text_scores import sink_scores as sink_scores
 from .text_scores import value_weighted_sink_scores as value_weighted_sink_scores
 
 # =========================================================================== detectors
-COPYING_LOGITS = 2**24  # logits per head the copying scores read at most (beyond: sampled queries)
 
 
 @dataclass

@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from ..errors import QkovError
-from ..expect import expect_path
+from ..expect import expect_model, expect_path
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from . import manifest
@@ -83,8 +83,11 @@ def save_checkpoint(
     """Write the model's weights and config (and tokenizer, if given) into ``path``.
 
     Raises:
-        QkovError: ``path`` holds files qkov did not write (or one is at a name it would write).
+        QkovError: ``path`` holds files qkov did not write (or one is at a name it would write),
+            or ``path`` / ``model`` are not a path and a qkov :class:`~qkov.Transformer`.
     """
+    expect_path("qkov.save_checkpoint", path)
+    expect_model("qkov.save_checkpoint", model)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise QkovError(f"{str(path)!r} exists and is not a directory")

@@ -146,8 +146,8 @@ def tl_config_to_qkov(c: Any, *, bias: bool) -> ModelConfig:
     )
 
 
+# TransformerLens names that differ from qkov's (the blocks' names are the same)
 _QKOV_NAMES = {"embed.W_E": "W_E", "pos_embed.W_pos": "W_pos", "unembed.W_U": "W_U", "unembed.b_U": "b_U"}
-"""TransformerLens names that differ from qkov's (the blocks' names are the same)."""
 
 
 def _is_bias(name: str) -> bool:
@@ -164,8 +164,7 @@ def _from_tl_state(c: Any, sd: dict[str, torch.Tensor], dtype: torch.dtype, wher
     """
     bias = any(_is_bias(k) and v.is_floating_point() and bool(v.abs().max() > 0) for k, v in sd.items() if v.numel())
     cfg = tl_config_to_qkov(c, bias=bias)
-    shapes = {_QKOV_NAMES.get(k, k): v.shape for k, v in sd.items()}
-    check_shapes(cfg, shapes, where, complete=False)  # before anything the config claims is allocated
+    check_shapes(cfg, {_QKOV_NAMES.get(k, k): v.shape for k, v in sd.items()}, where, complete=False)  # before allocating
     used: set[str] = set()
 
     def take(name: str, default: torch.Tensor | None = None) -> torch.Tensor:

@@ -245,8 +245,7 @@ class Session:
 
     def checkpoint(self) -> None:
         """Write the training state (first: everything else is derived from it), the log, the model;
-        their names recorded in the run's manifest before the first of them (one manifest write, at
-        the first checkpoint only)."""
+        their names recorded in the run's manifest first (one manifest write, at the first checkpoint)."""
         out, p = self.plan.out, self.plan
         tokenizer_json = p.corpus.tokenizer_json
         has_tokenizer = tokenizer_json is not None or self.model.tokenizer is not None
@@ -375,8 +374,7 @@ def train(
     with rundir.lock(plan.out):  # only rank 0 writes: it alone holds the directory's lock
         if not plan.resume:
             _configs(plan.out, plan.model_cfg, plan.train_cfg, False)  # again, now that no one else writes
-        # a new run clears the recorded files of an earlier start that never completed a checkpoint;
-        # a resumed run from before the manifest is adopted; a file qkov did not write is refused
+        # clears a failed start's recorded files, adopts a pre-manifest run, refuses foreign files
         rundir.begin(plan.out, resume=plan.resume)
         return _train(plan, stop_after)
 
