@@ -75,7 +75,8 @@ def test_head_edits_touch_one_head_and_in_place_functions_work() -> None:
         v[:, :, 1] = 0
 
     again = run(w, toks, edits={"z.0": in_place})
-    assert (again.logits - out.logits).abs().max() == 0
+    # the two runs cache different sites (another order of the float64 sums): equal to the last bits
+    assert (again.logits - out.logits).abs().max() < 1e-12
     # per-head input copies: an in-place edit of one head's copy equals a tensor edit of its address
     in_place_q = run(w, toks, edits={"q_input.1": in_place}, cache="q.1")
     by_address = run(w, toks, edits={"q_input.1.1": torch.zeros(())}, cache="q.1")
