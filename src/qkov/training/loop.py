@@ -7,8 +7,7 @@ a pure function of ``(seed, step)`` (see :class:`qkov.training.data.Batches`).
 
 :func:`train` is three steps: :func:`prepare` (the configs, the device, the corpus), then
 :meth:`Session.build` (model, optimizer, batches, restored state) and :meth:`Session.run`
-(the steps, with evaluations and checkpoints). Nothing here prints: progress is reported
-through the ``callback`` argument as event dicts.
+(the steps, with evaluations and checkpoints). Nothing here prints: progress goes to ``callback`` as event dicts.
 """
 
 from __future__ import annotations
@@ -360,7 +359,8 @@ def train(
 
     Args:
         out: checkpoint directory (created). It must not hold a run unless ``resume``.
-        model_cfg / train_cfg: what to train; with ``resume`` they are read from ``out``.
+        model_cfg: the model to train (read from ``out`` with ``resume``).
+        train_cfg: how to train it (read from ``out`` with ``resume``).
         device: ``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N``.
         resume: continue from ``out/train_state.safetensors``.
         corpus: an already-loaded corpus (else ``train_cfg.corpus`` is loaded, cached).
