@@ -1,3 +1,4 @@
-"""The version of qkov."""
+"""The version of qkov (the one place it is set: pyproject.toml reads it from here)."""
 
-__version__ = "0.1.0"
+__version__ = "1.0.0"
+"""The release, as ``qkov --version`` prints it and the package's metadata records it."""
