@@ -68,7 +68,8 @@ def test_sphinx_roles_become_code_and_links() -> None:
     # a path inside a subpackage is code only: its page may not document it, and a link nowhere fails --strict
     assert rewrite("see :func:`~qkov.io.checkpoint.load`", public) == "see `load`"
     assert rewrite(":mod:`qkov.analysis.paths`", public) == "`qkov.analysis.paths`"
-    assert rewrite(":meth:`~Session.run` and :attr:`PathSummary.coverage`", public) == "`run` and `PathSummary.coverage`"
+    both = rewrite(":meth:`~Session.run` and :attr:`PathSummary.coverage`", public)
+    assert both == "`run` and `PathSummary.coverage`"
     assert rewrite(":class:`the view <qkov.Weights>`", public) == "[`the view`][qkov.Weights]"
     assert rewrite("as below::\n\n    x = 1", public) == "as below:\n\n    x = 1"
 

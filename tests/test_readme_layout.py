@@ -55,8 +55,17 @@ def modules_in_tree() -> set[str]:
 
 
 def test_parser_reads_nesting_and_continuations() -> None:
-    block = ["src/qkov/", "  a.py        one", "              more words.py", "  m/          x", "    b.py      y", "docs/", "  c.md  z"]
-    assert listed(block) == ["src/qkov/", "src/qkov/a.py", "src/qkov/m/", "src/qkov/m/b.py", "docs/", "docs/c.md"]
+    block = [
+        "src/qkov/",
+        "  a.py        one",
+        "              more words.py",  # a continuation: not an entry, though it ends in .py
+        "  m/          x",
+        "    b.py      y",
+        "docs/",
+        "  c.md  z",
+    ]
+    want = ["src/qkov/", "src/qkov/a.py", "src/qkov/m/", "src/qkov/m/b.py", "docs/", "docs/c.md"]
+    assert listed(block) == want
 
 
 def test_every_module_is_listed_and_every_listed_path_exists() -> None:
