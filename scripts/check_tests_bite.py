@@ -12,6 +12,7 @@ file is restored whatever happens. Exit status 1 if any planted bug goes unnotic
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -339,12 +340,27 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "            if False:\n                parts |=",
         "tests/test_lazy.py::test_a_view_read_from_the_memory_map_is_the_loaded_models",
     ),
+    "ablation mean: the last, shorter chunk of the sample left out": (
+        "analysis/ablation.py",
+        "    for lo in range(0, tokens.shape[0], chunk):\n        r = run(source, tokens[lo : lo + chunk]",
+        "    for lo in range(0, tokens.shape[0] - chunk + 1, chunk):\n        r = run(source, tokens[lo : lo + chunk]",
+        "tests/test_ablation.py::test_mean_ablation_equals_independent_forwards",
+    ),
+    "ablation mean: every head's mean z is its layer's first head's": (
+        "analysis/ablation.py",
+        'return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])',
+        'return torch.stack([r["z", l][:, :, 0].mean(dim=(0, 1)) for l, h in heads])',
+        "tests/test_ablation.py::test_mean_ablation_equals_independent_forwards",
+    ),
 }
 
 
 def _passes(tests: str) -> bool:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).returncode == 0
+    # this checkout's src first: an editable install of another checkout must not be what is tested
+    path = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, PYTHONPATH=path)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True).returncode == 0
 
 
 def plant(name: str, relpath: str, old: str, new: str, tests: str) -> bool:
