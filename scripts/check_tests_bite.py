@@ -352,6 +352,12 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         'return torch.stack([r["z", l][:, :, 0].mean(dim=(0, 1)) for l, h in heads])',
         "tests/test_ablation.py::test_mean_ablation_equals_independent_forwards",
     ),
+    "ICL score: the late window ends one position before the late token": (
+        "analysis/probes.py",
+        "torch.arange(max(0, late - window + 1), late + 1)",
+        "torch.arange(max(0, late - window), late)",
+        "tests/test_heads.py::test_detectors_name_exactly_the_designed_heads",
+    ),
 }
 
 
