@@ -358,6 +358,12 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "torch.arange(max(0, late - window), late)",
         "tests/test_heads.py::test_detectors_name_exactly_the_designed_heads",
     ),
+    "induction score: the repeated block read as starting at position 0 (no start token)": (
+        "analysis/probes.py",
+        "def induction_attention(patterns: Tensor, period: int, *, first: int = 1) -> Tensor:",
+        "def induction_attention(patterns: Tensor, period: int, *, first: int = 0) -> Tensor:",
+        "tests/test_dynamics.py::test_the_window_is_where_the_circuit_was_built_and_a_flat_series_has_none",
+    ),
 }
 
 
