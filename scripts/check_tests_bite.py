@@ -364,6 +364,24 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "def induction_attention(patterns: Tensor, period: int, *, first: int = 0) -> Tensor:",
         "tests/test_dynamics.py::test_the_window_is_where_the_circuit_was_built_and_a_flat_series_has_none",
     ),
+    "composition: K-composition reads the key side through the key's own Gram matrix": (
+        "analysis/composition.py",
+        "S = gram_sqrt(GQ).transpose(-1, -2)  # K: A = W_K R^T, B = W_Q^T",
+        "S = gram_sqrt(GK).transpose(-1, -2)  # K: A = W_K R^T, B = W_Q^T",
+        "tests/test_report.py::test_report_numbers_match_independent_computations",
+    ),
+    "eigenvalues: the full-OV score computed on the residual-stream circuit": (
+        "analysis/circuits.py",
+        "[LowRank(a.W_V, a.W_O @ G).twin() for a in _layers(source)]",
+        "[LowRank(a.W_V, a.W_O).twin() for a in _layers(source)]",
+        "tests/test_report.py::test_report_numbers_match_independent_computations",
+    ),
+    "bigrams: the direct path's rows not centred": (
+        "analysis/trigrams.py",
+        "    B = W_U - W_U.mean(dim=-1, keepdim=True)",
+        "    B = W_U",
+        "tests/test_report.py::test_zero_layer_report_renders",
+    ),
 }
 
 
