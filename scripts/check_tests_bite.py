@@ -370,16 +370,16 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "S = gram_sqrt(GK).transpose(-1, -2)  # K: A = W_K R^T, B = W_Q^T",
         "tests/test_report.py::test_report_numbers_match_independent_computations",
     ),
-    "eigenvalues: the full-OV score computed on the residual-stream circuit": (
+    "eigenvalues: the copying score divides by the real parts' sizes, not the moduli": (
         "analysis/circuits.py",
-        "[LowRank(a.W_V, a.W_O @ G).twin() for a in _layers(source)]",
-        "[LowRank(a.W_V, a.W_O).twin() for a in _layers(source)]",
+        "    return eigenvalues.sum(-1).real / eigenvalues.abs().sum(-1).clamp_min(1e-30)",
+        "    return eigenvalues.sum(-1).real / eigenvalues.real.abs().sum(-1).clamp_min(1e-30)",
         "tests/test_report.py::test_report_numbers_match_independent_computations",
     ),
-    "bigrams: the direct path's rows not centred": (
+    "bigrams: a token and the token after it swapped": (
         "analysis/trigrams.py",
-        "    B = W_U - W_U.mean(dim=-1, keepdim=True)",
-        "    B = W_U",
+        "entries = zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist())",
+        "entries = zip(res.values.tolist(), res.cols.tolist(), res.rows.tolist())",
         "tests/test_report.py::test_zero_layer_report_renders",
     ),
 }
