@@ -12,6 +12,7 @@ file is restored whatever happens. Exit status 1 if any planted bug goes unnotic
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -339,12 +340,57 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "            if False:\n                parts |=",
         "tests/test_lazy.py::test_a_view_read_from_the_memory_map_is_the_loaded_models",
     ),
+    "ablation mean: the last, shorter chunk of the sample left out": (
+        "analysis/ablation.py",
+        "    for lo in range(0, tokens.shape[0], chunk):\n        r = run(source, tokens[lo : lo + chunk]",
+        "    for lo in range(0, tokens.shape[0] - chunk + 1, chunk):\n        r = run(source, tokens[lo : lo + chunk]",
+        "tests/test_ablation.py::test_mean_ablation_equals_independent_forwards",
+    ),
+    "ablation mean: every head's mean z is its layer's first head's": (
+        "analysis/ablation.py",
+        'return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])',
+        'return torch.stack([r["z", l][:, :, 0].mean(dim=(0, 1)) for l, h in heads])',
+        "tests/test_ablation.py::test_mean_ablation_equals_independent_forwards",
+    ),
+    "ICL score: the late window ends one position before the late token": (
+        "analysis/probes.py",
+        "torch.arange(max(0, late - window + 1), late + 1)",
+        "torch.arange(max(0, late - window), late)",
+        "tests/test_heads.py::test_detectors_name_exactly_the_designed_heads",
+    ),
+    "induction score: the repeated block read as starting at position 0 (no start token)": (
+        "analysis/probes.py",
+        "def induction_attention(patterns: Tensor, period: int, *, first: int = 1) -> Tensor:",
+        "def induction_attention(patterns: Tensor, period: int, *, first: int = 0) -> Tensor:",
+        "tests/test_dynamics.py::test_the_window_is_where_the_circuit_was_built_and_a_flat_series_has_none",
+    ),
+    "composition: K-composition reads the key side through the key's own Gram matrix": (
+        "analysis/composition.py",
+        "S = gram_sqrt(GQ).transpose(-1, -2)  # K: A = W_K R^T, B = W_Q^T",
+        "S = gram_sqrt(GK).transpose(-1, -2)  # K: A = W_K R^T, B = W_Q^T",
+        "tests/test_report.py::test_report_numbers_match_independent_computations",
+    ),
+    "eigenvalues: the copying score divides by the real parts' sizes, not the moduli": (
+        "analysis/circuits.py",
+        "    return eigenvalues.sum(-1).real / eigenvalues.abs().sum(-1).clamp_min(1e-30)",
+        "    return eigenvalues.sum(-1).real / eigenvalues.real.abs().sum(-1).clamp_min(1e-30)",
+        "tests/test_report.py::test_report_numbers_match_independent_computations",
+    ),
+    "bigrams: a token and the token after it swapped": (
+        "analysis/trigrams.py",
+        "entries = zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist())",
+        "entries = zip(res.values.tolist(), res.cols.tolist(), res.rows.tolist())",
+        "tests/test_report.py::test_zero_layer_report_renders",
+    ),
 }
 
 
 def _passes(tests: str) -> bool:
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).returncode == 0
+    # this checkout's src first: an editable install of another checkout must not be what is tested
+    path = os.pathsep.join([str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = dict(os.environ, PYTHONPATH=path)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True).returncode == 0
 
 
 def plant(name: str, relpath: str, old: str, new: str, tests: str) -> bool:

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import qkov
-from qkov.analysis.probes import default_icl_examples, induction_probe
+from qkov.analysis.probes import default_icl_examples, induction_probe_tokens
 from qkov.apps.inputs import analysis_inputs
 from qkov.apps.dynamics import dynamics
 from qkov.io.checkpoint import save_checkpoint
@@ -24,6 +24,7 @@ from qkov.model.ops import next_token_loss
 from qkov.training import snapshots as snaps
 
 from helpers import TINY, run_main, tiny_train, torchrun
+from reference import reference_forward
 from test_heads import CTX, V, hand_built
 
 T0, WIDTH = 6e6, 4e5  # where the hand-made series forms its induction circuit, in tokens
@@ -74,8 +75,15 @@ def test_the_window_is_where_the_circuit_was_built_and_a_flat_series_has_none(tm
     assert ab["icl_removed"] > 0.5 and ab["ablated"]["repeat_second"] > 0.9 * ab["ablated"]["repeat_first"]
     last = built["snapshots"][-1]
     assert last["k_composition"]["writer"] == "0.0" and last["k_composition"]["reader"] == "1.0"
-    probe = induction_probe(qkov.Weights.from_model(hand_built()), seed=0)
-    assert last["induction"] == pytest.approx(float(probe.scores[1:].max()), abs=1e-4)  # the probe on the model
+    # the induction score of the model (the last snapshot is it, to 1e-6): on the probe's repeated
+    # tokens (copies of L = 31 after the start token), the attention from each second-copy token to
+    # the token after its first occurrence, averaged, best layer-1 head; patterns of the reference forward
+    L = (CTX - 1) // 2
+    rep = induction_probe_tokens(V, length=L, repeats=2, batch=8, seed=0)
+    pat = reference_forward(qkov.Weights.from_model(hand_built()), rep)[1]  # [L, B, H, T, T]
+    q = torch.arange(L + 1, 2 * L + 1)
+    want = pat[1][:, :, q, q - L + 1].mean(dim=(0, 2)).max()
+    assert last["induction"] == pytest.approx(float(want), abs=1e-4) and float(want) > 0.5
     flat = dynamics(_hand_series(tmp_path / "flat", [0.9] * 12, tokens[:12]), tokens=text, draws=0, device="cpu")
     assert flat is not None and all(w is None for w in flat["reading"]["windows"].values())
     assert flat["reading"]["together"] is None
@@ -174,11 +182,7 @@ def test_hub_revisions_from_the_local_cache(tmp_path: Path, capsys: pytest.Captu
 
     dirs = {f"step{s}": hf_models.save("neox-parallel", tmp_path / f"s{s}") for s in (0, 1000, 2000)}
     for i, d in enumerate(dirs.values()):  # three different points of "training"
-        cfg = json.loads((d / "config.json").read_text())
-        (d / "config.json").write_text(json.dumps(cfg))
         w = load_file(str(d / "model.safetensors"))
-        from safetensors.torch import save_file
-
         save_file({k: v * (1 + 0.1 * i) for k, v in w.items()}, str(d / "model.safetensors"))
     cache = tmp_path / "hub"
     _fake_hub(cache, "acme/pythia-mini", dirs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from qkov import ModelConfig, Transformer, run
@@ -89,8 +90,18 @@ def test_detectors_name_exactly_the_designed_heads() -> None:
     assert "induction" in roles["1.0"] and "copying" in roles["1.0"]
     assert "induction" not in roles["1.1"] and "copying" in roles["1.1"]
     assert all("induction" not in roles[h] for h in ("0.0", "0.1"))
-    # the ICL curve: natural text here is random tokens, so no in-context gain
-    assert report.icl is not None and len(report.icl.loss_by_position) == CTX - 1
+    # the ICL curve is the training model's mean loss at each position of the same text, and the
+    # score its late window's mean (the 10 positions ending at the last, 62) minus its early
+    # window's (the 10 from 45, around token 50): random tokens, so no in-context gain (not negative)
+    m = hand_built()
+    text = natural_text()
+    with torch.no_grad():
+        nll = -m(text)[:, :-1].log_softmax(-1).gather(-1, text[:, 1:, None])[..., 0].mean(0)
+    icl = report.icl
+    assert icl is not None and (icl.early, icl.late) == (50, CTX - 2)
+    assert np.allclose(icl.loss_by_position, nll.numpy(), atol=1e-4)
+    score = float(nll[CTX - 11 : CTX - 1].mean() - nll[45:55].mean())
+    assert icl.score == pytest.approx(score, abs=1e-4) and score > 0
 
 
 def test_value_weighted_sink_sees_an_empty_sink() -> None:

@@ -122,7 +122,6 @@ def test_term_importance_against_an_independent_recomputation(layers: int) -> No
     assert ti.full_loss == pytest.approx(reference_loss(reference_forward(w, tokens)[0], tokens), abs=1e-9)
     assert ti.uniform_loss == pytest.approx(math.log(50))
     # orders 0..n-1 by brute force: expand (1 + sum_h A_h x OV_h) layer by layer, truncating the order
-    T = tokens.shape[1]
     x0 = w.W_E[tokens]
     terms = [x0]  # terms[k]: the stream's order-k part
     for l in range(layers):
@@ -135,7 +134,6 @@ def test_term_importance_against_an_independent_recomputation(layers: int) -> No
         logits = sum(terms[:n]) @ w.W_U
         assert ti.run_losses[n - 1] == pytest.approx(reference_loss(logits, tokens), abs=1e-9), n
     assert ti.run_losses[-1] == pytest.approx(ti.full_loss, abs=1e-9)
-    del T
 
 
 def test_term_effects_match_a_recomputed_loss() -> None:

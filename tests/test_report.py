@@ -12,8 +12,6 @@ import pytest
 import torch
 
 from qkov import ModelConfig, Weights
-from qkov.analysis import circuits as C
-from qkov.analysis.composition import composition_raw
 from qkov.analysis.paths import PathSummary, TermImportance
 from qkov.analysis.probes import induction_probe_tokens
 from qkov.apps.cli import main
@@ -72,13 +70,18 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
     assert Report.from_dict(on_disk).to_dict() == on_disk  # the typed sections own the whole schema
     model = load(tiny2)
     w = Weights.from_model(model)
-    # composition heatmap cells = the raw scores of circuits.composition_raw, baseline-subtracted
-    raw = composition_raw(w, "k")["k"]
+    # composition heatmap cells = [F]'s K-composition written out from the training model's own
+    # matrices (no LayerNorm: the view leaves them as they are), ||W_OV1 W_QK2^T|| / (||W_OV1|| ||W_QK2||),
+    # baseline-subtracted
+    a0, a1 = model.blocks[0].attn, model.blocks[1].attn
     comp = data["composition"]["k"]
     assert comp["writers"] == ["0.0", "0.1"] and comp["readers"] == ["1.0", "1.1"]
     for i in range(2):
         for j in range(2):
-            assert comp["raw"][i][j] == pytest.approx(float(raw[0, i, 1, j]), rel=1e-3)
+            ov = (a0.W_V[i] @ a0.W_O[i]).detach().double()
+            qk = (a1.W_Q[j] @ a1.W_K[j].T).detach().double()
+            want = (ov @ qk.T).norm() / (ov.norm() * qk.norm())
+            assert comp["raw"][i][j] == pytest.approx(float(want), rel=1e-3)
             assert comp["adjusted"][i][j] == pytest.approx(comp["raw"][i][j] - comp["baseline_mean"], abs=2e-3)
     # the viewer's patterns are the forward pass's on the same tokens (lower triangle, 3 decimals)
     att = data["attention"]
@@ -90,12 +93,14 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
             assert [len(r) for r in rows] == list(range(1, 41))
             for q in (0, 7, 39):
                 assert rows[q] == pytest.approx(pat[l, h, q, : q + 1].tolist(), abs=6e-4)
-    # eigenvalue copying scores agree with circuits (and with the heads table)
-    ev = C.eigen_copying_score(C.ov_eigenvalues(w))
+    # eigenvalue copying scores (and the heads table's): sum(lambda) / sum(|lambda|) of the full OV
+    # circuit W_E W_V W_O W_U (the view's unembedding, centred), its eigenvalues solved here whole
+    assert len(data["eigenvalues"]["heads"]) == len(data["heads"]["rows"]) == 4
     for e, row in zip(data["eigenvalues"]["heads"], data["heads"]["rows"]):
         l, h = map(int, e["head"].split("."))
-        assert e["score"] == pytest.approx(float(ev[l, h]), abs=1e-3)
-        assert row["eigen_copying"] == pytest.approx(float(ev[l, h]), abs=1e-3)
+        lam = torch.linalg.eigvals((w.W_E @ w.W_V[l, h] @ w.W_O[l, h] @ w.W_U).double())
+        want = float(lam.sum().real / lam.abs().sum())
+        assert e["score"] == pytest.approx(want, abs=1e-3) and row["eigen_copying"] == pytest.approx(want, abs=1e-3)
     # paths: the expansion is exact and the runs end at the model's own loss
     p = data["paths"]
     assert p["reconstruction_max_abs_error"] < 1e-3
@@ -215,7 +220,16 @@ def test_zero_layer_report_renders(small_corpus: Path, tmp_path: Path) -> None:
     assert main(["report", str(tmp_path / "ckpt"), "-o", str(tmp_path / "rep"), "--icl-examples", "16", "--quiet"]) == 0
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert data["heads"]["absent"] and data["attention"]["absent"]
-    assert data["trigrams"]["heads"] == [] and len(data["trigrams"]["bigrams"]) == 20
+    assert data["trigrams"]["heads"] == []
+    # the bigrams: the 20 largest entries of W_E W_U, each row centred, outside the start token's row
+    # and column, written out from the training model
+    model = load(tmp_path / "ckpt")
+    direct = (model.W_E @ (model.W_U - model.W_U.mean(-1, keepdim=True))).detach()
+    direct[model.bos_token_id, :] = direct[:, model.bos_token_id] = float("-inf")
+    top = direct.flatten().topk(20)
+    want = [(i // cfg.d_vocab, i % cfg.d_vocab) for i in top.indices.tolist()]
+    assert [(b["token"], b["next"]) for b in data["trigrams"]["bigrams"]] == want
+    assert [b["logit"] for b in data["trigrams"]["bigrams"]] == pytest.approx(top.values.tolist(), abs=1e-3)
     assert len(data["paths"]["term_importance"]["run_losses"]) == 1
     if CHROMIUM is not None:
         _check_page(tmp_path / "rep" / "index.html", tmp_path / "profile", "tiny-0l", SECTIONS)
