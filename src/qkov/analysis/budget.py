@@ -178,7 +178,7 @@ def circuits_budget(
     writer_bytes: int = DEFAULT_WRITER_BYTES,
     offsets: list[int] | None = None,
 ) -> tuple[int, int]:
-    """The chunk bounds :func:`~qkov.analysis.circuits.analyse` uses (``rows``: the tokens whose
+    """The chunk bounds :func:`~qkov.analysis.circuits.circuits_report` uses (``rows``: the tokens whose
     own-logit rate is measured, ``None`` for all), ``(max_bytes, writer_bytes)``: the ones given when
     the copying scores (:func:`~qkov.analysis.budget.copying_bytes`) and composition
     (:func:`~qkov.analysis.budget.composition_bytes`) fit the memory budget
