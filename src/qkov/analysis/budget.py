@@ -49,7 +49,7 @@ def run_bytes(
     cached_patterns: bool = False,
     loss: bool = False,
 ) -> int:
-    """Peak memory of one analysis forward pass (:func:`~qkov.analysis.forward.run`) of ``batch``
+    """Peak memory of one analysis forward pass (:func:`~qkov.analysis.forward.trace`) of ``batch``
     sequences of ``seq`` tokens: the stream and its normalised copies, queries, keys and values,
     one layer's attention (scores, masked scores and pattern when ``patterns`` are computed; fused
     attention otherwise), the MLP's hidden activations, the logits at ``logits`` positions (default:

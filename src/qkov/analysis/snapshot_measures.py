@@ -117,14 +117,14 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
         rec.update(induction=None, previous_token=None, heads=None, k_composition=None)
         return rec
     # a 1-layer model's heads cannot be induction heads; its best head still gets the same measure
-    readers = probe.scores[1:] if cfg.n_layers >= 2 else probe.scores
+    readers = probe.induction_attention[1:] if cfg.n_layers >= 2 else probe.induction_attention
     rec["induction"] = _r(readers.max())
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(
         cfg.d_vocab, length=length, seed=sample.seed, bos=sample.bos, frequencies=sample.frequencies
     )
     rs = repeat_scores(w, rep, length)
-    heads = {"prefix_matching": rs.prefix_matching, "induction": rs.induction, "copying_rank": rs.copying_rank}
+    heads = {"prefix_matching": rs.prefix_matching, "induction": rs.induction_attention, "copying_rank": rs.copying_rank}
     if sample.text is not None:
         heads["previous_token"] = text_scores(w, sample.text[:PER_TOKEN_SEQUENCES], chunk=text_chunk)["previous_token"]
     copying = copying_scores(w, diag_k=None)

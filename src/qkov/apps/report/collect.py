@@ -18,7 +18,7 @@ import torch
 from ...analysis import trigrams
 from ...analysis.circuits import DIAG_EXACT_MAX, bandwidth, check_diag_k, eigen_copying_score, full_ov, ov_eigenvalues
 from ...analysis.composition import Composition, composition_scores
-from ...analysis.forward import run
+from ...analysis.forward import trace
 from ...analysis.heads import SCORE_COLUMNS, HeadReport, head_report
 from ...analysis.paths import PathSummary, TermEffect, default_batch, paths_batch, summarize
 from ...analysis.probes import InductionProbe, default_icl_examples, icl_score, induction_probe
@@ -194,7 +194,7 @@ def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
 
 def attention_section(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
     """The viewer's section: every head's pattern on ``tokens [seq]`` (one sequence)."""
-    pat = run(w, tokens[None], cache="pattern.*").patterns[:, 0].float().cpu()  # type: ignore[index]  # [L, H, T, T]
+    pat = trace(w, tokens[None], cache="pattern.*").patterns[:, 0].float().cpu()  # type: ignore[index]  # [L, H, T, T]
     T, (L, H) = tokens.shape[0], pat.shape[:2]
     # lower triangle only, row by row: row q has q+1 entries
     rows = [[[_rl(pat[l, h, q, : q + 1].tolist(), 3) for q in range(T)] for h in range(H)] for l in range(L)]
