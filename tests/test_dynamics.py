@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import qkov
 from qkov.analysis.probes import default_icl_examples, induction_probe
 from qkov.apps.inputs import analysis_inputs
-from qkov.apps.dynamics import dynamics
+from qkov.apps.dynamics_study import dynamics
 from qkov.io.checkpoint import save_checkpoint
 from qkov.model.ops import next_token_loss
 from qkov.training import snapshots as snaps
@@ -75,7 +75,7 @@ def test_the_window_is_where_the_circuit_was_built_and_a_flat_series_has_none(tm
     last = built["snapshots"][-1]
     assert last["k_composition"]["writer"] == "0.0" and last["k_composition"]["reader"] == "1.0"
     probe = induction_probe(qkov.Weights.from_model(hand_built()), seed=0)
-    assert last["induction"] == pytest.approx(float(probe.scores[1:].max()), abs=1e-4)  # the probe on the model
+    assert last["induction"] == pytest.approx(float(probe.induction_attention[1:].max()), abs=1e-4)  # the probe on the model
     flat = dynamics(_hand_series(tmp_path / "flat", [0.9] * 12, tokens[:12]), tokens=text, draws=0, device="cpu")
     assert flat is not None and all(w is None for w in flat["reading"]["windows"].values())
     assert flat["reading"]["together"] is None
@@ -263,7 +263,7 @@ def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_
     need_browser()
     folder = tiny_run / "dynamics"
     if not (folder / "index.html").exists():
-        qkov.apps.dynamics.write_dynamics(folder, [tiny_run], device="cpu", draws=1)
+        qkov.apps.dynamics_study.write_dynamics(folder, [tiny_run], device="cpu", draws=1)
     data = json.loads((folder / "dynamics.json").read_text())
     probed = tmp_path / "index.html"
     probed.write_text((folder / "index.html").read_text().replace("</body>", RESOURCES_PROBE + "</body>"))
@@ -286,7 +286,7 @@ def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_
 def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
     """The notebook forms (text and HTML) of a dynamics result and an ablation study show the
     object's own numbers."""
-    from qkov.apps.dynamics import DynamicsResult
+    from qkov.apps.dynamics_study import DynamicsResult
     from qkov.analysis import ablation as Ab
 
     win = {"start": 1234567.0, "end": 2345678.0, "peak": 2e6, "rise": 0.4321, "share": 0.8, "sharpness": 6.5}
