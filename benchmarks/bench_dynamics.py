@@ -6,7 +6,7 @@ RUN (default ``runs/tour/qkov-2l``, the tour's 2-layer run; ~40 snapshots) must 
 1. ``qkov dynamics RUN`` in its own process: wall time and peak RSS (goal: <= 60 s, 40 snapshots).
 2. The core per-snapshot work both libraries can do, on the same snapshots and tokens: load the
    weights, run the validation text and the repeated random tokens, and compute the loss, every
-   head's previous-token and induction attention scores. qkov: ``qkov.run``; TransformerLens:
+   head's previous-token and induction attention scores. qkov: ``qkov.trace``; TransformerLens:
    ``HookedTransformer`` (built once, weights loaded per snapshot) + ``run_with_cache``. Ratio.
 3. Snapshot overhead: the time to write the run's snapshots (measured here, same model and
    count) as a share of the run's recorded training time (goal <= 3%).
@@ -32,7 +32,7 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
 
     torch.set_grad_enabled(False)
     import qkov
-    from qkov.analysis.dynamics import PER_TOKEN_SEQUENCES
+    from qkov.analysis.snapshot_measures import PER_TOKEN_SEQUENCES
     from qkov.analysis.probes import induction_attention, induction_probe_tokens
     from qkov.apps.inputs import analysis_inputs
     from qkov.model.ops import next_token_loss
@@ -55,10 +55,10 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
         model.load_state_dict(tensors)
         if lib == "qkov":
             w = qkov.Weights.from_model(model)
-            r = qkov.run(w, text, cache="pattern.*")
+            r = qkov.trace(w, text, cache="pattern.*")
             loss = float(next_token_loss(r.logits, text))
             prev = r.patterns.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, 3))
-            ind = induction_attention(qkov.run(w, rep, cache="pattern.*").patterns, length)
+            ind = induction_attention(qkov.trace(w, rep, cache="pattern.*").patterns, length)
         else:
             hooked.load_state_dict(to_hooked(model, dtype=torch.float32).state_dict())
             logits, cache = hooked.run_with_cache(text)

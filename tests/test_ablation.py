@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from qkov import QkovError, run
+from qkov import QkovError, trace
 from qkov.analysis import ablation as Ab
 from qkov.weights import Weights
 
@@ -15,7 +15,7 @@ from test_heads import hand_built, natural_text
 
 
 def _module_logits(model, tokens, heads, means=None):  # type: ignore[no-untyped-def]
-    """The training model (fused SDPA forward, not qkov.run) with ``heads``' W_O zeroed and, for
+    """The training model (fused SDPA forward, not qkov.trace) with ``heads``' W_O zeroed and, for
     mean or resample ablation, ``means[i]`` (a vector, or one per sequence and position) added to
     the attention block's output by a hook."""
     m = copy.deepcopy(model)
@@ -58,7 +58,7 @@ def _head_outputs(model, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[
 
 def _ablated_logits(w: Weights, toks: torch.Tensor, heads, mode: str = "zero", **kw) -> torch.Tensor:  # type: ignore[no-untyped-def]
     means = Ab.z_means(w, toks, heads) if mode == "mean" else None
-    return run(w, toks, edits=Ab.ablation_edits(heads, mode, means=means, **kw)).logits
+    return trace(w, toks, edits=Ab.ablation_edits(heads, mode, means=means, **kw)).logits
 
 
 @pytest.mark.parametrize("heads", [[(0, 0)], [(0, 1)], [(1, 0)], [(0, 0), (1, 1)]])
@@ -69,7 +69,7 @@ def test_zero_ablation_equals_the_training_model_with_the_head_removed(heads) ->
     got = _ablated_logits(w, toks, heads)
     want = _module_logits(model, toks, heads)
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
-    change = float((got - run(w, toks).logits).abs().max())
+    change = float((got - trace(w, toks).logits).abs().max())
     assert (change == 0) == (heads == [(0, 1)])  # 0.1 (the sink) has a zero OV: removing it changes nothing
 
 
@@ -127,7 +127,7 @@ def test_ablation_at_positions_changes_only_those_positions_onwards() -> None:
         want = m(toks)
     hook.remove()
     assert (got - want).abs().max() < 1e-3 * want.abs().max()
-    assert torch.equal(got[:, :5], run(w, toks).logits[:, :5]) and (got[:, 5:] - run(w, toks).logits[:, 5:]).abs().max() > 1
+    assert torch.equal(got[:, :5], trace(w, toks).logits[:, :5]) and (got[:, 5:] - trace(w, toks).logits[:, 5:]).abs().max() > 1
 
 
 def test_ablating_the_induction_head_on_the_second_copy_removes_only_the_second_copy_advantage() -> None:
@@ -188,4 +188,4 @@ def test_bad_heads_are_one_line_errors() -> None:
         Ab.ablation_edits([(0, 0)], "mean")
     w = Weights.from_model(hand_built())
     with pytest.raises(QkovError, match="out of range for a sequence of 64"):
-        run(w, natural_text(2), edits=Ab.ablation_edits([(0, 0)], "zero", positions=70))
+        trace(w, natural_text(2), edits=Ab.ablation_edits([(0, 0)], "zero", positions=70))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import qkov
 from qkov.analysis.probes import default_icl_examples, induction_probe_tokens
 from qkov.apps.inputs import analysis_inputs
-from qkov.apps.dynamics import dynamics
+from qkov.apps.dynamics_study import dynamics
 from qkov.io.checkpoint import save_checkpoint
 from qkov.model.ops import next_token_loss
 from qkov.training import snapshots as snaps
@@ -267,7 +267,7 @@ def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_
     need_browser()
     folder = tiny_run / "dynamics"
     if not (folder / "index.html").exists():
-        qkov.apps.dynamics.write_dynamics(folder, [tiny_run], device="cpu", draws=1)
+        qkov.apps.dynamics_study.write_dynamics(folder, [tiny_run], device="cpu", draws=1)
     data = json.loads((folder / "dynamics.json").read_text())
     probed = tmp_path / "index.html"
     probed.write_text((folder / "index.html").read_text().replace("</body>", RESOURCES_PROBE + "</body>"))
@@ -290,7 +290,7 @@ def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_
 def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
     """The notebook forms (text and HTML) of a dynamics result and an ablation study show the
     object's own numbers."""
-    from qkov.apps.dynamics import DynamicsResult
+    from qkov.apps.dynamics_study import DynamicsResult
     from qkov.analysis import ablation as Ab
 
     win = {"start": 1234567.0, "end": 2345678.0, "peak": 2e6, "rise": 0.4321, "share": 0.8, "sharpness": 6.5}

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from qkov import Transformer, Weights, run
+from qkov import Transformer, Weights, trace
 from qkov.model.ops import next_token_loss
 
 from helpers import LN_MLP, MODERN, perturb_non_matrices
@@ -34,7 +34,7 @@ def test_edits_equal_the_training_model_with_torch_hooks() -> None:
     w = _raw(m)
     vec = torch.randn(GPT2_LIKE.d_model, dtype=torch.float64)
     # add a vector to the stream after block 0: a forward hook on the block
-    got = run(w, toks, edits={"resid_post.0": lambda x, site: x + vec}).logits
+    got = trace(w, toks, edits={"resid_post.0": lambda x, site: x + vec}).logits
     hm = copy.deepcopy(m)
     hk = hm.blocks[0].register_forward_hook(lambda _m, _i, out: out + vec)
     with torch.no_grad():
@@ -42,7 +42,7 @@ def test_edits_equal_the_training_model_with_torch_hooks() -> None:
     hk.remove()
     assert (got - want).abs().max() < 1e-10
     # silence MLP neuron 3 of layer 1: its W_out row zeroed in the training model
-    got = run(w, toks, edits={"mlp_hidden.1": lambda h, site: h.index_fill(-1, torch.tensor([3]), 0.0)}).logits
+    got = trace(w, toks, edits={"mlp_hidden.1": lambda h, site: h.index_fill(-1, torch.tensor([3]), 0.0)}).logits
     hm = copy.deepcopy(m)
     with torch.no_grad():
         hm.blocks[1].mlp.W_out[3] = 0
@@ -50,7 +50,7 @@ def test_edits_equal_the_training_model_with_torch_hooks() -> None:
     assert (got - want).abs().max() < 1e-10
     # replace the attention input of layer 1 at every position by a fixed tensor (broadcast over the batch)
     fixed = torch.randn(1, GPT2_LIKE.n_ctx, GPT2_LIKE.d_model, dtype=torch.float64)
-    got = run(w, toks, edits={"blocks.1.hook_resid_pre": fixed}).logits
+    got = trace(w, toks, edits={"blocks.1.hook_resid_pre": fixed}).logits
     hm = copy.deepcopy(m)
     hk = hm.blocks[1].register_forward_pre_hook(lambda _m, args: (fixed.expand_as(args[0]), *args[1:]))
     with torch.no_grad():
@@ -62,8 +62,8 @@ def test_edits_equal_the_training_model_with_torch_hooks() -> None:
 def test_head_edits_touch_one_head_and_in_place_functions_work() -> None:
     m, toks = _model(), _tokens()
     w = _raw(m)
-    base = run(w, toks, cache=["z.0", "head_out.0"])
-    out = run(w, toks, cache=["z.0", "head_out.0"], edits={"z.0.1": torch.zeros(())})
+    base = trace(w, toks, cache=["z.0", "head_out.0"])
+    out = trace(w, toks, cache=["z.0", "head_out.0"], edits={"z.0.1": torch.zeros(())})
     assert torch.equal(out["z", 0][:, :, 0], base["z", 0][:, :, 0]) and out["z", 0][:, :, 1].abs().max() == 0
     # the same through the training model: head 0.1's W_O zeroed
     hm = copy.deepcopy(m)
@@ -74,21 +74,21 @@ def test_head_edits_touch_one_head_and_in_place_functions_work() -> None:
     def in_place(v: torch.Tensor, site) -> None:  # type: ignore[no-untyped-def]
         v[:, :, 1] = 0
 
-    again = run(w, toks, edits={"z.0": in_place})
+    again = trace(w, toks, edits={"z.0": in_place})
     # the two runs cache different sites (another order of the float64 sums): equal to the last bits
     assert (again.logits - out.logits).abs().max() < 1e-12
     # per-head input copies: an in-place edit of one head's copy equals a tensor edit of its address
-    in_place_q = run(w, toks, edits={"q_input.1": in_place}, cache="q.1")
-    by_address = run(w, toks, edits={"q_input.1.1": torch.zeros(())}, cache="q.1")
+    in_place_q = trace(w, toks, edits={"q_input.1": in_place}, cache="q.1")
+    by_address = trace(w, toks, edits={"q_input.1.1": torch.zeros(())}, cache="q.1")
     assert torch.equal(in_place_q.logits, by_address.logits) and (in_place_q.logits - base.logits).abs().max() > 1e-6
-    base_q = run(w, toks, cache="q.1")["q", 1]
+    base_q = trace(w, toks, cache="q.1")["q", 1]
     assert (in_place_q["q", 1][:, :, 0] - base_q[:, :, 0]).abs().max() < 1e-12  # head 0 reads its own copy
     assert (in_place_q["q", 1][:, :, 1] - base_q[:, :, 1]).abs().max() > 1e-3
     # two edits of one site apply in order; a pattern edit reaches the logits like patterns= does
     P = torch.tril(torch.ones(GPT2_LIKE.n_ctx, GPT2_LIKE.n_ctx, dtype=torch.float64))
     P = (P / P.sum(-1, keepdim=True)).expand(3, GPT2_LIKE.n_heads, -1, -1)
-    by_edit = run(w, toks, edits={"pattern.0": P, "pattern.1": lambda p, s: P})
-    by_mode = run(w, toks, patterns=torch.stack([P, P]))
+    by_edit = trace(w, toks, edits={"pattern.0": P, "pattern.1": lambda p, s: P})
+    by_mode = trace(w, toks, patterns=torch.stack([P, P]))
     assert (by_edit.logits - by_mode.logits).abs().max() < 1e-12
 
 
@@ -100,7 +100,7 @@ def test_gradients_equal_the_training_models_autograd() -> None:
         m, toks = _model(cfg), _tokens(cfg)
         w = _raw(m)
         w = w.replace(W_Q=w.W_Q.clone().requires_grad_(), W_in=w.W_in.clone().requires_grad_())
-        out = run(w, toks, cache=["resid_pre.1"], grad=True)
+        out = trace(w, toks, cache=["resid_pre.1"], grad=True)
         next_token_loss(out.logits, toks).backward()
         mm = copy.deepcopy(m)
         seen = {}
@@ -117,23 +117,23 @@ def test_gradients_equal_the_training_models_autograd() -> None:
         assert (w.W_Q.grad - want_q).abs().max() < 1e-10 * max(1.0, float(want_q.abs().max()))
         assert (w.W_in.grad - want_in).abs().max() < 1e-10 * max(1.0, float(want_in.abs().max()))
         assert (out["resid_pre", 1].grad - seen["x"].grad).abs().max() < 1e-12
-    assert not run(w, toks).logits.requires_grad  # grad=False builds no graph, even with weights that require grad
+    assert not trace(w, toks).logits.requires_grad  # grad=False builds no graph, even with weights that require grad
 
 
 def test_starting_mid_model_gives_the_same_logits() -> None:
     m, toks = _model(), _tokens()
     w = Weights.from_model(m, dtype=torch.float64)
-    full = run(w, toks, cache=["resid_pre.1", "resid_post.1"])
-    from_1 = run(w, toks, start_at=(1, full["resid_pre", 1]), cache="pattern.*")
+    full = trace(w, toks, cache=["resid_pre.1", "resid_post.1"])
+    from_1 = trace(w, toks, start_at=(1, full["resid_pre", 1]), cache="pattern.*")
     assert (from_1.logits - full.logits).abs().max() < 1e-12 and set(from_1.keys()) == {"pattern.1"}
-    from_end = run(w, toks, start_at=(2, full["resid_post", 1]))
+    from_end = trace(w, toks, start_at=(2, full["resid_post", 1]))
     assert (from_end.logits - full.logits).abs().max() < 1e-12
 
 
 def test_decompositions_add_up_to_the_stream_and_the_logits() -> None:
     m, toks = _model(), _tokens()
     w = Weights.from_model(m, dtype=torch.float64)
-    out = run(w, toks, cache=["embed", "pos", "resid_*", "attn_out.*", "mlp_out.*", "head_out.*", "*_scale*"])
+    out = trace(w, toks, cache=["embed", "pos", "resid_*", "attn_out.*", "mlp_out.*", "head_out.*", "*_scale*"])
     final = out["resid_post", 1]
     parts = out.decompose_resid()
     assert parts.labels == ["embed", "pos", "0_attn_out", "0_mlp_out", "1_attn_out", "1_mlp_out"]
@@ -155,4 +155,4 @@ def test_decompositions_add_up_to_the_stream_and_the_logits() -> None:
     direction = torch.randn(GPT2_LIKE.d_model, dtype=torch.float64)
     assert (parts.project(direction).sum(0) - final @ direction).abs().max() < 1e-10
     with pytest.raises(Exception, match="apply_ln needs a weights view with the normalisation folded"):
-        run(_raw(m), toks, cache=["resid_*", "embed", "pos", "attn_out.*", "mlp_out.*", "*_scale*"]).decompose_resid().apply_ln()
+        trace(_raw(m), toks, cache=["resid_*", "embed", "pos", "attn_out.*", "mlp_out.*", "*_scale*"]).decompose_resid().apply_ln()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkov import ModelConfig, QkovError, Transformer, Weights, run
+from qkov import ModelConfig, QkovError, Transformer, Weights, trace
 from qkov.analysis.forward import RECORDABLE
 
 from helpers import LN_MLP, MODERN, perturb_non_matrices
@@ -65,19 +65,19 @@ def test_run_equals_training_model_and_reference(name: str, fold: bool) -> None:
     m = _model(cfg)
     w = Weights.from_model(m, dtype=torch.float64, fold_ln=fold, center_unembed=False)
     toks = _tokens(cfg)
-    r = run(w, toks, record=RECORDABLE)
+    r = trace(w, toks, record=RECORDABLE)
     ref_logits, ref_patterns = reference_forward(w, toks)
     with torch.no_grad():
         assert (r.logits - m(toks)).abs().max() < 1e-10
         # the default view also centres the unembedding: logits move by a constant per position
-        centred = run(Weights.from_model(m, dtype=torch.float64, fold_ln=fold), toks).logits
+        centred = trace(Weights.from_model(m, dtype=torch.float64, fold_ln=fold), toks).logits
         assert (centred.log_softmax(-1) - m(toks).log_softmax(-1)).abs().max() < 1e-10
         assert centred.mean(-1).abs().max() < 1e-10
     assert (r.logits - ref_logits).abs().max() < 1e-10
     assert (r.patterns - ref_patterns).abs().max() < 1e-12
     assert torch.allclose(r.patterns.sum(-1), torch.ones(()).double()) and r.patterns.triu(1).abs().max() == 0
     # nothing recorded: the fused attention gives the same logits
-    assert (run(w, toks, record=()).logits - ref_logits).abs().max() < 1e-10
+    assert (trace(w, toks, record=()).logits - ref_logits).abs().max() < 1e-10
 
 
 def test_recorded_pieces_rebuild_the_stream() -> None:
@@ -87,7 +87,7 @@ def test_recorded_pieces_rebuild_the_stream() -> None:
     m = _model(cfg)
     w = Weights.from_model(m, dtype=torch.float64)
     toks = _tokens(cfg)
-    r = run(w, toks, record=RECORDABLE)
+    r = trace(w, toks, record=RECORDABLE)
     L, B, H, T, D = cfg.n_layers, 3, cfg.n_heads, cfg.n_ctx, cfg.d_model
     assert r.head_outputs.shape == (L, B, H, T, D) and r.mlp_outputs.shape == (L, B, T, D)
     assert r.values.shape == (L, B, H, T, cfg.d_head) and r.qk_inputs.shape == (L, B, T, D)
@@ -112,10 +112,10 @@ def test_frozen_patterns_replace_the_models() -> None:
     toks = _tokens(cfg, batch=2)
     T = cfg.n_ctx
     uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
-    forced = run(w, toks, patterns=uniform.expand(cfg.n_layers, cfg.n_heads, T, T).double(), record=("patterns",))
+    forced = trace(w, toks, patterns=uniform.expand(cfg.n_layers, cfg.n_heads, T, T).double(), record=("patterns",))
     expected, _ = reference_forward(w, toks, patterns=uniform.expand(cfg.n_layers, 2, cfg.n_heads, T, T).double())
     assert (forced.logits - expected).abs().max() < 1e-12
-    assert (forced.logits - run(w, toks).logits).abs().max() > 1e-3
+    assert (forced.logits - trace(w, toks).logits).abs().max() > 1e-3
     assert torch.equal(forced.patterns[0, 0], uniform.expand(cfg.n_heads, T, T).double())
 
 
@@ -124,10 +124,10 @@ def test_shortformer_positions_only_enter_queries_and_keys() -> None:
     cfg = CONFIGS["shortformer"]
     w = Weights.from_model(_model(cfg), dtype=torch.float64)
     toks = _tokens(cfg, batch=2)
-    own = run(w, toks, record=("patterns",))
+    own = trace(w, toks, record=("patterns",))
     moved = w.replace(W_pos=w.W_pos * 3)
-    assert (run(moved, toks, record=("patterns",)).patterns - own.patterns).abs().max() > 1e-3
-    assert (run(moved, toks, patterns=own.patterns).logits - own.logits).abs().max() < 1e-12
+    assert (trace(moved, toks, record=("patterns",)).patterns - own.patterns).abs().max() > 1e-3
+    assert (trace(moved, toks, patterns=own.patterns).logits - own.logits).abs().max() < 1e-12
 
 
 def test_frozen_run_with_own_outputs_is_the_model_and_is_linear() -> None:
@@ -136,10 +136,10 @@ def test_frozen_run_with_own_outputs_is_the_model_and_is_linear() -> None:
     cfg = CONFIGS["ln-mlp-standard-gelu_new"]
     w = Weights.from_model(_model(cfg), dtype=torch.float64)
     toks = _tokens(cfg)
-    real = run(w, toks, record=("patterns", "scales", "mlp_outputs", "head_outputs"))
-    again = run(w, toks, frozen=real, head_outputs=real.head_outputs)
+    real = trace(w, toks, record=("patterns", "scales", "mlp_outputs", "head_outputs"))
+    again = trace(w, toks, frozen=real, head_outputs=real.head_outputs)
     assert (again.logits - real.logits).abs().max() < 1e-10
-    zeroed = run(w, toks, frozen=real, head_outputs=torch.zeros_like(real.head_outputs), record=("head_outputs",))
+    zeroed = trace(w, toks, frozen=real, head_outputs=torch.zeros_like(real.head_outputs), record=("head_outputs",))
     assert (zeroed.logits - real.logits).abs().max() > 1e-2
     # heads replaced by zeros, the stream is embedding + biases + frozen MLP outputs
     x = w.W_E[toks] + w.W_pos[: cfg.n_ctx] + w.b_O.sum(0) + real.mlp_outputs.sum(0)
@@ -153,7 +153,7 @@ def test_frozen_run_with_own_outputs_is_the_model_and_is_linear() -> None:
 def test_zero_layer_model() -> None:
     cfg = ModelConfig(n_layers=0, d_model=8, d_vocab=10, n_ctx=6)
     w = Weights.from_model(Transformer(cfg, seed=5))
-    r = run(w, torch.tensor([[1, 2, 3, 4]]), record=RECORDABLE)
+    r = trace(w, torch.tensor([[1, 2, 3, 4]]), record=RECORDABLE)
     assert torch.allclose(r.logits, w.W_E[torch.tensor([[1, 2, 3, 4]])] @ w.W_U, atol=1e-6)
     assert r.patterns.shape == (0, 1, cfg.n_heads, 4, 4) and r.head_outputs.shape[0] == 0
 
@@ -163,10 +163,10 @@ def test_bad_input_is_a_user_error() -> None:
     w = Weights.from_model(Transformer(cfg, seed=0))
     toks = torch.zeros(1, 5, dtype=torch.long)
     with pytest.raises(QkovError, match="patterns"):
-        run(w, toks, patterns=torch.zeros(2, 1, 3, 4, 4))
+        trace(w, toks, patterns=torch.zeros(2, 1, 3, 4, 4))
     with pytest.raises(QkovError, match="cannot record attention"):
-        run(w, toks, record=("attention",))
+        trace(w, toks, record=("attention",))
     with pytest.raises(QkovError, match="out of range"):
-        run(w, torch.tensor([[0, 50]]))
+        trace(w, torch.tensor([[0, 50]]))
     with pytest.raises(QkovError, match="recorded its patterns"):
-        run(w, toks, frozen=run(w, toks, record=()))
+        trace(w, toks, frozen=trace(w, toks, record=()))

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from qkov import ModelConfig, Transformer, run
+from qkov import ModelConfig, Transformer, trace
 from qkov.analysis import circuits as Cc
 from qkov.analysis import heads as Hd
 from qkov.analysis.probes import induction_probe, induction_probe_tokens, prefix_matching_tokens
@@ -148,7 +148,7 @@ def test_training_probe_finds_the_induction_head() -> None:
     hand-built model, and the second copy's loss is far below the first's."""
     probe = induction_probe(Weights.from_model(hand_built()), length=20, batch=4, seed=2)
     assert probe.best_head == (1, 0) and probe.best > 0.7  # < 1: ids drawn with replacement repeat within a copy
-    assert probe.scores[1, 1] < 0.2 and probe.scores[0].max() < 0.2
+    assert probe.induction_attention[1, 1] < 0.2 and probe.induction_attention[0].max() < 0.2
     assert probe.loss_by_copy[1] < 0.5 * probe.loss_by_copy[0]
     toks = induction_probe_tokens(V, length=20, batch=4, seed=2)
     assert toks.shape == (4, 41) and (toks[:, 0] == 0).all() and torch.equal(toks[:, 1:21], toks[:, 21:])
@@ -170,7 +170,7 @@ def test_positional_fraction_is_unchanged_by_a_rotation_of_the_stream() -> None:
     text = torch.randint(1, cfg.d_vocab, (3, 10), generator=torch.Generator().manual_seed(2))
     fractions = []
     for w in (good, rotated):
-        r = run(w, text, record=("patterns", "scales", "qk_inputs"))
+        r = trace(w, text, record=("patterns", "scales", "qk_inputs"))
         fractions.append(Hd.positional_fraction(w, r))
     assert rotated.norm == "scale" and (fractions[0] - fractions[1]).abs().max() < 1e-9
     assert fractions[0].max() > 0.05  # positions do matter in this model

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from qkov import QkovError, Weights, run
+from qkov import QkovError, Weights, trace
 from qkov.io.hf import load_hf
 from qkov.io.hf_families import family_config
 
@@ -55,7 +55,7 @@ def test_logits_equal_transformers_in_float32_and_float64(
         assert ref.abs().max() > 1  # logits of a few units: the tolerance means something
         assert (model(TOKENS) - ref).abs().max() < 1e-4
         # the analysis forward over the folded, centred view: the same distribution
-        lp = run(Weights.from_model(model), TOKENS).logits.log_softmax(-1)
+        lp = trace(Weights.from_model(model), TOKENS).logits.log_softmax(-1)
         assert (lp - ref.log_softmax(-1)).abs().max() < 1e-4
     _float64_rmsnorm(monkeypatch)
     hf64 = build(name).double()
@@ -65,7 +65,7 @@ def test_logits_equal_transformers_in_float32_and_float64(
         ref64 = hf64(TOKENS).logits
         assert (model64(TOKENS) - ref64).abs().max() < 1e-9
         w64 = Weights.from_model(model64, dtype=torch.float64, center_unembed=False)
-        assert (run(w64, TOKENS).logits - ref64).abs().max() < 1e-9
+        assert (trace(w64, TOKENS).logits - ref64).abs().max() < 1e-9
 
 
 @pytest.mark.parametrize("name", ["neox-parallel", "llama-gqa-bias", "qwen2-window"])
@@ -74,7 +74,7 @@ def test_attention_patterns_equal_transformers(name: str, dirs: dict[str, Path])
     hf.config._attn_implementation = "eager"
     with torch.no_grad():
         ref = torch.stack(hf(TOKENS, output_attentions=True).attentions)  # [L, B, H, T, T]
-    ours = run(Weights.from_model(load_hf(dirs[name])), TOKENS, cache="pattern.*").patterns
+    ours = trace(Weights.from_model(load_hf(dirs[name])), TOKENS, cache="pattern.*").patterns
     assert ours.shape == ref.shape and (ours - ref).abs().max() < 1e-5
 
 
@@ -208,7 +208,7 @@ def test_transformerlens_parity(name: str, dirs: dict[str, Path]) -> None:
     w = Weights.from_model(load_hf(dirs[name]))
     with torch.no_grad():
         ref = tl(TOKENS).log_softmax(-1)
-        assert (run(w, TOKENS).logits.log_softmax(-1) - ref).abs().max() < 1e-4
+        assert (trace(w, TOKENS).logits.log_softmax(-1) - ref).abs().max() < 1e-4
         for layer in range(w.cfg.n_layers):
             att = w.attention(layer)
             ours = torch.linalg.matrix_norm(att.W_V @ att.W_O)
@@ -238,12 +238,12 @@ def test_streamed_directory_equals_the_imported_model(name: str, dirs: dict[str,
                 assert (getattr(m1, f) - getattr(m2, f)).abs().max() < 1e-12
         assert (ck.unembed(slice(5, 17)).W_U - w.W_U[:, 5:17]).abs().max() < 1e-12
         fresh = LazyCheckpoint(d, dtype=torch.float64)
-        ours, ref = C.analyse(fresh, diag_k=3), C.analyse(w, diag_k=3)
+        ours, ref = C.circuits_report(fresh, diag_k=3), C.circuits_report(w, diag_k=3)
         assert not [n for n in fresh.file.reads if ".mlp." in n]  # attention analyses read no MLP
         for kind in "qkv":
             assert torch.allclose(ours.composition[kind].raw.nan_to_num(), ref.composition[kind].raw.nan_to_num())
         assert [c.eigen_score for c in ours.copying] == pytest.approx([c.eigen_score for c in ref.copying], abs=1e-9)
-        assert (run(ck, TOKENS).logits - run(w, TOKENS).logits).abs().max() < 1e-10
+        assert (trace(ck, TOKENS).logits - trace(w, TOKENS).logits).abs().max() < 1e-10
 
 
 def test_streamed_bfloat16_directory_converts_block_by_block(tmp_path: Path) -> None:
@@ -254,7 +254,7 @@ def test_streamed_bfloat16_directory_converts_block_by_block(tmp_path: Path) -> 
     w = Weights.from_model(load_hf(d))  # the in-memory import of the same bfloat16 file
     att = ck.attention(1, 2)
     assert att.W_Q.dtype == torch.float32 and (att.W_Q - w.attention(1, 2).W_Q).abs().max() < 1e-6
-    assert (run(ck, TOKENS).logits - run(w, TOKENS).logits).abs().max() < 1e-4
+    assert (trace(ck, TOKENS).logits - trace(w, TOKENS).logits).abs().max() < 1e-4
     gpt2_like = tmp_path / "gpt2"
     gpt2_like.mkdir()
     (gpt2_like / "config.json").write_text(json.dumps({"model_type": "gpt2"}))

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from helpers import LN_MLP, perturb_non_matrices
 from qkov.training.data import train_tokenizer
 import qkov
-from qkov import QkovError, Transformer, Weights, run
+from qkov import QkovError, Transformer, Weights, trace
 from qkov.io import from_hf, load_hf, save_hf, to_hf
 
 transformers = pytest.importorskip("transformers", reason="transformers is a test extra: pip install -e '.[dev]'")
@@ -81,7 +81,7 @@ def test_import_matches_transformers_forward(tmp_path: Path, tied: bool, act: st
         with torch.no_grad():
             assert (m(tokens) - expected).abs().max() < 1e-10
             view = Weights.from_model(m, dtype=D, center_unembed=False)
-            assert (run(view, tokens).logits - expected).abs().max() < 1e-10
+            assert (trace(view, tokens).logits - expected).abs().max() < 1e-10
 
 
 def test_import_headless_gpt2model_ties_the_unembedding() -> None:
@@ -96,7 +96,7 @@ def test_import_attention_patterns_match_transformers(hf_dir: Path) -> None:
     tokens = _tokens(1)
     with torch.no_grad():
         theirs = hf(tokens, output_attentions=True).attentions
-        ours = run(Weights.from_model(load_hf(hf_dir, dtype=D), dtype=D), tokens, cache="pattern.*").patterns
+        ours = trace(Weights.from_model(load_hf(hf_dir, dtype=D), dtype=D), tokens, cache="pattern.*").patterns
     for l in range(2):
         assert (ours[l] - theirs[l]).abs().max() < 1e-12
 

@@ -11,7 +11,7 @@ import torch
 
 from helpers import LN_MLP, perturb_non_matrices
 from qkov.training.data import train_tokenizer
-from qkov import ModelConfig, QkovError, Transformer, Weights, run
+from qkov import ModelConfig, QkovError, Transformer, Weights, trace
 from qkov.io import from_hooked, load_tl, save_tl, to_hooked
 
 tl = pytest.importorskip("transformer_lens", reason="transformer-lens is a test extra: pip install -e '.[dev]'")
@@ -63,7 +63,7 @@ def test_export_matches_transformerlens_forward_and_patterns(name: str) -> None:
     m, tokens = _model(cfg), _tokens(cfg)
     hooked = to_hooked(m, dtype=D)
     with torch.no_grad():
-        ours = run(Weights.from_model(m, dtype=D, fold_ln=False, center_unembed=False), tokens, cache="pattern.*")
+        ours = trace(Weights.from_model(m, dtype=D, fold_ln=False, center_unembed=False), tokens, cache="pattern.*")
         logits, cache = hooked.run_with_cache(tokens)
         assert (m(tokens) - logits).abs().max() < 1e-10
     assert (ours.logits - logits).abs().max() < 1e-10

@@ -12,7 +12,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "qkov"
 # each package may import only itself and the packages before it (the flow of the README's layout)
-ORDER = ["errors", "version", "device", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
+ORDER = ["errors", "deprecated", "progress", "version", "device", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
 OPTIONAL = {"transformers", "transformer_lens", "huggingface_hub", "plotly"}  # imported only where used
 MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 80

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import qkov
-from qkov import ModelConfig, QkovError, Transformer, run
+from qkov import ModelConfig, QkovError, Transformer, trace
 from qkov.analysis import circuits as C
 from qkov.analysis import composition as Cm
 from qkov.analysis import paths as P
@@ -112,11 +112,11 @@ def test_layers_fold_exactly_as_the_whole_model(saved: tuple[Weights, Path], mon
 def test_analyses_match_the_in_memory_path(saved: tuple[Weights, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     w, path = saved
     ck = LazyCheckpoint(path, dtype=torch.float64)
-    ref = C.analyse(w, diag_k=3)
+    ref = C.circuits_report(w, diag_k=3)
     for writer_bytes, product_bytes in ((1, 1), (1 << 30, 1), (1 << 30, 1 << 30)):
         # one writer layer per pass (3 passes) or all in one; pair norms of one writer layer or all at once
         monkeypatch.setattr(Cm, "PRODUCT_BYTES", product_bytes)
-        got = C.analyse(ck, diag_k=3, writer_bytes=writer_bytes)
+        got = C.circuits_report(ck, diag_k=3, writer_bytes=writer_bytes)
         for a, b in zip(ref.copying, got.copying, strict=True):
             assert (a.layer, a.head, a.diag_topk_rate) == (b.layer, b.head, b.diag_topk_rate)
             assert a.eigen_score == pytest.approx(b.eigen_score, abs=1e-9)
@@ -161,7 +161,7 @@ def test_forward_and_paths_stream_the_same_model(saved: tuple[Weights, Path]) ->
     w, path = saved
     ck = LazyCheckpoint(path, dtype=torch.float64)
     toks = torch.randint(0, w.cfg.d_vocab, (2, 10), generator=torch.Generator().manual_seed(4))
-    a, b = run(ck, toks, record=("patterns", "head_outputs")), run(w, toks, record=("patterns", "head_outputs"))
+    a, b = trace(ck, toks, record=("patterns", "head_outputs")), trace(w, toks, record=("patterns", "head_outputs"))
     assert _close(a.logits, b.logits) and _close(a.patterns, b.patterns) and _close(a.head_outputs, b.head_outputs)
     assert P.expand(ck, toks).reconstruction_error() < 1e-10
 
@@ -180,7 +180,7 @@ def test_a_view_read_from_the_memory_map_is_the_loaded_models(saved: tuple[Weigh
     again = Weights.from_source(unfolded)
     assert again.norm == unfolded.norm and (again.ln1_w is None) == (unfolded.ln1_w is None)
     toks = torch.randint(0, w.cfg.d_vocab, (2, 10), generator=torch.Generator().manual_seed(4))
-    assert _close(run(again, toks).logits, run(unfolded, toks).logits)
+    assert _close(trace(again, toks).logits, trace(unfolded, toks).logits)
 
 
 def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path: Path) -> None:
@@ -189,7 +189,7 @@ def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path
     )
     _save(tmp_path / "ck", cfg)
     ck = LazyCheckpoint(tmp_path / "ck")
-    C.analyse(ck, diag_k=None)
+    C.circuits_report(ck, diag_k=None)
     mlp_bytes = cfg.n_layers * 2 * cfg.d_model * cfg.d_mlp * 4  # type: ignore[operator]
     assert mlp_bytes > (tmp_path / "ck" / "model.safetensors").stat().st_size * 0.8
     assert not [k for k in ck.file.reads if ".mlp." in k or ".ln2." in k]

@@ -45,7 +45,7 @@ NOT_SOURCES: dict[str, tuple[Callable[[], Any], str, str]] = {
 }
 
 SOURCE_ENTRY_POINTS: dict[str, Callable[[Any], Any]] = {
-    "qkov.run": lambda s: qkov.run(s, TOKENS),
+    "qkov.trace": lambda s: qkov.trace(s, TOKENS),
     "qkov.Weights.from_source": lambda s: Weights.from_source(s),
     "qkov.induction_probe": lambda s: qkov.induction_probe(s),
     "qkov.ablation_study": lambda s: qkov.ablation_study(s, [(0, 0)], text=None, mode="zero"),
@@ -81,7 +81,7 @@ def test_the_checks_let_every_real_source_through(tmp_path: Path) -> None:
     qkov.save_checkpoint(tmp_path / "m", MODEL)
     lazy = LazyCheckpoint(tmp_path / "m")
     for source in (VIEW, lazy):
-        assert qkov.run(source, TOKENS).logits.shape == (1, 8, CFG.d_vocab)
+        assert qkov.trace(source, TOKENS).logits.shape == (1, 8, CFG.d_vocab)
         assert Weights.from_source(source).cfg == CFG
     assert "Weights" in str(type(Weights.from_model(MODEL)))
     with pytest.raises(QkovError, match=r"read it into memory with qkov\.Weights\.from_source"):
@@ -118,4 +118,4 @@ def test_dynamics_refuses_what_is_not_a_list_of_paths(bad: Any, expected: str) -
 @pytest.mark.parametrize("bad", [None, MODEL, "0 1 2"])
 def test_run_refuses_tokens_that_are_not_ids(bad: Any) -> None:
     with pytest.raises(QkovError, match=r"^qkov\.run: tokens must be token ids .*; got "):
-        qkov.run(VIEW, bad)
+        qkov.trace(VIEW, bad)

@@ -132,7 +132,8 @@ def test_public_api_is_what_the_package_docs_list() -> None:
     """``qkov.__all__`` is the documented API: each name is importable, is the object defined where
     the docs say, and nothing else is exported."""
     from qkov.analysis import ablation, forward, patch_study, patching, path_patching, probes
-    from qkov.apps import dynamics
+    from qkov import progress
+    from qkov.apps import dynamics_study
     from qkov.io import checkpoint, sources
     from qkov.model import config, transformer
     from qkov.training import data, loop
@@ -143,8 +144,8 @@ def test_public_api_is_what_the_package_docs_list() -> None:
         "Transformer": transformer,
         "Weights": view,
         "LazyCheckpoint": lazy,
-        "run": forward,
-        "Run": forward,
+        "trace": forward,
+        "Trace": forward,
         "load": checkpoint,
         "save_checkpoint": checkpoint,
         "load_any": sources,
@@ -155,7 +156,8 @@ def test_public_api_is_what_the_package_docs_list() -> None:
         "induction_probe_tokens": probes,
         "prefix_matching_tokens": probes,
         "InductionProbe": probes,
-        "dynamics": dynamics,
+        "dynamics": dynamics_study,
+        "Progress": progress,
         "ablation_study": ablation,
         "ablation_edits": ablation,
         "activation_patching": patching,

@@ -163,11 +163,11 @@ def test_paths_and_probe_displays(hand: tuple) -> None:
     assert text_row(text, summary.singles[0].name)["loss_change"] == f"{summary.singles[0].loss_change:.4f}"
     probe = qkov.induction_probe(w, bos=0, length=20)
     p = the_spec(probe)["data"]["probe"]
-    assert sum(p["scores"], []) == pytest.approx(probe.scores.flatten().tolist()) and p["best_head"] == "1.0"
+    assert sum(p["scores"], []) == pytest.approx(probe.induction_attention.flatten().tolist()) and p["best_head"] == "1.0"
     assert p["repeat"]["first_mean"] == pytest.approx(probe.loss_by_copy[0])
     assert p["repeat"]["second_mean"] == pytest.approx(probe.loss_by_copy[1])
     assert "best induction head 1.0" in repr(probe)
-    assert f"{float(probe.scores[1, 0]):.3f}" in repr(probe).splitlines()[-1]
+    assert f"{float(probe.induction_attention[1, 0]):.3f}" in repr(probe).splitlines()[-1]
 
 
 def test_patching_and_composition_path_displays(hand: tuple) -> None:

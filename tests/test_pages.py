@@ -21,7 +21,7 @@ import qkov
 from qkov import ModelConfig
 from qkov.apps import tour
 from qkov.apps.claims import claims
-from qkov.apps.dynamics import write_dynamics
+from qkov.apps.dynamics_study import write_dynamics
 from qkov.apps.phase_section import phase_charts, phase_claims
 from qkov.apps.report import write_report
 from qkov.apps.report.render import script_code, script_json
@@ -100,7 +100,7 @@ def tour_page(rep: Any, dyn: dict) -> str:
     models = [tour._model_row(n, rep) for n in (0, 1, 2)]
     meta = {"device": "cpu", "corpus": "python-stdlib (built in) <!-- </script>", "seconds": 3725.4}
     curves = {f"{n}-layer": rep.icl.loss_by_position or [] for n in (0, 1, 2)}
-    return tour.render_page(models, table, meta, curves, phase_charts({2: two, 1: dyn}))
+    return tour.render_tour(models, table, meta, curves, phase_charts({2: two, 1: dyn}))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from qkov.analysis import ablation as Ab
 from qkov.analysis.metrics import LogitDiff, Loss
 from qkov.analysis.patching import activation_patching
 from qkov.analysis.path_patching import path_patching
-from qkov.apps.dynamics import sample_for
+from qkov.apps.dynamics_study import sample_for
 from qkov.io import save_tl
 
 from helpers import TINY, run_main, tiny_train

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from qkov import QkovError, Transformer, Weights, run
+from qkov import QkovError, Transformer, Weights, trace
 from qkov.analysis import patching as Pt
 from qkov.analysis.metrics import Attention, LogitDiff, Loss, parse_metric
 from qkov.analysis.path_patching import path_patching
@@ -36,14 +36,14 @@ def _setup():  # type: ignore[no-untyped-def]
 def _one_patch(w, base, src, kind, layer, index, metric):  # type: ignore[no-untyped-def]
     """One patch, written out: the base run with the site's value at ``index`` (an indexing tuple
     after the batch) taken from the source run."""
-    source = run(w, src, cache=[(kind, layer)])[kind, layer]
+    source = trace(w, src, cache=[(kind, layer)])[kind, layer]
 
     def edit(v, site):  # type: ignore[no-untyped-def]
         v = v.clone()
         v[(slice(None), *index)] = source[(slice(None), *index)]
         return v
 
-    return float(metric(run(w, base, edits={(kind, layer): edit})))
+    return float(metric(trace(w, base, edits={(kind, layer): edit})))
 
 
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
@@ -66,7 +66,7 @@ def test_batched_sweeps_equal_one_patch_at_a_time(direction: str) -> None:
         for cell in itertools.product(*(range(n) for n in got.values.shape)):  # every patch
             want = _one_patch(w, base, src, kind, cell[0], index(*cell[1:]), lambda r: metric(r))
             assert got.values[cell] == pytest.approx(want, abs=1e-10), (kind, cell)
-    assert got.base == pytest.approx(float(metric(run(w, base)))) and got.target == pytest.approx(float(metric(run(w, src))))
+    assert got.base == pytest.approx(float(metric(trace(w, base)))) and got.target == pytest.approx(float(metric(trace(w, src))))
     n = got.normalized()
     assert torch.allclose(n, (got.values - got.base) / (got.target - got.base))
 
@@ -75,8 +75,8 @@ def test_path_patching_into_keys_and_logits_equals_a_hand_computation() -> None:
     """The receiver 1.1's pattern with the sender 0.0's change added to its key input only, computed
     from the weights by hand; and the path into the logits, from the base final stream."""
     w, clean, corrupted = _setup()
-    r_base = run(w, corrupted, cache=["resid_pre.1", "head_out.0", "q.1", "resid_post.1"])
-    r_src = run(w, clean, cache=["head_out.0"])
+    r_base = trace(w, corrupted, cache=["resid_pre.1", "head_out.0", "q.1", "resid_post.1"])
+    r_src = trace(w, clean, cache=["head_out.0"])
     delta = r_src["head_out", 0][:, :, 0] - r_base["head_out", 0][:, :, 0]
     x = r_base["resid_pre", 1] + delta
     xn = (x - x.mean(-1, keepdim=True)) / ((x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
@@ -143,12 +143,12 @@ def test_attribution_is_the_first_order_term_of_the_patch() -> None:
     w, clean, corrupted = _setup()
     metric = Loss(tokens=clean)
     att = Pt.attribution_patching(w, clean, corrupted, site="head_out", metric=metric)
-    base = run(w, corrupted, cache="head_out.*")
-    src = run(w, clean, cache="head_out.*")
+    base = trace(w, corrupted, cache="head_out.*")
+    src = trace(w, clean, cache="head_out.*")
     f0, eps = float(metric(base)), 1e-6
     for l, h in [(0, 0), (0, 1), (1, 1)]:
         d = src["head_out", l][:, :, h] - base["head_out", l][:, :, h]
-        moved = run(w, corrupted, edits={f"head_out.{l}.{h}": lambda v, s: v + eps * d})
+        moved = trace(w, corrupted, edits={f"head_out.{l}.{h}": lambda v, s: v + eps * d})
         slope = (float(metric(moved)) - f0) / eps
         assert att.values[l, h] - att.base == pytest.approx(slope, rel=1e-4, abs=1e-8)
     act = Pt.activation_patching(w, clean, corrupted, site="head_out", metric=metric)

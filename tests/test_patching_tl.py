@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qkov import ModelConfig, QkovError, Transformer, Weights, run
+from qkov import ModelConfig, QkovError, Transformer, Weights, trace
 from qkov.analysis.metrics import LogitDiff
 from qkov.analysis.patching import activation_patching
 from qkov.io import to_hooked
@@ -66,7 +66,7 @@ def test_every_transformerlens_hook_equals_the_qkov_site_of_its_name(name: str, 
     h.set_use_attn_result(True)
     with torch.no_grad():
         logits, cache = h.run_with_cache(toks)
-    out = run(w, toks, cache=["*", "q_input.*", "k_input.*", "v_input.*"])
+    out = trace(w, toks, cache=["*", "q_input.*", "k_input.*", "v_input.*"])
     _close(out.logits, logits, "logits")
     compared = []
     for hook, theirs in cache.items():

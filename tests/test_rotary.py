@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from qkov import ModelConfig, QkovError, Transformer, Weights, run
+from qkov import ModelConfig, QkovError, Transformer, Weights, trace
 from qkov.analysis import circuits as Cc
 from qkov.analysis import heads as Hd
 from qkov.analysis import paths as P
@@ -191,7 +191,7 @@ def test_position_free_qk_circuits_are_refused_for_rotary_models() -> None:
     with pytest.raises(QkovError, match="for rotary models"):
         offset_qk(Weights.from_model(Transformer(MODERN.replace(positional="standard"), seed=0)), 0, 0, 1)
     with pytest.raises(QkovError, match="offsets apply to rotary models only"):
-        Cc.analyse(Weights.from_model(Transformer(MODERN.replace(positional="standard"), seed=0)), offsets=[1])
+        Cc.circuits_report(Weights.from_model(Transformer(MODERN.replace(positional="standard"), seed=0)), offsets=[1])
 
 
 def test_parallel_block_mlp_does_not_read_its_own_layers_heads() -> None:
@@ -221,7 +221,7 @@ def test_a_rotary_model_trains_saves_and_loads(tmp_path, small_corpus) -> None: 
     toks = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (back(toks) - model(toks)).abs().max() == 0
-        assert (run(Weights.from_model(back, center_unembed=False), toks).logits - back(toks)).abs().max() < 1e-4
+        assert (trace(Weights.from_model(back, center_unembed=False), toks).logits - back(toks)).abs().max() < 1e-4
 
 
 def test_bfloat16_products_move_composition_scores_little() -> None:

@@ -48,7 +48,7 @@ def test_diag_k_must_lie_below_the_vocabulary(capsys: pytest.CaptureFixture[str]
     with pytest.raises(QkovError, match="diag_k"):
         C.copying_scores(w, diag_k=10)
     with pytest.raises(QkovError, match="diag_k"):
-        C.analyse(w, diag_k=50)
+        C.circuits_report(w, diag_k=50)
     with pytest.raises(QkovError, match="diag_k"):
         head_report(w, torch.zeros(1, 4, dtype=torch.long), diag_k=10)
     # the largest k allowed: the 7 all-zero rows tie everywhere, and ties count against
@@ -114,7 +114,7 @@ def test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definit
     """The streamed text scores (one layer's attention at a time, a few sequences at a time) equal
     the definitions on the whole ``[L, B, H, T, T]`` pattern stack, to 1e-6 (float64 here)."""
     from qkov.analysis import text_scores as Ts
-    from qkov.analysis.forward import run
+    from qkov.analysis.forward import trace
 
     cfg = ModelConfig(
         n_layers=3, n_heads=2, d_model=16, d_head=4, d_vocab=50, n_ctx=12, normalization=norm,
@@ -122,7 +122,7 @@ def test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definit
     )  # fmt: skip
     w = Weights.from_model(Transformer(cfg, seed=3).double(), dtype=torch.float64)
     text = torch.randint(0, 50, (5, 12), generator=torch.Generator().manual_seed(2))
-    r = run(w, text, record=("patterns", "scales", "values", "qk_inputs"))
+    r = trace(w, text, record=("patterns", "scales", "values", "qk_inputs"))
     W_O = torch.stack([w.attention(l).W_O for l in range(3)])
     norms = torch.einsum("lbhte,lhed->lbhtd", r.values, W_O).norm(dim=-1)
     whole = {
@@ -271,7 +271,7 @@ def test_a_slow_first_step_says_how_long_the_run_will_take() -> None:
 
 def test_copying_scores_read_a_seeded_sample_of_queries_only_at_large_vocabularies(monkeypatch) -> None:
     from qkov.analysis import heads as Hd
-    from qkov.analysis.forward import run
+    from qkov.analysis.forward import trace
     from qkov.analysis.probes import prefix_matching_tokens
 
     q = torch.arange(26, 101)
@@ -288,7 +288,7 @@ def test_copying_scores_read_a_seeded_sample_of_queries_only_at_large_vocabulari
     part = Hd.repeat_scores(w, tokens, 3)
     picked = Hd.copying_queries(torch.arange(4, 8), tokens.shape[0], 40, 2 * tokens.shape[0] * 40)
     assert part.copying_queries == (2, 4)
-    r = run(w, tokens, record=("patterns", "head_outputs"))
+    r = trace(w, tokens, record=("patterns", "head_outputs"))
     for l, h in ((0, 0), (1, 1)):
         A = r.patterns[l, :, h][:, picked]
         want = Hd._copying(A, r.head_outputs[l, :, h][:, picked] @ w.W_U, r.tokens)

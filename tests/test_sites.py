@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from qkov import ModelConfig, QkovError, Transformer, Weights, run
+from qkov import ModelConfig, QkovError, Transformer, Weights, trace
 from qkov.analysis.sites import KINDS, Sites
 
 from helpers import LN_MLP, MODERN, perturb_non_matrices
@@ -45,15 +45,15 @@ def _norm(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_site_is_cached_in_its_layout_and_equals_its_definition(name: str) -> None:
     cfg, m, w, toks = _setup(name)
-    out = run(w, toks, cache=["*", "q_input.*", "k_input.*", "v_input.*"])  # a wildcard kind leaves the copies out
-    assert not any(k.split(".")[0].endswith("_input") for k in run(w, toks, cache="*").keys())
+    out = trace(w, toks, cache=["*", "q_input.*", "k_input.*", "v_input.*"])  # a wildcard kind leaves the copies out
+    assert not any(k.split(".")[0].endswith("_input") for k in trace(w, toks, cache="*").keys())
     sites = Sites(cfg, w.norm)
     B, T = toks.shape
     assert set(out.keys()) == set(sites.layer_names)
     for key in out.keys():
         assert tuple(out[key].shape) == sites.shape(key.split(".")[0], B, T), key
     # caching every site (the per-head input copies included) changes nothing
-    assert (out.logits - run(w, toks).logits).abs().max() < 1e-10
+    assert (out.logits - trace(w, toks).logits).abs().max() < 1e-10
     ref_logits, ref_patterns = reference_forward(w, toks)
     assert (out.logits - ref_logits).abs().max() < 1e-10 and (out["logits"] - out.logits).abs().max() == 0
     assert torch.equal(out["embed"], w.W_E[toks])
@@ -95,7 +95,7 @@ def test_every_site_is_cached_in_its_layout_and_equals_its_definition(name: str)
 
 def test_names_tuples_globs_aliases_and_heads_address_the_same_tensors() -> None:
     cfg, _, w, toks = _setup("gpt2-like")
-    out = run(w, toks, cache=["pattern.*", ("z", 0), "blocks.1.hook_resid_pre", "hook_embed", "ln_final.hook_scale"])
+    out = trace(w, toks, cache=["pattern.*", ("z", 0), "blocks.1.hook_resid_pre", "hook_embed", "ln_final.hook_scale"])
     assert set(out.keys()) == {"embed", "pattern.0", "pattern.1", "z.0", "resid_pre.1", "final_scale"}
     assert out["blocks.1.attn.hook_pattern"] is out["pattern", 1] is out["pattern.1"]
     assert torch.equal(out["z.0.1"], out["z", 0][:, :, 1]) and torch.equal(out[("z", 0, 1)], out["z", 0][:, :, 1])
@@ -111,8 +111,8 @@ def test_names_tuples_globs_aliases_and_heads_address_the_same_tensors() -> None
 
 def test_the_older_record_names_read_the_same_cache() -> None:
     _, _, w, toks = _setup("ln-mlp-shortformer")
-    old = run(w, toks, record=("patterns", "head_outputs", "values", "mlp_outputs", "qk_inputs", "scales"))
-    new = run(w, toks, cache=["pattern.*", "head_out.*", "v.*", "mlp_out.*", "qk_in.*", "*_scale*"])
+    old = trace(w, toks, record=("patterns", "head_outputs", "values", "mlp_outputs", "qk_inputs", "scales"))
+    new = trace(w, toks, cache=["pattern.*", "head_out.*", "v.*", "mlp_out.*", "qk_in.*", "*_scale*"])
     assert torch.equal(old.patterns, new.stack("pattern")) and torch.equal(old.head_outputs, new.stack("head_out").transpose(2, 3))
     assert torch.equal(old.values, new.stack("v").transpose(2, 3)) and torch.equal(old.qk_inputs, new.stack("qk_in"))
     assert torch.equal(old.scales.attn_qk, new.stack("qk_scale")) and torch.equal(old.scales.final, new["final_scale"])
@@ -136,16 +136,16 @@ def test_bad_sites_and_edits_are_one_line_errors() -> None:
     ]
     for kwargs, says in cases:
         with pytest.raises(QkovError, match=says):
-            run(w, toks, **kwargs)
+            trace(w, toks, **kwargs)
     with pytest.raises(QkovError, match="z.1 was not cached"):
-        run(w, toks, cache="z.0")["z", 1]
+        trace(w, toks, cache="z.0")["z", 1]
     rotary = Weights.from_model(Transformer(MODERN, seed=0))
     with pytest.raises(QkovError, match="before rotary.*hook_rot_q"):
-        run(rotary, torch.zeros(1, 4, dtype=torch.long), cache="blocks.0.attn.hook_q")
+        trace(rotary, torch.zeros(1, 4, dtype=torch.long), cache="blocks.0.attn.hook_q")
     for not_a_view in (Transformer(cfg), "runs/model", None):
         with pytest.raises(QkovError, match="expects a weights view.*Weights.from_model"):
-            run(not_a_view, toks)  # type: ignore[arg-type]
+            trace(not_a_view, toks)  # type: ignore[arg-type]
     with pytest.raises(QkovError, match=r"positions: every position must be in -12..11"):
-        run(w, toks, positions=torch.tensor([3, 12]))
+        trace(w, toks, positions=torch.tensor([3, 12]))
     with pytest.raises(QkovError, match=r"start_at: expected a stream of shape \[3, 12, 16\]"):
-        run(w, toks, start_at=(1, torch.zeros(3, 12, 8)))
+        trace(w, toks, start_at=(1, torch.zeros(3, 12, 8)))

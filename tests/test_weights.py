@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qkov import ModelConfig, QkovError, Transformer
-from qkov import run
+from qkov import trace
 from qkov.weights import Weights
 
 from helpers import LN_MLP, perturb_non_matrices
@@ -122,7 +122,7 @@ def test_analysis_forward_runs_every_view() -> None:
     good = Weights.from_model(model, fold_ln=True, center_writing=True, dtype=torch.float64)
     for w in (good, good.rotate(random_orthogonal(cfg.d_model)), Weights.from_model(model, fold_ln=False)):
         assert w.norm in ("folded", "scale", "layernorm")
-        assert (run(w, tokens).logits - reference_forward(w, tokens)[0]).abs().max() < 1e-5
+        assert (trace(w, tokens).logits - reference_forward(w, tokens)[0]).abs().max() < 1e-5
 
 
 def test_to_moves_and_casts_like_a_tensor() -> None:

@@ -8,33 +8,79 @@ The flow, one package per step (each imports only the ones before it):
 * :mod:`qkov.weights` — the one interface analyses read weights through: the in-memory
   :class:`Weights` view and the memory-mapped :class:`LazyCheckpoint`.
 * :mod:`qkov.analysis` — circuits, composition, paths, heads, probes, trigrams, and the one
-  analysis forward :func:`run`, which reads and writes every activation by name (ablation,
-  activation, path and attribution patching are built on it).
+  analysis forward :func:`trace` (a recorded forward pass, :class:`Trace`), which reads and writes
+  every activation by name (ablation, activation, path and attribution patching are built on it).
 * :mod:`qkov.training` — corpora, tokenizer, the training loop (which tracks the induction probe).
-* :mod:`qkov.apps` — the report, the tour and the command line.
+* :mod:`qkov.apps` — the report, the tour, the dynamics study and the command line.
 * :mod:`qkov.show` — notebooks: rich displays of analysis results, the inline attention viewer.
+
+``import qkov`` loads the library (model to training); the app and notebook layers load on first use
+(``qkov.dynamics``, ``qkov.show``, or the first rich display of a result in a notebook).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from .analysis import shown as _shown
 from .analysis.ablation import ablation_edits, ablation_study
 from .analysis.factored import LowRank
-from .analysis.forward import Run, run
+from .analysis.forward import Trace, trace
 from .analysis.patch_study import patch_study
 from .analysis.patching import activation_patching, attribution_patching
 from .analysis.path_patching import path_patching
 from .analysis.probes import InductionProbe, induction_probe, induction_probe_tokens, prefix_matching_tokens
-from .apps.dynamics import dynamics
+from .deprecated import warn_renamed as _warn_renamed
 from .errors import QkovError
 from .io.checkpoint import load, save_checkpoint
 from .io.sources import load_any
 from .model.config import ModelConfig
 from .model.transformer import Transformer
+from .progress import Progress
 from .training.config import TrainConfig
 from .training.data import Corpus, load_corpus
 from .training.loop import train
 from .version import __version__
 from .weights.lazy import LazyCheckpoint
 from .weights.view import Weights
-from . import show  # last: registers the notebook displays of analysis results
+
+# The app and notebook layers, loaded on first use: public name -> (module, attribute; None: the module).
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "dynamics": (".apps.dynamics_study", "dynamics"),
+    "show": (".show", None),
+}
+# Renamed public names, kept for one release: old name -> new name (both in this namespace).
+_RENAMED: dict[str, str] = {
+    "Run": "Trace",
+    "run": "trace",
+}
+
+if TYPE_CHECKING:  # what static analysers and IDEs see of the lazy names
+    from . import show as show
+    from .apps.dynamics_study import dynamics as dynamics
+
+
+def __getattr__(name: str) -> Any:
+    """Load a lazy name (:data:`_LAZY`) on first use; serve a renamed one (:data:`_RENAMED`) with a warning."""
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        loaded = importlib.import_module(module, __name__)
+        value = loaded if attribute is None else getattr(loaded, attribute)
+        globals()[name] = value  # once: later uses are plain attribute reads
+        return value
+    if name in _RENAMED:
+        _warn_renamed(f"qkov.{name}", f"qkov.{_RENAMED[name]}")
+        return globals()[_RENAMED[name]]
+    raise AttributeError(f"module 'qkov' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+# the notebook displays register themselves when a result is first displayed
+_shown.LOADERS.append(lambda: importlib.import_module(".show", __name__))
 
 __all__ = [
     "Corpus",
@@ -42,8 +88,9 @@ __all__ = [
     "LazyCheckpoint",
     "LowRank",
     "ModelConfig",
+    "Progress",
     "QkovError",
-    "Run",
+    "Trace",
     "TrainConfig",
     "Transformer",
     "Weights",
@@ -61,8 +108,8 @@ __all__ = [
     "patch_study",
     "path_patching",
     "prefix_matching_tokens",
-    "run",
     "save_checkpoint",
     "show",
+    "trace",
     "train",
 ]

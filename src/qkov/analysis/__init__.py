@@ -1,5 +1,5 @@
 """Taking a model apart, from its weights (through a :class:`~qkov.weights.WeightSource`) and
-from its behaviour (through the one analysis forward, :func:`forward.run`).
+from its behaviour (through the one analysis forward, :func:`forward.trace`).
 
 * :mod:`~qkov.analysis.factored` — :class:`LowRank`: factored products, never materialised.
 * :mod:`~qkov.analysis.forward` — the analysis forward: records patterns, normalisation
@@ -16,7 +16,12 @@ from its behaviour (through the one analysis forward, :func:`forward.run`).
 """
 
 from . import reprs as reprs  # registers the results' text forms
+from ..deprecated import module_getattr
 from .factored import LowRank
-from .forward import Run, run
+from .forward import Trace, trace
 
-__all__ = ["LowRank", "Run", "run"]
+__getattr__ = module_getattr(
+    __name__, {"run": ("qkov.analysis.trace", lambda: trace), "Run": ("qkov.analysis.Trace", lambda: Trace)}
+)
+
+__all__ = ["LowRank", "Trace", "trace"]

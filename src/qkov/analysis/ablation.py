@@ -31,7 +31,7 @@ from ..expect import expect_source
 from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
 from .budget import fit_chunk, item, run_bytes
-from .forward import run
+from .forward import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
 from .probes import ICL_LATE, LOGIT_BYTES, icl_score, icl_windows, induction_probe, induction_probe_tokens
 from .shown import TEXT, Shown, register
@@ -66,11 +66,11 @@ def z_means(source: WeightSource, tokens: Tensor, heads: Sequence[Head], *, chun
     layers = sorted({l for l, _ in heads})
     chunk = chunk or tokens.shape[0]
     if chunk >= tokens.shape[0]:
-        r = run(source, tokens, cache=[("z", l) for l in layers])
+        r = trace(source, tokens, cache=[("z", l) for l in layers])
         return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])
     total = None
     for lo in range(0, tokens.shape[0], chunk):
-        r = run(source, tokens[lo : lo + chunk], cache=[("z", l) for l in layers])
+        r = trace(source, tokens[lo : lo + chunk], cache=[("z", l) for l in layers])
         part = torch.stack([r["z", l][:, :, h].double().sum(dim=(0, 1)) for l, h in heads])
         total = part if total is None else total + part
     assert total is not None
@@ -86,7 +86,7 @@ def sequence_losses(
     parts = []
     for lo in range(0, text.shape[0], chunk):
         part = text[lo : lo + chunk]
-        parts.append(next_token_nll(run(source, part, edits=edits).logits, part))
+        parts.append(next_token_nll(trace(source, part, edits=edits).logits, part))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -168,7 +168,7 @@ def ablation_edits(
     seed: int = 0,
 ) -> dict[Address, Callable[[Tensor, Address], Tensor]]:
     """Edits that ablate ``heads`` (``mode`` zero, mean or resample) at ``positions`` (default every
-    position): pass them to :func:`~qkov.analysis.forward.run` or any analysis taking ``edits``.
+    position): pass them to :func:`~qkov.analysis.forward.trace` or any analysis taking ``edits``.
     ``means [len(heads), d_head]`` (from :func:`z_means`) for mean ablation."""
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")

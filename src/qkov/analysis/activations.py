@@ -1,9 +1,9 @@
-"""What one analysis forward returns: :class:`Run`, the logits and the cached activations.
+"""What one analysis forward returns: :class:`Trace`, the logits and the cached activations.
 
 ``out = run(source, tokens, cache=["pattern.*", "resid_pre.*"])`` indexes like TransformerLens'
 cache: ``out["pattern", 1]``, ``out["blocks.1.attn.hook_pattern"]``, ``out["z.0.3"]`` (head 3 of
 ``z.0``), ``out.stack("pattern")`` (every layer, ``[L, ...]``). The residual-stream decompositions
-(:meth:`Run.accumulated_resid`, :meth:`Run.decompose_resid`, :meth:`Run.stack_head_results`)
+(:meth:`Trace.accumulated_resid`, :meth:`Trace.decompose_resid`, :meth:`Trace.stack_head_results`)
 return a :class:`~qkov.analysis.decompose.Stack` that projects itself onto a direction or a
 logit difference.
 
@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from ..deprecated import module_getattr
 from ..errors import QkovError
 from ..model.ops import expand_kv
 from .decompose import Stack, accumulated, by_component, by_head
@@ -39,7 +40,7 @@ class Scales:
 
 
 @dataclass(repr=False)
-class Run:
+class Trace:
     """One forward pass: ``tokens [B, T]``, ``logits [B, T, V]`` (``[B, P, V]`` when the run was
     asked for ``positions``) and ``cache``, the activations asked for by site name."""
 
@@ -64,7 +65,7 @@ class Run:
         a = self.address(key)
         name = Address(a.kind, a.layer).name
         if name not in self.cache:
-            raise QkovError(f"{name} was not cached: run(..., cache=[{name!r}]) (cached: {self._cached()})")
+            raise QkovError(f"{name} was not cached: trace(..., cache=[{name!r}]) (cached: {self._cached()})")
         value = self.cache[name]
         dim = BY_NAME[a.kind].head_dim
         return value if a.head is None or dim is None else value.select(dim, a.head)
@@ -93,7 +94,7 @@ class Run:
         return list(self.cache.items())
 
     def __repr__(self) -> str:
-        return f"Run(tokens {list(self.tokens.shape)}, logits {list(self.logits.shape)}, cached: {self._cached()})"
+        return f"Trace(tokens {list(self.tokens.shape)}, logits {list(self.logits.shape)}, cached: {self._cached()})"
 
     def stack(self, kind: str) -> Tensor:
         """A per-layer kind cached at every layer, stacked: ``[L, ...]`` (a view when the run kept it
@@ -105,11 +106,11 @@ class Run:
             return self.logits.new_zeros(0, *self._sites().shape(kind, *self.tokens.shape))
         return torch.stack([self[(kind, l)] for l in range(L)])
 
-    def select(self, index: Any) -> "Run":
+    def select(self, index: Any) -> "Trace":
         """The run of some sequences only (``index`` along the batch: an int, slice or index tensor)."""
         pick = (lambda t: t[index : index + 1]) if isinstance(index, int) else (lambda t: t[index])  # noqa: E731
         cache = {name: pick(value) for name, value in self.cache.items()}
-        return Run(pick(self.tokens), pick(self.logits), cache, self.source, self.positions)
+        return Trace(pick(self.tokens), pick(self.logits), cache, self.source, self.positions)
 
     def logits_at(self, positions: Tensor | list[int] | int) -> Tensor:
         """The logits at ``positions`` (absolute; negative from the end of the sequence), whether or not
@@ -199,3 +200,6 @@ class Run:
             return None
         s = getattr(self.scales, site)
         return s if layer is None or s is None else s[layer]
+
+
+__getattr__ = module_getattr(__name__, {"Run": ("qkov.analysis.activations.Trace", lambda: Trace)})

@@ -49,7 +49,7 @@ def run_bytes(
     cached_patterns: bool = False,
     loss: bool = False,
 ) -> int:
-    """Peak memory of one analysis forward pass (:func:`~qkov.analysis.forward.run`) of ``batch``
+    """Peak memory of one analysis forward pass (:func:`~qkov.analysis.forward.trace`) of ``batch``
     sequences of ``seq`` tokens: the stream and its normalised copies, queries, keys and values,
     one layer's attention (scores, masked scores and pattern when ``patterns`` are computed; fused
     attention otherwise), the MLP's hidden activations, the logits at ``logits`` positions (default:
@@ -178,7 +178,7 @@ def circuits_budget(
     writer_bytes: int = DEFAULT_WRITER_BYTES,
     offsets: list[int] | None = None,
 ) -> tuple[int, int]:
-    """The chunk bounds :func:`~qkov.analysis.circuits.analyse` uses (``rows``: the tokens whose
+    """The chunk bounds :func:`~qkov.analysis.circuits.circuits_report` uses (``rows``: the tokens whose
     own-logit rate is measured, ``None`` for all), ``(max_bytes, writer_bytes)``: the ones given when
     the copying scores (:func:`~qkov.analysis.budget.copying_bytes`) and composition
     (:func:`~qkov.analysis.budget.composition_bytes`) fit the memory budget

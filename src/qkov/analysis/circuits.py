@@ -12,8 +12,8 @@ d_head). Full circuits are indexed ``[query or source token, key or output token
 Every function reads a :class:`~qkov.weights.WeightSource`, so the same code serves the
 in-memory view and a memory-mapped checkpoint: per-layer work reads one layer at a time,
 and nothing ``d_vocab x d_vocab`` is built (:class:`~qkov.analysis.factored.LowRank`).
-Composition scores live in :mod:`qkov.analysis.composition`, the bandwidth audit and
-write-space overlap in :mod:`qkov.analysis.bandwidth` (both re-exported here).
+Composition scores live in :mod:`qkov.analysis.composition`, the bandwidth audit and write-space
+overlap in :mod:`qkov.analysis.bandwidth` (both re-exported here); :func:`circuits_report` gathers them.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from ..deprecated import module_getattr
 from ..errors import QkovError
 from ..weights.parts import AttentionWeights, WeightSource, check_head
-from .bandwidth import LayerBandwidth as LayerBandwidth, WriteOverlap as WriteOverlap
-from .bandwidth import bandwidth, write_overlap as write_overlap
+from .bandwidth import LayerBandwidth as LayerBandwidth, WriteOverlap as WriteOverlap, bandwidth, write_overlap as write_overlap
 from .budget import circuits_budget as circuits_budget
 from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
 from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
@@ -364,7 +364,7 @@ class CircuitsReport(Shown):
         return out
 
 
-def analyse(
+def circuits_report(
     source: WeightSource,
     *,
     diag_k: int | None = 5,
@@ -375,20 +375,17 @@ def analyse(
     offsets: list[int] | None = None,
     matmul_dtype: torch.dtype | None = None,
 ) -> CircuitsReport:
-    """Copying scores (``diag_k``/``diag_sample``: :func:`copying_scores`), Q/K/V composition
-    (with baselines), the bandwidth audit of a source, and for a rotary model every head's offset
-    profile (``offsets``: the offset set of Q/K composition; ``matmul_dtype``: see :func:`composition_raw`).
-    Chunked steps shrink to fit the memory budget (:func:`circuits_budget`), and work whose smallest
-    chunks would not fit is refused before it starts."""
+    """Copying scores (``diag_k``/``diag_sample``: :func:`copying_scores`), Q/K/V composition (with
+    baselines), the bandwidth audit of a source, and for a rotary model every head's offset profile
+    (``offsets``: the offset set of Q/K composition; ``matmul_dtype``: see :func:`composition_raw`). Chunked
+    steps shrink to fit the memory budget (:func:`circuits_budget`); work too big for it is refused first."""
     if diag_k:
         check_diag_k(diag_k, source.cfg.d_vocab)  # before any work
     rotary = resolve_offsets(source.cfg, offsets) is not None  # checks the offsets before any work
     rows = diag_tokens(source.cfg.d_vocab, diag_sample) if diag_k else None
+    n_rows = None if rows is None else len(rows)
     max_bytes, writer_bytes = circuits_budget(
-        source,
-        diag_k=diag_k,
-        rows=None if rows is None else len(rows),
-        max_bytes=max_bytes, writer_bytes=writer_bytes, offsets=offsets,
+        source, diag_k=diag_k, rows=n_rows, max_bytes=max_bytes, writer_bytes=writer_bytes, offsets=offsets
     )
     return CircuitsReport(
         copying=copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, max_bytes=max_bytes, progress=progress),
@@ -398,3 +395,6 @@ def analyse(
         bandwidth=bandwidth(source.cfg),
         offsets=profiles(source) if rotary else None,
     )
+
+
+__getattr__ = module_getattr(__name__, {"analyse": ("qkov.analysis.circuits.circuits_report", lambda: circuits_report)})

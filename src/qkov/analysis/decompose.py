@@ -21,7 +21,7 @@ from ..errors import QkovError
 from ..model.ops import normalize
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .activations import Run
+    from .activations import Trace
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Stack:
 
     values: Tensor
     labels: list[str]
-    run: "Run"
+    run: "Trace"
     layer: int | None
     normalized: bool = False
 
@@ -57,7 +57,7 @@ class Stack:
             raise QkovError("apply_ln needs a weights view with the normalisation folded (fold_ln=True)")
         name = "final_scale" if self.layer is None else f"attn_scale.{self.layer}"
         if name not in self.run.cache:
-            raise QkovError(f"apply_ln needs {name} cached: run(..., cache=[{name!r}, ...])")
+            raise QkovError(f"apply_ln needs {name} cached: trace(..., cache=[{name!r}, ...])")
         scale = self.run.cache[name]
         if scale.shape[1] != self.values.shape[2]:
             raise QkovError("apply_ln at the final stream needs a run with logits at every position")
@@ -95,14 +95,14 @@ def _directions(W_U: Tensor, tokens: Any, batch_pos: torch.Size) -> Tensor:
     return cols[:, None] if t.ndim == 1 else cols
 
 
-def _need(run: "Run", names: list[str], what: str) -> None:
+def _need(run: "Trace", names: list[str], what: str) -> None:
     """A one-line error naming every site ``what`` reads that the run did not cache."""
     missing = [n for n in names if n not in run.cache]
     if missing:
-        raise QkovError(f"{what} reads {', '.join(names)}: run(..., cache={missing!r}) to cache the missing ones")
+        raise QkovError(f"{what} reads {', '.join(names)}: trace(..., cache={missing!r}) to cache the missing ones")
 
 
-def final_stream(run: "Run") -> Tensor:
+def final_stream(run: "Trace") -> Tensor:
     """The run's final residual stream (before the final normalisation): ``resid_post`` of the last
     layer, or the embedding (plus standard positions) of a 0-layer model."""
     L = run.source.cfg.n_layers
@@ -112,14 +112,14 @@ def final_stream(run: "Run") -> Tensor:
     return x + run["pos"] if run.source.cfg.positional == "standard" else x
 
 
-def _upto(run: "Run", layer: int | None) -> int:
+def _upto(run: "Trace", layer: int | None) -> int:
     L = run.source.cfg.n_layers
     if layer is not None and not 0 <= layer <= L:
         raise QkovError(f"layer {layer}: the model has {L} layers (0..{L - 1}, or {L} for the final stream)")
     return L if layer is None else layer
 
 
-def accumulated(run: "Run", layer: int | None, incl_mid: bool) -> Stack:
+def accumulated(run: "Trace", layer: int | None, incl_mid: bool) -> Stack:
     """``resid_pre`` of layers ``0 .. layer`` (with ``resid_mid`` of those before it when ``incl_mid``);
     for ``None`` every layer's and then the final stream, labelled ``"0_pre"``, ``"0_mid"``, ``"final"``."""
     upto = _upto(run, layer)
@@ -140,7 +140,7 @@ def accumulated(run: "Run", layer: int | None, incl_mid: bool) -> Stack:
     return Stack(torch.stack(parts), labels, run, None if upto == L else upto)
 
 
-def by_component(run: "Run", layer: int | None, mode: str) -> Stack:
+def by_component(run: "Trace", layer: int | None, mode: str) -> Stack:
     """The stream entering ``layer`` as embedding, positions and each earlier layer's outputs."""
     if mode not in ("all", "attn", "mlp"):
         raise QkovError(f"decompose_resid: mode must be all, attn or mlp, got {mode!r}")
@@ -162,7 +162,7 @@ def by_component(run: "Run", layer: int | None, mode: str) -> Stack:
     return Stack(torch.stack(parts), labels, run, None if upto == cfg.n_layers else upto)
 
 
-def by_head(run: "Run", layer: int | None) -> Stack:
+def by_head(run: "Trace", layer: int | None) -> Stack:
     """Every head's output in the layers before ``layer``, one component per head."""
     upto, cfg = _upto(run, layer), run.source.cfg
     if upto == 0:

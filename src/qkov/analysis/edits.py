@@ -1,4 +1,4 @@
-"""Edits: what ``run(..., edits={site: value})`` writes into the forward, resolved against a model's
+"""Edits: what ``trace(..., edits={site: value})`` writes into the forward, resolved against a model's
 sites (:mod:`qkov.analysis.sites`) before any work.
 
 An edit's value is either a tensor, which replaces the site's value (it must broadcast to the

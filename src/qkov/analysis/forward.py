@@ -1,13 +1,14 @@
 """The analysis forward: one pass over any :class:`~qkov.weights.WeightSource`, written once, that
 can read and write every activation by name.
 
-``run(source, tokens, cache=[...], edits={...}, grad=False)`` computes the logits and passes
+``trace(source, tokens, cache=[...], edits={...}, grad=False)`` computes the logits and passes
 every activation through a named site (:mod:`qkov.analysis.sites`: ``embed``, ``resid_pre.1``,
 ``pattern.0``, ``z.1``, ``head_out.1``, ``mlp_hidden.0``, ``final``, ``logits``, ...). ``cache``
 names the sites to keep (names, tuples, globs or TransformerLens hook names); ``edits`` replaces
 a site's value by a tensor or a function of it (:mod:`qkov.analysis.edits`); ``grad=True`` runs it
 differentiably (cached activations keep their ``.grad`` after a backward pass). It returns a
-:class:`~qkov.analysis.activations.Run` that indexes like TransformerLens' cache.
+:class:`~qkov.analysis.activations.Trace` (the recorded pass) that indexes like TransformerLens' cache.
+(Until 1.0 these were ``run`` and ``Run``; in qkov a *run* is a training run, :mod:`qkov.training.rundir`.)
 
 What a site does not need is not computed: with nothing asked of a layer's scores, patterns or
 per-head outputs, attention runs fused; a pattern replaced by a tensor skips the queries and
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..deprecated import module_getattr
 from ..errors import QkovError
 from ..expect import expect_source, expect_tokens
 from ..model import rotary
@@ -53,19 +55,19 @@ from ..model.ops import (
 )
 from ..model.tokens import check_tokens
 from ..weights.parts import AttentionWeights, WeightSource
-from .activations import Run, Scales
+from .activations import Scales, Trace
 from .edits import Edit, Edits
 from .legacy import legacy_edits, legacy_kinds
 from .sites import Address, Sites
 
 RECORDABLE: tuple[str, ...] = ("patterns", "scales", "values", "head_outputs", "mlp_outputs", "qk_inputs")
-"""The older ``record=`` names (see :class:`~qkov.analysis.activations.Run` for their layouts)."""
-__all__ = ["RECORDABLE", "LayerView", "Run", "Scales", "flops_per_token", "head_terms", "project", "read", "run"]
+"""The older ``record=`` names (see :class:`~qkov.analysis.activations.Trace` for their layouts)."""
+__all__ = ["RECORDABLE", "LayerView", "Scales", "Trace", "flops_per_token", "head_terms", "project", "read", "trace"]
 
 
 @dataclass
 class LayerView:
-    """One layer's attention on a run, as :func:`run` hands it to ``observe``: ``pattern [B, H, T, T]``,
+    """One layer's attention on a run, as :func:`trace` hands it to ``observe``: ``pattern [B, H, T, T]``,
     ``values [B, H, T, E]`` (``b_V`` included), ``qk_input [B, T, D]`` (normalised) and its
     divisor ``qk_scale [B, T, 1]`` (``None`` without normalisation)."""
 
@@ -94,7 +96,7 @@ def head_writes(pattern: Tensor, v: Tensor, W_O: Tensor) -> Tensor:
     return torch.einsum("bhte,hed->bhtd", pattern @ v, W_O)
 
 
-def head_terms(source: WeightSource, run: Run, layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
+def head_terms(source: WeightSource, run: Trace, layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
     """What each head of ``layer`` (or only ``heads``) writes for one stream term ``x [B, T, D]``
     alone, with the run's patterns and normalisation divisors frozen, no biases: ``[h, B, T, D]``."""
     att = source.attention(layer)
@@ -297,7 +299,7 @@ class _Pass:
         return self.at("logits", None, final @ unemb.W_U + unemb.b_U)
 
 
-def run(
+def trace(
     source: WeightSource,
     tokens: Tensor,
     *,
@@ -308,10 +310,10 @@ def run(
     start_at: tuple[int, Tensor] | None = None,
     record: Iterable[str] = (),
     patterns: Tensor | None = None,
-    frozen: Run | None = None,
+    frozen: Trace | None = None,
     head_outputs: Tensor | None = None,
     observe: Callable[[LayerView], None] | None = None,
-) -> Run:
+) -> Trace:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
 
     Args:
@@ -321,7 +323,7 @@ def run(
         grad: run differentiably (else under ``torch.no_grad``); cached activations that
             require grad keep their gradient after a backward pass.
         positions: ``[P]`` positions: the logits (and the final sites) are computed there only
-            (``Run.logits`` is then ``[B, P, V]``), for scores that read a few positions.
+            (``Trace.logits`` is then ``[B, P, V]``), for scores that read a few positions.
         start_at: ``(layer, stream [B, T, D])``: start at that layer's ``resid_pre`` (``n_layers``:
             the final stream) with the given stream; earlier sites are not computed.
         record: the older names of :data:`RECORDABLE` to cache (at every layer).
@@ -333,10 +335,10 @@ def run(
             live output is still recorded under ``head_outputs``); ``b_O`` is added as usual.
         observe: called with each layer's :class:`LayerView` as soon as it is computed.
     Returns:
-        :class:`~qkov.analysis.activations.Run`.
+        :class:`~qkov.analysis.activations.Trace`.
     """
-    expect_source("qkov.run", source)
-    expect_tokens("qkov.run", tokens)
+    expect_source("qkov.trace", source)
+    expect_tokens("qkov.trace", tokens)
     cfg = source.cfg
     tokens = check_tokens(tokens, cfg).to(source.device)
     sites = Sites(cfg, source.norm)
@@ -356,7 +358,7 @@ def run(
         for l in range(first, cfg.n_layers):
             x = state.block(l, x)
         logits = state.logits(x, positions)  # type: ignore[arg-type]
-    out = Run(tokens, logits, state.store.items, source, positions, dict(state.store.buffers))
+    out = Trace(tokens, logits, state.store.items, source, positions, dict(state.store.buffers))
     if live is not None and "head_out" in kinds:  # head_outputs=: the live outputs, not the ones written
         out.cache.update({f"head_out.{l}": v for l, v in live.items()})
         out.stacks.pop("head_out", None)
@@ -389,3 +391,8 @@ def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, 
         raise QkovError(f"start_at: expected a stream of shape [{B}, {T}, {cfg.d_model}], got {list(x.shape)}")
     if x.device != source.device or x.dtype != source.dtype:
         raise QkovError("start_at: the stream must be on the source's device and dtype")
+
+
+__getattr__ = module_getattr(
+    __name__, {"run": ("qkov.analysis.forward.trace", lambda: trace), "Run": ("qkov.analysis.forward.Trace", lambda: Trace)}
+)

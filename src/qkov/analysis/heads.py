@@ -4,7 +4,7 @@ Pattern-based scores take patterns ``[n_layers, batch, n_heads, query, key]`` fr
 text and return ``[n_layers, n_heads]``; [I]'s repeated-token scores run the model on
 :func:`qkov.analysis.probes.prefix_matching_tokens`; weight-based scores come from
 :mod:`qkov.analysis.circuits`. :func:`head_report` computes all of them for one model and
-assigns roles from :data:`THRESHOLDS`. Every run is :func:`qkov.analysis.forward.run` on a
+assigns roles from :data:`THRESHOLDS`. Every run is :func:`qkov.analysis.forward.trace` on a
 :class:`~qkov.weights.WeightSource`.
 """
 
@@ -16,12 +16,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..deprecated import renamed_property
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import WeightSource
 from .budget import COPYING_LOGITS as COPYING_LOGITS
 from .circuits import check_diag_k, copying_scores
-from .forward import run
+from .forward import trace
 from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
 from .progress import Progress
 from .sampling import seeded_subset
@@ -38,14 +39,18 @@ from .text_scores import value_weighted_sink_scores as value_weighted_sink_score
 
 @dataclass
 class RepeatScores:
-    """Scores on repeated random tokens, each ``[n_layers, n_heads]``."""
+    """Scores on repeated random tokens, each ``[n_layers, n_heads]``. ``induction_attention`` is the
+    measure :attr:`~qkov.analysis.probes.InductionProbe.induction_attention` reads; the *induction role*
+    reads ``prefix_matching`` and ``copying_rank`` (:data:`THRESHOLDS`)."""
 
     prefix_matching: Tensor  # attention to the tokens after the current token's earlier occurrences
-    induction: Tensor  # attention to the token after the most recent earlier occurrence
+    induction_attention: Tensor  # attention to the token after the most recent earlier occurrence
     duplicate: Tensor  # attention to the current token's earlier occurrences
     copying: Tensor  # [I] copying score in [-1, 1] (share of the raise on attended tokens)
     copying_rank: Tensor  # where the head's logits rank the token it attends to most, in [-1, 1]
     copying_queries: tuple[int, int] = (0, 0)  # (queries the copying scores read, repeated queries in all)
+
+    induction = renamed_property("induction", "induction_attention", "RepeatScores")
 
 
 def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatScores:
@@ -77,7 +82,7 @@ def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatSc
     to; 0: no more than chance; -1: it raises everything but what it attends to. A trained
     induction head that also lifts hundreds of related tokens a little scores small but positive.
     """
-    r = run(source, tokens, record=("patterns", "head_outputs"))
+    r = trace(source, tokens, record=("patterns", "head_outputs"))
     P, outputs = r.patterns, r.head_outputs  # [L, B, H, T, T], [L, B, H, T, D]
     assert P is not None and outputs is not None
     L, B, H, T, _ = P.shape
@@ -296,7 +301,7 @@ def head_report(
     scores = {
         **on_text,
         "prefix_matching": rs.prefix_matching,
-        "induction": rs.induction,
+        "induction": rs.induction_attention,
         "duplicate_token": rs.duplicate,
         "copying": rs.copying,
         "copying_rank": rs.copying_rank,

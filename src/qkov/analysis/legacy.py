@@ -14,7 +14,7 @@ from .edits import Edits
 from .sites import RECORD_LEGACY, Address, Sites
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .activations import Run
+    from .activations import Trace
 
 
 def legacy_kinds(record: Iterable[str], sites: Sites) -> list[str]:
@@ -34,7 +34,7 @@ def legacy_edits(
     tokens: Tensor,
     *,
     patterns: Tensor | None,
-    frozen: "Run | None",
+    frozen: "Trace | None",
     head_outputs: Tensor | None,
 ) -> dict[int, Tensor] | None:
     """Add the edits ``patterns=``, ``frozen=`` and ``head_outputs=`` stand for to ``ed``; returns
@@ -64,7 +64,7 @@ def _override(live: dict[int, Tensor], layer: int, given: Tensor):  # type: igno
     return write_given
 
 
-def _frozen(ed: Edits, frozen: "Run") -> Tensor:
+def _frozen(ed: Edits, frozen: "Trace") -> Tensor:
     """Edits fixing a previous run's divisors and MLP outputs; returns its patterns."""
     cfg, norm = ed.sites.cfg, ed.sites.norm
     if frozen.patterns is None or (norm != "none" and frozen.scales is None):

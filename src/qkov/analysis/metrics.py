@@ -3,7 +3,7 @@ cached activations).
 
 A metric is any callable ``metric(logits [B, T, V]) -> scalar tensor`` (TransformerLens' patching
 metrics port as they are), or a :class:`Metric`: ``metric(out)`` of a whole
-:class:`~qkov.analysis.activations.Run`, naming the sites it reads (``reads``, cached in every
+:class:`~qkov.analysis.activations.Trace`, naming the sites it reads (``reads``, cached in every
 patched run) and the positions whose logits it needs (``positions``; the others are never
 unembedded). Every built-in metric is a mean over the batch and differentiable, so attribution
 patching can take its gradient.
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..model.ops import next_token_nll
-from .activations import Run
+from .activations import Trace
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Metric:
     reads: tuple[str, ...] = ()
     positions: Sequence[int] | None = None
 
-    def __call__(self, out: Run) -> Tensor:  # pragma: no cover - subclasses
+    def __call__(self, out: Trace) -> Tensor:  # pragma: no cover - subclasses
         raise NotImplementedError
 
     def logit_positions(self, seq: int) -> Tensor | None:
@@ -47,7 +47,7 @@ class OfLogits(Metric):
 
     fn: Callable[[Tensor], Tensor] | None = None
 
-    def __call__(self, out: Run) -> Tensor:
+    def __call__(self, out: Trace) -> Tensor:
         return torch.as_tensor(self.fn(out.logits))  # type: ignore[misc]
 
 
@@ -63,7 +63,7 @@ class LogitDiff(Metric):
     def __post_init__(self) -> None:
         self.name, self.positions = f"logit diff {_ids(self.correct)} - {_ids(self.incorrect)}", [self.position]
 
-    def __call__(self, out: Run) -> Tensor:
+    def __call__(self, out: Trace) -> Tensor:
         logits = out.logits_at(self.position)  # [B, V]
         pick = lambda t: logits.gather(-1, _column(t, logits))[:, 0]  # noqa: E731
         return (pick(self.correct) - pick(self.incorrect)).mean()
@@ -79,7 +79,7 @@ class Prob(Metric):
     def __post_init__(self) -> None:
         self.name, self.positions = f"prob {_ids(self.token)}", [self.position]
 
-    def __call__(self, out: Run) -> Tensor:
+    def __call__(self, out: Trace) -> Tensor:
         logits = out.logits_at(self.position).float()
         return logits.softmax(-1).gather(-1, _column(self.token, logits))[:, 0].mean()
 
@@ -96,7 +96,7 @@ class Loss(Metric):
         self.name = "loss on the clean tokens" if self.at is None else f"loss at {len(self.at)} positions"
         self.positions = None if self.at is None else list(self.at)
 
-    def __call__(self, out: Run) -> Tensor:
+    def __call__(self, out: Trace) -> Tensor:
         toks = out.tokens if self.tokens is None else self.tokens
         toks = toks.to(out.logits.device)
         if self.at is None:
@@ -124,7 +124,7 @@ class Attention(Metric):
         self.name = f"attention of {self.layer}.{self.head} to query - {self.offset}"
         self.reads, self.positions = (f"pattern.{self.layer}",), []
 
-    def __call__(self, out: Run) -> Tensor:
+    def __call__(self, out: Trace) -> Tensor:
         q = torch.as_tensor(list(self.queries), dtype=torch.long)
         if len(q) == 0 or bool((q - self.offset < 0).any()):
             raise QkovError(f"attention metric: every query must be at least {self.offset} positions in")
@@ -146,7 +146,7 @@ class ICLWindows(Metric):
         self.name = f"ICL: loss at {len(self.late)} late minus {len(self.early)} early positions"
         self.positions = sorted({*self.early, *self.late})
 
-    def __call__(self, out: Run) -> Tensor:
+    def __call__(self, out: Trace) -> Tensor:
         toks = (out.tokens if self.tokens is None else self.tokens).to(out.logits.device)
 
         def loss(at: Sequence[int]) -> Tensor:

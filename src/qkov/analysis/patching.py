@@ -31,9 +31,9 @@ from ..errors import QkovError
 from ..expect import expect_source
 from ..model.tokens import check_tokens
 from ..weights.parts import WeightSource
-from .activations import Run
+from .activations import Trace
 from .decompose import final_stream
-from .forward import run
+from .forward import trace
 from .metrics import Metric, as_metric
 from .progress import Progress, tick
 from .shown import TEXT, Shown, register
@@ -151,14 +151,14 @@ def copy_bytes(source: WeightSource, tokens: Tensor, positions: Tensor | None) -
 
 
 def batched(
-    source: WeightSource, base: Tensor, base_run: Run, m: Metric, start: int, edits: dict[Any, Any], K: int
+    source: WeightSource, base: Tensor, base_run: Trace, m: Metric, start: int, edits: dict[Any, Any], K: int
 ) -> Tensor:
     """The metric on ``K`` copies of ``base [B, T]`` in one forward pass with ``edits`` (which patch
     each copy its own way), started at layer ``start`` from the base run's stream: ``[K]``."""
     B, T = base.shape
     L = source.cfg.n_layers
     stream = base_run[("resid_pre", start)] if start < L else final_stream(base_run)
-    out = run(
+    out = trace(
         source,
         base.repeat(K, 1),
         start_at=(start, stream.repeat(K, 1, 1)),
@@ -177,17 +177,19 @@ def reads_from(source: WeightSource, m: Metric) -> int:
     return min(layers, default=source.cfg.n_layers)
 
 
-def metric_values(source: WeightSource, base: Tensor, src: Tensor, m: Metric, cache: Sequence[str]) -> tuple[Run, Run]:
+def metric_values(
+    source: WeightSource, base: Tensor, src: Tensor, m: Metric, cache: Sequence[str]
+) -> tuple[Trace, Trace]:
     """The base and source runs, caching ``cache`` and what the metric reads."""
     T = base.shape[1]
     want = [*cache, *m.reads]
     return (
-        run(source, base, cache=want, positions=m.logit_positions(T)),
-        run(source, src, cache=want, positions=m.logit_positions(T)),
+        trace(source, base, cache=want, positions=m.logit_positions(T)),
+        trace(source, src, cache=want, positions=m.logit_positions(T)),
     )
 
 
-def scalar(m: Metric, r: Run) -> float:
+def scalar(m: Metric, r: Trace) -> float:
     return float(m(r))
 
 
@@ -308,10 +310,10 @@ def attribution_patching(
     kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
     T = base.shape[1]
     want = [f"{kind}.*", *m.reads]
-    base_run = run(source, base, cache=want, positions=m.logit_positions(T), grad=True)
+    base_run = trace(source, base, cache=want, positions=m.logit_positions(T), grad=True)
     base_value = m(base_run)
     base_value.backward()
-    src_run = run(source, src, cache=want, positions=m.logit_positions(T))
+    src_run = trace(source, src, cache=want, positions=m.logit_positions(T))
     L = source.cfg.n_layers
     keep = sorted(dims.values())
     rows = []

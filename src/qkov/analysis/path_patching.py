@@ -30,8 +30,8 @@ from torch import Tensor
 from ..errors import QkovError
 from ..expect import expect_source
 from ..weights.parts import WeightSource
-from .activations import Run
-from .forward import run
+from .activations import Trace
+from .forward import trace
 from .metrics import Metric, as_metric
 from .decompose import final_stream
 from .patching import PATCH_BYTES, PatchResult, batched, copy_bytes, pair, reads_from, scalar
@@ -97,8 +97,8 @@ def path_patching(
     z = [f"z.{l}" for l in sender_layers]  # a head's output is z @ W_O: the changes come from z, d_head wide
     stream = [f"resid_pre.{start}"] if start < L else []
     cache = [*z, *stream, *(f"{input}_input.{l}" for l in layers), *m.reads] + ([] if heads else [f"resid_post.{L - 1}"])
-    base_run = run(source, base, cache=cache, positions=m.logit_positions(T))
-    src_run = run(source, src, cache=[*z, *m.reads], positions=m.logit_positions(T))
+    base_run = trace(source, base, cache=cache, positions=m.logit_positions(T))
+    src_run = trace(source, src, cache=[*z, *m.reads], positions=m.logit_positions(T))
     W_O = {l: source.attention(l).W_O for l in sender_layers}
     # each patched copy also holds the receivers' per-head inputs, edited and normalised
     split = 2 * base.numel() * cfg.n_heads * cfg.d_model * base_run.logits.element_size() * len(layers)
@@ -123,7 +123,7 @@ def path_patching(
 def _run_chunk(
     source: WeightSource,
     base: Tensor,
-    base_run: Run,
+    base_run: Trace,
     m: Metric,
     heads: list[Head],
     kind: str,
@@ -136,7 +136,7 @@ def _run_chunk(
     L = source.cfg.n_layers
     if not heads:  # -> logits: the final stream of each copy is the base one plus the sender's change
         stream = (final_stream(base_run)[None] + delta).reshape(K * B, *delta.shape[2:])
-        out = run(source, base.repeat(K, 1), start_at=(L, stream), cache=m.reads, positions=m.logit_positions(base.shape[1]))
+        out = trace(source, base.repeat(K, 1), start_at=(L, stream), cache=m.reads, positions=m.logit_positions(base.shape[1]))
         return torch.stack([m(out.select(slice(k * B, (k + 1) * B))) for k in range(K)])
     group = source.cfg.n_heads // source.cfg.kv_heads if kind in ("k", "v") else 1
     edits: dict[Any, Any] = {}
@@ -185,8 +185,8 @@ def input_paths(
     T = base.shape[1]
     start = min(l2, reads_from(source, m))
     cache = [f"z.{l1}", f"resid_pre.{start}", *(f"{i}_input.{l2}" for i in inputs), *m.reads]
-    base_run = run(source, base, cache=cache, positions=m.logit_positions(T))
-    src_run = run(source, src, cache=[f"z.{l1}", *m.reads], positions=m.logit_positions(T))
+    base_run = trace(source, base, cache=cache, positions=m.logit_positions(T))
+    src_run = trace(source, src, cache=[f"z.{l1}", *m.reads], positions=m.logit_positions(T))
     change = (src_run[("z", l1)][:, :, h1] - base_run[("z", l1)][:, :, h1]) @ source.attention(l1).W_O[h1]
     K, edits = len(inputs), {}
     for k, inp in enumerate(inputs):

@@ -30,7 +30,7 @@ With MLPs, MLP outputs are frozen sources, not expanded.
 patterns, then repeatedly let each head add the output it computed on the previous run).
 :func:`qkov.analysis.qk_split.qk_split` expands a head's pre-softmax scores the same way.
 
-Every run here is :func:`qkov.analysis.forward.run`; the expansion applies its layer pieces
+Every run here is :func:`qkov.analysis.forward.trace`; the expansion applies its layer pieces
 (:func:`~qkov.analysis.forward.read`, :func:`~qkov.analysis.forward.project`,
 :func:`~qkov.analysis.forward.head_writes`) to single stream terms.
 """
@@ -49,7 +49,7 @@ from ..device import check_fits
 from ..errors import QkovError
 from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
-from .forward import Run, flops_per_token, head_terms, read, run
+from .forward import Trace, flops_per_token, head_terms, read, trace
 from .progress import Progress, tick
 from .sampling import seeded_subset
 from .shown import Shown
@@ -88,11 +88,11 @@ def check_linear(source: WeightSource) -> None:
         raise QkovError("paths: use a weights view with LayerNorm folded (fold_ln=True)")
 
 
-def frozen_run(source: WeightSource, tokens: Tensor, *, record: tuple[str, ...] = ()) -> Run:
+def frozen_run(source: WeightSource, tokens: Tensor, *, record: tuple[str, ...] = ()) -> Trace:
     """A real forward pass recording what the expansion freezes (patterns, normalisation divisors,
     MLP outputs), plus ``record``."""
     check_linear(source)
-    return run(source, tokens, record=FROZEN + record)
+    return trace(source, tokens, record=FROZEN + record)
 
 
 def loss(logits: Tensor, tokens: Tensor) -> float:
@@ -110,7 +110,7 @@ class Expansion:
     order-2 term (only when asked for); ``bias`` and ``mlp`` as in the module docstring.
     """
 
-    run: Run
+    run: Trace
     source: WeightSource
     orders: list[Tensor]
     bias: Tensor
@@ -240,7 +240,7 @@ def term_importance(source: WeightSource, tokens: Tensor, *, progress: Progress 
     outputs = real.logits.new_zeros(c.n_layers, B, c.n_heads, T, c.d_model)
     losses = []
     for i in range(c.n_layers + 1):
-        r = run(source, toks, record=("head_outputs",), frozen=real, head_outputs=outputs)
+        r = trace(source, toks, record=("head_outputs",), frozen=real, head_outputs=outputs)
         losses.append(loss(r.logits, toks))
         outputs = r.head_outputs  # type: ignore[assignment]
         tick(progress, "paths: term importance", i + 1, c.n_layers + 1)

@@ -22,12 +22,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..deprecated import renamed_property
 from ..errors import QkovError
 from ..expect import expect_source
 from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
 from .progress import Progress, tick
-from .forward import flops_per_token, run
+from .forward import flops_per_token, trace
 from .shown import Shown
 
 
@@ -104,9 +105,14 @@ def induction_attention(patterns: Tensor, period: int, *, first: int = 1) -> Ten
 
 @dataclass(repr=False)
 class InductionProbe(Shown):
-    """Induction score per head and the loss on each copy of repeated random tokens."""
+    """Each head's induction attention and the loss on each copy of repeated random tokens.
 
-    scores: Tensor  # [n_layers, n_heads]
+    ``induction_attention [n_layers, n_heads]``: the mean attention from each token of a later copy
+    to the token after its previous occurrence (:func:`induction_attention`), the measure
+    :attr:`~qkov.analysis.heads.RepeatScores.induction_attention` also reads (there on the head
+    detectors' four blocks of 25 tokens, here on ``repeats`` copies of ``length``)."""
+
+    induction_attention: Tensor  # [n_layers, n_heads]
     loss_by_copy: list[float]  # mean next-token loss on copy 1, copy 2, ...
     loss_by_position: list[float]  # mean loss at each position i (predicting token i + 1), over the batch
     length: int  # tokens per copy
@@ -114,16 +120,18 @@ class InductionProbe(Shown):
     @property
     def best(self) -> float:
         """Largest score among heads in layers >= 1 (0.0 for models with fewer than 2 layers)."""
-        if self.scores.shape[0] < 2:
+        if self.induction_attention.shape[0] < 2:
             return 0.0
-        return float(self.scores[1:].max())
+        return float(self.induction_attention[1:].max())
 
     @property
     def best_head(self) -> tuple[int, int] | None:
-        if self.scores.shape[0] < 2:
+        if self.induction_attention.shape[0] < 2:
             return None
-        flat = int(self.scores[1:].argmax())
-        return 1 + flat // self.scores.shape[1], flat % self.scores.shape[1]
+        flat = int(self.induction_attention[1:].argmax())
+        return 1 + flat // self.induction_attention.shape[1], flat % self.induction_attention.shape[1]
+
+    scores = renamed_property("scores", "induction_attention", "InductionProbe")
 
 
 def induction_probe(
@@ -136,13 +144,13 @@ def induction_probe(
     seed: int = 0,
     edits: Mapping[Any, Any] | None = None,
 ) -> InductionProbe:
-    """Run the model (with ``edits``, see :func:`~qkov.analysis.forward.run`) on
+    """Run the model (with ``edits``, see :func:`~qkov.analysis.forward.trace`) on
     :func:`induction_probe_tokens`; score every head's induction attention."""
     expect_source("qkov.induction_probe", source)
     cfg = source.cfg
     length = min(length, (cfg.n_ctx - 1) // repeats)
     tokens = induction_probe_tokens(cfg.d_vocab, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
-    r = run(source, tokens, cache="pattern.*", edits=edits)
+    r = trace(source, tokens, cache="pattern.*", edits=edits)
     assert r.patterns is not None
     scores = induction_attention(r.patterns, length)
     nll = next_token_nll(r.logits, r.tokens)  # [batch, seq-1]; position i predicts token i+1
@@ -152,7 +160,7 @@ def induction_probe(
         lo = copy * length + 1
         losses.append(float(nll[:, lo : lo + length - 1].mean()))
     curve = nll.mean(0).cpu().tolist()
-    return InductionProbe(scores=scores.float().cpu(), loss_by_copy=losses, loss_by_position=curve, length=length)
+    return InductionProbe(induction_attention=scores.float().cpu(), loss_by_copy=losses, loss_by_position=curve, length=length)
 
 
 @dataclass
@@ -213,7 +221,7 @@ def icl_score(
     keep their ``[chunk, T, d_vocab]`` logits within :data:`LOGIT_BYTES`). ``curve=False``
     unembeds only the positions of the two windows (the same score, ~T/20 times less unembedding;
     ``loss_by_position`` is then empty). ``edits`` apply to every forward pass
-    (:func:`~qkov.analysis.forward.run`); chunks are as even as they can be, so no chunk of a
+    (:func:`~qkov.analysis.forward.trace`); chunks are as even as they can be, so no chunk of a
     resample ablation holds a single sequence.
     """
     examples = examples[:, : late + 2]  # nothing after the late position enters the score
@@ -228,7 +236,7 @@ def icl_score(
     bounds = torch.linspace(0, N, -(-N // chunk) + 1).round().long().tolist()
     for i, stop in zip(bounds[:-1], bounds[1:]):
         ex = examples[i:stop]
-        logits = run(source, ex, positions=at, edits=edits).logits
+        logits = trace(source, ex, positions=at, edits=edits).logits
         if at is None:
             parts.append(next_token_nll(logits, ex))
         else:  # position p predicts token p + 1

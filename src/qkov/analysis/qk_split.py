@@ -6,7 +6,7 @@ of stream components: the direct path (token embedding, plus positions where the
 query/key input), each earlier head's output, and everything else (biases, MLP outputs).
 The bilinear score then splits into direct x direct, Q-composition (query from an earlier
 head), K-composition (key from an earlier head), both, and the rest. Everything is read off
-one :func:`qkov.analysis.forward.run` that recorded each head's output.
+one :func:`qkov.analysis.forward.trace` that recorded each head's output.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..model import rotary
 from ..weights.parts import WeightSource, check_head
-from .forward import Run, read
+from .forward import Trace, read
 from .paths import frozen_run
 
 
@@ -65,7 +65,7 @@ class QKSplit:
 
 def _components(
     source: WeightSource, tokens: Tensor, layer: int
-) -> tuple[Tensor, list[Tensor], list[str], Tensor, Run]:
+) -> tuple[Tensor, list[Tensor], list[str], Tensor, Trace]:
     """The stream at ``layer``'s query/key input as direct + per-head outputs + other, and the run."""
     cfg = source.cfg
     r = frozen_run(source, tokens, record=("head_outputs",))

@@ -140,9 +140,9 @@ def paths_text(p: PathSummary) -> str:
 
 @register(TEXT, InductionProbe)
 def probe_text(p: InductionProbe) -> str:
-    L, H = p.scores.shape
+    L, H = p.induction_attention.shape
     best = "none (fewer than 2 layers)" if p.best_head is None else f"{p.best_head[0]}.{p.best_head[1]} ({num(p.best)})"
-    rows = [[l, *(num(float(v)) for v in p.scores[l])] for l in range(L)]
+    rows = [[l, *(num(float(v)) for v in p.induction_attention[l])] for l in range(L)]
     copies = ", ".join(f"copy {i + 1}: {num(v)}" for i, v in enumerate(p.loss_by_copy))
     return (
         f"InductionProbe: {p.length} random tokens per copy; loss {copies} nats; best induction head {best}\n"

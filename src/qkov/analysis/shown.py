@@ -3,8 +3,9 @@ HTML in a notebook.
 
 Results inherit :class:`Shown`, which looks its formatters up by type: the text ones are
 registered by :mod:`qkov.analysis.reprs` (this package), the HTML ones by :mod:`qkov.show`
-(which draws with the report's renderers and sits above this package). Without a registered
-HTML formatter ``_repr_html_`` returns ``None`` and a notebook shows the text.
+(which draws with the report's renderers and sits above this package, and is loaded on the first
+display: :data:`LOADERS`). Without a registered HTML formatter ``_repr_html_`` returns ``None`` and a
+notebook shows the text.
 
 Functions that return several results return a :class:`Shown` container — a ``list`` or
 ``dict`` subclass, so existing code that indexes or iterates them is unchanged.
@@ -20,6 +21,15 @@ Formatter = Callable[[Any], str]
 TEXT: dict[type, Formatter] = {}
 HTML: dict[type, Formatter] = {}
 MAX_ROWS = 12  # rows a text or HTML table shows before "... N more"
+LOADERS: list[Callable[[], Any]] = []
+"""Run once, before the first HTML lookup: what registers the HTML formatters of a layer that loads on
+first use (``import qkov`` puts the import of :mod:`qkov.show` here, so ``import qkov`` stays light)."""
+
+
+def load_html() -> None:
+    """Run (and forget) the :data:`LOADERS`."""
+    while LOADERS:
+        LOADERS.pop(0)()
 
 
 def register(table: dict[type, Formatter], *types: type) -> Callable[[Formatter], Formatter]:
@@ -49,6 +59,7 @@ class Shown:
         return fn(self) if fn is not None else f"<{type(self).__name__}>"
 
     def _repr_html_(self) -> str | None:
+        load_html()
         fn = _lookup(HTML, self)
         return None if fn is None else fn(self)
 

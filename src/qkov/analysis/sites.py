@@ -1,5 +1,5 @@
 """Named sites: every activation the analysis forward computes, addressed by one scheme for
-reading (``run(..., cache=[...])``) and writing (``run(..., edits={...})``).
+reading (``trace(..., cache=[...])``) and writing (``trace(..., edits={...})``).
 
 A site is a kind and, for the per-layer kinds, a layer: ``"pattern.1"`` (or ``("pattern", 1)``),
 ``"embed"``, ``"logits"``. Head-indexed kinds also take a head: ``"z.0.3"`` is head 3 of

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..model.ops import causal_mask
 from ..weights.parts import WeightSource
-from .forward import LayerView, Run, read, run
+from .forward import LayerView, Trace, read, trace
 from .progress import Progress, tick
 
 TEXT_CHUNK_BYTES = 512 * 2**20  # what one chunk of sequences may take at its peak (sequence_bytes)
@@ -71,7 +71,7 @@ def _positional_layer(source: WeightSource, layer: int, x: Tensor, scale: Tensor
     return out
 
 
-def positional_fraction(source: WeightSource, r: Run) -> Tensor:
+def positional_fraction(source: WeightSource, r: Trace) -> Tensor:
     """How much of each head's attention score varies with position alone.
 
     ``Var_k(pos-pos term) / Var_k(real score)`` over allowed keys, averaged over queries
@@ -155,7 +155,7 @@ def text_scores(
     observe: Callable[[LayerView], None] = sums
     for start in range(0, B, chunk):
         part = text[start : start + chunk]
-        run(source, part, record=(), observe=observe)
+        trace(source, part, record=(), observe=observe)
         sums.sequences += part.shape[0]
         sums.queries += part.shape[0] * (T - 1)
         tick(progress, "heads: attention on text", min(start + chunk, B), B)

@@ -36,7 +36,7 @@ from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..weights.parts import WeightSource
 from .factored import LowRank
-from .forward import Run, head_terms
+from .forward import Trace, head_terms
 from .progress import Progress, tick
 
 Key = tuple[int, int, int, int]  # (l1, h1, l2, h2): writer head, then reader head in a later layer
@@ -49,7 +49,7 @@ def virtual_keys(cfg: ModelConfig) -> list[Key]:
 
 
 @torch.no_grad()
-def virtual_bounds(source: WeightSource, run: Run, first_order: dict[tuple[int, int], Tensor]) -> dict[Key, float]:
+def virtual_bounds(source: WeightSource, run: Trace, first_order: dict[tuple[int, int], Tensor]) -> dict[Key, float]:
     """The upper bound of the module docstring on ``||term||_F`` of every virtual head.
 
     ``run``: the frozen run (patterns and normalisation divisors recorded); ``first_order``:
@@ -78,7 +78,7 @@ def virtual_bounds(source: WeightSource, run: Run, first_order: dict[tuple[int, 
 @torch.no_grad()
 def materialize(
     source: WeightSource,
-    run: Run,
+    run: Trace,
     first_order: dict[tuple[int, int], Tensor],
     keys: list[Key],
     *,
@@ -161,7 +161,7 @@ class VirtualCoverage:
 @torch.no_grad()
 def select_virtual(
     source: WeightSource,
-    run: Run,
+    run: Trace,
     first_order: dict[tuple[int, int], Tensor],
     order2: Tensor,
     *,

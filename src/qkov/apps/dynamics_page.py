@@ -1,6 +1,6 @@
 """The ``qkov dynamics`` page: one self-contained HTML file drawn from the result's JSON.
 
-The same stack as the report (:func:`qkov.apps.report.render.render_page`): plotly.js from the
+The same stack as the report (:func:`qkov.apps.report.render.render_template`): plotly.js from the
 installed package, the report's CSS and its script library (``window.qkovReport``, whose helpers
 the page's own script uses), no network. Each section is marked ``data-rendered="ok"`` or shows
 its error.
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report.render import render_page
+from .report.render import render_template
 
 
 def render_dynamics(result: dict[str, Any], *, title: str | None = None) -> str:
-    """The page of a :func:`qkov.apps.dynamics.dynamics` result (one string of HTML)."""
+    """The page of a :func:`qkov.apps.dynamics_study.dynamics` result (one string of HTML)."""
     title = title or f"qkov dynamics: {result.get('description', '')}"
-    return render_page("dynamics.html", result, ("report.js", "dynamics.js"), title)
+    return render_template("dynamics.html", result, ("report.js", "dynamics.js"), title)

@@ -1,7 +1,7 @@
 """Progress displays: training, and staged analyses (rich bars on a terminal).
 
 Used by the CLI as the ``callback`` of :func:`qkov.train` and the ``progress`` of the
-long analyses (:data:`qkov.analysis.progress.Progress`); the library itself never prints.
+long analyses (:class:`qkov.progress.Progress`); the library itself never prints.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class TrainProgress:
 
 class StageProgress:
     """Callable ``(stage, done, total)`` for the ``progress`` argument of the long analyses
-    (:func:`qkov.analysis.circuits.analyse`, ...). Use as a context manager.
+    (:func:`qkov.analysis.circuits.circuits_report`, ...). Use as a context manager.
 
     On a terminal it draws one rich progress bar per stage (stderr). Elsewhere (a log file, CI)
     it writes plain lines instead, so long work is never silent: once the command has run

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..deprecated import module_getattr
 from ..device import pick_device
 from ..errors import QkovError
 from ..io.checkpoint import read_config
@@ -25,11 +26,10 @@ from ..training.loop import train
 from .outputs import output_folder, replace_pair, settle
 from .progress import TrainProgress
 from .report import write_report
-from .report.render import render_page as draw_page
-from .report.render import to_json
+from .report.render import render_template, to_json
 from .claims import Claim, claims, head_rows
-from .dynamics import SCHEMA_VERSION as DYNAMICS_SCHEMA
-from .dynamics import DYNAMICS_FILES, write_dynamics
+from .dynamics_study import SCHEMA_VERSION as DYNAMICS_SCHEMA
+from .dynamics_study import DYNAMICS_FILES, write_dynamics
 from .phase_section import phase_charts, phase_claims
 from .report.sections import Report, TrainingRecord
 
@@ -78,7 +78,7 @@ def page_data(
     }
 
 
-def render_page(
+def render_tour(
     models: list[dict[str, Any]],
     table: list[Claim],
     meta: dict[str, Any],
@@ -87,9 +87,9 @@ def render_page(
 ) -> str:
     """The comparison page: the models side by side (each linking to its report), the models' loss
     by token position, the phase-change charts (linking to the dynamics pages) and the claims table.
-    Drawn as the report is (:func:`~qkov.apps.report.render.render_page`): its stylesheet, its
+    Drawn as the report is (:func:`~qkov.apps.report.render.render_template`): its stylesheet, its
     script library and plotly.js, the data of :func:`page_data` embedded; opens with no network."""
-    return draw_page("tour.html", page_data(models, table, meta, curves, phase), ("report.js", "tour.js"), TITLE)
+    return render_template("tour.html", page_data(models, table, meta, curves, phase), ("report.js", "tour.js"), TITLE)
 
 
 # --------------------------------------------------------------------------- run
@@ -188,6 +188,9 @@ def run_tour(
     curves = {f"{n}-layer": reports[n].icl.loss_by_position or [] for n in layers}
     summary = {n: {"reading": d["reading"], "ablation": d["ablation"]} for n, d in dyn.items()}
     body = {"models": models, "claims": [c.to_dict() for c in table], "dynamics": summary, **meta}
-    page = render_page(models, table, meta, curves, phase_charts(dyn))
+    page = render_tour(models, table, meta, curves, phase_charts(dyn))
     replace_pair(out, {"index.html": page, "tour.json": to_json(body, indent=1)}, overwrite=False, what="tour")
     return table, models
+
+
+__getattr__ = module_getattr(__name__, {"render_page": ("qkov.apps.tour.render_tour", lambda: render_tour)})

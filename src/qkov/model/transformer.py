@@ -9,7 +9,7 @@ stacked views ``model.W_Q`` etc. add the leading layer dimension.
 Attention runs fused (``torch.nn.functional.scaled_dot_product_attention``): this module
 trains and predicts. Everything that looks inside the model (attention patterns, frozen
 patterns, per-head outputs, LayerNorm scales) is the analysis forward's job
-(:func:`qkov.analysis.forward.run` over :class:`qkov.weights.Weights`), which is tested
+(:func:`qkov.analysis.forward.trace` over :class:`qkov.weights.Weights`), which is tested
 against this module.
 """
 
@@ -193,7 +193,7 @@ class Transformer(nn.Module):
     """A decoder-only transformer (attention-only by default, as the paper's models).
 
     ``model(tokens)`` returns logits. To look inside (patterns, per-head outputs, frozen
-    patterns), run the analysis forward on its weights: ``qkov.run(Weights.from_model(model), tokens)``.
+    patterns), run the analysis forward on its weights: ``qkov.trace(Weights.from_model(model), tokens)``.
     """
 
     def __init__(self, cfg: ModelConfig, *, seed: int | None = None, init: bool = True) -> None:

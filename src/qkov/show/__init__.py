@@ -15,7 +15,7 @@ carried once per notebook (:mod:`qkov.show.page`): no network, and an exported n
 from __future__ import annotations
 
 from . import displays as displays  # registers the results' HTML forms
-from . import dynamics as dynamics  # ... and those of the training-dynamics results
+from . import study_displays as study_displays  # ... and those of the studies (dynamics, ablation)
 from .page import take_assets
 from .viewer import AttentionView, attention
 

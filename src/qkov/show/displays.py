@@ -122,7 +122,7 @@ def probe_html(p: InductionProbe) -> str:
         return text_only(repr(p))
     best = None if p.best_head is None else f"{p.best_head[0]}.{p.best_head[1]}"
     curves = vars(repeat_curves(p))
-    data = {"probe": {"scores": p.scores.tolist(), "best_head": best, "best": p.best, "repeat": curves}}
+    data = {"probe": {"scores": p.induction_attention.tolist(), "best_head": best, "best": p.best, "repeat": curves}}
     return page(mounted("probe", data, repr(p), title="Induction probe"))
 
 

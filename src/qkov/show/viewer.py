@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..analysis.forward import run
+from ..analysis.forward import trace
 from ..apps.report.collect import attention_section
 from ..errors import QkovError
 from ..io.sources import load_any
@@ -29,7 +29,7 @@ class AttentionView:
     def __init__(self, source: WeightSource, ids: Tensor, decode: Callable[[int], str], where: tuple[int, ...]) -> None:
         self.ids, self.tokens = ids.cpu(), [decode(int(i)) for i in ids]
         self.layer, self.head, self.query = where
-        self.patterns = run(source, ids[None], cache="pattern.*").patterns[:, 0].float().cpu()  # type: ignore[index]
+        self.patterns = trace(source, ids[None], cache="pattern.*").patterns[:, 0].float().cpu()  # type: ignore[index]
         self._section = attention_section(source, ids, decode)  # type: ignore[arg-type]
 
     def argmax(self, layer: int, head: int, query: int) -> int:

@@ -25,19 +25,19 @@ import os
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..errors import QkovError
 from ..io.atomic import atomic_write_bytes, atomic_write_text
+from ..progress import Progress, as_progress, tick
 from .corpus_size import check_examples as check_examples
 from .corpus_size import tokens, too_short
 
 BOS_TOKEN = "<|bos|>"
 TOKENIZER_VERSION = 1  # bump when the tokenizer recipe changes (invalidates caches)
-ProgressFn = Callable[[str], None]
+CORPUS_STEPS = 3  # what load_corpus reports: reading the files, training the tokenizer, tokenising
 
 
 @dataclass
@@ -206,10 +206,14 @@ def load_corpus(
     vocab_size: int = 2048,
     val_fraction: float = 0.05,
     cache_dir: Path | None = None,
-    progress: ProgressFn | None = None,
+    progress: Progress | None = None,
 ) -> Corpus:
-    """Load (or build and cache) a tokenised corpus. See the module docstring for ``spec``."""
-    say = progress or (lambda _msg: None)
+    """Load (or build and cache) a tokenised corpus. See the module docstring for ``spec``.
+
+    ``progress(what, done, total)`` (:class:`qkov.progress.Progress`) hears each step of building
+    it, ``what`` saying what is being done (a one-argument callback is still accepted, deprecated)."""
+    progress = as_progress(progress, "qkov.load_corpus")
+    say = lambda what, done=0: tick(progress, what, done, CORPUS_STEPS)  # noqa: E731
     if not 0.0 < val_fraction < 0.5:
         raise QkovError(f"val_fraction must be in (0, 0.5), got {val_fraction}")
     if spec.endswith((".npy", ".bin")):
@@ -235,7 +239,7 @@ def load_corpus(
             train = np.load(cdir / "train.npy", allow_pickle=False)
             val = np.load(cdir / "val.npy", allow_pickle=False)
             tok_json = (cdir / "tokenizer.json").read_text()
-            say(f"corpus: cached tokens from {cdir}")
+            say(f"corpus: cached tokens from {cdir}", CORPUS_STEPS)
             return Corpus(train, val, tok_json, meta["bos_token_id"], meta["d_vocab"], spec, meta["stats"], True)
         except (OSError, ValueError, KeyError, json.JSONDecodeError):
             say("corpus: cache unreadable, rebuilding")
@@ -246,11 +250,11 @@ def load_corpus(
     train_docs, val_docs, how = split_texts(texts, val_fraction)
     stats["split"] = how
     if how != "by file":
-        say(f"corpus: too few files to split by file: {how}")
-    say(f"corpus: training a byte-level BPE tokenizer (vocab {vocab_size}) on {len(train_docs)} files")
+        say(f"corpus: too few files to split by file: {how}", 1)
+    say(f"corpus: training a byte-level BPE tokenizer (vocab {vocab_size}) on {len(train_docs)} files", 1)
     tok = train_tokenizer(train_docs, vocab_size)
     bos = tok.token_to_id(BOS_TOKEN)
-    say("corpus: tokenising")
+    say("corpus: tokenising", 2)
     train = _encode_stream(tok, train_docs, bos)
     val = _encode_stream(tok, val_docs, bos)
     stats.update(

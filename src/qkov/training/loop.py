@@ -151,7 +151,7 @@ def prepare(
     if sync_cache and not dist_info.main:
         distributed.barrier(dist_info)  # rank 0 builds the token cache first; the others then read it
     if corpus is None:
-        say = lambda m: emit({"event": "message", "text": m})  # noqa: E731
+        say = lambda what, done, total: emit({"event": "message", "text": what})  # noqa: E731
         corpus = load_corpus(tc.corpus, vocab_size=model_cfg.d_vocab, val_fraction=tc.val_fraction, progress=say)
     if corpus.d_vocab > model_cfg.d_vocab:
         raise QkovError(f"corpus vocabulary ({corpus.d_vocab}) exceeds the model's d_vocab ({model_cfg.d_vocab})")

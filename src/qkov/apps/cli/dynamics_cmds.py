@@ -14,7 +14,7 @@ from ...analysis.positions import parse_positions
 from ...errors import QkovError
 from ...io.sources import source_kind
 from ...weights.view import Weights
-from ..dynamics import sample_for, write_dynamics
+from ..dynamics_study import sample_for, write_dynamics
 from ..progress import StageProgress
 from .common import add_device, add_inputs, add_source_args, console, device, dump_json, load_source, nonneg_int
 

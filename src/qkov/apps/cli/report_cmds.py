@@ -70,7 +70,11 @@ def cmd_report(args: argparse.Namespace) -> int:
     device(args)  # a bad device is an error before any work
     con = console()
     t0 = time.perf_counter()
-    progress = None if args.quiet else (lambda stage: con.print(f"[dim]… {stage}[/dim]", highlight=False))
+
+    def progress(stage: str, done: int, total: int) -> None:  # one line as each stage starts
+        if not args.quiet and done == 0:
+            con.print(f"[dim]… {stage}[/dim]", highlight=False)
+
     write_report(
         args.ckpt,
         out,

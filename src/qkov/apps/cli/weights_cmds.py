@@ -14,7 +14,7 @@ from rich.table import Table
 
 from ...analysis import trigrams
 from ...analysis.rotary_circuits import OffsetProfiles
-from ...analysis.circuits import CircuitsReport, analyse
+from ...analysis.circuits import CircuitsReport, circuits_report
 from ...errors import QkovError
 from ...io.checkpoint import TOKENIZER_FILE, read_tokenizer
 from ...model.tokens import token_decoder
@@ -92,7 +92,7 @@ def cmd_circuits(args: argparse.Namespace) -> int:
     if source.cfg.n_layers == 0:
         raise QkovError("circuits: the model has no attention layers")
     with StageProgress() as progress:
-        report = analyse(
+        report = circuits_report(
             source,
             diag_k=args.diag_k or None,
             diag_sample=args.diag_sample,

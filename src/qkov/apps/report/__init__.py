@@ -13,8 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ...progress import Progress
 from ..outputs import output_folder, replace_pair
-from .collect import Progress, collect
+from .collect import collect
 from .render import render_html, to_json
 from .sections import SCHEMA_VERSION, Report
 

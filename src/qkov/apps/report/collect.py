@@ -18,7 +18,7 @@ import torch
 from ...analysis import trigrams
 from ...analysis.circuits import DIAG_EXACT_MAX, bandwidth, check_diag_k, eigen_copying_score, full_ov, ov_eigenvalues
 from ...analysis.composition import Composition, composition_scores
-from ...analysis.forward import run
+from ...analysis.forward import trace
 from ...analysis.heads import SCORE_COLUMNS, HeadReport, head_report
 from ...analysis.paths import PathSummary, TermEffect, default_batch, paths_batch, summarize
 from ...analysis.probes import InductionProbe, default_icl_examples, icl_score, induction_probe
@@ -28,6 +28,7 @@ from ...io.checkpoint import checkpoint_info, read_metrics
 from ...io.sources import load_any, source_kind
 from ...model.tokens import token_decoder
 from ...model.transformer import Transformer
+from ...progress import Progress, as_progress
 from ...weights.view import Weights
 from ..inputs import AnalysisInput, analysis_inputs
 from .interventions import causal_section, patching_section, read_patching
@@ -54,7 +55,6 @@ from .sections import (
     TrigramsSection,
 )
 
-Progress = Callable[[str], None]
 Decode = Callable[[int], str]
 
 TRIGRAM_HEADS = 4  # layer-0 heads with a skip-trigram table above a vocabulary of DIAG_EXACT_MAX
@@ -81,11 +81,14 @@ def _rd(d: dict[str, Any]) -> dict[str, Any]:
 
 @contextmanager
 def _stage(timings: dict[str, float], name: str, progress: Progress | None) -> Iterator[None]:
+    """One stage of the report, timed: ``progress(name, 0, 1)`` when it starts, ``(name, 1, 1)`` when it ends."""
     if progress is not None:
-        progress(name)
+        progress(name, 0, 1)
     t0 = time.perf_counter()
     yield
     timings[name] = round(time.perf_counter() - t0, 3)
+    if progress is not None:
+        progress(name, 1, 1)
 
 
 # ---------------------------------------------------------------------- sections
@@ -191,7 +194,7 @@ def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
 
 def attention_section(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
     """The viewer's section: every head's pattern on ``tokens [seq]`` (one sequence)."""
-    pat = run(w, tokens[None], cache="pattern.*").patterns[:, 0].float().cpu()  # type: ignore[index]  # [L, H, T, T]
+    pat = trace(w, tokens[None], cache="pattern.*").patterns[:, 0].float().cpu()  # type: ignore[index]  # [L, H, T, T]
     T, (L, H) = tokens.shape[0], pat.shape[:2]
     # lower triangle only, row by row: row q has q+1 entries
     rows = [[[_rl(pat[l, h, q, : q + 1].tolist(), 3) for q in range(T)] for h in range(H)] for l in range(L)]
@@ -309,7 +312,7 @@ def collect(
             (:func:`qkov.analysis.circuits.copying_scores`).
         clean, corrupted, metric: a clean/corrupted pair (text or token files, as ``qkov patch``
             reads them) and a metric (``loss``, ``logit-diff:A,B``, ``prob:T``) for a patching section.
-        progress: called with the name of each stage as it starts.
+        progress: ``progress(stage, done, total)`` (:class:`qkov.progress.Progress`) as each stage starts and ends.
     Raises:
         QkovError: the checkpoint or a given file cannot be read.
     """
@@ -317,6 +320,7 @@ def collect(
     dev = pick_device(device)
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
+    progress = as_progress(progress, "qkov.apps.report.collect")
     with _stage(timings, "load", progress):
         model = load_any(ckpt, config=config).to(dev).eval()
         batch = batch or default_batch(model.cfg.n_ctx)

@@ -19,6 +19,7 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
+from ...deprecated import module_getattr
 from ...errors import QkovError
 from ...version import __version__
 from .sections import Report
@@ -82,7 +83,7 @@ def script_code(code: str) -> str:
     return _SCRIPT_BREAKERS.sub(lambda m: "<\\", code)
 
 
-def render_page(template: str, data: dict[str, Any], scripts: tuple[str, ...], title: str) -> str:
+def render_template(template: str, data: dict[str, Any], scripts: tuple[str, ...], title: str) -> str:
     """A self-contained page: the static ``template`` with the report's CSS, plotly.js, ``data`` as
     embedded JSON (:func:`script_json`, read by the page's script with ``JSON.parse``) and the
     static ``scripts`` (in order, :func:`script_code`) filled in."""
@@ -100,4 +101,7 @@ def render_page(template: str, data: dict[str, Any], scripts: tuple[str, ...], t
 
 def render_html(report: Report, *, title: str | None = None) -> str:
     """The report page for ``report`` (one string of HTML, self-contained)."""
-    return render_page("template.html", report.to_dict(), ("report.js",), title or f"qkov report: {report.name}")
+    return render_template("template.html", report.to_dict(), ("report.js",), title or f"qkov report: {report.name}")
+
+
+__getattr__ = module_getattr(__name__, {"render_page": ("qkov.apps.report.render.render_template", lambda: render_template)})
