@@ -37,7 +37,7 @@ def _head_outputs(model, tokens: torch.Tensor) -> torch.Tensor:  # type: ignore[
     """Every head's output ``[L, B, T, H, d_model]`` of the hand-built model (shortformer,
     attention only, no normalisation, no biases), written here head by head in plain torch from
     the training model's parameters: the oracle the ablations' means and resampled outputs are
-    checked against (it shares no code with qkov.run; its logits are checked against the model's)."""
+    checked against (it shares no code with qkov.trace; its logits are checked against the model's)."""
     T = tokens.shape[1]
     x, pos = model.W_E[tokens], model.W_pos[:T]
     causal = torch.ones(T, T, dtype=torch.bool).tril()
