@@ -237,7 +237,7 @@ def test_attention_viewer_patterns_are_the_forward_pass(hand: tuple, tmp_path: P
     rep = torch.cat([torch.tensor([0]), ids[1:11], ids[1:11]])
     assert qkov.show.attention(w, rep).argmax(1, 0, 15) == 6
     # a checkpoint path and the model give the same view
-    save_checkpoint(tmp_path / "hand", model)
+    save_checkpoint(model, tmp_path / "hand")
     by_path = qkov.show.attention(tmp_path / "hand", ids, 1, 0)
     assert torch.allclose(by_path.patterns, qkov.show.attention(model, ids, 1, 0).patterns)
     with pytest.raises(QkovError, match="tokenizer"):

@@ -16,12 +16,19 @@ The flow, one package per step (each imports only the ones before it):
 """
 
 from .analysis.ablation import ablation_edits, ablation_study
+from .analysis.causal_composition import composition_paths
+from .analysis.circuits import copying_scores, full_ov, full_qk, ov, ov_eigenvalues, positional_qk, qk, virtual_weights
+from .analysis.composition import composition_scores
 from .analysis.factored import LowRank
 from .analysis.forward import Run, run
+from .analysis.heads import head_report
 from .analysis.patch_study import patch_study
 from .analysis.patching import activation_patching, attribution_patching
 from .analysis.path_patching import path_patching
-from .analysis.probes import InductionProbe, induction_probe, induction_probe_tokens, prefix_matching_tokens
+from .analysis.paths import expand, term_effects, term_importance
+from .analysis.probes import InductionProbe, icl_score, induction_probe, induction_probe_tokens, prefix_matching_tokens
+from .analysis.text_scores import text_scores
+from .analysis.trigrams import bigrams, skip_trigrams
 from .apps.dynamics import dynamics
 from .errors import QkovError
 from .io.checkpoint import load, save_checkpoint
@@ -32,6 +39,7 @@ from .training.config import TrainConfig
 from .training.data import Corpus, load_corpus
 from .training.loop import train
 from .version import __version__
+from .weights.convert import as_source
 from .weights.lazy import LazyCheckpoint
 from .weights.view import Weights
 from . import show  # last: registers the notebook displays of analysis results
@@ -51,18 +59,37 @@ __all__ = [
     "ablation_edits",
     "ablation_study",
     "activation_patching",
+    "as_source",
     "attribution_patching",
+    "bigrams",
+    "composition_paths",
+    "composition_scores",
+    "copying_scores",
     "dynamics",
+    "expand",
+    "full_ov",
+    "full_qk",
+    "head_report",
+    "icl_score",
     "induction_probe",
     "induction_probe_tokens",
     "load",
     "load_any",
     "load_corpus",
+    "ov",
+    "ov_eigenvalues",
     "patch_study",
     "path_patching",
+    "positional_qk",
     "prefix_matching_tokens",
+    "qk",
     "run",
     "save_checkpoint",
     "show",
+    "skip_trigrams",
+    "term_effects",
+    "term_importance",
+    "text_scores",
     "train",
+    "virtual_weights",
 ]

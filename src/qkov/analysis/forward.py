@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import QkovError
-from ..expect import expect_source, expect_tokens
+from ..expect import expect_tokens
 from ..model import rotary
 from ..model.ops import (
     attention_scores,
@@ -53,6 +53,7 @@ from ..model.ops import (
 )
 from ..model.tokens import check_tokens
 from ..weights.parts import AttentionWeights, WeightSource
+from ..weights.convert import SourceLike, as_source
 from .activations import Run, Scales
 from .edits import Edit, Edits
 from .legacy import legacy_edits, legacy_kinds
@@ -298,7 +299,7 @@ class _Pass:
 
 
 def run(
-    source: WeightSource,
+    source: SourceLike,
     tokens: Tensor,
     *,
     cache: Iterable[Any] | str = (),
@@ -313,6 +314,8 @@ def run(
     observe: Callable[[LayerView], None] | None = None,
 ) -> Run:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
+
+    ``source``: a model, weights source or path, read once (:func:`~qkov.weights.as_source`).
 
     Args:
         cache: sites to keep (names, ``(kind, layer)`` tuples, globs such as ``"pattern.*"``,
@@ -335,7 +338,7 @@ def run(
     Returns:
         :class:`~qkov.analysis.activations.Run`.
     """
-    expect_source("qkov.run", source)
+    source = as_source("qkov.run", source)
     expect_tokens("qkov.run", tokens)
     cfg = source.cfg
     tokens = check_tokens(tokens, cfg).to(source.device)

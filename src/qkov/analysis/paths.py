@@ -49,6 +49,7 @@ from ..device import check_fits
 from ..errors import QkovError
 from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .forward import Run, flops_per_token, head_terms, read, run
 from .progress import Progress, tick
 from .sampling import seeded_subset
@@ -138,7 +139,7 @@ class Expansion:
 
 
 def expand(
-    source: WeightSource,
+    source: SourceLike,
     tokens: Tensor,
     *,
     max_order: int | None = None,
@@ -158,6 +159,7 @@ def expand(
             residual stream), never holding more than those at once.
         progress: ticked once per layer.
     """
+    source = as_source("qkov.expand", source)
     cfg = source.cfg
     r = frozen_run(source, tokens)
     T = r.tokens.shape[1]
@@ -225,7 +227,7 @@ class TermImportance:
         }
 
 
-def term_importance(source: WeightSource, tokens: Tensor, *, progress: Progress | None = None) -> TermImportance:
+def term_importance(source: SourceLike, tokens: Tensor, *, progress: Progress | None = None) -> TermImportance:
     """The paper's procedure ([F]; docs/conventions.md, "Term importance"), literally.
 
     Run 0 is the real forward pass, which fixes the patterns, normalisation divisors and MLP
@@ -233,6 +235,7 @@ def term_importance(source: WeightSource, tokens: Tensor, *, progress: Progress 
     head adds the output it computed on run n-1. After ``n_layers + 1`` runs every order is in
     and the logits equal the model's. Order n first enters on run n+1.
     """
+    source = as_source("qkov.term_importance", source)
     real = frozen_run(source, tokens)
     toks = real.tokens
     c = source.cfg

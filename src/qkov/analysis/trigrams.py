@@ -39,6 +39,7 @@ import torch
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .shown import Bigrams, SkipTrigrams
 from .rotary_circuits import rotations
 from .vocab import embed_product, unembed_product
@@ -201,9 +202,10 @@ def _search_budget(source: WeightSource, layer: int, head: int) -> tuple[int, in
     return batch, min(chunk, row * (1 + (spare - (batch - 1) * per_source) // row))
 
 
-def skip_trigrams(source: WeightSource, layer: int, head: int, *, top: int = 20, **options: Any) -> SkipTrigrams:
+def skip_trigrams(source: SourceLike, layer: int, head: int, *, top: int = 20, **options: Any) -> SkipTrigrams:
     """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there).
     ``.with_tokens(model)`` on the result shows token strings."""
+    source = as_source("qkov.skip_trigrams", source)
     return SkipTrigrams(TrigramTable(source, layer, head).top(top, **options), f"{layer}.{head}")
 
 
@@ -239,13 +241,14 @@ class Bigram:
 
 
 def bigrams(
-    source: WeightSource, *, top: int = 20, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES
+    source: SourceLike, *, top: int = 20, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES
 ) -> Bigrams:
     """The ``top`` strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram
     model. Entries in an excluded token's row or column are skipped; when the largest entries
     sit there, more are fetched until ``top`` remain (or the matrix is exhausted). Its copies of the
     embedding and unembedding are checked against the memory budget first, and the row chunks
     shrink to fit it."""
+    source = as_source("qkov.bigrams", source)
     V = source.cfg.d_vocab
     least = bigram_bytes(source, chunk_rows=1)
     advice = "analyse a model with a smaller vocabulary"
