@@ -176,8 +176,8 @@ def test_patching_and_composition_path_displays(hand: tuple) -> None:
     from qkov.analysis.causal_composition import composition_paths
 
     _, w, toks = hand
-    clean = qkov.induction_probe_tokens(V, length=10, repeats=2, batch=2, seed=1)
-    corrupted = qkov.induction_probe_tokens(V, length=20, repeats=1, batch=2, seed=2)
+    clean = qkov.induction_probe_tokens(V, length=10, repeats=2, batch=2, seed=1, bos=0)
+    corrupted = qkov.induction_probe_tokens(V, length=20, repeats=1, batch=2, seed=2, bos=0)
     study = qkov.patch_study(w, clean, corrupted, receivers=[(1, 0)])
     spec = the_spec(study)
     assert spec["section"] == "patching" and spec["data"]["patching"] == json.loads(json.dumps(study.to_dict()))

@@ -104,7 +104,7 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
     # the repeated-token curves: recompute the second-copy mean loss by hand
     rep = data["icl"]["repeat"]
     n = rep["length"]
-    toks = induction_probe_tokens(model.cfg.d_vocab, length=n, repeats=2, batch=16, seed=0)
+    toks = induction_probe_tokens(model, length=n, repeats=2, batch=16, seed=0)
     with torch.no_grad():
         lp = model(toks)[:, :-1].log_softmax(-1)
     nll = -lp.gather(-1, toks[:, 1:, None])[..., 0].mean(0)
