@@ -54,6 +54,7 @@ from .forward import Run, flops_per_token, head_terms, read, run
 from .progress import Progress, tick
 from .sampling import seeded_subset
 from .shown import Shown
+from .term_results import TermEffect, TermEffects
 from .virtual import VirtualCoverage, materialize, select_virtual, virtual_keys
 
 FROZEN = ("patterns", "scales", "mlp_outputs")  # what a run must record to be frozen
@@ -250,16 +251,6 @@ def term_importance(source: SourceLike, tokens: Tensor, *, progress: Progress | 
     return TermImportance(losses, loss(real.logits, toks), math.log(c.d_vocab))
 
 
-@dataclass
-class TermEffect:
-    name: str  # "0.3" or "0.3->1.2"
-    loss_change: float  # loss without the term minus the full loss (nats; positive = the term helps)
-    size: float  # RMS of the term's logits
-
-    def to_dict(self) -> dict[str, Any]:
-        return vars(self).copy()
-
-
 def effect_positions(exp: Expansion, max_logits: int = EFFECT_LOGITS) -> Tensor | None:
     """The ``(b, t)`` positions term effects are measured on: ``None`` (every position) when their
     logits hold at most ``max_logits`` entries, else a seeded sample of ``max_logits // d_vocab``
@@ -275,8 +266,9 @@ def effect_positions(exp: Expansion, max_logits: int = EFFECT_LOGITS) -> Tensor 
 
 def term_effects(
     exp: Expansion, *, top_virtual: int = 10, positions: Tensor | None = None, progress: Progress | None = None
-) -> tuple[list[TermEffect], list[TermEffect]]:
-    """Loss change from removing each order-1 term, and each of the ``top_virtual`` largest order-2 terms.
+) -> TermEffects:
+    """Loss change from removing each order-1 term, and each of the ``top_virtual`` largest order-2
+    terms: a :class:`TermEffects` (``.singles``, ``.virtual``; it still unpacks as the pre-1.0 pair).
 
     Logits are built one term at a time (never ``[B, T, V]`` for all terms at once), at every
     position, or at ``positions [n, 2]`` (``(b, t)`` pairs, :func:`effect_positions`) only.
@@ -307,7 +299,7 @@ def term_effects(
         tick(progress, "paths: term effects", len(singles) + len(virtual), n)
     singles.sort(key=lambda e: -e.loss_change)
     virtual.sort(key=lambda e: -e.loss_change)
-    return singles, virtual
+    return TermEffects(singles, virtual)
 
 
 @dataclass(repr=False)
@@ -395,6 +387,7 @@ def summarize(
             source, exp.run, exp.heads, exp.orders[2], most=virtual_terms, keep=top_virtual, progress=progress
         )
     positions = effect_positions(exp)
-    singles, virt = term_effects(exp, top_virtual=top_virtual, positions=positions, progress=progress)
+    effects = term_effects(exp, top_virtual=top_virtual, positions=positions, progress=progress)
+    singles, virt = effects.singles, effects.virtual
     sampled = None if positions is None else len(positions)
     return PathSummary(list(tokens.shape), exp.reconstruction_error(), importance, singles, virt, coverage, sampled)
