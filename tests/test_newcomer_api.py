@@ -149,6 +149,12 @@ def test_a_llama_family_directory_runs_every_analysis_from_python(llama_dir: Pat
     torch.testing.assert_close(exp.total_logits(), qkov.run(model, text).logits, rtol=0, atol=1e-3)
     study = qkov.ablation_study(model, text, [(1, 0)], mode="zero", draws=1)  # ablate
     assert study.intact.loss is not None and study.ablated.loss != study.intact.loss
+    # trigrams and bigrams leave the source's start token (1 here) out, as exclude=(1,) would
+    tri, bi = qkov.skip_trigrams(model, 1, 0, top=30), qkov.bigrams(model, top=30)
+    assert [t.to_dict() for t in tri] == [t.to_dict() for t in qkov.skip_trigrams(model, 1, 0, top=30, exclude=(1,))]
+    assert [b.to_dict() for b in bi] == [b.to_dict() for b in qkov.bigrams(model, top=30, exclude=(1,))]
+    assert all(1 not in (t.source, t.destination, t.output) for t in tri) and all(1 not in (b.token, b.next) for b in bi)
+    assert [b.to_dict() for b in bi] != [b.to_dict() for b in qkov.bigrams(model, top=30, exclude=(0,))]
     (tmp_path / "story.txt").write_text(PARAGRAPH)
     from qkov.apps.report import write_report
 

@@ -35,7 +35,8 @@ from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
 from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
 from .progress import Progress, tick
 from .rotary_circuits import OffsetProfiles, profiles, resolve_offsets
-from .sampling import seeded_subset
+from .diagonal import DIAG_EXACT_MAX as DIAG_EXACT_MAX, DIAG_SAMPLE as DIAG_SAMPLE
+from .diagonal import check_diag_k as check_diag_k, diag_tokens as diag_tokens, rate_stderr as rate_stderr
 from .shown import CopyingScores, Shown
 from .vocab import VOCAB_BLOCK, embed_product, unembed_product
 
@@ -219,45 +220,6 @@ def _eigenvalues(source: WeightSource, twins: list[Tensor]) -> Tensor:
         dtype = torch.complex64 if source.dtype == torch.float32 else torch.complex128
         return torch.zeros(0, c.n_heads, c.d_head, dtype=dtype, device=source.device)
     return eigenvalues(torch.stack(twins))
-
-
-DIAG_EXACT_MAX = 8192  # vocabularies up to this size get the exact own-logit-in-top-k rate
-DIAG_SAMPLE = 1024  # tokens the rate is estimated on above it (standard error <= 0.016)
-
-
-def check_diag_k(k: int, d_vocab: int) -> None:
-    """Refuse a ``diag_k`` that is not from 1 to ``d_vocab - 1`` (one-line :class:`QkovError`)."""
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k < d_vocab:
-        raise QkovError(
-            f"diag_k must be an integer from 1 to {d_vocab - 1}, below the vocabulary ({d_vocab} tokens): "
-            f"the top {d_vocab} of a row holds every token; got {k!r}"
-        )
-
-
-def diag_tokens(d_vocab: int, sample: int | None = None, *, seed: int = 0) -> Tensor | None:
-    """The tokens (rows) the own-logit-in-top-k rate is measured on: ``None`` for all of them.
-
-    ``sample=None`` chooses: every token up to :data:`DIAG_EXACT_MAX`, else :data:`DIAG_SAMPLE`
-    tokens drawn without replacement (seeded, sorted). A ``sample`` of at least ``d_vocab`` means all.
-    """
-    if sample is None:
-        sample = d_vocab if d_vocab <= DIAG_EXACT_MAX else DIAG_SAMPLE
-    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 1:
-        raise QkovError(f"diag_sample must be a positive number of tokens, got {sample!r}")
-    if sample >= d_vocab:
-        return None
-    return seeded_subset(d_vocab, sample, seed)
-
-
-def rate_stderr(rate: float, n: int, population: int) -> float:
-    """Standard error of a rate measured on ``n`` of ``population`` tokens drawn without
-    replacement: binomial with the finite-population correction, 0 when ``n`` is all of them.
-    The rate is shrunk to ``(x + 2) / (n + 4)`` first (Agresti-Coull), so a rate of 0 or 1
-    seen on a sample still gets the uncertainty it has (about 0.14 points at n = 1024)."""
-    if n >= population:
-        return 0.0
-    p = (rate * n + 2) / (n + 4)
-    return math.sqrt(p * (1 - p) / n * (population - n) / max(1, population - 1))
 
 
 def diagonal_topk_rate(
