@@ -117,7 +117,6 @@ def ablation_budget(
     once as fit. Refuses (one-line :class:`QkovError`, before any work) when a pass that cannot be
     split does not fit: the repeated-token probe, one sequence (a resample ablation: the whole
     batch, whose sequences swap outputs), two ICL examples. ``where`` begins the message."""
-    source = as_source(f"qkov.analysis.ablation.ablation_budget ({where})", source)
     what, advice = f"{where}: a forward pass of", "analyse fewer or shorter sequences"
     c, it = source.cfg, item(source)
 
@@ -126,7 +125,8 @@ def ablation_budget(
         n = fit_chunk(source, B, one, (least - 1) * one, f"{what} {name}", advice, hint="memory")
         return None if n >= B else max(least, n)
 
-    probe = _probe_tokens(source, bos, seed)
+    own = getattr(source, "bos_token_id", None)  # a planned source may carry none: only the probe's shape counts here
+    probe = _probe_tokens(source, bos if bos is not None else (0 if own is None else own), seed)
     need = run_bytes(source, *probe.shape, cached_patterns=True, loss=True)
     check_fits(need, source.device, f"{what} the repeated-token probe", advice, hint="memory")
     mean = text_chunk = icl = None
@@ -374,7 +374,7 @@ def random_sets(others: list[Head], k: int, draws: int, seed: int) -> list[list[
     return [list(c) for c in sorted(seen)]
 
 
-def _probe_tokens(w: WeightSource, bos: int | None, seed: int) -> Tensor:
+def _probe_tokens(w: WeightSource, bos: int, seed: int) -> Tensor:
     cfg = w.cfg
     length = min(50, (cfg.n_ctx - 1) // 2)
-    return induction_probe_tokens(w, length=length, repeats=2, batch=8, seed=seed, bos=bos)
+    return induction_probe_tokens(cfg.d_vocab, length=length, repeats=2, batch=8, seed=seed, bos=bos)
