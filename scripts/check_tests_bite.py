@@ -342,8 +342,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "ablation mean: the last, shorter chunk of the sample left out": (
         "analysis/ablation.py",
-        "    for lo in range(0, tokens.shape[0], chunk):\n        r = run(source, tokens[lo : lo + chunk]",
-        "    for lo in range(0, tokens.shape[0] - chunk + 1, chunk):\n        r = run(source, tokens[lo : lo + chunk]",
+        "    for lo in range(0, tokens.shape[0], chunk):\n        r = trace(source, tokens[lo : lo + chunk]",
+        "    for lo in range(0, tokens.shape[0] - chunk + 1, chunk):\n        r = trace(source, tokens[lo : lo + chunk]",
         "tests/test_ablation.py::test_mean_ablation_equals_independent_forwards",
     ),
     "ablation mean: every head's mean z is its layer's first head's": (

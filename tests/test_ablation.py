@@ -150,11 +150,11 @@ def test_ablating_the_induction_head_on_the_second_copy_removes_only_the_second_
 def test_ablating_the_induction_head_removes_its_advantage_and_a_distractor_does_not(mode: str) -> None:
     w = Weights.from_model(hand_built())
     text = natural_text(4)
-    study = Ab.ablation_study(w, [(1, 0)], text=text, mode=mode, draws=3)
+    study = Ab.ablation_study(w, text, [(1, 0)], mode=mode, draws=3)
     i, a = study.intact, study.ablated
     assert i.repeat_second < 0.5 * i.repeat_first  # the intact model predicts the second copy
     assert a.repeat_second > 0.9 * a.repeat_first  # ... the ablated one no longer does
-    distractor = Ab.ablation_study(w, [(1, 1)], text=text, mode=mode, draws=0).ablated
+    distractor = Ab.ablation_study(w, text, [(1, 1)], mode=mode, draws=0).ablated
     assert distractor.repeat_second < 0.5 * distractor.repeat_first
     assert len(study.random) == 3 and all(len(h) == 1 and h != ["1.0"] for h in study.random_heads)
     if mode == "mean":

@@ -106,7 +106,7 @@ def test_user_errors_are_one_line_exit_2(tmp_path: Path, small_corpus: Path) -> 
 
 def _save_tiny(path: Path) -> qkov.Transformer:
     model = qkov.Transformer(ModelConfig(n_layers=1, n_heads=2, d_model=8, d_head=4, d_vocab=20, n_ctx=8), seed=0)
-    qkov.save_checkpoint(path, model)
+    qkov.save_checkpoint(model, path)
     return model
 
 
@@ -152,7 +152,7 @@ def test_circuits_command(tmp_path: Path) -> None:
     model = qkov.Transformer(ModelConfig(n_layers=2, n_heads=3, d_model=16, d_head=4, d_vocab=40, n_ctx=8), seed=1)
     with torch.no_grad():  # plant a K-composition: head 1.2's keys read what head 0.1 writes
         model.blocks[1].attn.W_K[2].copy_(model.blocks[0].attn.W_O[1].T * 3)
-    qkov.save_checkpoint(tmp_path / "ck", model)
+    qkov.save_checkpoint(model, tmp_path / "ck")
     res = run_cli("circuits", str(tmp_path / "ck"), "--json")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
@@ -166,7 +166,7 @@ def test_circuits_command(tmp_path: Path) -> None:
     table = run_cli("circuits", str(tmp_path / "ck"), "--top", "2")
     assert table.returncode == 0 and "K-composition" in table.stdout and "copying" in table.stdout
     zero = tmp_path / "zero"
-    qkov.save_checkpoint(zero, qkov.Transformer(ModelConfig(n_layers=0, d_model=8, d_vocab=10, n_ctx=4), seed=0))
+    qkov.save_checkpoint(qkov.Transformer(ModelConfig(n_layers=0, d_model=8, d_vocab=10, n_ctx=4), seed=0), zero)
     _one_line_error(run_cli("circuits", str(zero)), "no attention layers")
 
 

@@ -52,7 +52,7 @@ def _hand_series(folder: Path, alphas: list[float], tokens: list[int]) -> list[s
             for p, q in zip(m.parameters(), base.parameters()):
                 p.copy_(a * q)
         path = folder / f"ckpt-{i:02d}"
-        save_checkpoint(path, m, training={"step": i * 100, "tokens": t})
+        save_checkpoint(m, path, training={"step": i * 100, "tokens": t})
         paths.append(str(path))
     return paths
 
@@ -144,9 +144,9 @@ def test_resume_rewrites_the_snapshots_after_the_state(tmp_path: Path, small_cor
 
 def test_bad_series_are_one_line_errors(tmp_path: Path, tiny_run: Path, capsys: pytest.CaptureFixture) -> None:
     plain = tmp_path / "plain"
-    save_checkpoint(plain, hand_built())
+    save_checkpoint(hand_built(), plain)
     other = tmp_path / "other"
-    save_checkpoint(other, qkov.Transformer(TINY, seed=0))
+    save_checkpoint(qkov.Transformer(TINY, seed=0), other)
     cases = [
         ((plain,), "holds no snapshots"),
         ((plain, other, "-o", tmp_path / "o1"), "different architecture"),

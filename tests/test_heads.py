@@ -66,7 +66,7 @@ def natural_text(n: int = 4, seed: int = 0) -> torch.Tensor:
 
 def test_hand_built_model_behaves_as_designed() -> None:
     m = hand_built()
-    rep = prefix_matching_tokens(V, length=15, repeats=4, examples=4, seed=1)
+    rep = prefix_matching_tokens(V, length=15, repeats=4, examples=4, seed=1, bos=0)
     with torch.no_grad():
         logits = m(rep)
     # the induction head predicts the repeated tokens: second-copy loss far below the first
@@ -134,13 +134,13 @@ def test_memory_management_head_and_neurons() -> None:
 
 def test_prefix_matching_tokens_respect_frequencies() -> None:
     freq = np.arange(100, dtype=np.float64)  # id 99 most frequent, id 1 least (0 is the start token)
-    t = prefix_matching_tokens(100, length=25, repeats=4, examples=10, seed=3, frequencies=freq)
+    t = prefix_matching_tokens(100, length=25, repeats=4, examples=10, seed=3, bos=0, frequencies=freq)
     assert t.shape == (10, 101) and (t[:, 0] == 0).all()
     assert torch.equal(t[:, 1:26], t[:, 26:51]) and torch.equal(t[:, 1:26], t[:, 76:101])
     body = t[:, 1:]
     assert body.min() >= 20 and body.max() <= 94  # bottom 20% and top 5% dropped
     assert all(len(set(row[:25].tolist())) == 25 for row in body)  # distinct within a block
-    assert torch.equal(t, prefix_matching_tokens(100, length=25, seed=3, frequencies=freq))
+    assert torch.equal(t, prefix_matching_tokens(100, length=25, seed=3, bos=0, frequencies=freq))
 
 
 def test_training_probe_finds_the_induction_head() -> None:
@@ -150,7 +150,7 @@ def test_training_probe_finds_the_induction_head() -> None:
     assert probe.best_head == (1, 0) and probe.best > 0.7  # < 1: ids drawn with replacement repeat within a copy
     assert probe.induction_attention[1, 1] < 0.2 and probe.induction_attention[0].max() < 0.2
     assert probe.loss_by_copy[1] < 0.5 * probe.loss_by_copy[0]
-    toks = induction_probe_tokens(V, length=20, batch=4, seed=2)
+    toks = induction_probe_tokens(V, length=20, batch=4, seed=2, bos=0)
     assert toks.shape == (4, 41) and (toks[:, 0] == 0).all() and torch.equal(toks[:, 1:21], toks[:, 21:])
     assert toks[:, 1:].min() >= 1
 

@@ -52,7 +52,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory, tokenizer) -> dict[str, Pa
 
 
 def test_source_kinds(tmp_path: Path, sources: dict[str, Path]) -> None:
-    qkov.save_checkpoint(tmp_path / "ck", Transformer(ModelConfig(n_layers=1, d_vocab=20, n_ctx=8), seed=0))
+    qkov.save_checkpoint(Transformer(ModelConfig(n_layers=1, d_vocab=20, n_ctx=8), seed=0), tmp_path / "ck")
     assert source_kind(tmp_path / "ck") == "qkov"
     assert source_kind(sources["hf"]) == "hf" and source_kind(sources["tl"]) == "tl"
     assert source_kind("openai-community/gpt2") == "hub" and source_kind("gpt2") == "hub"
@@ -139,7 +139,7 @@ def test_import_and_export_transformerlens(tmp_path: Path, sources: dict[str, Pa
         bias=True,
     )
     model = perturb_non_matrices(Transformer(cfg, seed=3), 0.3)
-    qkov.save_checkpoint(tmp_path / "mine", model)
+    qkov.save_checkpoint(model, tmp_path / "mine")
     rc, _, _ = run_main(capsys, "export", tmp_path / "mine", "--to", "transformer-lens", "--out", tmp_path / "m.pt")
     assert rc == 0
     blob = torch.load(tmp_path / "m.pt", weights_only=True)
@@ -194,6 +194,6 @@ def test_cli_errors_are_one_line(tmp_path: Path, sources: dict[str, Path], capsy
 
 
 def test_export_refused_before_writing(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    qkov.save_checkpoint(tmp_path / "ckpt", Transformer(ModelConfig(n_layers=1, d_vocab=50, n_ctx=16), seed=0))
+    qkov.save_checkpoint(Transformer(ModelConfig(n_layers=1, d_vocab=50, n_ctx=16), seed=0), tmp_path / "ckpt")
     rc, _, err = run_main(capsys, "export", tmp_path / "ckpt", "--to", "hf", "--out", tmp_path / "out")
     assert rc == 2 and "cannot export to GPT-2 format" in err and not (tmp_path / "out").exists()

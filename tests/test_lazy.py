@@ -37,7 +37,7 @@ ATTN_FIELDS = ("W_Q", "W_K", "W_V", "W_O", "b_Q", "b_K", "b_V", "b_O")
 
 def _save(path: Path, cfg: ModelConfig, seed: int = 1) -> Transformer:
     model = perturb_non_matrices(Transformer(cfg, seed=seed), 0.3)
-    qkov.save_checkpoint(path, model)
+    qkov.save_checkpoint(model, path)
     return model
 
 

@@ -26,7 +26,7 @@ LIE = {"n_layers": 100000, "d_model": 4096}  # what the probe's config.json clai
 
 def _lying_checkpoint(tmp_path: Path, **lie: Any) -> Path:
     ck = tmp_path / "ck"
-    save_checkpoint(ck, Transformer(SMALL, seed=0))
+    save_checkpoint(Transformer(SMALL, seed=0), ck)
     data = json.loads((ck / "config.json").read_text())
     data["model"].update(lie or LIE)
     (ck / "config.json").write_text(json.dumps(data))
@@ -164,7 +164,7 @@ def test_an_allocation_failure_is_one_line_and_other_errors_keep_their_traceback
     from qkov.apps.cli import train_cmds
 
     ck = tmp_path / "m"
-    save_checkpoint(ck, Transformer(SMALL, seed=0))
+    save_checkpoint(Transformer(SMALL, seed=0), ck)
 
     def no_memory(*_a: Any, **_k: Any) -> Any:
         raise RuntimeError(
@@ -230,7 +230,7 @@ def test_a_one_token_analysis_input_is_named_for_what_it_is(tmp_path: Path, caps
 
     tok = train_tokenizer(["ab ba ab"], 8, alphabet=list("ab "))
     model = Transformer(SMALL.replace(d_vocab=tok.get_vocab_size()), seed=0)
-    save_checkpoint(tmp_path / "m", model, tokenizer_json=tok.to_str())
+    save_checkpoint(model, tmp_path / "m", tokenizer_json=tok.to_str())
     (tmp_path / "one.txt").write_text("a")
     (tmp_path / "one.ids").write_text("3")
     (tmp_path / "c3.bin").write_bytes(b"\x01\x00\x07")  # one uint16 id (1) and a stray byte

@@ -35,20 +35,26 @@ NOT_MODELS: dict[str, tuple[Callable[[], Any], str, str]] = {
     "weights": (lambda: VIEW, "got a Weights", "already a weights source"),
     "gpt2": (_gpt2, "got a transformers GPT2LMHeadModel", "qkov.io.from_hf(model)"),
 }
+# what an analysis cannot read (a model, a weights source and a path it can), and the advice it gets
 NOT_SOURCES: dict[str, tuple[Callable[[], Any], str, str]] = {
-    "None": (lambda: None, "got None", "qkov.Weights.from_model(model)"),
-    "str": (lambda: "path", "got a str ('path')", "qkov.LazyCheckpoint(path)"),
-    "linear": (lambda: torch.nn.Linear(2, 2), "got a torch.nn Linear", "qkov.Weights.from_model(model)"),
-    "dict": (lambda: {}, "got a dict", "qkov.Weights.from_model(model)"),
-    "transformer": (lambda: MODEL, "got a Transformer", "pass qkov.Weights.from_model(model)"),
+    "None": (lambda: None, "got None", ""),
+    "int": (lambda: 3, "got an int", ""),
+    "linear": (lambda: torch.nn.Linear(2, 2), "got a torch.nn Linear", ""),
+    "dict": (lambda: {}, "got a dict", ""),
     "gpt2": (_gpt2, "got a transformers GPT2LMHeadModel", "qkov.io.from_hf(model)"),
 }
+KINDS = "a model (qkov.Transformer, what qkov.load returns), a weights view (qkov.Weights), a qkov.LazyCheckpoint or a path"
 
 SOURCE_ENTRY_POINTS: dict[str, Callable[[Any], Any]] = {
     "qkov.trace": lambda s: qkov.trace(s, TOKENS),
-    "qkov.Weights.from_source": lambda s: Weights.from_source(s),
     "qkov.induction_probe": lambda s: qkov.induction_probe(s),
-    "qkov.ablation_study": lambda s: qkov.ablation_study(s, [(0, 0)], text=None, mode="zero"),
+    "qkov.ablation_study": lambda s: qkov.ablation_study(s, None, [(0, 0)], mode="zero"),
+    "qkov.head_report": lambda s: qkov.head_report(s, TOKENS),
+    "qkov.composition_scores": lambda s: qkov.composition_scores(s),
+    "qkov.copying_scores": lambda s: qkov.copying_scores(s),
+    "qkov.skip_trigrams": lambda s: qkov.skip_trigrams(s, 0, 0),
+    "qkov.expand": lambda s: qkov.expand(s, TOKENS),
+    "qkov.term_importance": lambda s: qkov.term_importance(s, TOKENS),
     "qkov.activation_patching": lambda s: qkov.activation_patching(s, TOKENS, OTHER),
     "qkov.attribution_patching": lambda s: qkov.attribution_patching(s, TOKENS, OTHER),
     "qkov.path_patching": lambda s: qkov.path_patching(s, TOKENS, OTHER, receivers="logits"),
@@ -70,18 +76,32 @@ def test_weights_from_model_refuses_what_is_not_a_model(bad: str) -> None:
 @pytest.mark.parametrize("entry", SOURCE_ENTRY_POINTS)
 def test_source_entry_points_refuse_what_is_not_a_weights_source(entry: str, bad: str) -> None:
     make, got, advice = NOT_SOURCES[bad]
-    with pytest.raises(QkovError) as err:
+    with pytest.raises(TypeError) as err:  # a TypeError that is also a QkovError (one line at the CLI)
         SOURCE_ENTRY_POINTS[entry](make())
+    assert isinstance(err.value, QkovError)
     msg = str(err.value)
-    assert msg.startswith(f"{entry} expects a weights view (qkov.Weights) or a LazyCheckpoint; "), msg
+    assert msg.startswith(f"{entry} expects {KINDS}"), msg
     assert got in msg and advice in msg and "\n" not in msg, msg
 
 
-def test_the_checks_let_every_real_source_through(tmp_path: Path) -> None:
-    qkov.save_checkpoint(tmp_path / "m", MODEL)
+@pytest.mark.parametrize("entry", SOURCE_ENTRY_POINTS)
+def test_source_entry_points_name_themselves_for_a_missing_path(entry: str, tmp_path: Path) -> None:
+    with pytest.raises(QkovError, match=rf"^{entry}: '.*nothing' does not exist$"):
+        SOURCE_ENTRY_POINTS[entry](str(tmp_path / "nothing"))
+
+
+def test_every_analysis_reads_a_model_a_view_a_lazy_checkpoint_or_a_path(tmp_path: Path) -> None:
+    """The same analysis of the same weights, whatever the caller holds (converted once, equal to
+    the explicit ``Weights.from_model``)."""
+    qkov.save_checkpoint(MODEL, tmp_path / "m")
     lazy = LazyCheckpoint(tmp_path / "m")
+    expected = qkov.trace(VIEW, TOKENS).logits
+    for source in (VIEW, lazy, MODEL, tmp_path / "m", str(tmp_path / "m")):
+        torch.testing.assert_close(qkov.trace(source, TOKENS).logits, expected, rtol=0, atol=1e-5)
+    probe = qkov.induction_probe(VIEW, seed=1).induction_attention
+    for source in (MODEL, tmp_path / "m", lazy):
+        torch.testing.assert_close(qkov.induction_probe(source, seed=1).induction_attention, probe, rtol=0, atol=1e-5)
     for source in (VIEW, lazy):
-        assert qkov.trace(source, TOKENS).logits.shape == (1, 8, CFG.d_vocab)
         assert Weights.from_source(source).cfg == CFG
     assert "Weights" in str(type(Weights.from_model(MODEL)))
     with pytest.raises(QkovError, match=r"read it into memory with qkov\.Weights\.from_source"):

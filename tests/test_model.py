@@ -133,7 +133,9 @@ def test_public_api_is_what_the_package_docs_list() -> None:
     the docs say, and nothing else is exported."""
     from qkov.analysis import ablation, forward, patch_study, patching, path_patching, probes
     from qkov import progress
+    from qkov.analysis import causal_composition, circuits, composition, heads, paths, text_scores, trigrams
     from qkov.apps import dynamics_study
+    from qkov.weights import convert
     from qkov.io import checkpoint, sources
     from qkov.model import config, transformer
     from qkov.training import data, loop
@@ -164,6 +166,26 @@ def test_public_api_is_what_the_package_docs_list() -> None:
         "attribution_patching": patching,
         "path_patching": path_patching,
         "patch_study": patch_study,
+        # the analyses a user reaches for (issue 25), and the one conversion they all share
+        "as_source": convert,
+        "head_report": heads,
+        "composition_scores": composition,
+        "composition_paths": causal_composition,
+        "copying_scores": circuits,
+        "qk": circuits,
+        "ov": circuits,
+        "full_qk": circuits,
+        "full_ov": circuits,
+        "positional_qk": circuits,
+        "virtual_weights": circuits,
+        "ov_eigenvalues": circuits,
+        "skip_trigrams": trigrams,
+        "bigrams": trigrams,
+        "expand": paths,
+        "term_importance": paths,
+        "term_effects": paths,
+        "text_scores": text_scores,
+        "icl_score": probes,
     }
     for name, module in homes.items():
         assert getattr(qkov, name) is getattr(module, name), name

@@ -23,7 +23,7 @@ def hand(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("hand") / "ckpt"
     model = hand_built()
     assert model.tokenizer is None
-    save_checkpoint(path, model)
+    save_checkpoint(model, path)
     return path
 
 

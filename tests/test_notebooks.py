@@ -176,8 +176,8 @@ def test_patching_and_composition_path_displays(hand: tuple) -> None:
     from qkov.analysis.causal_composition import composition_paths
 
     _, w, toks = hand
-    clean = qkov.induction_probe_tokens(V, length=10, repeats=2, batch=2, seed=1)
-    corrupted = qkov.induction_probe_tokens(V, length=20, repeats=1, batch=2, seed=2)
+    clean = qkov.induction_probe_tokens(V, length=10, repeats=2, batch=2, seed=1, bos=0)
+    corrupted = qkov.induction_probe_tokens(V, length=20, repeats=1, batch=2, seed=2, bos=0)
     study = qkov.patch_study(w, clean, corrupted, receivers=[(1, 0)])
     spec = the_spec(study)
     assert spec["section"] == "patching" and spec["data"]["patching"] == json.loads(json.dumps(study.to_dict()))
@@ -237,7 +237,7 @@ def test_attention_viewer_patterns_are_the_forward_pass(hand: tuple, tmp_path: P
     rep = torch.cat([torch.tensor([0]), ids[1:11], ids[1:11]])
     assert qkov.show.attention(w, rep).argmax(1, 0, 15) == 6
     # a checkpoint path and the model give the same view
-    save_checkpoint(tmp_path / "hand", model)
+    save_checkpoint(model, tmp_path / "hand")
     by_path = qkov.show.attention(tmp_path / "hand", ids, 1, 0)
     assert torch.allclose(by_path.patterns, qkov.show.attention(model, ids, 1, 0).patterns)
     with pytest.raises(QkovError, match="tokenizer"):

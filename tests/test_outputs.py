@@ -23,7 +23,7 @@ from helpers import run_main
 @pytest.fixture(scope="module")
 def hand(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("hand") / "ckpt"
-    save_checkpoint(path, hand_built())
+    save_checkpoint(hand_built(), path)
     return path
 
 

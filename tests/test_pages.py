@@ -130,7 +130,7 @@ def notebook_file(hostile: Path, dynamics_page: tuple[Path, dict], tmp_path_fact
 
     model = qkov.load(hostile / "ckpt")
     w = qkov.Weights.from_model(model)
-    toks = qkov.induction_probe_tokens(300, length=20, repeats=2, batch=2, seed=1)[:, :41]
+    toks = qkov.induction_probe_tokens(300, length=20, repeats=2, batch=2, seed=1, bos=0)[:, :41]
     decode = token_decoder(model.tokenizer)
     shown = {
         "qkov.show.attention(model, text)": qkov.show.attention(model, MARKUP * 2, 1, 0),
@@ -147,7 +147,7 @@ def notebook_file(hostile: Path, dynamics_page: tuple[Path, dict], tmp_path_fact
         ),
         "composition_paths(w, (0, 0), (1, 0))": composition_paths(w, (0, 0), (1, 0), text=toks),
         "dynamics result": dynamics_page[1],
-        "ablation_study(w, ...)": ablation_study(w, [(1, 0)], text=toks, draws=2),
+        "ablation_study(w, ...)": ablation_study(w, toks, [(1, 0)], draws=2),
     }
     page.reset()
     nb = nbformat.v4.new_notebook()

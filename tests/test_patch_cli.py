@@ -109,7 +109,7 @@ def test_ablate_at_positions_with_resampling_matches_the_library(tiny: Path, cap
     model = qkov.load(tiny)
     sample = sample_for(tiny, model, text=None, tokens=None, seed=0)
     study = Ab.ablation_study(
-        Weights.from_model(model), [(1, 0)], text=sample.text, icl_text=sample.icl_text, mode="resample",
+        Weights.from_model(model), sample.text, [(1, 0)], icl_text=sample.icl_text, mode="resample",
         draws=1, bos=sample.bos, seed=0, positions=slice(10, None),
     )  # fmt: skip
     assert data["ablated"]["loss"] == pytest.approx(study.ablated.loss, abs=1e-6)

@@ -142,8 +142,14 @@ def test_term_effects_match_a_recomputed_loss() -> None:
     _, w = make(2, "shortformer", torch.float64)
     tokens = toks((2, 16), seed=3)
     exp = P.expand(w, tokens, virtual_heads=True)
-    singles, virtual = P.term_effects(exp, top_virtual=4)
+    effects = P.term_effects(exp, top_virtual=4)
+    singles, virtual = effects.singles, effects.virtual
     assert len(singles) == 6 and len(virtual) == 4
+    assert effects.to_dict()["single_head_terms"] == [e.to_dict() for e in singles]
+    assert "single-head terms" in repr(effects) and singles[0].name in repr(effects)
+    with pytest.warns(DeprecationWarning, match=r"read \.singles and \.virtual"):
+        old_singles, old_virtual = effects  # the pre-1.0 pair still unpacks
+    assert (old_singles, old_virtual) == (singles, virtual)
     assert singles == sorted(singles, key=lambda e: -e.loss_change)
     logits, patterns = reference_forward(w, tokens)
     base = reference_loss(logits, tokens)

@@ -109,7 +109,7 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
     # the repeated-token curves: recompute the second-copy mean loss by hand
     rep = data["icl"]["repeat"]
     n = rep["length"]
-    toks = induction_probe_tokens(model.cfg.d_vocab, length=n, repeats=2, batch=16, seed=0)
+    toks = induction_probe_tokens(model, length=n, repeats=2, batch=16, seed=0)
     with torch.no_grad():
         lp = model(toks)[:, :-1].log_softmax(-1)
     nll = -lp.gather(-1, toks[:, 1:, None])[..., 0].mean(0)
@@ -129,7 +129,7 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
 def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
     """The hand-built 2-layer model: previous-token head 0.0, sink 0.1, induction head 1.0
     K-composing with 0.0. The report (and the tour's claims) must say exactly that."""
-    save_checkpoint(tmp_path / "hand", hand_built())
+    save_checkpoint(hand_built(), tmp_path / "hand")
     g = torch.Generator().manual_seed(0)
     toks = torch.randint(1, V, (8, CTX), generator=g)
     toks[:, 0] = 0
@@ -153,7 +153,7 @@ def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
     # an untrained model of the same shape has no induction head: the claim does not hold
     from qkov import Transformer
 
-    save_checkpoint(tmp_path / "random", Transformer(hand_built().cfg, seed=1))
+    save_checkpoint(Transformer(hand_built().cfg, seed=1), tmp_path / "random")
     rnd = collect(tmp_path / "random", tokens=toks, batch=4)
     (c,) = [c for c in claims({2: rnd}) if c.claim.startswith("2-layer: induction")]  # type: ignore[dict-item]
     assert c.holds is False
@@ -240,7 +240,7 @@ def test_report_cli_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFi
     err = capsys.readouterr().err
     assert err.startswith("qkov: error:") and err.count("\n") == 1
     (tmp_path / "file").write_text("x")
-    save_checkpoint(tmp_path / "hand", hand_built())
+    save_checkpoint(hand_built(), tmp_path / "hand")
     assert main(["report", str(tmp_path / "hand"), "-o", str(tmp_path / "file")]) == 2
     err = capsys.readouterr().err
     assert "not a directory" in err and err.count("\n") == 1

@@ -138,7 +138,7 @@ def test_hand_built_rotary_model_heads_composition_and_paths() -> None:
     k = composition_raw(w, "k")["k"]
     assert float(k[0, 0, 1, 0]) == float(k[0].nan_to_num(-1).max()) and k[0, 0, 1, 0] > 1.4 / math.sqrt(D)
     # paths (patterns frozen): the induction head's direct term is the one that matters on repeated text
-    rep = torch.as_tensor(Hd.prefix_matching_tokens(V, length=10, repeats=3, examples=4, seed=1))
+    rep = torch.as_tensor(Hd.prefix_matching_tokens(V, length=10, repeats=3, examples=4, seed=1, bos=0))
     summary = P.summarize(w, rep)
     assert summary.reconstruction_error < 1e-4
     assert summary.singles[0].name == "1.0" and summary.singles[0].loss_change > 0.5

@@ -105,7 +105,7 @@ def test_a_directory_qkov_did_not_create_is_refused_unless_empty(tmp_path: Path,
     mine.mkdir()
     (mine / "config.json").write_text('{"my": 1}')
     with pytest.raises(QkovError, match=r"holds files qkov did not write \(config\.json\)"):
-        qkov.save_checkpoint(mine, qkov.Transformer(TINY, seed=0))
+        qkov.save_checkpoint(qkov.Transformer(TINY, seed=0), mine)
     assert _tree(mine) == {"config.json": b'{"my": 1}'}
 
 
@@ -129,14 +129,14 @@ def test_a_users_file_inside_a_run_is_kept_and_never_replaced(tmp_path: Path, sm
     assert (again / "snapshots" / "step-00000015.safetensors").read_text() == "not qkov's"
     # save_checkpoint into its own checkpoint again: its files are recorded, so replaced
     ck = tmp_path / "ck"
-    qkov.save_checkpoint(ck, qkov.Transformer(TINY, seed=0))
-    qkov.save_checkpoint(ck, qkov.Transformer(TINY, seed=1))
+    qkov.save_checkpoint(qkov.Transformer(TINY, seed=0), ck)
+    qkov.save_checkpoint(qkov.Transformer(TINY, seed=1), ck)
     assert sorted(_manifest(ck)) == ["config.json", "model.safetensors"]
     # ... but not a tokenizer.json the user put beside it (this checkpoint never wrote one)
     (ck / "tokenizer.json").write_text('{"my":"tok"}')
     with_tokenizer = qkov.load(full)
     with pytest.raises(QkovError, match=r"tokenizer\.json.*a file qkov did not write is there"):
-        qkov.save_checkpoint(ck, with_tokenizer)
+        qkov.save_checkpoint(with_tokenizer, ck)
     assert (ck / "tokenizer.json").read_text() == '{"my":"tok"}'
     assert sorted(_manifest(ck)) == ["config.json", "model.safetensors"], "nothing recorded for a refused write"
 

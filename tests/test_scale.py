@@ -100,7 +100,7 @@ def test_circuits_says_when_the_rate_is_an_estimate(tmp_path, capsys: pytest.Cap
     from qkov.io.checkpoint import save_checkpoint
 
     cfg = ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=4, d_vocab=9000, n_ctx=8)
-    save_checkpoint(tmp_path / "big", Transformer(cfg, seed=0))
+    save_checkpoint(Transformer(cfg, seed=0), tmp_path / "big")
     assert main(["circuits", str(tmp_path / "big")]) == 0
     out = " ".join(capsys.readouterr().out.split())  # the caption wraps at the terminal's width
     assert "estimated on a seeded sample of 1,024 of 9,000 tokens" in out and "±" in out
@@ -222,7 +222,7 @@ def test_paths_refuses_what_would_not_fit_before_any_work(
         QkovError, match=r"paths: the expansion of 1 x 8 tokens needs about 21\.2 KiB, more than .* free: analyse fewer"
     ):
         P.summarize(w, torch.zeros(1, 8, dtype=torch.long))
-    save_checkpoint(tmp_path / "m", Transformer(w.cfg, seed=0))
+    save_checkpoint(Transformer(w.cfg, seed=0), tmp_path / "m")
     assert main(["paths", str(tmp_path / "m"), "--batch", "1"]) == 2
     assert "analyse fewer sequences" in capsys.readouterr().err
     monkeypatch.setattr(D, "free_memory", lambda _dev: need)

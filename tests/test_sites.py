@@ -142,9 +142,10 @@ def test_bad_sites_and_edits_are_one_line_errors() -> None:
     rotary = Weights.from_model(Transformer(MODERN, seed=0))
     with pytest.raises(QkovError, match="before rotary.*hook_rot_q"):
         trace(rotary, torch.zeros(1, 4, dtype=torch.long), cache="blocks.0.attn.hook_q")
-    for not_a_view in (Transformer(cfg), "runs/model", None):
-        with pytest.raises(QkovError, match="expects a weights view.*Weights.from_model"):
-            trace(not_a_view, toks)  # type: ignore[arg-type]
+    with pytest.raises(QkovError, match=r"^qkov\.trace: 'no/such/model' does not exist"):
+        trace("no/such/model", toks)
+    with pytest.raises(TypeError, match=r"^qkov\.trace expects a model \(qkov\.Transformer.*a path .*; got None$"):
+        trace(None, toks)  # type: ignore[arg-type]
     with pytest.raises(QkovError, match=r"positions: every position must be in -12..11"):
         trace(w, toks, positions=torch.tensor([3, 12]))
     with pytest.raises(QkovError, match=r"start_at: expected a stream of shape \[3, 12, 16\]"):

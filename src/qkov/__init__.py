@@ -25,12 +25,19 @@ from typing import TYPE_CHECKING, Any
 
 from .analysis import shown as _shown
 from .analysis.ablation import ablation_edits, ablation_study
+from .analysis.causal_composition import composition_paths
+from .analysis.circuits import copying_scores, full_ov, full_qk, ov, ov_eigenvalues, positional_qk, qk, virtual_weights
+from .analysis.composition import composition_scores
 from .analysis.factored import LowRank
 from .analysis.forward import Trace, trace
+from .analysis.heads import head_report
 from .analysis.patch_study import patch_study
 from .analysis.patching import activation_patching, attribution_patching
 from .analysis.path_patching import path_patching
-from .analysis.probes import InductionProbe, induction_probe, induction_probe_tokens, prefix_matching_tokens
+from .analysis.paths import expand, term_effects, term_importance
+from .analysis.probes import InductionProbe, icl_score, induction_probe, induction_probe_tokens, prefix_matching_tokens
+from .analysis.text_scores import text_scores
+from .analysis.trigrams import bigrams, skip_trigrams
 from .deprecated import warn_renamed as _warn_renamed
 from .errors import QkovError
 from .io.checkpoint import load, save_checkpoint
@@ -42,6 +49,7 @@ from .training.config import TrainConfig
 from .training.data import Corpus, load_corpus
 from .training.loop import train
 from .version import __version__
+from .weights.convert import as_source
 from .weights.lazy import LazyCheckpoint
 from .weights.view import Weights
 
@@ -98,18 +106,37 @@ __all__ = [
     "ablation_edits",
     "ablation_study",
     "activation_patching",
+    "as_source",
     "attribution_patching",
+    "bigrams",
+    "composition_paths",
+    "composition_scores",
+    "copying_scores",
     "dynamics",
+    "expand",
+    "full_ov",
+    "full_qk",
+    "head_report",
+    "icl_score",
     "induction_probe",
     "induction_probe_tokens",
     "load",
     "load_any",
     "load_corpus",
+    "ov",
+    "ov_eigenvalues",
     "patch_study",
     "path_patching",
+    "positional_qk",
     "prefix_matching_tokens",
+    "qk",
     "save_checkpoint",
     "show",
+    "skip_trigrams",
+    "term_effects",
+    "term_importance",
+    "text_scores",
     "trace",
     "train",
+    "virtual_weights",
 ]

@@ -7,12 +7,15 @@ function, what it expected, what it got, and what to pass instead, rather than a
 
 * :func:`expect_model` — a qkov :class:`~qkov.Transformer` (what ``Weights.from_model`` reads);
 * :func:`expect_source` — a weights source (:class:`~qkov.Weights` or
-  :class:`~qkov.LazyCheckpoint`: what the analyses read);
+  :class:`~qkov.LazyCheckpoint`: what :meth:`Weights.from_source` reads);
+* :func:`refuse_source` — the refusal of what an analysis cannot read: the analyses accept a
+  model, a weights source or a path and convert it once (:func:`qkov.weights.as_source`); anything
+  else is a :class:`SourceTypeError` listing what can be passed;
 * :func:`expect_tokens` — token ids (a tensor, array or nested list of integers);
 * :func:`expect_path` / :func:`expect_paths` — a path (``str`` or ``os.PathLike``), or a list of them.
 
-The checks only refuse: nothing is converted (a model is never turned into a view, nor a path
-loaded, behind the caller's back).
+The checks here only refuse; the one conversion (model or path to the default view) is
+:func:`qkov.weights.as_source`, which sits after ``io`` in the dependency order.
 """
 
 from __future__ import annotations
@@ -58,6 +61,29 @@ def _foreign_model_advice(value: Any) -> str | None:
     if module == "transformer_lens":
         return "convert it first with qkov.io.from_hooked(model)"
     return None
+
+
+class SourceTypeError(QkovError, TypeError):
+    """What an analysis was given cannot be read as weights: a :class:`QkovError` (one line at the
+    command line) that is also a ``TypeError`` (the argument's type is wrong)."""
+
+
+SOURCE_KINDS = (
+    "a model (qkov.Transformer, what qkov.load returns), a weights view (qkov.Weights), "
+    "a qkov.LazyCheckpoint or a path (str or pathlib.Path)"
+)
+
+
+def refuse_source(where: str, value: Any) -> None:
+    """Raise :class:`SourceTypeError`: ``value`` is none of the things an analysis can read."""
+    advice = _foreign_model_advice(value)
+    tail = f": {advice}" if advice else ""
+    raise SourceTypeError(f"{where} expects {SOURCE_KINDS}; got {describe(value)}{tail}")
+
+
+def is_source(value: Any) -> bool:
+    """Whether ``value`` has the :class:`~qkov.weights.WeightSource` parts (a module never has)."""
+    return _is_source(value)
 
 
 def _is_source(value: Any) -> bool:

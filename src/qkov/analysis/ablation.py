@@ -27,9 +27,10 @@ from torch import Tensor
 
 from ..device import check_fits
 from ..errors import QkovError
-from ..expect import expect_source
 from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source, source_bos
+from .call_forms import ablation_args
 from .budget import fit_chunk, item, run_bytes
 from .forward import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
@@ -60,9 +61,10 @@ def parse_heads(text: str, cfg: Any) -> list[Head]:
     return heads
 
 
-def z_means(source: WeightSource, tokens: Tensor, heads: Sequence[Head], *, chunk: int | None = None) -> Tensor:
+def z_means(source: SourceLike, tokens: Tensor, heads: Sequence[Head], *, chunk: int | None = None) -> Tensor:
     """Each head's ``z`` averaged over every position of ``tokens [B, T]``: ``[len(heads), d_head]``
     (its mean output is this times its ``W_O``); ``chunk`` sequences per forward pass (default all)."""
+    source = as_source("qkov.z_means", source)
     layers = sorted({l for l, _ in heads})
     chunk = chunk or tokens.shape[0]
     if chunk >= tokens.shape[0]:
@@ -106,7 +108,7 @@ def ablation_budget(
     icl_text: Tensor | None,
     mode: str,
     *,
-    bos: int = 0,
+    bos: int | None = None,
     seed: int = 0,
     where: str = "ablate",
 ) -> Chunks:
@@ -123,7 +125,8 @@ def ablation_budget(
         n = fit_chunk(source, B, one, (least - 1) * one, f"{what} {name}", advice, hint="memory")
         return None if n >= B else max(least, n)
 
-    probe = _probe_tokens(source, bos, seed)
+    own = getattr(source, "bos_token_id", None)  # a planned source may carry none: only the probe's shape counts here
+    probe = _probe_tokens(source, bos if bos is not None else (0 if own is None else own), seed)
     need = run_bytes(source, *probe.shape, cached_patterns=True, loss=True)
     check_fits(need, source.device, f"{what} the repeated-token probe", advice, hint="memory")
     mean = text_chunk = icl = None
@@ -214,14 +217,16 @@ def measures(
     text: Tensor | None,
     icl_text: Tensor | None,
     *,
-    bos: int = 0,
+    bos: int | None = None,
     seed: int = 0,
     edits: dict[Any, Any] | None = None,
     chunks: Chunks = Chunks(),
 ) -> Measures:
     """Loss on ``text [B, T]``, ICL score on ``icl_text [N, T]`` (``None``: not measured) and the
     repeated-token losses (:func:`~qkov.analysis.probes.induction_probe`, seeded), every forward
-    pass with ``edits``, the text and ICL examples ``chunks`` sequences at a time."""
+    pass with ``edits``, the text and ICL examples ``chunks`` sequences at a time; ``bos=None``: the
+    source's start token."""
+    source = as_source("qkov.analysis.ablation.measures", source)
     loss = None if text is None else float(sequence_losses(source, text, chunk=chunks.text, edits=edits).mean())
     icl = None
     if icl_text is not None and icl_text.shape[1] > 60:
@@ -301,24 +306,31 @@ def study_text(s: AblationStudy) -> str:
 
 
 def ablation_study(
-    w: WeightSource,
-    heads: Sequence[Head],
+    w: SourceLike,
+    text: Tensor | None = None,
+    heads: Sequence[Head] | None = None,
+    /,
     *,
-    text: Tensor | None,
     icl_text: Tensor | None = None,
     mode: str = "mean",
     draws: int = 5,
-    bos: int = 0,
+    bos: int | None = None,
     seed: int = 0,
     positions: PositionSpec = None,
+    **named: Any,
 ) -> AblationStudy:
     """Ablate ``heads`` (at ``positions`` of every sequence; default all) and ``draws`` seeded random
     sets of as many other heads; measure each.
 
-    ``text [B, T]`` is the validation sample (loss, and the mean of mean ablation; without it
-    mean ablation averages over the repeated random tokens of the probe and the loss is left out).
+    ``w``: a model, weights source or path (:func:`~qkov.weights.as_source`). ``text [B, T]`` is the
+    validation sample (loss, and the mean of mean ablation; ``None``: mean ablation averages over the
+    repeated random tokens of the probe and the loss is left out). ``bos=None``: the source's start
+    token. ``text`` and ``heads`` may also be named (``text=..., heads=...``). The pre-1.0 order ``ablation_study(w, heads, text=...)`` still works, with a
+    :class:`DeprecationWarning`.
     """
-    expect_source("qkov.ablation_study", w)
+    text, heads = ablation_args(text, heads, named)
+    w = as_source("qkov.ablation_study", w)
+    bos = source_bos("qkov.ablation_study", w, bos)
     heads = list(heads)
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")

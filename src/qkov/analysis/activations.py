@@ -1,6 +1,6 @@
 """What one analysis forward returns: :class:`Trace`, the logits and the cached activations.
 
-``out = run(source, tokens, cache=["pattern.*", "resid_pre.*"])`` indexes like TransformerLens'
+``out = trace(source, tokens, cache=["pattern.*", "resid_pre.*"])`` indexes like TransformerLens'
 cache: ``out["pattern", 1]``, ``out["blocks.1.attn.hook_pattern"]``, ``out["z.0.3"]`` (head 3 of
 ``z.0``), ``out.stack("pattern")`` (every layer, ``[L, ...]``). The residual-stream decompositions
 (:meth:`Trace.accumulated_resid`, :meth:`Trace.decompose_resid`, :meth:`Trace.stack_head_results`)

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..model.config import ModelConfig
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .factored import serial_linalg
 
 
@@ -49,8 +50,9 @@ class WriteOverlap:
         return {"labels": self.labels, "overlap": self.overlap.tolist(), "random_expectation": self.random_expectation}
 
 
-def write_overlap(source: WeightSource) -> WriteOverlap:
+def write_overlap(source: SourceLike) -> WriteOverlap:
     """Principal angles between every pair of heads' write subspaces in the residual stream."""
+    source = as_source("qkov.write_overlap", source)
     c = source.cfg
     W_O = torch.stack([source.attention(l).W_O for l in range(c.n_layers)])
     L, H, E, D = W_O.shape

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .metrics import Attention, ICLWindows
 from .path_patching import input_paths
 from .patching import PATCH_BYTES, copy_bytes
@@ -72,26 +73,28 @@ class CompositionPaths(Shown):
         )  # fmt: skip
 
 
-def _repeated(source: WeightSource, bos: int, seed: int, batch: int) -> tuple[Tensor, Tensor, int]:
+def _repeated(source: WeightSource, bos: int | None, seed: int, batch: int) -> tuple[Tensor, Tensor, int]:
     length = min(50, (source.cfg.n_ctx - 1) // 2)
-    V = source.cfg.d_vocab
+    V = source  # the source's vocabulary, and its start token unless bos is given
     clean = induction_probe_tokens(V, length=length, repeats=2, batch=batch, seed=seed, bos=bos)
     corrupted = induction_probe_tokens(V, length=2 * length, repeats=1, batch=batch, seed=seed + 1, bos=bos)
     return clean.to(source.device), corrupted.to(source.device), length
 
 
 def composition_paths(
-    source: WeightSource,
+    source: SourceLike,
     writer: Head,
     reader: Head,
     *,
     text: Tensor | None = None,
-    bos: int = 0,
+    bos: int | None = None,
     seed: int = 0,
     batch: int = 8,
 ) -> CompositionPaths:
     """Path-patch ``writer`` -> ``reader``'s q, k and v inputs (see the module docstring); ``text``
-    ``[N, T]`` validation examples for the ICL share (at least 2, longer than 60 tokens)."""
+    ``[N, T]`` validation examples for the ICL share (at least 2, longer than 60 tokens); ``source``: a
+    model, weights source or path; ``bos=None``: its start token."""
+    source = as_source("qkov.composition_paths", source)
     clean, corrupted, L = _repeated(source, bos, seed, batch)
     m = Attention(layer=reader[0], head=reader[1], queries=list(range(L + 1, 2 * L + 1)), offset=L - 1)
     got, base, target = input_paths(source, clean, corrupted, sender=writer, receiver=reader, metric=m)

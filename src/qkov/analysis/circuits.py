@@ -28,13 +28,16 @@ from torch import Tensor
 from ..deprecated import module_getattr
 from ..errors import QkovError
 from ..weights.parts import AttentionWeights, WeightSource, check_head
-from .bandwidth import LayerBandwidth as LayerBandwidth, WriteOverlap as WriteOverlap, bandwidth, write_overlap as write_overlap
+from ..weights.convert import SourceLike, as_source
+from .bandwidth import LayerBandwidth as LayerBandwidth, WriteOverlap as WriteOverlap
+from .bandwidth import bandwidth, write_overlap as write_overlap
 from .budget import circuits_budget as circuits_budget
 from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
 from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
 from .progress import Progress, tick
 from .rotary_circuits import OffsetProfiles, profiles, resolve_offsets
-from .sampling import seeded_subset
+from .diagonal import DIAG_EXACT_MAX as DIAG_EXACT_MAX, DIAG_SAMPLE as DIAG_SAMPLE
+from .diagonal import check_diag_k as check_diag_k, diag_tokens as diag_tokens, rate_stderr as rate_stderr
 from .shown import CopyingScores, Shown
 from .vocab import VOCAB_BLOCK, embed_product, unembed_product
 
@@ -55,47 +58,53 @@ def _not_rotary(source: WeightSource) -> None:
         )
 
 
-def qk(source: WeightSource) -> LowRank:
+def qk(source: SourceLike) -> LowRank:
     """``W_QK = W_Q @ W_K^T`` for every head: ``[n_layers, n_heads, d_model, d_model]`` (not for
     rotary models: see :mod:`qkov.analysis.rotary_circuits`)."""
+    source = as_source("qkov.qk", source)
     _not_rotary(source)
     atts = [source.attention(l) for l in range(source.cfg.n_layers)]
     return LowRank(torch.stack([a.W_Q for a in atts]), torch.stack([a.W_K for a in atts]).transpose(-1, -2))
 
 
-def ov(source: WeightSource) -> LowRank:
+def ov(source: SourceLike) -> LowRank:
     """``W_OV = W_V @ W_O`` for every head: ``[n_layers, n_heads, d_model, d_model]``."""
+    source = as_source("qkov.ov", source)
     atts = [source.attention(l) for l in range(source.cfg.n_layers)]
     return LowRank(torch.stack([a.W_V for a in atts]), torch.stack([a.W_O for a in atts]))
 
 
-def full_ov(source: WeightSource, layer: int, head: int) -> LowRank:
+def full_ov(source: SourceLike, layer: int, head: int) -> LowRank:
     """``W_E @ W_OV @ W_U``: ``[d_vocab (source token), d_vocab (output logit)]``."""
+    source = as_source("qkov.full_ov", source)
     att = source.attention(layer, head)
     return LowRank(embed_product(source, att.W_V[0]), unembed_product(source, att.W_O[0]))
 
 
-def full_qk(source: WeightSource, layer: int, head: int) -> LowRank:
+def full_qk(source: SourceLike, layer: int, head: int) -> LowRank:
     """``W_E @ W_QK @ W_E^T``: ``[d_vocab (query token), d_vocab (key token)]`` (token part of the score)."""
+    source = as_source("qkov.full_qk", source)
     _not_rotary(source)
     att = source.attention(layer, head)
     EQ, EK = embed_product(source, torch.cat([att.W_Q[0], att.W_K[0]], -1)).split(att.W_Q.shape[-1], -1)
     return LowRank(EQ, EK.T)
 
 
-def positional_qk(source: WeightSource, layer: int, head: int) -> LowRank:
+def positional_qk(source: SourceLike, layer: int, head: int) -> LowRank:
     """``W_pos @ W_QK @ W_pos^T``: ``[query position, key position]``."""
+    source = as_source("qkov.positional_qk", source)
     att = source.attention(layer, head)
     P = _positions(source)
     return LowRank(P @ att.W_Q[0], (P @ att.W_K[0]).T)
 
 
-def token_position_qk(source: WeightSource, layer: int, head: int) -> tuple[LowRank, LowRank]:
+def token_position_qk(source: SourceLike, layer: int, head: int) -> tuple[LowRank, LowRank]:
     """Cross terms ``[query token, key position]`` and ``[query position, key token]``.
 
     With positions p and tokens e, the score ``(e_q + p_i) W_QK (e_k + p_j)^T`` is
     token-token + token-position + position-token + position-position.
     """
+    source = as_source("qkov.token_position_qk", source)
     att = source.attention(layer, head)
     P, W_E = _positions(source), source.embed()
     Q, K = att.W_Q[0], att.W_K[0]
@@ -115,7 +124,7 @@ def _order(kind: str, index: tuple, parallel: bool = False) -> float:
     return {"embed": -1.0, "pos": -1.0, "mlp": mlp, "unembed": math.inf}.get(kind, 2 * layer)
 
 
-def virtual_weights(source: WeightSource, writer: Component, reader: Component) -> LowRank:
+def virtual_weights(source: SourceLike, writer: Component, reader: Component) -> LowRank:
     """The virtual weight ``writer_out @ reader_in`` between two components through the stream.
 
     Writers: ``("embed",)`` (W_E), ``("pos",)`` (W_pos), ``("head", l, h)`` (W_O),
@@ -125,6 +134,7 @@ def virtual_weights(source: WeightSource, writer: Component, reader: Component) 
     never enter the stream). Returned factored, ``[writer dims, reader dims]`` with inner
     ``d_model``; only the two components involved are read.
     """
+    source = as_source("qkov.virtual_weights", source)
     wk, *wi = writer
     rk, *ri = reader
     if wk not in ("embed", "pos", "head", "mlp"):
@@ -162,9 +172,10 @@ def virtual_weights(source: WeightSource, writer: Component, reader: Component) 
 
 
 # ----------------------------------------------------------------------- copying
-def unembed_embed(source: WeightSource, *, block: int = VOCAB_BLOCK) -> Tensor:
+def unembed_embed(source: SourceLike, *, block: int = VOCAB_BLOCK) -> Tensor:
     """``W_U @ W_E [d_model, d_model]``: one product in memory; for a streamed source, summed
     over blocks of ``block`` tokens so that neither matrix is held whole."""
+    source = as_source("qkov.unembed_embed", source)
     if source.in_memory:
         return source.unembed().W_U @ source.embed()
     V, D = source.cfg.d_vocab, source.cfg.d_model
@@ -180,19 +191,21 @@ def eigen_copying_score(eigenvalues: Tensor) -> Tensor:
     return eigenvalues.sum(-1).real / eigenvalues.abs().sum(-1).clamp_min(1e-30)
 
 
-def ov_eigenvalues(source: WeightSource, *, G: Tensor | None = None) -> Tensor:
+def ov_eigenvalues(source: SourceLike, *, G: Tensor | None = None) -> Tensor:
     """Eigenvalues of every head's full OV circuit ``W_E W_OV W_U``: complex ``[L, H, d_head]``.
 
     The non-zero eigenvalues of ``W_E W_V W_O W_U`` are those of its ``d_head x d_head`` twin
     ``W_O (W_U W_E) W_V`` (:meth:`LowRank.eigenvalues` of ``W_V @ (W_O G)``); ``G = W_U W_E``
     is computed once (or given).
     """
+    source = as_source("qkov.ov_eigenvalues", source)
     G = unembed_embed(source) if G is None else G
     return _eigenvalues(source, [LowRank(a.W_V, a.W_O @ G).twin() for a in _layers(source)])
 
 
-def residual_ov_eigenvalues(source: WeightSource) -> Tensor:
+def residual_ov_eigenvalues(source: SourceLike) -> Tensor:
     """Eigenvalues of every head's ``W_OV`` in the residual stream (``W_O W_V``): ``[L, H, d_head]``."""
+    source = as_source("qkov.residual_ov_eigenvalues", source)
     return _eigenvalues(source, [LowRank(a.W_V, a.W_O).twin() for a in _layers(source)])
 
 
@@ -208,45 +221,6 @@ def _eigenvalues(source: WeightSource, twins: list[Tensor]) -> Tensor:
         dtype = torch.complex64 if source.dtype == torch.float32 else torch.complex128
         return torch.zeros(0, c.n_heads, c.d_head, dtype=dtype, device=source.device)
     return eigenvalues(torch.stack(twins))
-
-
-DIAG_EXACT_MAX = 8192  # vocabularies up to this size get the exact own-logit-in-top-k rate
-DIAG_SAMPLE = 1024  # tokens the rate is estimated on above it (standard error <= 0.016)
-
-
-def check_diag_k(k: int, d_vocab: int) -> None:
-    """Refuse a ``diag_k`` that is not from 1 to ``d_vocab - 1`` (one-line :class:`QkovError`)."""
-    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k < d_vocab:
-        raise QkovError(
-            f"diag_k must be an integer from 1 to {d_vocab - 1}, below the vocabulary ({d_vocab} tokens): "
-            f"the top {d_vocab} of a row holds every token; got {k!r}"
-        )
-
-
-def diag_tokens(d_vocab: int, sample: int | None = None, *, seed: int = 0) -> Tensor | None:
-    """The tokens (rows) the own-logit-in-top-k rate is measured on: ``None`` for all of them.
-
-    ``sample=None`` chooses: every token up to :data:`DIAG_EXACT_MAX`, else :data:`DIAG_SAMPLE`
-    tokens drawn without replacement (seeded, sorted). A ``sample`` of at least ``d_vocab`` means all.
-    """
-    if sample is None:
-        sample = d_vocab if d_vocab <= DIAG_EXACT_MAX else DIAG_SAMPLE
-    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 1:
-        raise QkovError(f"diag_sample must be a positive number of tokens, got {sample!r}")
-    if sample >= d_vocab:
-        return None
-    return seeded_subset(d_vocab, sample, seed)
-
-
-def rate_stderr(rate: float, n: int, population: int) -> float:
-    """Standard error of a rate measured on ``n`` of ``population`` tokens drawn without
-    replacement: binomial with the finite-population correction, 0 when ``n`` is all of them.
-    The rate is shrunk to ``(x + 2) / (n + 4)`` first (Agresti-Coull), so a rate of 0 or 1
-    seen on a sample still gets the uncertainty it has (about 0.14 points at n = 1024)."""
-    if n >= population:
-        return 0.0
-    p = (rate * n + 2) / (n + 4)
-    return math.sqrt(p * (1 - p) / n * (population - n) / max(1, population - 1))
 
 
 def diagonal_topk_rate(
@@ -289,7 +263,7 @@ class HeadCopying:
 
 
 def copying_scores(
-    source: WeightSource,
+    source: SourceLike,
     *,
     diag_k: int | None = 5,
     diag_sample: int | None = None,
@@ -310,6 +284,7 @@ def copying_scores(
     ``W_E`` or ``W_U`` whole (:func:`unembed_embed`); the diagonal rate needs every column of each
     full OV circuit, so both are then read once and held.
     """
+    source = as_source("qkov.copying_scores", source)
     V = source.cfg.d_vocab
     rows = None
     if diag_k:
@@ -365,7 +340,7 @@ class CircuitsReport(Shown):
 
 
 def circuits_report(
-    source: WeightSource,
+    source: SourceLike,
     *,
     diag_k: int | None = 5,
     diag_sample: int | None = None,
@@ -375,10 +350,12 @@ def circuits_report(
     offsets: list[int] | None = None,
     matmul_dtype: torch.dtype | None = None,
 ) -> CircuitsReport:
-    """Copying scores (``diag_k``/``diag_sample``: :func:`copying_scores`), Q/K/V composition (with
-    baselines), the bandwidth audit of a source, and for a rotary model every head's offset profile
-    (``offsets``: the offset set of Q/K composition; ``matmul_dtype``: see :func:`composition_raw`). Chunked
-    steps shrink to fit the memory budget (:func:`circuits_budget`); work too big for it is refused first."""
+    """Copying scores (``diag_k``/``diag_sample``: :func:`copying_scores`), Q/K/V composition
+    (with baselines), the bandwidth audit of a source, and for a rotary model every head's offset
+    profile (``offsets``: the offset set of Q/K composition; ``matmul_dtype``: see :func:`composition_raw`).
+    Chunked steps shrink to fit the memory budget (:func:`circuits_budget`), and work whose smallest
+    chunks would not fit is refused before it starts."""
+    source = as_source("qkov.circuits.circuits_report", source)
     if diag_k:
         check_diag_k(diag_k, source.cfg.d_vocab)  # before any work
     rotary = resolve_offsets(source.cfg, offsets) is not None  # checks the offsets before any work

@@ -34,6 +34,7 @@ from torch import Tensor
 from ..errors import QkovError
 from ..model.ops import expand_kv
 from ..weights.parts import AttentionWeights, WeightSource
+from ..weights.convert import SourceLike, as_source
 from .factored import LowRank, gram_sqrt
 from .progress import Progress, tick
 from .rotary_circuits import resolve_offsets, rotations
@@ -290,7 +291,7 @@ class Composition(Shown):
 
 
 def composition_scores(
-    source: WeightSource,
+    source: SourceLike,
     kinds: str | Sequence[str] = KINDS,
     *,
     baseline_samples: int = 256,
@@ -303,6 +304,7 @@ def composition_scores(
     """Raw scores for every pair of heads in increasing layers, plus the random-matrix baseline,
     for each of ``kinds`` (``{kind: Composition}``). ``offsets``: rotary models only, see
     :func:`composition_raw` (the baseline is unchanged: a rotation leaves Gaussian factors Gaussian)."""
+    source = as_source("qkov.composition_scores", source)
     raw = composition_raw(
         source, kinds, max_bytes=max_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
     )

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..deprecated import module_getattr
 from ..errors import QkovError
-from ..expect import expect_source, expect_tokens
+from ..expect import expect_tokens
 from ..model import rotary
 from ..model.ops import (
     attention_scores,
@@ -55,6 +55,7 @@ from ..model.ops import (
 )
 from ..model.tokens import check_tokens
 from ..weights.parts import AttentionWeights, WeightSource
+from ..weights.convert import SourceLike, as_source
 from .activations import Scales, Trace
 from .edits import Edit, Edits
 from .legacy import legacy_edits, legacy_kinds
@@ -300,7 +301,7 @@ class _Pass:
 
 
 def trace(
-    source: WeightSource,
+    source: SourceLike,
     tokens: Tensor,
     *,
     cache: Iterable[Any] | str = (),
@@ -315,6 +316,8 @@ def trace(
     observe: Callable[[LayerView], None] | None = None,
 ) -> Trace:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
+
+    ``source``: a model, weights source or path, read once (:func:`~qkov.weights.as_source`).
 
     Args:
         cache: sites to keep (names, ``(kind, layer)`` tuples, globs such as ``"pattern.*"``,
@@ -337,7 +340,7 @@ def trace(
     Returns:
         :class:`~qkov.analysis.activations.Trace`.
     """
-    expect_source("qkov.trace", source)
+    source = as_source("qkov.trace", source)
     expect_tokens("qkov.trace", tokens)
     cfg = source.cfg
     tokens = check_tokens(tokens, cfg).to(source.device)

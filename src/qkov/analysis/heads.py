@@ -20,6 +20,7 @@ from ..deprecated import renamed_property
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source, source_bos
 from .budget import COPYING_LOGITS as COPYING_LOGITS
 from .circuits import check_diag_k, copying_scores
 from .forward import trace
@@ -53,7 +54,7 @@ class RepeatScores:
     induction = renamed_property("induction", "induction_attention", "RepeatScores")
 
 
-def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatScores:
+def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScores:
     """Prefix matching, induction, duplicate-token and [I]'s copying score on ``tokens`` from
     :func:`~qkov.analysis.probes.prefix_matching_tokens` (blocks of ``length`` after one start token).
 
@@ -82,6 +83,7 @@ def repeat_scores(source: WeightSource, tokens: Tensor, length: int) -> RepeatSc
     to; 0: no more than chance; -1: it raises everything but what it attends to. A trained
     induction head that also lifts hundreds of related tokens a little scores small but positive.
     """
+    source = as_source("qkov.repeat_scores", source)
     r = trace(source, tokens, record=("patterns", "head_outputs"))
     P, outputs = r.patterns, r.head_outputs  # [L, B, H, T, T], [L, B, H, T, D]
     assert P is not None and outputs is not None
@@ -138,12 +140,13 @@ def _copying(A: Tensor, logits: Tensor, tokens: Tensor) -> tuple[float, float]:
     return share_score, float(2 * percentile.double().mean() - 1)
 
 
-def memory_neurons(source: WeightSource, threshold: float = -0.5) -> list[dict[str, float]]:
+def memory_neurons(source: SourceLike, threshold: float = -0.5) -> list[dict[str, float]]:
     """MLP neurons whose input and output weights point in nearly opposite directions ([F]).
 
     ``cos(W_in[:, n], W_out[n, :]) < threshold``: the neuron reads a direction and writes its
     negation (it deletes what it reads). Empty for attention-only models.
     """
+    source = as_source("qkov.memory_neurons", source)
     out = []
     for l in range(source.cfg.n_layers):
         mlp = source.mlp(l)
@@ -253,10 +256,10 @@ def assign_roles(scores: dict[str, Tensor], thresholds: dict[str, float] = THRES
 
 
 def head_report(
-    source: WeightSource,
+    source: SourceLike,
     text: Tensor,
     *,
-    bos: int = 0,
+    bos: int | None = None,
     frequencies: np.ndarray | None = None,
     seed: int = 0,
     diag_k: int | None = 5,
@@ -277,8 +280,11 @@ def head_report(
     estimated on ``diag_sample`` tokens: :func:`~qkov.analysis.circuits.copying_scores`).
     ``icl=False`` leaves the ICL score out (for text without structure, such as random tokens).
     The text scores are streamed (:func:`~qkov.analysis.text_scores.text_scores`); ``progress``
-    is ticked through the text, the ICL examples and the copying scores.
+    is ticked through the text, the ICL examples and the copying scores. ``source``: a model,
+    weights source or path (:func:`~qkov.weights.as_source`); ``bos=None``: its start token.
     """
+    source = as_source("qkov.head_report", source)
+    bos = source_bos("qkov.head_report", source, bos)
     cfg = source.cfg
     if cfg.n_layers == 0:
         raise QkovError("heads: the model has no attention layers")

@@ -14,8 +14,8 @@ from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
-from ..expect import expect_source
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .metrics import as_metric
 from .patching import PatchResult, activation_patching, agreement, attribution_patching, default_axes, result_text
 from .path_patching import path_patching
@@ -43,7 +43,7 @@ class PatchStudy(Shown):
 
 
 def patch_study(
-    source: WeightSource,
+    source: SourceLike,
     clean: Tensor,
     corrupted: Tensor,
     *,
@@ -60,7 +60,7 @@ def patch_study(
     """Activation patching of each of ``sites`` (head sites by (layer, head), or by (layer, position,
     head) with ``by_pos``), attribution patching of the head sites, and path patching into
     ``receivers``' ``input`` when given. ``decode`` turns the clean tokens into position labels."""
-    expect_source("qkov.patch_study", source)
+    source = as_source("qkov.patch_study", source)
     m = as_metric(metric, clean)
     out = PatchStudy([])
     kinds = [Sites(source.cfg, source.norm).resolve((s, 0))[0].kind for s in sites]

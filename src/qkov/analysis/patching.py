@@ -28,9 +28,9 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
-from ..expect import expect_source
 from ..model.tokens import check_tokens
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .activations import Trace
 from .decompose import final_stream
 from .forward import trace
@@ -251,7 +251,7 @@ def _setter(clean: Tensor, dims: dict[str, int], chunk: list[tuple[int, ...]], K
 
 
 def activation_patching(
-    source: WeightSource,
+    source: SourceLike,
     clean: Tensor,
     corrupted: Tensor,
     *,
@@ -267,7 +267,7 @@ def activation_patching(
     ``get_act_patch_attn_head_out_by_pos`` is ``site="z", axes=("layer", "pos", "head")``) and
     measure ``metric`` (:mod:`qkov.analysis.metrics`; default the loss on the clean tokens).
     ``clean``/``corrupted`` ``[B, T]``: the same shape. See the module docstring."""
-    expect_source("qkov.activation_patching", source)
+    source = as_source("qkov.activation_patching", source)
     kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
     base_run, src_run = metric_values(source, base, src, m, [f"{kind}.*", "resid_pre.*"])
     L = source.cfg.n_layers
@@ -294,7 +294,7 @@ def activation_patching(
 
 # ------------------------------------------------------------------ attribution patching
 def attribution_patching(
-    source: WeightSource,
+    source: SourceLike,
     clean: Tensor,
     corrupted: Tensor,
     *,
@@ -306,7 +306,7 @@ def attribution_patching(
     """The first-order estimate of :func:`activation_patching` with the same arguments, from one
     backward pass on the base run: ``metric(base) + sum((source - base) * grad)`` over the
     dimensions not in ``axes``."""
-    expect_source("qkov.attribution_patching", source)
+    source = as_source("qkov.attribution_patching", source)
     kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
     T = base.shape[1]
     want = [f"{kind}.*", *m.reads]

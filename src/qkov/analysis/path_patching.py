@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
-from ..expect import expect_source
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .activations import Trace
 from .forward import trace
 from .metrics import Metric, as_metric
@@ -62,7 +62,7 @@ def _check(source: WeightSource, receivers: Sequence[Head] | str, kind: str) -> 
 
 
 def path_patching(
-    source: WeightSource,
+    source: SourceLike,
     clean: Tensor,
     corrupted: Tensor,
     *,
@@ -78,7 +78,7 @@ def path_patching(
     head for ``receivers="logits"``) into the ``input`` (``q``, ``k`` or ``v``) of ``receivers``
     (heads ``(layer, head)``), one sender at a time; see the module docstring. Returns the metric per
     sender, ``values [L, H]`` (NaN for heads that are not senders)."""
-    expect_source("qkov.path_patching", source)
+    source = as_source("qkov.path_patching", source)
     heads = _check(source, receivers, input)
     cfg = source.cfg
     L, H = cfg.n_layers, cfg.n_heads

@@ -49,10 +49,12 @@ from ..device import check_fits
 from ..errors import QkovError
 from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .forward import Trace, flops_per_token, head_terms, read, trace
 from .progress import Progress, tick
 from .sampling import seeded_subset
 from .shown import Shown
+from .term_results import TermEffect, TermEffects
 from .virtual import VirtualCoverage, materialize, select_virtual, virtual_keys
 
 FROZEN = ("patterns", "scales", "mlp_outputs")  # what a run must record to be frozen
@@ -138,7 +140,7 @@ class Expansion:
 
 
 def expand(
-    source: WeightSource,
+    source: SourceLike,
     tokens: Tensor,
     *,
     max_order: int | None = None,
@@ -158,6 +160,7 @@ def expand(
             residual stream), never holding more than those at once.
         progress: ticked once per layer.
     """
+    source = as_source("qkov.expand", source)
     cfg = source.cfg
     r = frozen_run(source, tokens)
     T = r.tokens.shape[1]
@@ -225,7 +228,7 @@ class TermImportance:
         }
 
 
-def term_importance(source: WeightSource, tokens: Tensor, *, progress: Progress | None = None) -> TermImportance:
+def term_importance(source: SourceLike, tokens: Tensor, *, progress: Progress | None = None) -> TermImportance:
     """The paper's procedure ([F]; docs/conventions.md, "Term importance"), literally.
 
     Run 0 is the real forward pass, which fixes the patterns, normalisation divisors and MLP
@@ -233,6 +236,7 @@ def term_importance(source: WeightSource, tokens: Tensor, *, progress: Progress 
     head adds the output it computed on run n-1. After ``n_layers + 1`` runs every order is in
     and the logits equal the model's. Order n first enters on run n+1.
     """
+    source = as_source("qkov.term_importance", source)
     real = frozen_run(source, tokens)
     toks = real.tokens
     c = source.cfg
@@ -245,16 +249,6 @@ def term_importance(source: WeightSource, tokens: Tensor, *, progress: Progress 
         outputs = r.head_outputs  # type: ignore[assignment]
         tick(progress, "paths: term importance", i + 1, c.n_layers + 1)
     return TermImportance(losses, loss(real.logits, toks), math.log(c.d_vocab))
-
-
-@dataclass
-class TermEffect:
-    name: str  # "0.3" or "0.3->1.2"
-    loss_change: float  # loss without the term minus the full loss (nats; positive = the term helps)
-    size: float  # RMS of the term's logits
-
-    def to_dict(self) -> dict[str, Any]:
-        return vars(self).copy()
 
 
 def effect_positions(exp: Expansion, max_logits: int = EFFECT_LOGITS) -> Tensor | None:
@@ -272,8 +266,9 @@ def effect_positions(exp: Expansion, max_logits: int = EFFECT_LOGITS) -> Tensor 
 
 def term_effects(
     exp: Expansion, *, top_virtual: int = 10, positions: Tensor | None = None, progress: Progress | None = None
-) -> tuple[list[TermEffect], list[TermEffect]]:
-    """Loss change from removing each order-1 term, and each of the ``top_virtual`` largest order-2 terms.
+) -> TermEffects:
+    """Loss change from removing each order-1 term, and each of the ``top_virtual`` largest order-2
+    terms: a :class:`TermEffects` (``.singles``, ``.virtual``; it still unpacks as the pre-1.0 pair).
 
     Logits are built one term at a time (never ``[B, T, V]`` for all terms at once), at every
     position, or at ``positions [n, 2]`` (``(b, t)`` pairs, :func:`effect_positions`) only.
@@ -304,7 +299,7 @@ def term_effects(
         tick(progress, "paths: term effects", len(singles) + len(virtual), n)
     singles.sort(key=lambda e: -e.loss_change)
     virtual.sort(key=lambda e: -e.loss_change)
-    return singles, virtual
+    return TermEffects(singles, virtual)
 
 
 @dataclass(repr=False)
@@ -392,6 +387,7 @@ def summarize(
             source, exp.run, exp.heads, exp.orders[2], most=virtual_terms, keep=top_virtual, progress=progress
         )
     positions = effect_positions(exp)
-    singles, virt = term_effects(exp, top_virtual=top_virtual, positions=positions, progress=progress)
+    effects = term_effects(exp, top_virtual=top_virtual, positions=positions, progress=progress)
+    singles, virt = effects.singles, effects.virtual
     sampled = None if positions is None else len(positions)
     return PathSummary(list(tokens.shape), exp.reconstruction_error(), importance, singles, virt, coverage, sampled)

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..deprecated import renamed_property
 from ..errors import QkovError
-from ..expect import expect_source
+from ..weights.convert import SourceLike, as_source, vocab_and_bos
 from ..model.ops import next_token_nll
 from ..weights.parts import WeightSource
 from .progress import Progress, tick
@@ -33,20 +33,23 @@ from .shown import Shown
 
 
 def induction_probe_tokens(
-    d_vocab: int,
+    vocab: Any,
     *,
     length: int = 50,
     repeats: int = 2,
     batch: int = 8,
     seed: int = 0,
-    bos: int = 0,
+    bos: int | None = None,
     low: int = 1,
 ) -> Tensor:
     """``[batch, 1 + length * repeats]``: the start token, then ``length`` uniformly random ids repeated.
 
-    Ids are drawn uniformly from ``[low, d_vocab)`` with replacement (so the start token, id 0
-    in qkov's tokenizers, is never drawn) with a seeded generator.
+    ``vocab``: the model (a :class:`~qkov.Transformer`, weights source or path: its ``d_vocab``
+    and start token) or a vocabulary size (then ``bos`` is required). ``bos=None``: the model's
+    start token. Ids are drawn uniformly from ``[low, d_vocab)`` with replacement with a seeded
+    generator (``low=1`` keeps id 0, the start token of qkov's own tokenizers, out).
     """
+    d_vocab, bos = vocab_and_bos("qkov.induction_probe_tokens", vocab, bos)
     gen = torch.Generator().manual_seed(seed)
     block = torch.randint(low, d_vocab, (batch, length), generator=gen)
     body = block.repeat(1, repeats)
@@ -54,13 +57,13 @@ def induction_probe_tokens(
 
 
 def prefix_matching_tokens(
-    d_vocab: int,
+    vocab: Any,
     *,
     length: int = 25,
     repeats: int = 4,
     examples: int = 10,
     seed: int = 0,
-    bos: int = 0,
+    bos: int | None = None,
     frequencies: np.ndarray | None = None,
     drop_top: float = 0.05,
     drop_bottom: float = 0.2,
@@ -69,8 +72,10 @@ def prefix_matching_tokens(
 
     Tokens are drawn without replacement within a block, from the vocabulary minus the start
     token, the ``drop_top`` most frequent and the ``drop_bottom`` least frequent ids when
-    ``frequencies`` (counts per id, e.g. from the training split) are given.
+    ``frequencies`` (counts per id, e.g. from the training split) are given. ``vocab`` and ``bos``
+    as :func:`induction_probe_tokens`'s.
     """
+    d_vocab, bos = vocab_and_bos("qkov.prefix_matching_tokens", vocab, bos)
     pool = np.arange(d_vocab)
     pool = pool[pool != bos]
     if frequencies is not None:
@@ -135,9 +140,9 @@ class InductionProbe(Shown):
 
 
 def induction_probe(
-    source: WeightSource,
+    source: SourceLike,
     *,
-    bos: int = 0,
+    bos: int | None = None,
     length: int = 50,
     repeats: int = 2,
     batch: int = 8,
@@ -145,11 +150,14 @@ def induction_probe(
     edits: Mapping[Any, Any] | None = None,
 ) -> InductionProbe:
     """Run the model (with ``edits``, see :func:`~qkov.analysis.forward.trace`) on
-    :func:`induction_probe_tokens`; score every head's induction attention."""
-    expect_source("qkov.induction_probe", source)
+    :func:`induction_probe_tokens`; score every head's induction attention.
+
+    ``source``: a model, weights source or path (:func:`~qkov.weights.as_source`); ``bos=None``:
+    its start token."""
+    source = as_source("qkov.induction_probe", source)
     cfg = source.cfg
     length = min(length, (cfg.n_ctx - 1) // repeats)
-    tokens = induction_probe_tokens(cfg.d_vocab, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
+    tokens = induction_probe_tokens(source, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
     r = trace(source, tokens, cache="pattern.*", edits=edits)
     assert r.patterns is not None
     scores = induction_attention(r.patterns, length)
@@ -198,7 +206,7 @@ def icl_windows(seq: int, early: int = 50, late: int = ICL_LATE, window: int = 1
 
 
 def icl_score(
-    source: WeightSource,
+    source: SourceLike,
     examples: Tensor,
     *,
     early: int = 50,
@@ -224,6 +232,7 @@ def icl_score(
     (:func:`~qkov.analysis.forward.trace`); chunks are as even as they can be, so no chunk of a
     resample ablation holds a single sequence.
     """
+    source = as_source("qkov.icl_score", source)
     examples = examples[:, : late + 2]  # nothing after the late position enters the score
     T = examples.shape[1]
     early, late, early_at, late_at = icl_windows(T, early, late, window)

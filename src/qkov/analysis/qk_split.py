@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..model import rotary
 from ..weights.parts import WeightSource, check_head
+from ..weights.convert import SourceLike, as_source
 from .forward import Trace, read
 from .paths import frozen_run
 
@@ -90,8 +91,9 @@ def _components(
     return direct, comps, labels, other, r
 
 
-def qk_split(source: WeightSource, tokens: Tensor, layer: int, head: int) -> QKSplit:
+def qk_split(source: SourceLike, tokens: Tensor, layer: int, head: int) -> QKSplit:
     """Expand head ``layer.head``'s attention scores over earlier heads (Q-, K-, Q-and-K-composition)."""
+    source = as_source("qkov.qk_split", source)
     check_head(source.cfg, layer, head)
     direct, comps, labels, other, r = _components(source, tokens, layer)
     att = source.attention(layer, head)

@@ -13,6 +13,7 @@ from .factored import TopK
 from .heads import SCORE_COLUMNS, HeadReport
 from .paths import PathSummary
 from .probes import InductionProbe
+from .term_results import TermEffects
 from .shown import (
     MAX_ROWS,
     TEXT,
@@ -135,6 +136,16 @@ def paths_text(p: PathSummary) -> str:
     if p.virtual:
         lines.append("virtual-head terms:")
         lines.append(table(["term", "loss_change", "rms_logit"], terms(p.virtual)))
+    return "\n".join(lines)
+
+
+@register(TEXT, TermEffects)
+def term_effects_text(t: TermEffects) -> str:
+    terms = lambda effects: [[e.name, num(e.loss_change, 4), num(e.size)] for e in effects]  # noqa: E731
+    lines = ["TermEffects: single-head terms (loss increase when removed):"]
+    lines.append(table(["term", "loss_change", "rms_logit"], terms(t.singles)))
+    if t.virtual:
+        lines += ["virtual-head terms:", table(["term", "loss_change", "rms_logit"], terms(t.virtual))]
     return "\n".join(lines)
 
 

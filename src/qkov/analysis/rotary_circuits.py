@@ -34,6 +34,7 @@ from ..model import rotary
 from ..model.config import ModelConfig
 from ..model.ops import normalize
 from ..weights.parts import WeightSource, check_head
+from ..weights.convert import SourceLike, as_source
 from .factored import LowRank
 from .vocab import embed_product
 
@@ -181,8 +182,9 @@ class OffsetProfiles:
         return {"offsets": self.offsets, "heads": heads, "scores": self.scores.tolist()}
 
 
-def profiles(source: WeightSource, offsets: list[int] | None = None) -> OffsetProfiles:
+def profiles(source: SourceLike, offsets: list[int] | None = None) -> OffsetProfiles:
     """:func:`offset_profile` of every head (offsets default ``0 .. min(n_ctx - 1, 64)``)."""
+    source = as_source("qkov.rotary_circuits.profiles", source)
     _rotary_source(source)
     cfg = source.cfg
     offsets = check_offsets(cfg.n_ctx, offsets if offsets is not None else list(range(min(cfg.n_ctx, 65))))

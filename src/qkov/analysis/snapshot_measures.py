@@ -49,7 +49,7 @@ class Sample:
 
     text: Tensor | None
     icl_text: Tensor | None
-    bos: int = 0
+    bos: int | None = None  # None: the start token of the weights measured
     seed: int = 0
     source: str = ""
     frequencies: np.ndarray | None = None  # training token counts: the repeated tokens avoid the extremes
@@ -121,7 +121,7 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     rec["induction"] = _r(readers.max())
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(
-        cfg.d_vocab, length=length, seed=sample.seed, bos=sample.bos, frequencies=sample.frequencies
+        w, length=length, seed=sample.seed, bos=sample.bos, frequencies=sample.frequencies
     )
     rs = repeat_scores(w, rep, length)
     heads = {"prefix_matching": rs.prefix_matching, "induction": rs.induction_attention, "copying_rank": rs.copying_rank}

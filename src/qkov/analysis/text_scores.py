@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ..model.ops import causal_mask
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .forward import LayerView, Trace, read, trace
 from .progress import Progress, tick
 
@@ -144,11 +145,12 @@ class _Sums:
 
 @torch.no_grad()
 def text_scores(
-    source: WeightSource, text: Tensor, *, chunk: int | None = None, progress: Progress | None = None
+    source: SourceLike, text: Tensor, *, chunk: int | None = None, progress: Progress | None = None
 ) -> dict[str, Tensor]:
     """Previous-token, self-attention, sink, value-weighted sink and positional scores of every head
     on ``text [B, T]`` (natural text), ``[n_layers, n_heads]`` each (float64), streamed: ``chunk``
     sequences at a time (default :func:`chunk_size`), one layer's attention at a time."""
+    source = as_source("qkov.text_scores", source)
     B, T = text.shape
     chunk = chunk or chunk_size(source, T)
     sums = _Sums(source)

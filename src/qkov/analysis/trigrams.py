@@ -39,6 +39,7 @@ import torch
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import WeightSource
+from ..weights.convert import SourceLike, as_source
 from .shown import Bigrams, SkipTrigrams
 from .rotary_circuits import rotations
 from .vocab import embed_product, unembed_product
@@ -96,12 +97,18 @@ class TrigramTable:
             EQ = EQ @ Rs.mean(0)
         OU = unembed_product(source, att.W_O[0])  # [d_head, V]
         self.d_vocab = source.cfg.d_vocab
+        self.bos_token_id = getattr(source, "bos_token_id", None)  # what exclude=None leaves out
         self.ov = LowRank(EV, OU - OU.mean(dim=-1, keepdim=True))  # centred over outputs, per source
         B = EK.T - EK.T.mean(dim=-1, keepdim=True)  # full QK = EQ @ EK^T; centred over sources, per destination
         self.qk = LowRank(B.T, EQ.T)  # [source, destination]
 
     def top(
-        self, top: int = 20, *, exclude: tuple[int, ...] = (0,), max_bytes: int | None = None, batch: int | None = None
+        self,
+        top: int = 20,
+        *,
+        exclude: tuple[int, ...] | None = None,
+        max_bytes: int | None = None,
+        batch: int | None = None,
     ) -> list[SkipTrigram]:
         """The ``top`` skip-trigrams over the whole vocabulary, strongest first (exact).
 
@@ -113,6 +120,7 @@ class TrigramTable:
         (at most :data:`~qkov.analysis.factored.DEFAULT_MAX_BYTES` and :data:`SEARCH_BATCH`).
         """
         V, qk, ov = self.d_vocab, self.qk, self.ov
+        exclude = _excluded(exclude, self.bos_token_id)
         max_bytes = self.max_bytes if max_bytes is None else max_bytes
         batch = self.batch if batch is None else batch
         k = min(top, V - len(exclude))
@@ -149,12 +157,13 @@ class TrigramTable:
             best = best[:top]
         return [SkipTrigram(s, d, o, q, v) for _, s, d, o, q, v in best]
 
-    def source_view(self, source: int, *, top: int = 10, exclude: tuple[int, ...] = (0,)) -> "SourceView":
+    def source_view(self, source: int, *, top: int = 10, exclude: tuple[int, ...] | None = None) -> "SourceView":
         """What token ``source`` promotes (its OV row) and which destinations attend to it (its QK column)."""
         V = self.d_vocab
         if not 0 <= source < V:
             raise QkovError(f"source token id {source} out of range [0, {V})")
         ov_row, qk_col = self.ov.rows([source])[0], self.qk.rows([source])[0]
+        exclude = _excluded(exclude, self.bos_token_id)
         for e in exclude:
             ov_row[e] = float("-inf")
             qk_col[e] = float("-inf")
@@ -201,9 +210,17 @@ def _search_budget(source: WeightSource, layer: int, head: int) -> tuple[int, in
     return batch, min(chunk, row * (1 + (spare - (batch - 1) * per_source) // row))
 
 
-def skip_trigrams(source: WeightSource, layer: int, head: int, *, top: int = 20, **options: Any) -> SkipTrigrams:
+def _excluded(exclude: tuple[int, ...] | None, bos: int | None) -> tuple[int, ...]:
+    """``exclude``, or (``None``) the source's start token (nothing when it carries none)."""
+    if exclude is not None:
+        return tuple(exclude)
+    return () if bos is None else (int(bos),)
+
+
+def skip_trigrams(source: SourceLike, layer: int, head: int, *, top: int = 20, **options: Any) -> SkipTrigrams:
     """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there).
     ``.with_tokens(model)`` on the result shows token strings."""
+    source = as_source("qkov.skip_trigrams", source)
     return SkipTrigrams(TrigramTable(source, layer, head).top(top, **options), f"{layer}.{head}")
 
 
@@ -239,13 +256,15 @@ class Bigram:
 
 
 def bigrams(
-    source: WeightSource, *, top: int = 20, exclude: tuple[int, ...] = (0,), max_bytes: int = DEFAULT_MAX_BYTES
+    source: SourceLike, *, top: int = 20, exclude: tuple[int, ...] | None = None, max_bytes: int = DEFAULT_MAX_BYTES
 ) -> Bigrams:
     """The ``top`` strongest entries of the direct path ``W_E W_U`` (centred per row): the bigram
     model. Entries in an excluded token's row or column are skipped; when the largest entries
     sit there, more are fetched until ``top`` remain (or the matrix is exhausted). Its copies of the
     embedding and unembedding are checked against the memory budget first, and the row chunks
     shrink to fit it."""
+    source = as_source("qkov.bigrams", source)
+    exclude = _excluded(exclude, getattr(source, "bos_token_id", None))
     V = source.cfg.d_vocab
     least = bigram_bytes(source, chunk_rows=1)
     advice = "analyse a model with a smaller vocabulary"

@@ -185,7 +185,7 @@ def dynamics(
     if heads:
         w = Weights.from_model(last)
         study = Ab.ablation_study(
-            w, heads, text=sample.text, icl_text=sample.icl_text, mode=mode, draws=draws, bos=sample.bos, seed=seed
+            w, sample.text, heads, icl_text=sample.icl_text, mode=mode, draws=draws, bos=sample.bos, seed=seed
         )
     return DynamicsResult(
         {

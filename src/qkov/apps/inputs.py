@@ -70,7 +70,7 @@ def read_token_file(path: Path, d_vocab: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def random_tokens(d_vocab: int, n_ctx: int, batch: int, *, bos: int = 0, seed: int = 0) -> torch.Tensor:
+def random_tokens(d_vocab: int, n_ctx: int, batch: int, *, bos: int, seed: int = 0) -> torch.Tensor:
     """``[batch, n_ctx]`` seeded uniform random ids, the start token ``bos`` first and never elsewhere."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, max(1, d_vocab - 1), (batch, n_ctx), generator=g)

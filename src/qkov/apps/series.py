@@ -51,7 +51,8 @@ class Series:
     origin: Path  # the run or checkpoint that gives the tokenizer and the corpus
     run: Path | None = None  # the qkov run directory, when the series is its snapshots
     training: dict[str, Any] = field(default_factory=dict)  # the run's training config
-    bos: int = 0  # the run's start token and tokenizer (read once; snapshots hold weights only)
+    bos: int | None = None  # the run's start token (None: each model's own) and tokenizer (read once;
+    # snapshots hold weights only)
     tokenizer: Any = None
 
     @property
@@ -73,7 +74,9 @@ class Series:
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[-1].strip()
             raise QkovError(f"snapshot {str(e.path)!r} does not fit the run's model config ({first})") from None
-        model.bos_token_id, model.tokenizer = self.bos, self.tokenizer
+        if self.bos is not None:
+            model.bos_token_id = self.bos
+        model.tokenizer = self.tokenizer
         return model.eval()
 
 

@@ -13,6 +13,8 @@ write (:mod:`qkov.io.manifest`).
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -74,20 +76,31 @@ def read_config(path: Path | str) -> dict[str, Any]:
 
 
 def save_checkpoint(
-    path: Path | str,
     model: Transformer,
+    path: Path | str,
     *,
     training: dict[str, Any] | None = None,
     tokenizer_json: str | None = None,
 ) -> None:
-    """Write the model's weights and config (and tokenizer, if given) into ``path``.
+    """Write the model's weights and config (and tokenizer, if given) into ``path``: ``(model, path)``,
+    the order of :func:`~qkov.io.save_tl` and :func:`~qkov.io.save_hf`. The pre-1.0 order
+    ``save_checkpoint(path, model)`` is still accepted (told apart by the types), with a
+    :class:`DeprecationWarning`, until qkov 1.1.
 
     Raises:
         QkovError: ``path`` holds files qkov did not write (or one is at a name it would write),
             or ``path`` / ``model`` are not a path and a qkov :class:`~qkov.Transformer`.
     """
-    expect_path("qkov.save_checkpoint", path)
+    if isinstance(model, (str, os.PathLike)) and isinstance(path, Transformer):
+        warnings.warn(
+            "qkov.save_checkpoint(path, model) is deprecated: pass the model first, save_checkpoint(model, path) "
+            "(as save_tl and save_hf); the old order is accepted until qkov 1.1",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        model, path = path, model
     expect_model("qkov.save_checkpoint", model)
+    expect_path("qkov.save_checkpoint", path)
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise QkovError(f"{str(path)!r} exists and is not a directory")

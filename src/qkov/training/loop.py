@@ -259,7 +259,7 @@ class Session:
         }
         save_state(out / STATE_FILE, self.model, self.opt, self.step, extra)
         atomic_write_text(out / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.metrics))
-        save_checkpoint(out, self.model, training=self.summary(), tokenizer_json=tokenizer_json)
+        save_checkpoint(self.model, out, training=self.summary(), tokenizer_json=tokenizer_json)
         self.plan.emit({"event": "checkpoint", "step": self.step})
 
     def snapshot(self) -> None:

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..expect import expect_path
-from ..io.checkpoint import MODEL_FILE, read_config
+from ..io.checkpoint import MODEL_FILE, TOKENIZER_FILE, read_config, read_tokenizer
 from ..io.hf_families import start_token
 from ..io.hf_store import HFStore
 from ..io.plausible import check_shapes
@@ -90,6 +90,7 @@ class LazyCheckpoint:
             self.cfg = self.file.cfg
             where = f"Hugging Face model {str(self.path)!r}"
             self.bos_token_id = start_token(data, self.cfg.d_vocab, where)
+        self.tokenizer = read_tokenizer(self.path / TOKENIZER_FILE, where=where)  # None when there is none
         self.centered_writing = writer_centring(self.cfg, center_writing)
         self.centered_unembed = center_unembed
         self._unembed_mean: tuple[Tensor, Tensor] | None = None

@@ -17,7 +17,7 @@ or costs memory and I/O (take blocks).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -98,6 +98,10 @@ class WeightSource(Protocol):
     """What every analysis reads. See the module docstring."""
 
     cfg: ModelConfig
+    bos_token_id: int | None
+    """The start token the analyses prepend when not told otherwise (``None``: none known)."""
+    tokenizer: Any
+    """The model's ``tokenizers.Tokenizer``, or ``None`` when it has none."""
 
     @property
     def norm(self) -> str:

@@ -94,6 +94,10 @@ class Weights:
     lnf_b: Tensor | None = None
     centered_writing: bool = False
     centered_unembed: bool = False
+    # What travels with the weights (not weights: left out of comparisons and the repr): the start
+    # token the analyses prepend when not told otherwise, and the tokenizer (None when there is none).
+    bos_token_id: int | None = dataclasses.field(default=None, compare=False)
+    tokenizer: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     # ---------------------------------------------------------------- build
     @classmethod
@@ -160,6 +164,8 @@ class Weights:
             ln2_b=stack(lambda b: b.ln2.b, (D,)) if (affine and mlp) else None,
             lnf_w=t(model.ln_final.w) if model.ln_final is not None else None,
             lnf_b=t(model.ln_final.b) if affine else None,
+            bos_token_id=model.bos_token_id,
+            tokenizer=model.tokenizer,
         )
         if fold_ln:
             w = w.fold_ln()
@@ -200,7 +206,8 @@ class Weights:
         return cls(
             cfg=cfg, W_E=source.embed(), W_pos=source.pos(), W_U=unemb.W_U, b_U=unemb.b_U, lnf_w=unemb.ln_w,
             lnf_b=unemb.ln_b, norm=source.norm, centered_writing=source.centered_writing,
-            centered_unembed=source.centered_unembed, **out,
+            centered_unembed=source.centered_unembed, bos_token_id=getattr(source, "bos_token_id", None),
+            tokenizer=getattr(source, "tokenizer", None), **out,
         )  # fmt: skip
 
     def replace(self, **changes: object) -> "Weights":

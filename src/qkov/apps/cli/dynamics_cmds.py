@@ -168,8 +168,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     w = Weights.from_model(model.to(dev))
     study = Ab.ablation_study(
         w,
+        None if sample.text is None else sample.text.to(dev),
         heads,
-        text=None if sample.text is None else sample.text.to(dev),
         icl_text=None if sample.icl_text is None else sample.icl_text.to(dev),
         mode=args.mode,
         draws=args.draws,

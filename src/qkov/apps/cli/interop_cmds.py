@@ -59,7 +59,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     notes = [str(w.message) for w in caught if issubclass(w.category, QkovWarning)]
     if notes:
         origin["warnings"] = notes
-    save_checkpoint(args.out, model, training={"imported_from": origin})
+    save_checkpoint(model, args.out, training={"imported_from": origin})
     c = model.cfg
     print(
         f"imported {args.ckpt} ({kind}) -> {args.out}: {c.describe()}, {model.num_parameters():,} parameters"
