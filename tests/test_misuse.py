@@ -137,5 +137,5 @@ def test_dynamics_refuses_what_is_not_a_list_of_paths(bad: Any, expected: str) -
 
 @pytest.mark.parametrize("bad", [None, MODEL, "0 1 2"])
 def test_run_refuses_tokens_that_are_not_ids(bad: Any) -> None:
-    with pytest.raises(QkovError, match=r"^qkov\.run: tokens must be token ids .*; got "):
+    with pytest.raises(QkovError, match=r"^qkov\.trace: tokens must be token ids .*; got "):
         qkov.trace(VIEW, bad)

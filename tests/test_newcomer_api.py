@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import qkov
-from qkov.analysis.dynamics import Sample, measure
+from qkov.analysis.snapshot_measures import Sample, measure
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
@@ -108,7 +108,7 @@ def test_every_entry_point_that_builds_a_start_token_uses_the_sources(gpt2_dir: 
         assert _differs(own, zero)
 
     for source in (model, w, gpt2_dir):
-        same_and_not_zero(lambda **kw: qkov.induction_probe(source, seed=2, **kw), lambda r: r.scores)
+        same_and_not_zero(lambda **kw: qkov.induction_probe(source, seed=2, **kw), lambda r: r.induction_attention)
     text = model.to_tokens(" ".join(PARAGRAPH.split()[:23]))  # 24 tokens, the start token first
     same_and_not_zero(
         lambda **kw: qkov.head_report(model, text, diag_k=None, icl=False, **kw),
@@ -146,7 +146,7 @@ def test_a_llama_family_directory_runs_every_analysis_from_python(llama_dir: Pat
     assert heads.scores["previous_token"].shape == (2, 4)
     exp = qkov.expand(model, text)  # paths
     assert exp.reconstruction_error() < 1e-3
-    torch.testing.assert_close(exp.total_logits(), qkov.run(model, text).logits, rtol=0, atol=1e-3)
+    torch.testing.assert_close(exp.total_logits(), qkov.trace(model, text).logits, rtol=0, atol=1e-3)
     study = qkov.ablation_study(model, text, [(1, 0)], mode="zero", draws=1)  # ablate
     assert study.intact.loss is not None and study.ablated.loss != study.intact.loss
     # trigrams and bigrams leave the source's start token (1 here) out, as exclude=(1,) would

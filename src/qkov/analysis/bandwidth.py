@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from .factored import serial_linalg
 

@@ -396,6 +396,5 @@ def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, 
         raise QkovError("start_at: the stream must be on the source's device and dtype")
 
 
-__getattr__ = module_getattr(
-    __name__, {"run": ("qkov.analysis.forward.trace", lambda: trace), "Run": ("qkov.analysis.forward.Trace", lambda: Trace)}
-)
+_OLD = {"run": ("qkov.analysis.forward.trace", lambda: trace), "Run": ("qkov.analysis.forward.Trace", lambda: Trace)}
+__getattr__ = module_getattr(__name__, _OLD)

@@ -19,7 +19,6 @@ from torch import Tensor
 from ..deprecated import renamed_property
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
-from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source, source_bos
 from .budget import COPYING_LOGITS as COPYING_LOGITS
 from .circuits import check_diag_k, copying_scores

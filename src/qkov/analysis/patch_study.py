@@ -14,7 +14,6 @@ from typing import Any, Callable, Sequence
 
 from torch import Tensor
 
-from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from .metrics import as_metric
 from .patching import PatchResult, activation_patching, agreement, attribution_patching, default_axes, result_text

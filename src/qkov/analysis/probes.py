@@ -26,7 +26,6 @@ from ..deprecated import renamed_property
 from ..errors import QkovError
 from ..weights.convert import SourceLike, as_source, vocab_and_bos
 from ..model.ops import next_token_nll
-from ..weights.parts import WeightSource
 from .progress import Progress, tick
 from .forward import flops_per_token, trace
 from .shown import Shown
