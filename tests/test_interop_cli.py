@@ -92,7 +92,7 @@ def test_import_analyse_export_hf(tmp_path: Path, sources: dict[str, Path], caps
     assert rc == 0 and "(hf)" in stdout and "2 layers x 4 heads" in stdout
     rc, stdout, _ = run_main(capsys, "info", ckpt, "--json")
     info = json.loads(stdout)
-    assert rc == 0 and info["imported_from"] == {"format": "hf", "path": str(sources["hf"])} and info["tokenizer"]
+    assert rc == 0 and info["imported_from"] == {"format": "hf", "path": str(sources["hf"]), "family": "gpt2"} and info["tokenizer"]
     # the analyses read the Hugging Face directory directly, with the same result as from the checkpoint
     results = []
     for src in (ckpt, sources["hf"]):
