@@ -1,5 +1,6 @@
 """A newcomer's first session at the command line: a small Llama-family model (rotary positions,
-RMSNorm, grouped-query attention, start token 1) and a GPT-2-family model (start token 50256),
+RMSNorm, grouped-query attention, start token 1) and a GPT-2-family model (start token
+``<|endoftext|>``, the last id, as GPT-2's 50256),
 each a Hugging Face directory with its tokenizer, and a one-paragraph text much shorter than the
 context. ``info``, ``heads``, ``paths``, ``report`` and ``ablate`` all run on them without a
 refusal; the text is analysed as one sequence of its own length, the start token first; the
@@ -57,20 +58,20 @@ def _llama(folder: Path) -> tuple[Path, int]:
 
 
 def _gpt2(folder: Path) -> tuple[Path, int]:
-    # GPT-2's vocabulary size and start token <|endoftext|> = 50256; the words fill the first ids
-    tok = _tokenizer(_words(), {"<unk>": 0})
-    tok.add_special_tokens([])
-    vocab = {**tok.get_vocab(), "<|endoftext|>": 50256}
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    # GPT-2's layout: the words first, its start token <|endoftext|> the last id of the vocabulary
+    # (50256 in the released models; a small vocabulary keeps the test fast)
+    words = _tokenizer(_words(), {"<unk>": 0}).get_vocab()
+    bos = len(words)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab={**words, "<|endoftext|>": bos}, unk_token="<unk>"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     cfg = transformers.GPT2Config(
-        vocab_size=50257, n_positions=N_CTX, n_embd=32, n_layer=2, n_head=4, bos_token_id=50256, eos_token_id=50256,
+        vocab_size=bos + 1, n_positions=N_CTX, n_embd=32, n_layer=2, n_head=4, bos_token_id=bos, eos_token_id=bos,
         initializer_range=0.1,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(folder)
     tok.save(str(folder / "tokenizer.json"))
-    return folder, 50256
+    return folder, bos
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])
@@ -112,6 +113,9 @@ def test_info_reads_the_directory(source: tuple[Path, int, Path], capsys: Any) -
     assert any("training history" in u for u in info["unknown"])
     rc, out, err = run_main(capsys, "info", path)
     assert rc == 0 and "imported" in out and "unknown" in out and "training history" in out, err
+    assert info["parameters"] == transformers.AutoModelForCausalLM.from_pretrained(path).num_parameters()
+    if hf_cfg["model_type"] == "llama":  # streamed from the headers alone: the same description
+        assert _json(capsys, "info", path, "--lazy") == info
 
 
 def test_heads_on_a_short_text(source: tuple[Path, int, Path], capsys: Any) -> None:
@@ -121,7 +125,8 @@ def test_heads_on_a_short_text(source: tuple[Path, int, Path], capsys: Any) -> N
     data = _json(capsys, "heads", path, "--text", text)
     assert f"one sequence of {len(ids)} tokens" in data["inputs"]
     assert data["icl"] is None
-    assert data["left_out"]["icl"].endswith(f"the text has {len(ids)}") and f"at least {N_CTX}" in data["left_out"]["icl"]
+    why = data["left_out"]["icl"]
+    assert why.endswith(f"the text has {len(ids)}") and f"needs sequences of at least {N_CTX} tokens" in why
     # the previous-token score is the mean of A[i, i-1] over the text: transformers' patterns agree
     att = torch.stack(_hf(path, ids).attentions)[:, 0]  # [L, H, T, T]
     want = att.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)
@@ -150,7 +155,8 @@ def test_paths_and_ablate_on_a_short_text(source: tuple[Path, int, Path], capsys
 def test_report_on_a_short_text(source: tuple[Path, int, Path], tmp_path: Path, capsys: Any) -> None:
     path, bos, text = source
     ids = _ids(path, bos)
-    rc, _, err = run_main(capsys, "report", path, "--text", text, "-o", tmp_path / "r", "--quiet", "--icl-examples", "4")
+    out = tmp_path / "r"
+    rc, _, err = run_main(capsys, "report", path, "--text", text, "-o", out, "--quiet", "--icl-examples", "4")
     assert rc == 0, err
     rep = json.loads((tmp_path / "r" / "report.json").read_text())
     assert rep["attention"]["ids"] == ids  # the viewer's text: the start token, then the paragraph

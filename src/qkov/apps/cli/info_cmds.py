@@ -10,7 +10,9 @@ from typing import Any
 from rich.table import Table
 
 from ...io.checkpoint import TOKENIZER_FILE, checkpoint_info, training_record
+from ...io.hf_store import shard_paths
 from ...io.sources import source_kind
+from ...io.tensorfile import TensorFile
 from ...model.config import ModelConfig
 from ...weights.lazy import LazyCheckpoint
 from ..origin import FORMATS, UNKNOWN, describe_origin, source_origin
@@ -35,7 +37,8 @@ def add_info(sub: Any) -> None:
 
 
 def source_info(args: argparse.Namespace) -> dict[str, Any]:
-    """What ``qkov info --json`` prints: ``path``, ``kind``, ``model`` (the config), ``parameters``,
+    """What ``qkov info --json`` prints: ``path``, ``kind``, ``model`` (the config), ``parameters`` (for a
+    Hugging Face directory, what it stores),
     ``bos_token_id``, ``tokenizer`` (whether it has one), ``imported_from`` (``None`` for a model
     ``qkov train`` wrote) and, for an imported model, ``unknown`` (what its source does not
     record); a qkov checkpoint adds its training record (:func:`qkov.io.checkpoint.checkpoint_info`)."""
@@ -48,13 +51,11 @@ def source_info(args: argparse.Namespace) -> dict[str, Any]:
         record = training_record(args.ckpt) if kind == "qkov" else {}
     else:
         model = load_source(args)
-        cfg, bos, parameters, tokenizer = (
-            model.cfg,
-            model.bos_token_id,
-            model.num_parameters(),
-            model.tokenizer is not None,
-        )
+        cfg, bos, parameters = model.cfg, model.bos_token_id, model.num_parameters()
+        tokenizer = model.tokenizer is not None
         record = checkpoint_info(args.ckpt, model) if kind == "qkov" else {}
+    if kind == "hf":  # what the directory stores (qkov's form adds zero biases a family lacks)
+        parameters = stored_parameters(Path(args.ckpt))
     origin = source_origin(args.ckpt)
     info: dict[str, Any] = {"path": str(args.ckpt), "kind": kind, "model": cfg.to_dict(), "parameters": parameters}
     info.update(record)
@@ -62,6 +63,12 @@ def source_info(args: argparse.Namespace) -> dict[str, Any]:
     if origin is not None:
         info["unknown"] = list(UNKNOWN)
     return info
+
+
+def stored_parameters(path: Path) -> int:
+    """The weights a Hugging Face directory stores, from its safetensors headers (``transformers``'
+    ``num_parameters()`` of the same model)."""
+    return sum(math.prod(f.shape(name)) for f in map(TensorFile, shard_paths(path)) for name in f.entries)
 
 
 def _print(info: dict[str, Any]) -> None:
