@@ -169,3 +169,28 @@ def test_report_on_a_short_text(source: tuple[Path, int, Path], tmp_path: Path, 
     for l, h, q in ((0, 0, len(ids) - 1), (1, 3, len(ids) // 2)):
         got = torch.tensor(rep["attention"]["patterns"][l][h][q])
         torch.testing.assert_close(got, att[l, h, q, : q + 1], atol=5e-4, rtol=5e-3)
+
+
+def test_the_python_equivalents_on_a_short_text(source: tuple[Path, int, Path]) -> None:
+    """The library path the commands take: the text's tokens (start token first, its own length)
+    and the head report, whose ICL score is left out only below the length it reads."""
+    from qkov.analysis.heads import head_report
+    from qkov.analysis.probes import icl_left_out, icl_score
+    from qkov.apps.inputs import analysis_inputs
+    from qkov.io import load_any
+    from qkov.weights.view import Weights
+
+    path, bos, text = source
+    model = load_any(path)
+    assert model.bos_token_id == bos
+    toks = analysis_inputs(path, model, text=text).tokens
+    assert toks.tolist() == [_ids(path, bos)]
+    w = Weights.from_model(model)
+    rep = head_report(w, toks, bos=bos, diag_k=None)
+    assert rep.icl is None and rep.left_out["icl"] == icl_left_out(toks.shape[1], N_CTX)
+    # the boundary: one token short of the context is left out, the whole context is measured
+    full = torch.randint(0, model.cfg.d_vocab, (4, N_CTX), generator=torch.Generator().manual_seed(0))
+    full[:, 0] = bos
+    assert head_report(w, full[:, :-1], bos=bos, diag_k=None).icl is None
+    got = head_report(w, full, bos=bos, diag_k=None).icl
+    assert got is not None and got.score == pytest.approx(icl_score(w, full).score) and got.late == N_CTX - 2
