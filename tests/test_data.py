@@ -144,5 +144,8 @@ def test_batches_are_a_pure_function_of_seed_and_step() -> None:
 def test_val_batches_shape_and_errors() -> None:
     v = val_batches(np.arange(100, dtype=np.uint16), n_ctx=11, bos=0, max_examples=4)
     assert v.shape == (4, 11) and (v[:, 0] == 0).all()
-    with pytest.raises(QkovError, match=r"holds 5 tokens, fewer than one example needs: .* start token and 10 tokens"):
-        val_batches(np.arange(5, dtype=np.uint16), n_ctx=11, bos=0, max_examples=4)
+    # a stream shorter than one window is one sequence of its own length, the start token first
+    short = val_batches(np.arange(1, 6, dtype=np.uint16), n_ctx=11, bos=7, max_examples=4)
+    assert short.tolist() == [[7, 1, 2, 3, 4, 5]]
+    with pytest.raises(QkovError, match=r"^the text holds no tokens$"):
+        val_batches(np.zeros(0, dtype=np.uint16), n_ctx=11, bos=0, max_examples=4, what="the text")

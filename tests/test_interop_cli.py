@@ -92,7 +92,8 @@ def test_import_analyse_export_hf(tmp_path: Path, sources: dict[str, Path], caps
     assert rc == 0 and "(hf)" in stdout and "2 layers x 4 heads" in stdout
     rc, stdout, _ = run_main(capsys, "info", ckpt, "--json")
     info = json.loads(stdout)
-    assert rc == 0 and info["imported_from"] == {"format": "hf", "path": str(sources["hf"])} and info["tokenizer"]
+    origin = {"format": "hf", "path": str(sources["hf"]), "family": "gpt2"}
+    assert rc == 0 and info["imported_from"] == origin and info["tokenizer"]
     # the analyses read the Hugging Face directory directly, with the same result as from the checkpoint
     results = []
     for src in (ckpt, sources["hf"]):
@@ -197,3 +198,16 @@ def test_export_refused_before_writing(tmp_path: Path, capsys: pytest.CaptureFix
     qkov.save_checkpoint(Transformer(ModelConfig(n_layers=1, d_vocab=50, n_ctx=16), seed=0), tmp_path / "ckpt")
     rc, _, err = run_main(capsys, "export", tmp_path / "ckpt", "--to", "hf", "--out", tmp_path / "out")
     assert rc == 2 and "cannot export to GPT-2 format" in err and not (tmp_path / "out").exists()
+
+
+def test_info_reads_every_source(sources: dict[str, Path], capsys: pytest.CaptureFixture) -> None:
+    """``qkov info`` on a TransformerLens file and a Hugging Face directory, not only on checkpoints:
+    what it is, where it came from, and that its training history is unknown."""
+    rc, stdout, err = run_main(capsys, "info", sources["tl"], "--json")
+    info = json.loads(stdout)
+    assert rc == 0 and info["kind"] == "tl" and info["imported_from"] == {"format": "tl", "path": str(sources["tl"])}
+    saved = Transformer(ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, d_vocab=VOCAB, n_ctx=16), seed=4)
+    assert info["parameters"] == saved.num_parameters() and "steps" not in info  # the model the file was saved from
+    assert info["unknown"] and info["tokenizer"] is False
+    rc, stdout, err = run_main(capsys, "info", sources["hf"])
+    assert rc == 0 and "Hugging Face directory (gpt2)" in stdout and "training history" in stdout, err

@@ -225,7 +225,7 @@ def test_tiny_token_files_are_counted_in_the_singular_and_in_bytes(tmp_path: Pat
         qkov.load_corpus(str(tmp_path / "c3.bin"))
 
 
-def test_a_one_token_analysis_input_is_named_for_what_it_is(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_one_token_analysis_input_is_one_short_sequence(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from qkov.training.data import train_tokenizer
 
     tok = train_tokenizer(["ab ba ab"], 8, alphabet=list("ab "))
@@ -234,11 +234,15 @@ def test_a_one_token_analysis_input_is_named_for_what_it_is(tmp_path: Path, caps
     (tmp_path / "one.txt").write_text("a")
     (tmp_path / "one.ids").write_text("3")
     (tmp_path / "c3.bin").write_bytes(b"\x01\x00\x07")  # one uint16 id (1) and a stray byte
+    (tmp_path / "empty.txt").write_text("")
     for flag, name in (("--text", "one.txt"), ("--tokens", "one.ids"), ("--tokens", "c3.bin")):
-        rc, _, err = run_main(capsys, "ablate", tmp_path / "m", "--heads", "0.0", flag, tmp_path / name)
-        line = _one_line(err)
-        assert rc == 2 and "corpus" not in line and "validation" not in line, line
-        assert f"{name}' holds 1 token, fewer than one example needs: an example of n_ctx 16 is the start token" in line
+        rc, out, err = run_main(capsys, "ablate", tmp_path / "m", "--heads", "0.0", flag, tmp_path / name, "--json")
+        data = json.loads(out)
+        assert rc == 0 and "one sequence of 2 tokens (its own length; the context is 16)" in data["sample"], err
+        assert data["intact"]["icl"] is None and "the context is 16" in data["left_out"]["icl"]
+    rc, _, err = run_main(capsys, "ablate", tmp_path / "m", "--heads", "0.0", "--text", tmp_path / "empty.txt")
+    line = _one_line(err)
+    assert rc == 2 and line.endswith("empty.txt' holds no tokens") and "corpus" not in line, line
 
 
 def _gpt2_dir(tmp_path: Path, vocab: int = 32) -> Path:

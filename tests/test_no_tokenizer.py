@@ -50,10 +50,10 @@ def test_heads_on_random_tokens_and_on_token_files(hand: Path, tmp_path: Path, c
         rc, out, err = run_main(capsys, "heads", hand, "--json", "--batch", 4, "--tokens", tmp_path / name)
         assert rc == 0, err
         data = json.loads(out)
-        assert data["inputs"] == f"token ids from {tmp_path / name}"
+        assert data["inputs"] == f"token ids from {tmp_path / name}: 4 sequences of {CTX} tokens"
         _designed(_roles(data))
     rc, out, _ = run_main(capsys, "heads", hand, "--batch", 2, "--icl-examples", 2)
-    assert rc == 0 and "inputs: seeded random tokens" in out and "no ICL score" in out
+    assert rc == 0 and "inputs: seeded random tokens" in out and "in-context learning score left out: the tokens are not" in out
 
 
 def test_paths_and_report_without_a_tokenizer(hand: Path, tmp_path: Path, capsys) -> None:
@@ -67,7 +67,7 @@ def test_paths_and_report_without_a_tokenizer(hand: Path, tmp_path: Path, capsys
     rc, _, err = run_main(capsys, "report", hand, "-o", tmp_path / "rep", "--tokens", tmp_path / "rows.npy", "--quiet")
     assert rc == 0, err
     rep = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert rep["inputs"] == f"token ids from {tmp_path / 'rows.npy'}"
+    assert rep["inputs"] == f"token ids from {tmp_path / 'rows.npy'}: 6 sequences of {CTX} tokens"
     assert rep["attention"]["tokens"][:3] == [f"<{i}>" for i in ids[0, :3]]  # ids as labels
     _designed({r["head"]: r["roles"] for r in rep["heads"]["rows"]})
     assert rep["composition"]["k"]["top"][0]["writer"] == "0.0" and rep["composition"]["k"]["top"][0]["reader"] == "1.0"

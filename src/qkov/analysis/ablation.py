@@ -34,7 +34,7 @@ from .call_forms import ablation_args
 from .budget import fit_chunk, item, run_bytes
 from .forward import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
-from .probes import ICL_LATE, LOGIT_BYTES, icl_score, icl_windows, induction_probe, induction_probe_tokens
+from .probes import ICL_LATE, LOGIT_BYTES, icl_left_out, icl_score, icl_windows, induction_probe, induction_probe_tokens
 from .shown import TEXT, Shown, register
 from .sites import Address
 
@@ -141,7 +141,7 @@ def ablation_budget(
     elif text is not None:
         T = text.shape[1]
         text_chunk = split(text, run_bytes(source, 1, T, loss=True), f"one {T}-token sequence")
-    if icl_text is not None and icl_text.shape[1] > 60:
+    if icl_text is not None and icl_left_out(icl_text.shape[1], c.n_ctx) is None:
         T = min(icl_text.shape[1], ICL_LATE + 2)
         width = len(torch.cat(icl_windows(T)[2:]).unique())  # the positions the score unembeds
         own = max(1, LOGIT_BYTES // (width * c.d_vocab * it))  # icl_score's own chunk
@@ -229,7 +229,7 @@ def measures(
     source = as_source("qkov.analysis.ablation.measures", source)
     loss = None if text is None else float(sequence_losses(source, text, chunk=chunks.text, edits=edits).mean())
     icl = None
-    if icl_text is not None and icl_text.shape[1] > 60:
+    if icl_text is not None and icl_left_out(icl_text.shape[1], source.cfg.n_ctx) is None:
         icl = icl_score(source, icl_text, curve=False, edits=edits, chunk=chunks.icl).score
     probe = induction_probe(source, bos=bos, seed=seed, edits=edits)
     return Measures(loss, icl, probe.loss_by_copy[0], probe.loss_by_copy[1])
@@ -247,6 +247,7 @@ class AblationStudy(Shown):
     random_heads: list[list[str]] = field(default_factory=list)
     random: list[Measures] = field(default_factory=list)
     positions: str = "all"  # where the heads were ablated (every position, or a spec such as "50:")
+    left_out: dict[str, str] = field(default_factory=dict)  # measure ("loss", "icl") -> why it is None
 
     def icl_removed(self, which: Measures | None = None) -> float | None:
         """Share of the intact model's in-context improvement (``-icl``) that the ablation removes:
@@ -279,6 +280,7 @@ class AblationStudy(Shown):
             "icl_removed": self.icl_removed(),
             "random_icl_removed": self.random_icl_removed(),
             "random_icl_removed_median": self.random_icl_removed("median"),
+            "left_out": dict(self.left_out),
         }
 
 
@@ -302,6 +304,7 @@ def study_text(s: AblationStudy) -> str:
     removed, med = _fmt(s.icl_removed(), ".0%"), _fmt(s.random_icl_removed("median"), ".0%")
     lines.append(f"  in-context improvement removed: {removed} (random heads: median {med}, ")
     lines[-1] += f"mean {_fmt(s.random_icl_removed(), '.0%')})"
+    lines += [f"  {name} left out: {why}" for name, why in s.left_out.items()]
     return "\n".join(lines)
 
 
@@ -352,11 +355,23 @@ def ablation_study(
     intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks)
     study = AblationStudy([f"{l}.{h}" for l, h in heads], mode, sample, intact, measure(heads))
     study.positions = describe_positions(positions)
+    study.left_out = measures_left_out(w.cfg.n_ctx, text, icl_text)
     others = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads) if (l, h) not in heads]
     for pick in random_sets(others, len(heads), draws, seed):
         study.random_heads.append([f"{l}.{h}" for l, h in pick])
         study.random.append(measure(pick))
     return study
+
+
+def measures_left_out(n_ctx: int, text: Tensor | None, icl_text: Tensor | None) -> dict[str, str]:
+    """Why :func:`measures` leaves the loss or the ICL score out (``{"loss": why, "icl": why}``, only
+    those left out): no natural text, or text shorter than the ICL score reads
+    (:func:`~qkov.analysis.probes.icl_left_out`)."""
+    none = "no natural text given (random tokens have no language to predict)"
+    out = {} if text is not None else {"loss": none}
+    missing = none if text is None else "no ICL examples given (icl_text)"
+    reason = missing if icl_text is None else icl_left_out(icl_text.shape[1], n_ctx)
+    return out if reason is None else {**out, "icl": reason}
 
 
 def random_sets(others: list[Head], k: int, draws: int, seed: int) -> list[list[Head]]:

@@ -33,7 +33,7 @@ from ..weights.convert import SourceLike, as_source
 from .metrics import Attention, ICLWindows
 from .path_patching import input_paths
 from .patching import PATCH_BYTES, copy_bytes
-from .probes import icl_windows, induction_probe_tokens
+from .probes import icl_left_out, icl_windows, induction_probe_tokens
 from .shown import TEXT, Shown, register
 
 Head = tuple[int, int]
@@ -92,15 +92,16 @@ def composition_paths(
     batch: int = 8,
 ) -> CompositionPaths:
     """Path-patch ``writer`` -> ``reader``'s q, k and v inputs (see the module docstring); ``text``
-    ``[N, T]`` validation examples for the ICL share (at least 2, longer than 60 tokens); ``source``: a
-    model, weights source or path; ``bos=None``: its start token."""
+    ``[N, T]`` validation examples for the ICL share (at least 2, as long as the ICL score reads:
+    :func:`~qkov.analysis.probes.icl_left_out`); ``source``: a model, weights source or path;
+    ``bos=None``: its start token."""
     source = as_source("qkov.composition_paths", source)
     clean, corrupted, L = _repeated(source, bos, seed, batch)
     m = Attention(layer=reader[0], head=reader[1], queries=list(range(L + 1, 2 * L + 1)), offset=L - 1)
     got, base, target = input_paths(source, clean, corrupted, sender=writer, receiver=reader, metric=m)
     removed = {inp: (got[inp] - base) / (target - base) for inp in INPUTS}  # noised: base = clean
     out = CompositionPaths(f"{writer[0]}.{writer[1]}", f"{reader[0]}.{reader[1]}", base, target, removed, repeat_length=L)
-    if text is not None and text.shape[0] >= 2 and text.shape[1] > 60:
+    if text is not None and text.shape[0] >= 2 and icl_left_out(text.shape[1], source.cfg.n_ctx) is None:
         out.icl_clean, out.icl_removed = _icl_paths(source, writer, reader, text.to(source.device))
         out.icl_examples = text.shape[0]
     return out

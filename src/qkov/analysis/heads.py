@@ -10,7 +10,7 @@ assigns roles from :data:`THRESHOLDS`. Every run is :func:`qkov.analysis.forward
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ from ..weights.convert import SourceLike, as_source, source_bos
 from .budget import COPYING_LOGITS as COPYING_LOGITS
 from .circuits import check_diag_k, copying_scores
 from .forward import trace
-from .probes import ICLScore, icl_score, induction_attention, prefix_matching_tokens
+from .probes import NOT_TEXT, ICLScore, icl_left_out, icl_score, induction_attention, prefix_matching_tokens
 from .progress import Progress
 from .sampling import seeded_subset
 from .shown import Shown
@@ -199,6 +199,7 @@ class HeadReport(Shown):
     thresholds: dict[str, float]
     diag_tokens: int | None = None  # tokens the diag_top<k> rate was measured on (d_vocab: exact)
     copying_queries: tuple[int, int] | None = None  # (read, all) repeated queries of the copying scores
+    left_out: dict[str, str] = field(default_factory=dict)  # score -> why it was not measured (its value: None)
 
     def rows(self) -> list[dict[str, object]]:
         L, H = next(iter(self.scores.values())).shape
@@ -219,6 +220,7 @@ class HeadReport(Shown):
             "thresholds": self.thresholds,
             "diag_tokens": self.diag_tokens,
             "copying_queries": None if self.copying_queries is None else list(self.copying_queries),
+            "left_out": dict(self.left_out),
         }
 
 
@@ -277,7 +279,9 @@ def head_report(
     are given) give prefix matching, induction, duplicate-token and copying; the weights give
     the eigenvalue copying scores and the diagonal top-k rate (exact up to 8192 tokens, else
     estimated on ``diag_sample`` tokens: :func:`~qkov.analysis.circuits.copying_scores`).
-    ``icl=False`` leaves the ICL score out (for text without structure, such as random tokens).
+    ``icl=False`` leaves the ICL score out (for text without structure, such as random tokens), and
+    so does text shorter than the score reads (:func:`~qkov.analysis.probes.icl_left_out`); the
+    report's ``left_out`` says why (``{"icl": reason}``). The other scores take any length.
     The text scores are streamed (:func:`~qkov.analysis.text_scores.text_scores`); ``progress``
     is ticked through the text, the ICL examples and the copying scores. ``source``: a model,
     weights source or path (:func:`~qkov.weights.as_source`); ``bos=None``: its start token.
@@ -317,7 +321,12 @@ def head_report(
         scores[f"diag_top{diag_k}"] = torch.tensor([c.diag_topk_rate for c in copying]).reshape(L, H)
     scores = {k: v.detach().float().cpu() for k, v in scores.items()}
     icl_on = text if icl_text is None else icl_text  # ICL compares two narrow windows: it needs many examples
-    icl_result = icl_score(source, icl_on, progress=progress) if icl and icl_on.shape[1] > 60 else None
+    left_out = {} if icl else {"icl": NOT_TEXT}
+    reason = icl_left_out(icl_on.shape[1], cfg.n_ctx) if icl else None
+    if reason is not None:
+        left_out["icl"] = reason
+    icl_result = None if left_out else icl_score(source, icl_on, progress=progress)
     roles = assign_roles(scores, thresholds)
     n_diag = copying[0].diag_tokens if copying else None
-    return HeadReport(scores, roles, icl_result, memory_neurons(source), dict(thresholds), n_diag, rs.copying_queries)
+    neurons = memory_neurons(source)
+    return HeadReport(scores, roles, icl_result, neurons, dict(thresholds), n_diag, rs.copying_queries, left_out)

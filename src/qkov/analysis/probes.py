@@ -195,6 +195,31 @@ def default_icl_examples(cfg: Any, most: int = 256) -> int:
     return min(most, max(16, affordable))
 
 
+ICL_SHORTEST = 61  # the fewest tokens a sequence needs for the score: the early window (45 .. 54) and later ones
+
+
+NOT_TEXT = "the tokens are not natural text (random tokens have no context to learn from)"
+"""Why the ICL score is left out on seeded random tokens."""
+
+
+def icl_left_out(seq: int, n_ctx: int) -> str | None:
+    """Why the ICL score is left out on sequences of ``seq`` tokens of a model with context
+    ``n_ctx``, or ``None`` when it is measured. It is measured only on sequences as long as it reads
+    on the model's own context (``min(n_ctx, ICL_LATE + 2)`` tokens: the loss up to token 500, or
+    the context's last predicted position), so one model's score means the same on any input: on a
+    shorter text its late position would move, and the number would not compare. Every analysis
+    that reports the score (heads, ablate, dynamics, report, path patching) uses this rule."""
+    need = max(ICL_SHORTEST, min(n_ctx, ICL_LATE + 2))
+    if n_ctx < ICL_SHORTEST:
+        return f"needs sequences of at least {ICL_SHORTEST} tokens (loss at token 50 vs later); the context is {n_ctx}"
+    if seq < need:
+        return (
+            f"needs sequences of at least {need} tokens (loss at token {need - 2} minus at token 50); "
+            f"the text has {seq}"
+        )
+    return None
+
+
 def icl_windows(seq: int, early: int = 50, late: int = ICL_LATE, window: int = 10) -> tuple[int, int, Tensor, Tensor]:
     """The ICL score's positions in examples of ``seq`` tokens: ``(early, late, early_at, late_at)``,
     ``late`` capped at the last predicting position, each side ``window`` positions (see :func:`icl_score`)."""

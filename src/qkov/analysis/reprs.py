@@ -55,6 +55,7 @@ def heads_text(rep: HeadReport) -> str:
     cols = [(label, name) for label, name in SCORE_COLUMNS if name in rep.scores]
     body = [[r["head"], *(num(r[n], 2) for _, n in cols), ",".join(r["roles"]) or "-"] for r in rows]  # type: ignore[arg-type]
     icl = "" if rep.icl is None else f"; ICL score {num(rep.icl.score)} (token {rep.icl.late} - token {rep.icl.early})"
+    icl += "".join(f"; {name} score left out: {why}" for name, why in rep.left_out.items())
     title = f"HeadReport: {len(rows)} heads{icl}; memory-management neurons: {len(rep.memory_neurons)}"
     return title + "\n" + table(["head", *(c.replace(" ", "_") for c, _ in cols), "roles"], body)
 

@@ -30,7 +30,7 @@ from .budget import composition_bytes, copying_bytes, repeat_bytes
 from .circuits import copying_scores
 from .composition import DEFAULT_WRITER_BYTES, composition_scores
 from .heads import repeat_scores
-from .probes import icl_score, induction_probe, prefix_matching_tokens
+from .probes import icl_left_out, icl_score, induction_probe, prefix_matching_tokens
 from .rotary_circuits import resolve_offsets
 from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 
@@ -104,7 +104,7 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
         nll = sequence_losses(w, sample.text, chunk=chunks.text)  # [B, T-1]
         rec["val_loss"] = _r(nll.mean())
         rec["per_token_loss"] = [_r(v, 3) for v in nll[:PER_TOKEN_SEQUENCES].flatten().tolist()]
-    if sample.icl_text is not None and sample.icl_text.shape[1] > 60:
+    if sample.icl_text is not None and icl_left_out(sample.icl_text.shape[1], cfg.n_ctx) is None:
         rec["icl"] = _r(icl_score(w, sample.icl_text, curve=False, chunk=chunks.icl).score)
         # how much better late tokens are predicted than token 50: max(0, -icl). A model that
         # predicts late tokens *worse* (a positive ICL score, as a 1-layer model does mid-training)

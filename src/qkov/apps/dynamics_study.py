@@ -196,6 +196,7 @@ def dynamics(
             "description": s.cfg.describe(),
             "axis": s.axis,
             "sample": sample.source,
+            "left_out": Ab.measures_left_out(s.cfg.n_ctx, sample.text, sample.icl_text),  # measure -> why it is null
             "snapshots": records,
             "reading": reading.to_dict(),
             "induction_heads": [f"{l}.{h}" for l, h in heads],

@@ -79,7 +79,19 @@ def random_tokens(d_vocab: int, n_ctx: int, batch: int, *, bos: int, seed: int =
     return ids
 
 
+def _shape(seqs: torch.Tensor, n_ctx: int) -> str:
+    """How the tokens were cut, for the ``source`` line: ``8 sequences of 64 tokens`` or, for a
+    text shorter than the context, ``one sequence of 31 tokens (its own length; the context is 64)``."""
+    B, T = seqs.shape
+    if T < n_ctx and B == 1:
+        return f"one sequence of {T} tokens (its own length; the context is {n_ctx})"
+    return f"{B} sequence{'s' if B != 1 else ''} of {T} tokens"
+
+
 def _sequences(arr: np.ndarray, model: Transformer, batch: int, where: str) -> torch.Tensor:
+    """``[batch, T]`` sequences of ``arr``: a 2-D array's rows as given; a 1-D stream cut into
+    context-length windows, each started with the start token, or one sequence of its own length
+    (start token first) when it is shorter than one window (:func:`~qkov.training.data.val_batches`)."""
     if arr.ndim == 2:
         if arr.shape[1] > model.cfg.n_ctx:
             raise QkovError(f"{where}: sequences of {arr.shape[1]} tokens are longer than n_ctx={model.cfg.n_ctx}")
@@ -129,7 +141,7 @@ def analysis_inputs(
     if tokens is not None:
         arr = read_token_file(tokens, model.cfg.d_vocab)
         seqs = _sequences(arr, model, batch, f"token file {str(tokens)!r}")
-        return AnalysisInput(seqs, freqs, f"token ids from {tokens}")
+        return AnalysisInput(seqs, freqs, f"token ids from {tokens}: {_shape(seqs, model.cfg.n_ctx)}")
     if text is not None:
         if model.tokenizer is None:
             raise QkovError("a text file needs a model with a tokenizer (give token ids instead)")
@@ -138,7 +150,7 @@ def analysis_inputs(
         except OSError as exc:
             raise QkovError(f"cannot read the text {str(text)!r} ({exc.strerror})") from None
         seqs = _sequences(np.asarray(ids, dtype=np.int64), model, batch, f"text {str(text)!r}")
-        return AnalysisInput(seqs, freqs, f"text from {text}")
+        return AnalysisInput(seqs, freqs, f"text from {text}: {_shape(seqs, model.cfg.n_ctx)}")
     if corpus is not None:
         seqs = torch.from_numpy(val_batches(corpus.val, model.cfg.n_ctx, model.bos_token_id, batch))
         return AnalysisInput(seqs, freqs, f"validation split of the training corpus ({corpus.source})")

@@ -210,13 +210,18 @@ def checkpoint_info(path: Path | str, model: Transformer) -> dict[str, Any]:
     final losses and induction score, where it came from (``imported_from``) and whether it
     carries a tokenizer. ``model`` is the checkpoint's model (already loaded)."""
     path = Path(path)
-    data = read_config(path)
+    head = {"path": str(path), "model": model.cfg.to_dict(), "parameters": model.num_parameters()}
+    return {**head, **training_record(path), "tokenizer": model.tokenizer is not None}
+
+
+def training_record(path: Path | str) -> dict[str, Any]:
+    """A checkpoint's training record from its ``config.json`` alone (what
+    :func:`checkpoint_info` adds to the model's description): steps, tokens, final losses and
+    induction score, wall time, device, corpus, the training config and ``imported_from``."""
+    data = read_config(Path(path))
     tr = data.get("training", {})
     cfg = tr.get("config", {})
     return {
-        "path": str(path),
-        "model": model.cfg.to_dict(),
-        "parameters": model.num_parameters(),
         "steps": tr.get("step"),
         "steps_planned": cfg.get("steps"),
         "complete": tr.get("step") is not None and tr.get("step") == cfg.get("steps"),
@@ -227,7 +232,6 @@ def checkpoint_info(path: Path | str, model: Transformer) -> dict[str, Any]:
         "wall_s": tr.get("wall_s"),
         "device": tr.get("device"),
         "corpus": tr.get("corpus"),
-        "tokenizer": model.tokenizer is not None,
         "training": cfg,
         "imported_from": tr.get("imported_from"),
     }

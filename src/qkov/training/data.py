@@ -364,12 +364,16 @@ class Batches:
 def val_batches(
     stream: np.ndarray, n_ctx: int, bos: int, max_examples: int, *, what: str = "corpus: the validation split"
 ) -> np.ndarray:
-    """Fixed validation examples ``[n, n_ctx]``: evenly spaced windows, each starting with bos.
-    ``what`` names the stream in the error when it is shorter than one example."""
+    """Fixed examples of ``stream``, each starting with bos: evenly spaced windows ``[n, n_ctx]``,
+    or, for a stream shorter than one window, the whole stream as one sequence ``[1, len + 1]``
+    (a one-paragraph text is analysed at its own length, as TransformerLens runs it). ``what``
+    names the stream in the error when it holds no token."""
     width = n_ctx - 1
     n = len(stream) // width
+    if len(stream) == 0:
+        raise QkovError(f"{what} holds no tokens")
     if n < 1:
-        raise QkovError(too_short(what, len(stream), n_ctx))
+        return np.concatenate([[bos], np.asarray(stream, dtype=np.int64)]).astype(np.int64)[None]
     idx = np.linspace(0, n - 1, num=min(n, max_examples)).astype(np.int64)
     out = np.empty((len(idx), n_ctx), dtype=np.int64)
     out[:, 0] = bos

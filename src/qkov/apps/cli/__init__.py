@@ -4,7 +4,7 @@ User mistakes (:class:`qkov.QkovError`, bad options) print one line and exit 2; 
 error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`); a
 :class:`qkov.errors.QkovWarning` prints as one line ``qkov: warning: ...`` and the command goes on. An allocation that
 fails anyway (the analyses plan their memory first; this is the backstop) is one line too. Commands live in
-``train_cmds`` (train, info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
+``train_cmds`` (train), ``info_cmds`` (info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
 heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics, ablate), ``patch_cmds`` (patch)
 and ``interop_cmds`` (import, export).
 """
@@ -25,7 +25,8 @@ from .common import EXIT_USAGE, Parser, error_line, out_of_memory_line, show_war
 from .interop_cmds import add_export, add_import
 from .patch_cmds import add_patch
 from .report_cmds import add_report, add_tour
-from .train_cmds import add_info, add_train
+from .info_cmds import add_info
+from .train_cmds import add_train
 from .weights_cmds import add_circuits, add_trigrams
 
 __all__ = ["build_parser", "main"]

@@ -188,7 +188,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
         dump_json({"path": str(args.ckpt), "inputs": inputs.source, **report.to_dict()})
         return 0
     con = console()
-    con.print(f"inputs: {inputs.source}" + ("" if inputs.natural else "; no ICL score"), highlight=False)
+    con.print(f"inputs: {inputs.source}", highlight=False)
     read, every = report.copying_queries or (0, 0)
     if read < every:
         con.print(
@@ -210,6 +210,8 @@ def cmd_heads(args: argparse.Namespace) -> int:
             f"in-context learning score: {report.icl.score:+.3f} nats "
             f"(loss at token {report.icl.late} minus loss at token {report.icl.early})"
         )
+    for name, why in report.left_out.items():
+        con.print(f"{'in-context learning' if name == 'icl' else name} score left out: {why}", highlight=False)
     if report.memory_neurons:
         con.print(f"memory-management neurons (cos(W_in, W_out) < -0.5): {len(report.memory_neurons)}")
     con.print("thresholds: " + ", ".join(f"{k} {v:g}" for k, v in THRESHOLDS.items()))

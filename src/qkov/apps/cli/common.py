@@ -170,8 +170,10 @@ def add_inputs(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--text",
         type=Path,
-        help="a text file to analyse (default: the validation split of a qkov checkpoint's training corpus; "
-        "with no corpus and no tokenizer, seeded random tokens, and the output says so)",
+        help="a text file to analyse, cut into context-length windows, or one sequence of its own length when "
+        "shorter (scores that need longer sequences are left out, with the reason); default: the validation "
+        "split of a qkov checkpoint's training corpus; with no corpus and no tokenizer, seeded random tokens, "
+        "and the output says so",
     )
     g.add_argument(
         "--tokens",

@@ -197,4 +197,6 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     console().print(table)
     if study.mean_sample:
         console().print(f"mean ablation: each head's mean output over {study.mean_sample}")
+    for name, why in study.left_out.items():
+        console().print(f"{'ICL score' if name == 'icl' else name} left out: {why}", highlight=False)
     return 0

@@ -10,7 +10,7 @@ from typing import Any
 from ...errors import QkovError, QkovWarning
 from ...io.checkpoint import save_checkpoint
 from ...io.hf import gpt2_export, save_hf
-from ...io.sources import source_kind
+from ...io.sources import hf_model_type, source_kind
 from ...io.tl import save_tl, tl_config_dict
 from .common import add_source_args, load_source
 
@@ -56,6 +56,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     for w in caught:
         warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     origin: dict[str, Any] = {"format": kind, "path": str(args.ckpt)}
+    family = hf_model_type(args.ckpt) if kind == "hf" else None
+    if family is not None:  # the report card and qkov info name it
+        origin["family"] = family
     notes = [str(w.message) for w in caught if issubclass(w.category, QkovWarning)]
     if notes:
         origin["warnings"] = notes

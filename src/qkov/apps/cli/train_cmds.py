@@ -1,4 +1,4 @@
-"""``qkov train`` and ``qkov info``."""
+"""``qkov train``."""
 
 from __future__ import annotations
 
@@ -7,18 +7,16 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
 
 from ...errors import QkovError
-from ...io.checkpoint import checkpoint_info, load
 from ...model.config import NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
-from ...model.transformer import Transformer
 from ...training.config import SCHEDULES, TrainConfig
 from ...training.distributed import from_env
 from ...training.loop import saved_configs, train
 from ...training.snapshots import parse_spec
 from ..progress import TrainProgress
-from .common import console, dump_json, nonneg_int, positive_float, positive_int, token_count
+from .info_cmds import print_info
+from .common import nonneg_int, positive_float, positive_int, token_count
 
 
 # --------------------------------------------------------------------------- train
@@ -143,7 +141,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     with TrainProgress(quiet=args.quiet or not main_rank) as progress:
         train(out, model_cfg, train_cfg, device=args.device, resume=args.resume, callback=progress)
     if main_rank:
-        _print_info(out, load(out), as_json=False)
+        print_info(out)
     return 0
 
 
@@ -160,52 +158,3 @@ def _check_resume_flags(out: Path, model_over: dict[str, Any], train_over: dict[
             raise QkovError(
                 f"--resume continues the saved run, which has {field}={saved_train.get(field)!r}, not {value!r}"
             )
-
-
-# ---------------------------------------------------------------------------- info
-def add_info(sub: Any) -> None:
-    p = sub.add_parser(
-        "info",
-        help="describe a checkpoint: config, parameters, tokens trained, final losses",
-        description="Describe a checkpoint directory written by qkov train.",
-    )
-    p.add_argument("ckpt", type=Path, metavar="CKPT", help="checkpoint directory")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=cmd_info)
-
-
-def _print_info(path: Path, model: Transformer, *, as_json: bool) -> None:
-    info = checkpoint_info(path, model)
-    if as_json:
-        dump_json(info)
-        return
-    table = Table(title=f"qkov checkpoint {path}", show_header=False)
-    m = info["model"]
-    arch = ModelConfig.from_dict(m).describe()
-    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    table.add_row("model", arch)
-    table.add_row("parameters", f"{info['parameters']:,}")
-    if info["imported_from"]:
-        src = info["imported_from"]
-        table.add_row("imported", f"{src.get('format')} from {src.get('path')}")
-        console().print(table)
-        return
-    table.add_row(
-        "trained",
-        f"{fmt(info['steps'], ',')} / {fmt(info['steps_planned'], ',')} steps, "
-        f"{fmt(info['tokens'], ',')} tokens" + ("" if info["complete"] else " (incomplete: --resume)"),
-    )
-    table.add_row("train loss", fmt(info["train_loss"], ".4f"))
-    table.add_row("validation loss", fmt(info["val_loss"], ".4f"))
-    if m["n_layers"] >= 2:
-        table.add_row(
-            "induction score", fmt(info["induction_score"], ".3f") + "  (best layer>=1 head, repeated random tokens)"
-        )
-    table.add_row("time", f"{fmt(info['wall_s'], '.0f')} s on {info['device'] or '-'}")
-    table.add_row("corpus", str(info["corpus"]))
-    console().print(table)
-
-
-def cmd_info(args: argparse.Namespace) -> int:
-    _print_info(args.ckpt, load(args.ckpt), as_json=args.json)
-    return 0

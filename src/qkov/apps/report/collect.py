@@ -21,7 +21,7 @@ from ...analysis.composition import Composition, composition_scores
 from ...analysis.forward import trace
 from ...analysis.heads import SCORE_COLUMNS, HeadReport, head_report
 from ...analysis.paths import PathSummary, TermEffect, default_batch, paths_batch, summarize
-from ...analysis.probes import InductionProbe, default_icl_examples, icl_score, induction_probe
+from ...analysis.probes import NOT_TEXT, InductionProbe, default_icl_examples, icl_left_out, icl_score, induction_probe
 from ...device import pick_device
 from ...errors import QkovError
 from ...io.checkpoint import checkpoint_info, read_metrics
@@ -31,6 +31,7 @@ from ...model.transformer import Transformer
 from ...progress import Progress, as_progress
 from ...weights.view import Weights
 from ..inputs import AnalysisInput, analysis_inputs
+from ..origin import UNKNOWN, source_origin
 from .interventions import causal_section, patching_section, read_patching
 from .sections import (
     Absent,
@@ -93,9 +94,9 @@ def _stage(timings: dict[str, float], name: str, progress: Progress | None) -> I
 
 # ---------------------------------------------------------------------- sections
 def _card(ckpt: Path, model: Transformer, w: Weights) -> Card:
-    kind = source_kind(ckpt)
+    kind, origin = source_kind(ckpt), source_origin(ckpt)
     record, metrics = None, []
-    if kind == "qkov":
+    if kind == "qkov" and origin is None:  # trained by qkov: its record (an imported one has none)
         info = checkpoint_info(ckpt, model)
         record = TrainingRecord(**{k: v for k, v in info.items() if k not in ("path", "model", "parameters")})
         metrics = read_metrics(ckpt)
@@ -111,8 +112,11 @@ def _card(ckpt: Path, model: Transformer, w: Weights) -> Card:
     )
     bw = [b.to_dict() for b in bandwidth(model.cfg)]
     view = {"fold_ln": w.norm == "folded", "center_writing": w.centered_writing, "center_unembed": w.centered_unembed}
-    source = None if record else kind
-    return Card(str(ckpt), model.cfg.to_dict(), model.num_parameters(), curve, bw, record, source, view)
+    source = None if origin is None else str(origin.get("format", kind))
+    card = Card(str(ckpt), model.cfg.to_dict(), model.num_parameters(), curve, bw, record, source, view)
+    if origin is not None:
+        card.origin, card.unknown = origin, list(UNKNOWN)
+    return card
 
 
 def _heads(
@@ -122,13 +126,13 @@ def _heads(
     inputs: AnalysisInput,
     icl_text: torch.Tensor,
     diag: tuple[int, int | None],
-) -> tuple[HeadsSection, list[float] | None]:
+) -> tuple[HeadsSection, list[float] | None, dict[str, str]]:
     freqs, natural = inputs.frequencies, inputs.natural
     k, sample = diag
     rep = head_report(
         w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=k or None, diag_sample=sample, icl=natural
     )
-    return heads_section(rep), None if rep.icl is None else rep.icl.loss_by_position
+    return heads_section(rep), None if rep.icl is None else rep.icl.loss_by_position, rep.left_out
 
 
 def heads_section(rep: HeadReport) -> HeadsSection:
@@ -264,12 +268,14 @@ def _inputs(
     return AnalysisInput(tokens.long(), None, "token ids given by the caller")
 
 
-def _icl_without_heads(w: Weights, ids: torch.Tensor, natural: bool) -> tuple[Any, ICLSummary | None]:
-    """The ICL curve of a 0-layer model (natural text only: random tokens have none)."""
-    if not natural:
-        return None, None
+def _icl_without_heads(w: Weights, ids: torch.Tensor, natural: bool) -> tuple[Any, ICLSummary | None, dict[str, str]]:
+    """The ICL curve of a 0-layer model (natural text as long as the score reads only:
+    :func:`~qkov.analysis.probes.icl_left_out`), or why it is left out."""
+    reason = NOT_TEXT if not natural else icl_left_out(ids.shape[1], w.cfg.n_ctx)
+    if reason is not None:
+        return None, None, {"icl": reason}
     icl = icl_score(w, ids)
-    return icl.loss_by_position, ICLSummary(icl.score, icl.early, icl.late)
+    return icl.loss_by_position, ICLSummary(icl.score, icl.early, icl.late), {}
 
 
 def collect(
@@ -364,12 +370,12 @@ def _sections(
     eigen: Any = heads
     if L >= 1:
         with _stage(timings, "heads", progress):
-            heads, icl_curve = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], diag)
+            heads, icl_curve, left_out = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], diag)
             icl_info = heads.icl
         with _stage(timings, "OV eigenvalues", progress):
             eigen = _eigenvalues(w)
     else:
-        icl_curve, icl_info = _icl_without_heads(w, text_ids[:icl_examples], inputs.natural)
+        icl_curve, icl_info, left_out = _icl_without_heads(w, text_ids[:icl_examples], inputs.natural)
     with _stage(timings, "composition", progress):
         composition = _composition(w)
     with _stage(timings, "paths", progress):
@@ -388,5 +394,5 @@ def _sections(
         patching = patching_section(w, pair)
     return dict(
         heads=heads, eigenvalues=eigen, composition=composition, paths=paths, attention=attention, icl=icl_section,
-        trigrams=tri, causal=causal, patching=patching,
+        trigrams=tri, causal=causal, patching=patching, left_out=left_out,
     )  # fmt: skip

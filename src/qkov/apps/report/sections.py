@@ -8,13 +8,16 @@ where :mod:`qkov.apps.report.collect` says so)."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union
 
 from ...analysis.causal_composition import CompositionPaths
 from ...analysis.paths import PathSummary
 from ...errors import QkovError
+from .card import Card as Card
+from .card import _build, _plain
+from .card import Curve as Curve
+from .card import TrainingRecord as TrainingRecord
 from .causal_sections import PatchingSection
 
 SCHEMA_VERSION = 3  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, heads "columns"; 3: causal, patching
@@ -34,80 +37,8 @@ T = TypeVar("T")
 Maybe = Union[T, Absent]
 
 
-def _plain(obj: Any) -> dict[str, Any]:
-    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-
-
-def _build(cls: type[T], data: dict[str, Any]) -> T:
-    """``cls(**data)`` for the fields ``cls`` has (extra keys ignored)."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    return cls(**{k: v for k, v in data.items() if k in names})
-
-
 def _maybe(data: dict[str, Any], build: Any) -> Any:
     return Absent(data["absent"]) if "absent" in data else build(data)
-
-
-# ------------------------------------------------------------------------ card
-@dataclass
-class Curve:
-    """The training curve from ``metrics.jsonl``: evaluations (tokens, validation loss, induction
-    score) and a thinned train-loss series."""
-
-    tokens: list[Any] = field(default_factory=list)
-    val_loss: list[Any] = field(default_factory=list)
-    induction: list[Any] = field(default_factory=list)
-    train_tokens: list[Any] = field(default_factory=list)
-    train_loss: list[Any] = field(default_factory=list)
-
-
-@dataclass
-class TrainingRecord:
-    """How a qkov checkpoint was trained (:func:`qkov.io.checkpoint.checkpoint_info`)."""
-
-    steps: int | None = None
-    steps_planned: int | None = None
-    complete: bool = False
-    tokens: int | None = None
-    train_loss: float | None = None
-    val_loss: float | None = None
-    induction_score: float | None = None
-    wall_s: float | None = None
-    device: str | None = None
-    corpus: str | None = None
-    tokenizer: bool = False
-    training: dict[str, Any] = field(default_factory=dict)
-    imported_from: dict[str, Any] | None = None
-
-
-@dataclass
-class Card:
-    """The model card: architecture, parameters, and the training record (qkov checkpoints) or
-    where the model came from (``source``: ``hf``, ``tl``, ``hub`` for imported models)."""
-
-    path: str
-    model: dict[str, Any]
-    parameters: int
-    curve: Curve
-    bandwidth: list[dict[str, Any]]
-    record: TrainingRecord | None = None
-    source: str | None = None
-    # what the analyses read: {"fold_ln", "center_writing", "center_unembed"} of the weights view
-    view: dict[str, bool] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"path": self.path, "model": self.model, "parameters": self.parameters}
-        if self.record is not None:
-            d.update(_plain(self.record))
-        if self.source is not None:
-            d["source"] = self.source
-        return {**d, "curve": _plain(self.curve), "bandwidth": self.bandwidth, "view": self.view}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Card":
-        record = None if "source" in d else _build(TrainingRecord, d)
-        curve = _build(Curve, d["curve"])
-        return cls(d["path"], d["model"], d["parameters"], curve, d["bandwidth"], record, d.get("source"), d["view"])
 
 
 # ----------------------------------------------------------------------- heads
@@ -356,6 +287,7 @@ class Report:
     inputs: str = ""  # the tokens the behavioural sections ran on
     causal: Maybe[CompositionPaths] = field(default_factory=lambda: Absent("not computed"))
     patching: Maybe[PatchingSection] = field(default_factory=lambda: Absent("no clean/corrupted pair given"))
+    left_out: dict[str, str] = field(default_factory=dict)  # score ("icl") -> why the text does not give it
     schema_version: int = SCHEMA_VERSION
 
     def to_dict(self) -> dict[str, Any]:
@@ -364,6 +296,7 @@ class Report:
             "path": self.path,
             "name": self.name,
             "inputs": self.inputs,
+            "left_out": self.left_out,
             "card": self.card.to_dict(),
             "heads": self.heads.to_dict(),
             "eigenvalues": self.eigenvalues.to_dict(),
@@ -397,4 +330,5 @@ class Report:
             inputs=d["inputs"],
             causal=_maybe(d["causal"], CompositionPaths.from_dict),
             patching=_maybe(d["patching"], PatchingSection.from_dict),
+            left_out=d.get("left_out", {}),
         )

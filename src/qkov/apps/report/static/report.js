@@ -69,7 +69,11 @@
       `MLP ${m.d_mlp || "none"}`;
     const rows = [["architecture", arch], ["parameters", (c.parameters || 0).toLocaleString("en-US")]];
     if (c.source) {
-      rows.push(["source", `imported (${c.source}) from ${c.path}: no training record`]);
+      const o = c.origin || { format: c.source, path: c.path };
+      const what = { hf: "Hugging Face directory", tl: "TransformerLens file", hub: "Hugging Face Hub model" };
+      rows.push(["imported from", `${what[o.format] || o.format}${o.family ? ` (${o.family})` : ""} ${o.path}`]);
+      for (const w of o.warnings || []) rows.push(["import warning", w]);
+      rows.push(["unknown", (c.unknown && c.unknown.length ? c.unknown : ["training history"]).join("; ")]);
     } else {
       rows.push(
         ["trained", `${(c.steps || 0).toLocaleString("en-US")} / ${(c.steps_planned || 0).toLocaleString("en-US")} ` +
@@ -310,7 +314,14 @@
     redraw();
   }
 
-  function icl(sec, c) {
+  function leftOut(sec, left) {  // scores the text does not give, and why (report.json "left_out")
+    for (const [name, why] of Object.entries(left || {})) {
+      note(sec, `${name === "icl" ? "ICL score" : name} left out: ${why}.`);
+    }
+  }
+
+  function icl(sec, c, left) {
+    leftOut(sec, left);
     note(sec, c.score == null ? "" : `ICL score (loss at token ${c.late} minus loss at token ${c.early}, ` +
       `10-position windows): ${signed(c.score)} nats. Negative = later tokens are predicted better.`);
     const row = el("div", { class: "cols" });
@@ -424,11 +435,11 @@
   // each renderer reads the sections it needs from D (the report's JSON, or a part of it)
   const RENDER = {
     card: (s, D) => card(s, D.card, D.inputs),
-    heads: (s, D) => heads(s, D.heads, D.eigenvalues, D.card.model.d_vocab),
+    heads: (s, D) => { leftOut(s, D.left_out); heads(s, D.heads, D.eigenvalues, D.card.model.d_vocab); },
     composition: (s, D) => composition(s, D.composition),
     paths: (s, D) => paths(s, D.paths),
     attention: (s, D, o) => attention(s, D.attention, o.ids, o.hash),
-    icl: (s, D) => icl(s, D.icl),
+    icl: (s, D) => icl(s, D.icl, D.left_out),
     trigrams: (s, D) => trigrams(s, D.trigrams),
     causal: (s, D) => causal(s, D.causal),
     patching: (s, D) => patching(s, D.patching),
