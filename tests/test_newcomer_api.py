@@ -137,11 +137,12 @@ def test_a_llama_family_directory_runs_every_analysis_from_python(llama_dir: Pat
     cfg = model.cfg
     assert (cfg.positional, cfg.normalization, cfg.kv_heads, cfg.n_heads) == ("rotary", "rmsnorm", 2, 4)
     assert model.bos_token_id == 1 and model.tokenizer is not None
-    # a paragraph of one context length: shorter texts are the "texts" part of issue 25 (the report
-    # still refuses a text shorter than one example on this branch)
-    text = model.to_tokens(" ".join(PARAGRAPH.split()[: cfg.n_ctx - 1]))
-    assert text[0, 0] == 1 and text.shape[1] == cfg.n_ctx == 64
+    # one short paragraph: 31 tokens on a 64-token context, analysed as one sequence of its own length
+    short = " ".join(PARAGRAPH.split()[:30])
+    text = model.to_tokens(short)
+    assert text[0, 0] == 1 and text.shape[1] == 31 and cfg.n_ctx == 64
     heads = qkov.head_report(llama_dir, text, diag_k=None)  # heads (the directory itself)
+    assert heads.icl is None and "the text has 31" in heads.left_out["icl"]  # left out, with its reason
     assert set(heads.scores) >= {"previous_token", "induction", "prefix_matching"}
     assert heads.scores["previous_token"].shape == (2, 4)
     exp = qkov.expand(model, text)  # paths
@@ -155,12 +156,13 @@ def test_a_llama_family_directory_runs_every_analysis_from_python(llama_dir: Pat
     assert [b.to_dict() for b in bi] == [b.to_dict() for b in qkov.bigrams(model, top=30, exclude=(1,))]
     assert all(1 not in (t.source, t.destination, t.output) for t in tri) and all(1 not in (b.token, b.next) for b in bi)
     assert [b.to_dict() for b in bi] != [b.to_dict() for b in qkov.bigrams(model, top=30, exclude=(0,))]
-    (tmp_path / "story.txt").write_text(PARAGRAPH)
+    (tmp_path / "story.txt").write_text(short)
     from qkov.apps.report import write_report
 
     report = write_report(llama_dir, tmp_path / "report", text=tmp_path / "story.txt", diag_k=None)  # report
     data = json.loads((tmp_path / "report" / "report.json").read_text())
     assert data["card"] is not None and report is not None
+    assert "the text has 31" in data["left_out"]["icl"]  # said, not refused
 
 
 def test_old_call_forms_still_work_with_a_deprecation_warning(tmp_path: Path) -> None:
