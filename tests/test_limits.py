@@ -161,7 +161,7 @@ def test_a_lying_transformerlens_config_is_refused_before_allocation(
 def test_an_allocation_failure_is_one_line_and_other_errors_keep_their_traceback(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from qkov.apps.cli import train_cmds
+    from qkov.apps.cli import common
 
     ck = tmp_path / "m"
     save_checkpoint(Transformer(SMALL, seed=0), ck)
@@ -172,13 +172,13 @@ def test_an_allocation_failure_is_one_line_and_other_errors_keep_their_traceback
             "to allocate 2800000000 bytes. Error code 12 (Cannot allocate memory)"
         )
 
-    monkeypatch.setattr(train_cmds, "load", no_memory)
+    monkeypatch.setattr(common, "load_any", no_memory)
     rc, _, err = run_main(capsys, "info", ck)
     assert rc == 2 and "out of memory: an allocation of 2.6 GiB failed" in _one_line(err)
-    monkeypatch.setattr(train_cmds, "load", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
+    monkeypatch.setattr(common, "load_any", lambda *a, **k: (_ for _ in ()).throw(MemoryError()))
     rc, _, err = run_main(capsys, "info", ck)
     assert rc == 2 and "out of memory" in _one_line(err)
-    monkeypatch.setattr(train_cmds, "load", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    monkeypatch.setattr(common, "load_any", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
     with pytest.raises(RuntimeError, match="a bug"):
         main(["info", str(ck)])
 
