@@ -61,7 +61,8 @@ class DictAccess:
 
     def _old_json(self, key: str, stacklevel: int = 4) -> Any:
         name = type(self).__name__
-        warn_renamed(f"{name}[{key!r}]", f"{name}.{key} (or .to_dict()[{key!r}] for the JSON form)", stacklevel=stacklevel)
+        new = f"{name}.{key} (or .to_dict()[{key!r}] for the JSON form)"
+        warn_renamed(f"{name}[{key!r}]", new, stacklevel=stacklevel)
         return self.to_dict()[key]  # type: ignore[attr-defined]
 
     def __getitem__(self, key: str) -> Any:

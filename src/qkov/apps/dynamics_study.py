@@ -3,8 +3,8 @@ each (:mod:`qkov.analysis.snapshot_measures`), read the phase change, ablate its
 
 :func:`dynamics` returns a :class:`DynamicsResult` (``to_dict()`` is its JSON); :func:`write_dynamics`
 also writes that JSON beside an offline HTML page. Under ``torchrun`` the snapshots are split over
-the ranks (rank ``r`` measures snapshots ``r, r + world, ...``), rank 0 gathers the records, reads the series, ablates and writes,
-and every rank returns the result, which equals one process's.
+the ranks (rank ``r`` measures snapshots ``r, r + world, ...``), rank 0 gathers the records, reads
+the series, ablates and writes, and every rank returns the result, which equals one process's.
 """
 
 from __future__ import annotations
@@ -240,8 +240,16 @@ def dynamics(
 
 
 def _study(
-    s: Series, sources: list[str], records: list[dict[str, Any]], last: Transformer, sample: Sample, *,
-    mode: str, draws: int, seed: int, t0: float,
+    s: Series,
+    sources: list[str],
+    records: list[dict[str, Any]],
+    last: Transformer,
+    sample: Sample,
+    *,
+    mode: str,
+    draws: int,
+    seed: int,
+    t0: float,
 ) -> DynamicsResult:
     """Read the series' records and ablate the last snapshot's induction heads (rank 0's part)."""
     t_measure = time.perf_counter() - t0
