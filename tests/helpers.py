@@ -96,7 +96,11 @@ def run_main(capsys: Any, *argv: object) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
-def torchrun(args: list[str], env: dict[str, str], nproc: int = 2) -> "subprocess.CompletedProcess[str]":
-    """``qkov ARGS`` under torchrun: ``nproc`` local processes (gloo on CPU)."""
+def torchrun(
+    args: list[str], env: dict[str, str], nproc: int = 2, *, script: bool = False
+) -> "subprocess.CompletedProcess[str]":
+    """``qkov ARGS`` under torchrun: ``nproc`` local processes (gloo on CPU); with ``script``, ``ARGS``
+    is a Python script and its arguments."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    return subprocess.run([*cmd, "-m", "qkov", *args], env=env, capture_output=True, text=True, timeout=600)
+    run = args if script else ["-m", "qkov", *args]
+    return subprocess.run([*cmd, *run], env=env, capture_output=True, text=True, timeout=600)

@@ -63,30 +63,30 @@ def test_the_window_is_where_the_circuit_was_built_and_a_flat_series_has_none(tm
     text = tmp_path / "text.npy"
     np.save(text, _structured_text())
     built = dynamics(_hand_series(tmp_path / "rise", alphas, tokens), tokens=text, draws=2, device="cpu")
-    assert built is not None and built["axis"] == "tokens"
-    windows = built["reading"]["windows"]
+    assert built.axis == "tokens"
+    windows = built.reading.windows
     for key in ("induction", "previous_token", "icl"):
         w = windows[key]
-        assert w is not None and w["start"] <= T0 <= w["end"] and w["end"] - w["start"] < 3e6, (key, w)
-    assert built["reading"]["together"] is True
+        assert w is not None and w.start <= T0 <= w.end and w.end - w.start < 3e6, (key, w)
+    assert built.reading.together is True
     # the last snapshot is the hand-built model: its induction head is found and ablated
-    assert built["induction_heads"] == ["1.0"]
-    ab = built["ablation"]
-    assert ab["icl_removed"] > 0.5 and ab["ablated"]["repeat_second"] > 0.9 * ab["ablated"]["repeat_first"]
-    last = built["snapshots"][-1]
+    assert built.induction_heads == ["1.0"]
+    ab = built.ablation
+    assert ab is not None and ab.heads == ["1.0"]
+    assert ab.icl_removed() > 0.5 and ab.ablated.repeat_second > 0.9 * ab.ablated.repeat_first
+    last = built.snapshots[-1]
     assert last["k_composition"]["writer"] == "0.0" and last["k_composition"]["reader"] == "1.0"
     # the induction score of the model (the last snapshot is it, to 1e-6): on the probe's repeated
     # tokens (copies of L = 31 after the start token), the attention from each second-copy token to
     # the token after its first occurrence, averaged, best layer-1 head; patterns of the reference forward
     L = (CTX - 1) // 2
-    rep = induction_probe_tokens(V, length=L, repeats=2, batch=8, seed=0)
+    rep = induction_probe_tokens(hand_built(), length=L, repeats=2, batch=8, seed=0)
     pat = reference_forward(qkov.Weights.from_model(hand_built()), rep)[1]  # [L, B, H, T, T]
     q = torch.arange(L + 1, 2 * L + 1)
     want = pat[1][:, :, q, q - L + 1].mean(dim=(0, 2)).max()
     assert last["induction"] == pytest.approx(float(want), abs=1e-4) and float(want) > 0.5
     flat = dynamics(_hand_series(tmp_path / "flat", [0.9] * 12, tokens[:12]), tokens=text, draws=0, device="cpu")
-    assert flat is not None and all(w is None for w in flat["reading"]["windows"].values())
-    assert flat["reading"]["together"] is None
+    assert all(w is None for w in flat.reading.windows.values()) and flat.reading.together is None
 
 
 @pytest.fixture(scope="module")
@@ -237,28 +237,42 @@ def test_hub_revisions_from_the_local_cache(tmp_path: Path, capsys: pytest.Captu
         importlib.reload(C)
 
 
-def test_two_ranks_give_the_same_result_as_one(tiny_run: Path, tmp_path: Path) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    base = ["dynamics", str(tiny_run), "--device", "cpu", "--draws", "1"]
+EVERY_RANK = """
+import json, os, sys
+from pathlib import Path
+from qkov.apps.dynamics_study import write_dynamics
+run, out = sys.argv[1], Path(sys.argv[2])
+result = write_dynamics(out, [run], device="cpu", draws=1)
+(out.parent / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result.to_dict()))
+"""
+
+
+def test_two_ranks_give_the_same_result_as_one_and_every_rank_gets_it(tiny_run: Path, tmp_path: Path) -> None:
+    env, one_dir = {**os.environ, "OMP_NUM_THREADS": "1"}, tmp_path / "one"
     one = subprocess.run(
-        [sys.executable, "-m", "qkov", *base, "-o", str(tmp_path / "one")],
+        [sys.executable, "-m", "qkov", "dynamics", str(tiny_run), "--device", "cpu", "--draws", "1", "-o", one_dir],
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert one.returncode == 0, one.stderr[-2000:]
-    two = torchrun([*base, "-o", str(tmp_path / "two")], env)
+    script = tmp_path / "every_rank.py"
+    script.write_text(EVERY_RANK)
+    two = torchrun([str(script), str(tiny_run), str(tmp_path / "two")], env, script=True)
     assert two.returncode == 0, two.stderr[-3000:]
 
-    def strip(path: Path) -> dict:
-        data = json.loads((path / "dynamics.json").read_text())
+    def strip(data: dict) -> dict:
         data.pop("timings")
         for s in data["snapshots"]:
             s.pop("seconds")
         return data
 
-    assert strip(tmp_path / "one") == strip(tmp_path / "two")
+    read = lambda path: json.loads(path.read_text())  # noqa: E731
+    ranks = [read(tmp_path / f"rank{r}.json") for r in (0, 1)]
+    assert ranks[0] == ranks[1]  # timings too: rank 1 holds rank 0's result, not one of its own
+    assert strip(read(one_dir / "dynamics.json")) == strip(read(tmp_path / "two" / "dynamics.json"))
+    assert strip(ranks[1]) == strip(read(one_dir / "dynamics.json"))
 
 
 def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_path: Path) -> None:
@@ -292,27 +306,39 @@ def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
     object's own numbers."""
     from qkov.apps.dynamics_study import DynamicsResult
     from qkov.analysis import ablation as Ab
+    from qkov.analysis.phase import Window
+    from qkov.analysis.snapshot_measures import SeriesReading
 
-    win = {"start": 1234567.0, "end": 2345678.0, "peak": 2e6, "rise": 0.4321, "share": 0.8, "sharpness": 6.5}
+    win = Window(start=1234567.0, end=2345678.0, peak=2e6, rise=0.4321, share=0.8, sharpness=6.5)
     snap = {"at": 0.0, "induction": 0.1, "previous_token": 0.2, "icl": -0.01}
+    icl = lambda v: Ab.Measures(2.5, v, 5.0, 1.25)  # noqa: E731
+    # removes (−0.17 − −1) / 1 = 83%; the random sets remove 0%, 2%, 10%: median 2%, mean 4%
+    randoms = [icl(v) for v in (-1.0, -0.98, -0.9)]
+    study = Ab.AblationStudy(["1.0"], "mean", None, icl(-1.0), icl(-0.17), [["0.1"]] * 3, randoms)
     r = DynamicsResult(
-        description="toy",
+        sources=["toy"],
+        model=TINY,
         axis="tokens",
         sample="text",
+        left_out={},
         snapshots=[snap, {**snap, "at": 3e6, "induction": 0.5}],
-        reading={"windows": {"induction": win, "previous_token": None, "icl": None}},
-        ablation={
-            "heads": ["1.0"],
-            "mode": "mean",
-            "icl_removed": 0.83,
-            "random_icl_removed": 0.04,
-            "random_icl_removed_median": 0.02,
-        },
+        reading=SeriesReading({"induction": win, "previous_token": None, "icl": None}, None, None, None),
+        induction_heads=["1.0"],
+        ablation=study,
     )
     text, page = repr(r), r._repr_html_()
+    assert text.startswith(f"dynamics of {TINY.describe()}: 2 snapshots (tokens)")
     assert "1,234,567 - 2,345,678 (rise 0.432)" in text and "removes 83%" in text
     assert "random heads 2% (median), 4% (mean)" in text
     assert "<td>1,234,567</td><td>2,345,678</td><td>0.432</td><td>6.5</td>" in page and 'class="window"' in page
+    # the pre-1.0 dict access reads the JSON form and names the attribute to use
+    old_access = r"DynamicsResult\['reading'\] is deprecated: use DynamicsResult.reading"
+    with pytest.warns(DeprecationWarning, match=old_access):
+        assert r["reading"]["windows"]["induction"]["start"] == 1234567.0
+    with pytest.warns(DeprecationWarning, match="DynamicsResult.ablation"):
+        assert r.get("ablation")["random_icl_removed_median"] == pytest.approx(0.02)
+    assert "snapshots" in r and "nothing" not in r and r.get("nothing", 7) == 7
+    assert r.to_dict()["model"] == TINY.to_dict() and r.to_dict()["description"] == TINY.describe()
     m = lambda loss, icl: Ab.Measures(loss, icl, 5.0, 1.25)  # noqa: E731
     study = Ab.AblationStudy(["1.0"], "zero", None, m(2.5, -0.2), m(2.75, -0.05), [["0.1"]], [m(2.6, -0.19)])
     assert "2.5000" in repr(study) and "+0.0500" not in repr(study) and "-0.0500" in repr(study)

@@ -108,10 +108,14 @@ def test_composition_shows_heatmap_cells_and_strongest_pairs(hand: tuple) -> Non
 def test_copying_scores_display(hand: tuple) -> None:
     _, w, _ = hand
     scores = C.copying_scores(w, diag_k=3)
-    assert isinstance(scores, list) and scores.k == 3
+    assert scores.k == 3 and len(scores.heads) == 4 and list(scores) == scores.heads  # len/iteration: kept
+    old = r"indexing a CopyingScores is deprecated: use CopyingScores.heads\[...\]"
+    with pytest.warns(DeprecationWarning, match=old):
+        assert scores[1] is scores.heads[1]
+    assert scores.to_dict() == {"k": 3, "heads": [c.to_dict() for c in scores.heads]}
     heads = the_spec(scores)["data"]["copying"]["heads"]
     assert [h["head"] for h in heads] == ["0.0", "0.1", "1.0", "1.1"]
-    for h, c in zip(heads, scores):
+    for h, c in zip(heads, scores.heads):
         assert h["eigen_score"] == pytest.approx(c.eigen_score) and h["diag_topk_rate"] == pytest.approx(
             c.diag_topk_rate
         )
@@ -119,7 +123,8 @@ def test_copying_scores_display(hand: tuple) -> None:
     assert "own in top 3" in lines[1]
     last = lines[-1].split()  # layer 1 head 1
     assert (
-        last[:3] == ["1", "1", f"{scores[3].eigen_score:.3f}"] and last[-1] == f"{scores[3].residual_eigen_score:.3f}"
+        last[:3] == ["1", "1", f"{scores.heads[3].eigen_score:.3f}"]
+        and last[-1] == f"{scores.heads[3].residual_eigen_score:.3f}"
     )
 
 

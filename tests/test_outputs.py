@@ -8,6 +8,8 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -153,9 +155,9 @@ def test_case4_dynamics_and_tour_repeat_the_check_too(
     out = tmp_path / "dyn"
     user = "<html>user</html>"
 
-    def measured(*_a: object, **_k: object) -> dict:
+    def measured(*_a: object, **_k: object) -> Any:
         (out / "index.html").write_text(user)
-        return {"schema_version": dyn_app.SCHEMA_VERSION, "snapshots": []}
+        return SimpleNamespace(to_dict=lambda: {"schema_version": dyn_app.SCHEMA_VERSION, "snapshots": []})
 
     monkeypatch.setattr(dyn_app, "dynamics", measured)
     monkeypatch.setattr(dyn_app, "render_dynamics", lambda r: '<html><meta name="generator" content="qkov t"></html>')

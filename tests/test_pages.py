@@ -73,7 +73,7 @@ def report(hostile: Path) -> tuple[Path, Any]:
 
 
 @pytest.fixture(scope="module")
-def dynamics_page(hostile: Path) -> tuple[Path, dict]:
+def dynamics_page(hostile: Path) -> tuple[Path, Any]:
     out = hostile / "ckpt" / "dynamics"
     result = write_dynamics(out, [hostile / "ckpt"], device="cpu", draws=1, text=hostile / "page<!--<script>\u2028.txt")
     return out / "index.html", result
@@ -105,15 +105,15 @@ def tour_page(rep: Any, dyn: dict) -> str:
 
 @pytest.fixture(scope="module")
 def tour_file(
-    report: tuple[Path, Any], dynamics_page: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory
+    report: tuple[Path, Any], dynamics_page: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     path = tmp_path_factory.mktemp("tour") / "index.html"
-    path.write_text(tour_page(report[1], dynamics_page[1]))
+    path.write_text(tour_page(report[1], dynamics_page[1].to_dict()))
     return path
 
 
 @pytest.fixture(scope="module")
-def notebook_file(hostile: Path, dynamics_page: tuple[Path, dict], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def notebook_file(hostile: Path, dynamics_page: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A notebook of qkov's displays (each kind once, the attention viewer on markup text), exported
     to HTML as the offline template does it."""
     nbformat = pytest.importorskip("nbformat")
@@ -189,13 +189,13 @@ def test_a_report_whose_strings_hold_markup_renders_every_section(report: tuple[
     assert html.escape(data["inputs"], quote=False) in dom
 
 
-def test_the_dynamics_page_of_that_run_renders_every_section(dynamics_page: tuple[Path, dict], tmp_path: Path) -> None:
+def test_the_dynamics_page_of_that_run_renders_every_section(dynamics_page: tuple[Path, Any], tmp_path: Path) -> None:
     need_browser()
     index, result = dynamics_page
-    assert "<!--" in result["sample"]
+    assert "<!--" in result.sample
     dom = _open(index, tmp_path / "profile")
     _rendered(dom, DYNAMICS_SECTIONS)
-    assert html.escape(result["sample"], quote=False) in dom
+    assert html.escape(result.sample, quote=False) in dom
 
 
 def hostile_strings() -> list[str]:
@@ -271,7 +271,7 @@ def _break_data(page: str, element: str) -> str:
 
 @pytest.mark.parametrize("which", ["report", "dynamics", "tour"])
 def test_a_page_whose_data_cannot_be_read_says_so_in_every_section(
-    which: str, report: tuple[Path, Any], dynamics_page: tuple[Path, dict], tour_file: Path, tmp_path: Path
+    which: str, report: tuple[Path, Any], dynamics_page: tuple[Path, Any], tour_file: Path, tmp_path: Path
 ) -> None:
     need_browser()
     index, element, sections = {

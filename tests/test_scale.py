@@ -52,7 +52,7 @@ def test_diag_k_must_lie_below_the_vocabulary(capsys: pytest.CaptureFixture[str]
     with pytest.raises(QkovError, match="diag_k"):
         head_report(w, torch.zeros(1, 4, dtype=torch.long), diag_k=10)
     # the largest k allowed: the 7 all-zero rows tie everywhere, and ties count against
-    assert C.copying_scores(w, diag_k=9)[0].diag_topk_rate == pytest.approx(0.3)
+    assert C.copying_scores(w, diag_k=9).heads[0].diag_topk_rate == pytest.approx(0.3)
 
 
 def test_the_rate_is_exact_up_to_8192_tokens_and_sampled_above() -> None:
@@ -85,10 +85,10 @@ def test_a_sampled_rate_lands_within_its_error_of_the_exact_one() -> None:
         m.blocks[0].attn.W_V.copy_(proj[None] * 3)
         m.blocks[0].attn.W_O.copy_(proj.T[None])
     w = Weights.from_model(m)
-    assert C.copying_scores(w, diag_k=1)[0].diag_topk_rate == pytest.approx(0.2)
+    assert C.copying_scores(w, diag_k=1).heads[0].diag_topk_rate == pytest.approx(0.2)
     misses = 0
     for seed in range(20):
-        h = C.copying_scores(w, diag_k=1, diag_sample=300, seed=seed)[0]
+        h = C.copying_scores(w, diag_k=1, diag_sample=300, seed=seed).heads[0]
         assert h.diag_tokens == 300 and h.diag_stderr == pytest.approx(
             math.sqrt(0.2 * 0.8 / 300 * 2700 / 2999), rel=0.1
         )

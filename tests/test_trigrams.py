@@ -61,7 +61,8 @@ def test_source_view_and_crossed_trigrams() -> None:
     assert (crossed[0].destination, crossed[0].output) == (a.destination, b.output)
     assert crossed[0].qk == pytest.approx(a.qk) and crossed[0].ov == pytest.approx(b.ov)
     with pytest.raises(QkovError, match="same source"):
-        table.crossed(tr[0], next(t for t in tr if t.source != tr[0].source))
+        first = tr.trigrams[0]
+        table.crossed(first, next(t for t in tr.trigrams if t.source != first.source))
 
 
 def test_bigrams_match_brute_force() -> None:

@@ -52,3 +52,34 @@ def renamed_property(old: str, new: str, owner: str) -> property:
         return getattr(self, new)
 
     return property(get, doc=f"Deprecated: the old name of :attr:`{new}` (removed in {REMOVED_IN}).")
+
+
+class DictAccess:
+    """Mixin for a result that was a JSON-like ``dict`` before qkov 1.0 and is now a dataclass with
+    ``to_dict()``: ``result["key"]`` (and ``get``, ``in``, ``keys``, iteration over the keys) still
+    reads the JSON form, warning with the attribute to use instead, until :data:`REMOVED_IN`."""
+
+    def _old_json(self, key: str, stacklevel: int = 4) -> Any:
+        name = type(self).__name__
+        new = f"{name}.{key} (or .to_dict()[{key!r}] for the JSON form)"
+        warn_renamed(f"{name}[{key!r}]", new, stacklevel=stacklevel)
+        return self.to_dict()[key]  # type: ignore[attr-defined]
+
+    def __getitem__(self, key: str) -> Any:
+        return self._old_json(key)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """Deprecated: read the attribute (or ``to_dict()``)."""
+        return self._old_json(key) if key in self.to_dict() else default  # type: ignore[attr-defined]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.to_dict()  # type: ignore[attr-defined]
+
+    def keys(self) -> Any:
+        """Deprecated: the keys of ``to_dict()``."""
+        warn_renamed(f"{type(self).__name__}.keys()", f"{type(self).__name__}.to_dict().keys()")
+        return self.to_dict().keys()  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Any:
+        warn_renamed(f"iterating over a {type(self).__name__}", f"{type(self).__name__}.to_dict()")
+        return iter(self.to_dict())  # type: ignore[attr-defined]

@@ -365,7 +365,9 @@ def circuits_report(
         source, diag_k=diag_k, rows=n_rows, max_bytes=max_bytes, writer_bytes=writer_bytes, offsets=offsets
     )
     return CircuitsReport(
-        copying=copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, max_bytes=max_bytes, progress=progress),
+        copying=copying_scores(
+            source, diag_k=diag_k, diag_sample=diag_sample, max_bytes=max_bytes, progress=progress
+        ).heads,
         composition=composition_scores(
             source, "qkv", max_bytes=writer_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
         ),

@@ -305,7 +305,7 @@ def head_report(
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(cfg.d_vocab, length=length, seed=seed, bos=bos, frequencies=frequencies)
     rs = repeat_scores(source, rep, length)
-    copying = copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, seed=seed, progress=progress)
+    copying = copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, seed=seed, progress=progress).heads
     L, H = cfg.n_layers, cfg.n_heads
     scores = {
         **on_text,

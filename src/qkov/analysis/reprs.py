@@ -81,8 +81,9 @@ def composition_scores_text(scores: CompositionScores) -> str:
 @register(TEXT, CopyingScores)
 def copying_text(scores: CopyingScores) -> str:
     k = scores.k or "k"
-    rows = [[c.layer, c.head, num(c.eigen_score), num(c.diag_topk_rate), num(c.residual_eigen_score)] for c in scores]
-    title = f"copying scores of {len(scores)} heads (eigen: full OV circuit; residual: W_OV in the stream):"
+    cells = lambda c: [c.layer, c.head, num(c.eigen_score), num(c.diag_topk_rate), num(c.residual_eigen_score)]  # noqa: E731
+    rows = [cells(c) for c in scores.heads]
+    title = f"copying scores of {len(scores.heads)} heads (eigen: full OV circuit; residual: W_OV in the stream):"
     return title + "\n" + table(["layer", "head", "eigen", f"own in top {k}", "residual eigen"], rows)
 
 
@@ -107,7 +108,7 @@ def trigrams_text(tri: SkipTrigrams) -> str:
     d = decoder(tri)
     rows = [
         [token(d, t.source), token(d, t.destination), token(d, t.output), num(t.qk), num(t.ov), num(t.score)]
-        for t in tri
+        for t in tri.trigrams
     ]
     title = f"skip-trigrams of head {tri.head}: [source] ... [destination] -> [output], strongest first"
     return title + "\n" + table(["source", "destination", "output", "qk", "ov", "score"], rows)
@@ -116,7 +117,7 @@ def trigrams_text(tri: SkipTrigrams) -> str:
 @register(TEXT, Bigrams)
 def bigrams_text(bi: Bigrams) -> str:
     d = decoder(bi)
-    rows = [[token(d, b.token), token(d, b.next), num(b.logit)] for b in bi]
+    rows = [[token(d, b.token), token(d, b.next), num(b.logit)] for b in bi.bigrams]
     return "bigrams of the direct path W_E W_U (centred logits):\n" + table(["token", "next", "logit"], rows)
 
 

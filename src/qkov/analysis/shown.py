@@ -7,13 +7,17 @@ registered by :mod:`qkov.analysis.reprs` (this package), the HTML ones by :mod:`
 display: :data:`LOADERS`). Without a registered HTML formatter ``_repr_html_`` returns ``None`` and a
 notebook shows the text.
 
-Functions that return several results return a :class:`Shown` container — a ``list`` or
-``dict`` subclass, so existing code that indexes or iterates them is unchanged.
+Functions that return several results return a :class:`Shown` dataclass with named fields (the
+list-like ones keep ``len``, iteration and, deprecated, indexing: :class:`ListAccess`);
+:class:`CompositionScores` is still a ``dict`` subclass.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Iterator
+
+from ..deprecated import warn_renamed
 
 from ..model.tokens import token_decoder
 
@@ -77,30 +81,70 @@ def decoder(obj: Any) -> Callable[[int], str] | None:
     return getattr(obj, "decode", None)
 
 
-class CopyingScores(Shown, list):
-    """The list of :class:`~qkov.analysis.circuits.HeadCopying` that
-    :func:`~qkov.analysis.circuits.copying_scores` returns; ``k`` is the top-k of the diagonal rate."""
+class ListAccess:
+    """Mixin for a result that was a ``list`` subclass before qkov 1.0 and is now a dataclass whose
+    items are the field named by ``ITEMS``: ``len`` and iteration still go over the items (silently),
+    indexing and slicing too, with a ``DeprecationWarning`` naming the field, until 1.1."""
 
-    def __init__(self, items: Any = (), k: int | None = None) -> None:
-        super().__init__(items)
-        self.k = k
+    ITEMS: ClassVar[str] = "items"
+
+    def __len__(self) -> int:
+        return len(getattr(self, self.ITEMS))
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(getattr(self, self.ITEMS))
+
+    def __getitem__(self, i: Any) -> Any:
+        name = type(self).__name__
+        warn_renamed(f"indexing a {name}", f"{name}.{self.ITEMS}[...]")
+        return getattr(self, self.ITEMS)[i]
+
+
+@dataclass(repr=False, eq=False)
+class CopyingScores(ListAccess, Shown):
+    """What :func:`~qkov.analysis.circuits.copying_scores` returns: ``heads``, one
+    :class:`~qkov.analysis.circuits.HeadCopying` per head in layer-major order, and ``k``, the top-k of
+    the diagonal rate (``None`` when it was skipped)."""
+
+    ITEMS: ClassVar[str] = "heads"
+    heads: list[Any] = field(default_factory=list)
+    k: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"k": self.k, "heads": [c.to_dict() for c in self.heads]}
+
+
+@dataclass(repr=False, eq=False)
+class SkipTrigrams(ListAccess, Shown):
+    """What :func:`~qkov.analysis.trigrams.skip_trigrams` returns: ``trigrams``, the
+    :class:`~qkov.analysis.trigrams.SkipTrigram` list of head ``head`` (``"layer.head"``), strongest first."""
+
+    ITEMS: ClassVar[str] = "trigrams"
+    trigrams: list[Any] = field(default_factory=list)
+    head: str = ""
+
+    def to_dict(self, decode: Callable[[int], str] | None = None) -> dict[str, Any]:
+        """``decode`` (``id -> str``; default: the one given to :meth:`with_tokens`) adds token strings."""
+        d = decode or decoder(self)
+        return {"head": self.head, "trigrams": [t.to_dict(d) for t in self.trigrams]}
+
+
+@dataclass(repr=False, eq=False)
+class Bigrams(ListAccess, Shown):
+    """What :func:`~qkov.analysis.trigrams.bigrams` returns: ``bigrams``, the
+    :class:`~qkov.analysis.trigrams.Bigram` list, strongest first."""
+
+    ITEMS: ClassVar[str] = "bigrams"
+    bigrams: list[Any] = field(default_factory=list)
+
+    def to_dict(self, decode: Callable[[int], str] | None = None) -> dict[str, Any]:
+        """``decode`` (``id -> str``; default: the one given to :meth:`with_tokens`) adds token strings."""
+        d = decode or decoder(self)
+        return {"bigrams": [b.to_dict(d) for b in self.bigrams]}
 
 
 class CompositionScores(Shown, dict):
     """``{kind: Composition}`` as :func:`~qkov.analysis.composition.composition_scores` returns it."""
-
-
-class SkipTrigrams(Shown, list):
-    """The :class:`~qkov.analysis.trigrams.SkipTrigram` list of head ``head`` (``"layer.head"``),
-    strongest first, as :func:`~qkov.analysis.trigrams.skip_trigrams` returns it."""
-
-    def __init__(self, items: Any = (), head: str = "") -> None:
-        super().__init__(items)
-        self.head = head
-
-
-class Bigrams(Shown, list):
-    """The :class:`~qkov.analysis.trigrams.Bigram` list :func:`~qkov.analysis.trigrams.bigrams` returns."""
 
 
 def more(n: int, shown: int = MAX_ROWS) -> str:

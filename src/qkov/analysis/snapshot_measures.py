@@ -127,7 +127,7 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     heads = {"prefix_matching": rs.prefix_matching, "induction": rs.induction_attention, "copying_rank": rs.copying_rank}
     if sample.text is not None:
         heads["previous_token"] = text_scores(w, sample.text[:PER_TOKEN_SEQUENCES], chunk=text_chunk)["previous_token"]
-    copying = copying_scores(w, diag_k=None)
+    copying = copying_scores(w, diag_k=None).heads
     heads["eigen_copying"] = torch.tensor([c.eigen_score for c in copying]).reshape(cfg.n_layers, cfg.n_heads)
     rec["heads"] = {k: _grid(v.float()) for k, v in heads.items()}
     rec["previous_token"] = _r(heads["previous_token"][0].max()) if "previous_token" in heads else None

@@ -32,7 +32,7 @@ memory-mapped checkpoint's head is analysed holding one of ``W_E``/``W_U`` at a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -233,8 +233,11 @@ class SourceView:
     destinations: list[tuple[int, float]]  # (destination token, centred QK score), best first
 
 
-def first_bug(trigrams: list[SkipTrigram]) -> tuple[SkipTrigram, SkipTrigram] | None:
-    """Two trigrams of ``trigrams`` with the same source but different destination and output."""
+def first_bug(trigrams: Sequence[SkipTrigram] | SkipTrigrams) -> tuple[SkipTrigram, SkipTrigram] | None:
+    """Two trigrams of ``trigrams`` (a list, or what :func:`skip_trigrams` returns) with the same
+    source but different destination and output."""
+    if isinstance(trigrams, SkipTrigrams):
+        trigrams = trigrams.trigrams
     for i, a in enumerate(trigrams):
         for b in trigrams[i + 1 :]:
             if a.source == b.source and a.destination != b.destination and a.output != b.output:

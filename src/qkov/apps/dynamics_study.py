@@ -1,15 +1,17 @@
 """The dynamics study behind ``qkov dynamics``: find and load every snapshot of a series, measure
 each (:mod:`qkov.analysis.snapshot_measures`), read the phase change, ablate its heads.
 
-:func:`dynamics` returns one JSON-ready dict; :func:`write_dynamics` also writes it beside an
-offline HTML page. Under ``torchrun`` the snapshots are split over the ranks (rank ``r`` measures
-snapshots ``r, r + world, ...``) and rank 0 gathers the records, reads the series and writes:
-the result equals one process's.
+:func:`dynamics` returns a :class:`DynamicsResult` (``to_dict()`` is its JSON); :func:`write_dynamics`
+also writes that JSON beside an offline HTML page. Under ``torchrun`` the snapshots are split over
+the ranks (rank ``r`` measures snapshots ``r, r + world, ...``), rank 0 gathers the records, reads
+the series, ablates and writes, and every rank returns the result, which equals one process's.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -17,14 +19,17 @@ import torch
 import torch.distributed as dist
 
 from ..analysis import ablation as Ab
+from ..analysis.ablation import AblationStudy
 from ..analysis.budget import Planned
-from ..analysis.snapshot_measures import Sample, measure, measure_budget, read_series
+from ..analysis.snapshot_measures import Sample, SeriesReading, measure, measure_budget, read_series
 from ..analysis.heads import THRESHOLDS
 from ..analysis.probes import default_icl_examples
 from ..analysis.shown import TEXT, Shown, register
+from ..deprecated import DictAccess
 from ..device import pick_device
 from ..errors import QkovError
 from ..expect import expect_paths
+from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from ..progress import Progress
 from ..training import distributed
@@ -38,28 +43,71 @@ from .series import Series, series
 
 SCHEMA_VERSION = 1
 DYNAMICS_FILES = ("index.html", "dynamics.json")
+SHARE_TIMEOUT = timedelta(hours=6)  # how long the other ranks wait for rank 0's reading and ablation
 TEXT_SEQUENCES = 16  # validation sequences for the loss, per-token losses and previous-token scores
 
 
-class DynamicsResult(Shown, dict):
-    """What :func:`dynamics` returns: the JSON-ready dict (its keys are documented there), which
-    prints as a short summary and draws itself in a notebook (:mod:`qkov.show`)."""
+@dataclass(repr=False)
+class DynamicsResult(DictAccess, Shown):
+    """What :func:`dynamics` returns: the series' records and what they say. ``to_dict()`` is the JSON
+    (``dynamics.json``, ``qkov dynamics --json``); the result prints as a short summary and draws
+    itself in a notebook (:mod:`qkov.show`). Before qkov 1.0 it was that JSON dict: ``result["key"]``
+    still reads the JSON form, with a ``DeprecationWarning`` naming the attribute, until 1.1."""
+
+    sources: list[str]  # the sources as given (and "revisions: ..." when revisions were named)
+    model: ModelConfig  # the architecture every snapshot shares
+    axis: str  # "tokens" or "steps": what the records' ``at`` counts
+    sample: str  # the tokens every snapshot was measured on, in words
+    left_out: dict[str, str]  # measure -> why it is null in every record
+    snapshots: list[dict[str, Any]]  # one record per snapshot, in training order (:func:`measure`'s fields)
+    reading: SeriesReading  # the windows, the loss bump, the trajectory
+    induction_heads: list[str]  # the last snapshot's induction heads, "layer.head"
+    ablation: AblationStudy | None  # ablating those heads in the last snapshot (None without any)
+    timings: dict[str, float] = field(default_factory=dict)  # "measure_s", "total_s"
+    schema_version: int = SCHEMA_VERSION
+    generator: str = f"qkov {__version__}"
+
+    @property
+    def description(self) -> str:
+        """The architecture in words (``model.describe()``)."""
+        return self.model.describe()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON form (the keys and order of ``dynamics.json``)."""
+        return {
+            "schema_version": self.schema_version,
+            "generator": self.generator,
+            "sources": list(self.sources),
+            "model": self.model.to_dict(),
+            "description": self.description,
+            "axis": self.axis,
+            "sample": self.sample,
+            "left_out": self.left_out,
+            "snapshots": self.snapshots,
+            "reading": self.reading.to_dict(),
+            "induction_heads": list(self.induction_heads),
+            "ablation": None if self.ablation is None else self.ablation.to_dict(),
+            "timings": self.timings,
+        }
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else format(v, ".0%")
 
 
 @register(TEXT, DynamicsResult)
 def dynamics_text(r: DynamicsResult) -> str:
-    lines = [f"dynamics of {r['description']}: {len(r['snapshots'])} snapshots ({r['axis']}); {r['sample']}"]
+    lines = [f"dynamics of {r.description}: {len(r.snapshots)} snapshots ({r.axis}); {r.sample}"]
     for key, name in (("induction", "induction"), ("previous_token", "previous-token"), ("icl", "in-context")):
-        w = r["reading"]["windows"][key]
-        where = "no window" if w is None else f"{w['start']:,.0f} - {w['end']:,.0f} (rise {w['rise']:.3f})"
+        w = r.reading.windows.get(key)
+        where = "no window" if w is None else f"{w.start:,.0f} - {w.end:,.0f} (rise {w.rise:.3f})"
         lines.append(f"  {name:15s} window: {where}")
-    ab = r.get("ablation")
-    if ab is not None and ab["icl_removed"] is not None:
-        pct = lambda v: "-" if v is None else format(v, ".0%")  # noqa: E731
+    ab = r.ablation
+    if ab is not None and ab.icl_removed() is not None:
         lines.append(
-            f"  ablating {', '.join(ab['heads'])} ({ab['mode']}) removes {pct(ab['icl_removed'])} of the in-context "
-            f"improvement; random heads {pct(ab.get('random_icl_removed_median'))} (median), "
-            f"{pct(ab['random_icl_removed'])} (mean)"
+            f"  ablating {', '.join(ab.heads)} ({ab.mode}) removes {_pct(ab.icl_removed())} of the in-context "
+            f"improvement; random heads {_pct(ab.random_icl_removed('median'))} (median), "
+            f"{_pct(ab.random_icl_removed())} (mean)"
         )
     return "\n".join(lines)
 
@@ -156,10 +204,11 @@ def dynamics(
     seed: int = 0,
     device: str = "auto",
     progress: Progress | None = None,
-) -> DynamicsResult | None:
-    """Measure and read the series ``sources`` name (:func:`qkov.apps.series.series`); returns the
-    result on rank 0 (``None`` on other ranks under torchrun). ``mode``/``draws``: the ablation
-    of the last snapshot's induction heads (``"mean"`` or ``"zero"``; random sets of as many heads)."""
+) -> DynamicsResult:
+    """Measure and read the series ``sources`` name (:func:`qkov.apps.series.series`). ``mode``/``draws``:
+    the ablation of the last snapshot's induction heads (``"mean"`` or ``"zero"``; random sets of as
+    many heads). Under torchrun every rank returns the same result: rank 0 reads the gathered records,
+    ablates, and sends the result to the others."""
     expect_paths("qkov.dynamics", sources)
     if mode not in Ab.MODES:
         raise QkovError(f"dynamics: mode must be one of {', '.join(Ab.MODES)}, got {mode!r}")
@@ -167,6 +216,8 @@ def dynamics(
     s = series(sources, revisions=revisions, tokens_per_step=tokens_per_step)
     info, dev = distributed.setup(pick_device(device))
     try:
+        # the result travels over its own CPU group, whose timeout allows for rank 0's ablation
+        share = dist.new_group(backend="gloo", timeout=SHARE_TIMEOUT) if info.enabled else None
         last = _load(s, len(s.entries) - 1, dev)
         sample = sample_for(s.origin, last, text=text, tokens=tokens, seed=seed)
         sample = Sample(*(x.to(dev) if isinstance(x, torch.Tensor) else x for x in vars(sample).values()))
@@ -174,10 +225,33 @@ def dynamics(
         measure_budget(planned, sample)  # type: ignore[arg-type]
         Ab.ablation_budget(planned, sample.text, sample.icl_text, mode, bos=sample.bos, seed=seed, where="dynamics")  # type: ignore[arg-type]
         records = measure_series(s, sample, dev, info, progress)
+        result = None
+        if records is not None:
+            sources_ = [str(x) for x in sources] + ([f"revisions: {', '.join(revisions)}"] if revisions else [])
+            result = _study(s, sources_, records, last, sample, mode=mode, draws=draws, seed=seed, t0=t0)
+        if share is not None:
+            box = [result]
+            dist.broadcast_object_list(box, src=0, group=share)
+            result = box[0]
     finally:
         distributed.teardown(info)
-    if records is None:
-        return None
+    assert result is not None
+    return result
+
+
+def _study(
+    s: Series,
+    sources: list[str],
+    records: list[dict[str, Any]],
+    last: Transformer,
+    sample: Sample,
+    *,
+    mode: str,
+    draws: int,
+    seed: int,
+    t0: float,
+) -> DynamicsResult:
+    """Read the series' records and ablate the last snapshot's induction heads (rank 0's part)."""
     t_measure = time.perf_counter() - t0
     reading = read_series(records, until=_until(s))
     study = None
@@ -188,33 +262,30 @@ def dynamics(
             w, sample.text, heads, icl_text=sample.icl_text, mode=mode, draws=draws, bos=sample.bos, seed=seed
         )
     return DynamicsResult(
-        {
-            "schema_version": SCHEMA_VERSION,
-            "generator": f"qkov {__version__}",
-            "sources": [str(x) for x in sources] + ([f"revisions: {', '.join(revisions)}"] if revisions else []),
-            "model": s.cfg.to_dict(),
-            "description": s.cfg.describe(),
-            "axis": s.axis,
-            "sample": sample.source,
-            "left_out": Ab.measures_left_out(s.cfg.n_ctx, sample.text, sample.icl_text),  # measure -> why it is null
-            "snapshots": records,
-            "reading": reading.to_dict(),
-            "induction_heads": [f"{l}.{h}" for l, h in heads],
-            "ablation": None if study is None else study.to_dict(),
-            "timings": {"measure_s": round(t_measure, 2), "total_s": round(time.perf_counter() - t0, 2)},
-        }
+        sources=sources,
+        model=s.cfg,
+        axis=s.axis,
+        sample=sample.source,
+        left_out=Ab.measures_left_out(s.cfg.n_ctx, sample.text, sample.icl_text),
+        snapshots=records,
+        reading=reading,
+        induction_heads=[f"{l}.{h}" for l, h in heads],
+        ablation=study,
+        timings={"measure_s": round(t_measure, 2), "total_s": round(time.perf_counter() - t0, 2)},
     )
 
 
-def write_dynamics(out: Path, sources: Sequence[str | Path], *, overwrite: bool = False, **options: Any) -> Any:
+def write_dynamics(
+    out: Path, sources: Sequence[str | Path], *, overwrite: bool = False, **options: Any
+) -> DynamicsResult:
     """Check ``out`` first (as the report does), run :func:`dynamics`, write ``out/dynamics.json`` and
     the page ``out/index.html`` (as one pair, :func:`~qkov.apps.outputs.replace_pair`; rank 0 only).
-    Returns the result (``None`` off rank 0)."""
+    Returns the result (on every rank under torchrun)."""
     if not distributed.from_env().main:
         return dynamics(sources, **options)
     with output_folder(out, DYNAMICS_FILES, overwrite=overwrite, what="dynamics") as folder:
         result = dynamics(sources, **options)
-        if result is not None:
-            files = {"index.html": render_dynamics(result), "dynamics.json": to_json(result, indent=1)}
-            replace_pair(folder, files, overwrite=overwrite, what="dynamics")
+        data = result.to_dict()
+        files = {"index.html": render_dynamics(data), "dynamics.json": to_json(data, indent=1)}
+        replace_pair(folder, files, overwrite=overwrite, what="dynamics")
     return result

@@ -133,7 +133,7 @@ def _dynamics(out: Path, layers: list[int], dev: Any, say: Callable[[str], None]
             found[n] = earlier
             continue
         t0 = time.perf_counter()
-        found[n] = write_dynamics(ckpt / "dynamics", [ckpt], device=str(dev))
+        found[n] = write_dynamics(ckpt / "dynamics", [ckpt], device=str(dev)).to_dict()
         say(f"[{n}-layer] dynamics -> {ckpt / 'dynamics' / 'index.html'} in {time.perf_counter() - t0:.0f} s")
     return found
 

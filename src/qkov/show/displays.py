@@ -68,7 +68,7 @@ def _copying(scores: list[Any], k: int | None) -> str:
 
 @register(HTML, CopyingScores)
 def copying_html(scores: CopyingScores) -> str:
-    return page(_copying(scores, scores.k))
+    return page(_copying(scores.heads, scores.k))
 
 
 @register(HTML, CircuitsReport)
@@ -100,14 +100,15 @@ def _decode(obj: Any) -> Any:
 
 @register(HTML, SkipTrigrams)
 def trigrams_html(tri: SkipTrigrams) -> str:
-    rows = trigram_rows(tri[: MAX_ROWS * 4], _decode(tri))
+    rows = trigram_rows(tri.trigrams[: MAX_ROWS * 4], _decode(tri))
     section = {"heads": [{"head": tri.head, "rows": [vars(r) for r in rows]}], "bigrams": [], "note": None}
     return page(mounted("trigrams", {"trigrams": section}, repr(tri), title="Skip-trigrams"))
 
 
 @register(HTML, Bigrams)
 def bigrams_html(bi: Bigrams) -> str:
-    section = {"heads": [], "bigrams": [vars(b) for b in bigram_rows(bi[: MAX_ROWS * 4], _decode(bi))], "note": None}
+    rows = bigram_rows(bi.bigrams[: MAX_ROWS * 4], _decode(bi))
+    section = {"heads": [], "bigrams": [vars(b) for b in rows], "note": None}
     return page(mounted("trigrams", {"trigrams": section}, repr(bi), title="Bigrams"))
 
 

@@ -29,25 +29,25 @@ def _f(v: float | None, spec: str) -> str:
 def dynamics_html(r: DynamicsResult) -> str:
     rows = []
     for key, name in NAMES.items():
-        w = r["reading"]["windows"][key]
+        w = r.reading.windows.get(key)
         rows.append(
             [name, "no window"] + ["–"] * 3
             if w is None
-            else [name, f"{w['start']:,.0f}", f"{w['end']:,.0f}", f"{w['rise']:.3f}", f"{w['sharpness']:.1f}"]
+            else [name, f"{w.start:,.0f}", f"{w.end:,.0f}", f"{w.rise:.3f}", f"{w.sharpness:.1f}"]
         )
     parts = [
-        f"<h3>dynamics of {html.escape(r['description'])}: {len(r['snapshots'])} snapshots</h3>",
-        _table(["metric", f"window start ({r['axis']})", "end", "rise", "sharpness"], rows),
+        f"<h3>dynamics of {html.escape(r.description)}: {len(r.snapshots)} snapshots</h3>",
+        _table(["metric", f"window start ({r.axis})", "end", "rise", "sharpness"], rows),
     ]
-    if r["axis"] == "tokens":
-        parts.append(svg_dynamics(r, title="detectors over training (induction window shaded)"))
-    ab = r.get("ablation")
+    if r.axis == "tokens":
+        parts.append(svg_dynamics(r.to_dict(), title="detectors over training (induction window shaded)"))
+    ab = r.ablation
     if ab is not None:
         parts.append(
-            f"<p>ablating {html.escape(', '.join(ab['heads']))} ({ab['mode']}): "
-            f"{_f(ab['icl_removed'], '.0%')} of the in-context improvement removed "
-            f"(random heads: median {_f(ab.get('random_icl_removed_median'), '.0%')}, "
-            f"mean {_f(ab['random_icl_removed'], '.0%')})</p>"
+            f"<p>ablating {html.escape(', '.join(ab.heads))} ({ab.mode}): "
+            f"{_f(ab.icl_removed(), '.0%')} of the in-context improvement removed "
+            f"(random heads: median {_f(ab.random_icl_removed('median'), '.0%')}, "
+            f"mean {_f(ab.random_icl_removed(), '.0%')})</p>"
         )
     return page(f"<div class='qkov-nb'>{''.join(parts)}</div>")
 

@@ -14,7 +14,8 @@ from ...analysis.positions import parse_positions
 from ...errors import QkovError
 from ...io.sources import source_kind
 from ...weights.view import Weights
-from ..dynamics_study import sample_for, write_dynamics
+from ...training import distributed
+from ..dynamics_study import DynamicsResult, sample_for, write_dynamics
 from ..progress import StageProgress
 from .common import add_device, add_inputs, add_source_args, console, device, dump_json, load_source, nonneg_int
 
@@ -82,50 +83,45 @@ def cmd_dynamics(args: argparse.Namespace) -> int:
             device=args.device,
             progress=progress,
         )
-    if result is None:  # a rank other than 0 under torchrun
+    if not distributed.from_env().main:  # every rank has the result; rank 0 prints it
         return 0
     if args.json:
-        dump_json(result)
+        dump_json(result.to_dict())
         return 0
     _print_summary(result, out, time.perf_counter() - t0)
     return 0
 
 
-def _print_summary(result: dict[str, Any], out: Path, seconds: float) -> None:
+def _print_summary(result: DynamicsResult, out: Path, seconds: float) -> None:
     con = console()
-    axis = result["axis"]
-    table = Table(title=f"dynamics of {result['description']}: {len(result['snapshots'])} snapshots")
-    for col in ("metric", f"window ({axis})", "fastest at", "rise", "sharpness"):
+    table = Table(title=f"dynamics of {result.description}: {len(result.snapshots)} snapshots")
+    for col in ("metric", f"window ({result.axis})", "fastest at", "rise", "sharpness"):
         table.add_column(col)
     for key, name in (
         ("induction", "induction score"),
         ("previous_token", "previous-token score"),
         ("icl", "in-context improvement"),
     ):
-        w = result["reading"]["windows"][key]
+        w = result.reading.windows.get(key)
         if w is None:
             table.add_row(name, "no window", "-", "-", "-")
         else:
             table.add_row(
-                name,
-                f"{w['start']:,.0f} - {w['end']:,.0f}",
-                f"{w['peak']:,.0f}",
-                f"{w['rise']:.3f}",
-                f"{w['sharpness']:.1f}",
+                name, f"{w.start:,.0f} - {w.end:,.0f}", f"{w.peak:,.0f}", f"{w.rise:.3f}", f"{w.sharpness:.1f}"
             )
     con.print(table)
-    bump = result["reading"]["bump"]
+    bump = result.reading.bump
     if bump is not None:
         con.print(
-            f"loss bump: {bump['height']:+.4f} nats over the fit at {bump['at']:,.0f} "
-            f"({'seen' if bump['seen'] else 'within the noise'}, fit RMS {bump['noise']:.4f})"
+            f"loss bump: {bump.height:+.4f} nats over the fit at {bump.at:,.0f} "
+            f"({'seen' if bump.seen else 'within the noise'}, fit RMS {bump.noise:.4f})"
         )
-    ab = result["ablation"]
+    ab = result.ablation
     if ab is not None:
-        removed, rand, med = ab["icl_removed"], ab["random_icl_removed"], ab.get("random_icl_removed_median")
+        removed, rand, med = ab.icl_removed(), ab.random_icl_removed(), ab.random_icl_removed("median")
         fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         con.print(
-            f"ablating {', '.join(ab['heads'])} ({ab['mode']}): share of the in-context improvement removed "
+            f"ablating {', '.join(ab.heads)} ({ab.mode}): share of the in-context improvement removed "
             f"{fmt(removed)} (random sets of as many heads: median {fmt(med)}, mean {fmt(rand)})"
         )
     con.print(f"wrote {out / 'index.html'} and dynamics.json in {seconds:.0f} s")

@@ -257,7 +257,7 @@ def trigram_data(
             "crossed": [t.to_dict(decode) for t in table.crossed(*bug)],
         }
     del table  # the bigram table is planned alone: the two are never held at once
-    data["bigrams"] = [b.to_dict(decode) for b in trigrams.bigrams(source, top=top, exclude=(bos,))]
+    data["bigrams"] = [b.to_dict(decode) for b in trigrams.bigrams(source, top=top, exclude=(bos,)).bigrams]
     return data
 
 

@@ -245,9 +245,9 @@ def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection
     heads = []
     chosen, note = _trigram_heads(w)
     for h in chosen:
-        tri = trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,))
+        tri = trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,)).trigrams
         heads.append(HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)))
-    return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top, exclude=(bos,)), decode), note)
+    return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top, exclude=(bos,)).bigrams, decode), note)
 
 
 def trigram_rows(tri: list[trigrams.SkipTrigram], decode: Decode) -> list[TrigramRow]:
