@@ -79,7 +79,7 @@ def test_the_start_token_and_tokenizer_travel_with_every_source(gpt2_dir: Path, 
     assert model.bos_token_id == GPT2_BOS and model.tokenizer is not None
     view = qkov.Weights.from_model(model)
     assert view.bos_token_id == GPT2_BOS and view.tokenizer is model.tokenizer
-    assert qkov.as_source("test", gpt2_dir).bos_token_id == GPT2_BOS
+    assert qkov.as_source(gpt2_dir, where="test").bos_token_id == GPT2_BOS
     assert qkov.Weights.from_source(view).bos_token_id == GPT2_BOS
     qkov.save_checkpoint(model, tmp_path / "ck")
     lazy = qkov.LazyCheckpoint(tmp_path / "ck")

@@ -64,7 +64,7 @@ def parse_heads(text: str, cfg: Any) -> list[Head]:
 def z_means(source: SourceLike, tokens: Tensor, heads: Sequence[Head], *, chunk: int | None = None) -> Tensor:
     """Each head's ``z`` averaged over every position of ``tokens [B, T]``: ``[len(heads), d_head]``
     (its mean output is this times its ``W_O``); ``chunk`` sequences per forward pass (default all)."""
-    source = as_source("qkov.z_means", source)
+    source = as_source(source, where="qkov.z_means")
     layers = sorted({l for l, _ in heads})
     chunk = chunk or tokens.shape[0]
     if chunk >= tokens.shape[0]:
@@ -226,7 +226,7 @@ def measures(
     repeated-token losses (:func:`~qkov.analysis.probes.induction_probe`, seeded), every forward
     pass with ``edits``, the text and ICL examples ``chunks`` sequences at a time; ``bos=None``: the
     source's start token."""
-    source = as_source("qkov.analysis.ablation.measures", source)
+    source = as_source(source, where="qkov.analysis.ablation.measures")
     loss = None if text is None else float(sequence_losses(source, text, chunk=chunks.text, edits=edits).mean())
     icl = None
     if icl_text is not None and icl_left_out(icl_text.shape[1], source.cfg.n_ctx) is None:
@@ -332,7 +332,7 @@ def ablation_study(
     :class:`DeprecationWarning`.
     """
     text, heads = ablation_args(text, heads, named)
-    w = as_source("qkov.ablation_study", w)
+    w = as_source(w, where="qkov.ablation_study")
     bos = source_bos("qkov.ablation_study", w, bos)
     heads = list(heads)
     if mode not in MODES:

@@ -51,7 +51,7 @@ class WriteOverlap:
 
 def write_overlap(source: SourceLike) -> WriteOverlap:
     """Principal angles between every pair of heads' write subspaces in the residual stream."""
-    source = as_source("qkov.write_overlap", source)
+    source = as_source(source, where="qkov.write_overlap")
     c = source.cfg
     W_O = torch.stack([source.attention(l).W_O for l in range(c.n_layers)])
     L, H, E, D = W_O.shape

@@ -95,7 +95,7 @@ def composition_paths(
     ``[N, T]`` validation examples for the ICL share (at least 2, as long as the ICL score reads:
     :func:`~qkov.analysis.probes.icl_left_out`); ``source``: a model, weights source or path;
     ``bos=None``: its start token."""
-    source = as_source("qkov.composition_paths", source)
+    source = as_source(source, where="qkov.composition_paths")
     clean, corrupted, L = _repeated(source, bos, seed, batch)
     m = Attention(layer=reader[0], head=reader[1], queries=list(range(L + 1, 2 * L + 1)), offset=L - 1)
     got, base, target = input_paths(source, clean, corrupted, sender=writer, receiver=reader, metric=m)

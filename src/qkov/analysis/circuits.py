@@ -61,7 +61,7 @@ def _not_rotary(source: WeightSource) -> None:
 def qk(source: SourceLike) -> LowRank:
     """``W_QK = W_Q @ W_K^T`` for every head: ``[n_layers, n_heads, d_model, d_model]`` (not for
     rotary models: see :mod:`qkov.analysis.rotary_circuits`)."""
-    source = as_source("qkov.qk", source)
+    source = as_source(source, where="qkov.qk")
     _not_rotary(source)
     atts = [source.attention(l) for l in range(source.cfg.n_layers)]
     return LowRank(torch.stack([a.W_Q for a in atts]), torch.stack([a.W_K for a in atts]).transpose(-1, -2))
@@ -69,21 +69,21 @@ def qk(source: SourceLike) -> LowRank:
 
 def ov(source: SourceLike) -> LowRank:
     """``W_OV = W_V @ W_O`` for every head: ``[n_layers, n_heads, d_model, d_model]``."""
-    source = as_source("qkov.ov", source)
+    source = as_source(source, where="qkov.ov")
     atts = [source.attention(l) for l in range(source.cfg.n_layers)]
     return LowRank(torch.stack([a.W_V for a in atts]), torch.stack([a.W_O for a in atts]))
 
 
 def full_ov(source: SourceLike, layer: int, head: int) -> LowRank:
     """``W_E @ W_OV @ W_U``: ``[d_vocab (source token), d_vocab (output logit)]``."""
-    source = as_source("qkov.full_ov", source)
+    source = as_source(source, where="qkov.full_ov")
     att = source.attention(layer, head)
     return LowRank(embed_product(source, att.W_V[0]), unembed_product(source, att.W_O[0]))
 
 
 def full_qk(source: SourceLike, layer: int, head: int) -> LowRank:
     """``W_E @ W_QK @ W_E^T``: ``[d_vocab (query token), d_vocab (key token)]`` (token part of the score)."""
-    source = as_source("qkov.full_qk", source)
+    source = as_source(source, where="qkov.full_qk")
     _not_rotary(source)
     att = source.attention(layer, head)
     EQ, EK = embed_product(source, torch.cat([att.W_Q[0], att.W_K[0]], -1)).split(att.W_Q.shape[-1], -1)
@@ -92,7 +92,7 @@ def full_qk(source: SourceLike, layer: int, head: int) -> LowRank:
 
 def positional_qk(source: SourceLike, layer: int, head: int) -> LowRank:
     """``W_pos @ W_QK @ W_pos^T``: ``[query position, key position]``."""
-    source = as_source("qkov.positional_qk", source)
+    source = as_source(source, where="qkov.positional_qk")
     att = source.attention(layer, head)
     P = _positions(source)
     return LowRank(P @ att.W_Q[0], (P @ att.W_K[0]).T)
@@ -104,7 +104,7 @@ def token_position_qk(source: SourceLike, layer: int, head: int) -> tuple[LowRan
     With positions p and tokens e, the score ``(e_q + p_i) W_QK (e_k + p_j)^T`` is
     token-token + token-position + position-token + position-position.
     """
-    source = as_source("qkov.token_position_qk", source)
+    source = as_source(source, where="qkov.token_position_qk")
     att = source.attention(layer, head)
     P, W_E = _positions(source), source.embed()
     Q, K = att.W_Q[0], att.W_K[0]
@@ -134,7 +134,7 @@ def virtual_weights(source: SourceLike, writer: Component, reader: Component) ->
     never enter the stream). Returned factored, ``[writer dims, reader dims]`` with inner
     ``d_model``; only the two components involved are read.
     """
-    source = as_source("qkov.virtual_weights", source)
+    source = as_source(source, where="qkov.virtual_weights")
     wk, *wi = writer
     rk, *ri = reader
     if wk not in ("embed", "pos", "head", "mlp"):
@@ -175,7 +175,7 @@ def virtual_weights(source: SourceLike, writer: Component, reader: Component) ->
 def unembed_embed(source: SourceLike, *, block: int = VOCAB_BLOCK) -> Tensor:
     """``W_U @ W_E [d_model, d_model]``: one product in memory; for a streamed source, summed
     over blocks of ``block`` tokens so that neither matrix is held whole."""
-    source = as_source("qkov.unembed_embed", source)
+    source = as_source(source, where="qkov.unembed_embed")
     if source.in_memory:
         return source.unembed().W_U @ source.embed()
     V, D = source.cfg.d_vocab, source.cfg.d_model
@@ -198,14 +198,14 @@ def ov_eigenvalues(source: SourceLike, *, G: Tensor | None = None) -> Tensor:
     ``W_O (W_U W_E) W_V`` (:meth:`LowRank.eigenvalues` of ``W_V @ (W_O G)``); ``G = W_U W_E``
     is computed once (or given).
     """
-    source = as_source("qkov.ov_eigenvalues", source)
+    source = as_source(source, where="qkov.ov_eigenvalues")
     G = unembed_embed(source) if G is None else G
     return _eigenvalues(source, [LowRank(a.W_V, a.W_O @ G).twin() for a in _layers(source)])
 
 
 def residual_ov_eigenvalues(source: SourceLike) -> Tensor:
     """Eigenvalues of every head's ``W_OV`` in the residual stream (``W_O W_V``): ``[L, H, d_head]``."""
-    source = as_source("qkov.residual_ov_eigenvalues", source)
+    source = as_source(source, where="qkov.residual_ov_eigenvalues")
     return _eigenvalues(source, [LowRank(a.W_V, a.W_O).twin() for a in _layers(source)])
 
 
@@ -284,7 +284,7 @@ def copying_scores(
     ``W_E`` or ``W_U`` whole (:func:`unembed_embed`); the diagonal rate needs every column of each
     full OV circuit, so both are then read once and held.
     """
-    source = as_source("qkov.copying_scores", source)
+    source = as_source(source, where="qkov.copying_scores")
     V = source.cfg.d_vocab
     rows = None
     if diag_k:
@@ -355,7 +355,7 @@ def circuits_report(
     profile (``offsets``: the offset set of Q/K composition; ``matmul_dtype``: see :func:`composition_raw`).
     Chunked steps shrink to fit the memory budget (:func:`circuits_budget`), and work whose smallest
     chunks would not fit is refused before it starts."""
-    source = as_source("qkov.circuits.circuits_report", source)
+    source = as_source(source, where="qkov.circuits.circuits_report")
     if diag_k:
         check_diag_k(diag_k, source.cfg.d_vocab)  # before any work
     rotary = resolve_offsets(source.cfg, offsets) is not None  # checks the offsets before any work

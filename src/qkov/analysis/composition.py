@@ -304,7 +304,7 @@ def composition_scores(
     """Raw scores for every pair of heads in increasing layers, plus the random-matrix baseline,
     for each of ``kinds`` (``{kind: Composition}``). ``offsets``: rotary models only, see
     :func:`composition_raw` (the baseline is unchanged: a rotation leaves Gaussian factors Gaussian)."""
-    source = as_source("qkov.composition_scores", source)
+    source = as_source(source, where="qkov.composition_scores")
     raw = composition_raw(
         source, kinds, max_bytes=max_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
     )

@@ -340,7 +340,7 @@ def trace(
     Returns:
         :class:`~qkov.analysis.activations.Trace`.
     """
-    source = as_source("qkov.trace", source)
+    source = as_source(source, where="qkov.trace")
     expect_tokens("qkov.trace", tokens)
     cfg = source.cfg
     tokens = check_tokens(tokens, cfg).to(source.device)

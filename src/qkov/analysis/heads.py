@@ -82,7 +82,7 @@ def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScor
     to; 0: no more than chance; -1: it raises everything but what it attends to. A trained
     induction head that also lifts hundreds of related tokens a little scores small but positive.
     """
-    source = as_source("qkov.repeat_scores", source)
+    source = as_source(source, where="qkov.repeat_scores")
     r = trace(source, tokens, record=("patterns", "head_outputs"))
     P, outputs = r.patterns, r.head_outputs  # [L, B, H, T, T], [L, B, H, T, D]
     assert P is not None and outputs is not None
@@ -145,7 +145,7 @@ def memory_neurons(source: SourceLike, threshold: float = -0.5) -> list[dict[str
     ``cos(W_in[:, n], W_out[n, :]) < threshold``: the neuron reads a direction and writes its
     negation (it deletes what it reads). Empty for attention-only models.
     """
-    source = as_source("qkov.memory_neurons", source)
+    source = as_source(source, where="qkov.memory_neurons")
     out = []
     for l in range(source.cfg.n_layers):
         mlp = source.mlp(l)
@@ -286,7 +286,7 @@ def head_report(
     is ticked through the text, the ICL examples and the copying scores. ``source``: a model,
     weights source or path (:func:`~qkov.weights.as_source`); ``bos=None``: its start token.
     """
-    source = as_source("qkov.head_report", source)
+    source = as_source(source, where="qkov.head_report")
     bos = source_bos("qkov.head_report", source, bos)
     cfg = source.cfg
     if cfg.n_layers == 0:

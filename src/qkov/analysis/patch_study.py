@@ -59,7 +59,7 @@ def patch_study(
     """Activation patching of each of ``sites`` (head sites by (layer, head), or by (layer, position,
     head) with ``by_pos``), attribution patching of the head sites, and path patching into
     ``receivers``' ``input`` when given. ``decode`` turns the clean tokens into position labels."""
-    source = as_source("qkov.patch_study", source)
+    source = as_source(source, where="qkov.patch_study")
     m = as_metric(metric, clean)
     out = PatchStudy([])
     kinds = [Sites(source.cfg, source.norm).resolve((s, 0))[0].kind for s in sites]

@@ -267,7 +267,7 @@ def activation_patching(
     ``get_act_patch_attn_head_out_by_pos`` is ``site="z", axes=("layer", "pos", "head")``) and
     measure ``metric`` (:mod:`qkov.analysis.metrics`; default the loss on the clean tokens).
     ``clean``/``corrupted`` ``[B, T]``: the same shape. See the module docstring."""
-    source = as_source("qkov.activation_patching", source)
+    source = as_source(source, where="qkov.activation_patching")
     kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
     base_run, src_run = metric_values(source, base, src, m, [f"{kind}.*", "resid_pre.*"])
     L = source.cfg.n_layers
@@ -306,7 +306,7 @@ def attribution_patching(
     """The first-order estimate of :func:`activation_patching` with the same arguments, from one
     backward pass on the base run: ``metric(base) + sum((source - base) * grad)`` over the
     dimensions not in ``axes``."""
-    source = as_source("qkov.attribution_patching", source)
+    source = as_source(source, where="qkov.attribution_patching")
     kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
     T = base.shape[1]
     want = [f"{kind}.*", *m.reads]

@@ -78,7 +78,7 @@ def path_patching(
     head for ``receivers="logits"``) into the ``input`` (``q``, ``k`` or ``v``) of ``receivers``
     (heads ``(layer, head)``), one sender at a time; see the module docstring. Returns the metric per
     sender, ``values [L, H]`` (NaN for heads that are not senders)."""
-    source = as_source("qkov.path_patching", source)
+    source = as_source(source, where="qkov.path_patching")
     heads = _check(source, receivers, input)
     cfg = source.cfg
     L, H = cfg.n_layers, cfg.n_heads

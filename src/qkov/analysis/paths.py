@@ -160,7 +160,7 @@ def expand(
             residual stream), never holding more than those at once.
         progress: ticked once per layer.
     """
-    source = as_source("qkov.expand", source)
+    source = as_source(source, where="qkov.expand")
     cfg = source.cfg
     r = frozen_run(source, tokens)
     T = r.tokens.shape[1]
@@ -236,7 +236,7 @@ def term_importance(source: SourceLike, tokens: Tensor, *, progress: Progress | 
     head adds the output it computed on run n-1. After ``n_layers + 1`` runs every order is in
     and the logits equal the model's. Order n first enters on run n+1.
     """
-    source = as_source("qkov.term_importance", source)
+    source = as_source(source, where="qkov.term_importance")
     real = frozen_run(source, tokens)
     toks = real.tokens
     c = source.cfg

@@ -153,7 +153,7 @@ def induction_probe(
 
     ``source``: a model, weights source or path (:func:`~qkov.weights.as_source`); ``bos=None``:
     its start token."""
-    source = as_source("qkov.induction_probe", source)
+    source = as_source(source, where="qkov.induction_probe")
     cfg = source.cfg
     length = min(length, (cfg.n_ctx - 1) // repeats)
     tokens = induction_probe_tokens(source, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
@@ -256,7 +256,7 @@ def icl_score(
     (:func:`~qkov.analysis.forward.trace`); chunks are as even as they can be, so no chunk of a
     resample ablation holds a single sequence.
     """
-    source = as_source("qkov.icl_score", source)
+    source = as_source(source, where="qkov.icl_score")
     examples = examples[:, : late + 2]  # nothing after the late position enters the score
     T = examples.shape[1]
     early, late, early_at, late_at = icl_windows(T, early, late, window)

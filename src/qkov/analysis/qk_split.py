@@ -93,7 +93,7 @@ def _components(
 
 def qk_split(source: SourceLike, tokens: Tensor, layer: int, head: int) -> QKSplit:
     """Expand head ``layer.head``'s attention scores over earlier heads (Q-, K-, Q-and-K-composition)."""
-    source = as_source("qkov.qk_split", source)
+    source = as_source(source, where="qkov.qk_split")
     check_head(source.cfg, layer, head)
     direct, comps, labels, other, r = _components(source, tokens, layer)
     att = source.attention(layer, head)

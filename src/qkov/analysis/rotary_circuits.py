@@ -184,7 +184,7 @@ class OffsetProfiles:
 
 def profiles(source: SourceLike, offsets: list[int] | None = None) -> OffsetProfiles:
     """:func:`offset_profile` of every head (offsets default ``0 .. min(n_ctx - 1, 64)``)."""
-    source = as_source("qkov.rotary_circuits.profiles", source)
+    source = as_source(source, where="qkov.rotary_circuits.profiles")
     _rotary_source(source)
     cfg = source.cfg
     offsets = check_offsets(cfg.n_ctx, offsets if offsets is not None else list(range(min(cfg.n_ctx, 65))))

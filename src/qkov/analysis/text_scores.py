@@ -150,7 +150,7 @@ def text_scores(
     """Previous-token, self-attention, sink, value-weighted sink and positional scores of every head
     on ``text [B, T]`` (natural text), ``[n_layers, n_heads]`` each (float64), streamed: ``chunk``
     sequences at a time (default :func:`chunk_size`), one layer's attention at a time."""
-    source = as_source("qkov.text_scores", source)
+    source = as_source(source, where="qkov.text_scores")
     B, T = text.shape
     chunk = chunk or chunk_size(source, T)
     sums = _Sums(source)

@@ -220,7 +220,7 @@ def _excluded(exclude: tuple[int, ...] | None, bos: int | None) -> tuple[int, ..
 def skip_trigrams(source: SourceLike, layer: int, head: int, *, top: int = 20, **options: Any) -> SkipTrigrams:
     """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there).
     ``.with_tokens(model)`` on the result shows token strings."""
-    source = as_source("qkov.skip_trigrams", source)
+    source = as_source(source, where="qkov.skip_trigrams")
     return SkipTrigrams(TrigramTable(source, layer, head).top(top, **options), f"{layer}.{head}")
 
 
@@ -266,7 +266,7 @@ def bigrams(
     sit there, more are fetched until ``top`` remain (or the matrix is exhausted). Its copies of the
     embedding and unembedding are checked against the memory budget first, and the row chunks
     shrink to fit it."""
-    source = as_source("qkov.bigrams", source)
+    source = as_source(source, where="qkov.bigrams")
     exclude = _excluded(exclude, getattr(source, "bos_token_id", None))
     V = source.cfg.d_vocab
     least = bigram_bytes(source, chunk_rows=1)

@@ -32,7 +32,7 @@ SourceLike = Union[WeightSource, Transformer, str, "os.PathLike[str]"]
 """What an analysis takes as its model: a weights source, a loaded model or a path (see the module docstring)."""
 
 
-def as_source(where: str, value: Any) -> WeightSource:
+def as_source(value: Any, *, where: str = "qkov.as_source") -> WeightSource:
     """``value`` as a weights source (see the module docstring): a source as it is, a
     :class:`~qkov.Transformer` as ``Weights.from_model(value)``, a path through :func:`qkov.load_any`.
 
@@ -83,5 +83,5 @@ def vocab_and_bos(where: str, vocab: Any, bos: int | None) -> tuple[int, int]:
                 "(or its weights) instead of its vocabulary size"
             )
         return vocab, source_bos(where, None, bos)
-    holder = vocab if isinstance(vocab, Transformer) else as_source(where, vocab)
+    holder = vocab if isinstance(vocab, Transformer) else as_source(vocab, where=where)
     return holder.cfg.d_vocab, source_bos(where, holder, bos)
