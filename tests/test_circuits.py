@@ -118,7 +118,7 @@ def test_composition_detects_a_planted_k_composition() -> None:
     with torch.no_grad():  # layer-1 head 0 keys read exactly what layer-0 head 1 writes
         m.blocks[1].attn.W_K[0].copy_(m.blocks[0].attn.W_O[1].T)
     w = Weights.from_model(m, dtype=torch.float64)
-    k = Cm.composition_scores(w, "k")["k"]
+    k = Cm.composition_scores(w, "k").k
     top = k.pairs()[0]
     assert (top["writer"], top["reader"]) == ("0.1", "1.0")
     assert top["adjusted"] > 5 * k.baseline.std

@@ -91,7 +91,7 @@ def test_composition_shows_heatmap_cells_and_strongest_pairs(hand: tuple) -> Non
     scores = composition_scores(w, "qk")
     spec = the_spec(scores)
     assert set(spec["data"]["composition"]) == {"q", "k"}
-    k = scores["k"]
+    k = scores.k
     cells = spec["data"]["composition"]["k"]
     assert cells["writers"] == ["0.0", "0.1"] and cells["readers"] == ["1.0", "1.1"]
     for i in range(2):
@@ -198,7 +198,7 @@ def test_patching_and_composition_path_displays(hand: tuple) -> None:
 def test_text_reprs_fit_one_screen_and_say_what_was_left_out() -> None:
     model = qkov.Transformer(qkov.ModelConfig(n_layers=3, n_heads=6, d_model=48, d_head=8, d_vocab=50, n_ctx=16))
     w = Weights.from_model(model)
-    comp = composition_scores(w, "k")["k"]
+    comp = composition_scores(w, "k").k
     assert len(comp.pairs()) == 3 * 36
     text = repr(comp)
     assert text.endswith(f"... {3 * 36 - 12} more") and len(text.splitlines()) == 1 + 1 + 12 + 1

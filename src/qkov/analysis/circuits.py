@@ -370,7 +370,7 @@ def circuits_report(
         ).heads,
         composition=composition_scores(
             source, "qkv", max_bytes=writer_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
-        ),
+        ).kinds,
         bandwidth=bandwidth(source.cfg),
         offsets=profiles(source) if rotary else None,
     )

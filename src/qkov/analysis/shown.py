@@ -8,8 +8,8 @@ display: :data:`LOADERS`). Without a registered HTML formatter ``_repr_html_`` r
 notebook shows the text.
 
 Functions that return several results return a :class:`Shown` dataclass with named fields (the
-list-like ones keep ``len``, iteration and, deprecated, indexing: :class:`ListAccess`);
-:class:`CompositionScores` is still a ``dict`` subclass.
+list-like ones keep ``len``, iteration and, deprecated, indexing: :class:`ListAccess`; the one that was a
+``dict``, :class:`CompositionScores`, keeps its views and, deprecated, indexing).
 """
 
 from __future__ import annotations
@@ -143,8 +143,52 @@ class Bigrams(ListAccess, Shown):
         return {"bigrams": [b.to_dict(d) for b in self.bigrams]}
 
 
-class CompositionScores(Shown, dict):
-    """``{kind: Composition}`` as :func:`~qkov.analysis.composition.composition_scores` returns it."""
+@dataclass(repr=False, eq=False)
+class CompositionScores(Shown):
+    """What :func:`~qkov.analysis.composition.composition_scores` returns: ``kinds``, one
+    :class:`~qkov.analysis.composition.Composition` per kind asked for (``"q"``, ``"k"``, ``"v"``), also
+    read as ``.q``, ``.k``, ``.v`` (``None`` when that kind was not asked for). ``keys()``, ``values()``,
+    ``items()``, ``len``, ``in`` and iteration go over ``kinds``; indexing (a ``dict`` before qkov 1.0)
+    still works with a ``DeprecationWarning`` naming ``kinds``, until 1.1."""
+
+    kinds: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def q(self) -> Any:
+        return self.kinds.get("q")
+
+    @property
+    def k(self) -> Any:
+        return self.kinds.get("k")
+
+    @property
+    def v(self) -> Any:
+        return self.kinds.get("v")
+
+    def keys(self) -> Any:
+        return self.kinds.keys()
+
+    def values(self) -> Any:
+        return self.kinds.values()
+
+    def items(self) -> Any:
+        return self.kinds.items()
+
+    def __len__(self) -> int:
+        return len(self.kinds)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.kinds)
+
+    def __contains__(self, kind: object) -> bool:
+        return kind in self.kinds
+
+    def __getitem__(self, kind: str) -> Any:
+        warn_renamed("indexing a CompositionScores", f"CompositionScores.kinds[{kind!r}] (or .{kind})")
+        return self.kinds[kind]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {kind: c.to_dict() for kind, c in self.kinds.items()}
 
 
 def more(n: int, shown: int = MAX_ROWS) -> str:

@@ -136,7 +136,7 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
 
 
 def _strongest_k(w: Weights) -> dict[str, Any]:
-    comp = composition_scores(w, "k")["k"]
+    comp = composition_scores(w, "k").kinds["k"]
     top = comp.pairs()[0]
     return {"writer": top["writer"], "reader": top["reader"], "adjusted": _r(top["adjusted"]), "raw": _r(top["raw"])}
 

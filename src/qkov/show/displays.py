@@ -57,7 +57,7 @@ def composition_html(c: Composition) -> str:
 
 @register(HTML, CompositionScores)
 def composition_scores_html(scores: CompositionScores) -> str:
-    return page(_composition(dict(scores), repr(scores)))
+    return page(_composition(dict(scores.kinds), repr(scores)))
 
 
 def _copying(scores: list[Any], k: int | None) -> str:
