@@ -2,6 +2,7 @@
 
 * README.md is the home page (``index.md``): its links into ``docs/`` are made relative to the
   site, so the same file reads well on a repository host and on the site.
+* CHANGELOG.md is a page of the same name (README links to it at the repository root).
 * Each example notebook (``examples/*.ipynb``) becomes a page ``examples/NAME.md``, converted
   by nbconvert's Markdown exporter (nbconvert is already a test dependency; a notebook plugin
   would bring its own Jupyter stack and execute or re-render at every build). The notebooks are
@@ -43,6 +44,7 @@ def notebook_page(path: Path) -> str:
 
 def on_files(files: Files, config) -> Files:
     files.append(File.generated(config, "index.md", content=home_page()))
+    files.append(File.generated(config, "CHANGELOG.md", content=(ROOT / "CHANGELOG.md").read_text(encoding="utf-8")))
     for nb in sorted((ROOT / "examples").glob("*.ipynb")):
         files.append(File.generated(config, f"examples/{nb.stem}.md", content=notebook_page(nb)))
     return files
