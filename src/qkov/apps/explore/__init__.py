@@ -1,0 +1,1 @@
+"""``qkov explore``: a local web server over one model, each view computed on demand by the library."""

@@ -1,0 +1,104 @@
+"""What every view of ``qkov explore`` reads: the model being explored (:class:`Explorer`) and the one
+error a view raises for a bad request (:class:`BadRequest`).
+
+A view is a function ``view(ex, args, progress) -> dict``: ``ex`` is the server's :class:`Explorer`,
+``args`` the request's JSON object (validated by the view itself), ``progress`` the library's progress
+protocol ``(what, done, total)``; calling it may raise :class:`Cancelled` when the page cancelled the
+job. The returned dict is JSON-ready (numbers, strings, lists, dicts; token strings raw, never HTML).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ...errors import QkovError
+from ...model.transformer import Transformer
+from ...weights.view import Weights
+
+
+class BadRequest(QkovError):
+    """A request the explorer cannot answer (unknown head, text too long, malformed argument): the
+    server answers 400 (404 with ``status=404``) and the one-line message as JSON ``{"error": ...}``."""
+
+    def __init__(self, message: str, *, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class Cancelled(Exception):
+    """Raised inside a view (by its progress callback) when the page cancelled its job."""
+
+
+@dataclass
+class Explorer:
+    """The model being explored and what every view needs about it.
+
+    ``model`` runs texts (loss, attention, ablation, patching); ``weights`` is its folded weights view
+    (the weight-only circuits read it); ``decode(id) -> str`` is one token's string; ``encode(text)`` the
+    text's ids without a start token (``None``: the model has no tokenizer, only token ids are accepted);
+    ``bos`` the start token put first; ``max_tokens`` the longest text accepted (the model's context);
+    ``cache_dir`` where results computed once per model are kept on disk (``None``: nowhere)."""
+
+    model: Transformer
+    weights: Weights
+    name: str
+    decode: Callable[[int], str]
+    encode: Callable[[str], list[int]] | None
+    bos: int
+    max_tokens: int
+    cache_dir: Path | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def tokens(self, args: dict[str, Any], key: str = "text") -> torch.Tensor:
+        """The request's text (``args[key]``: a string, or a list of token ids) as ``[1, seq]`` ids with
+        the start token first, checked against the vocabulary and ``max_tokens``.
+
+        Raises:
+            BadRequest: missing, empty, of the wrong type, too long, or an id out of range.
+        """
+        value = args.get(key)
+        if isinstance(value, str):
+            if not value:
+                raise BadRequest(f"{key!r} is empty: type some text")
+            if self.encode is None:
+                raise BadRequest(f"this model has no tokenizer: send {key!r} as a list of token ids")
+            ids = [self.bos, *self.encode(value)]
+        elif isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            ids = list(value)
+        else:
+            raise BadRequest(f"{key!r} must be a non-empty string or a list of token ids")
+        if len(ids) > self.max_tokens:
+            raise BadRequest(f"{key!r} is {len(ids)} tokens; this model reads at most {self.max_tokens}")
+        d_vocab = self.model.cfg.d_vocab
+        bad = [i for i in ids if not 0 <= i < d_vocab]
+        if bad:
+            raise BadRequest(f"{key!r}: token id {bad[0]} out of range [0, {d_vocab})")
+        return torch.tensor([ids], dtype=torch.long)
+
+    def head(self, args: dict[str, Any], key: str = "head") -> tuple[int, int]:
+        """``args[key]`` (``"L.H"``, or ``[L, H]``) as ``(layer, head)``.
+
+        Raises:
+            BadRequest: malformed (400) or no such head in this model (404).
+        """
+        value = args.get(key)
+        try:
+            if isinstance(value, str):
+                layer_s, head_s = value.split(".")
+                layer, head = int(layer_s), int(head_s)
+            elif isinstance(value, list) and len(value) == 2:
+                layer, head = (int(v) for v in value)
+            else:
+                raise ValueError
+        except (ValueError, TypeError):
+            raise BadRequest(f"{key!r} must be a head like \"1.3\" (layer.head)") from None
+        cfg = self.model.cfg
+        if not (0 <= layer < cfg.n_layers and 0 <= head < cfg.n_heads):
+            raise BadRequest(
+                f"no head {layer}.{head}: this model has {cfg.n_layers} layers x {cfg.n_heads} heads", status=404
+            )
+        return layer, head
