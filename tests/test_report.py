@@ -260,6 +260,7 @@ def test_tour_trains_reports_and_reuses(small_corpus: Path, tmp_path: Path, caps
     assert main([*args, "--corpus", str(small_corpus)]) == 0
     text = capsys.readouterr().out
     assert "training in" in text and "1-layer models have no induction heads" in text
+    assert f"qkov explore {tmp_path / 't' / 'qkov-1l'}" in text, "the tour says how to explore its deepest model"
     for n in (0, 1):
         assert (tmp_path / "t" / f"qkov-{n}l" / "report" / "index.html").is_file()
     summary = json.loads((tmp_path / "t" / "tour.json").read_text())

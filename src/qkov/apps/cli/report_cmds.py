@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -173,4 +174,6 @@ def cmd_tour(args: argparse.Namespace) -> int:
         + ", ".join(str(args.out / f"qkov-{n}l" / "report" / "index.html") for n in layers),
         highlight=False,
     )
+    deepest = args.out / f"qkov-{max(layers)}l"
+    con.print(f"explore the {max(layers)}-layer model in a browser: qkov explore {shlex.quote(str(deepest))}", highlight=False)
     return 0
