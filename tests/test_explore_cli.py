@@ -47,7 +47,7 @@ def test_a_port_in_use_is_one_line_and_exit_2(ckpt: Path, capsys) -> None:
 
 def start(ckpt: Path, *flags: str, cache: Path) -> tuple[subprocess.Popen[str], str]:
     """``python -m qkov explore CKPT --port 0 FLAGS`` in a subprocess, and the URL it printed."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "XDG_CACHE_HOME": str(cache)}
+    env = {**os.environ, "PYTHONPATH": str(SRC), "QKOV_CACHE": str(cache)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "qkov", "explore", str(ckpt), "--port", "0", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -70,10 +70,10 @@ def stop(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
 
 
 def test_serves_the_page_and_ctrl_c_exits_0(ckpt: Path, tmp_path: Path) -> None:
-    proc, url = start(ckpt, cache=tmp_path / "xdg")
+    proc, url = start(ckpt, cache=tmp_path / "cache")
     try:
         assert url.startswith("http://127.0.0.1:") and "token" not in url
-        assert proc.stdout.readline().startswith(f"qkov explore: disk cache: {tmp_path / 'xdg' / 'qkov' / 'explore'}")
+        assert proc.stdout.readline().startswith(f"qkov explore: disk cache: {tmp_path / 'cache' / 'explore'}")
         status, headers, body = call(url, "GET", "/")
         assert status == 200 and headers["content-type"].startswith("text/html") and b"ck3" in body
     finally:
@@ -83,7 +83,7 @@ def test_serves_the_page_and_ctrl_c_exits_0(ckpt: Path, tmp_path: Path) -> None:
 
 
 def test_a_non_loopback_host_gets_a_token(ckpt: Path, tmp_path: Path) -> None:
-    proc, url = start(ckpt, "--host", "0.0.0.0", "--no-cache", cache=tmp_path / "xdg")
+    proc, url = start(ckpt, "--host", "0.0.0.0", "--no-cache", cache=tmp_path / "cache")
     try:
         assert url.startswith("http://0.0.0.0:") and "?token=" in url
         token = url.split("?token=")[1]
@@ -96,7 +96,7 @@ def test_a_non_loopback_host_gets_a_token(ckpt: Path, tmp_path: Path) -> None:
     finally:
         rc, _, err = stop(proc)
     assert rc == 0 and "Traceback" not in err, err
-    assert not (tmp_path / "xdg").exists()  # --no-cache: nothing written
+    assert not (tmp_path / "cache").exists()  # --no-cache: nothing written
 
 
 def test_the_web_stack_is_not_imported_by_import_qkov() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import pytest
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 import qkov
 from explore_helpers import CONTEXT, call, one_line_error, tokenized_checkpoint, view
@@ -23,6 +24,7 @@ from qkov.apps.explore.jobs import QUEUE_SIZE
 from qkov.apps.explore.server import make_app, start_background
 from qkov.apps.explore.session import open_explorer
 from qkov.apps.explore.views import VIEWS
+from qkov.apps.report.render import render_template
 from qkov.analysis.paths import default_batch
 from qkov.analysis.probes import default_icl_examples
 from qkov.apps.inputs import analysis_inputs
@@ -339,5 +341,42 @@ def test_a_token_is_required_when_given(ckpt: Path) -> None:
         assert call(url, "GET", "/api/views/model", headers={"Authorization": "token s3cret-token"})[0] == 200
         host = {"Host": "evil.example", "Authorization": "token s3cret-token"}
         assert call(url, "GET", "/api/views/model", headers=host)[0] == 200  # the token, not the name, decides
+    finally:
+        bg.stop()
+
+
+def test_render_template_puts_the_nonce_on_the_templates_tags_only() -> None:
+    data = {"s": "<script>alert(1)</script><style>"}
+    page = render_template("template.html", data, ("report.js",), "t", nonce="abc123")
+    plain = render_template("template.html", data, ("report.js",), "t")
+    tags = re.findall(r"<(?:script|style)\b[^>]*>", plain)
+    assert tags and all("nonce" not in t for t in tags)
+    assert page.count('nonce="abc123"') == len(tags)  # every tag of the template, nothing inserted into it
+    assert page.replace(' nonce="abc123"', "") == plain
+    with pytest.raises(qkov.QkovError):
+        render_template("template.html", data, ("report.js",), "t", nonce='x" onload="alert(1)')
+
+
+def test_a_hostile_token_or_name_stays_data(tmp_path: Path) -> None:
+    evil = "</script><img/src=x/onerror=alert(1)>"
+    vocab = {"<|endoftext|>": 0, evil: 1, "ok": 2, "<!--": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path / "m<img src=x onerror=alert(2)>"
+    cfg = qkov.ModelConfig(n_layers=1, n_heads=1, d_model=8, d_head=8, d_vocab=len(vocab), n_ctx=8)
+    qkov.save_checkpoint(qkov.Transformer(cfg, seed=0), path, tokenizer_json=tok.to_str())
+    bg = start_background(make_app(open_explorer(path, cache_dir=None)))
+    try:
+        status, got = view(bg.url, "text", {"text": f"ok {evil} <!-- ok"})
+        assert status == 200 and got["tokens"] == ["<|endoftext|>", "ok", evil, "<!--", "ok"]  # raw, as data
+        status, headers, body = call(bg.url, "GET", "/api/views/model")
+        assert headers["content-type"] == "application/json" and headers["x-content-type-options"] == "nosniff"
+        assert json.loads(body)["name"] == path.name
+        status, headers, body = call(bg.url, "GET", "/")
+        html = body.decode()
+        assert status == 200 and "<img" not in html and "</script><img" not in html
+        blobs = re.findall(r'<script type="application/json"[^>]*>(.*?)</script>', html, re.S)
+        for blob in blobs:  # the page's data (once the page exists) is the model view, escaped for <script>
+            assert "<" not in blob and json.loads(blob)["name"] == path.name
     finally:
         bg.stop()

@@ -13,7 +13,6 @@ from typing import Any
 
 from ...device import memory_budget
 from ...errors import QkovError
-from ..explore.disk_cache import default_cache_dir
 from ..explore.server import bind, is_loopback, make_app, server, url_of
 from ..explore.session import DEFAULT, open_explorer
 from .common import add_device, add_source_args, device, int_at_least
@@ -46,8 +45,8 @@ def add_explore(sub: Any) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--cache-dir", type=Path,
-        help=f"where once-per-model results (the heads table) are kept (default {default_cache_dir()}, "
-        "from $XDG_CACHE_HOME)",
+        help="where once-per-model results (the heads table) are kept (default: explore/ in qkov's cache, "
+        "$QKOV_CACHE or $XDG_CACHE_HOME/qkov or ~/.cache/qkov)",
     )
     g.add_argument("--no-cache", action="store_true", help="keep nothing on disk")
     p.add_argument("--access-log", action="store_true", help="print one line per HTTP request")

@@ -1,8 +1,8 @@
 """What ``qkov explore`` computes once per model and keeps on disk (the heads table): where it lives,
 how a model is recognised, and how an entry is read back without trusting it.
 
-The folder is ``$XDG_CACHE_HOME/qkov/explore`` (``~/.cache/qkov/explore`` without it), never beside the
-user's files; ``--cache-dir`` names another and ``--no-cache`` keeps nothing. One file per model and
+The folder is ``explore`` in qkov's cache (beside the token cache: ``$QKOV_CACHE``, else
+``$XDG_CACHE_HOME/qkov``, else ``~/.cache/qkov``), never beside the user's files; ``--cache-dir`` names another and ``--no-cache`` keeps nothing. One file per model and
 analysis, named by a fingerprint of what the result depends on: the weights' content (every tensor's
 name, dtype, shape and bytes), the tokens analysed, the analysis' options and qkov's version. So a
 retrained or edited model, or another qkov, never reads a stale entry. Files are written atomically
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 from ...errors import QkovError
 from ...io.atomic import atomic_write_text
+from ...training.data import default_cache_dir as qkov_cache_dir
 from ...version import __version__
 
 FORMAT = 1
@@ -28,9 +28,9 @@ FORMAT = 1
 
 
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/qkov/explore``, else ``~/.cache/qkov/explore`` (not created here)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "qkov" / "explore"
+    """``explore`` in qkov's cache folder (:func:`qkov.training.data.default_cache_dir`: ``$QKOV_CACHE``, else
+    ``$XDG_CACHE_HOME/qkov``, else ``~/.cache/qkov``); not created here."""
+    return qkov_cache_dir() / "explore"
 
 
 def tensors_fingerprint(tensors: dict[str, torch.Tensor]) -> str:

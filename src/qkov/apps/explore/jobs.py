@@ -195,7 +195,8 @@ class JobRunner:
                 self.lanes["quick" if view in self.quick else "slow"].put_nowait(job)
             except queue.Full:
                 del self.jobs[job.id]
-                raise Busy(f"too many jobs waiting ({QUEUE_SIZE}); try again when some have finished") from None
+                lane = self.lanes["quick" if view in self.quick else "slow"]
+                raise Busy(f"too many jobs waiting ({lane.maxsize}); try again when some have finished") from None
             self.running[key] = job
         return job
 

@@ -35,7 +35,7 @@ def open_explorer(
     """The :class:`Explorer` over ``source``: the model (eval, on ``device``), its folded weights view, its
     tokenizer's ``encode``/``decode``, start token and context length.
 
-    ``cache_dir``: where once-per-model results are stored (``DEFAULT``: ``$XDG_CACHE_HOME/qkov/explore``;
+    ``cache_dir``: where once-per-model results are stored (``DEFAULT``: :func:`~qkov.apps.explore.disk_cache.default_cache_dir`;
     ``None``: nowhere; the folder is made only when something is written). ``config``: the TransformerLens
     config of a file that carries none. ``extra["source"]`` is the source as given.
 

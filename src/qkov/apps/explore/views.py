@@ -160,6 +160,8 @@ def compute_heads(ex: Explorer, progress: Progress) -> dict[str, Any]:
 def view_heads(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """The heads table with roles (:func:`compute_heads`), read from the disk cache when this model's entry
     is there and sound, else computed and written there; ``cached`` is the file (``None``: no cache)."""
+    if ex.model.cfg.n_layers == 0:
+        raise BadRequest("heads: the model has no attention layers")
     if ex.cache_dir is None:
         return {**compute_heads(ex, progress), "cached": None, "from_cache": False}
     inputs, _, _ = heads_inputs(ex)
