@@ -19,8 +19,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import qkov
 from explore_helpers import CONTEXT, call, one_line_error, tokenized_checkpoint, view
 from qkov.apps.explore import views as views_module
-from qkov.apps.explore.context import Explorer
-from qkov.apps.explore.jobs import QUEUE_SIZE
+from qkov.apps.explore.context import BadRequest, Explorer
+from qkov.apps.explore.jobs import QUEUE_SIZE, JobRunner, ResultCache
 from qkov.apps.explore.server import make_app, start_background
 from qkov.apps.explore.session import open_explorer
 from qkov.apps.explore.views import VIEWS
@@ -380,3 +380,32 @@ def test_a_hostile_token_or_name_stays_data(tmp_path: Path) -> None:
             assert "<" not in blob and json.loads(blob)["name"] == path.name
     finally:
         bg.stop()
+
+
+def test_the_result_cache_is_bounded_in_bytes_and_drops_the_least_recently_used() -> None:
+    cache = ResultCache(100)
+    for k in "abc":
+        cache.put(k, b"x" * 40)  # 120 bytes: "a" goes
+    assert cache.get("a") is None and cache.get("b") == b"x" * 40 and cache.bytes == 80
+    cache.get("b")  # "b" used: "c" is now the oldest
+    cache.put("d", b"y" * 40)
+    assert cache.get("c") is None and cache.get("b") is not None and cache.bytes == 80 <= cache.max_bytes
+    cache.put("huge", b"z" * 101)  # larger than the whole cache: not kept, nothing else dropped
+    assert cache.get("huge") is None and cache.bytes == 80
+
+
+def test_finished_jobs_are_forgotten_after_keep_s(ckpt: Path) -> None:
+    ex = open_explorer(ckpt, cache_dir=None)
+    runner = JobRunner(ex, VIEWS, quick={"model"}, keep_s=0.2)
+    try:
+        first = runner.submit("model", {})
+        assert first.finished_event.wait(60) and first.state == "done"
+        assert runner.get(first.id) is first
+        time.sleep(0.3)
+        with pytest.raises(BadRequest) as err:
+            runner.get(first.id)
+        assert err.value.status == 404
+        again = runner.submit("model", {})  # its result is still in the result cache: done at once
+        assert again.state == "done" and again.result == first.result
+    finally:
+        runner.close()
