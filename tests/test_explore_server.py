@@ -409,3 +409,14 @@ def test_finished_jobs_are_forgotten_after_keep_s(ckpt: Path) -> None:
         assert again.state == "done" and again.result == first.result
     finally:
         runner.close()
+
+
+def test_a_bug_outside_the_views_is_a_one_line_500(ckpt: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    bg = start_background(make_app(open_explorer(ckpt, cache_dir=None), views={"text": VIEWS["text"]}))
+    try:  # no "model" view: drawing the page fails inside the server
+        status, msg = error_of(bg.url, "GET", "/")
+        assert status == 500 and msg.startswith("internal error")
+        assert view(bg.url, "text", {"text": "self"})[0] == 200  # and the server goes on
+    finally:
+        bg.stop()
+    assert "Traceback" in capfd.readouterr().err  # the traceback is the server's log, not the answer

@@ -19,9 +19,7 @@ import ipaddress
 import json
 import secrets
 import socket
-import sys
 import threading
-import traceback
 from dataclasses import dataclass
 from html import escape
 from importlib import resources
@@ -248,7 +246,8 @@ async def user_error(request: Request, exc: Exception) -> Response:
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
-    sys.stderr.write(f"qkov explore: {request.method} {request.url.path} failed:\n{traceback.format_exc()}")
+    """A bug outside the views: 500, one line; starlette then re-raises it, and uvicorn logs its traceback
+    to the server's stderr."""
     return error(f"internal error: {one_line(exc)}", 500)
 
 
