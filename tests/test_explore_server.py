@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 import qkov
 from explore_helpers import CONTEXT, call, one_line_error, tokenized_checkpoint, view
-from qkov.apps.explore import views as views_module
+from qkov.apps.explore import session as session_module, views as views_module
 from qkov.apps.explore.context import BadRequest, Explorer
 from qkov.apps.explore.jobs import QUEUE_SIZE, JobRunner, ResultCache
 from qkov.apps.explore.server import make_app, start_background
@@ -420,3 +420,36 @@ def test_a_bug_outside_the_views_is_a_one_line_500(ckpt: Path, capfd: pytest.Cap
     finally:
         bg.stop()
     assert "Traceback" in capfd.readouterr().err  # the traceback is the server's log, not the answer
+
+
+def test_the_weights_view_is_built_behind_the_first_page_and_waited_for(ckpt: Path, monkeypatch) -> None:
+    gate, built = threading.Event(), threading.Event()
+    real = session_module.Weights.from_model
+
+    def slow_from_model(*a: Any, **kw: Any) -> Any:
+        gate.wait(20)
+        try:
+            return real(*a, **kw)
+        finally:
+            built.set()
+
+    monkeypatch.setattr(session_module.Weights, "from_model", slow_from_model)
+    ex = open_explorer(ckpt, cache_dir=None)
+    bg = start_background(make_app(ex))
+    try:
+        assert call(bg.url, "GET", "/")[0] == 200  # served while the weights are still being built
+        assert view(bg.url, "model")[0] == 200
+        assert not built.is_set()
+        got: list[Any] = []
+        reader = threading.Thread(target=lambda: got.append(view(bg.url, "attention", {"text": "self", "head": "0.0"})))
+        reader.start()
+        time.sleep(0.5)
+        assert not got  # the pattern waits for the weights
+        gate.set()
+        reader.join(60)
+        assert got and got[0][0] == 200
+        want = real(qkov.load(ckpt))
+        assert torch.equal(ex.weights.W_Q, want.W_Q) and torch.equal(ex.weights.W_U, want.W_U)
+    finally:
+        gate.set()
+        bg.stop()

@@ -74,7 +74,10 @@ def cmd_explore(args: argparse.Namespace) -> int:
         print(f"qkov explore: disk cache: {where}; Ctrl-C stops", flush=True)
         if args.open:
             webbrowser.open(url)
-        serve(app, sock, access_log=args.access_log)
+        try:
+            serve(app, sock, access_log=args.access_log)
+        finally:
+            ex.settle()  # type: ignore[attr-defined]  (a Session: its weights' thread ends before we do)
     finally:
         sock.close()
     sys.stdout.write("qkov explore: stopped\n")

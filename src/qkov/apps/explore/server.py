@@ -295,9 +295,12 @@ class Background:
     def stop(self) -> None:
         self.uvicorn.should_exit = True
         self.thread.join(timeout=10)
-        runner = getattr(getattr(self.uvicorn.config.app, "state", None), "runner", None)
-        if runner is not None:
-            runner.close()
+        state = getattr(self.uvicorn.config.app, "state", None)
+        if getattr(state, "runner", None) is not None:
+            state.runner.close()
+        settle = getattr(getattr(state, "explorer", None), "settle", None)
+        if settle is not None:
+            settle()
 
 
 def start_background(app: Starlette, host: str = "127.0.0.1", port: int = 0) -> Background:

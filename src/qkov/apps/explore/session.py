@@ -4,10 +4,15 @@
 Face directory, a TransformerLens file or a Hub name), builds its folded weights view on the device and
 the :class:`~qkov.apps.explore.context.Explorer` every view reads. A model without a tokenizer accepts
 token-id lists only (``encode`` is ``None``) and its tokens read ``<id>``.
+
+The weights view (a folded copy: ~1 s and the model's size again at GPT-2 size) is built on a thread from the
+moment the model is loaded (:class:`Session`), so the server starts, and the first page (which needs only the
+model's shape) is served, without waiting for it; the first view that reads ``ex.weights`` waits for it.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +49,12 @@ def open_explorer(
     """
     dev = pick_device(device)
     model = load_any(source, config=config).to(dev).eval()
-    weights = Weights.from_model(model, device=dev)
     tokenizer = model.tokenizer
     encode = None if tokenizer is None else (lambda text: list(tokenizer.encode(text).ids))
     folder = default_cache_dir() if cache_dir == DEFAULT else (None if cache_dir is None else Path(cache_dir))
-    return Explorer(
+    ex = Session(
         model=model,
-        weights=weights,
+        weights=None,  # type: ignore[arg-type]  (built next, on a thread)
         name=name or _name(source),
         decode=token_decoder(tokenizer),
         encode=encode,
@@ -59,6 +63,45 @@ def open_explorer(
         cache_dir=folder,
         extra={"source": str(source)},
     )
+    ex.build_weights(dev)
+    return ex
+
+
+class Session(Explorer):
+    """An :class:`Explorer` whose ``weights`` are built on a thread (:meth:`build_weights`); reading them
+    waits until they are there (and raises what building them raised)."""
+
+    @property  # type: ignore[override]
+    def weights(self) -> Weights:
+        self._ready.wait()
+        if self._failed is not None:
+            raise self._failed
+        return self._weights
+
+    @weights.setter
+    def weights(self, value: Weights | None) -> None:
+        self._weights, self._failed = value, None
+        self._ready = threading.Event()
+        if value is not None:
+            self._ready.set()
+
+    def build_weights(self, device: torch.device) -> None:
+        """Start building the folded weights view of ``self.model`` on ``device`` on a thread."""
+
+        def build() -> None:
+            try:
+                self._weights = Weights.from_model(self.model, device=device)
+            except BaseException as exc:  # kept, and raised where the weights are read
+                self._failed = exc
+            finally:
+                self._ready.set()
+
+        self._thread = threading.Thread(target=build, name="qkov-explore-weights", daemon=True)
+        self._thread.start()
+
+    def settle(self) -> None:
+        """Wait for the weights' thread to end (before the process exits: torch must not be stopped mid-work)."""
+        self._ready.wait()
 
 
 def _name(source: Path | str) -> str:
