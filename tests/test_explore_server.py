@@ -20,6 +20,7 @@ import qkov
 from explore_helpers import CONTEXT, call, one_line_error, tokenized_checkpoint, view
 from qkov.apps.explore import session as session_module, views as views_module
 from qkov.apps.explore.context import BadRequest, Explorer
+from qkov.apps.explore.disk_cache import entry_key, entry_path, read_entry, write_entry
 from qkov.apps.explore.jobs import QUEUE_SIZE, JobRunner, ResultCache
 from qkov.apps.explore.server import make_app, start_background
 from qkov.apps.explore.session import open_explorer
@@ -315,7 +316,7 @@ def test_the_page_has_a_strict_csp_with_a_nonce_per_response(served) -> None:
 
 def test_loopback_only_without_a_token(served, ckpt: Path) -> None:
     bg, _ = served
-    assert bg.uvicorn.servers[0].sockets[0].getsockname()[0] == "127.0.0.1"  # the default bind
+    assert bg.url.startswith("http://127.0.0.1:")  # the default bind (the URL is the bound socket's name)
     status, msg = error_of(bg.url, "GET", "/api/views/model", headers={"Host": "evil.example:80"})
     assert status == 403 and "loopback" in msg  # a rebound DNS name never reaches the views
     assert call(bg.url, "GET", "/api/views/model", headers={"Host": f"localhost:{bg.port}"})[0] == 200
@@ -328,7 +329,7 @@ def test_a_token_is_required_when_given(ckpt: Path) -> None:
     bg = start_background(make_app(ex, token="s3cret-token"), host="0.0.0.0")
     url = f"http://127.0.0.1:{bg.port}/"
     try:
-        assert bg.uvicorn.servers[0].sockets[0].getsockname()[0] == "0.0.0.0"
+        assert bg.url.startswith("http://0.0.0.0:")
         assert error_of(url, "GET", "/api/views/model")[0] == 403
         assert error_of(url, "GET", "/?token=wrong")[0] == 403
         assert error_of(url, "GET", "/", headers={"Authorization": "token s3cret-tokeX"})[0] == 403
@@ -453,3 +454,18 @@ def test_the_weights_view_is_built_behind_the_first_page_and_waited_for(ckpt: Pa
     finally:
         gate.set()
         bg.stop()
+
+
+def test_a_disk_entry_is_read_only_for_its_own_key(tmp_path: Path) -> None:
+    tokens = torch.tensor([[0, 1, 2]])
+    key = entry_key("heads", "f" * 64, tokens, {"seed": 0})
+    assert key != entry_key("heads", "f" * 64, torch.tensor([[0, 1, 3]]), {"seed": 0})  # other tokens
+    assert key != entry_key("heads", "f" * 64, tokens, {"seed": 1})  # other options
+    assert key != entry_key("heads", "e" * 64, tokens, {"seed": 0})  # other weights
+    path = entry_path(tmp_path / "made" / "here", "heads", key)
+    write_entry(path, key, {"rows": [1, 2]})
+    assert read_entry(path, key) == {"rows": [1, 2]}
+    assert read_entry(path, "another key") is None
+    for text in ["", "[]", '{"format": 1, "key": "' + key + '", "result": [1]}', "\x00\xff", '{"format": 99}']:
+        path.write_text(text, encoding="latin-1")
+        assert read_entry(path, key) is None, text
