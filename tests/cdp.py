@@ -2,7 +2,7 @@
 page the way a person does: load it, type, hover, click, and read what it shows.
 
 One :class:`Chrome` is one headless browser (its own profile, the network cut off as in
-tests/browser.py: every host name resolves to nothing, so only IP literals such as 127.0.0.1 load)
+tests/browser.py: every host name resolves to nothing, and only the address 127.0.0.1 is reached)
 with one page target, spoken to over one WebSocket (``websocket-client``) in flattened-session mode.
 While it runs it records what the page wrote to the console (``console``), the exceptions it threw
 (``exceptions``), the browser's log entries (``log``) and the URL of every request it made
@@ -12,6 +12,7 @@ manager (or a module fixture) so that happens when a test fails too.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -44,7 +45,8 @@ def _flags(profile: Path, width: int, height: int) -> list[str]:
         "--disable-extensions",
         "--hide-scrollbars",
         "--mute-audio",
-        "--host-resolver-rules=MAP * ~NOTFOUND",
+        # every host name resolves to nothing, except the loopback address the tests serve on
+        "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
         f"--user-data-dir={profile}",
         f"--window-size={width},{height}",
         "--remote-debugging-port=0",
@@ -206,14 +208,20 @@ class Chrome:
         return res["result"].get("value")
 
     def wait(self, condition: str, timeout: float = 30.0) -> Any:
-        """Poll the JS expression ``condition`` until it is truthy; return its value."""
+        """Poll the JS expression ``condition`` until it is truthy; return its value. While a page loads
+        the expression may throw (no document yet): that counts as not yet, and the last such error is
+        named if the wait times out."""
         end = time.monotonic() + timeout
+        last = ""
         while True:
-            value = self.eval(condition)
+            try:
+                value = self.eval(condition)
+            except CDPError as exc:
+                value, last = None, f" (last: {exc})"
             if value:
                 return value
             if time.monotonic() > end:
-                raise CDPError(f"timed out after {timeout} s waiting for {condition}")
+                raise CDPError(f"timed out after {timeout} s waiting for {condition}{last}")
             self.pump(0.05)
 
     def center(self, selector: str) -> tuple[float, float]:
@@ -245,3 +253,8 @@ class Chrome:
         box's input events fire as for typing)."""
         self.eval(f"(() => {{ const e = document.querySelector({json.dumps(selector)}); e.focus(); e.select(); }})()")
         self.send("Input.insertText", text=text)
+
+    def screenshot(self, path: Path | str) -> None:
+        """Save the whole page as a PNG (for a person looking at a failure)."""
+        data = self.send("Page.captureScreenshot", format="png", captureBeyondViewport=True)["data"]
+        Path(path).write_bytes(base64.b64decode(data))

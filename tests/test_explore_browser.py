@@ -118,8 +118,18 @@ def own_losses(model: qkov.Transformer, ids: torch.Tensor) -> torch.Tensor:
 def run_text(page: Chrome, text: str) -> None:
     page.type_into("#text-input", text)
     page.click("#text-run")
-    page.wait("document.querySelector('#text').dataset.rendered === 'ok'"
-              " && document.querySelector('#attention').dataset.rendered === 'ok'")
+    page.wait("document.querySelector('#text').dataset.rendered !== 'busy'")
+    drawn(page, "text")
+    page.wait("document.querySelector('#attention').dataset.rendered !== 'busy'")
+    drawn(page, "attention")
+
+
+def drawn(page: Chrome, panel: str, timeout: float = 60.0) -> None:
+    """Wait until the panel's view has ended, and check it drew (else: the message it shows)."""
+    sel = json.dumps(f"section[data-panel={panel}]")
+    page.wait(f"['ok', 'error', 'cancelled'].includes(document.querySelector({sel}).dataset.rendered)", timeout)
+    state, text = page.eval(f"[document.querySelector({sel}).dataset.rendered, document.querySelector({sel}).textContent]")
+    assert state == "ok", f"{panel}: {state}: {' '.join(text.split())[:300]}"
 
 
 def dom_floats(page: Chrome, selector: str) -> list[float]:
@@ -128,9 +138,7 @@ def dom_floats(page: Chrome, selector: str) -> list[float]:
 
 def test_page_loads_and_draws_the_model_and_heads(page: Chrome, built: Any) -> None:
     assert page.eval("document.querySelector('#model').dataset.rendered") == "ok"
-    page.wait("['ok', 'error'].includes(document.querySelector('#heads').dataset.rendered)", timeout=120)
-    assert page.eval("document.querySelector('#heads').dataset.rendered") == "ok", page.eval(
-        "document.querySelector('#heads').textContent")
+    drawn(page, "heads", timeout=120)
     heads = page.eval("[...document.querySelectorAll('#heads .head-link')].map((b) => b.dataset.head)")
     assert heads == ["0.0", "0.1", "1.0", "1.1"]
 
@@ -181,9 +189,9 @@ def test_hovering_a_token_marks_the_argmax_key_of_the_forward_pass(page: Chrome,
 
 def test_head_card_numbers_are_the_librarys(page: Chrome, built: Any) -> None:
     _, model, tok = built
-    page.wait("document.querySelector('#heads').dataset.rendered === 'ok'", timeout=120)
+    drawn(page, "heads", timeout=120)
     page.click("#heads .head-link[data-head='1.1']")
-    page.wait("document.querySelector('#card').dataset.rendered === 'ok'")
+    drawn(page, "card")
     assert page.eval("document.querySelector('#card h3').textContent") == "head 1.1"
     w = qkov.Weights.from_model(model)
     att = w.attention(1)
@@ -206,9 +214,7 @@ def test_ablating_a_head_changes_the_loss_as_qkov_ablate_says(page: Chrome, buil
     page.click("#ablate-heads button[data-head='0.1']")
     assert page.eval("document.querySelector(\"#ablate-heads button[data-head='0.1']\").getAttribute('aria-pressed')") == "true"
     page.click("#ablate-run")
-    page.wait("['ok', 'error'].includes(document.querySelector('#ablate').dataset.rendered)")
-    assert page.eval("document.querySelector('#ablate').dataset.rendered") == "ok", page.eval(
-        "document.querySelector('#ablate').textContent")
+    drawn(page, "ablate")
     ids = ids_of(tok, TEXT)
     before = float(own_losses(model, ids).mean())
     edits = ablation_edits([(0, 1)], "zero")
