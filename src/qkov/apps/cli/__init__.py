@@ -5,8 +5,8 @@ error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`); a
 :class:`qkov.errors.QkovWarning` prints as one line ``qkov: warning: ...`` and the command goes on. An allocation that
 fails anyway (the analyses plan their memory first; this is the backstop) is one line too. Commands live in
 ``train_cmds`` (train), ``info_cmds`` (info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
-heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics, ablate), ``patch_cmds`` (patch)
-and ``interop_cmds`` (import, export).
+heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics, ablate), ``patch_cmds`` (patch),
+``interop_cmds`` (import, export) and ``explore_cmds`` (explore: the web server, whose libraries it alone imports).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from ...errors import QkovError, QkovWarning
 from ...version import __version__
 from .behaviour_cmds import add_heads, add_paths
 from .dynamics_cmds import add_ablate, add_dynamics
+from .explore_cmds import add_explore
 from .common import EXIT_USAGE, Parser, error_line, out_of_memory_line, show_warning
 from .interop_cmds import add_export, add_import
 from .patch_cmds import add_patch
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     add_import(sub)
     add_export(sub)
+    add_explore(sub)
     return parser
 
 

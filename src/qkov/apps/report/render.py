@@ -50,8 +50,13 @@ def plotly_js() -> str:
     return get_plotlyjs()
 
 
-def static(name: str) -> str:
-    return resources.files("qkov.apps.report").joinpath("static", name).read_text(encoding="utf-8")
+def static(name: str, package: str = "qkov.apps.report") -> str:
+    """The text of ``static/name`` in ``package`` (the report's by default); a name the package does not
+    hold is read from the report's static folder, so another page can reuse the report's assets."""
+    folder = resources.files(package).joinpath("static")
+    if package != "qkov.apps.report" and not folder.joinpath(name).is_file():
+        folder = resources.files("qkov.apps.report").joinpath("static")
+    return folder.joinpath(name).read_text(encoding="utf-8")
 
 
 # inside JSON text these characters occur only within strings, where \uXXXX stands for any of them
@@ -83,20 +88,38 @@ def script_code(code: str) -> str:
     return _SCRIPT_BREAKERS.sub(lambda m: "<\\", code)
 
 
-def render_template(template: str, data: dict[str, Any], scripts: tuple[str, ...], title: str) -> str:
+def render_template(
+    template: str,
+    data: dict[str, Any],
+    scripts: tuple[str, ...],
+    title: str,
+    *,
+    package: str = "qkov.apps.report",
+    styles: tuple[str, ...] = ("report.css",),
+    nonce: str | None = None,
+) -> str:
     """A self-contained page: the static ``template`` with the report's CSS, plotly.js, ``data`` as
     embedded JSON (:func:`script_json`, read by the page's script with ``JSON.parse``) and the
-    static ``scripts`` (in order, :func:`script_code`) filled in."""
+    static ``scripts`` (in order, :func:`script_code`) filled in.
+
+    ``package``: whose ``static`` folder the template, scripts and ``styles`` are read from first (then
+    the report's, :func:`static`); ``nonce``: put as ``nonce="..."`` on the template's own ``<script>``
+    and ``<style>`` tags, for a page served with a Content-Security-Policy that names it."""
     parts = {
-        "CSS": static("report.css"),
+        "CSS": "\n".join(static(name, package) for name in styles),
         "DATA": script_json(data),
-        "JS": script_code("\n".join(static(name) for name in scripts)),
+        "JS": script_code("\n".join(static(name, package) for name in scripts)),
         "TITLE": html.escape(title),
         "VERSION": html.escape(__version__),
         "PLOTLY": script_code(plotly_js()),
     }
     # one pass over the template, so nothing inserted is ever scanned for placeholders
-    return re.sub(r"__(CSS|DATA|JS|TITLE|VERSION|PLOTLY)__", lambda m: parts[m.group(1)], static(template))
+    page = static(template, package)
+    if nonce is not None:  # the template's tags only, before anything is inserted
+        if not re.fullmatch(r"[A-Za-z0-9+/=_-]+", nonce):
+            raise QkovError(f"a nonce is base64 text, got {nonce!r}")
+        page = re.sub(r"<(script|style)(?=[\s>])", lambda m: f'<{m.group(1)} nonce="{nonce}"', page)
+    return re.sub(r"__(CSS|DATA|JS|TITLE|VERSION|PLOTLY)__", lambda m: parts[m.group(1)], page)
 
 
 def render_html(report: Report, *, title: str | None = None) -> str:

@@ -1,0 +1,86 @@
+"""``qkov explore SOURCE``: a local web server over one model, each view computed on demand."""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+import webbrowser
+from pathlib import Path
+from typing import Any
+
+from ...device import memory_budget
+from ..explore.disk_cache import default_cache_dir
+from .common import add_device, add_source_args, device, int_at_least
+
+DEFAULT_PORT = 8765
+CACHE_SHARE = 4
+"""The in-memory result cache holds at most 1/CACHE_SHARE of ``--max-memory`` (256 MiB without it)."""
+
+
+def add_explore(sub: Any) -> None:
+    p = sub.add_parser(
+        "explore",
+        help="a local web page over one model: texts, attention, heads, head cards, ablation, computed on demand",
+        description=(
+            "Serve a page over the model of SOURCE on this machine: type a text to see its tokens, loss per "
+            "token and any head's attention; the heads table (computed once per model and kept in the disk "
+            "cache); each head's card, the composition graph, ablation and patching, each computed when asked "
+            "by the library's functions. Binds to 127.0.0.1 by default; another --host requires a token "
+            "(generated unless --token is given, and printed in the URL). Ctrl-C stops it."
+        ),
+    )
+    add_source_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
+    p.add_argument(
+        "--port", type=int_at_least(0, "a port number"), default=DEFAULT_PORT,
+        help=f"port (default {DEFAULT_PORT}; 0 = any free port)",
+    )
+    p.add_argument("--open", action="store_true", help="open the page in the default browser")
+    p.add_argument("--token", help="require this token on every request (default: none on loopback, else generated)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--cache-dir", type=Path,
+        help=f"where once-per-model results (the heads table) are kept (default {default_cache_dir()}, "
+        "from $XDG_CACHE_HOME)",
+    )
+    g.add_argument("--no-cache", action="store_true", help="keep nothing on disk")
+    p.add_argument("--access-log", action="store_true", help="print one line per HTTP request")
+    add_device(p)
+    p.set_defaults(func=cmd_explore)
+
+
+def cmd_explore(args: argparse.Namespace) -> int:
+    # the web stack is imported here only: `import qkov` and the other commands never load it
+    from ...errors import QkovError
+    from ..explore.server import bind, is_loopback, make_app, server, url_of
+    from ..explore.session import DEFAULT, open_explorer
+
+    if args.port > 65535:
+        raise QkovError(f"--port {args.port}: a port is at most 65535")
+    dev = device(args)
+    token = args.token
+    if token is None and not is_loopback(args.host):
+        token = secrets.token_urlsafe(24)  # a non-loopback address is never served without one
+    cache_dir = None if args.no_cache else (args.cache_dir or DEFAULT)
+    ex = open_explorer(args.ckpt, device=dev, cache_dir=cache_dir, config=args.config)
+    sock = bind(args.host, args.port)
+    budget, _ = memory_budget(dev) if args.max_memory else (None, "")
+    cache_bytes = 256 * 2**20 if budget is None else max(2**20, budget // CACHE_SHARE)
+    app = make_app(ex, token=token, cache_bytes=cache_bytes)
+    url = url_of(sock, token)
+    print(f"qkov explore: serving {ex.name} at {url}", flush=True)
+    where = "nowhere (--no-cache)" if ex.cache_dir is None else str(ex.cache_dir)
+    print(f"qkov explore: disk cache: {where}; Ctrl-C stops", flush=True)
+    if args.open:
+        webbrowser.open(url)
+    srv = server(app, access_log=args.access_log)
+    try:
+        srv.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+        pass
+    finally:
+        app.state.runner.close()
+        sock.close()
+    sys.stdout.write("qkov explore: stopped\n")
+    return 0

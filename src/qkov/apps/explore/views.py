@@ -1,0 +1,186 @@
+"""The views of ``qkov explore``: :data:`VIEWS` maps a view's name to ``view(ex, args, progress) -> dict``.
+
+This module holds the model's summary (``model``), a text's tokens, loss and predictions (``text``), one
+head's attention pattern on a text (``attention``) and the heads table (``heads``, cached on disk per
+model); the head card, composition graph, term effects, ablation and patching live in ``views_card``,
+``views_graph`` and ``views_causal`` and register here. Every number is the library's: the model's
+forward pass, :func:`qkov.trace`'s patterns, :func:`qkov.head_report`.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ...analysis.forward import trace
+from ...analysis.heads import SCORE_COLUMNS, head_report
+from ...analysis.paths import default_batch
+from ...analysis.probes import default_icl_examples
+from ...progress import Progress
+from ..inputs import analysis_inputs
+from .context import BadRequest, Explorer
+from .disk_cache import entry_key, entry_path, read_entry, write_entry
+from .session import fingerprint
+
+View = Callable[[Explorer, dict[str, Any], Progress], dict[str, Any]]
+
+TOP_K = 5
+"""Next-token predictions listed per position by the ``text`` view."""
+
+
+def r6(x: float) -> float | None:
+    """``x`` to 6 significant digits (``None`` when not finite): what the page shows and the JSON carries."""
+    x = float(x)
+    return float(f"{x:.6g}") if math.isfinite(x) else None
+
+
+def head_names(ex: Explorer) -> list[str]:
+    cfg = ex.model.cfg
+    return [f"{l}.{h}" for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
+
+
+def view_model(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """The model's shape and what the page needs first (no computation)."""
+    cfg = ex.model.cfg
+    return {
+        "name": ex.name,
+        "source": str(ex.extra.get("source", ex.name)),
+        "n_layers": cfg.n_layers,
+        "n_heads": cfg.n_heads,
+        "d_model": cfg.d_model,
+        "d_head": cfg.d_head,
+        "d_vocab": cfg.d_vocab,
+        "n_ctx": cfg.n_ctx,
+        "bos": ex.bos,
+        "max_tokens": ex.max_tokens,
+        "heads": head_names(ex),
+        "rotary": cfg.positional == "rotary",
+        "cache_dir": None if ex.cache_dir is None else str(ex.cache_dir),
+        "has_tokenizer": ex.encode is not None,
+    }
+
+
+def top_tokens(ex: Explorer, logprobs: torch.Tensor, k: int = TOP_K) -> list[list[dict[str, Any]]]:
+    """The ``k`` most likely next tokens at each position of ``logprobs [seq, d_vocab]``."""
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+    return [
+        [{"token": ex.decode(int(i)), "id": int(i), "p": r6(math.exp(float(v)))} for v, i in zip(vs, row)]
+        for vs, row in zip(values.tolist(), ids.tolist())
+    ]
+
+
+def token_losses(ex: Explorer, ids: torch.Tensor) -> tuple[list[float | None], torch.Tensor]:
+    """Per-position loss ``-log p(ids[i+1] | ids[..i])`` (the last ``None``) and the log-probabilities
+    ``[seq, d_vocab]`` of the model's forward pass on ``ids [1, seq]``."""
+    with torch.no_grad():
+        logits = ex.model(ids.to(ex.model.W_E.device))[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1).cpu()
+    ids0 = ids[0]
+    nll = -logprobs[:-1].gather(-1, ids0[1:, None])[:, 0]
+    return [r6(v) for v in nll.tolist()] + [None], logprobs
+
+
+def view_text(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """A text's tokens, loss per token, its mean and the top next-token predictions."""
+    ids = ex.tokens(args)
+    loss, logprobs = token_losses(ex, ids)
+    known = [v for v in loss if v is not None]
+    return {
+        "ids": ids[0].tolist(),
+        "tokens": [ex.decode(i) for i in ids[0].tolist()],
+        "loss": loss,
+        "mean_loss": r6(sum(known) / len(known)) if known else None,
+        "top": top_tokens(ex, logprobs),
+    }
+
+
+def pattern_of(ex: Explorer, ids: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+    """Head ``layer.head``'s attention pattern ``[query, key]`` on ``ids [1, seq]`` (:func:`qkov.trace`)."""
+    with torch.no_grad():
+        out = trace(ex.weights, ids.to(ex.weights.device), cache=[f"pattern.{layer}"])
+    return out["pattern", layer][0, head].float().cpu()
+
+
+def view_attention(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """One head's pattern on a text: query rows, key columns (lower triangular) and each row's argmax."""
+    layer, head = ex.head(args)
+    ids = ex.tokens(args)
+    pattern = pattern_of(ex, ids, layer, head)
+    return {
+        "head": f"{layer}.{head}",
+        "tokens": [ex.decode(i) for i in ids[0].tolist()],
+        "pattern": [[r6(v) for v in row[: q + 1]] + [0.0] * (len(row) - q - 1) for q, row in enumerate(pattern.tolist())],
+        "argmax": pattern.argmax(dim=-1).tolist(),
+    }
+
+
+def heads_inputs(ex: Explorer) -> tuple[Any, int, int]:
+    """The inputs ``qkov heads SOURCE`` runs on (:func:`qkov.apps.inputs.analysis_inputs` with its default
+    batch and ICL examples), the batch and the number of ICL examples; read once, kept in ``ex.extra``."""
+    if "heads_inputs" in ex.extra:
+        return ex.extra["heads_inputs"]
+    cfg = ex.model.cfg
+    batch, icl_examples = default_batch(cfg.n_ctx), default_icl_examples(cfg)
+    source = Path(str(ex.extra.get("source", ex.name)))
+    inputs = analysis_inputs(source, ex.model, batch=max(batch, icl_examples), want_corpus=True)
+    ex.extra["heads_inputs"] = (inputs, batch, icl_examples)
+    return inputs, batch, icl_examples
+
+
+def compute_heads(ex: Explorer, progress: Progress) -> dict[str, Any]:
+    """:func:`qkov.head_report` on the default inputs, as the ``heads`` view's dict (without ``cached``)."""
+    if ex.model.cfg.n_layers == 0:
+        raise BadRequest("heads: the model has no attention layers")
+    inputs, batch, icl_examples = heads_inputs(ex)
+    text = inputs.tokens.to(ex.weights.device)
+    report = head_report(
+        ex.weights,
+        text[:batch],
+        bos=ex.bos,
+        frequencies=inputs.frequencies,
+        icl_text=text[:icl_examples],
+        icl=inputs.natural,
+        progress=progress,
+    )
+    data = report.to_dict()
+    rows = [{k: (r6(v) if isinstance(v, float) else v) for k, v in row.items()} for row in data["heads"]]
+    return {
+        "columns": [{"label": label, "key": key} for label, key in SCORE_COLUMNS],
+        "rows": rows,
+        "inputs": inputs.source,
+        "left_out": data["left_out"],
+        "icl": data["icl"],
+        "thresholds": data["thresholds"],
+    }
+
+
+def view_heads(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """The heads table with roles (:func:`compute_heads`), read from the disk cache when this model's entry
+    is there and sound, else computed and written there; ``cached`` is the file (``None``: no cache)."""
+    if ex.cache_dir is None:
+        return {**compute_heads(ex, progress), "cached": None, "from_cache": False}
+    inputs, _, _ = heads_inputs(ex)
+    key = entry_key("heads", fingerprint(ex), inputs.tokens, {"seed": 0, "diag_k": 5})
+    path = entry_path(ex.cache_dir, "heads", key)
+    stored = read_entry(path, key)
+    if stored is not None:
+        return {**stored, "cached": str(path), "from_cache": True}
+    result = compute_heads(ex, progress)
+    write_entry(path, key, result)
+    return {**result, "cached": str(path), "from_cache": False}
+
+
+VIEWS: dict[str, View] = {
+    "model": view_model,
+    "text": view_text,
+    "attention": view_attention,
+    "heads": view_heads,
+}
+"""Every view the server answers, by name (the other view modules add theirs)."""
+
+QUICK_VIEWS: set[str] = {"model", "text", "attention"}
+"""Views that run in the quick lane of the job runner (their own worker), so a long computation (the heads
+table, patching) never holds them up."""
