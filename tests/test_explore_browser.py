@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -62,13 +64,28 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, qkov.Transfor
     return path, model, tok
 
 
+SLOW = threading.Event()  # set: the composition view first ticks slowly (for the Cancel test)
+
+
+def slowed(view: Any) -> Any:
+    def run(ex: Any, args: dict, progress: Any) -> dict:
+        for i in range(200 if SLOW.is_set() else 0):
+            progress("waiting", i, 200)  # raises Cancelled once the page cancels the job
+            time.sleep(0.05)
+        return view(ex, args, progress)
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def server(built: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from qkov.apps.explore.server import make_app, start_background
     from qkov.apps.explore.session import open_explorer
+    from qkov.apps.explore.views import VIEWS
 
     ex = open_explorer(built[0], cache_dir=tmp_path_factory.mktemp("explore-cache"))
-    bg = start_background(make_app(ex))
+    views = {**VIEWS, "composition": slowed(VIEWS["composition"])}
+    bg = start_background(make_app(ex, views=views))
     try:
         yield bg
     finally:
@@ -227,6 +244,73 @@ def test_ablating_a_head_changes_the_loss_as_qkov_ablate_says(page: Chrome, buil
     assert abs(after - before) > 1e-4, "the ablation changes nothing: the test cannot tell"
     assert dom_floats(page, "#ablate [data-field=mean_before]")[0] == pytest.approx(before, rel=1e-4)
     assert dom_floats(page, "#ablate [data-field=mean_after]")[0] == pytest.approx(after, rel=1e-4)
+
+
+def test_a_long_job_shows_progress_and_cancel_stops_it(page: Chrome) -> None:
+    SLOW.set()  # the first composition request (nothing cached yet) is slow
+    try:
+        page.click("#composition-run")
+        line = page.wait("(() => { const p = document.querySelector('#composition .job .progress');"
+                         " return p && /waiting \\d+\\/200/.test(p.textContent) && p.textContent; })()")
+        assert line.startswith("composition: waiting")
+        page.click("#composition .job button.cancel")
+        page.wait("document.querySelector('#composition').dataset.rendered === 'cancelled'", timeout=20)
+        assert "cancelled" in page.eval("document.querySelector('#composition .out').textContent")
+    finally:
+        SLOW.clear()
+
+
+def test_composition_graph_draws_the_edges_above_the_threshold(page: Chrome, built: Any) -> None:
+    _, model, _ = built
+    page.click("#composition-run")
+    drawn(page, "composition")
+    scores = qkov.composition_scores(qkov.Weights.from_model(model), "qkv")
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    edges = {(f"{l1}.{h1}", f"{l2}.{h2}", kind): float(scores.kinds[kind].raw[l1, h1, l2, h2])
+             for kind in "qkv" for l1 in range(L) for l2 in range(l1 + 1, L) for h1 in range(H) for h2 in range(H)}
+    values = sorted(edges.values())
+    th = (values[len(values) // 2] + values[len(values) // 2 + 1]) / 2  # between two scores: no tie
+    page.eval(f"(() => {{ const s = document.querySelector('#composition-threshold'); s.value = '{th!r}';"
+              " s.dispatchEvent(new Event('input')); })()")
+    lines = page.eval("[...document.querySelectorAll('#composition svg line')].map((e) => "
+                      "[e.dataset.src, e.dataset.dst, e.dataset.kind, +e.dataset.value])")
+    want = {k for k, v in edges.items() if v >= th}
+    assert {tuple(x[:3]) for x in lines} == want and len(lines) == len(want)
+    for src, dst, kind, v in lines:
+        assert v == pytest.approx(edges[src, dst, kind], rel=1e-4)
+    # a kind unticked drops its edges; a head node opens its card
+    page.click(".composition-kind[value='k']")
+    kinds = page.eval("[...new Set([...document.querySelectorAll('#composition svg line')].map((e) => e.dataset.kind))]")
+    assert "k" not in kinds
+    page.click("#composition svg g.node[data-head='0.0']")
+    drawn(page, "card")
+    assert page.eval("document.querySelector('#card h3').textContent") == "head 0.0"
+
+
+def test_term_effects_for_a_clicked_token(page: Chrome, built: Any) -> None:
+    _, _, tok = built
+    if page.eval("document.querySelector('#text').dataset.rendered") != "ok":
+        run_text(page, TEXT)
+    page.click("#text .loss-text span[data-pos='4']")
+    drawn(page, "terms")
+    text = page.eval("document.querySelector('#terms .out').textContent")
+    assert "position 4" in text and json.dumps(tok.id_to_token(int(ids_of(tok, TEXT)[0, 4]))) in text
+    terms = page.eval("[...document.querySelectorAll('#terms table.terms-table tr')].slice(1).map((r) => r.cells[0].textContent)")
+    assert "direct" in terms and {"0.0", "0.1", "1.0", "1.1"} <= {t.replace("head ", "") for t in terms} | set(terms)
+
+
+def test_server_errors_show_in_the_page(page: Chrome) -> None:
+    long = "|".join(["cat"] * 40)  # more tokens than the context (32)
+    page.type_into("#text-input", long)
+    page.click("#text-run")
+    page.wait("document.querySelector('#text').dataset.rendered === 'error'")
+    shown = page.eval("document.querySelector('#text .out .error').textContent")
+    assert "at most 32" in shown, shown
+    # the browser logs the refused request (the job's 400); that one is expected, and only that one
+    refused = [e for e in page.log if e["source"] == "network" and "status of 400" in (e["text"] or "")]
+    assert len(refused) == 1 and "/api/jobs" in refused[0]["url"], page.log
+    page.log.remove(refused[0])
+    run_text(page, TEXT)  # and the page goes on working
 
 
 def test_html_token_strings_render_as_text(page: Chrome, built: Any) -> None:

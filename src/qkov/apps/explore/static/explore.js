@@ -165,6 +165,9 @@
   }
   function drawText(out, r) {
     S.textResult = r;
+    const pos = $("#terms-position");
+    pos.max = String(Math.max(0, r.tokens.length - 2));  // a position with a next token
+    if (+pos.value > +pos.max) pos.value = pos.max;
     note(out, `${r.tokens.length} tokens, mean loss ${fmt(r.mean_loss, 4)} nats. Each token is shaded by the loss ` +
       "of predicting the next one; hover a token for the model's top predictions there, click it for its term effects.");
     out.append(el("p", { class: "note" }, "mean loss ", el("span", { "data-field": "mean_loss", "data-value": String(r.mean_loss), text: fmt(r.mean_loss, 4) })));
@@ -264,14 +267,19 @@
     spectrum(row, c.qk_eigenvalues, "QK eigenvalues");
     const tabs = el("div", { class: "cols" });
     out.append(tabs);
-    const ov = el("div"); tabs.append(ov);
-    ov.append(el("h3", { text: "largest full-OV entries (W_E W_OV W_U)" }));
-    table(ov, ["source", "output", "value"], c.top_ov.map((e) => [tok(e.src), tok(e.out), valued(e.value)]), [0, 1])
-      .classList.add("top-ov");
-    const qk = el("div"); tabs.append(qk);
-    qk.append(el("h3", { text: "largest full-QK entries (query · key)" }));
-    table(qk, ["query", "key", "value"], c.top_qk.map((e) => [tok(e.query), tok(e.key), valued(e.value)]), [0, 1])
-      .classList.add("top-qk");
+    if (c.top_ov) {
+      const ov = el("div"); tabs.append(ov);
+      ov.append(el("h3", { text: "largest full-OV entries (W_E W_OV W_U)" }));
+      table(ov, ["source", "output", "value"], c.top_ov.map((e) => [tok(e.src), tok(e.out), valued(e.value)]), [0, 1])
+        .classList.add("top-ov");
+    }
+    if (c.top_qk) {
+      const qk = el("div"); tabs.append(qk);
+      const at = c.qk_offset == null ? "" : ` at offset ${c.qk_offset} (the profile's peak)`;
+      qk.append(el("h3", { text: `largest full-QK entries (query · key)${at}` }));
+      table(qk, ["query", "key", "value"], c.top_qk.map((e) => [tok(e.query), tok(e.key), valued(e.value)]), [0, 1])
+        .classList.add("top-qk");
+    }
     if (c.trigrams && c.trigrams.length) {
       const tg = el("div"); tabs.append(tg);
       tg.append(el("h3", { text: "skip-trigrams: source … destination → output" }));
@@ -310,10 +318,12 @@
     const max = Math.max(1e-9, ...g.edges.map((e) => e.value));
     const slider = $("#composition-threshold");
     slider.max = String(max);
-    slider.step = String(max / 200);
-    if (+slider.value > max) slider.value = String(max / 2);
+    slider.step = "any";
+    const base = Math.max(0, ...Object.values(g.baselines || {}).map((b) => b.mean || 0));
+    slider.value = String(base > 0 && base < max ? base : max / 2);
     note(out, "Heads by layer (columns); an edge from an earlier head to a later one is their Q-, K- or V-composition " +
-      "score (blue, orange, green), drawn when it is at least the threshold. Click a head for its card.");
+      "score (blue, orange, green), drawn when it is at least the threshold (it starts at the largest random-matrix " +
+      "baseline). Click a head for its card.");
     out.append(el("div", { class: "graph" }));
     redrawGraph();
   }
@@ -355,8 +365,9 @@
   function runTerms() {
     if (S.text == null) { P.terms.fail("type a text first (the Text box above)"); return; }
     P.terms.run("terms", { text: S.text, position: +$("#terms-position").value }, (out, r) => {
-      note(out, `Effects on the prediction at position ${r.position} (token ${tok(r.token)}): each term of the path ` +
-        "expansion (the direct path, each head, virtual heads), attention patterns frozen.");
+      note(out, `Loss change (nats) at position ${r.position} (token ${tok(r.token)}, predicting ${tok(r.next)}, ` +
+        `loss ${fmt(r.loss, 4)}) when each term of the path expansion is removed (the direct path, each head, virtual ` +
+        "heads), attention patterns frozen; positive: the term helps predict the next token.");
       const rows = r.rows.slice(0, 40);
       table(out, ["term", "effect"], rows.map((e) => [e.term, valued(e.effect)]), [0]).classList.add("terms-table");
       plot(out, [{ type: "bar", x: rows.map((e) => e.term), y: rows.map((e) => e.effect), marker: { color: "#8aa2e8" } }],
@@ -387,9 +398,8 @@
     }
   }
   function drawPatch(out, r) {
-    const results = r.results || (r.method ? [r] : []);
-    if (!results.length) throw new Error("no patching results in the answer");
-    for (const x of results) R.sections.patchResult(out, x, null);
+    if (!r.results || !r.results.length) throw new Error("no patching results in the answer");
+    R.sections.patching(out, r);
   }
   function ablateChips() {
     const box = $("#ablate-heads");
@@ -420,7 +430,9 @@
   });
   $("#patch-form").addEventListener("submit", (e) => {
     e.preventDefault();
-    P.patch.run("patch", { clean: textArg($("#patch-clean").value), corrupted: textArg($("#patch-corrupted").value) }, drawPatch);
+    const args = { clean: textArg($("#patch-clean").value), corrupted: textArg($("#patch-corrupted").value) };
+    if ($("#patch-metric").value.trim()) args.metric = $("#patch-metric").value.trim();
+    P.patch.run("patch", args, drawPatch);
   });
   P.heads.run("heads", {}, drawHeads);
   document.documentElement.dataset.ready = "1";
