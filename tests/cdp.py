@@ -187,8 +187,11 @@ class Chrome:
         """Console errors and warnings, exceptions and error-level log entries, as text."""
         out = [f"console.{c['type']}: {c['text']}" for c in self.console if c["type"] in ("error", "warning", "assert")]
         out += [f"exception: {e}" for e in self.exceptions]
-        out += [f"log {e['level']} ({e['source']}): {e['text']} {e['url'] or ''}" for e in self.log
-                if e["level"] in ("error", "warning")]
+        out += [
+            f"log {e['level']} ({e['source']}): {e['text']} {e['url'] or ''}"
+            for e in self.log
+            if e["level"] in ("error", "warning")
+        ]
         return out
 
     # ------------------------------------------------------------------ page

@@ -37,8 +37,31 @@ SCRIPT_TOKEN = "</script>"
 IMG_TOKEN = '<img src=x onerror="window.__pwned=1">'
 WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "red", "big", "and", "it", "was", "then"]
 # tokens are split at "|", so a token may hold spaces (the <img> one does)
-TEXT = "|".join(["the", "cat", "sat", "on", "the", "mat", SCRIPT_TOKEN, "and", "the", "cat", "sat", "on", IMG_TOKEN,
-                 "the", "big", "red", "dog", "ran", "to", "the", "cat"])
+TEXT = "|".join(
+    [
+        "the",
+        "cat",
+        "sat",
+        "on",
+        "the",
+        "mat",
+        SCRIPT_TOKEN,
+        "and",
+        "the",
+        "cat",
+        "sat",
+        "on",
+        IMG_TOKEN,
+        "the",
+        "big",
+        "red",
+        "dog",
+        "ran",
+        "to",
+        "the",
+        "cat",
+    ]
+)
 
 
 def _tokenizer() -> tuple[Tokenizer, int]:
@@ -145,7 +168,9 @@ def drawn(page: Chrome, panel: str, timeout: float = 60.0) -> None:
     """Wait until the panel's view has ended, and check it drew (else: the message it shows)."""
     sel = json.dumps(f"section[data-panel={panel}]")
     page.wait(f"['ok', 'error', 'cancelled'].includes(document.querySelector({sel}).dataset.rendered)", timeout)
-    state, text = page.eval(f"[document.querySelector({sel}).dataset.rendered, document.querySelector({sel}).textContent]")
+    state, text = page.eval(
+        f"[document.querySelector({sel}).dataset.rendered, document.querySelector({sel}).textContent]"
+    )
     assert state == "ok", f"{panel}: {state}: {' '.join(text.split())[:300]}"
 
 
@@ -185,10 +210,14 @@ def test_hovering_a_token_marks_the_argmax_key_of_the_forward_pass(page: Chrome,
     _, model, tok = built
     if page.eval("document.querySelector('#text').dataset.rendered") != "ok":
         run_text(page, TEXT)
-    page.eval(f"(() => {{ const s = document.querySelector('#attention-head'); s.value = {json.dumps(head)};"
-              " s.dispatchEvent(new Event('change')); })()")
-    page.wait(f"document.querySelector('#attention').dataset.rendered === 'ok' && "
-              f"document.querySelector('#attention .viewer-status').textContent.startsWith('head {head}')")
+    page.eval(
+        f"(() => {{ const s = document.querySelector('#attention-head'); s.value = {json.dumps(head)};"
+        " s.dispatchEvent(new Event('change')); })()"
+    )
+    page.wait(
+        f"document.querySelector('#attention').dataset.rendered === 'ok' && "
+        f"document.querySelector('#attention .viewer-status').textContent.startsWith('head {head}')"
+    )
     layer, h = (int(x) for x in head.split("."))
     pattern = own_patterns(model, ids_of(tok, TEXT))[layer][h]
     top2 = pattern.topk(2, dim=-1)
@@ -197,10 +226,14 @@ def test_hovering_a_token_marks_the_argmax_key_of_the_forward_pass(page: Chrome,
     for q in clear[-3:] + clear[:2]:
         page.hover(f"#attention .attention-text span[data-pos='{q}']")
         page.wait(f"document.querySelector('#attention .attention-text').dataset.query === '{q}'")
-        marked = page.eval("[...document.querySelectorAll('#attention .attention-text span.argmax')].map((s) => +s.dataset.pos)")
+        marked = page.eval(
+            "[...document.querySelectorAll('#attention .attention-text span.argmax')].map((s) => +s.dataset.pos)"
+        )
         assert marked == [int(pattern[q].argmax())], (head, q)
-        weights = page.eval(f"[...document.querySelectorAll('#attention .attention-text span')].slice(0, {q + 1})"
-                            ".map((s) => +s.dataset.weight)")
+        weights = page.eval(
+            f"[...document.querySelectorAll('#attention .attention-text span')].slice(0, {q + 1})"
+            ".map((s) => +s.dataset.weight)"
+        )
         assert weights == pytest.approx(pattern[q, : q + 1].tolist(), abs=2e-5)
 
 
@@ -229,7 +262,10 @@ def test_ablating_a_head_changes_the_loss_as_qkov_ablate_says(page: Chrome, buil
     if page.eval("document.querySelector('#text').dataset.rendered") != "ok":
         run_text(page, TEXT)
     page.click("#ablate-heads button[data-head='0.1']")
-    assert page.eval("document.querySelector(\"#ablate-heads button[data-head='0.1']\").getAttribute('aria-pressed')") == "true"
+    assert (
+        page.eval("document.querySelector(\"#ablate-heads button[data-head='0.1']\").getAttribute('aria-pressed')")
+        == "true"
+    )
     page.click("#ablate-run")
     drawn(page, "ablate")
     ids = ids_of(tok, TEXT)
@@ -250,8 +286,10 @@ def test_a_long_job_shows_progress_and_cancel_stops_it(page: Chrome) -> None:
     SLOW.set()  # the first composition request (nothing cached yet) is slow
     try:
         page.click("#composition-run")
-        line = page.wait("(() => { const p = document.querySelector('#composition .job .progress');"
-                         " return p && /waiting \\d+\\/200/.test(p.textContent) && p.textContent; })()")
+        line = page.wait(
+            "(() => { const p = document.querySelector('#composition .job .progress');"
+            " return p && /waiting \\d+\\/200/.test(p.textContent) && p.textContent; })()"
+        )
         assert line.startswith("composition: waiting")
         page.click("#composition .job button.cancel")
         page.wait("document.querySelector('#composition').dataset.rendered === 'cancelled'", timeout=20)
@@ -266,21 +304,33 @@ def test_composition_graph_draws_the_edges_above_the_threshold(page: Chrome, bui
     drawn(page, "composition")
     scores = qkov.composition_scores(qkov.Weights.from_model(model), "qkv")
     L, H = model.cfg.n_layers, model.cfg.n_heads
-    edges = {(f"{l1}.{h1}", f"{l2}.{h2}", kind): float(scores.kinds[kind].raw[l1, h1, l2, h2])
-             for kind in "qkv" for l1 in range(L) for l2 in range(l1 + 1, L) for h1 in range(H) for h2 in range(H)}
+    edges = {
+        (f"{l1}.{h1}", f"{l2}.{h2}", kind): float(scores.kinds[kind].raw[l1, h1, l2, h2])
+        for kind in "qkv"
+        for l1 in range(L)
+        for l2 in range(l1 + 1, L)
+        for h1 in range(H)
+        for h2 in range(H)
+    }
     values = sorted(edges.values())
     th = (values[len(values) // 2] + values[len(values) // 2 + 1]) / 2  # between two scores: no tie
-    page.eval(f"(() => {{ const s = document.querySelector('#composition-threshold'); s.value = '{th!r}';"
-              " s.dispatchEvent(new Event('input')); })()")
-    lines = page.eval("[...document.querySelectorAll('#composition svg line')].map((e) => "
-                      "[e.dataset.src, e.dataset.dst, e.dataset.kind, +e.dataset.value])")
+    page.eval(
+        f"(() => {{ const s = document.querySelector('#composition-threshold'); s.value = '{th!r}';"
+        " s.dispatchEvent(new Event('input')); })()"
+    )
+    lines = page.eval(
+        "[...document.querySelectorAll('#composition svg line')].map((e) => "
+        "[e.dataset.src, e.dataset.dst, e.dataset.kind, +e.dataset.value])"
+    )
     want = {k for k, v in edges.items() if v >= th}
     assert {tuple(x[:3]) for x in lines} == want and len(lines) == len(want)
     for src, dst, kind, v in lines:
         assert v == pytest.approx(edges[src, dst, kind], rel=1e-4)
     # a kind unticked drops its edges; a head node opens its card
     page.click(".composition-kind[value='k']")
-    kinds = page.eval("[...new Set([...document.querySelectorAll('#composition svg line')].map((e) => e.dataset.kind))]")
+    kinds = page.eval(
+        "[...new Set([...document.querySelectorAll('#composition svg line')].map((e) => e.dataset.kind))]"
+    )
     assert "k" not in kinds
     page.click("#composition svg g.node[data-head='0.0']")
     drawn(page, "card")
@@ -295,7 +345,9 @@ def test_term_effects_for_a_clicked_token(page: Chrome, built: Any) -> None:
     drawn(page, "terms")
     text = page.eval("document.querySelector('#terms .out').textContent")
     assert "position 4" in text and json.dumps(tok.id_to_token(int(ids_of(tok, TEXT)[0, 4]))) in text
-    terms = page.eval("[...document.querySelectorAll('#terms table.terms-table tr')].slice(1).map((r) => r.cells[0].textContent)")
+    terms = page.eval(
+        "[...document.querySelectorAll('#terms table.terms-table tr')].slice(1).map((r) => r.cells[0].textContent)"
+    )
     assert "direct" in terms and {"0.0", "0.1", "1.0", "1.1"} <= {t.replace("head ", "") for t in terms} | set(terms)
 
 
