@@ -351,6 +351,25 @@ def test_term_effects_for_a_clicked_token(page: Chrome, built: Any) -> None:
     assert "direct" in terms and {"0.0", "0.1", "1.0", "1.1"} <= {t.replace("head ", "") for t in terms} | set(terms)
 
 
+def test_patching_between_two_texts_shows_the_librarys_results(page: Chrome, built: Any) -> None:
+    from qkov.analysis.patch_study import patch_study
+
+    _, model, tok = built
+    corrupted = TEXT.replace("cat", "dog", 1)  # the same number of tokens
+    page.type_into("#patch-clean", TEXT)
+    page.type_into("#patch-corrupted", corrupted)
+    page.click("#patch-run")
+    drawn(page, "patch")
+    study = patch_study(qkov.Weights.from_model(model), ids_of(tok, TEXT), ids_of(tok, corrupted))
+    titles = page.eval("[...document.querySelectorAll('#patch .out h3')].map((h) => h.textContent)")
+    assert titles == [f"{r.method} patching of {r.site} by {' × '.join(r.axes)}" for r in study.results]
+    notes = page.eval("[...document.querySelectorAll('#patch .out p.note')].map((p) => p.textContent)")
+    notes = [n for n in notes if "; metric: " in n]  # one per result, in order
+    assert len(notes) == len(study.results)
+    for r, text in zip(study.results, notes):
+        assert f"clean {r.clean:.4f}, corrupted {r.corrupted:.4f}" in text, (text, r.clean, r.corrupted)
+
+
 def test_server_errors_show_in_the_page(page: Chrome) -> None:
     long = "|".join(["cat"] * 40)  # more tokens than the context (32)
     page.type_into("#text-input", long)
