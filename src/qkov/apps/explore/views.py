@@ -24,6 +24,9 @@ from ..inputs import analysis_inputs
 from .context import BadRequest, Explorer
 from .disk_cache import entry_key, entry_path, read_entry, write_entry
 from .session import fingerprint
+from .views_card import card
+from .views_causal import ablate, patch
+from .views_graph import composition, terms
 
 View = Callable[[Explorer, dict[str, Any], Progress], dict[str, Any]]
 
@@ -180,6 +183,11 @@ VIEWS: dict[str, View] = {
     "text": view_text,
     "attention": view_attention,
     "heads": view_heads,
+    "card": card,
+    "composition": composition,
+    "terms": terms,
+    "ablate": ablate,
+    "patch": patch,
 }
 """Every view the server answers, by name (the other view modules add theirs)."""
 

@@ -515,7 +515,9 @@
     root.dataset.ready = "1";
   }
   // the helpers serve the other qkov pages drawn with this library (the dynamics and tour pages)
-  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot } };
+  // sections: the section renderers themselves, for pages that draw them from their own data (qkov explore)
+  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot, tok },
+    sections: { heads, composition, attention, trigrams, patching, patchResult, topk } };
 
   // the report page: every section from #qkov-data
   if (document.getElementById("qkov-data")) drawPage("qkov-data", RENDER, { hash: location.hash });

@@ -1,0 +1,439 @@
+/* qkov explore: the page over one model. Each panel (section[data-panel]) asks the server for one view
+ * (POST /api/jobs, then GET /api/jobs/{id} until it ends; Cancel sends DELETE) and draws the result with
+ * the report's renderers and helpers (window.qkovReport). A panel's state is in data-rendered: "busy"
+ * while its job runs, then "ok", "error" (the message shown in the panel) or "cancelled".
+ * Every string from the model (token strings above all) goes into the page as text (textContent,
+ * createTextNode, attribute values), never as HTML. Nothing is written to the console. */
+"use strict";
+(function () {
+  const R = window.qkovReport;
+  const { el, fmt, signed, note, table, plot, tok } = R.helpers;
+  const $ = (sel) => document.querySelector(sel);
+  const pageError = (msg) => { const p = $("#page-error"); p.hidden = false; p.textContent = msg; };
+  window.addEventListener("error", (e) => pageError("page error: " + e.message));
+  window.addEventListener("unhandledrejection", (e) => pageError("page error: " + (e.reason && e.reason.message || e.reason)));
+  let M;
+  try { M = JSON.parse($("#qkov-explore-data").textContent); } catch (e) { pageError("could not read the page's data: " + e); return; }
+  const S = { text: null, textResult: null, head: M.heads[0] || null, cardHead: null, ablate: new Set(), comp: null };
+  const shown = (t) => String(t).replace(/\n/g, "↵\n");  // a token as it sits in running text
+
+  // ------------------------------------------------------------------ server
+  const TOKEN = new URLSearchParams(location.search).get("token");
+  async function api(method, url, body) {
+    const headers = { "Content-Type": "application/json" };
+    if (TOKEN) headers.Authorization = "token " + TOKEN;
+    const r = await fetch(url, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+    let j = null;
+    try { j = await r.json(); } catch (e) { /* not JSON: said below */ }
+    if (!r.ok || j === null) throw new Error((j && j.error) || `${method} ${url}: HTTP ${r.status}`);
+    return j;
+  }
+  const sleep = (ms) => new Promise((ok) => setTimeout(ok, ms));
+
+  // one panel: its job line (progress, Cancel) and its output; run() replaces what it shows
+  class Panel {
+    constructor(name) {
+      this.sec = document.querySelector(`section[data-panel="${name}"]`);
+      this.job = this.sec.querySelector(".job");
+      this.out = this.sec.querySelector(".out");
+      this.seq = 0;
+      this.id = null;
+    }
+    fail(msg) {
+      this.sec.dataset.rendered = "error";
+      this.out.replaceChildren(el("p", { class: "error", text: msg }));
+    }
+    draw(render, result) {
+      const out = el("div");
+      try {
+        render(out, result);
+      } catch (e) {
+        this.fail("could not draw this view: " + e);
+        return;
+      }
+      this.out.replaceChildren(out);
+      this.sec.dataset.rendered = "ok";
+    }
+    cancel() {
+      if (this.id) api("DELETE", `/api/jobs/${this.id}`).catch(() => {});
+    }
+    async run(view, args, render) {
+      this.cancel();
+      const seq = ++this.seq;
+      this.sec.dataset.rendered = "busy";
+      const line = el("span", { class: "progress", text: `${view}: starting` });
+      const stop = el("button", { type: "button", class: "cancel", text: "Cancel" });
+      stop.addEventListener("click", () => this.cancel());
+      this.job.replaceChildren(line, stop);
+      try {
+        let j = await api("POST", "/api/jobs", { view, args });
+        this.id = j.id;
+        for (let wait = 60; j.state === "queued" || j.state === "running"; wait = Math.min(400, wait * 1.5)) {
+          line.textContent = `${view}: ${j.what || j.state}` + (j.total ? ` ${j.done}/${j.total}` : "");
+          await sleep(wait);
+          if (seq !== this.seq) return null;  // a newer run replaced this one
+          j = await api("GET", `/api/jobs/${j.id}`);
+        }
+        if (seq !== this.seq) return null;
+        this.id = null;
+        this.job.replaceChildren();
+        if (j.state === "done") { this.draw(render, j.result); return j.result; }
+        if (j.state === "cancelled") {
+          this.sec.dataset.rendered = "cancelled";
+          this.out.replaceChildren(el("p", { class: "note", text: `${view}: cancelled` }));
+        } else this.fail(`${view}: ${j.error || j.state}`);
+      } catch (e) {
+        if (seq !== this.seq) return null;
+        this.id = null;
+        this.job.replaceChildren();
+        this.fail(`${view}: ${e.message}`);
+      }
+      return null;
+    }
+  }
+  const P = {};
+  for (const s of document.querySelectorAll("section[data-panel]")) P[s.dataset.panel] = new Panel(s.dataset.panel);
+
+  // a button that opens head h's card
+  function headLink(h) {
+    const b = el("button", { type: "button", class: "head-link", "data-head": h, text: h });
+    b.addEventListener("click", () => openCard(h));
+    return b;
+  }
+  const valued = (v, d = 4) => el("span", { "data-value": v == null ? "" : String(v), text: fmt(v, d) });
+
+  // ------------------------------------------------------------------ attention viewer
+  // tokens as spans[data-pos]; hovering (or clicking) query q shades every key by pattern[q][k], marks
+  // the query (class "query") and its argmax key (class "argmax"); the box's data-query/data-argmax say which
+  function viewer(parent, tokens, pattern, argmax, label) {
+    const status = el("p", { class: "note viewer-status" });
+    const box = el("div", { class: "viewer-text attention-text" });
+    parent.append(status, box);
+    const spans = tokens.map((t, i) => {
+      const sp = el("span", { "data-pos": i, title: `${i}: ${tok(t)}` });
+      sp.textContent = shown(t);
+      box.append(sp);
+      return sp;
+    });
+    function show(q) {
+      const row = pattern[q];
+      spans.forEach((sp, k) => {
+        const w = k < row.length ? row[k] : 0;
+        sp.classList.toggle("query", k === q);
+        sp.classList.toggle("argmax", k === argmax[q]);
+        sp.style.background = w > 0.005 ? `rgba(48, 86, 211, ${Math.min(1, w).toFixed(3)})` : "";
+        sp.style.color = w > 0.55 ? "#fff" : "";
+        sp.dataset.weight = k <= q && k < row.length ? String(w) : "";
+      });
+      box.dataset.query = String(q);
+      box.dataset.argmax = String(argmax[q]);
+      status.textContent = `${label}: token ${q} ${tok(tokens[q])} attends most to token ${argmax[q]} ` +
+        `${tok(tokens[argmax[q]])} (${fmt(row[argmax[q]], 3)})`;
+    }
+    spans.forEach((sp, i) => { sp.addEventListener("mouseenter", () => show(i)); sp.addEventListener("click", () => show(i)); });
+    show(tokens.length - 1);
+    return box;
+  }
+  function heatmap(parent, tokens, pattern, title) {
+    const T = tokens.length;
+    const z = pattern.map((row, q) => Array.from({ length: T }, (_, k) => (k <= q && k < row.length ? row[k] : null)));
+    const labels = tokens.map((t, i) => `${i} ${t}`);
+    plot(parent, [{ type: "heatmap", z, x: labels, y: labels, colorscale: "Blues", reversescale: true, zmin: 0, zmax: 1,
+      hovertemplate: "query %{y}<br>key %{x}<br>%{z:.3f}<extra></extra>", colorbar: { thickness: 10 } }], {
+      title: { text: title }, width: 520, height: 480, margin: { l: 40, r: 30, t: 40, b: 40 },
+      xaxis: { showticklabels: false, title: { text: "key" } },
+      yaxis: { showticklabels: false, autorange: "reversed", title: { text: "query" } },
+    });
+  }
+
+  // ------------------------------------------------------------------ model, text, attention
+  function drawModel(out) {
+    table(out, ["", ""], [
+      ["model", M.name], ["source", String(M.source)],
+      ["shape", `${M.n_layers} layers × ${M.n_heads} heads, d_model ${M.d_model}, d_head ${M.d_head}, ` +
+        `vocab ${M.d_vocab}, context ${M.n_ctx}${M.rotary ? ", rotary positions" : ""}`],
+      ["texts", M.has_tokenizer ? `up to ${M.max_tokens} tokens, the start token first` :
+        "no tokenizer: type token ids separated by spaces"],
+      ["disk cache", M.cache_dir || "none (results are kept in memory only)"],
+    ], [0, 1], [1]);
+  }
+  // the text box's content as the views' "text" argument: ids for a model without a tokenizer
+  function textArg(value) {
+    if (M.has_tokenizer) return value;
+    const ids = value.trim().split(/[\s,]+/).filter(Boolean).map(Number);
+    return ids.every(Number.isInteger) ? ids : value;
+  }
+  function drawText(out, r) {
+    S.textResult = r;
+    const pos = $("#terms-position");
+    pos.max = String(Math.max(0, r.tokens.length - 2));  // a position with a next token
+    if (+pos.value > +pos.max) pos.value = pos.max;
+    note(out, `${r.tokens.length} tokens, mean loss ${fmt(r.mean_loss, 4)} nats. Each token is shaded by the loss ` +
+      "of predicting the next one; hover a token for the model's top predictions there, click it for its term effects.");
+    out.append(el("p", { class: "note" }, "mean loss ", el("span", { "data-field": "mean_loss", "data-value": String(r.mean_loss), text: fmt(r.mean_loss, 4) })));
+    const box = el("div", { class: "viewer-text loss-text" });
+    const hover = el("div", { class: "hover-box" });
+    out.append(box, hover);
+    const finite = r.loss.filter((v) => v != null);
+    const top = Math.max(1e-9, ...finite);
+    r.tokens.forEach((t, i) => {
+      const l = r.loss[i];
+      const sp = el("span", { "data-pos": i, "data-loss": l == null ? "" : String(l), title: `${i}: ${tok(t)}` });
+      sp.textContent = shown(t);
+      if (l != null) sp.style.background = `rgba(211, 86, 47, ${Math.min(1, l / top).toFixed(3)})`;
+      sp.addEventListener("mouseenter", () => predictions(hover, r, i));
+      sp.addEventListener("click", () => { $("#terms-position").value = i; runTerms(); });
+      box.append(sp);
+    });
+    predictions(hover, r, r.tokens.length - 1);
+  }
+  function predictions(parent, r, i) {
+    parent.replaceChildren();
+    parent.dataset.pos = String(i);
+    const next = i + 1 < r.tokens.length ? `; the next token is ${tok(r.tokens[i + 1])}, loss ${fmt(r.loss[i], 4)}` : "";
+    parent.append(el("p", { class: "note", text: `after token ${i} ${tok(r.tokens[i])}${next}` }));
+    table(parent, ["prediction", "p"], r.top[i].map((p) => [tok(p.token), fmt(p.p, 4)]), [0]);
+  }
+  function runText() {
+    const value = $("#text-input").value;
+    S.text = textArg(value);
+    $("#patch-clean").value ||= value;
+    return P.text.run("text", { text: S.text }, drawText).then((r) => {
+      if (!r) return;
+      runAttention();
+      if (S.cardHead) openCard(S.cardHead);
+    });
+  }
+  function runAttention() {
+    if (S.text == null) { P.attention.fail("type a text first (the Text box above)"); return; }
+    S.head = $("#attention-head").value;
+    P.attention.run("attention", { text: S.text, head: S.head }, (out, a) => {
+      viewer(out, a.tokens, a.pattern, a.argmax, `head ${a.head}`);
+      heatmap(out, a.tokens, a.pattern, `pattern of head ${a.head} (rows: queries, columns: keys)`);
+    });
+  }
+
+  // ------------------------------------------------------------------ heads
+  function drawHeads(out, h) {
+    if (h.cached) note(out, `Computed once for this model on ${h.inputs || "its default inputs"}; kept at ${h.cached}.`);
+    else if (h.inputs) note(out, `Computed on ${h.inputs}.`);
+    for (const [name, why] of Object.entries(h.left_out || {})) note(out, `${name} left out: ${why}.`);
+    const cols = (h.columns || []).map((c) => (Array.isArray(c) ? c : [c.label, c.key]));  // [label, score name]
+    if (h.thresholds) {  // the report's table and plots, its head cells made into links to the cards
+      R.sections.heads(out, Object.assign({}, h, { columns: cols }), null, M.d_vocab);
+      const t = out.querySelector("table");
+      [...t.rows].slice(1).forEach((tr, i) => { const c = tr.cells[0]; c.replaceChildren(headLink(h.rows[i].head)); });
+      t.classList.add("heads-table");
+      return;
+    }
+    const t = table(out, ["head", ...cols.map((c) => c[0]), "roles"], h.rows.map((r) => {
+      const roles = el("span");
+      (r.roles.length ? r.roles : ["–"]).forEach((x) => roles.append(el("span", { class: "role", text: x })));
+      return [headLink(r.head), ...cols.map((c) => fmt(r[c[1]], 2)), roles];
+    }), [cols.length + 1]);
+    t.classList.add("heads-table");
+  }
+
+  // ------------------------------------------------------------------ head card
+  function openCard(h) {
+    S.cardHead = h;
+    const args = { head: h };
+    if (S.text != null) args.text = S.text;
+    P.card.run("card", args, drawCard);
+    P.card.sec.scrollIntoView({ block: "start" });
+  }
+  function spectrum(parent, eig, title) {
+    const scale = Math.max(1e-12, ...eig.map((e) => Math.hypot(e.re, e.im)));
+    plot(parent, [{ x: eig.map((e) => e.re / scale), y: eig.map((e) => e.im / scale), mode: "markers",
+      marker: { size: 6, color: "#3056d3" }, hovertemplate: "%{x:.3f} %{y:+.3f}i<extra></extra>" }], {
+      title: { text: `${title} (scaled by max |λ| ${fmt(scale, 2)})`, font: { size: 12 } }, width: 300, height: 300,
+      margin: { l: 35, r: 10, t: 35, b: 30 }, showlegend: false,
+      xaxis: { range: [-1.15, 1.15] }, yaxis: { range: [-1.15, 1.15], scaleanchor: "x" },
+      shapes: [{ type: "circle", x0: -1, y0: -1, x1: 1, y1: 1, line: { color: "#ccc" } }],
+    }, "small-plot");
+  }
+  function compRows(parent, title, rows) {
+    parent.append(el("h3", { text: title }));
+    if (!rows.length) { note(parent, "none"); return; }
+    table(parent, ["head", "Q", "K", "V"], rows.map((r) => [headLink(r.head), fmt(r.q), fmt(r.k), fmt(r.v)]));
+  }
+  function drawCard(out, c) {
+    out.append(el("h3", { text: `head ${c.head}` }));
+    out.append(el("p", {}, "eigen copying score (Σλ / Σ|λ| of the full OV circuit) ",
+      el("span", { "data-field": "copying", "data-value": String(c.copying), text: signed(c.copying, 4) })));
+    const row = el("div", { class: "cols" });
+    out.append(row);
+    spectrum(row, c.ov_eigenvalues, "OV eigenvalues");
+    spectrum(row, c.qk_eigenvalues, "QK eigenvalues");
+    const tabs = el("div", { class: "cols" });
+    out.append(tabs);
+    if (c.top_ov) {
+      const ov = el("div"); tabs.append(ov);
+      ov.append(el("h3", { text: "largest full-OV entries (W_E W_OV W_U)" }));
+      table(ov, ["source", "output", "value"], c.top_ov.map((e) => [tok(e.src), tok(e.out), valued(e.value)]), [0, 1])
+        .classList.add("top-ov");
+    }
+    if (c.top_qk) {
+      const qk = el("div"); tabs.append(qk);
+      const at = c.qk_offset == null ? "" : ` at offset ${c.qk_offset} (the profile's peak)`;
+      qk.append(el("h3", { text: `largest full-QK entries (query · key)${at}` }));
+      table(qk, ["query", "key", "value"], c.top_qk.map((e) => [tok(e.query), tok(e.key), valued(e.value)]), [0, 1])
+        .classList.add("top-qk");
+    }
+    if (c.trigrams && c.trigrams.length) {
+      const tg = el("div"); tabs.append(tg);
+      tg.append(el("h3", { text: "skip-trigrams: source … destination → output" }));
+      table(tg, ["source", "destination", "output", "score"],
+        c.trigrams.map((t) => [tok(t.src), tok(t.dest), tok(t.out), valued(t.value, 2)]), [0, 1, 2]).classList.add("trigrams");
+    }
+    const pos = c.positional;
+    if (pos && pos.kind !== "none" && pos.offsets.length) {
+      plot(out, [{ x: pos.offsets, y: pos.values, mode: "lines+markers" }], {
+        title: { text: `positional profile (${pos.kind}): the attention score by query − key offset` }, height: 300,
+        xaxis: { title: { text: "offset" } }, yaxis: { title: { text: "score" } },
+      });
+    } else note(out, "No positional profile: this model has no positional embedding.");
+    const comp = el("div", { class: "cols" });
+    out.append(comp);
+    const a = el("div"), b = el("div");
+    comp.append(a, b);
+    compRows(a, "reads (earlier heads this head composes with)", c.composition.reads);
+    compRows(b, "read by (later heads composing with it)", c.composition.read_by);
+    if (c.pattern) {
+      out.append(el("h3", { text: `pattern of ${c.head} on the text` }));
+      viewer(out, c.pattern.tokens, c.pattern.pattern, c.pattern.argmax, `head ${c.head}`).classList.add("card-pattern");
+    }
+  }
+
+  // ------------------------------------------------------------------ composition graph
+  const KIND_COLOR = { q: "#3056d3", k: "#d3562f", v: "#2a9d5b" };
+  const SVGNS = "http://www.w3.org/2000/svg";
+  function svg(tag, attrs) {
+    const n = document.createElementNS(SVGNS, tag);
+    for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, v);
+    return n;
+  }
+  function drawComposition(out, g) {
+    S.comp = g;
+    const max = Math.max(1e-9, ...g.edges.map((e) => e.value));
+    const slider = $("#composition-threshold");
+    slider.max = String(max);
+    slider.step = "any";
+    const base = Math.max(0, ...Object.values(g.baselines || {}).map((b) => b.mean || 0));
+    slider.value = String(base > 0 && base < max ? base : max / 2);
+    note(out, "Heads by layer (columns); an edge from an earlier head to a later one is their Q-, K- or V-composition " +
+      "score (blue, orange, green), drawn when it is at least the threshold (it starts at the largest random-matrix " +
+      "baseline). Click a head for its card.");
+    out.append(el("div", { class: "graph" }));
+    redrawGraph();
+  }
+  function redrawGraph() {
+    const g = S.comp;
+    const box = P.composition.out.querySelector(".graph");
+    if (!g || !box) return;
+    const th = +$("#composition-threshold").value;
+    $("#composition-threshold-value").textContent = fmt(th, 3);
+    const kinds = new Set([...document.querySelectorAll(".composition-kind")].filter((c) => c.checked).map((c) => c.value));
+    const H = M.n_heads, W = 140 * M.n_layers + 60, Ht = 34 * H + 40;
+    const at = (h) => { const [l, i] = h.split(".").map(Number); return [60 + 140 * l, 30 + 34 * i]; };
+    const s = svg("svg", { width: W, height: Ht, class: "composition-graph" });
+    const max = Math.max(1e-9, ...g.edges.map((e) => e.value));
+    let n = 0;
+    for (const e of g.edges) {
+      if (!kinds.has(e.kind) || !(e.value >= th)) continue;
+      const [x1, y1] = at(e.src), [x2, y2] = at(e.dst);
+      const line = svg("line", { x1, y1, x2, y2, stroke: KIND_COLOR[e.kind], "stroke-opacity": 0.7,
+        "stroke-width": (0.5 + 4 * e.value / max).toFixed(2), "data-src": e.src, "data-dst": e.dst, "data-kind": e.kind,
+        "data-value": String(e.value) });
+      const t = svg("title", {}); t.textContent = `${e.src} → ${e.dst} ${e.kind.toUpperCase()} ${fmt(e.value)}`;
+      line.append(t); s.append(line); n++;
+    }
+    for (const h of g.heads) {
+      const [x, y] = at(h);
+      const node = svg("g", { class: "node", "data-head": h });
+      node.append(svg("circle", { cx: x, cy: y, r: 11 }));
+      const label = svg("text", { x, y: y + 4, "text-anchor": "middle" }); label.textContent = h;
+      node.append(label);
+      node.addEventListener("click", () => openCard(h));
+      s.append(node);
+    }
+    s.dataset.shown = String(n);
+    box.replaceChildren(s);
+  }
+
+  // ------------------------------------------------------------------ terms, ablation, patching
+  function runTerms() {
+    if (S.text == null) { P.terms.fail("type a text first (the Text box above)"); return; }
+    P.terms.run("terms", { text: S.text, position: +$("#terms-position").value }, (out, r) => {
+      note(out, `Loss change (nats) at position ${r.position} (token ${tok(r.token)}, predicting ${tok(r.next)}, ` +
+        `loss ${fmt(r.loss, 4)}) when each term of the path expansion is removed (the direct path, each head, virtual ` +
+        "heads), attention patterns frozen; positive: the term helps predict the next token.");
+      const rows = r.rows.slice(0, 40);
+      table(out, ["term", "effect"], rows.map((e) => [e.term, valued(e.effect)]), [0]).classList.add("terms-table");
+      plot(out, [{ type: "bar", x: rows.map((e) => e.term), y: rows.map((e) => e.effect), marker: { color: "#8aa2e8" } }],
+        { height: 320, xaxis: { type: "category" }, yaxis: { title: { text: "effect" } } });
+    });
+  }
+  function topList(top) {  // the predictions at the last position that has them (or the list itself)
+    if (!top || !top.length) return [];
+    return Array.isArray(top[0]) ? top[top.length - 1] : top;
+  }
+  function drawAblate(out, r) {
+    out.append(el("p", {}, `${r.heads.join(", ")} ${r.mode}-ablated: mean loss `,
+      el("span", { "data-field": "mean_before", "data-value": String(r.mean_before), text: fmt(r.mean_before, 4) }),
+      " → ", el("span", { "data-field": "mean_after", "data-value": String(r.mean_after), text: fmt(r.mean_after, 4) }),
+      ` (${signed(r.mean_after - r.mean_before, 4)} nats)`));
+    const toks = (S.textResult && S.textResult.tokens) || [];
+    const rows = r.loss_before.map((b, i) => [i, toks[i] == null ? "" : tok(toks[i]), fmt(b, 4), fmt(r.loss_after[i], 4),
+      b == null ? "–" : signed(r.loss_after[i] - b, 4)]).filter((x) => x[2] !== "–");
+    const cols = el("div", { class: "cols" });
+    out.append(cols);
+    const a = el("div"), b = el("div"), c = el("div");
+    cols.append(a, b, c);
+    a.append(el("h3", { text: "loss per token (predicting the next)" }));
+    table(a, ["pos", "token", "before", "after", "change"], rows, [1]).classList.add("ablate-loss");
+    for (const [d, name, top] of [[b, "before", r.top_before], [c, "after", r.top_after]]) {
+      d.append(el("h3", { text: `top predictions at the end, ${name}` }));
+      table(d, ["token", "p"], topList(top).map((p) => [tok(p.token), fmt(p.p, 4)]), [0]);
+    }
+  }
+  function drawPatch(out, r) {
+    if (!r.results || !r.results.length) throw new Error("no patching results in the answer");
+    R.sections.patching(out, r);
+  }
+  function ablateChips() {
+    const box = $("#ablate-heads");
+    for (const h of M.heads) {
+      const b = el("button", { type: "button", class: "chip", "data-head": h, "aria-pressed": "false", text: h });
+      b.addEventListener("click", () => {
+        if (S.ablate.has(h)) S.ablate.delete(h); else S.ablate.add(h);
+        b.setAttribute("aria-pressed", String(S.ablate.has(h)));
+      });
+      box.append(b);
+    }
+  }
+
+  // ------------------------------------------------------------------ wiring
+  P.model.draw(drawModel, M);
+  for (const h of M.heads) $("#attention-head").append(el("option", { value: h, text: h }));
+  ablateChips();
+  $("#text-form").addEventListener("submit", (e) => { e.preventDefault(); runText(); });
+  $("#attention-head").addEventListener("change", runAttention);
+  $("#composition-run").addEventListener("click", () => P.composition.run("composition", {}, drawComposition));
+  $("#composition-threshold").addEventListener("input", redrawGraph);
+  for (const c of document.querySelectorAll(".composition-kind")) c.addEventListener("change", redrawGraph);
+  $("#terms-run").addEventListener("click", runTerms);
+  $("#ablate-run").addEventListener("click", () => {
+    if (S.text == null) { P.ablate.fail("type a text first (the Text box above)"); return; }
+    if (!S.ablate.size) { P.ablate.fail("choose the heads to ablate (click them above)"); return; }
+    P.ablate.run("ablate", { text: S.text, heads: [...S.ablate], mode: $("#ablate-mode").value }, drawAblate);
+  });
+  $("#patch-form").addEventListener("submit", (e) => {
+    e.preventDefault();
+    const args = { clean: textArg($("#patch-clean").value), corrupted: textArg($("#patch-corrupted").value) };
+    if ($("#patch-metric").value.trim()) args.metric = $("#patch-metric").value.trim();
+    P.patch.run("patch", args, drawPatch);
+  });
+  P.heads.run("heads", {}, drawHeads);
+  document.documentElement.dataset.ready = "1";
+})();

@@ -1,0 +1,194 @@
+"""The head card of ``qkov explore`` (view ``card``): one head's circuits, each read off the weights by
+the library function that computes it, for this head only.
+
+* ``ov_eigenvalues`` / ``copying``: the eigenvalues of the full OV circuit ``W_E W_OV W_U``
+  (:func:`qkov.full_ov` ``.eigenvalues()``, the ``d_head`` values of its small twin: the same numbers
+  :func:`qkov.ov_eigenvalues` gives for every head) and :func:`~qkov.analysis.circuits.eigen_copying_score`;
+* ``qk_eigenvalues`` / ``top_qk``: the full QK circuit ``W_E W_QK W_E^T`` (:func:`qkov.analysis.circuits.full_qk`);
+  a rotary head has one per offset, so its card reads the direct-path table at the offset its profile
+  prefers (:func:`~qkov.analysis.rotary_circuits.offset_qk`, ``qk_offset`` says which);
+* ``top_ov`` / ``top_qk``: the largest entries over the whole vocabulary, exact, in row chunks
+  (:meth:`LowRank.topk <qkov.analysis.factored.LowRank.topk>`; nothing ``d_vocab x d_vocab`` is held);
+* ``trigrams``: :func:`~qkov.analysis.trigrams.skip_trigrams` (exact branch and bound, start token excluded);
+* ``positional``: a learned-position head's ``W_pos W_QK W_pos^T`` (:func:`qkov.positional_qk`)
+  averaged along each offset ``query - key``; a rotary head's weights-only offset profile
+  (:func:`~qkov.analysis.rotary_circuits.offset_profile`);
+* ``composition``: the head's row and column of Q/K/V composition, computed for this head's pairs
+  only with the scores of :func:`qkov.composition_scores` (tested equal to the all-pairs result);
+* ``pattern``: the head's attention pattern on ``text`` when given (the ``attention`` view's form).
+
+At GPT-2's vocabulary each vocabulary-wide table costs about one ``d_vocab x d_vocab x d_head``
+product (seconds each on a laptop CPU): ``"tables": false`` leaves ``top_ov``, ``top_qk`` and
+``trigrams`` out (``null``) for a card in well under a second.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...analysis.circuits import eigen_copying_score, full_ov, full_qk, positional_qk
+from ...analysis.composition import KINDS, composition_baseline, reader_matrix
+from ...analysis.factored import LowRank
+from ...analysis.forward import trace
+from ...analysis.progress import tick
+from ...analysis.rotary_circuits import offset_profile, offset_qk, rotations
+from ...analysis.trigrams import skip_trigrams
+from ...progress import Progress
+from .context import BadRequest, Explorer
+
+TOP = 20
+"""Entries listed per vocabulary-wide table (``top_ov``, ``top_qk``, ``trigrams``) by default."""
+MAX_TOP = 200
+MAX_OFFSET = 64
+"""The positional profile covers offsets ``0 .. min(n_ctx - 1, MAX_OFFSET)``."""
+
+
+def r6(x: float) -> float | None:
+    """``x`` to 6 significant digits (``None`` when not finite)."""
+    x = float(x)
+    return float(f"{x:.6g}") if math.isfinite(x) else None
+
+
+def int_arg(args: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
+    """``args[key]`` as an int in ``lo .. hi`` (``default`` when absent), else :class:`BadRequest`."""
+    value = args.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise BadRequest(f"{key!r} must be an integer in {lo} .. {hi}, got {value!r}")
+    return value
+
+
+def pattern_result(ex: Explorer, ids: Tensor, layer: int, head: int) -> dict[str, Any]:
+    """Head ``layer.head``'s pattern on ``ids [1, seq]`` (:func:`qkov.trace`), as the ``attention`` view
+    gives it: ``{head, tokens, pattern (query rows, key columns, zeros above the diagonal), argmax}``."""
+    with torch.no_grad():
+        out = trace(ex.weights, ids.to(ex.weights.device), cache=[f"pattern.{layer}"])
+    pattern = out["pattern", layer][0, head].float().cpu()
+    return {
+        "head": f"{layer}.{head}",
+        "tokens": [ex.decode(i) for i in ids[0].tolist()],
+        "pattern": [[r6(v) for v in row[: q + 1]] + [0.0] * (len(row) - q - 1) for q, row in enumerate(pattern.tolist())],
+        "argmax": pattern.argmax(dim=-1).tolist(),
+    }
+
+
+def spectrum(eigs: Tensor) -> list[dict[str, float | None]]:
+    """Complex eigenvalues ``[r]`` as ``[{re, im}]``, largest magnitude first."""
+    order = torch.argsort(eigs.abs(), descending=True)
+    return [{"re": r6(eigs[i].real), "im": r6(eigs[i].imag)} for i in order.tolist()]
+
+
+def positional(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
+    """The head's score by offset ``query - key`` from its weights alone (``kind`` says how)."""
+    w, cfg = ex.weights, ex.model.cfg
+    offsets = list(range(min(cfg.n_ctx, MAX_OFFSET + 1)))
+    if cfg.positional == "rotary":
+        values = offset_profile(w, layer, head, offsets).tolist()
+        return {"offsets": offsets, "values": [r6(v) for v in values], "kind": "rotary"}
+    if w.pos() is None:
+        return {"offsets": [], "values": [], "kind": "none"}
+    table = positional_qk(w, layer, head).materialize()  # [n_ctx, n_ctx]: n_ctx^2 floats
+    values = [float(table.diagonal(-d).mean()) for d in offsets]  # query i, key i - d
+    return {"offsets": offsets, "values": [r6(v) for v in values], "kind": "learned"}
+
+
+def _scores(writer: LowRank, readers: list[LowRank]) -> Tensor:
+    """Composition scores ``[n_writers, n_readers]``: ``||W_writer M_reader||_F / (||W_writer|| ||M_reader||)``
+    through :meth:`LowRank.row_factor` / :meth:`LowRank.col_factor` (as :func:`qkov.composition_scores`),
+    averaged over ``readers`` (one per rotary offset; else one)."""
+    rows, w_norm = writer.row_factor(), writer.norm()  # [n, E, D], [n]
+    out = []
+    for reader in readers:
+        cols, r_norm = reader.col_factor(), reader.norm()  # [m, D, E], [m]
+        num = torch.einsum("ned,mdf->nmef", rows, cols).square().sum((-1, -2)).sqrt()
+        out.append(num / (w_norm[:, None] * r_norm[None, :]))
+    return torch.stack(out).mean(0)
+
+
+def _readers(att: Any, kind: str, Rs: Tensor | None) -> list[LowRank]:
+    if kind == "v" or Rs is None:
+        return [reader_matrix(att, kind)]
+    return [reader_matrix(att, kind, R) for R in Rs]
+
+
+def composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
+    """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
+    every later head composing with it) of raw composition scores, and each kind's random baseline."""
+    w, cfg = ex.weights, ex.model.cfg
+    Rs = rotations(w, None)
+    mine = w.attention(layer)
+    me = lambda lr: LowRank(lr.A[head : head + 1], lr.B[head : head + 1])  # noqa: E731
+    reads, read_by = [], []
+    for l1 in range(layer):
+        att = w.attention(l1)
+        writer = LowRank(att.W_V, att.W_O)
+        s = {k: _scores(writer, [me(r) for r in _readers(mine, k, Rs)])[:, 0] for k in KINDS}
+        reads += [{"head": f"{l1}.{h}", **{k: r6(s[k][h]) for k in KINDS}} for h in range(cfg.n_heads)]
+    writer = me(LowRank(mine.W_V, mine.W_O))
+    for l2 in range(layer + 1, cfg.n_layers):
+        att = w.attention(l2)
+        s = {k: _scores(writer, _readers(att, k, Rs))[0] for k in KINDS}
+        read_by += [{"head": f"{l2}.{h}", **{k: r6(s[k][h]) for k in KINDS}} for h in range(cfg.n_heads)]
+    base = {k: r6(composition_baseline(cfg.d_model, cfg.d_head, k).mean) for k in KINDS}  # type: ignore[arg-type]
+    return {"reads": reads, "read_by": read_by, "baseline": base}
+
+
+def _qk_circuit(ex: Explorer, layer: int, head: int, prof: dict[str, Any]) -> tuple[LowRank, int | None]:
+    """The head's token-token QK table and, for a rotary head, the offset it is read at (the profile's peak)."""
+    if ex.model.cfg.positional != "rotary":
+        return full_qk(ex.weights, layer, head), None
+    values = [v if v is not None else -math.inf for v in prof["values"]]
+    delta = prof["offsets"][max(range(len(values)), key=values.__getitem__)]
+    return offset_qk(ex.weights, layer, head, delta), delta
+
+
+def card(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """One head's card (module docstring): args ``head``, optional ``text`` (its pattern), ``top``
+    (entries per table, default 20) and ``tables`` (default true; false leaves the vocabulary-wide tables out)."""
+    layer, head = ex.head(args)
+    ids = ex.tokens(args) if args.get("text") is not None else None  # checked before any work
+    top = int_arg(args, "top", TOP, 1, MAX_TOP)
+    tables = args.get("tables", True)
+    if not isinstance(tables, bool):
+        raise BadRequest(f"'tables' must be true or false, got {tables!r}")
+    steps, what = 6 if tables else 3, f"card {layer}.{head}"
+    tick(progress, what, 0, steps)
+    fov = full_ov(ex.weights, layer, head)
+    ov_eigs = fov.eigenvalues()
+    prof = positional(ex, layer, head)
+    fqk, qk_offset = _qk_circuit(ex, layer, head, prof)
+    out: dict[str, Any] = {
+        "head": f"{layer}.{head}",
+        "ov_eigenvalues": spectrum(ov_eigs),
+        "qk_eigenvalues": spectrum(fqk.eigenvalues()),
+        "qk_offset": qk_offset,
+        "copying": r6(eigen_copying_score(ov_eigs)),
+        "positional": prof,
+    }
+    tick(progress, what, 1, steps)
+    out["composition"] = composition_of(ex, layer, head)
+    tick(progress, what, 2, steps)
+    out["pattern"] = None if ids is None else pattern_result(ex, ids, layer, head)
+    tick(progress, what, 3, steps)
+    out["top_ov"] = out["top_qk"] = out["trigrams"] = None
+    if tables:
+        k = min(top, ex.model.cfg.d_vocab**2)
+        t = fov.topk(k)
+        out["top_ov"] = [{"src": ex.decode(r), "out": ex.decode(c), "src_id": r, "out_id": c, "value": r6(v)}
+                         for v, r, c in zip(t.values.tolist(), t.rows.tolist(), t.cols.tolist())]  # fmt: skip
+        tick(progress, what, 4, steps)
+        t = fqk.topk(k)
+        out["top_qk"] = [{"query": ex.decode(r), "key": ex.decode(c), "query_id": r, "key_id": c, "value": r6(v)}
+                         for v, r, c in zip(t.values.tolist(), t.rows.tolist(), t.cols.tolist())]  # fmt: skip
+        tick(progress, what, 5, steps)
+        found = skip_trigrams(ex.weights, layer, head, top=top, exclude=(ex.bos,)).trigrams
+        out["trigrams"] = [
+            {"src": ex.decode(s.source), "dest": ex.decode(s.destination), "out": ex.decode(s.output),
+             "src_id": s.source, "dest_id": s.destination, "out_id": s.output, "value": r6(s.score)}
+            for s in found
+        ]  # fmt: skip
+        tick(progress, what, 6, steps)
+    return out

@@ -1,0 +1,123 @@
+"""Interventions in ``qkov explore``: ablate heads on a text, patch between two texts.
+
+* ``ablate`` {text, heads, mode} — the edits of :func:`qkov.analysis.ablation.ablation_edits` (``zero``: the
+  heads write nothing; ``mean``: each writes its mean output over every position of this text,
+  :func:`~qkov.analysis.ablation.z_means`), run by :func:`qkov.trace`: the loss per token and the top
+  predictions before and after. The mean loss is what ``qkov ablate SOURCE --heads ... --mode ...`` reports
+  for this text as its validation sample (:func:`qkov.ablation_study`'s ``intact`` / ``ablated`` loss; tested).
+* ``patch`` {clean, corrupted, metric?} — :func:`qkov.analysis.patch_study.patch_study` with ``qkov patch``'s
+  defaults: activation patching of the residual stream by (layer, position) and of every head's output by
+  (layer, head), attribution patching of the head outputs and its agreement; ``metric`` as ``qkov patch
+  --metric`` writes it (``loss``, ``logit-diff:A,B``, ``prob:T``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...analysis.ablation import ablation_edits, z_means
+from ...analysis.forward import trace
+from ...analysis.metrics import parse_metric
+from ...analysis.patch_study import patch_study
+from ...errors import QkovError
+from ...model.ops import next_token_nll
+from ...progress import Progress
+from .context import BadRequest, Explorer
+from .views_card import r6
+
+MODES = ("zero", "mean")
+TOP_K = 5
+"""Next-token predictions listed per position before and after the ablation."""
+
+
+def _heads(ex: Explorer, args: dict[str, Any]) -> list[tuple[int, int]]:
+    """``args["heads"]``: a non-empty list of heads (``"L.H"``), each checked (:meth:`Explorer.head`), in order, once."""
+    value = args.get("heads")
+    if isinstance(value, str):
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list) or not value:
+        raise BadRequest("'heads' must be a non-empty list of heads like [\"1.3\"]")
+    out: list[tuple[int, int]] = []
+    for v in value:
+        h = ex.head({"head": v})
+        if h not in out:
+            out.append(h)
+    return out
+
+
+def _top(ex: Explorer, logits: torch.Tensor) -> list[list[dict[str, Any]]]:
+    """The ``TOP_K`` most likely next tokens at each position of ``logits [seq, d_vocab]``."""
+    values, ids = torch.log_softmax(logits.float(), -1).topk(min(TOP_K, logits.shape[-1]), dim=-1)
+    return [
+        [{"token": ex.decode(int(i)), "id": int(i), "p": r6(math.exp(float(v)))} for v, i in zip(vs, row)]
+        for vs, row in zip(values.tolist(), ids.tolist())
+    ]
+
+
+def _run(ex: Explorer, ids: torch.Tensor, edits: dict[Any, Any] | None) -> tuple[list[float], list[Any]]:
+    """Per-token losses ``[seq - 1]`` and top predictions of a forward pass on ``ids [1, seq]`` with ``edits``."""
+    with torch.no_grad():
+        logits = trace(ex.weights, ids, edits=edits).logits
+    return next_token_nll(logits, ids)[0].tolist(), _top(ex, logits[0].cpu())
+
+
+def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """The text's loss per token and top predictions, intact and with ``heads`` ablated (``mode``)."""
+    ids = ex.tokens(args).to(ex.weights.device)
+    heads = _heads(ex, args)
+    mode = args.get("mode", "zero")
+    if mode not in MODES:
+        raise BadRequest(f"'mode' must be one of {', '.join(MODES)}, got {mode!r}")
+    if ids.shape[1] < 2:
+        raise BadRequest("'text' needs at least 2 tokens to have a loss")
+    progress("ablate", 0, 2)
+    before, top_before = _run(ex, ids, None)
+    progress("ablate", 1, 2)
+    means = z_means(ex.weights, ids, heads) if mode == "mean" else None
+    after, top_after = _run(ex, ids, ablation_edits(heads, mode, means=means))
+    progress("ablate", 2, 2)
+    return {
+        "heads": [f"{l}.{h}" for l, h in heads],
+        "mode": mode,
+        "mean_sample": f"every position of this text ({ids.shape[1]} tokens)" if mode == "mean" else None,
+        "loss_before": [r6(v) for v in before] + [None],
+        "loss_after": [r6(v) for v in after] + [None],
+        "mean_before": r6(sum(before) / len(before)),
+        "mean_after": r6(sum(after) / len(after)),
+        "top_before": top_before,
+        "top_after": top_after,
+    }
+
+
+def _clean_nan(x: Any) -> Any:
+    """JSON-ready: floats to 6 significant digits, NaN and infinities to ``None``, recursively."""
+    if isinstance(x, float):
+        return r6(x)
+    if isinstance(x, list):
+        return [_clean_nan(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _clean_nan(v) for k, v in x.items()}
+    return x
+
+
+def patch(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """``qkov patch``'s default study of ``clean`` against ``corrupted`` (two texts of the same length)."""
+    clean, corrupted = ex.tokens(args, "clean"), ex.tokens(args, "corrupted")
+    if clean.shape != corrupted.shape:
+        raise BadRequest(
+            f"'clean' and 'corrupted' must have the same number of tokens, got {clean.shape[1]} and {corrupted.shape[1]}"
+        )
+    metric = args.get("metric", "loss")
+    if metric is not None and not isinstance(metric, str):
+        raise BadRequest(f"'metric' must be a string (loss, logit-diff:A,B or prob:T), got {metric!r}")
+    dev = ex.weights.device
+    clean, corrupted = clean.to(dev), corrupted.to(dev)
+    try:
+        m = parse_metric(metric, clean, ex.encode, ex.model.cfg.d_vocab)
+    except QkovError as exc:
+        raise BadRequest(str(exc)) from None
+    study = patch_study(ex.weights, clean, corrupted, metric=m, decode=ex.decode, progress=progress)
+    return _clean_nan(study.to_dict())
