@@ -37,6 +37,7 @@ from ..weights.parts import AttentionWeights, WeightSource
 from ..weights.convert import SourceLike, as_source
 from .factored import LowRank, gram_sqrt
 from .progress import Progress, tick
+from . import split
 from .rotary_circuits import resolve_offsets, rotations
 from .shown import CompositionScores, Shown
 
@@ -86,7 +87,10 @@ def composition_raw(
 
     Rotary models: a Q- or K-composition score is the mean, over the offset set ``offsets``
     (default :func:`~qkov.analysis.rotary_circuits.default_offsets`), of the score against the
-    reader's QK circuit at that offset, ``W_Q R_delta W_K^T``; V-composition has no offset."""
+    reader's QK circuit at that offset, ``W_Q R_delta W_K^T``; V-composition has no offset.
+
+    Under a split (:mod:`qkov.analysis.split`) each rank computes its share of the products (one
+    per block of writer layers and reader layer) and every rank returns all the scores."""
     kinds = _kinds(kinds)
     Rs = rotations(source, offsets)
     cfg = source.cfg
@@ -102,6 +106,9 @@ def composition_raw(
     group = max(1, PRODUCT_BYTES // (H * E * H * E * item))  # writer layers per product
     starts = range(0, L - 1, block)
     total, done = sum(L - a for a in starts), 0
+    sp = split.current()  # a unit: one product, writer layers lo .. hi-1 x reader layer l2 (every kind)
+    where: list[tuple[int, int, int]] = []  # unit -> (lo, hi, l2), numbered alike on every rank
+    parts: dict[int, dict[str, Tensor]] = {}  # this rank's units: kind -> [hi - lo, H, H]
     for a in starts:
         b = min(L - 1, a + block)  # writers a .. b-1 held; readers a+1 .. L-1 stream past
         rows = torch.empty((b - a) * H, E, D, **opts)  # writer layer a + i at rows[i H : (i + 1) H]
@@ -111,11 +118,16 @@ def composition_raw(
                 ov = LowRank(expand_kv(att.W_V, group_size), att.W_O)
                 rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()
                 ov_norm[l2] = ov.norm()
-            for kind in kinds if l2 > a else ():
+            units = []
+            for lo in range(a, min(b, l2), group):  # writer layers lo .. hi-1, before this reader
+                where.append((lo, min(b, l2, lo + group), l2))
+                units.append(len(where) - 1)
+            units = [u for u in units if sp.mine(u)]
+            for kind in kinds if units else ():
                 X, Ms, r_norms = _reader_parts(att, kind, None if kind == "v" else Rs, group_size)
                 MM = _gram(Ms, X.shape[0])
-                for lo in range(a, min(b, l2), group):  # writer layers lo .. hi-1, before this reader
-                    hi = min(b, l2, lo + group)
+                for u in units:
+                    lo, hi, _ = where[u]
                     # the costly product once per reader layer: writer factors x the reader's stream side
                     left = rows[(lo - a) * H : (hi - a) * H].reshape(-1, D)
                     right = X.permute(1, 0, 2).reshape(D, -1)
@@ -124,9 +136,12 @@ def composition_raw(
                     P = (left @ right).to(source.dtype)
                     num = _offset_norms(P.view((hi - lo) * H, E, X.shape[0], E), Ms, MM).view(len(Ms), hi - lo, H, H)
                     norms = ov_norm[lo:hi, :, None] * r_norms[:, None, None, :]  # [offsets, layers, H, H]
-                    out[kind][lo:hi, :, l2, :] = (num / norms).mean(0)
+                    parts.setdefault(u, {})[kind] = (num / norms).mean(0)
             done += 1
             tick(progress, "composition", done, total)
+    for (lo, hi, l2), got in zip(where, sp.gather(parts, len(where))):  # every unit, in unit order
+        for kind, scores in got.items():
+            out[kind][lo:hi, :, l2, :] = scores
     return out
 
 

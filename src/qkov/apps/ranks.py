@@ -1,0 +1,37 @@
+"""An analysis command under ``torchrun``: join the process group, split the work, speak on rank 0 only.
+
+``torchrun --nproc-per-node N -m qkov circuits MODEL --json`` starts N processes; :func:`ranks` joins
+them into one process group (:func:`qkov.training.distributed.setup`: gloo on CPUs, NCCL on GPUs),
+gives each rank its share of the cores, and puts the split in force (:func:`qkov.analysis.split.over`)
+for the analyses called inside it. Every rank gets every result; the command prints and writes on
+rank 0 alone (``Split.main``) and the others exit 0 having written nothing. Without torchrun's
+variables it is one process and changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+
+from ..analysis.split import Split, over
+from ..training import distributed
+
+
+@contextlib.contextmanager
+def ranks(device: torch.device) -> Iterator[tuple[Split, torch.device]]:
+    """The split of this launch and this rank's device (``device`` itself for one process). Ranks
+    that share a machine share its cores: with as many ranks as cores, each computes on one thread."""
+    info = distributed.from_env()
+    if not info.enabled:
+        yield Split(), device
+        return
+    info, device = distributed.setup(device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world))
+    try:
+        with over(Split.from_group()) as split:
+            yield split, device
+    finally:
+        distributed.teardown(info)
