@@ -20,6 +20,12 @@ from ..analysis.split import Split, over
 from ..training import distributed
 
 
+def rank_device(device: torch.device) -> torch.device:
+    """This rank's device: under torchrun a CUDA device is the rank's own (``LOCAL_RANK``); else ``device``."""
+    info = distributed.from_env()
+    return torch.device("cuda", info.local_rank) if info.enabled and device.type == "cuda" else device
+
+
 @contextlib.contextmanager
 def ranks(device: torch.device) -> Iterator[tuple[Split, torch.device]]:
     """The split of this launch and this rank's device (``device`` itself for one process). Ranks
