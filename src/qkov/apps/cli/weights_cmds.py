@@ -268,8 +268,12 @@ def trigram_data(
 
 
 def cmd_trigrams(args: argparse.Namespace) -> int:
-    source, tokenizer, bos = _source(args)  # without a tokenizer, tokens show as <id>
-    data = {"path": str(args.ckpt), **trigram_data(source, tokenizer, bos, args.head, args.top, args.source)}
+    with ranks(device(args)) as (split, dev):  # torchrun: one head's table is one unit, rank 0's
+        source, tokenizer, bos = _source(args, dev=dev)  # without a tokenizer, tokens show as <id>
+        parse_head(args.head, source.cfg)  # a bad head is every rank's error
+        if not split.main:
+            return 0
+        data = {"path": str(args.ckpt), **trigram_data(source, tokenizer, bos, args.head, args.top, args.source)}
     if args.json:
         dump_json(data)
         return 0

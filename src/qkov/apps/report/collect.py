@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ...analysis import trigrams
+from ...analysis import split, trigrams
 from ...analysis.circuits import DIAG_EXACT_MAX, bandwidth, check_diag_k, eigen_copying_score, full_ov, ov_eigenvalues
 from ...analysis.composition import Composition, composition_scores
 from ...analysis.forward import trace
@@ -242,12 +242,16 @@ def _trigram_heads(w: Weights) -> tuple[list[int], str | None]:
 
 
 def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection:
-    heads = []
     chosen, note = _trigram_heads(w)
-    for h in chosen:
-        tri = trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,)).trigrams
-        heads.append(HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)))
+    sp = split.current()  # a unit: one head's table
+    parts = {i: skip_trigrams_of(w, h, top, bos) for i, h in enumerate(chosen) if sp.mine(i)}
+    heads = [HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)) for h, tri in zip(chosen, sp.gather(parts, len(chosen)))]
     return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top, exclude=(bos,)).bigrams, decode), note)
+
+
+def skip_trigrams_of(w: Weights, head: int, top: int, bos: int) -> list[trigrams.SkipTrigram]:
+    """The ``top`` skip-trigrams of head ``0.head``, the start token left out."""
+    return trigrams.skip_trigrams(w, 0, head, top=top, exclude=(bos,)).trigrams
 
 
 def trigram_rows(tri: list[trigrams.SkipTrigram], decode: Decode) -> list[TrigramRow]:
