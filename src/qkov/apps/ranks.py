@@ -5,7 +5,8 @@ them into one process group (:func:`qkov.training.distributed.setup`: gloo on CP
 gives each rank its share of the cores, and puts the split in force (:func:`qkov.analysis.split.over`)
 for the analyses called inside it. Every rank gets every result; the command prints and writes on
 rank 0 alone (``Split.main``) and the others exit 0 having written nothing. Without torchrun's
-variables it is one process and changes nothing.
+variables it is one process and changes nothing. A group already joined (a script of one's own that
+runs several commands: ``qkov.apps.cli.main``) is used as it is and left joined.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from ..analysis.split import Split, over
 from ..training import distributed
@@ -34,10 +36,12 @@ def ranks(device: torch.device) -> Iterator[tuple[Split, torch.device]]:
     if not info.enabled:
         yield Split(), device
         return
+    joined = not dist.is_initialized()  # a script that joined the group itself keeps it
     info, device = distributed.setup(device)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world))
     try:
         with over(Split.from_group()) as split:
             yield split, device
     finally:
-        distributed.teardown(info)
+        if joined:
+            distributed.teardown(info)
