@@ -244,14 +244,11 @@ def _trigram_heads(w: Weights) -> tuple[list[int], str | None]:
 def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection:
     chosen, note = _trigram_heads(w)
     sp = split.current()  # a unit: one head's table
-    parts = {i: skip_trigrams_of(w, h, top, bos) for i, h in enumerate(chosen) if sp.mine(i)}
+    parts = {
+        i: trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,)).trigrams for i, h in enumerate(chosen) if sp.mine(i)
+    }
     heads = [HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)) for h, tri in zip(chosen, sp.gather(parts, len(chosen)))]
     return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top, exclude=(bos,)).bigrams, decode), note)
-
-
-def skip_trigrams_of(w: Weights, head: int, top: int, bos: int) -> list[trigrams.SkipTrigram]:
-    """The ``top`` skip-trigrams of head ``0.head``, the start token left out."""
-    return trigrams.skip_trigrams(w, 0, head, top=top, exclude=(bos,)).trigrams
 
 
 def trigram_rows(tri: list[trigrams.SkipTrigram], decode: Decode) -> list[TrigramRow]:
