@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from helpers import torchrun
 SCRIPT = """
 import contextlib, io, json, os, sys
 from pathlib import Path
+import torch
 import qkov.analysis.split as S
 from qkov.apps.cli import main
 
@@ -40,10 +42,24 @@ def spy(self, parts, n):
     return gather(self, parts, n)
 
 S.Split.gather = spy
+
+
+def blocks(path):  # composition streamed one writer layer at a time, one pair of layers per product
+    import qkov.analysis.composition as C
+    from qkov.apps.ranks import ranks
+    from qkov.weights import LazyCheckpoint
+    C.PRODUCT_BYTES = 1
+    with ranks(torch.device("cpu")):
+        raw = C.composition_raw(LazyCheckpoint(path), "qkv", max_bytes=1)
+    if rank == 0:
+        print(json.dumps({k: v.nan_to_num(-1.0).tolist() for k, v in raw.items()}))
+    return 0
+
+
 for i, argv in enumerate(commands):
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(argv)
+        rc = blocks(argv[1]) if argv[0] == "blocks" else main(argv)
     (out / f"{i}.{rank}.out").write_text(json.dumps({"rc": rc, "stdout": buf.getvalue(), "units": seen}))
     seen = []
 """
@@ -61,6 +77,7 @@ def _commands(tmp: Path, report: Path) -> list[list[str]]:
     return [
         ["circuits", ln, "--json"],
         ["circuits", rot, "--json", "--lazy"],  # memory-mapped: writer layers in blocks, readers streamed
+        ["blocks", str(tmp / "deep")],  # memory-mapped, one writer layer per block: each rank reads what it needs
         ["trigrams", ln, "--head", "0.1", "--json"],
         ["heads", ln, *text, "--max-memory", "300K", "--json"],  # small memory: one sequence per text chunk
         ["paths", ln, *text, "--json"],
@@ -103,6 +120,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, list
     torch.manual_seed(0)
     qkov.save_checkpoint(qkov.Transformer(LN), tmp / "ln")
     qkov.save_checkpoint(qkov.Transformer(ROT), tmp / "rot")
+    qkov.save_checkpoint(qkov.Transformer(replace(ROT, n_layers=6)), tmp / "deep")
     g = torch.Generator().manual_seed(0)
     (tmp / "tokens.txt").write_text(" ".join(map(str, torch.randint(0, 40, (64 * 6,), generator=g).tolist())))
     (tmp / "script.py").write_text(SCRIPT)
@@ -136,8 +154,8 @@ def test_every_unit_is_computed_once_by_its_rank(runs: dict, ranks: int) -> None
             got = [per_rank[r][k] for r in range(ranks)]
             assert all(g[0] == n for g in got)
             for r, (_, units) in enumerate(got):
-                assert units == list(range(r, n, ranks)), (argv, k, r)  # round robin: disjoint, all covered
+                assert units == list(range(r * n // ranks, (r + 1) * n // ranks)), (argv, k, r)  # runs: all, once
             if n >= ranks:
                 shared.add(argv[0])
     # every command but trigrams (one head: one unit, rank 0's) shared work out over all the ranks
-    assert shared == {"circuits", "heads", "paths", "report"}
+    assert shared == {"circuits", "blocks", "heads", "paths", "report"}

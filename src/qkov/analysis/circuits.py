@@ -301,7 +301,7 @@ def copying_scores(
     sp = split.current()  # a unit: one head, number layer * H + head
     twins, rates, mine = [], [], []
     for layer in range(L):
-        heads = [h for h in range(H) if sp.mine(layer * H + h)]
+        heads = [h for h in range(H) if sp.mine(layer * H + h, L * H)]
         att = source.attention(layer) if heads else None  # a rank reads only the layers it has heads in
         for head in heads:
             A, B = att.W_V[head], att.W_O[head]  # type: ignore[union-attr]

@@ -107,29 +107,28 @@ def composition_raw(
     starts = range(0, L - 1, block)
     total, done = sum(L - a for a in starts), 0
     sp = split.current()  # a unit: one product, writer layers lo .. hi-1 x reader layer l2 (every kind)
-    where: list[tuple[int, int, int]] = []  # unit -> (lo, hi, l2), numbered alike on every rank
+    where = _units(L, block, group)  # unit -> (lo, hi, l2), numbered alike on every rank
+    mine = [u for u in range(len(where)) if sp.mine(u, len(where))]
     parts: dict[int, dict[str, Tensor]] = {}  # this rank's units: kind -> [hi - lo, H, H]
     for a in starts:
         b = min(L - 1, a + block)  # writers a .. b-1 held; readers a+1 .. L-1 stream past
-        rows = torch.empty((b - a) * H, E, D, **opts)  # writer layer a + i at rows[i H : (i + 1) H]
+        here = [u for u in mine if a <= where[u][0] < b]  # this rank's units of this block
+        rows = torch.empty((b - a) * H, E, D, **opts) if here else None  # writer layer a + i at rows[i H : ..]
         for l2 in range(a, L):
-            att = source.attention(l2, expand_kv=False)  # grouped K/V once per key/value head
-            if l2 < b:
+            units = [u for u in here if where[u][2] == l2]
+            if here and (l2 < b or units):  # a rank reads only the layers its units need
+                att = source.attention(l2, expand_kv=False)  # grouped K/V once per key/value head
+            if here and l2 < b:
                 ov = LowRank(expand_kv(att.W_V, group_size), att.W_O)
-                rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()
+                rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()  # type: ignore[index]
                 ov_norm[l2] = ov.norm()
-            units = []
-            for lo in range(a, min(b, l2), group):  # writer layers lo .. hi-1, before this reader
-                where.append((lo, min(b, l2, lo + group), l2))
-                units.append(len(where) - 1)
-            units = [u for u in units if sp.mine(u)]
             for kind in kinds if units else ():
                 X, Ms, r_norms = _reader_parts(att, kind, None if kind == "v" else Rs, group_size)
                 MM = _gram(Ms, X.shape[0])
                 for u in units:
                     lo, hi, _ = where[u]
                     # the costly product once per reader layer: writer factors x the reader's stream side
-                    left = rows[(lo - a) * H : (hi - a) * H].reshape(-1, D)
+                    left = rows[(lo - a) * H : (hi - a) * H].reshape(-1, D)  # type: ignore[index]
                     right = X.permute(1, 0, 2).reshape(D, -1)
                     if matmul_dtype is not None:
                         left, right = left.to(matmul_dtype), right.to(matmul_dtype)
@@ -142,6 +141,16 @@ def composition_raw(
     for (lo, hi, l2), got in zip(where, sp.gather(parts, len(where))):  # every unit, in unit order
         for kind, scores in got.items():
             out[kind][lo:hi, :, l2, :] = scores
+    return out
+
+
+def _units(L: int, block: int, group: int) -> list[tuple[int, int, int]]:
+    """The products of :func:`composition_raw`, in the order one process computes them: ``(lo, hi,
+    l2)``, writer layers ``lo .. hi-1`` (``group`` at most, inside one block of ``block``) x reader ``l2``."""
+    out = []
+    for a in range(0, L - 1, block):
+        b = min(L - 1, a + block)
+        out += [(lo, min(b, l2, lo + group), l2) for l2 in range(a + 1, L) for lo in range(a, min(b, l2), group)]
     return out
 
 

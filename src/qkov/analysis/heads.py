@@ -101,7 +101,7 @@ def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScor
     copy, rank = torch.zeros_like(pm), torch.zeros_like(pm)
     read_q = copying_queries(queries, B, W_U.shape[-1], COPYING_LOGITS)
     sp, parts = split.current(), {}  # a unit: one head, number l * H + h
-    for u in (u for u in range(L * H) if sp.mine(u)):
+    for u in (u for u in range(L * H) if sp.mine(u, L * H)):
         l, h = divmod(u, H)
         A = P[l, :, h][:, read_q]  # [B, Q, T]
         logits = outputs[l, :, h][:, read_q] @ W_U  # [B, Q, V]

@@ -291,7 +291,7 @@ def term_effects(
     names = [f"{l}.{h}" for l, h in exp.heads] + [f"{l1}.{h1}->{l2}.{h2}" for (l1, h1, l2, h2), _ in sized]
     terms = list(exp.heads.values()) + [term for _, term in sized]
     sp, parts = split.current(), {}  # a unit: one term
-    for u in (u for u in range(len(terms)) if sp.mine(u)):
+    for u in (u for u in range(len(terms)) if sp.mine(u, len(terms))):
         tl = logits_of(terms[u])
         parts[u] = TermEffect(names[u], lossf(full - tl) - base, float(tl.pow(2).mean().sqrt()))
         tick(progress, "paths: term effects", u + 1, len(terms))

@@ -270,7 +270,7 @@ def icl_score(
     bounds = torch.linspace(0, N, -(-N // chunk) + 1).round().long().tolist()
     sp = split.current()  # a unit: one chunk of examples
     for u, (i, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if not sp.mine(u):
+        if not sp.mine(u, len(bounds) - 1):
             continue
         ex = examples[i:stop]
         logits = trace(source, ex, positions=at, edits=edits).logits

@@ -2,10 +2,11 @@
 
 An analysis that splits (composition: pairs of layers; copying: heads; text scores and path terms:
 sequences) numbers its units of work the same way whatever the number of ranks, computes on each
-rank only the units :meth:`Split.mine` gives it (round robin: rank ``r`` takes units ``r, r + world,
-...``), each exactly as one process computes it, and :meth:`Split.gather` brings every unit's
-result to every rank in unit order. Whatever combines the units then runs on every rank in that
-fixed order, so any number of ranks returns the numbers of one process (not only close ones).
+rank only the units :meth:`Split.mine` gives it (rank ``r`` of ``world`` takes the ``r``-th of
+``world`` contiguous runs of the ``n`` units, as even as they can be), each exactly as one process
+computes it, and :meth:`Split.gather` brings every unit's result to every rank in unit order.
+Whatever combines the units then runs on every rank in that fixed order, so any number of ranks
+returns the numbers of one process (not only close ones).
 
 The split in force is set by :func:`over` (a context variable: nothing to pass down the call
 chain); outside it, :func:`current` is one process and nothing is split. The commands enter it
@@ -48,9 +49,11 @@ class Split:
         """Rank 0: the one that prints and writes."""
         return self.rank == 0
 
-    def mine(self, unit: int) -> bool:
-        """Whether unit number ``unit`` (counted from 0, the same on every rank) is this rank's."""
-        return unit % self.world == self.rank
+    def mine(self, unit: int, n: int) -> bool:
+        """Whether unit number ``unit`` of ``n`` (counted from 0, the same on every rank) is this rank's:
+        rank ``r`` takes the ``r``-th of ``world`` contiguous runs of units, as even as they can be
+        (neighbouring units share their inputs: a run of pairs of layers reads few layers)."""
+        return self.rank * n // self.world <= unit < (self.rank + 1) * n // self.world
 
     def gather(self, parts: dict[int, T], n: int) -> list[T]:
         """Every unit's result, in unit order ``0 .. n - 1``, on every rank, from each rank's

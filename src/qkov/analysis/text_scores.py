@@ -158,7 +158,7 @@ def text_scores(
     observe: Callable[[LayerView], None] = sums
     sp, starts, parts = split.current(), range(0, B, chunk), {}  # a unit: one chunk of sequences
     for u, start in enumerate(starts):
-        if not sp.mine(u):
+        if not sp.mine(u, len(starts)):
             continue
         sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}  # this chunk's sums alone
         trace(source, text[start : start + chunk], record=(), observe=observe)

@@ -244,9 +244,8 @@ def _trigram_heads(w: Weights) -> tuple[list[int], str | None]:
 def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection:
     chosen, note = _trigram_heads(w)
     sp = split.current()  # a unit: one head's table
-    parts = {
-        i: trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,)).trigrams for i, h in enumerate(chosen) if sp.mine(i)
-    }
+    mine = [i for i in range(len(chosen)) if sp.mine(i, len(chosen))]
+    parts = {i: trigrams.skip_trigrams(w, 0, chosen[i], top=top, exclude=(bos,)).trigrams for i in mine}
     heads = [HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)) for h, tri in zip(chosen, sp.gather(parts, len(chosen)))]
     return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top, exclude=(bos,)).bigrams, decode), note)
 
