@@ -34,6 +34,7 @@ from .bandwidth import bandwidth, write_overlap as write_overlap
 from .budget import circuits_budget as circuits_budget
 from .composition import DEFAULT_WRITER_BYTES, Composition, composition_scores
 from .factored import DEFAULT_MAX_BYTES, LowRank, eigenvalues
+from . import split
 from .progress import Progress, tick
 from .rotary_circuits import OffsetProfiles, profiles, resolve_offsets
 from .diagonal import DIAG_EXACT_MAX as DIAG_EXACT_MAX, DIAG_SAMPLE as DIAG_SAMPLE
@@ -297,23 +298,28 @@ def copying_scores(
         G = unembed_embed(source)
     n = V if rows is None else len(rows)
     L, H = source.cfg.n_layers, source.cfg.n_heads
-    full, resid, rates = [], [], []
-    for layer, att in enumerate(_layers(source)):
-        full.append(LowRank(att.W_V, att.W_O @ G).twin())
-        resid.append(LowRank(att.W_V, att.W_O).twin())
-        for head in range(H):
+    sp = split.current()  # a unit: one head, number layer * H + head
+    twins, rates, mine = [], [], []
+    for layer in range(L):
+        heads = [h for h in range(H) if sp.mine(layer * H + h, L * H)]
+        att = source.attention(layer) if heads else None  # a rank reads only the layers it has heads in
+        for head in heads:
+            A, B = att.W_V[head], att.W_O[head]  # type: ignore[union-attr]
+            twins += [LowRank(A, B @ G).twin(), LowRank(A, B).twin()]  # full OV, then residual
             if diag_k:
-                f = LowRank(E_rows @ att.W_V[head], att.W_O[head] @ W_U)
+                f = LowRank(E_rows @ A, B @ W_U)
                 cols = None if rows is None else rows.to(W_E.device)
                 rates.append(float((f.diag_rank(max_bytes=max_bytes, cols=cols) < diag_k).float().mean()))
+            mine.append(layer * H + head)
         tick(progress, "copying", layer + 1, L)
-    eig = eigen_copying_score(_eigenvalues(source, full))
-    res = eigen_copying_score(_eigenvalues(source, resid))
+    scores = eigen_copying_score(eigenvalues(torch.stack(twins))).tolist() if twins else []  # one solve
+    parts = {u: (scores[2 * i], scores[2 * i + 1], rates[i] if diag_k else None) for i, u in enumerate(mine)}
+    got = sp.gather(parts, L * H)  # (eigen, residual eigen, rate) of every head, in head order
 
     def head(l: int, h: int) -> HeadCopying:
-        rate = rates[l * H + h] if diag_k else None
+        eig, res, rate = got[l * H + h]
         err = None if rate is None else rate_stderr(rate, n, V)
-        return HeadCopying(l, h, float(eig[l, h]), rate, float(res[l, h]), n if diag_k else None, err)
+        return HeadCopying(l, h, eig, rate, res, n if diag_k else None, err)
 
     return CopyingScores([head(l, h) for l in range(L) for h in range(H)], diag_k or None)
 

@@ -37,6 +37,7 @@ from ..weights.parts import AttentionWeights, WeightSource
 from ..weights.convert import SourceLike, as_source
 from .factored import LowRank, gram_sqrt
 from .progress import Progress, tick
+from . import split
 from .rotary_circuits import resolve_offsets, rotations
 from .shown import CompositionScores, Shown
 
@@ -86,7 +87,10 @@ def composition_raw(
 
     Rotary models: a Q- or K-composition score is the mean, over the offset set ``offsets``
     (default :func:`~qkov.analysis.rotary_circuits.default_offsets`), of the score against the
-    reader's QK circuit at that offset, ``W_Q R_delta W_K^T``; V-composition has no offset."""
+    reader's QK circuit at that offset, ``W_Q R_delta W_K^T``; V-composition has no offset.
+
+    Under a split (:mod:`qkov.analysis.split`) each rank computes its share of the products (one
+    per block of writer layers and reader layer) and every rank returns all the scores."""
     kinds = _kinds(kinds)
     Rs = rotations(source, offsets)
     cfg = source.cfg
@@ -102,31 +106,51 @@ def composition_raw(
     group = max(1, PRODUCT_BYTES // (H * E * H * E * item))  # writer layers per product
     starts = range(0, L - 1, block)
     total, done = sum(L - a for a in starts), 0
+    sp = split.current()  # a unit: one product, writer layers lo .. hi-1 x reader layer l2 (every kind)
+    where = _units(L, block, group)  # unit -> (lo, hi, l2), numbered alike on every rank
+    mine = [u for u in range(len(where)) if sp.mine(u, len(where))]
+    parts: dict[int, dict[str, Tensor]] = {}  # this rank's units: kind -> [hi - lo, H, H]
     for a in starts:
         b = min(L - 1, a + block)  # writers a .. b-1 held; readers a+1 .. L-1 stream past
-        rows = torch.empty((b - a) * H, E, D, **opts)  # writer layer a + i at rows[i H : (i + 1) H]
+        here = [u for u in mine if a <= where[u][0] < b]  # this rank's units of this block
+        rows = torch.empty((b - a) * H, E, D, **opts) if here else None  # writer layer a + i at rows[i H : ..]
         for l2 in range(a, L):
-            att = source.attention(l2, expand_kv=False)  # grouped K/V once per key/value head
-            if l2 < b:
+            units = [u for u in here if where[u][2] == l2]
+            if here and (l2 < b or units):  # a rank reads only the layers its units need
+                att = source.attention(l2, expand_kv=False)  # grouped K/V once per key/value head
+            if here and l2 < b:
                 ov = LowRank(expand_kv(att.W_V, group_size), att.W_O)
-                rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()
+                rows[(l2 - a) * H : (l2 - a + 1) * H] = ov.row_factor()  # type: ignore[index]
                 ov_norm[l2] = ov.norm()
-            for kind in kinds if l2 > a else ():
+            for kind in kinds if units else ():
                 X, Ms, r_norms = _reader_parts(att, kind, None if kind == "v" else Rs, group_size)
                 MM = _gram(Ms, X.shape[0])
-                for lo in range(a, min(b, l2), group):  # writer layers lo .. hi-1, before this reader
-                    hi = min(b, l2, lo + group)
+                for u in units:
+                    lo, hi, _ = where[u]
                     # the costly product once per reader layer: writer factors x the reader's stream side
-                    left = rows[(lo - a) * H : (hi - a) * H].reshape(-1, D)
+                    left = rows[(lo - a) * H : (hi - a) * H].reshape(-1, D)  # type: ignore[index]
                     right = X.permute(1, 0, 2).reshape(D, -1)
                     if matmul_dtype is not None:
                         left, right = left.to(matmul_dtype), right.to(matmul_dtype)
                     P = (left @ right).to(source.dtype)
                     num = _offset_norms(P.view((hi - lo) * H, E, X.shape[0], E), Ms, MM).view(len(Ms), hi - lo, H, H)
                     norms = ov_norm[lo:hi, :, None] * r_norms[:, None, None, :]  # [offsets, layers, H, H]
-                    out[kind][lo:hi, :, l2, :] = (num / norms).mean(0)
+                    parts.setdefault(u, {})[kind] = (num / norms).mean(0)
             done += 1
             tick(progress, "composition", done, total)
+    for (lo, hi, l2), got in zip(where, sp.gather(parts, len(where))):  # every unit, in unit order
+        for kind, scores in got.items():
+            out[kind][lo:hi, :, l2, :] = scores
+    return out
+
+
+def _units(L: int, block: int, group: int) -> list[tuple[int, int, int]]:
+    """The products of :func:`composition_raw`, in the order one process computes them: ``(lo, hi,
+    l2)``, writer layers ``lo .. hi-1`` (``group`` at most, inside one block of ``block``) x reader ``l2``."""
+    out = []
+    for a in range(0, L - 1, block):
+        b = min(L - 1, a + block)
+        out += [(lo, min(b, l2, lo + group), l2) for l2 in range(a + 1, L) for lo in range(a, min(b, l2), group)]
     return out
 
 

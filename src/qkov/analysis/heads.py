@@ -21,6 +21,7 @@ from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.convert import SourceLike, as_source, source_bos
 from .budget import COPYING_LOGITS as COPYING_LOGITS
+from . import split
 from .circuits import check_diag_k, copying_scores
 from .forward import trace
 from .probes import NOT_TEXT, ICLScore, icl_left_out, icl_score, induction_attention, prefix_matching_tokens
@@ -99,11 +100,14 @@ def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScor
     W_U = source.unembed().W_U
     copy, rank = torch.zeros_like(pm), torch.zeros_like(pm)
     read_q = copying_queries(queries, B, W_U.shape[-1], COPYING_LOGITS)
-    for l in range(L):
-        for h in range(H):
-            A = P[l, :, h][:, read_q]  # [B, Q, T]
-            logits = outputs[l, :, h][:, read_q] @ W_U  # [B, Q, V]
-            copy[l, h], rank[l, h] = _copying(A, logits, r.tokens)
+    sp, parts = split.current(), {}  # a unit: one head, number l * H + h
+    for u in (u for u in range(L * H) if sp.mine(u, L * H)):
+        l, h = divmod(u, H)
+        A = P[l, :, h][:, read_q]  # [B, Q, T]
+        logits = outputs[l, :, h][:, read_q] @ W_U  # [B, Q, V]
+        parts[u] = _copying(A, logits, r.tokens)
+    for u, (c, k) in enumerate(sp.gather(parts, L * H)):
+        copy[u // H, u % H], rank[u // H, u % H] = c, k
     induction = induction_attention(P, length)
     counts = (len(read_q), len(queries))
     return RepeatScores(pm, induction, dup, copying=copy, copying_rank=rank, copying_queries=counts)

@@ -51,6 +51,7 @@ from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from .forward import Trace, flops_per_token, head_terms, read, trace
+from . import split
 from .progress import Progress, tick
 from .sampling import seeded_subset
 from .shown import Shown
@@ -287,16 +288,15 @@ def term_effects(
     full = logits_of(sum(exp.orders, torch.zeros_like(exp.bias)) + exp.bias + exp.mlp) + exp.source.unembed().b_U
     base = lossf(full)
     sized = sorted(exp.virtual.items(), key=lambda kv: -float(kv[1].pow(2).mean()))[:top_virtual]
-    n = len(exp.heads) + len(sized)
-    singles, virtual = [], []
-    for (l, h), term in exp.heads.items():
-        tl = logits_of(term)
-        singles.append(TermEffect(f"{l}.{h}", lossf(full - tl) - base, float(tl.pow(2).mean().sqrt())))
-        tick(progress, "paths: term effects", len(singles), n)
-    for (l1, h1, l2, h2), term in sized:
-        tl = logits_of(term)
-        virtual.append(TermEffect(f"{l1}.{h1}->{l2}.{h2}", lossf(full - tl) - base, float(tl.pow(2).mean().sqrt())))
-        tick(progress, "paths: term effects", len(singles) + len(virtual), n)
+    names = [f"{l}.{h}" for l, h in exp.heads] + [f"{l1}.{h1}->{l2}.{h2}" for (l1, h1, l2, h2), _ in sized]
+    terms = list(exp.heads.values()) + [term for _, term in sized]
+    sp, parts = split.current(), {}  # a unit: one term
+    for u in (u for u in range(len(terms)) if sp.mine(u, len(terms))):
+        tl = logits_of(terms[u])
+        parts[u] = TermEffect(names[u], lossf(full - tl) - base, float(tl.pow(2).mean().sqrt()))
+        tick(progress, "paths: term effects", u + 1, len(terms))
+    effects = sp.gather(parts, len(terms))
+    singles, virtual = effects[: len(exp.heads)], effects[len(exp.heads) :]
     singles.sort(key=lambda e: -e.loss_change)
     virtual.sort(key=lambda e: -e.loss_change)
     return TermEffects(singles, virtual)

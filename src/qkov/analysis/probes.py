@@ -26,6 +26,7 @@ from ..deprecated import renamed_property
 from ..errors import QkovError
 from ..weights.convert import SourceLike, as_source, vocab_and_bos
 from ..model.ops import next_token_nll
+from . import split
 from .progress import Progress, tick
 from .forward import flops_per_token, trace
 from .shown import Shown
@@ -264,19 +265,22 @@ def icl_score(
     width = T if at is None else len(at)
     if chunk is None:
         chunk = max(1, LOGIT_BYTES // (width * source.cfg.d_vocab * torch.finfo(source.dtype).bits // 8))
-    parts = []
+    parts: dict[int, Tensor] = {}
     N = examples.shape[0]
     bounds = torch.linspace(0, N, -(-N // chunk) + 1).round().long().tolist()
-    for i, stop in zip(bounds[:-1], bounds[1:]):
+    sp = split.current()  # a unit: one chunk of examples
+    for u, (i, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if not sp.mine(u, len(bounds) - 1):
+            continue
         ex = examples[i:stop]
         logits = trace(source, ex, positions=at, edits=edits).logits
         if at is None:
-            parts.append(next_token_nll(logits, ex))
+            parts[u] = next_token_nll(logits, ex)
         else:  # position p predicts token p + 1
             logp = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).log_softmax(-1)
-            parts.append(-logp.gather(-1, ex[:, at.to(ex.device) + 1, None])[..., 0])
+            parts[u] = -logp.gather(-1, ex[:, at.to(ex.device) + 1, None])[..., 0]
         tick(progress, "heads: in-context learning", stop, N)
-    mean = torch.cat(parts).mean(0)  # [T-1], or [len(at)]
+    mean = torch.cat(sp.gather(parts, len(bounds) - 1)).mean(0)  # [T-1], or [len(at)]
     index = {int(p): k for k, p in enumerate(at)} if at is not None else None
     pick = (lambda ps: mean[ps]) if index is None else (lambda ps: mean[[index[int(p)] for p in ps]])  # noqa: E731
     score = pick(late_at).mean() - pick(early_at).mean()

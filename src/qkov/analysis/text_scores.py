@@ -18,6 +18,7 @@ from torch import Tensor
 from ..model.ops import causal_mask
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
+from . import split
 from .forward import LayerView, Trace, read, trace
 from .progress import Progress, tick
 
@@ -155,10 +156,17 @@ def text_scores(
     chunk = chunk or chunk_size(source, T)
     sums = _Sums(source)
     observe: Callable[[LayerView], None] = sums
-    for start in range(0, B, chunk):
-        part = text[start : start + chunk]
-        trace(source, part, record=(), observe=observe)
-        sums.sequences += part.shape[0]
-        sums.queries += part.shape[0] * (T - 1)
+    sp, starts, parts = split.current(), range(0, B, chunk), {}  # a unit: one chunk of sequences
+    for u, start in enumerate(starts):
+        if not sp.mine(u, len(starts)):
+            continue
+        sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}  # this chunk's sums alone
+        trace(source, text[start : start + chunk], record=(), observe=observe)
+        parts[u] = sums.sums
         tick(progress, "heads: attention on text", min(start + chunk, B), B)
+    sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}
+    for got in sp.gather(parts, len(starts)):  # added in chunk order, whatever the number of ranks
+        for k, v in got.items():
+            sums.sums[k] += v
+    sums.sequences, sums.queries = B, B * (T - 1)
     return sums.scores()

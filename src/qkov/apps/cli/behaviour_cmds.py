@@ -16,6 +16,7 @@ from ...analysis.probes import default_icl_examples
 from ...weights.view import Weights
 from ..inputs import analysis_inputs
 from ..progress import StageProgress
+from ..ranks import rank_device, ranks
 from .common import (
     add_device,
     add_diag,
@@ -72,7 +73,7 @@ def add_paths(sub: Any) -> None:
 
 
 def cmd_paths(args: argparse.Namespace) -> int:
-    dev = device(args)
+    dev = rank_device(device(args))
     model = load_source(args, "paths", " (its logits are the direct path alone)")
     batch = args.batch or paths_batch(model.cfg)
     inputs = analysis_inputs(args.ckpt, model, text=args.text, tokens=args.tokens, batch=batch)
@@ -82,8 +83,11 @@ def cmd_paths(args: argparse.Namespace) -> int:
     del model  # the view holds what the analysis reads: the training module's copy can go
     tokens = tokens.to(dev)
     t0 = time.perf_counter()
-    with StageProgress() as progress:
-        summary = summarize(w, tokens, top_virtual=args.top, virtual_terms=args.virtual_terms, progress=progress)
+    with ranks(dev) as (split, _), StageProgress() as progress:  # torchrun: the term effects split by terms
+        shown = progress if split.main else None
+        summary = summarize(w, tokens, top_virtual=args.top, virtual_terms=args.virtual_terms, progress=shown)
+    if not split.main:
+        return 0
     seconds = time.perf_counter() - t0
     ti, singles, virtual = summary.importance, summary.singles, summary.virtual
     data = {"path": str(args.ckpt), "inputs": inputs.source, **summary.to_dict(), "seconds": seconds}
@@ -162,7 +166,7 @@ def add_heads(sub: Any) -> None:
 
 
 def cmd_heads(args: argparse.Namespace) -> int:
-    dev = device(args)
+    dev = rank_device(device(args))
     model = load_source(args, "heads")
     n_ctx = model.cfg.n_ctx
     batch, icl_examples = args.batch or default_batch(n_ctx), args.icl_examples or default_icl_examples(model.cfg)
@@ -171,7 +175,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
     text, bos = inputs.tokens, model.bos_token_id
     w = Weights.from_model(model, device=dev)
     del model  # the view holds what the analysis reads: the training module's copy can go
-    with StageProgress() as progress:
+    with ranks(dev) as (split, _), StageProgress() as progress:  # torchrun: sequences, heads
         report = head_report(
             w,
             text[:batch],
@@ -182,8 +186,10 @@ def cmd_heads(args: argparse.Namespace) -> int:
             diag_sample=args.diag_sample,
             icl_text=text[:icl_examples],
             icl=inputs.natural,
-            progress=progress,
+            progress=progress if split.main else None,
         )
+    if not split.main:
+        return 0
     if args.json:
         dump_json({"path": str(args.ckpt), "inputs": inputs.source, **report.to_dict()})
         return 0

@@ -12,7 +12,9 @@ from rich.table import Table
 
 from ...errors import QkovError
 from ...io.sources import source_kind
+from ..ranks import rank_device, ranks
 from ..report import write_report
+from ..report.collect import collect
 from ..tour import run_tour
 from .common import (
     BATCH_HELP,
@@ -68,7 +70,7 @@ def cmd_report(args: argparse.Namespace) -> int:
             "output folder: give -o DIR"
         )
     out = args.out or args.ckpt / "report"
-    device(args)  # a bad device is an error before any work
+    dev = rank_device(device(args))  # a bad device is an error before any work
     con = console()
     t0 = time.perf_counter()
 
@@ -76,28 +78,36 @@ def cmd_report(args: argparse.Namespace) -> int:
         if not args.quiet and done == 0:
             con.print(f"[dim]… {stage}[/dim]", highlight=False)
 
-    write_report(
-        args.ckpt,
-        out,
-        progress=progress,
-        batch=args.batch,
-        icl_examples=args.icl_examples,
-        viewer_tokens=args.viewer_tokens,
-        top=args.top,
-        device=args.device,
-        text=args.text,
-        tokens=args.tokens,
-        diag_k=args.diag_k,
-        diag_sample=args.diag_sample,
-        config=args.config,
-        overwrite=args.force,
-        clean=args.clean,
-        corrupted=args.corrupted,
-        metric=args.metric,
-    )
+    with ranks(dev) as (split, dev):  # torchrun: every section's work split
+        (write_report if split.main else _collect_only)(
+            args.ckpt,
+            out,
+            progress=progress if split.main else None,
+            batch=args.batch,
+            icl_examples=args.icl_examples,
+            viewer_tokens=args.viewer_tokens,
+            top=args.top,
+            device=str(dev),
+            text=args.text,
+            tokens=args.tokens,
+            diag_k=args.diag_k,
+            diag_sample=args.diag_sample,
+            config=args.config,
+            overwrite=args.force,
+            clean=args.clean,
+            corrupted=args.corrupted,
+            metric=args.metric,
+        )
+    if not split.main:
+        return 0
     size = (out / "index.html").stat().st_size
     print(f"wrote {out / 'index.html'} ({size / 1e6:.1f} MB) and report.json in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _collect_only(ckpt: Path, out: Path, *, overwrite: bool, **options: Any) -> None:
+    """A rank other than 0: its share of the report's work, nothing written."""
+    collect(ckpt, **options)
 
 
 def add_tour(sub: Any) -> None:

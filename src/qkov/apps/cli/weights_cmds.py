@@ -22,6 +22,7 @@ from ...weights.lazy import LazyCheckpoint
 from ...weights.parts import WeightSource
 from ...weights.view import Weights
 from ..progress import StageProgress
+from ..ranks import ranks
 from .common import (
     add_device,
     add_diag,
@@ -38,9 +39,12 @@ from .common import (
 )
 
 
-def _source(args: argparse.Namespace, dtype: torch.dtype = torch.float32) -> tuple[WeightSource, Any, int]:
-    """The weight source of ``args.ckpt`` (memory-mapped when :func:`lazy`), its tokenizer and start token."""
-    dev = device(args)
+def _source(
+    args: argparse.Namespace, dtype: torch.dtype = torch.float32, dev: torch.device | None = None
+) -> tuple[WeightSource, Any, int]:
+    """The weight source of ``args.ckpt`` (memory-mapped when :func:`lazy`) on ``dev`` (default
+    ``--device``), its tokenizer and start token."""
+    dev = device(args) if dev is None else dev
     if lazy(args):
         ck = LazyCheckpoint(args.ckpt, dtype=dtype, device=dev)
         tokenizer = read_tokenizer(args.ckpt / TOKENIZER_FILE, where=f"checkpoint {str(args.ckpt)!r}")
@@ -88,18 +92,20 @@ def add_circuits(sub: Any) -> None:
 
 
 def cmd_circuits(args: argparse.Namespace) -> int:
-    source, _, _ = _source(args, torch.float64 if args.float64 else torch.float32)
-    if source.cfg.n_layers == 0:
-        raise QkovError("circuits: the model has no attention layers")
-    with StageProgress() as progress:
+    with ranks(device(args)) as (split, dev), StageProgress() as progress:  # torchrun: heads, pairs of layers
+        source, _, _ = _source(args, torch.float64 if args.float64 else torch.float32, dev)
+        if source.cfg.n_layers == 0:
+            raise QkovError("circuits: the model has no attention layers")
         report = circuits_report(
             source,
             diag_k=args.diag_k or None,
             diag_sample=args.diag_sample,
-            progress=progress,
+            progress=progress if split.main else None,
             offsets=args.offsets,
             matmul_dtype=torch.bfloat16 if args.bf16_matmul else None,
         )
+    if not split.main:
+        return 0
     if args.json:
         dump_json({"path": str(args.ckpt), **report.to_dict()})
         return 0
@@ -262,8 +268,12 @@ def trigram_data(
 
 
 def cmd_trigrams(args: argparse.Namespace) -> int:
-    source, tokenizer, bos = _source(args)  # without a tokenizer, tokens show as <id>
-    data = {"path": str(args.ckpt), **trigram_data(source, tokenizer, bos, args.head, args.top, args.source)}
+    with ranks(device(args)) as (split, dev):  # torchrun: one head's table is one unit, rank 0's
+        source, tokenizer, bos = _source(args, dev=dev)  # without a tokenizer, tokens show as <id>
+        parse_head(args.head, source.cfg)  # a bad head is every rank's error
+        if not split.main:
+            return 0
+        data = {"path": str(args.ckpt), **trigram_data(source, tokenizer, bos, args.head, args.top, args.source)}
     if args.json:
         dump_json(data)
         return 0

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ...analysis import trigrams
+from ...analysis import split, trigrams
 from ...analysis.circuits import DIAG_EXACT_MAX, bandwidth, check_diag_k, eigen_copying_score, full_ov, ov_eigenvalues
 from ...analysis.composition import Composition, composition_scores
 from ...analysis.forward import trace
@@ -242,11 +242,11 @@ def _trigram_heads(w: Weights) -> tuple[list[int], str | None]:
 
 
 def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection:
-    heads = []
     chosen, note = _trigram_heads(w)
-    for h in chosen:
-        tri = trigrams.skip_trigrams(w, 0, h, top=top, exclude=(bos,)).trigrams
-        heads.append(HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)))
+    sp = split.current()  # a unit: one head's table
+    mine = [i for i in range(len(chosen)) if sp.mine(i, len(chosen))]
+    parts = {i: trigrams.skip_trigrams(w, 0, chosen[i], top=top, exclude=(bos,)).trigrams for i in mine}
+    heads = [HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)) for h, tri in zip(chosen, sp.gather(parts, len(chosen)))]
     return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top, exclude=(bos,)).bigrams, decode), note)
 
 
