@@ -1,4 +1,6 @@
-"""``qkov explore SOURCE``: a local web server over one model, each view computed on demand."""
+"""``qkov explore SOURCE``: a local web server over one model, each view computed on demand.
+
+The web stack (starlette, uvicorn: ~50 ms to import) is loaded with the command line, never by ``import qkov``."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from ...device import memory_budget
+from ...errors import QkovError
 from ..explore.disk_cache import default_cache_dir
+from ..explore.server import bind, is_loopback, make_app, server, url_of
+from ..explore.session import DEFAULT, open_explorer
 from .common import add_device, add_source_args, device, int_at_least
 
 DEFAULT_PORT = 8765
@@ -51,11 +56,6 @@ def add_explore(sub: Any) -> None:
 
 
 def cmd_explore(args: argparse.Namespace) -> int:
-    # the web stack is imported here only: `import qkov` and the other commands never load it
-    from ...errors import QkovError
-    from ..explore.server import bind, is_loopback, make_app, server, url_of
-    from ..explore.session import DEFAULT, open_explorer
-
     if args.port > 65535:
         raise QkovError(f"--port {args.port}: a port is at most 65535")
     dev = device(args)
@@ -63,24 +63,30 @@ def cmd_explore(args: argparse.Namespace) -> int:
     if token is None and not is_loopback(args.host):
         token = secrets.token_urlsafe(24)  # a non-loopback address is never served without one
     cache_dir = None if args.no_cache else (args.cache_dir or DEFAULT)
-    ex = open_explorer(args.ckpt, device=dev, cache_dir=cache_dir, config=args.config)
-    sock = bind(args.host, args.port)
-    budget, _ = memory_budget(dev) if args.max_memory else (None, "")
-    cache_bytes = 256 * 2**20 if budget is None else max(2**20, budget // CACHE_SHARE)
-    app = make_app(ex, token=token, cache_bytes=cache_bytes)
-    url = url_of(sock, token)
-    print(f"qkov explore: serving {ex.name} at {url}", flush=True)
-    where = "nowhere (--no-cache)" if ex.cache_dir is None else str(ex.cache_dir)
-    print(f"qkov explore: disk cache: {where}; Ctrl-C stops", flush=True)
-    if args.open:
-        webbrowser.open(url)
-    srv = server(app, access_log=args.access_log)
+    sock = bind(args.host, args.port)  # first: a port in use is refused before the model is read
     try:
-        srv.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
-        pass
+        ex = open_explorer(args.ckpt, device=dev, cache_dir=cache_dir, config=args.config)
+        budget, _ = memory_budget(dev) if args.max_memory else (None, "")
+        cache_bytes = 256 * 2**20 if budget is None else max(2**20, budget // CACHE_SHARE)
+        app = make_app(ex, token=token, cache_bytes=cache_bytes)
+        url = url_of(sock, token)
+        print(f"qkov explore: serving {ex.name} at {url}", flush=True)
+        where = "nowhere (--no-cache)" if ex.cache_dir is None else str(ex.cache_dir)
+        print(f"qkov explore: disk cache: {where}; Ctrl-C stops", flush=True)
+        if args.open:
+            webbrowser.open(url)
+        serve(app, sock, access_log=args.access_log)
     finally:
-        app.state.runner.close()
         sock.close()
     sys.stdout.write("qkov explore: stopped\n")
     return 0
+
+
+def serve(app: Any, sock: Any, *, access_log: bool) -> None:
+    """Run uvicorn on ``sock`` until Ctrl-C (uvicorn shuts down cleanly and re-raises the signal: caught)."""
+    try:
+        server(app, access_log=access_log).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.state.runner.close()
