@@ -69,7 +69,7 @@ def build(root: Path) -> None:
         for name, p in model.named_parameters():
             if not name.rsplit(".", 1)[-1].startswith("W_"):
                 p.add_(torch.randn_like(p) * 0.05)
-    qkov.save_checkpoint(root / "qkov", model)
+    qkov.save_checkpoint(model, root / "qkov")
     save_tl(model, root / "tl.safetensors")
 
 

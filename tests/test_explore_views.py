@@ -7,13 +7,16 @@ with :class:`BadRequest` (404 for a head the model lacks, 400 otherwise)."""
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import LN_MLP, MODERN, TINY
-from qkov import ModelConfig, Transformer, Weights
+from helpers import LN_MLP, MODERN, TINY, run_main
+from qkov import ModelConfig, Transformer, Weights, save_checkpoint
 from qkov.analysis.ablation import ablation_study
 from qkov.analysis.circuits import eigen_copying_score, ov_eigenvalues
 from qkov.analysis.composition import composition_scores
@@ -240,6 +243,21 @@ def test_ablate_agrees_with_ablation_study(name: str, mode: str) -> None:
     assert res["mean_after"] != res["mean_before"]
     assert res["heads"] == heads and len(res["loss_after"]) == len(TEXT) and res["loss_after"][-1] is None
     assert len(res["top_after"]) == len(TEXT) and len(res["top_after"][0]) == 5
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_ablate_agrees_with_the_qkov_ablate_command(tmp_path: Path, capsys: pytest.CaptureFixture, mode: str) -> None:
+    """``qkov ablate CKPT --tokens FILE`` on the same text, heads and mode prints the same losses."""
+    ex = explorer(LN_MLP)
+    save_checkpoint(ex.model, tmp_path / "m")
+    np.save(tmp_path / "t.npy", np.array([TEXT], dtype=np.int64))
+    argv = ["ablate", tmp_path / "m", "--tokens", tmp_path / "t.npy", "--heads", "1.0,0.1", "--mode", mode]
+    rc, out, err = run_main(capsys, *argv, "--draws", "0", "--json")
+    assert rc == 0, err
+    cli = json.loads(out)
+    res = VIEWS["ablate"](ex, {"text": TEXT, "heads": ["1.0", "0.1"], "mode": mode}, NOOP)
+    assert close(res["mean_before"], cli["intact"]["loss"], abs_=1e-5)
+    assert close(res["mean_after"], cli["ablated"]["loss"], abs_=1e-5)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
