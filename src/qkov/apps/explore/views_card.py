@@ -19,7 +19,7 @@ the library function that computes it, for this head only.
 
 At GPT-2's vocabulary each vocabulary-wide table costs about one ``d_vocab x d_vocab x d_head``
 product (seconds each on a laptop CPU): ``"tables": false`` leaves ``top_ov``, ``top_qk`` and
-``trigrams`` out (``null``) for a card in well under a second.
+``trigrams`` out (``null``): the rest of the card costs a few ``d_vocab x d_model x d_head`` products.
 """
 
 from __future__ import annotations
