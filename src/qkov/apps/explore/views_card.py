@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ...analysis.circuits import eigen_copying_score, full_ov, full_qk, positional_qk
-from ...analysis.composition import KINDS, composition_baseline, reader_matrix
+from ...analysis.composition import KINDS, reader_matrix
 from ...analysis.factored import LowRank
 from ...analysis.forward import trace
 from ...analysis.progress import tick
@@ -121,7 +121,7 @@ def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> list[LowRank]:
 
 def composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
-    every later head composing with it) of raw composition scores, and each kind's random baseline.
+    every later head composing with it) of raw composition scores.
     Every earlier layer's writers (and every later layer's readers) go through one batched product."""
     w, cfg = ex.weights, ex.model.cfg
     H = cfg.n_heads
@@ -142,12 +142,7 @@ def composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
         s = {k: _scores(writer, _readers(atts, k, Rs))[0].tolist() for k in KINDS}
         later = names(range(layer + 1, cfg.n_layers))
         read_by = [{"head": n, **{k: r6(s[k][i]) for k in KINDS}} for i, n in enumerate(later)]
-    # the call composition_scores makes (same cache entry): samples=256, seed=0
-    base = {
-        k: r6(composition_baseline(cfg.d_model, cfg.d_head, k, samples=256, seed=0).mean)  # type: ignore[arg-type]
-        for k in KINDS
-    }
-    return {"reads": reads, "read_by": read_by, "baseline": base}
+    return {"reads": reads, "read_by": read_by}  # the baselines: the composition view (drawing them costs seconds)
 
 
 def _qk_circuit(ex: Explorer, layer: int, head: int, prof: dict[str, Any]) -> tuple[LowRank, int | None]:
