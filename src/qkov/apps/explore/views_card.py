@@ -19,7 +19,7 @@ the library function that computes it, for this head only.
 
 At GPT-2's vocabulary each vocabulary-wide table costs about one ``d_vocab x d_vocab x d_head``
 product (seconds each on a laptop CPU): ``"tables": false`` leaves ``top_ov``, ``top_qk`` and
-``trigrams`` out (``null``) for a card in well under a second.
+``trigrams`` out (``null``): the rest of the card costs a few ``d_vocab x d_model x d_head`` products.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ...analysis.circuits import eigen_copying_score, full_ov, full_qk, positional_qk
-from ...analysis.composition import KINDS, composition_baseline, reader_matrix
+from ...analysis.composition import KINDS, reader_matrix
 from ...analysis.factored import LowRank
 from ...analysis.forward import trace
 from ...analysis.progress import tick
@@ -108,32 +108,41 @@ def _scores(writer: LowRank, readers: list[LowRank]) -> Tensor:
     return torch.stack(out).mean(0)
 
 
-def _readers(att: Any, kind: str, Rs: Tensor | None) -> list[LowRank]:
-    if kind == "v" or Rs is None:
-        return [reader_matrix(att, kind)]
-    return [reader_matrix(att, kind, R) for R in Rs]
+def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> list[LowRank]:
+    """The reader side of ``kind``-composition of every head of ``atts`` (layers), stacked ``[heads, D, D]``:
+    one per rotary offset of ``Rs`` for Q and K, else one."""
+    turns: list[Tensor | None] = [None] if kind == "v" or Rs is None else list(Rs)
+    out = []
+    for R in turns:
+        parts = [reader_matrix(att, kind, R) for att in atts]
+        out.append(LowRank(torch.cat([p.A for p in parts]), torch.cat([p.B for p in parts])))
+    return out
 
 
 def composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
-    every later head composing with it) of raw composition scores, and each kind's random baseline."""
+    every later head composing with it) of raw composition scores.
+    Every earlier layer's writers (and every later layer's readers) go through one batched product."""
     w, cfg = ex.weights, ex.model.cfg
+    H = cfg.n_heads
     Rs = rotations(w, None)
     mine = w.attention(layer)
     me = lambda lr: LowRank(lr.A[head : head + 1], lr.B[head : head + 1])  # noqa: E731
-    reads, read_by = [], []
-    for l1 in range(layer):
-        att = w.attention(l1)
-        writer = LowRank(att.W_V, att.W_O)
-        s = {k: _scores(writer, [me(r) for r in _readers(mine, k, Rs)])[:, 0] for k in KINDS}
-        reads += [{"head": f"{l1}.{h}", **{k: r6(s[k][h]) for k in KINDS}} for h in range(cfg.n_heads)]
-    writer = me(LowRank(mine.W_V, mine.W_O))
-    for l2 in range(layer + 1, cfg.n_layers):
-        att = w.attention(l2)
-        s = {k: _scores(writer, _readers(att, k, Rs))[0] for k in KINDS}
-        read_by += [{"head": f"{l2}.{h}", **{k: r6(s[k][h]) for k in KINDS}} for h in range(cfg.n_heads)]
-    base = {k: r6(composition_baseline(cfg.d_model, cfg.d_head, k).mean) for k in KINDS}  # type: ignore[arg-type]
-    return {"reads": reads, "read_by": read_by, "baseline": base}
+    names = lambda layers: [f"{l}.{h}" for l in layers for h in range(H)]  # noqa: E731
+    reads: list[dict[str, Any]] = []
+    read_by: list[dict[str, Any]] = []
+    if layer > 0:
+        atts = [w.attention(l) for l in range(layer)]
+        writer = LowRank(torch.cat([a.W_V for a in atts]), torch.cat([a.W_O for a in atts]))
+        s = {k: _scores(writer, [me(r) for r in _readers([mine], k, Rs)])[:, 0].tolist() for k in KINDS}
+        reads = [{"head": n, **{k: r6(s[k][i]) for k in KINDS}} for i, n in enumerate(names(range(layer)))]
+    if layer + 1 < cfg.n_layers:
+        atts = [w.attention(l) for l in range(layer + 1, cfg.n_layers)]
+        writer = me(LowRank(mine.W_V, mine.W_O))
+        s = {k: _scores(writer, _readers(atts, k, Rs))[0].tolist() for k in KINDS}
+        later = names(range(layer + 1, cfg.n_layers))
+        read_by = [{"head": n, **{k: r6(s[k][i]) for k in KINDS}} for i, n in enumerate(later)]
+    return {"reads": reads, "read_by": read_by}  # the baselines: the composition view (drawing them costs seconds)
 
 
 def _qk_circuit(ex: Explorer, layer: int, head: int, prof: dict[str, Any]) -> tuple[LowRank, int | None]:

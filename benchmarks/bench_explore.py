@@ -1,0 +1,280 @@
+"""``qkov explore``'s views at GPT-2-small shape: each view's time and peak memory, beside TransformerLens
+3.9.0 doing the same work where it can, and the server timed through HTTP.
+
+The model: GPT-2-small's shape (12 layers x 12 heads, d_model 768, MLP 3072, LayerNorm, biases, vocab
+50257, context 1024; random weights, seeded, biases and gains moved off their init), written once as a
+qkov checkpoint and as a TransformerLens file of the same weights (as ``bench_patching.py`` does). The
+text: 256 seeded random token ids (the checkpoint has no tokenizer).
+
+Every measurement runs in its own subprocess (its peak RSS, ``VmHWM``, is its own, the loaded model
+included); the time is the view's call alone (the load is printed beside it). qkov runs the views
+through ``VIEWS`` on ``open_explorer(checkpoint)``, exactly what the server calls:
+
+  model, text (256 tokens: loss per token, top predictions), attention (one head, 256 tokens), heads (the
+  heads table, ``qkov heads``' work on its default inputs), card (one head; ``tables=false`` and with the
+  vocabulary-wide tables: top full-OV / full-QK entries and skip-trigrams), composition (all pairs),
+  terms (path expansion and term effects at one position of a 64-token text), ablate (zero and mean,
+  two heads, 256 tokens).
+
+TransformerLens (same weights, ``process_weights_``): text = ``model(tokens, return_type="loss",
+loss_per_token=True)``; attention = ``run_with_cache`` and the head's pattern; card spectrum = the
+``FactoredMatrix`` eigenvalues of ``W_E OV W_U`` and ``W_E QK W_E^T`` of the head; composition =
+``all_composition_scores`` for Q, K and V; ablate zero = ``run_with_hooks`` zeroing the heads' ``hook_z``.
+The largest difference between the two results is printed beside the ratio.
+
+HTTP: ``qkov explore CHECKPOINT --port 0 --no-cache`` in its own process: the seconds from starting it
+to the first page (``GET /``), then a head card and a 256-token attention through ``POST /api/views/...``,
+and the server's peak RSS. Timings on a shared machine are noisy: compare within one run.
+
+    python benchmarks/bench_explore.py [--dir /tmp/qkov-explore-bench] [--skip heads,terms]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
+
+SHAPE = dict(
+    n_layers=12, n_heads=12, d_model=768, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=1024,
+    normalization="layernorm", positional="standard", act_fn="gelu_new", bias=True,
+)  # fmt: skip
+SEQ, TERMS_SEQ, HEAD, ABLATE = 256, 64, (5, 1), [(5, 1), (9, 4)]
+GOALS = {"first page": 10.0, "card": 5.0, "attention": 2.0}  # the issue's, seconds
+QKOV_TASKS = ["model", "text", "attention", "heads", "card-quick", "card", "composition", "terms", "ablate-zero", "ablate-mean"]
+TL_TASKS = {"text": "text", "attention": "attention", "card-quick": "spectrum", "composition": "composition", "ablate-zero": "ablate"}
+
+
+def build(root: Path) -> None:
+    """The model, once: a qkov checkpoint and a TransformerLens file of the same weights."""
+    if (root / "tl.safetensors").exists():
+        return
+    import torch
+
+    import qkov
+    from qkov.io import save_tl
+
+    print(f"building {root} (GPT-2-small shape, random weights)", flush=True)
+    model = qkov.Transformer(qkov.ModelConfig(**SHAPE), seed=0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.rsplit(".", 1)[-1].startswith("W_"):
+                p.add_(torch.randn_like(p) * 0.05)
+    qkov.save_checkpoint(model, root / "qkov")
+    save_tl(model, root / "tl.safetensors")
+
+
+def ids(n: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [0] + torch.randint(1, SHAPE["d_vocab"], (n - 1,), generator=g).tolist()
+
+
+def qkov_task(task: str, root: Path) -> tuple[float, float, object]:
+    """``(load_s, seconds, digest)`` of one view on the checkpoint."""
+    t0 = time.perf_counter()
+    from qkov.apps.explore.session import open_explorer
+    from qkov.apps.explore.views import VIEWS
+
+    ex = open_explorer(root / "qkov", cache_dir=None)
+    head = f"{HEAD[0]}.{HEAD[1]}"
+    name, args = {
+        "model": ("model", {}),
+        "text": ("text", {"text": ids(SEQ)}),
+        "attention": ("attention", {"text": ids(SEQ), "head": head}),
+        "heads": ("heads", {}),
+        "card-quick": ("card", {"head": head, "tables": False}),
+        "card": ("card", {"head": head}),
+        "composition": ("composition", {}),
+        "terms": ("terms", {"text": ids(TERMS_SEQ), "position": TERMS_SEQ - 2}),
+        "ablate-zero": ("ablate", {"text": ids(SEQ), "heads": [f"{l}.{h}" for l, h in ABLATE], "mode": "zero"}),
+        "ablate-mean": ("ablate", {"text": ids(SEQ), "heads": [f"{l}.{h}" for l, h in ABLATE], "mode": "mean"}),
+    }[task]
+    load = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    out = VIEWS[name](ex, args, lambda *a: None)
+    seconds = time.perf_counter() - t1
+    digest: object = None
+    if task == "text":
+        digest = out["loss"][:-1]
+    elif task == "attention":
+        digest = out["pattern"]
+    elif task == "card-quick":
+        digest = sorted(abs(complex(e["re"], e["im"])) for e in out["ov_eigenvalues"] + out["qk_eigenvalues"])
+    elif task == "composition":
+        digest = {f"{e['kind']}:{e['src']}:{e['dst']}": e["value"] for e in out["edges"]}
+    elif task == "ablate-zero":
+        digest = out["loss_after"][:-1]
+    return load, seconds, digest
+
+
+def tl_task(task: str, root: Path) -> tuple[float, float, object]:
+    """``(load_s, seconds, digest)`` of TransformerLens doing the same work."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    t0 = time.perf_counter()
+    with safe_open(str(root / "tl.safetensors"), "pt") as f:
+        config = json.loads(f.metadata()["transformer_lens_config"])
+    model = HookedTransformer(HookedTransformerConfig(**config))
+    model.load_state_dict(load_file(str(root / "tl.safetensors")))
+    model.process_weights_(fold_ln=True, center_writing_weights=True, center_unembed=True)
+    model.eval()
+    load = time.perf_counter() - t0
+    tokens = torch.tensor([ids(SEQ)])
+    l, h = HEAD
+    t1 = time.perf_counter()
+    if task == "text":
+        digest = model(tokens, return_type="loss", loss_per_token=True)[0].tolist()
+    elif task == "attention":
+        _, cache = model.run_with_cache(tokens)
+        digest = cache["pattern", l][0, h].tolist()
+    elif task == "spectrum":
+        ov = (model.W_E @ model.OV[l, h] @ model.W_U).eigenvalues
+        qk = (model.W_E @ model.QK[l, h] @ model.W_E.T).eigenvalues
+        digest = sorted(float(abs(v)) for v in torch.cat([ov, qk]))
+    elif task == "composition":
+        L, H = model.cfg.n_layers, model.cfg.n_heads
+        digest = {}
+        for kind in "QKV":
+            s = model.all_composition_scores(kind)
+            for l1 in range(L):
+                for h1 in range(H):
+                    for l2 in range(l1 + 1, L):
+                        for h2 in range(H):
+                            digest[f"{kind.lower()}:{l1}.{h1}:{l2}.{h2}"] = float(s[l1, h1, l2, h2])
+    else:
+
+        def zero(z: torch.Tensor, hook: object, heads: list[int]) -> torch.Tensor:
+            z[:, :, heads] = 0.0
+            return z
+
+        by_layer: dict[int, list[int]] = {}
+        for a, b in ABLATE:
+            by_layer.setdefault(a, []).append(b)
+        hooks = [(f"blocks.{a}.attn.hook_z", lambda z, hook, hs=hs: zero(z, hook, hs)) for a, hs in by_layer.items()]
+        digest = model.run_with_hooks(tokens, return_type="loss", loss_per_token=True, fwd_hooks=hooks)[0].tolist()
+    return load, time.perf_counter() - t1, digest
+
+
+def worker(lib: str, task: str, root: Path) -> None:
+    import torch
+
+    torch.set_grad_enabled(False)
+    load, seconds, digest = (qkov_task if lib == "qkov" else tl_task)(task, root)
+    print(json.dumps({"load_s": load, "seconds": seconds, "peak_rss_mib": peak_mib(), "digest": digest}))
+
+
+def measure(lib: str, task: str, root: Path) -> dict:
+    res = subprocess.run([sys.executable, __file__, "--worker", lib, task, str(root)], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{lib} {task} failed:\n{res.stderr[-3000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def diff(a: object, b: object) -> float:
+    """The largest absolute difference between two digests (nested lists, or dicts of floats by key)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return max(abs(a[k] - b[k]) for k in a if a[k] is not None)
+    flat = lambda x: [v for row in x for v in (row if isinstance(row, list) else [row])]  # noqa: E731
+    return max(abs(x - y) for x, y in zip(flat(a), flat(b)) if x is not None)
+
+
+def post(url: str, path: str, body: dict) -> tuple[float, dict]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.loads(r.read())
+    return time.perf_counter() - t0, out
+
+
+def http(root: Path) -> dict:
+    """Start ``qkov explore`` on the checkpoint; time the first page, a head card and a 256-token attention."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qkov", "explore", str(root / "qkov"), "--port", "0", "--no-cache"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        line = ""
+        while "serving" not in line:
+            line = proc.stdout.readline()  # type: ignore[union-attr]
+            if not line and proc.poll() is not None:
+                raise RuntimeError(f"qkov explore failed: {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        url = line.split(" at ", 1)[1].split()[0].rstrip("/").split("?")[0]
+        with urllib.request.urlopen(url + "/", timeout=600) as r:
+            r.read()
+        first = time.perf_counter() - t0
+        head = f"{HEAD[0]}.{HEAD[1]}"
+        card_quick, _ = post(url, "/api/views/card", {"head": head, "tables": False})
+        card, _ = post(url, "/api/views/card", {"head": f"{HEAD[0]}.{HEAD[1] + 1}"})
+        attention, _ = post(url, "/api/views/attention", {"text": ids(SEQ), "head": head})
+        with open(f"/proc/{proc.pid}/status") as fh:
+            hwm = next(int(x.split()[1]) / 1024 for x in fh if x.startswith("VmHWM"))
+        return {"first page": first, "card (tables=false)": card_quick, "card": card, "attention": attention, "peak_rss_mib": hwm}
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: the server stops cleanly
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "qkov-explore-bench")
+    p.add_argument("--skip", default="", help="comma-separated tasks to leave out (e.g. heads,terms,http,tl)")
+    p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args.worker[0], args.worker[1], Path(args.worker[2]))
+        return 0
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    args.dir.mkdir(parents=True, exist_ok=True)
+    build_in_child(args.dir)
+    print(f"{'view':14s} {'qkov s':>8s} {'peak MiB':>9s} {'TL s':>8s} {'peak MiB':>9s} {'qkov/TL':>8s} {'max diff':>9s}  (load s: qkov, TL)")
+    for task in QKOV_TASKS:
+        if task in skip:
+            continue
+        q = measure("qkov", task, args.dir)
+        line = f"{task:14s} {q['seconds']:8.2f} {q['peak_rss_mib']:9.0f}"
+        if task in TL_TASKS and "tl" not in skip:
+            t = measure("tl", TL_TASKS[task], args.dir)
+            d = diff(q["digest"], t["digest"])
+            line += f" {t['seconds']:8.2f} {t['peak_rss_mib']:9.0f} {q['seconds'] / t['seconds']:8.2f} {d:9.2g}"
+            line += f"  ({q['load_s']:.1f}, {t['load_s']:.1f})"
+        else:
+            line += f" {'-':>8s} {'-':>9s} {'-':>8s} {'-':>9s}  ({q['load_s']:.1f})"
+        goal = GOALS.get(task.split("-")[0])
+        print(line + ("" if goal is None else f"  goal <= {goal:.0f} s"), flush=True)
+    if "http" not in skip:
+        h = http(args.dir)
+        print("HTTP: " + ", ".join(f"{k} {v:.2f} s" for k, v in h.items() if k != "peak_rss_mib")
+              + f"; server peak {h['peak_rss_mib']:.0f} MiB")  # fmt: skip
+    print("(timings on a shared CPU are noisy; compare within one run)")
+    return 0
+
+
+def build_in_child(root: Path) -> None:
+    """:func:`build` in a subprocess, so this process never holds the model (its peak stays small)."""
+    if (root / "tl.safetensors").exists():
+        return
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_explore as b; b.build(__import__('pathlib').Path({str(root)!r}))"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
