@@ -51,8 +51,8 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
     t0 = time.perf_counter()
     for _, path in found:
         tensors, _ = snaps.read(path)
-        model = qkov.Transformer(final.cfg)
-        model.load_state_dict(tensors)
+        model = qkov.Transformer(final.cfg, init=False)  # both: no random init, every parameter is loaded
+        model.load_state_dict(tensors, assign=lib == "qkov")  # qkov: the snapshot's tensors, not copies
         if lib == "qkov":
             w = qkov.Weights.from_model(model)
             r = qkov.trace(w, text, cache="pattern.*")

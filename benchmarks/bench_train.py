@@ -8,6 +8,13 @@ measured twice: in float32 (like for like with TransformerLens) and with bf16 ma
 products (``qkov train --precision bf16``, the default where the CPU has AMX or the GPU
 has bf16); the ratio that compares like with like is the float32 one.
 
+Against the machine's limit: each qkov run's achieved FLOP/s (tokens/s x
+``qkov.analysis.forward.flops_per_token``, x3 for a training step: forward + backward) is
+printed as a share of a measured matmul peak: ``torch.matmul`` timed, in its own subprocess with
+the same threads, on this model's own products (the Q/K/V, output and unembedding projections
+of batch x context tokens, the batched attention products, and for training each one's two
+backward products), in float32 and in bfloat16.
+
     python benchmarks/bench_train.py            # both libraries, 3 repeats, medians
     python benchmarks/bench_train.py --repeats 5 --json results.json
 """
@@ -79,10 +86,49 @@ def _build(lib: str):
     return model, loss, lambda toks: model(toks)
 
 
+def gemm_shapes(task: str) -> list[tuple[int, int, int, int]]:
+    """``(batch, m, k, n)`` of every matrix product of one step of the model: ``[batch, m, k] @
+    [batch, k, n]``. Forward: Q, K, V and O projections, the attention products per head, the
+    unembedding; training adds each product's two backward ones (``dX = dY W^T``, ``dW = X^T dY``)."""
+    N, D, HE, V = BATCH * CFG["n_ctx"], CFG["d_model"], CFG["n_heads"] * CFG["d_head"], CFG["d_vocab"]
+    T, E, BH = CFG["n_ctx"], CFG["d_head"], BATCH * CFG["n_heads"]
+    fwd = [(1, N, D, HE)] * 3 + [(1, N, HE, D), (BH, T, E, T), (BH, T, T, E)]
+    fwd = fwd * CFG["n_layers"] + [(1, N, D, V)]
+    if task == "forward":
+        return fwd
+    back = [(b, m, n, k) for b, m, k, n in fwd] + [(b, k, m, n) for b, m, k, n in fwd]
+    return fwd + back
+
+
+def matmul_peak(task: str, dtype_name: str, seconds: float = 1.0) -> dict[str, float]:
+    """FLOP/s of ``torch.matmul`` doing exactly :func:`gemm_shapes`' products back to back (as many
+    rounds as fit in ``seconds``, at least one, after a warm-up round)."""
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    pairs = [
+        (torch.randn(b, m, k, generator=g).to(dtype).squeeze(0), torch.randn(b, k, n, generator=g).to(dtype).squeeze(0))
+        for b, m, k, n in gemm_shapes(task)
+    ]
+    flops = sum(2 * b * m * k * n for b, m, k, n in gemm_shapes(task))
+    for a, b in pairs:  # warm up
+        torch.matmul(a, b)
+    reps, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds or reps < 1:
+        for a, b in pairs:
+            torch.matmul(a, b)
+        reps += 1
+    return {"flops_per_s": reps * flops / (time.perf_counter() - t0)}
+
+
 def worker(lib: str, task: str, steps: int) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(max(1, len(__import__("os").sched_getaffinity(0))))
+    if lib.startswith("peak-"):
+        with torch.no_grad():
+            return matmul_peak(task, lib[5:])
     model, loss_fn, fwd = _build(lib)
     batches = _tokens(steps + 3, seed=1)
     if task == "train":
@@ -116,6 +162,32 @@ def measure(lib: str, task: str, steps: int) -> dict[str, float]:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def _report(results: dict[str, dict[str, dict[str, float]]], repeats: int) -> None:
+    from qkov import ModelConfig
+    from qkov.analysis.forward import flops_per_token
+
+    per_token = flops_per_token(ModelConfig(**CFG))
+    print(f"model: {CFG}, batch {BATCH}, medians of {repeats} interleaved runs")
+    print(f"flops_per_token {per_token:,} (forward; a training step counts 3x); matmul peak: torch.matmul")
+    print("on this model's own products, same threads (TL's share is at the float32 peak)")
+    head = f"{'task':<8} {'qkov':<5} {'qkov tok/s':>11} {'TL tok/s':>10} {'ratio':>7} {'qkov MiB':>9} {'TL MiB':>8}"
+    print(head + f" {'GFLOP/s':>8} {'peak':>8} {'share':>6} {'TL share':>8}")
+    for task, r in results.items():
+        t, mult = r["transformer_lens"], 3 if task == "train" else 1
+        for variant, peak in (("qkov-fp32", "peak-float32"), ("qkov-bf16", "peak-bfloat16")):
+            q = r[variant]
+            ratio = q["tokens_per_s"] / t["tokens_per_s"]
+            q["ratio_vs_tl"] = ratio
+            q["flops_per_s"] = q["tokens_per_s"] * per_token * mult
+            q["share_of_peak"] = q["flops_per_s"] / r[peak]["flops_per_s"]
+            tl_share = t["tokens_per_s"] * per_token * mult / r["peak-float32"]["flops_per_s"]
+            print(
+                f"{task:<8} {variant[5:]:<5} {q['tokens_per_s']:>11,.0f} {t['tokens_per_s']:>10,.0f} {ratio:>6.2f}x "
+                f"{q['peak_rss_mib']:>9.0f} {t['peak_rss_mib']:>8.0f} {q['flops_per_s'] / 1e9:>8.1f} "
+                f"{r[peak]['flops_per_s'] / 1e9:>8.1f} {q['share_of_peak']:>6.1%} {tl_share:>8.1%}"
+            )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
@@ -137,26 +209,14 @@ def main(argv: list[str] | None = None) -> int:
     for task, steps in (("train", args.train_steps), ("forward", args.forward_steps)):
         results[task] = {}
         runs: dict[str, list[dict[str, float]]] = {"qkov-fp32": [], "qkov-bf16": [], "transformer_lens": []}
+        runs |= {"peak-float32": [], "peak-bfloat16": []}
         for _ in range(args.repeats):  # interleave the libraries so machine noise hits both
             for lib in runs:
                 runs[lib].append(measure(lib, task, steps))
         for lib, rs in runs.items():
-            results[task][lib] = {
-                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-                "peak_rss_mib": max(r["peak_rss_mib"] for r in rs),
-            }
-    print(f"model: {CFG}, batch {BATCH}, medians of {args.repeats} interleaved runs")
-    print(f"{'task':<8} {'qkov':<5} {'qkov tok/s':>11} {'TL tok/s':>10} {'ratio':>7} {'qkov MiB':>9} {'TL MiB':>8}")
-    for task, r in results.items():
-        t = r["transformer_lens"]
-        for variant in ("qkov-fp32", "qkov-bf16"):
-            q = r[variant]
-            ratio = q["tokens_per_s"] / t["tokens_per_s"]
-            q["ratio_vs_tl"] = ratio
-            print(
-                f"{task:<8} {variant[5:]:<5} {q['tokens_per_s']:>11,.0f} {t['tokens_per_s']:>10,.0f} {ratio:>6.2f}x "
-                f"{q['peak_rss_mib']:>9.0f} {t['peak_rss_mib']:>8.0f}"
-            )
+            pick = {k: max if k == "peak_rss_mib" else statistics.median for k in rs[0]}
+            results[task][lib] = {k: f(r[k] for r in rs) for k, f in pick.items()}
+    _report(results, args.repeats)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -68,7 +68,7 @@ class Series:
         if not e.snapshot:
             return load_any(e.path)
         tensors, _ = snaps.read(e.path)
-        model = Transformer(self.cfg)
+        model = Transformer(self.cfg, init=False)  # no random init: strict loading sets every parameter
         try:
             model.load_state_dict(tensors)
         except RuntimeError as exc:

@@ -145,8 +145,8 @@ def _gpt2_state(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tied: bool)
     out["ln_final.w"], out["ln_final.b"] = take("ln_f.weight"), take("ln_f.bias")
     if "lm_head.weight" in sd:
         used.add("lm_head.weight")
-    if tied:
-        out["W_U"] = out["W_E"].T
+    if tied:  # a copy: a parameter of its own, as W_U is in a qkov model (never W_E's memory)
+        out["W_U"] = out["W_E"].T.contiguous()
     else:
         out["W_U"] = take("lm_head.weight").T
     out["b_U"] = torch.zeros(cfg.d_vocab, dtype=out["W_E"].dtype)
@@ -156,10 +156,15 @@ def _gpt2_state(cfg: ModelConfig, hf_state: dict[str, torch.Tensor], tied: bool)
             f"Hugging Face model: unexpected weight(s) {', '.join(extra[:4])}"
             f"{' ...' if len(extra) > 4 else ''} (not a plain GPT-2?)"
         )
-    return {k: v.contiguous() for k, v in out.items()}
+    return out  # views of the stored tensors (strided where split or transposed): no copy
 
 
-def _build(hf_cfg: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: torch.dtype, where: str) -> Transformer:
+def _build(
+    hf_cfg: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: torch.dtype, where: str, owned: bool = False
+) -> Transformer:
+    """The model of ``hf_state``; ``owned``: its tensors are nothing else's (a file's memory map),
+    so the parameters are views of them in ``dtype`` (no copy unless the dtype differs); else
+    they are copied into the model's own tensors."""
     cfg = hf_config(hf_cfg)
     if hf_cfg.get("model_type") == "gpt2":
         state = _gpt2_state(cfg, hf_state, bool(hf_cfg.get("tie_word_embeddings", True)))
@@ -167,7 +172,9 @@ def _build(hf_cfg: dict[str, Any], hf_state: dict[str, torch.Tensor], dtype: tor
         state = family_state(cfg, hf_cfg, hf_state)
     check_shapes(cfg, {k: v.shape for k, v in state.items()}, where)  # before the model is allocated
     model = Transformer(cfg, init=False).to(dtype=dtype)  # every parameter is loaded next
-    load_state(model, state, where=where)
+    if owned:
+        state = {k: v.to(dtype) for k, v in state.items()}  # the same tensor where the dtype is already
+    load_state(model, state, where=where, assign=owned)
     model.bos_token_id = start_token(hf_cfg, cfg.d_vocab, f"Hugging Face model {where!r}")
     return model.eval()
 
@@ -180,6 +187,10 @@ def load_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transfor
     ``model.safetensors.index.json``; float32, float16 or bfloat16 on disk, converted to
     ``dtype``) and, if present, ``tokenizer.json``; the start token is the config's
     ``bos_token_id`` (50256, ``<|endoftext|>``, for the released GPT-2s).
+    Nothing is copied where ``dtype`` is the stored one: the parameters are views (strided where
+    a fused Q/K/V is split or a matrix transposed) of the files mapped copy-on-write, so loading
+    reads each byte once (the NaN check) and a model that is edited or trained copies only the
+    pages it writes, never changing the files.
     Tested: logits agree with ``transformers``' model of each family on the same directory.
     """
     path = Path(path)
@@ -194,12 +205,14 @@ def load_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transfor
     if not isinstance(hf_cfg, dict):
         raise QkovError(f"Hugging Face model {str(path)!r}: {CONFIG_FILE} is not a JSON object")
     hf_config(hf_cfg)  # refuse an unsupported model before reading its weights
-    model = _build(hf_cfg, _read_weights(path), dtype, where=str(path))
+    model = _build(hf_cfg, _read_weights(path), dtype, where=str(path), owned=True)
     model.tokenizer = read_tokenizer(path / TOKENIZER_FILE, where=f"Hugging Face model {str(path)!r}")
     return model
 
 
 def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """Every shard's tensors, memory-mapped: ``load_file`` maps each file private (copy-on-write:
+    pages are read when touched, and a write to a parameter copies its page, never the file)."""
     state: dict[str, torch.Tensor] = {}
     for f in shard_paths(path):
         try:

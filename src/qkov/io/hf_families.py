@@ -165,7 +165,8 @@ def _context(hf: dict[str, Any], kind: str) -> int:
 
 def family_state(cfg: ModelConfig, hf: dict[str, Any], sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A checkpoint's tensors (Hugging Face names) -> a qkov state dict for ``cfg``; every tensor
-    used once, shapes checked, buffers skipped, anything else refused."""
+    used once, shapes checked, buffers skipped, anything else refused. The tensors are views of
+    ``sd``'s (fused Q/K/V split, transposes: strided views), except a tied ``W_U`` (a copy)."""
     sd = {k: v for k, v in sd.items() if not k.endswith(BUFFERS)}
     used: set[str] = set()
 
@@ -191,14 +192,14 @@ def family_state(cfg: ModelConfig, hf: dict[str, Any], sd: dict[str, torch.Tenso
     elif tied:
         if head is not None:
             used.add(head)
-        out["W_U"] = out["W_E"].T
+        out["W_U"] = out["W_E"].T.contiguous()  # W_U's own memory, as a qkov model has
     else:
         raise _fail("missing weight 'lm_head.weight' (and the embeddings are not tied)")
     out["b_U"] = torch.zeros(V, dtype=out["W_E"].dtype)
     extra = sorted(set(sd) - used)
     if extra:
         raise _fail(f"unexpected weight(s) {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}")
-    return {k: v.contiguous() for k, v in out.items()}
+    return out  # views of ``sd``'s tensors (split, transposed: strided), never copies
 
 
 Take = Callable[[str, tuple[int, ...]], torch.Tensor]

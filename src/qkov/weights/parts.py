@@ -166,9 +166,13 @@ def writer_centring(cfg: ModelConfig, center_writing: bool | None) -> bool:
     return center_writing
 
 
-def centre_rows(x: Tensor | None) -> Tensor | None:
-    """``x`` minus its mean over the last (``d_model``) dimension: a centred writer."""
-    return None if x is None else x - x.mean(dim=-1, keepdim=True)
+def centre_rows(x: Tensor | None, inplace: bool = False) -> Tensor | None:
+    """``x`` minus its mean over the last (``d_model``) dimension: a centred writer (``inplace``:
+    ``x`` itself, changed; the same numbers without a second tensor)."""
+    if x is None:
+        return None
+    mean = x.mean(dim=-1, keepdim=True)
+    return x.sub_(mean) if inplace else x - mean
 
 
 def check_head(cfg: ModelConfig, layer: int, head: int | None = None) -> None:
@@ -181,7 +185,9 @@ def check_head(cfg: ModelConfig, layer: int, head: int | None = None) -> None:
         raise QkovError(f"no {what}: the model has {cfg.n_layers} layers x {cfg.n_heads} heads")
 
 
-def fold_reader(W: Tensor, b: Tensor, g: Tensor, beta: Tensor | None, read_dim: int) -> tuple[Tensor, Tensor]:
+def fold_reader(
+    W: Tensor, b: Tensor, g: Tensor, beta: Tensor | None, read_dim: int, inplace: bool = False
+) -> tuple[Tensor, Tensor]:
     """Fold a LayerNorm's gain ``g`` and bias ``beta`` into a reader ``W`` (bias ``b``); centre ``W``.
 
     ``W`` reads the normalised stream along ``read_dim`` (size d_model): ``(n * g + beta) @ W =
@@ -191,19 +197,21 @@ def fold_reader(W: Tensor, b: Tensor, g: Tensor, beta: Tensor | None, read_dim: 
     Either stacked over layers (``g, beta [L, D]``; ``W [L, H, D, E]`` or ``[L, D, M]``) or one
     LayerNorm (``g, beta [D]``; ``W [D, V]``, ``[H, D, E]`` or ``[D, M]``, read along ``read_dim``).
     Each output column folds on its own, so one head, one layer or a block of ``W_U``'s
-    columns folds exactly as it would inside the whole.
+    columns folds exactly as it would inside the whole. ``inplace``: ``W`` itself is changed and
+    returned (the same numbers, no new tensor as large as ``W``; for a ``W`` nothing else holds).
     """
     shape = [1] * W.ndim
     if g.ndim == 2:
         shape[0] = g.shape[0]
     shape[read_dim] = g.shape[-1]
     if beta is None:
-        return W * g.reshape(shape), b
+        return (W.mul_(g.reshape(shape)) if inplace else W * g.reshape(shape)), b
     if beta.ndim == 1:
         read = beta @ W
     elif W.ndim == 4:
         read = torch.einsum("ld,lhde->lhe", beta, W)
     else:
         read = torch.einsum("ld,ldm->lm", beta, W)
-    new_W = W * g.reshape(shape)
-    return new_W - new_W.mean(dim=read_dim, keepdim=True), b + read
+    new_W = W.mul_(g.reshape(shape)) if inplace else W * g.reshape(shape)
+    mean = new_W.mean(dim=read_dim, keepdim=True)
+    return (new_W.sub_(mean) if inplace else new_W - mean), b + read

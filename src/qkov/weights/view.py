@@ -1,13 +1,14 @@
 """The canonical weights view: frozen tensors in the row convention of docs/conventions.md.
 
-``Weights.from_model(model)`` copies every weight out of a model into one frozen
-object with a leading layer dimension: ``W_E [d_vocab, d_model]``, ``W_pos [n_ctx,
-d_model]``, ``W_Q [n_layers, n_heads, d_model, d_head]``, ``W_K/W_V [n_layers, n_kv_heads,
-d_model, d_head]`` (``n_kv_heads = n_heads`` unless grouped-query), ``W_O [n_layers,
-n_heads, d_head, d_model]``, ``W_in [n_layers, d_model, d_mlp]``, ``W_out [n_layers,
-d_mlp, d_model]``, ``W_U [d_model, d_vocab]`` and biases (zeros where the model has
-none). All analysis reads this view (or the memory-mapped :class:`~qkov.weights.LazyCheckpoint`)
-through the :class:`~qkov.weights.WeightSource` getters, never the module.
+``Weights.from_model(model)`` copies every weight out of a model (once: folding and centring
+then change those copies in place) into one frozen object with a leading layer dimension:
+``W_E [d_vocab, d_model]``, ``W_pos [n_ctx, d_model]``, ``W_Q [n_layers, n_heads, d_model,
+d_head]``, ``W_K/W_V [n_layers, n_kv_heads, d_model, d_head]`` (``n_kv_heads = n_heads``
+unless grouped-query), ``W_O [n_layers, n_heads, d_head, d_model]``, ``W_in [n_layers,
+d_model, d_mlp]``, ``W_out [n_layers, d_mlp, d_model]``, ``W_U [d_model, d_vocab]`` and
+biases (zeros where the model has none). All analysis reads this view (or the memory-mapped
+:class:`~qkov.weights.LazyCheckpoint`) through the :class:`~qkov.weights.WeightSource` getters,
+never the module.
 
 Options (each documented where it is applied). The defaults give the weights TransformerLens
 analyses (``process_weights_``): LayerNorm folded, writers centred for LayerNorm models,
@@ -122,8 +123,8 @@ class Weights:
         dev = torch.device(device) if device is not None else model.W_E.device
         L, H, D, E = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
 
-        def t(x: Tensor | None) -> Tensor | None:
-            return None if x is None else x.detach().to(device=dev, dtype=dtype).clone()
+        def t(x: Tensor | None) -> Tensor | None:  # a row-major copy, whatever x's strides
+            return None if x is None else x.detach().to(dev, dtype).clone(memory_format=torch.contiguous_format)
 
         def stack(get, shape: tuple[int, ...]) -> Tensor:  # type: ignore[no-untyped-def]
             if L == 0:
@@ -167,12 +168,12 @@ class Weights:
             bos_token_id=model.bos_token_id,
             tokenizer=model.tokenizer,
         )
-        if fold_ln:
-            w = w.fold_ln()
+        if fold_ln:  # every tensor of w is its own copy: fold and centre in place, no second one
+            w = w._fold_ln(inplace=True)
         if center_writing:
-            w = w.center_writing_weights()
+            w = w._center_writing(inplace=True)
         if center_unembed:
-            w = w.center_unembed()
+            w = w._center_unembed(inplace=True)
         return w
 
     @classmethod
@@ -291,6 +292,9 @@ class Weights:
         """Fold each normalisation's gain (and LayerNorm's bias) into the weights that read its
         output. LayerNorm's readers are then centred (its output has zero mean) and the view's norm
         becomes ``folded``; RMSNorm's are not (its output is not centred) and it becomes ``scale``."""
+        return self._fold_ln(inplace=False)
+
+    def _fold_ln(self, inplace: bool) -> "Weights":
         if self.norm not in ("layernorm", "rmsnorm"):
             return self
         ch: dict[str, Tensor | None | str] = {}
@@ -298,15 +302,15 @@ class Weights:
             assert self.ln1_w is not None
             for name in ("Q", "K", "V"):
                 W, b = getattr(self, f"W_{name}"), getattr(self, f"b_{name}")
-                ch[f"W_{name}"], ch[f"b_{name}"] = fold_reader(W, b, self.ln1_w, self.ln1_b, read_dim=2)
+                ch[f"W_{name}"], ch[f"b_{name}"] = fold_reader(W, b, self.ln1_w, self.ln1_b, 2, inplace)
             if self.W_in is not None:
                 assert self.ln2_w is not None and self.b_in is not None
-                ch["W_in"], ch["b_in"] = fold_reader(self.W_in, self.b_in, self.ln2_w, self.ln2_b, read_dim=1)
+                ch["W_in"], ch["b_in"] = fold_reader(self.W_in, self.b_in, self.ln2_w, self.ln2_b, 1, inplace)
             if self.W_gate is not None:
                 assert self.ln2_w is not None and self.b_gate is not None
-                ch["W_gate"], ch["b_gate"] = fold_reader(self.W_gate, self.b_gate, self.ln2_w, self.ln2_b, read_dim=1)
+                ch["W_gate"], ch["b_gate"] = fold_reader(self.W_gate, self.b_gate, self.ln2_w, self.ln2_b, 1, inplace)
         assert self.lnf_w is not None
-        ch["W_U"], ch["b_U"] = fold_reader(self.W_U, self.b_U, self.lnf_w, self.lnf_b, read_dim=0)
+        ch["W_U"], ch["b_U"] = fold_reader(self.W_U, self.b_U, self.lnf_w, self.lnf_b, 0, inplace)
         ch.update(ln1_w=None, ln1_b=None, ln2_w=None, ln2_b=None, lnf_w=None, lnf_b=None)
         ch["norm"] = "folded" if self.norm == "layernorm" else "scale"
         return self.replace(**ch)
@@ -314,7 +318,12 @@ class Weights:
     def center_writing_weights(self) -> "Weights":
         """Remove the mean over ``d_model`` from every writer (exact only under LayerNorm: it
         changes a model without LayerNorm, which :meth:`from_model` therefore refuses)."""
-        c = centre_rows
+        return self._center_writing(inplace=False)
+
+    def _center_writing(self, inplace: bool) -> "Weights":
+        def c(x: Tensor | None) -> Tensor | None:
+            return centre_rows(x, inplace)
+
         ch: dict[str, object] = {"W_E": c(self.W_E), "W_O": c(self.W_O), "b_O": c(self.b_O), "centered_writing": True}
         if self.cfg.positional == "standard" or (self.W_pos is not None and self.norm != "none"):
             ch["W_pos"] = c(self.W_pos)
@@ -324,9 +333,12 @@ class Weights:
 
     def center_unembed(self) -> "Weights":
         """Remove the mean over the vocabulary from ``W_U`` and ``b_U`` (softmax is unchanged)."""
-        return self.replace(
-            W_U=self.W_U - self.W_U.mean(dim=-1, keepdim=True), b_U=self.b_U - self.b_U.mean(), centered_unembed=True
-        )
+        return self._center_unembed(inplace=False)
+
+    def _center_unembed(self, inplace: bool) -> "Weights":
+        mean = self.W_U.mean(dim=-1, keepdim=True)
+        W_U = self.W_U.sub_(mean) if inplace else self.W_U - mean
+        return self.replace(W_U=W_U, b_U=self.b_U - self.b_U.mean(), centered_unembed=True)
 
     # ---------------------------------------------------------------- rotation
     def rotate(self, R: Tensor) -> "Weights":
