@@ -83,9 +83,9 @@ def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScor
     induction head that also lifts hundreds of related tokens a little scores small but positive.
     """
     source = as_source(source, where="qkov.repeat_scores")
-    r = trace(source, tokens, record=("patterns", "head_outputs"))
-    P, outputs = r.patterns, r.head_outputs  # [L, B, H, T, T], [L, B, H, T, D]
-    assert P is not None and outputs is not None
+    r = trace(source, tokens, record=("patterns",), cache="z.*")
+    P = r.patterns  # [L, B, H, T, T]
+    assert P is not None
     L, B, H, T, _ = P.shape
     queries = torch.arange(1 + length, T, device=P.device)
     pm = torch.zeros(L, H, dtype=P.dtype, device=P.device)
@@ -100,9 +100,11 @@ def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScor
     copy, rank = torch.zeros_like(pm), torch.zeros_like(pm)
     read_q = copying_queries(queries, B, W_U.shape[-1], COPYING_LOGITS)
     for l in range(L):
+        W_O, z = source.attention(l).W_O, r["z", l][:, read_q]  # [H, E, D], [B, Q, H, E]
         for h in range(H):
             A = P[l, :, h][:, read_q]  # [B, Q, T]
-            logits = outputs[l, :, h][:, read_q] @ W_U  # [B, Q, V]
+            # the head's output z_h @ W_O[h] read by W_U, as z_h @ (W_O[h] @ W_U): d_head wide, not d_model
+            logits = z[:, :, h] @ (W_O[h] @ W_U)  # [B, Q, V]
             copy[l, h], rank[l, h] = _copying(A, logits, r.tokens)
     induction = induction_attention(P, length)
     counts = (len(read_q), len(queries))

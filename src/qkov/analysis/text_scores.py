@@ -155,9 +155,10 @@ def text_scores(
     chunk = chunk or chunk_size(source, T)
     sums = _Sums(source)
     observe: Callable[[LayerView], None] = sums
+    none = torch.zeros(0, dtype=torch.long)  # the scores read no logits: nothing is unembedded
     for start in range(0, B, chunk):
         part = text[start : start + chunk]
-        trace(source, part, record=(), observe=observe)
+        trace(source, part, record=(), observe=observe, positions=none)
         sums.sequences += part.shape[0]
         sums.queries += part.shape[0] * (T - 1)
         tick(progress, "heads: attention on text", min(start + chunk, B), B)
