@@ -166,6 +166,33 @@ def test_term_effects_match_a_recomputed_loss() -> None:
     assert top.loss_change == pytest.approx(reference_loss(logits - term @ w.W_U, tokens) - base, abs=1e-9)
 
 
+@pytest.mark.parametrize("kw", [dict(normalization="layernorm", d_mlp=64, bias=True), dict()])
+def test_sampled_term_effects_through_the_head_equal_the_terms_own_logits(kw: dict) -> None:
+    """At sampled positions each term's logits are read through its last head (d_head wide,
+    qkov.analysis.head_logits); they equal the logits of the term itself, as do the effects."""
+    from qkov.analysis.head_logits import term_logits
+
+    m, _ = make(3, "standard", torch.float64, **kw)
+    perturb_non_matrices(m, 0.3)
+    w = Weights.from_model(m, dtype=torch.float64)
+    tokens = toks((6, 16), seed=5)  # 90 predicted positions, 64 of them sampled
+    exp = P.expand(w, tokens, virtual_heads=True)
+    pos = P.effect_positions(exp, max_logits=20 * w.cfg.d_vocab)  # a seeded sample of the positions
+    assert pos is not None and len(pos) == 64
+    b, t = pos[:, 0], pos[:, 1]
+    for key in [(0, 1), (2, 0), (0, 2, 1, 1), (1, 0, 2, 2)]:
+        x_in = exp.direct if len(key) == 2 else exp.heads[key[:2]]
+        term = exp.heads[key] if len(key) == 2 else exp.virtual[key]
+        want = exp.logits_of(term)[b, t][:, None]
+        assert (term_logits(w, exp.run, key, x_in, b, t) - want).abs().max() <= 1e-10 * want.abs().max()
+    fast = P.term_effects(exp, top_virtual=5, positions=pos)
+    exp.direct = None  # the terms' own logits, d_model wide
+    slow = P.term_effects(exp, top_virtual=5, positions=pos)
+    assert [e.name for e in fast.singles + fast.virtual] == [e.name for e in slow.singles + slow.virtual]
+    for f, s in zip(fast.singles + fast.virtual, slow.singles + slow.virtual):
+        assert f.loss_change == pytest.approx(s.loss_change, abs=1e-12) and f.size == pytest.approx(s.size, rel=1e-10)
+
+
 @pytest.mark.parametrize("positional", ["shortformer", "standard", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> None:

@@ -212,3 +212,15 @@ def circuits_budget(
     spare = have - least  # each step runs alone: either may take all of it
     row = V * it
     return min(chunk, row * (1 + spare // (row + V))), min(writers, layer * (1 + spare // layer))
+
+
+def expansion_bytes(source: WeightSource, batch: int, seq: int, *, virtual: int = 0) -> int:
+    """Memory :func:`~qkov.analysis.paths.summarize` holds at its peak, about: every head's term and the orders
+    (``[batch, seq, d_model]`` each), ``virtual`` kept virtual-head terms, the frozen patterns,
+    the per-head outputs of term importance and three ``[batch, seq, d_vocab]`` logits."""
+    c = source.cfg
+    size = torch.finfo(source.dtype).bits // 8
+    term = batch * seq * c.d_model
+    terms = (c.n_layers + 4 + 3 * c.n_layers * c.n_heads + virtual + 2 * c.n_heads) * term
+    patterns = c.n_layers * batch * c.n_heads * seq * seq
+    return (terms + patterns + 3 * batch * seq * c.d_vocab) * size

@@ -50,8 +50,10 @@ from ..errors import QkovError
 from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
+from .budget import expansion_bytes as expansion_bytes  # the memory plan of summarize, kept here by name
 from .forward import Trace, flops_per_token, head_terms, read, trace
 from . import split
+from .head_logits import term_logits
 from .progress import Progress, tick
 from .sampling import seeded_subset
 from .shown import Shown
@@ -111,6 +113,7 @@ class Expansion:
     ``orders[k]`` is the final-stream contribution of all paths through exactly k heads;
     ``heads[(l, h)]`` the order-1 term of one head; ``virtual[(l1, h1, l2, h2)]`` one
     order-2 term (only when asked for); ``bias`` and ``mlp`` as in the module docstring.
+    ``direct``: the direct path the heads read (from :func:`expand`; :func:`~qkov.analysis.head_logits.term_logits`).
     """
 
     run: Trace
@@ -120,6 +123,7 @@ class Expansion:
     mlp: Tensor
     heads: dict[tuple[int, int], Tensor]
     virtual: dict[tuple[int, int, int, int], Tensor]
+    direct: Tensor | None = None
 
     def logits_of(self, resid: Tensor) -> Tensor:
         """``[B, T, V]`` logits of one stream term (the final LN scale frozen; no b_U)."""
@@ -149,6 +153,7 @@ def expand(
     virtual_heads: bool = False,
     keep_virtual: int | None = None,
     progress: Progress | None = None,
+    run: Trace | None = None,
 ) -> Expansion:
     """Split the logits of ``tokens [B, T]`` by path order (see the module docstring).
 
@@ -160,10 +165,11 @@ def expand(
             with ``keep_virtual`` only that many of the largest (by mean square in the
             residual stream), never holding more than those at once.
         progress: ticked once per layer.
+        run: the :func:`frozen_run` of ``tokens``, if made already.
     """
     source = as_source(source, where="qkov.expand")
     cfg = source.cfg
-    r = frozen_run(source, tokens)
+    r = frozen_run(source, tokens) if run is None else run
     T = r.tokens.shape[1]
     x0 = source.embed()[r.tokens]
     if cfg.positional == "standard":
@@ -201,7 +207,7 @@ def expand(
         tail = sum(orders[max_order + 1 :], torch.zeros_like(x0))
         orders = orders[: max_order + 1]
         orders[-1] = orders[-1] + tail
-    return Expansion(r, source, orders, bias, mlp, heads, virtual)
+    return Expansion(r, source, orders, bias, mlp, heads, virtual, x0)
 
 
 # ------------------------------------------------------------------ term importance
@@ -229,16 +235,18 @@ class TermImportance:
         }
 
 
-def term_importance(source: SourceLike, tokens: Tensor, *, progress: Progress | None = None) -> TermImportance:
+def term_importance(
+    source: SourceLike, tokens: Tensor, *, progress: Progress | None = None, run: Trace | None = None
+) -> TermImportance:
     """The paper's procedure ([F]; docs/conventions.md, "Term importance"), literally.
 
     Run 0 is the real forward pass, which fixes the patterns, normalisation divisors and MLP
     outputs. Run 1: all of those frozen, every head's output replaced by zeros. Run n: each
     head adds the output it computed on run n-1. After ``n_layers + 1`` runs every order is in
-    and the logits equal the model's. Order n first enters on run n+1.
+    and the logits equal the model's. Order n first enters on run n+1. ``run``: run 0, if made already.
     """
     source = as_source(source, where="qkov.term_importance")
-    real = frozen_run(source, tokens)
+    real = frozen_run(source, tokens) if run is None else run
     toks = real.tokens
     c = source.cfg
     B, T = toks.shape
@@ -275,24 +283,30 @@ def term_effects(
     position, or at ``positions [n, 2]`` (``(b, t)`` pairs, :func:`effect_positions`) only.
     """
     toks = exp.run.tokens
-    logits_of: Any = exp.logits_of
+    at: Any = exp.logits_of
     lossf: Any = lambda lg: loss(lg, toks)  # noqa: E731
     if positions is not None:
         b, t = positions[:, 0], positions[:, 1]
         scale, W_U, target = exp.run.divisor("final"), exp.source.unembed().W_U, toks[b, t + 1]
 
-        def logits_of(x: Tensor) -> Tensor:  # [n, 1, V] at the sampled positions
+        def at(x: Tensor) -> Tensor:  # [n, 1, V] at the sampled positions
             return read(x[b, t][:, None], exp.source.norm, None if scale is None else scale[b, t][:, None]) @ W_U
 
         lossf = lambda lg: float(F.cross_entropy(lg[:, 0].double(), target))  # noqa: E731
-    full = logits_of(sum(exp.orders, torch.zeros_like(exp.bias)) + exp.bias + exp.mlp) + exp.source.unembed().b_U
+
+    def logits_of(key: tuple[int, ...], x: Tensor) -> Tensor:  # sampled: through the term's last head
+        x_in = exp.direct if len(key) == 2 else exp.heads.get(key[:2])  # type: ignore[arg-type]
+        return at(x) if positions is None or x_in is None else term_logits(exp.source, exp.run, key, x_in, b, t)
+
+    full = at(sum(exp.orders, torch.zeros_like(exp.bias)) + exp.bias + exp.mlp) + exp.source.unembed().b_U
     base = lossf(full)
     sized = sorted(exp.virtual.items(), key=lambda kv: -float(kv[1].pow(2).mean()))[:top_virtual]
+    keys = list(exp.heads) + [key for key, _ in sized]
     names = [f"{l}.{h}" for l, h in exp.heads] + [f"{l1}.{h1}->{l2}.{h2}" for (l1, h1, l2, h2), _ in sized]
     terms = list(exp.heads.values()) + [term for _, term in sized]
     sp, parts = split.current(), {}  # a unit: one term
     for u in (u for u in range(len(terms)) if sp.mine(u, len(terms))):
-        tl = logits_of(terms[u])
+        tl = logits_of(keys[u], terms[u])
         parts[u] = TermEffect(names[u], lossf(full - tl) - base, float(tl.pow(2).mean().sqrt()))
         tick(progress, "paths: term effects", u + 1, len(terms))
     effects = sp.gather(parts, len(terms))
@@ -338,18 +352,6 @@ class PathSummary(Shown):
         return cls(shape, err, importance, singles, virtual, coverage, sampled)
 
 
-def expansion_bytes(source: WeightSource, batch: int, seq: int, *, virtual: int = 0) -> int:
-    """Memory :func:`summarize` holds at its peak, about: every head's term and the orders
-    (``[batch, seq, d_model]`` each), ``virtual`` kept virtual-head terms, the frozen patterns,
-    the per-head outputs of term importance and three ``[batch, seq, d_vocab]`` logits."""
-    c = source.cfg
-    size = torch.finfo(source.dtype).bits // 8
-    term = batch * seq * c.d_model
-    terms = (c.n_layers + 4 + 3 * c.n_layers * c.n_heads + virtual + 2 * c.n_heads) * term
-    patterns = c.n_layers * batch * c.n_heads * seq * seq
-    return (terms + patterns + 3 * batch * seq * c.d_vocab) * size
-
-
 @torch.no_grad()
 def summarize(
     source: WeightSource,
@@ -379,8 +381,9 @@ def summarize(
     check_fits(
         need, source.device, f"paths: the expansion of {B} x {T} tokens", "analyse fewer sequences", hint="batch"
     )
-    importance = term_importance(source, tokens, progress=progress)
-    exp = expand(source, tokens, progress=progress)
+    real = frozen_run(source, tokens)  # one recorded run serves term importance and the expansion
+    importance = term_importance(source, tokens, progress=progress, run=real)
+    exp = expand(source, tokens, progress=progress, run=real)
     coverage = None
     if do_virtual:
         exp.virtual, coverage = select_virtual(

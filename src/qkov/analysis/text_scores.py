@@ -156,12 +156,13 @@ def text_scores(
     chunk = chunk or chunk_size(source, T)
     sums = _Sums(source)
     observe: Callable[[LayerView], None] = sums
+    none = torch.zeros(0, dtype=torch.long)  # the scores read no logits: nothing is unembedded
     sp, starts, parts = split.current(), range(0, B, chunk), {}  # a unit: one chunk of sequences
     for u, start in enumerate(starts):
         if not sp.mine(u, len(starts)):
             continue
         sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}  # this chunk's sums alone
-        trace(source, text[start : start + chunk], record=(), observe=observe)
+        trace(source, text[start : start + chunk], record=(), observe=observe, positions=none)
         parts[u] = sums.sums
         tick(progress, "heads: attention on text", min(start + chunk, B), B)
     sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}
