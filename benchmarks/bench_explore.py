@@ -16,11 +16,23 @@ through ``VIEWS`` on ``open_explorer(checkpoint)``, exactly what the server call
   terms (path expansion and term effects at one position of a 64-token text), ablate (zero and mean,
   two heads, 256 tokens).
 
-TransformerLens (same weights, ``process_weights_``): text = ``model(tokens, return_type="loss",
+TransformerLens (same weights; LayerNorm folded, writers and unembedding centred, value biases NOT folded,
+see below): text = ``model(tokens, return_type="loss",
 loss_per_token=True)``; attention = ``run_with_cache`` and the head's pattern; card spectrum = the
 ``FactoredMatrix`` eigenvalues of ``W_E OV W_U`` and ``W_E QK W_E^T`` of the head; composition =
 ``all_composition_scores`` for Q, K and V; ablate zero = ``run_with_hooks`` zeroing the heads' ``hook_z``.
 The largest difference between the two results is printed beside the ratio.
+
+Why ``fold_value_biases=False`` (so ``load_and_process_state_dict``, not ``process_weights_``, which always
+folds them): TransformerLens' default processing moves each head's value bias into the layer's output bias
+(``b_O += sum_h b_V[h] @ W_O[h]``; exact, since a pattern row sums to 1). Every forward pass, pattern, OV/QK
+circuit and composition score is unchanged, but ``hook_z`` then no longer holds ``b_V``: zeroing it leaves
+``b_V[h] @ W_O[h]`` written at every position, which is not zero ablation. qkov keeps ``b_V`` in ``z`` (as
+Hugging Face's GPT-2 does), so its zero ablation is the head writing nothing, the same as zeroing the head's
+rows of ``attn.c_proj.weight`` by hand. Measured with the folded biases at this shape (random GPT-2-like HF
+model, two heads, 256 tokens): per-token losses 0.017 nats off both qkov and the hand-zeroed model, while qkov
+and the hand-zeroed model agree to 5e-5 (the view's 6 significant digits) and TransformerLens without the
+folding agrees with the hand-zeroed model to 1.2e-6 (tests/test_ablation.py checks qkov against it).
 
 HTTP: ``qkov explore CHECKPOINT --port 0 --no-cache`` in its own process: the seconds from starting it
 to the first page (``GET /``), then a head card and a 256-token attention through ``POST /api/views/...``,
@@ -130,7 +142,9 @@ def tl_task(task: str, root: Path) -> tuple[float, float, object]:
         config = json.loads(f.metadata()["transformer_lens_config"])
     model = HookedTransformer(HookedTransformerConfig(**config))
     model.load_state_dict(load_file(str(root / "tl.safetensors")))
-    model.process_weights_(fold_ln=True, center_writing_weights=True, center_unembed=True)
+    model.load_and_process_state_dict(  # value biases stay in hook_z, as qkov keeps them (module docstring)
+        model.state_dict(), fold_ln=True, center_writing_weights=True, center_unembed=True, fold_value_biases=False
+    )
     model.eval()
     load = time.perf_counter() - t0
     tokens = torch.tensor([ids(SEQ)])

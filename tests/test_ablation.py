@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,50 @@ def test_bad_heads_are_one_line_errors() -> None:
     w = Weights.from_model(hand_built())
     with pytest.raises(QkovError, match="out of range for a sequence of 64"):
         trace(w, natural_text(2), edits=Ab.ablation_edits([(0, 0)], "zero", positions=70))
+
+
+def test_zero_ablation_on_a_hugging_face_gpt2_equals_its_c_proj_rows_zeroed(tmp_path: Path) -> None:
+    """A GPT-2 directory (transformers' own GPT2LMHeadModel, LayerNorm, MLP, value biases moved off zero):
+    zero-ablating heads through qkov (the study, and the explorer's ablate view) equals transformers with the
+    heads' input rows of ``attn.c_proj.weight`` (Conv1D layout ``[d_model in, d_model out]``) zeroed by hand.
+    The head's ``b_V`` goes with it: removing only ``z @ W_O`` minus the bias (TransformerLens after its default
+    ``fold_value_biases``) is a different, measurably different ablation (checked to differ here)."""
+    tf = pytest.importorskip("transformers")
+    from qkov.apps.explore.session import open_explorer
+    from qkov.apps.explore.views import VIEWS
+
+    torch.manual_seed(0)
+    cfg = tf.GPT2Config(vocab_size=96, n_embd=32, n_layer=3, n_head=4, n_positions=64, n_inner=64,
+                        initializer_range=0.15, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    hf = tf.GPT2LMHeadModel(cfg).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if "ln" in n and n.endswith("weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif n.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path / "gpt2")
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(1))
+    heads, E = [(1, 2), (2, 0)], 32 // 4
+
+    def losses(m) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        with torch.no_grad():
+            logits = m(ids).logits[0, :-1].double()
+        return torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="none")
+
+    hand, folded = copy.deepcopy(hf), copy.deepcopy(hf)
+    with torch.no_grad():
+        for l, h in heads:
+            hand.transformer.h[l].attn.c_proj.weight[h * E : (h + 1) * E] = 0
+            attn, rows = folded.transformer.h[l].attn, slice(h * E, (h + 1) * E)
+            b_v = attn.c_attn.bias[2 * 32 + h * E : 2 * 32 + (h + 1) * E]  # c_attn's output: q, k, v
+            attn.c_proj.bias += b_v @ attn.c_proj.weight[rows]  # b_V @ W_O moved into b_O, then the head zeroed
+            attn.c_proj.weight[rows] = 0
+    want = losses(hand)
+    assert (losses(folded) - want).abs().max() > 1e-3  # the two ablations differ: the test can tell them apart
+    study = Ab.ablation_study(tmp_path / "gpt2", ids, heads, mode="zero", draws=0)
+    assert study.ablated.loss == pytest.approx(float(want.mean()), abs=1e-5)
+    assert study.intact.loss == pytest.approx(float(losses(hf).mean()), abs=1e-5)
+    ex = open_explorer(tmp_path / "gpt2", cache_dir=None)
+    out = VIEWS["ablate"](ex, {"text": ids[0].tolist(), "heads": ["1.2", "2.0"], "mode": "zero"}, lambda *a: None)
+    assert out["loss_after"][:-1] == pytest.approx(want.tolist(), rel=1e-5, abs=1e-5)

@@ -100,6 +100,21 @@ def slowed(view: Any) -> Any:
     return run
 
 
+SLOW_TABLES = threading.Event()  # set: a card with its tables (the page's second step) first ticks slowly
+
+
+def slowed_tables(view: Any) -> Any:
+    def run(ex: Any, args: dict, progress: Any) -> dict:
+        for i in range(400):
+            if args.get("tables") is False or not SLOW_TABLES.is_set():
+                break
+            progress("waiting", i, 400)  # raises Cancelled once the page cancels the job
+            time.sleep(0.05)
+        return view(ex, args, progress)
+
+    return run
+
+
 @pytest.fixture(scope="module")
 def server(built: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from qkov.apps.explore.server import make_app, start_background
@@ -107,7 +122,7 @@ def server(built: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     from qkov.apps.explore.views import VIEWS
 
     ex = open_explorer(built[0], cache_dir=tmp_path_factory.mktemp("explore-cache"))
-    views = {**VIEWS, "composition": slowed(VIEWS["composition"])}
+    views = {**VIEWS, "composition": slowed(VIEWS["composition"]), "card": slowed_tables(VIEWS["card"])}
     bg = start_background(make_app(ex, views=views))
     try:
         yield bg
@@ -172,6 +187,21 @@ def drawn(page: Chrome, panel: str, timeout: float = 60.0) -> None:
         f"[document.querySelector({sel}).dataset.rendered, document.querySelector({sel}).textContent]"
     )
     assert state == "ok", f"{panel}: {state}: {' '.join(text.split())[:300]}"
+
+
+def tables_drawn(page: Chrome, timeout: float = 60.0) -> None:
+    """Wait until the card's second job (its vocabulary-wide tables) has ended, and check it drew."""
+    box = "document.querySelector('#card .card-tables')"
+    page.wait(f"['ok', 'error', 'cancelled'].includes(({box} || {{dataset: {{}}}}).dataset.rendered)", timeout)
+    state, text = page.eval(f"[{box}.dataset.rendered, {box}.textContent]")
+    assert state == "ok", f"card tables: {state}: {' '.join(text.split())[:300]}"
+
+
+def full_ov(model: qkov.Transformer, layer: int, head: int) -> torch.Tensor:
+    """The dense full OV circuit ``[V, V]`` of the folded weights (float64)."""
+    w = qkov.Weights.from_model(model)
+    att = w.attention(layer)
+    return (w.embed() @ att.W_V[head] @ att.W_O[head] @ w.unembed().W_U).double()
 
 
 def dom_floats(page: Chrome, selector: str) -> list[float]:
@@ -243,9 +273,8 @@ def test_head_card_numbers_are_the_librarys(page: Chrome, built: Any) -> None:
     page.click("#heads .head-link[data-head='1.1']")
     drawn(page, "card")
     assert page.eval("document.querySelector('#card h3').textContent") == "head 1.1"
-    w = qkov.Weights.from_model(model)
-    att = w.attention(1)
-    full = (w.embed() @ att.W_V[1] @ att.W_O[1] @ w.unembed().W_U).double()  # [V, V], dense
+    tables_drawn(page)  # the tables come from the page's second job, the full card
+    full = full_ov(model, 1, 1)
     eig = torch.linalg.eigvals(full)
     copying = float(eig.sum().real / eig.abs().sum())
     assert dom_floats(page, "#card [data-field=copying]")[0] == pytest.approx(copying, abs=1e-4)
@@ -255,6 +284,36 @@ def test_head_card_numbers_are_the_librarys(page: Chrome, built: Any) -> None:
     src, out = divmod(int(flat.indices[0]), full.shape[1])
     cells = page.eval("[...document.querySelector('#card table.top-ov').rows[1].cells].map((c) => c.textContent)")
     assert cells[:2] == [json.dumps(tok.id_to_token(src)), json.dumps(tok.id_to_token(out))]
+
+
+def test_the_card_shows_before_its_tables_which_cancel_alone(page: Chrome, built: Any) -> None:
+    _, model, tok = built
+    drawn(page, "heads", timeout=120)
+    SLOW_TABLES.set()  # the second job (the full card, for its tables) is slow: the first must show alone
+    try:
+        page.click("#heads .head-link[data-head='0.1']")
+        drawn(page, "card")
+        assert page.eval("document.querySelector('#card h3').textContent") == "head 0.1"
+        line = page.wait(
+            "(() => { const p = document.querySelector('#card .card-tables .job .progress');"
+            " return p && /waiting \\d+\\/400/.test(p.textContent) && p.textContent; })()"
+        )
+        assert line.startswith("card tables: waiting")
+        assert page.eval("document.querySelector('#card table.top-ov')") is None
+        eig = torch.linalg.eigvals(full_ov(model, 0, 1))
+        copying = float(eig.sum().real / eig.abs().sum())
+        assert dom_floats(page, "#card [data-field=copying]")[0] == pytest.approx(copying, abs=1e-4)
+        page.click("#card .card-tables .job button.cancel")
+        page.wait("document.querySelector('#card .card-tables').dataset.rendered === 'cancelled'", timeout=20)
+        assert page.eval("document.querySelector('#card').dataset.rendered") == "ok"  # the card stays
+    finally:
+        SLOW_TABLES.clear()
+    page.click("#heads .head-link[data-head='0.1']")  # again: this time the tables fill in
+    drawn(page, "card")
+    tables_drawn(page)
+    full = full_ov(model, 0, 1)
+    top = dom_floats(page, "#card table.top-ov td span[data-value]")
+    assert top == pytest.approx(full.flatten().topk(len(top)).values.tolist(), rel=1e-4, abs=1e-5)
 
 
 def test_ablating_a_head_changes_the_loss_as_qkov_ablate_says(page: Chrome, built: Any) -> None:

@@ -30,10 +30,11 @@
   }
   const sleep = (ms) => new Promise((ok) => setTimeout(ok, ms));
 
-  // one panel: its job line (progress, Cancel) and its output; run() replaces what it shows
+  // one panel (a section, or a part of one such as a card's tables): its job line (progress, Cancel) and
+  // its output, the first .job and .out inside it; run() replaces what it shows; stop() drops its job
   class Panel {
-    constructor(name) {
-      this.sec = document.querySelector(`section[data-panel="${name}"]`);
+    constructor(root) {
+      this.sec = root;
       this.job = this.sec.querySelector(".job");
       this.out = this.sec.querySelector(".out");
       this.seq = 0;
@@ -57,19 +58,24 @@
     cancel() {
       if (this.id) api("DELETE", `/api/jobs/${this.id}`).catch(() => {});
     }
-    async run(view, args, render) {
+    stop() {
+      this.cancel();
+      this.seq++;  // a result still on its way is not drawn
+    }
+    async run(view, args, render, label = view) {  // label: what its job line calls it
       this.cancel();
       const seq = ++this.seq;
       this.sec.dataset.rendered = "busy";
-      const line = el("span", { class: "progress", text: `${view}: starting` });
+      const line = el("span", { class: "progress", text: `${label}: starting` });
       const stop = el("button", { type: "button", class: "cancel", text: "Cancel" });
       stop.addEventListener("click", () => this.cancel());
       this.job.replaceChildren(line, stop);
       try {
         let j = await api("POST", "/api/jobs", { view, args });
+        if (seq !== this.seq) { api("DELETE", `/api/jobs/${j.id}`).catch(() => {}); return null; }  // stopped meanwhile
         this.id = j.id;
         for (let wait = 60; j.state === "queued" || j.state === "running"; wait = Math.min(400, wait * 1.5)) {
-          line.textContent = `${view}: ${j.what || j.state}` + (j.total ? ` ${j.done}/${j.total}` : "");
+          line.textContent = `${label}: ${j.what || j.state}` + (j.total ? ` ${j.done}/${j.total}` : "");
           await sleep(wait);
           if (seq !== this.seq) return null;  // a newer run replaced this one
           j = await api("GET", `/api/jobs/${j.id}`);
@@ -80,19 +86,19 @@
         if (j.state === "done") { this.draw(render, j.result); return j.result; }
         if (j.state === "cancelled") {
           this.sec.dataset.rendered = "cancelled";
-          this.out.replaceChildren(el("p", { class: "note", text: `${view}: cancelled` }));
-        } else this.fail(`${view}: ${j.error || j.state}`);
+          this.out.replaceChildren(el("p", { class: "note", text: `${label}: cancelled` }));
+        } else this.fail(`${label}: ${j.error || j.state}`);
       } catch (e) {
         if (seq !== this.seq) return null;
         this.id = null;
         this.job.replaceChildren();
-        this.fail(`${view}: ${e.message}`);
+        this.fail(`${label}: ${e.message}`);
       }
       return null;
     }
   }
   const P = {};
-  for (const s of document.querySelectorAll("section[data-panel]")) P[s.dataset.panel] = new Panel(s.dataset.panel);
+  for (const s of document.querySelectorAll("section[data-panel]")) P[s.dataset.panel] = new Panel(s);
 
   // a button that opens head h's card
   function headLink(h) {
@@ -235,11 +241,19 @@
   }
 
   // ------------------------------------------------------------------ head card
+  // in two jobs: the card without its vocabulary-wide tables (seconds each at GPT-2's vocabulary), shown
+  // at once, then the full card, whose tables fill in below the spectra (their own progress and Cancel)
   function openCard(h) {
     S.cardHead = h;
-    const args = { head: h };
+    if (S.cardTables) S.cardTables.stop();
+    S.cardTables = null;
+    const args = { head: h, tables: false };
     if (S.text != null) args.text = S.text;
-    P.card.run("card", args, drawCard);
+    P.card.run("card", args, drawCard).then((c) => {
+      if (!c || S.cardHead !== h || S.cardTables) return;
+      S.cardTables = new Panel(P.card.out.querySelector(".card-tables"));
+      S.cardTables.run("card", { head: h }, drawTables, "card tables");  // no text: the pattern is drawn already
+    });
     P.card.sec.scrollIntoView({ block: "start" });
   }
   function spectrum(parent, eig, title) {
@@ -265,6 +279,12 @@
     out.append(row);
     spectrum(row, c.ov_eigenvalues, "OV eigenvalues");
     spectrum(row, c.qk_eigenvalues, "QK eigenvalues");
+    const tables = el("div", { class: "card-tables" }, el("div", { class: "job" }), el("div", { class: "out" }));
+    out.append(tables);
+    if (c.top_ov) { drawTables(tables.lastChild, c); tables.dataset.rendered = "ok"; }
+    drawCardRest(out, c);
+  }
+  function drawTables(out, c) {
     const tabs = el("div", { class: "cols" });
     out.append(tabs);
     if (c.top_ov) {
@@ -286,6 +306,8 @@
       table(tg, ["source", "destination", "output", "score"],
         c.trigrams.map((t) => [tok(t.src), tok(t.dest), tok(t.out), valued(t.value, 2)]), [0, 1, 2]).classList.add("trigrams");
     }
+  }
+  function drawCardRest(out, c) {
     const pos = c.positional;
     if (pos && pos.kind !== "none" && pos.offsets.length) {
       plot(out, [{ x: pos.offsets, y: pos.values, mode: "lines+markers" }], {
