@@ -104,3 +104,16 @@ def test_the_web_stack_is_not_imported_by_import_qkov() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ,
                          "PYTHONPATH": str(SRC)}, check=True).stdout  # fmt: skip
     assert out.strip() == "[]"
+
+
+def test_a_script_that_opens_an_explorer_and_returns_exits_0(ckpt: Path) -> None:
+    """The folded weights are built on a thread: a script that opens an explorer and ends at once waits for
+    it (a daemon thread still inside torch at exit aborts the process: "terminate called without an active
+    exception", exit 134)."""
+    code = (
+        "import sys; from qkov.apps.explore.session import open_explorer; "
+        "ex = open_explorer(sys.argv[1], cache_dir=None); print(ex.name)"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(ckpt)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == ckpt.name

@@ -96,7 +96,9 @@ class Session(Explorer):
             finally:
                 self._ready.set()
 
-        self._thread = threading.Thread(target=build, name="qkov-explore-weights", daemon=True)
+        # not a daemon: the interpreter waits for it at exit (torch aborts the process, "terminate called
+        # without an active exception", when a daemon thread is still inside it at shutdown)
+        self._thread = threading.Thread(target=build, name="qkov-explore-weights", daemon=False)
         self._thread.start()
 
     def settle(self) -> None:
