@@ -106,3 +106,15 @@ def test_bad_k_and_materialise_bound() -> None:
         f.topk(17)
     with pytest.raises(QkovError, match="MiB"):
         make(batch=(), m=1000, r=2, n=1000)[0].materialize(max_bytes=1000)
+
+
+def test_row_max_equals_the_dense_rows_maxima_across_chunk_edges() -> None:
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randn(37, 5, generator=g), torch.randn(5, 23, generator=g)
+    dense = (A @ B).amax(-1)
+    for max_bytes in (23 * 4, 3 * 23 * 4, 10**6):  # one row, three rows (37 is not a multiple), all rows per chunk
+        # a chunk's product may round differently from the whole one (another kernel): 1e-6
+        torch.testing.assert_close(LowRank(A, B).row_max(max_bytes=max_bytes), dense, rtol=1e-6, atol=1e-6)
+    batched = LowRank(torch.stack([A, -A]), torch.stack([B, B]))
+    expect = torch.stack([dense, (-A @ B).amax(-1)])
+    torch.testing.assert_close(batched.row_max(max_bytes=3 * 23 * 4), expect, rtol=1e-6, atol=1e-6)
