@@ -89,6 +89,12 @@ def test_diag_rank() -> None:
     ranks = f.diag_rank(max_bytes=500)
     ref = (full > full.diagonal(dim1=-2, dim2=-1)[..., None]).sum(-1)  # no ties in random matrices
     assert torch.equal(ranks, ref)
+    # one matrix in several row chunks (the last one short), and rows of a square one with their columns
+    f2, full2 = make(batch=(), m=37, n=37, dtype=torch.float64)
+    assert torch.equal(f2.diag_rank(max_bytes=700), (full2 > full2.diagonal()[:, None]).sum(-1))
+    rows = torch.tensor([5, 0, 36, 12])
+    want = (full2[rows] > full2[rows, rows][:, None]).sum(-1)
+    assert torch.equal(LowRank(f2.A[rows], f2.B).diag_rank(cols=rows, max_bytes=300), want)
     eye = LowRank(torch.eye(6, dtype=torch.float64), torch.eye(6, dtype=torch.float64))
     assert eye.diag_rank().max() == 0
     # ties count against the diagonal: a zero matrix, a constant row, a row tied at the top

@@ -205,3 +205,26 @@ def test_rank_copying_of_a_silent_head_is_chance() -> None:
         m.blocks[1].attn.W_O[0].zero_()
     report = Hd.head_report(Weights.from_model(m), natural_text(), seed=0, diag_k=None)
     assert float(report.scores["copying_rank"][1, 0]) == 0.0
+
+
+@pytest.mark.parametrize("diag_k", [5, None])
+def test_head_report_hands_the_copying_products_to_the_repeated_token_scores(diag_k: int | None) -> None:
+    """head_report forms each head's W_O W_U once (in the copying scores) and hands it to the
+    repeated-token copying scores: the same scores as repeat_scores forming its own, and the product
+    handed over is the dense W_O[h] @ W_U of that head (LayerNorm, MLP, biases)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        n_layers=2, n_heads=3, d_model=48, d_head=16, d_vocab=97, n_ctx=64, normalization="layernorm", d_mlp=96, bias=True
+    )
+    w = Weights.from_model(Transformer(cfg).eval())
+    report = Hd.head_report(w, natural_text(), seed=0, diag_k=diag_k, icl=False)
+    length = min(25, (cfg.n_ctx - 1) // 4)
+    alone = Hd.repeat_scores(w, prefix_matching_tokens(cfg.d_vocab, length=length, seed=0, bos=0), length)
+    for key, mine in (("copying", alone.copying), ("copying_rank", alone.copying_rank), ("induction", alone.induction_attention)):
+        torch.testing.assert_close(report.scores[key], mine.float(), rtol=1e-6, atol=1e-6)
+    assert alone.copying.abs().max() > 0  # a random model still scores something
+    handed: dict[tuple[int, int], torch.Tensor] = {}
+    Cc.copying_scores(w, diag_k=diag_k, on_head=lambda l, h, OU: handed.__setitem__((l, h), OU.clone()))
+    assert sorted(handed) == [(l, h) for l in range(2) for h in range(3)]
+    for (l, h), OU in handed.items():
+        torch.testing.assert_close(OU, w.attention(l).W_O[h] @ w.unembed().W_U)

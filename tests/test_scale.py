@@ -284,7 +284,9 @@ def test_copying_scores_read_a_seeded_sample_of_queries_only_at_large_vocabulari
     tokens = prefix_matching_tokens(40, length=3, seed=0, bos=0)[:, :8]
     whole = Hd.repeat_scores(w, tokens, 3)
     assert whole.copying_queries == (4, 4)
-    monkeypatch.setattr(Hd, "COPYING_LOGITS", 2 * tokens.shape[0] * 40)
+    from qkov.analysis import repeated
+
+    monkeypatch.setattr(repeated, "COPYING_LOGITS", 2 * tokens.shape[0] * 40)  # where repeat_scores reads it
     part = Hd.repeat_scores(w, tokens, 3)
     picked = Hd.copying_queries(torch.arange(4, 8), tokens.shape[0], 40, 2 * tokens.shape[0] * 40)
     assert part.copying_queries == (2, 4)

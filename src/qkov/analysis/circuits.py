@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -271,6 +271,7 @@ def copying_scores(
     seed: int = 0,
     max_bytes: int = DEFAULT_MAX_BYTES,
     progress: Progress | None = None,
+    on_head: Callable[[int, int, Tensor], None] | None = None,
 ) -> CopyingScores:
     """Per head: eigenvalue copying score of the full OV circuit, the diagonal top-``diag_k``
     rate (``None``/0 skips it) and the residual-space score.
@@ -284,6 +285,10 @@ def copying_scores(
     One layer's attention is held at a time. Without ``diag_k`` a streamed source never holds
     ``W_E`` or ``W_U`` whole (:func:`unembed_embed`); the diagonal rate needs every column of each
     full OV circuit, so both are then read once and held.
+
+    ``on_head(layer, head, W_O[head] @ W_U)``: called with each head's ``[d_head, d_vocab]`` output
+    read by the unembedding, in head order (this rank's heads under torchrun), for a caller that needs
+    the same product (:func:`qkov.analysis.heads.head_report`'s repeated-token copying): formed once.
     """
     source = as_source(source, where="qkov.copying_scores")
     V = source.cfg.d_vocab
@@ -296,6 +301,7 @@ def copying_scores(
         E_rows = W_E if rows is None else W_E[rows.to(W_E.device)]
     else:
         G = unembed_embed(source)
+        W_U = source.unembed().W_U if on_head is not None else None
     n = V if rows is None else len(rows)
     L, H = source.cfg.n_layers, source.cfg.n_heads
     sp = split.current()  # a unit: one head, number layer * H + head
@@ -306,10 +312,14 @@ def copying_scores(
         for head in heads:
             A, B = att.W_V[head], att.W_O[head]  # type: ignore[union-attr]
             twins += [LowRank(A, B @ G).twin(), LowRank(A, B).twin()]  # full OV, then residual
+            OU = B @ W_U if diag_k or on_head is not None else None  # type: ignore[operator]  # [E, V]
             if diag_k:
-                f = LowRank(E_rows @ A, B @ W_U)
+                f = LowRank(E_rows @ A, OU)  # type: ignore[arg-type]
                 cols = None if rows is None else rows.to(W_E.device)
                 rates.append(float((f.diag_rank(max_bytes=max_bytes, cols=cols) < diag_k).float().mean()))
+            if on_head is not None:
+                on_head(layer, head, OU)  # type: ignore[arg-type]
+            del OU
             mine.append(layer * H + head)
         tick(progress, "copying", layer + 1, L)
     scores = eigen_copying_score(eigenvalues(torch.stack(twins))).tolist() if twins else []  # one solve

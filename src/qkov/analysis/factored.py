@@ -291,12 +291,24 @@ class LowRank:
             cols = torch.arange(m, device=self.A.device)
         elif cols.shape != (m,) or (m and not 0 <= int(cols.min()) <= int(cols.max()) < n):
             raise QkovError(f"diag_rank: cols must be {m} column indices below {n}")
-        out = []
-        for lo, hi in self._row_chunks(min(max_bytes, CACHE_BYTES)):
-            block = self.A[..., lo:hi, :] @ self.B
-            d = block[..., torch.arange(hi - lo, device=block.device), cols[lo:hi]]
-            out.append((block >= d[..., None]).sum(-1) - 1)  # the diagonal itself is not counted
-        return torch.cat(out, -1)
+        chunks = list(self._row_chunks(min(max_bytes, CACHE_BYTES)))
+        if self.A.dim() != 2 or self.B.dim() != 2 or not chunks:
+            out = []
+            for lo, hi in chunks:
+                block = self.A[..., lo:hi, :] @ self.B
+                d = block[..., torch.arange(hi - lo, device=block.device), cols[lo:hi]]
+                out.append((block >= d[..., None]).sum(-1) - 1)  # the diagonal itself is not counted
+            return torch.cat(out, -1) if out else torch.zeros(self.shape[:-1], dtype=torch.long, device=self.A.device)
+        # one reused block and comparison for every chunk (as row_max): no fresh 8 MiB per chunk
+        rows = chunks[0][1] - chunks[0][0]
+        buf, above = self.A.new_empty(rows, n), torch.empty(rows, n, dtype=torch.bool, device=self.A.device)
+        out_ = torch.empty(m, dtype=torch.long, device=self.A.device)
+        for lo, hi in chunks:
+            block = torch.matmul(self.A[lo:hi], self.B, out=buf[: hi - lo])
+            d = block[torch.arange(hi - lo, device=block.device), cols[lo:hi]]
+            torch.ge(block, d[:, None], out=above[: hi - lo])
+            torch.sum(above[: hi - lo], -1, out=out_[lo:hi])
+        return out_.sub_(1)  # the diagonal itself is not counted
 
 
 def eigenvalues(small: Tensor) -> Tensor:

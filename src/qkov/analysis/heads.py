@@ -1,8 +1,8 @@
 """Head detectors measured on behaviour, thresholds, and the roles they assign [F, I].
 
 Pattern-based scores take patterns ``[n_layers, batch, n_heads, query, key]`` from natural
-text and return ``[n_layers, n_heads]``; [I]'s repeated-token scores run the model on
-:func:`qkov.analysis.probes.prefix_matching_tokens`; weight-based scores come from
+text and return ``[n_layers, n_heads]``; [I]'s repeated-token scores (:mod:`qkov.analysis.repeated`)
+run the model on :func:`qkov.analysis.probes.prefix_matching_tokens`; weight-based scores come from
 :mod:`qkov.analysis.circuits`. :func:`head_report` computes all of them for one model and
 assigns roles from :data:`THRESHOLDS`. Every run is :func:`qkov.analysis.forward.trace` on a
 :class:`~qkov.weights.WeightSource`.
@@ -16,17 +16,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..deprecated import renamed_property
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.convert import SourceLike, as_source, source_bos
 from .budget import COPYING_LOGITS as COPYING_LOGITS
-from . import split
 from .circuits import check_diag_k, copying_scores
-from .forward import trace
-from .probes import NOT_TEXT, ICLScore, icl_left_out, icl_score, induction_attention, prefix_matching_tokens
+from .probes import NOT_TEXT, ICLScore, icl_left_out, icl_score, prefix_matching_tokens
+from .repeated import RepeatScores as RepeatScores, _RepeatRun, repeat_scores as repeat_scores
+from .repeated import _copying as _copying, _copying_in as _copying_in, copying_queries as copying_queries
 from .progress import Progress
-from .sampling import seeded_subset
 from .shown import Shown
 from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 from .text_scores import positional_fraction as positional_fraction
@@ -36,138 +34,6 @@ from .text_scores import sink_scores as sink_scores
 from .text_scores import value_weighted_sink_scores as value_weighted_sink_scores
 
 # =========================================================================== detectors
-
-
-@dataclass
-class RepeatScores:
-    """Scores on repeated random tokens, each ``[n_layers, n_heads]``. ``induction_attention`` is the
-    measure :attr:`~qkov.analysis.probes.InductionProbe.induction_attention` reads; the *induction role*
-    reads ``prefix_matching`` and ``copying_rank`` (:data:`THRESHOLDS`)."""
-
-    prefix_matching: Tensor  # attention to the tokens after the current token's earlier occurrences
-    induction_attention: Tensor  # attention to the token after the most recent earlier occurrence
-    duplicate: Tensor  # attention to the current token's earlier occurrences
-    copying: Tensor  # [I] copying score in [-1, 1] (share of the raise on attended tokens)
-    copying_rank: Tensor  # where the head's logits rank the token it attends to most, in [-1, 1]
-    copying_queries: tuple[int, int] = (0, 0)  # (queries the copying scores read, repeated queries in all)
-
-    induction = renamed_property("induction", "induction_attention", "RepeatScores")
-
-
-def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScores:
-    """Prefix matching, induction, duplicate-token and [I]'s copying score on ``tokens`` from
-    :func:`~qkov.analysis.probes.prefix_matching_tokens` (blocks of ``length`` after one start token).
-
-    Prefix matching is the attention from each repeated token to the positions right after
-    *all* its earlier occurrences, summed (one earlier copy in the second block, three in the
-    fourth), averaged over queries; induction is the attention to the position after the most
-    recent occurrence only.
-
-    Rank copying (the measure the induction role uses): at each repeated query, the token at
-    the position the head attends to most is placed among all tokens by the head's direct logits
-    (its output ``@ W_U``): the fraction of the other tokens it beats (ties count half), averaged
-    over queries and rescaled to [-1, 1]. 1: the head always raises what it attends to above every
-    other token; 0: chance (a random or silent head: a constant logit row scores exactly 0); -1: it
-    always pushes it below every other token. Unlike the share below, it does not fade when a head
-    also lifts many related tokens a little. Both read full-vocabulary logits per head and query: above
-    :data:`COPYING_LOGITS` of them (GPT-2's vocabulary) a seeded sample of the queries is read
-    (:func:`copying_queries`; ``copying_queries`` says how many).
-
-    Copying ([I]): each head's output at a repeated query is mapped to logits by the direct
-    path (``@ W_U``, LayerNorm folded), the mean over the vocabulary is subtracted, then
-    ReLU; ``share`` is the part of that raise, summed over all repeated queries, that falls
-    on the tokens the head attends to (positions with at least half of the query's largest
-    attention weight). It is rescaled to [-1, 1] around chance (``chance`` = attended tokens /
-    vocabulary, the share of a head raising tokens at random): ``(share - chance) / (1 - chance)``
-    above chance, ``(share - chance) / chance`` below. +1: the head raises only what it attends
-    to; 0: no more than chance; -1: it raises everything but what it attends to. A trained
-    induction head that also lifts hundreds of related tokens a little scores small but positive.
-    """
-    source = as_source(source, where="qkov.repeat_scores")
-    r = trace(source, tokens, record=("patterns",), cache="z.*")
-    P = r.patterns  # [L, B, H, T, T]
-    assert P is not None
-    L, B, H, T, _ = P.shape
-    queries = torch.arange(1 + length, T, device=P.device)
-    pm = torch.zeros(L, H, dtype=P.dtype, device=P.device)
-    dup = torch.zeros_like(pm)
-    for q in queries.tolist():
-        earlier = torch.arange((q - 1) % length + 1, q, length, device=P.device)  # same token, earlier
-        pm += P[..., q, earlier + 1].sum(-1).mean(1)
-        dup += P[..., q, earlier].sum(-1).mean(1)
-    pm /= len(queries)
-    dup /= len(queries)
-    W_U = source.unembed().W_U
-    copy, rank = torch.zeros_like(pm), torch.zeros_like(pm)
-    read_q = copying_queries(queries, B, W_U.shape[-1], COPYING_LOGITS)
-    sp, parts, work, W_O = split.current(), {}, None, {}  # a unit: one head, number l * H + h
-    for u in (u for u in range(L * H) if sp.mine(u, L * H)):
-        l, h = divmod(u, H)
-        if l not in W_O:
-            W_O[l] = source.attention(l).W_O  # [H, E, D]
-        A, z = P[l, :, h][:, read_q], r["z", l][:, read_q]  # [B, Q, T], [B, Q, H, E]
-        if work is None:  # the [B, Q, V] logits and two more, reused by every head (no page faults per head)
-            work = torch.empty(3, *A.shape[:2], W_U.shape[-1], dtype=W_U.dtype, device=W_U.device)
-        # the head's output z_h @ W_O[h] read by W_U, as z_h @ (W_O[h] @ W_U): d_head wide, not d_model
-        logits = torch.matmul(z[:, :, h], W_O[l][h] @ W_U, out=work[0])  # [B, Q, V]
-        parts[u] = _copying_in(A, logits, r.tokens, work[1], work[2])
-    for u, (c, k) in enumerate(sp.gather(parts, L * H)):
-        copy[u // H, u % H], rank[u // H, u % H] = c, k
-    induction = induction_attention(P, length)
-    counts = (len(read_q), len(queries))
-    return RepeatScores(pm, induction, dup, copying=copy, copying_rank=rank, copying_queries=counts)
-
-
-def copying_queries(queries: Tensor, batch: int, vocab: int, max_logits: int = COPYING_LOGITS) -> Tensor:
-    """The repeated queries the copying scores read: all of them when their ``[batch, queries, vocab]``
-    logits hold at most ``max_logits`` entries per head, else a seeded sample (sorted) that fits."""
-    most = max(1, max_logits // (batch * vocab))
-    if len(queries) <= most:
-        return queries
-    pick = seeded_subset(len(queries), most)
-    return queries[pick.to(queries.device)]
-
-
-def _copying(A: Tensor, logits: Tensor, tokens: Tensor) -> tuple[float, float]:
-    """[I]'s share-of-raise copying score and the rank copying score of one head (see
-    :func:`repeat_scores`): ``A [B, Q, T]`` attention of the queries, ``logits [B, Q, V]`` the
-    head's direct logits there, ``tokens [B, T]``."""
-    idx = tokens[:, None, :].expand(-1, A.shape[1], -1)
-    raise_ = torch.relu(logits - logits.mean(-1, keepdim=True))
-    attended = A >= 0.5 * A.amax(-1, keepdim=True)  # [B, Q, T] positions
-    mask = torch.zeros_like(raise_)  # 1 for tokens at attended positions (repeats OR-ed by amax)
-    mask.scatter_reduce_(-1, idx, attended.to(raise_.dtype), reduce="amax")
-    share = float((raise_ * mask).sum() / raise_.sum().clamp_min(1e-30))  # over all queries
-    chance = float(mask.sum(-1).mean()) / mask.shape[-1]  # a head raising tokens at random
-    share_score = (share - chance) / (1 - chance) if share >= chance else (share - chance) / chance
-    # rank: the token at the most-attended position, placed among all tokens by the head's logits
-    top = tokens.gather(-1, A.argmax(-1))  # [B, Q]
-    own = logits.gather(-1, top[..., None])  # [B, Q, 1]
-    below, tied = (logits < own).sum(-1), (logits == own).sum(-1) - 1  # ties count half
-    percentile = (below + 0.5 * tied) / (logits.shape[-1] - 1)
-    return share_score, float(2 * percentile.double().mean() - 1)
-
-
-def _copying_in(A: Tensor, logits: Tensor, tokens: Tensor, raise_: Tensor, sign: Tensor) -> tuple[float, float]:
-    """:func:`_copying` (the definition) computed in two given ``[B, Q, V]`` buffers, with two
-    passes fewer over the vocabulary: the share sums the raise at each attended token once (a
-    gather, not a vocabulary-wide mask), and the rank reads ``sum sign(own - logits) = below - above``
-    (exact: integers), so ``below + tied / 2 = (V + sum) / 2`` with the token itself among the ties."""
-    V = logits.shape[-1]
-    torch.sub(logits, logits.mean(-1, keepdim=True), out=raise_).relu_()
-    attended = A >= 0.5 * A.amax(-1, keepdim=True)  # [B, Q, T] positions
-    same = tokens[:, :, None] == tokens[:, None, :]  # [B, T, T]: keys j' and j hold the same token
-    before = torch.ones(same.shape[1:], dtype=torch.bool, device=A.device).triu(1)  # j' < j
-    seen = (attended[..., None] & (same & before)[:, None]).any(-2)  # an earlier attended key holds j's token
-    first = attended & ~seen  # each attended token once
-    num = (raise_.gather(-1, tokens[:, None, :].expand(-1, A.shape[1], -1)) * first).sum()
-    share = float(num / raise_.sum().clamp_min(1e-30))
-    chance = float(first.sum(-1).to(raise_.dtype).mean()) / V
-    share_score = (share - chance) / (1 - chance) if share >= chance else (share - chance) / chance
-    own = logits.gather(-1, tokens.gather(-1, A.argmax(-1))[..., None])  # [B, Q, 1]
-    balance = torch.sub(own, logits, out=sign).sign_().sum(-1)  # below - above
-    percentile = (0.5 * (V + balance) - 0.5) / (V - 1)
-    return share_score, float(2 * percentile.double().mean() - 1)
 
 
 def memory_neurons(source: SourceLike, threshold: float = -0.5) -> list[dict[str, float]]:
@@ -335,8 +201,12 @@ def head_report(
     on_text = text_scores(source, text, chunk=chunk, progress=progress)
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(cfg.d_vocab, length=length, seed=seed, bos=bos, frequencies=frequencies)
-    rs = repeat_scores(source, rep, length)
-    copying = copying_scores(source, diag_k=diag_k, diag_sample=diag_sample, seed=seed, progress=progress).heads
+    repeat = _RepeatRun(source, rep, length)  # its copying reads each head's W_O W_U, which the
+    # copying scores below form anyway: handed over, not formed twice (GPT-2 small: 0.7 TFLOP)
+    copying = copying_scores(
+        source, diag_k=diag_k, diag_sample=diag_sample, seed=seed, progress=progress, on_head=repeat.copying
+    ).heads
+    rs = repeat.scores()
     L, H = cfg.n_layers, cfg.n_heads
     scores = {
         **on_text,
