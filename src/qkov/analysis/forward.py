@@ -10,18 +10,17 @@ differentiably (cached activations keep their ``.grad`` after a backward pass). 
 :class:`~qkov.analysis.activations.Trace` (the recorded pass) that indexes like TransformerLens' cache.
 (Until 1.0 these were ``run`` and ``Run``; in qkov a *run* is a training run, :mod:`qkov.training.rundir`.)
 
-What a site does not need is not computed: with nothing asked of a layer's scores, patterns or
-per-head outputs, attention runs fused; a pattern replaced by a tensor skips the queries and
-keys; an MLP output replaced by a tensor skips the MLP. The older modes are uses of the same
-sites: ``patterns=`` (replace every pattern), ``frozen=`` (replace patterns, normalisation
-divisors and MLP outputs by those of a previous run), ``head_outputs=`` (each head writes a given
-output; its live one is still recorded), ``record=`` (cache by the older names) and ``observe=``
-(each layer's attention handed to a callback and dropped). The training model
-(:class:`qkov.Transformer`) runs the same block pieces (:mod:`qkov.model.ops`); a test checks the two
-against each other and against an independent reference.
+What a site does not need is not computed: with nothing asked of a layer's scores, patterns or per-head
+outputs, attention runs fused; a pattern replaced by a tensor skips the queries and keys; an MLP output
+replaced by a tensor skips the MLP; with logits asked at a few ``positions`` and nothing asked of the last
+layer, that layer runs its queries there only (:mod:`qkov.analysis.last_rows`). The older modes are uses of the same
+sites: ``patterns=`` (replace every pattern), ``frozen=`` (replace patterns, normalisation divisors and MLP
+outputs by those of a previous run), ``head_outputs=`` (each head writes a given output; its live one is
+still recorded), ``record=`` (cache by the older names) and ``observe=`` (each layer's attention handed to a
+callback and dropped). The training model (:class:`qkov.Transformer`) runs the same block pieces
+(:mod:`qkov.model.ops`); a test checks the two against each other and against an independent reference.
 
-Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head,
-``V`` d_vocab.
+Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head, ``V`` d_vocab.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ from ..weights.parts import AttentionWeights, WeightSource
 from ..weights.convert import SourceLike, as_source
 from .activations import Scales, Trace
 from .edits import Edit, Edits
+from .last_rows import last_block, query_rows
 from .legacy import legacy_edits, legacy_kinds
 from .sites import Address, Sites
 
@@ -358,9 +358,10 @@ def trace(
     state = _Pass(source, ed, _Store(wanted, stacked, cfg.n_layers, grad), observe, grad)
     with contextlib.nullcontext() if grad else torch.no_grad():
         first, x = state.start(tokens, start_at)
-        for l in range(first, cfg.n_layers):
-            x = state.block(l, x)
-        logits = state.logits(x, positions)  # type: ignore[arg-type]
+        rows = query_rows(state, positions, tokens.shape[1], start_at=start_at, observe=observe, grad=grad)
+        for l in range(first, cfg.n_layers):  # the last layer at the positions alone when nothing reads it
+            x = state.block(l, x) if rows is None or l < cfg.n_layers - 1 else last_block(state, l, x, rows)
+        logits = state.logits(x, positions if rows is None else None)  # type: ignore[arg-type]
     out = Trace(tokens, logits, state.store.items, source, positions, dict(state.store.buffers))
     if live is not None and "head_out" in kinds:  # head_outputs=: the live outputs, not the ones written
         out.cache.update({f"head_out.{l}": v for l, v in live.items()})
@@ -386,8 +387,7 @@ def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
 def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, source: Any) -> None:
     if start_at is None:
         return
-    layer, x = start_at
-    B, T = tokens.shape
+    (layer, x), (B, T) = start_at, tokens.shape
     if not (isinstance(layer, int) and 0 <= layer <= cfg.n_layers):
         raise QkovError(f"start_at: layer must be in 0..{cfg.n_layers}, got {layer!r}")
     if tuple(x.shape) != (B, T, cfg.d_model):

@@ -1,0 +1,66 @@
+"""The analysis forward's last layer at a few positions only: when :func:`~qkov.analysis.forward.trace`
+is asked for the logits at ``positions`` and nothing reads the last layer, its keys and values are
+still computed at every position, but its queries, attention, output, MLP and residual stream only
+at those positions (the scores that read a few positions, such as the ICL score, then skip most of
+the last layer's attention).
+
+:func:`query_rows` says when that holds (else the full pass runs, as before); :func:`last_block`
+computes the block. A test checks the logits against the full pass's at the same positions
+(with LayerNorm, MLPs, parallel blocks, grouped-query attention and rotary positions).
+
+Shapes: ``B`` batch, ``T`` positions, ``P`` selected positions, ``D`` d_model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..model import rotary
+from ..model.ops import expand_kv, project_heads, query_key_stream, write_heads
+
+
+def query_rows(
+    state: Any, positions: Tensor | None, T: int, *, start_at: Any, observe: Any, grad: bool
+) -> Tensor | None:
+    """The positions ``[P]`` (in ``0 .. T-1``) where the last layer of the pass ``state`` needs its
+    queries, or ``None`` when the whole last layer must run: no positions (or as many as ``T``), a
+    gradient, an observer, a start inside the pass, or any edit or cached site at the last layer."""
+    L = state.cfg.n_layers
+    if positions is None or L == 0 or grad or observe is not None or start_at is not None:
+        return None
+    if positions.dim() != 1 or not 0 < len(positions) < T:
+        return None
+    if positions.is_floating_point() or positions.dtype == torch.bool:
+        return None
+    sites = set(state.edits.by_site) | set(state.store.wanted)
+    if any(layer == L - 1 for _, layer in sites):
+        return None
+    return positions.to(state.source.device).remainder(T)
+
+
+def last_block(state: Any, l: int, x: Tensor, rows: Tensor) -> Tensor:
+    """Block ``l`` (the last) of the pass ``state`` for the stream ``x [B, T, D]``, at ``rows [P]``
+    only: ``[B, P, D]``, the full block's output at those positions."""
+    cfg, att = state.cfg, state.source.attention(l, expand_kv=False)
+    v_in = state.normed("attn", l, x, att.ln_w, att.ln_b)[0]
+    qk_src = query_key_stream(x, state.pos, cfg.positional)
+    qk_in = v_in if qk_src is x else state.normed("qk", l, qk_src, att.ln_w, att.ln_b)[0]
+    v = expand_kv(project_heads(v_in, att.W_V, att.b_V), state.group, dim=1)
+    k = project_heads(qk_in, att.W_K, att.b_K)
+    q = project_heads(qk_in[:, rows], att.W_Q, att.b_Q)
+    if state.turn is not None:
+        cos, sin = state.turn
+        q, k = rotary.rotate(q, cos[rows], sin[rows]), rotary.rotate(k, cos, sin)
+    sees = torch.arange(x.shape[1], device=x.device)[None, :] <= rows[:, None]  # [P, T]: keys at or before
+    z = F.scaled_dot_product_attention(q, expand_kv(k, state.group, dim=1), v, attn_mask=sees)
+    a = write_heads(z, att.W_O, att.b_O)
+    x = x[:, rows]
+    if cfg.parallel:  # attention and MLP both read the block's input
+        m = state.mlp(l, x)
+        return x + a if m is None else x + a + m
+    x = x + a
+    return x + state.mlp(l, x) if cfg.d_mlp is not None else x
