@@ -173,7 +173,7 @@ def test_bad_input_is_a_user_error() -> None:
 
 
 def _counting_last_block(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the calls of the last layer's few-positions block (:mod:`qkov.analysis.last_rows`)."""
+    """Count the calls of the last layer's few-positions block (:mod:`qkov.analysis.forward_fast`)."""
     import qkov.analysis.forward as F
 
     calls: list[int] = []
@@ -235,3 +235,27 @@ def test_positions_with_the_last_layer_read_run_it_whole(name: str, monkeypatch:
     got, full = trace(w, toks, positions=at, edits=early).logits, trace(w, toks, edits=early).logits
     assert calls == [last] and (got - full[:, at]).abs().max() < 1e-12
     assert (got - trace(w, toks, positions=at).logits).abs().max() > 1e-6  # the edit did change the logits
+
+
+def test_zero_biases_are_skipped_and_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weights view holds zeros for the biases a model lacks; the forward skips adding them
+    (:func:`~qkov.analysis.forward_fast.live_bias`): the same logits and sites, bit for bit."""
+    import qkov.analysis.forward as F
+    import qkov.analysis.forward_fast as FF
+
+    zeros, some = torch.zeros(3, 4), torch.zeros(3, 4)
+    some[1, 2] = 1e-30
+    assert FF.live_bias(zeros) is None and FF.live_bias(None) is None
+    assert FF.live_bias(some) is some and FF.live_bias(zeros.clone().requires_grad_()) is not None
+    cfg = LN_MLP.replace(bias=False, normalization="rmsnorm")
+    w = Weights.from_model(_model(cfg).float(), fold_ln=False)
+    assert not w.b_Q.any() and not w.b_O.any()
+    toks, at = _tokens(cfg), torch.tensor([1, 5])
+    runs = lambda: [trace(w, toks, cache="*"), trace(w, toks, positions=at)]  # noqa: E731
+    fast = runs()
+    for module in (F, FF):
+        monkeypatch.setattr(module, "live_bias", lambda b: b)
+    slow = runs()
+    for a, b in zip(fast, slow):
+        assert torch.equal(a.logits, b.logits)
+        assert a.cache.keys() == b.cache.keys() and all(torch.equal(a.cache[k], b.cache[k]) for k in a.cache)

@@ -13,7 +13,7 @@ differentiably (cached activations keep their ``.grad`` after a backward pass). 
 What a site does not need is not computed: with nothing asked of a layer's scores, patterns or per-head
 outputs, attention runs fused; a pattern replaced by a tensor skips the queries and keys; an MLP output
 replaced by a tensor skips the MLP; with logits asked at a few ``positions`` and nothing asked of the last
-layer, that layer runs its queries there only (:mod:`qkov.analysis.last_rows`). The older modes are uses of the same
+layer, that layer runs its queries there only (:mod:`qkov.analysis.forward_fast`). The older modes are uses of the same
 sites: ``patterns=`` (replace every pattern), ``frozen=`` (replace patterns, normalisation divisors and MLP
 outputs by those of a previous run), ``head_outputs=`` (each head writes a given output; its live one is
 still recorded), ``record=`` (cache by the older names) and ``observe=`` (each layer's attention handed to a
@@ -57,7 +57,7 @@ from ..weights.parts import AttentionWeights, WeightSource
 from ..weights.convert import SourceLike, as_source
 from .activations import Scales, Trace
 from .edits import Edit, Edits
-from .last_rows import last_block, query_rows
+from .forward_fast import last_block, live_bias, plus_bias, query_rows
 from .legacy import legacy_edits, legacy_kinds
 from .sites import Address, Sites
 
@@ -185,7 +185,7 @@ class _Pass:
         when that site is used: each head's own copy of the stream ``x`` (shortformer positions added
         after the site, for queries and keys), normalised on its own."""
         if not self.active(f"{kind}_input", l):
-            return project_heads(normed, W, b)
+            return project_heads(normed, W, live_bias(b))
         split = x[:, :, None, :].expand(-1, -1, W.shape[0], -1)
         if (f"{kind}_input", l) in self.edits:  # an edit may write in place: each head its own memory
             split = split.clone()
@@ -241,7 +241,7 @@ class _Pass:
             per_head = self.at("head_out", l, torch.einsum("bhte,hed->bthd", z, att.W_O))
             out = per_head.sum(2) + att.b_O
         else:
-            out = write_heads(z, att.W_O, att.b_O)
+            out = write_heads(z, att.W_O, live_bias(att.b_O))
         return self.at("attn_out", l, out)
 
     # ------------------------------------------------------------------ MLP, blocks, logits
@@ -254,11 +254,11 @@ class _Pass:
         out = self.edits.fixed(("mlp_out", l))
         if out is None or any(self.active(k, l) for k in inside):
             m_in = self.normed("mlp", l, x, mlp.ln_w, mlp.ln_b)[0]
-            pre, linear = mlp_preactivation(m_in, mlp.W_in, mlp.b_in, mlp.W_gate, mlp.b_gate)
+            pre, linear = mlp_preactivation(m_in, mlp.W_in, live_bias(mlp.b_in), mlp.W_gate, live_bias(mlp.b_gate))
             pre = self.at("mlp_pre", l, pre)
             linear = None if linear is None else self.at("mlp_linear", l, linear)
             hidden = self.at("mlp_hidden", l, mlp_hidden(self.cfg.act_fn, pre, linear))
-            out = mlp_output(hidden, mlp.W_out, mlp.b_out)
+            out = mlp_output(hidden, mlp.W_out, live_bias(mlp.b_out))
         return self.at("mlp_out", l, out)
 
     def block(self, l: int, x: Tensor) -> Tensor:
@@ -297,7 +297,7 @@ class _Pass:
         unemb = self.source.unembed()
         x = x if positions is None else x[:, positions.to(x.device)]
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
-        return self.at("logits", None, final @ unemb.W_U + unemb.b_U)
+        return self.at("logits", None, plus_bias(final @ unemb.W_U, unemb.b_U))
 
 
 def trace(

@@ -1,12 +1,16 @@
-"""The analysis forward's last layer at a few positions only: when :func:`~qkov.analysis.forward.trace`
-is asked for the logits at ``positions`` and nothing reads the last layer, its keys and values are
-still computed at every position, but its queries, attention, output, MLP and residual stream only
-at those positions (the scores that read a few positions, such as the ICL score, then skip most of
-the last layer's attention).
+"""The analysis forward's shortcuts that change no number: the last layer at a few positions only,
+and biases of zeros not added.
 
-:func:`query_rows` says when that holds (else the full pass runs, as before); :func:`last_block`
-computes the block. A test checks the logits against the full pass's at the same positions
-(with LayerNorm, MLPs, parallel blocks, grouped-query attention and rotary positions).
+When :func:`~qkov.analysis.forward.trace` is asked for the logits at ``positions`` and nothing reads
+the last layer, its keys and values are still computed at every position, but its queries,
+attention, output, MLP and residual stream only at those positions (the scores that read a few
+positions, such as the ICL score, then skip most of the last layer's attention). :func:`query_rows`
+says when that holds (else the full pass runs, as before); :func:`last_block` computes the block. A
+test checks the logits against the full pass's at the same positions (with LayerNorm, MLPs,
+parallel blocks, grouped-query attention and rotary positions).
+
+:func:`live_bias`: a weights view holds zeros for the biases a model does not have; adding them
+changes no value (``x + 0 == x``) but costs a pass over every activation, so the forward skips them.
 
 Shapes: ``B`` batch, ``T`` positions, ``P`` selected positions, ``D`` d_model.
 """
@@ -21,6 +25,20 @@ from torch import Tensor
 
 from ..model import rotary
 from ..model.ops import expand_kv, project_heads, query_key_stream, write_heads
+
+
+def live_bias(b: Tensor | None) -> Tensor | None:
+    """``b``, or ``None`` for a bias of zeros on the CPU that needs no gradient (the add is skipped:
+    the same values; on an accelerator the check would wait for the device, so it is not made)."""
+    if b is None or b.device.type != "cpu" or b.requires_grad or bool(b.any()):
+        return b
+    return None
+
+
+def plus_bias(x: Tensor, b: Tensor | None) -> Tensor:
+    """``x + b``, or ``x`` itself when :func:`live_bias` skips ``b``."""
+    b = live_bias(b)
+    return x if b is None else x + b
 
 
 def query_rows(
@@ -49,15 +67,15 @@ def last_block(state: Any, l: int, x: Tensor, rows: Tensor) -> Tensor:
     v_in = state.normed("attn", l, x, att.ln_w, att.ln_b)[0]
     qk_src = query_key_stream(x, state.pos, cfg.positional)
     qk_in = v_in if qk_src is x else state.normed("qk", l, qk_src, att.ln_w, att.ln_b)[0]
-    v = expand_kv(project_heads(v_in, att.W_V, att.b_V), state.group, dim=1)
-    k = project_heads(qk_in, att.W_K, att.b_K)
-    q = project_heads(qk_in[:, rows], att.W_Q, att.b_Q)
+    v = expand_kv(project_heads(v_in, att.W_V, live_bias(att.b_V)), state.group, dim=1)
+    k = project_heads(qk_in, att.W_K, live_bias(att.b_K))
+    q = project_heads(qk_in[:, rows], att.W_Q, live_bias(att.b_Q))
     if state.turn is not None:
         cos, sin = state.turn
         q, k = rotary.rotate(q, cos[rows], sin[rows]), rotary.rotate(k, cos, sin)
     sees = torch.arange(x.shape[1], device=x.device)[None, :] <= rows[:, None]  # [P, T]: keys at or before
     z = F.scaled_dot_product_attention(q, expand_kv(k, state.group, dim=1), v, attn_mask=sees)
-    a = write_heads(z, att.W_O, att.b_O)
+    a = write_heads(z, att.W_O, live_bias(att.b_O))
     x = x[:, rows]
     if cfg.parallel:  # attention and MLP both read the block's input
         m = state.mlp(l, x)
