@@ -325,8 +325,8 @@ def trace(
         edits: ``{site: tensor | fn(value, site)}``: what to write at a site (:mod:`qkov.analysis.edits`).
         grad: run differentiably (else under ``torch.no_grad``); cached activations that
             require grad keep their gradient after a backward pass.
-        positions: ``[P]`` positions: the logits (and the final sites) are computed there only
-            (``Trace.logits`` is then ``[B, P, V]``), for scores that read a few positions.
+        positions: ``[P]`` positions: the logits, the final sites (``Trace.logits [B, P, V]``) and, when
+            nothing reads the last layer, its queries are computed there only (scores at a few positions).
         start_at: ``(layer, stream [B, T, D])``: start at that layer's ``resid_pre`` (``n_layers``:
             the final stream) with the given stream; earlier sites are not computed.
         record: the older names of :data:`RECORDABLE` to cache (at every layer).
