@@ -237,3 +237,28 @@ def test_zero_ablation_on_a_hugging_face_gpt2_equals_its_c_proj_rows_zeroed(tmp_
     ex = open_explorer(tmp_path / "gpt2", cache_dir=None)
     out = VIEWS["ablate"](ex, {"text": ids[0].tolist(), "heads": ["1.2", "2.0"], "mode": "zero"}, lambda *a: None)
     assert out["loss_after"][:-1] == pytest.approx(want.tolist(), rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean", "resample"])
+def test_ablating_last_layer_heads_keeps_the_few_positions_pass_exact(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ablations of every position are marked as acting on each position alone, so the forward still
+    runs the last layer at a few positions only with them (the ICL score's passes): its logits there
+    are the full ablated pass's. Ablated at some positions only, the whole last layer runs (same check)."""
+    import qkov.analysis.forward as F
+
+    calls: list[int] = []
+    real = F.last_block
+    monkeypatch.setattr(F, "last_block", lambda *a: calls.append(1) or real(*a))
+    w = Weights.from_model(hand_built(), center_unembed=False)
+    toks = natural_text(4)
+    at, heads = torch.tensor([3, 20, toks.shape[1] - 1]), [(1, 0), (0, 1)]
+    means = Ab.z_means(w, toks, heads) if mode == "mean" else None
+    intact = trace(w, toks, positions=at).logits
+    for positions, fast in ((None, True), ("5:", False)):
+        edits = Ab.ablation_edits(heads, mode, means=means, seed=3, positions=positions)
+        calls.clear()
+        got = trace(w, toks, edits=edits, positions=at).logits
+        assert bool(calls) == fast, positions
+        full = trace(w, toks, edits=edits).logits
+        assert (got - full[:, at]).abs().max() <= 1e-6 * full.abs().max(), positions
+        assert (got - intact).abs().max() > 1e-2 * intact.abs().max()  # the ablation changed the logits

@@ -170,3 +170,92 @@ def test_bad_input_is_a_user_error() -> None:
         trace(w, torch.tensor([[0, 50]]))
     with pytest.raises(QkovError, match="recorded its patterns"):
         trace(w, toks, frozen=trace(w, toks, record=()))
+
+
+def _counting_last_block(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the calls of the last layer's few-positions block (:mod:`qkov.analysis.forward_fast`)."""
+    import qkov.analysis.forward as F
+
+    calls: list[int] = []
+    real = F.last_block
+
+    def counted(state, l, x, rows):  # type: ignore[no-untyped-def]
+        calls.append(l)
+        return real(state, l, x, rows)
+
+    monkeypatch.setattr(F, "last_block", counted)
+    return calls
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+@pytest.mark.parametrize("fold", [True, False])
+def test_logits_at_positions_equal_the_full_pass(name: str, fold: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With logits asked at a few positions the last layer runs its queries there only: the logits
+    equal the full pass's and the training model's at those positions (negative and repeated ones too)."""
+    cfg = CONFIGS[name]
+    m = _model(cfg)
+    w = Weights.from_model(m, dtype=torch.float64, fold_ln=fold, center_unembed=False)
+    toks = _tokens(cfg)
+    at = torch.tensor([0, 3, 3, cfg.n_ctx - 1, -2])
+    calls = _counting_last_block(monkeypatch)
+    early = ["pattern.0"] if cfg.n_layers > 1 else []  # a site of an earlier layer: cached at every position
+    got = trace(w, toks, positions=at, cache=[*early, "final"])
+    assert calls == [cfg.n_layers - 1]  # the few-positions block ran, for the last layer only
+    full = trace(w, toks, cache=["final"])
+    assert calls == [cfg.n_layers - 1]
+    with torch.no_grad():
+        ref = m(toks)
+    assert got.logits.shape == (3, len(at), cfg.d_vocab) and got["final"].shape == (3, len(at), cfg.d_model)
+    assert (got.logits - full.logits[:, at]).abs().max() < 1e-12
+    assert (got["final"] - full["final"][:, at]).abs().max() < 1e-12
+    assert (got.logits - ref[:, at]).abs().max() < 1e-10
+    if early:
+        assert got["pattern", 0].shape == (3, cfg.n_heads, cfg.n_ctx, cfg.n_ctx)
+
+
+@pytest.mark.parametrize("name", ["ln-mlp-shortformer", "llama-like"])
+def test_positions_with_the_last_layer_read_run_it_whole(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Anything that reads or writes the last layer (a cached or edited site there, an observer, a
+    gradient, a start inside the pass) runs it at every position: same logits, full-size sites. An
+    edit of an earlier layer keeps the few-positions block, and its effect."""
+    cfg = CONFIGS[name]
+    w = Weights.from_model(_model(cfg), dtype=torch.float64)
+    toks, at, last = _tokens(cfg), torch.tensor([2, 7, cfg.n_ctx - 1]), cfg.n_layers - 1
+    calls = _counting_last_block(monkeypatch)
+    zero = {f"z.{last}.1": lambda z, site: torch.zeros_like(z)}
+    for kw in (dict(cache=[f"pattern.{last}"]), dict(edits=zero), dict(observe=lambda view: None), dict(grad=True),
+               dict(start_at=(last, trace(w, toks, cache=[f"resid_pre.{last}"])[f"resid_pre.{last}"]))):
+        got = trace(w, toks, positions=at, **kw)  # type: ignore[arg-type]
+        full = trace(w, toks, **{k: v for k, v in kw.items() if k != "cache"})  # type: ignore[arg-type]
+        assert calls == [], kw
+        assert (got.logits - full.logits[:, at]).abs().max() < 1e-12, kw
+    assert got.logits.shape == (3, 3, cfg.d_vocab)
+    assert trace(w, toks, positions=at, cache=[f"pattern.{last}"])["pattern", last].shape[-2:] == (cfg.n_ctx, cfg.n_ctx)
+    early = {"z.0.1": lambda z, site: torch.zeros_like(z)}
+    got, full = trace(w, toks, positions=at, edits=early).logits, trace(w, toks, edits=early).logits
+    assert calls == [last] and (got - full[:, at]).abs().max() < 1e-12
+    assert (got - trace(w, toks, positions=at).logits).abs().max() > 1e-6  # the edit did change the logits
+
+
+def test_zero_biases_are_skipped_and_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weights view holds zeros for the biases a model lacks; the forward skips adding them
+    (:func:`~qkov.analysis.forward_fast.live_bias`): the same logits and sites, bit for bit."""
+    import qkov.analysis.forward as F
+    import qkov.analysis.forward_fast as FF
+
+    zeros, some = torch.zeros(3, 4), torch.zeros(3, 4)
+    some[1, 2] = 1e-30
+    assert FF.live_bias(zeros) is None and FF.live_bias(None) is None
+    assert FF.live_bias(some) is some and FF.live_bias(zeros.clone().requires_grad_()) is not None
+    cfg = LN_MLP.replace(bias=False, normalization="rmsnorm")
+    w = Weights.from_model(_model(cfg).float(), fold_ln=False)
+    assert not w.b_Q.any() and not w.b_O.any()
+    toks, at = _tokens(cfg), torch.tensor([1, 5])
+    runs = lambda: [trace(w, toks, cache="*"), trace(w, toks, positions=at)]  # noqa: E731
+    fast = runs()
+    for module in (F, FF):
+        monkeypatch.setattr(module, "live_bias", lambda b: b)
+    slow = runs()
+    for a, b in zip(fast, slow):
+        assert torch.equal(a.logits, b.logits)
+        assert a.cache.keys() == b.cache.keys() and all(torch.equal(a.cache[k], b.cache[k]) for k in a.cache)

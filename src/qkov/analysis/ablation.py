@@ -33,6 +33,7 @@ from ..weights.convert import SourceLike, as_source, source_bos
 from .call_forms import ablation_args
 from .budget import fit_chunk, item, run_bytes
 from .forward import trace
+from .forward_fast import per_position
 from .positions import PositionSpec, describe_positions, resolve_positions
 from .probes import ICL_LATE, LOGIT_BYTES, icl_left_out, icl_score, icl_windows, induction_probe, induction_probe_tokens
 from .shown import TEXT, Shown, register
@@ -199,7 +200,7 @@ def _ablate(mode: str, positions: PositionSpec, mean: Tensor | None, seed: int) 
         out[:, at] = new[:, at]
         return out
 
-    return edit
+    return per_position(edit) if positions is None else edit  # every position: each on its own
 
 
 @dataclass

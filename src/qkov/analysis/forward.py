@@ -10,18 +10,17 @@ differentiably (cached activations keep their ``.grad`` after a backward pass). 
 :class:`~qkov.analysis.activations.Trace` (the recorded pass) that indexes like TransformerLens' cache.
 (Until 1.0 these were ``run`` and ``Run``; in qkov a *run* is a training run, :mod:`qkov.training.rundir`.)
 
-What a site does not need is not computed: with nothing asked of a layer's scores, patterns or
-per-head outputs, attention runs fused; a pattern replaced by a tensor skips the queries and
-keys; an MLP output replaced by a tensor skips the MLP. The older modes are uses of the same
-sites: ``patterns=`` (replace every pattern), ``frozen=`` (replace patterns, normalisation
-divisors and MLP outputs by those of a previous run), ``head_outputs=`` (each head writes a given
-output; its live one is still recorded), ``record=`` (cache by the older names) and ``observe=``
-(each layer's attention handed to a callback and dropped). The training model
-(:class:`qkov.Transformer`) runs the same block pieces (:mod:`qkov.model.ops`); a test checks the two
-against each other and against an independent reference.
+What a site does not need is not computed: with nothing asked of a layer's scores, patterns or per-head
+outputs, attention runs fused; a pattern replaced by a tensor skips the queries and keys; an MLP output
+replaced by a tensor skips the MLP; with logits asked at a few ``positions`` and nothing asked of the last
+layer, that layer runs its queries there only (:mod:`qkov.analysis.forward_fast`). The older modes are uses of the same
+sites: ``patterns=`` (replace every pattern), ``frozen=`` (replace patterns, normalisation divisors and MLP
+outputs by those of a previous run), ``head_outputs=`` (each head writes a given output; its live one is
+still recorded), ``record=`` (cache by the older names) and ``observe=`` (each layer's attention handed to a
+callback and dropped). The training model (:class:`qkov.Transformer`) runs the same block pieces
+(:mod:`qkov.model.ops`); a test checks the two against each other and against an independent reference.
 
-Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head,
-``V`` d_vocab.
+Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head, ``V`` d_vocab.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ from ..weights.parts import AttentionWeights, WeightSource
 from ..weights.convert import SourceLike, as_source
 from .activations import Scales, Trace
 from .edits import Edit, Edits
+from .forward_fast import last_block, live_bias, plus_bias, query_rows
 from .legacy import legacy_edits, legacy_kinds
 from .sites import Address, Sites
 
@@ -185,7 +185,7 @@ class _Pass:
         when that site is used: each head's own copy of the stream ``x`` (shortformer positions added
         after the site, for queries and keys), normalised on its own."""
         if not self.active(f"{kind}_input", l):
-            return project_heads(normed, W, b)
+            return project_heads(normed, W, live_bias(b))
         split = x[:, :, None, :].expand(-1, -1, W.shape[0], -1)
         if (f"{kind}_input", l) in self.edits:  # an edit may write in place: each head its own memory
             split = split.clone()
@@ -241,7 +241,7 @@ class _Pass:
             per_head = self.at("head_out", l, torch.einsum("bhte,hed->bthd", z, att.W_O))
             out = per_head.sum(2) + att.b_O
         else:
-            out = write_heads(z, att.W_O, att.b_O)
+            out = write_heads(z, att.W_O, live_bias(att.b_O))
         return self.at("attn_out", l, out)
 
     # ------------------------------------------------------------------ MLP, blocks, logits
@@ -254,11 +254,11 @@ class _Pass:
         out = self.edits.fixed(("mlp_out", l))
         if out is None or any(self.active(k, l) for k in inside):
             m_in = self.normed("mlp", l, x, mlp.ln_w, mlp.ln_b)[0]
-            pre, linear = mlp_preactivation(m_in, mlp.W_in, mlp.b_in, mlp.W_gate, mlp.b_gate)
+            pre, linear = mlp_preactivation(m_in, mlp.W_in, live_bias(mlp.b_in), mlp.W_gate, live_bias(mlp.b_gate))
             pre = self.at("mlp_pre", l, pre)
             linear = None if linear is None else self.at("mlp_linear", l, linear)
             hidden = self.at("mlp_hidden", l, mlp_hidden(self.cfg.act_fn, pre, linear))
-            out = mlp_output(hidden, mlp.W_out, mlp.b_out)
+            out = mlp_output(hidden, mlp.W_out, live_bias(mlp.b_out))
         return self.at("mlp_out", l, out)
 
     def block(self, l: int, x: Tensor) -> Tensor:
@@ -297,7 +297,7 @@ class _Pass:
         unemb = self.source.unembed()
         x = x if positions is None else x[:, positions.to(x.device)]
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
-        return self.at("logits", None, final @ unemb.W_U + unemb.b_U)
+        return self.at("logits", None, plus_bias(final @ unemb.W_U, unemb.b_U))
 
 
 def trace(
@@ -325,8 +325,8 @@ def trace(
         edits: ``{site: tensor | fn(value, site)}``: what to write at a site (:mod:`qkov.analysis.edits`).
         grad: run differentiably (else under ``torch.no_grad``); cached activations that
             require grad keep their gradient after a backward pass.
-        positions: ``[P]`` positions: the logits (and the final sites) are computed there only
-            (``Trace.logits`` is then ``[B, P, V]``), for scores that read a few positions.
+        positions: ``[P]`` positions: the logits, the final sites (``Trace.logits [B, P, V]``) and, when
+            nothing reads the last layer, its queries are computed there only (scores at a few positions).
         start_at: ``(layer, stream [B, T, D])``: start at that layer's ``resid_pre`` (``n_layers``:
             the final stream) with the given stream; earlier sites are not computed.
         record: the older names of :data:`RECORDABLE` to cache (at every layer).
@@ -358,9 +358,10 @@ def trace(
     state = _Pass(source, ed, _Store(wanted, stacked, cfg.n_layers, grad), observe, grad)
     with contextlib.nullcontext() if grad else torch.no_grad():
         first, x = state.start(tokens, start_at)
-        for l in range(first, cfg.n_layers):
-            x = state.block(l, x)
-        logits = state.logits(x, positions)  # type: ignore[arg-type]
+        rows = query_rows(state, positions, tokens.shape[1], start_at=start_at, observe=observe, grad=grad)
+        for l in range(first, cfg.n_layers):  # the last layer at the positions alone when nothing reads it
+            x = state.block(l, x) if rows is None or l < cfg.n_layers - 1 else last_block(state, l, x, rows)
+        logits = state.logits(x, positions if rows is None else None)  # type: ignore[arg-type]
     out = Trace(tokens, logits, state.store.items, source, positions, dict(state.store.buffers))
     if live is not None and "head_out" in kinds:  # head_outputs=: the live outputs, not the ones written
         out.cache.update({f"head_out.{l}": v for l, v in live.items()})
@@ -386,8 +387,7 @@ def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
 def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, source: Any) -> None:
     if start_at is None:
         return
-    layer, x = start_at
-    B, T = tokens.shape
+    (layer, x), (B, T) = start_at, tokens.shape
     if not (isinstance(layer, int) and 0 <= layer <= cfg.n_layers):
         raise QkovError(f"start_at: layer must be in 0..{cfg.n_layers}, got {layer!r}")
     if tuple(x.shape) != (B, T, cfg.d_model):

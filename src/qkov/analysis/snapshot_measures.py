@@ -23,16 +23,18 @@ from torch import Tensor
 
 from ..deprecated import module_getattr
 from ..device import check_fits, memory_budget
+from ..weights.parts import WeightSource
 from ..weights.view import Weights
 from . import phase
 from .ablation import Chunks, ablation_budget, sequence_losses
 from .budget import composition_bytes, copying_bytes, repeat_bytes
 from .circuits import copying_scores
 from .composition import DEFAULT_WRITER_BYTES, composition_scores
+from .forward import LayerView, trace
 from .heads import repeat_scores
 from .probes import icl_left_out, icl_score, induction_probe, prefix_matching_tokens
 from .rotary_circuits import resolve_offsets
-from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
+from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes
 
 PER_TOKEN_SEQUENCES = 8  # sequences whose per-token losses each record keeps (the trajectory's sample)
 # the smallest rise that counts as a change (the phase change of the default 2-layer run:
@@ -126,13 +128,32 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     rs = repeat_scores(w, rep, length)
     heads = {"prefix_matching": rs.prefix_matching, "induction": rs.induction_attention, "copying_rank": rs.copying_rank}
     if sample.text is not None:
-        heads["previous_token"] = text_scores(w, sample.text[:PER_TOKEN_SEQUENCES], chunk=text_chunk)["previous_token"]
+        heads["previous_token"] = previous_token_on_text(w, sample.text[:PER_TOKEN_SEQUENCES], chunk=text_chunk)
     copying = copying_scores(w, diag_k=None).heads
     heads["eigen_copying"] = torch.tensor([c.eigen_score for c in copying]).reshape(cfg.n_layers, cfg.n_heads)
     rec["heads"] = {k: _grid(v.float()) for k, v in heads.items()}
     rec["previous_token"] = _r(heads["previous_token"][0].max()) if "previous_token" in heads else None
     rec["k_composition"] = _strongest_k(w) if cfg.n_layers >= 2 else None
     return rec
+
+
+def previous_token_on_text(w: WeightSource, text: Tensor, *, chunk: int | None = None) -> Tensor:
+    """Each head's previous-token score on ``text [B, T]``, ``[n_layers, n_heads]`` (float64): the
+    ``previous_token`` of :func:`~qkov.analysis.text_scores.text_scores` (the same sums in the same
+    order, so the same numbers) without its other scores, which dynamics does not read."""
+    B, T = text.shape
+    chunk = chunk or chunk_size(w, T)
+    total = torch.zeros(w.cfg.n_layers, w.cfg.n_heads, dtype=torch.float64, device=w.device)
+    none = torch.zeros(0, dtype=torch.long)  # no logits read: nothing is unembedded
+    for start in range(0, B, chunk):
+        part = torch.zeros_like(total)
+
+        def diagonal(view: LayerView) -> None:
+            part[view.layer] += view.pattern.diagonal(offset=-1, dim1=-2, dim2=-1).sum((0, 2)).double()
+
+        trace(w, text[start : start + chunk], observe=diagonal, positions=none)
+        total += part
+    return total / (B * (T - 1))
 
 
 def _strongest_k(w: Weights) -> dict[str, Any]:
