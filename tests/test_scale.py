@@ -313,3 +313,21 @@ def test_report_trigram_tables_of_a_few_heads_at_large_vocabularies(monkeypatch)
     assert note is not None and "2 of the 5 layer-0 heads" in note
     section = Co._trigrams(w, lambda i: f"<{i}>", 0, 3)
     assert [h.head for h in section.heads] == [f"0.{h}" for h in chosen] and section.note == note
+
+
+def test_the_fast_copying_scores_equal_their_definition_with_repeated_attended_tokens() -> None:
+    """_copying_in (buffers, a gather at each attended token once, the rank from one sign sum) gives
+    _copying's numbers where several attended keys hold the same token and attention ties."""
+    from qkov.analysis import repeated
+
+    g = torch.Generator().manual_seed(0)
+    B, Q, T, V = 3, 5, 12, 7  # few token ids: many keys share one
+    tokens = torch.randint(0, V, (B, T), generator=g)
+    A = torch.rand(B, Q, T, generator=g).round(decimals=1)  # ties: several keys at the row's top half
+    logits = torch.randn(B, Q, V, generator=g, dtype=torch.float64)
+    logits[0, 0] = 0.5  # a constant row: every rank a tie (the definition rounds its rank in float32)
+    want = repeated._copying(A, logits, tokens)
+    bufs = torch.empty(2, B, Q, V, dtype=torch.float64)
+    assert repeated._copying_in(A, logits, tokens, bufs[0], bufs[1]) == pytest.approx(want, abs=1e-6)
+    shared = repeated.earlier_same(tokens, torch.float64)
+    assert repeated._copying_in(A, logits, tokens, bufs[0], bufs[1], shared) == pytest.approx(want, abs=1e-6)

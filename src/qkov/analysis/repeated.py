@@ -102,6 +102,7 @@ class _RepeatRun:
         self.run, self.P, self.shape = r, P, (L, H)
         self.parts: dict[int, tuple[float, float]] = {}
         self.work: Tensor | None = None
+        self.earlier: Tensor | None = None  # which earlier keys hold the same token, shared by every head
         self.split = split.current()  # a unit: one head, number l * H + h
 
     def units(self) -> list[int]:
@@ -116,7 +117,10 @@ class _RepeatRun:
             self.work = torch.empty(3, *A.shape[:2], OU.shape[-1], dtype=OU.dtype, device=OU.device)
         # the head's output z_h @ W_O[h] read by W_U, as z_h @ (W_O[h] @ W_U): d_head wide, not d_model
         logits = torch.matmul(z[:, :, h], OU, out=self.work[0])  # [B, Q, V]
-        self.parts[l * self.shape[1] + h] = _copying_in(A, logits, self.run.tokens, self.work[1], self.work[2])
+        if self.earlier is None:
+            self.earlier = earlier_same(self.run.tokens, OU.dtype)
+        parts = _copying_in(A, logits, self.run.tokens, self.work[1], self.work[2], self.earlier)
+        self.parts[l * self.shape[1] + h] = parts
 
     def scores(self) -> RepeatScores:
         """The scores, once every head of :meth:`units` has had :meth:`copying`."""
@@ -162,17 +166,27 @@ def _copying(A: Tensor, logits: Tensor, tokens: Tensor) -> tuple[float, float]:
     return share_score, float(2 * percentile.double().mean() - 1)
 
 
-def _copying_in(A: Tensor, logits: Tensor, tokens: Tensor, raise_: Tensor, sign: Tensor) -> tuple[float, float]:
+def earlier_same(tokens: Tensor, dtype: torch.dtype) -> Tensor:
+    """``[B, T, T]``: 1 where key ``j' < j`` holds the same token as key ``j`` (else 0), in ``dtype``."""
+    same = tokens[:, :, None] == tokens[:, None, :]
+    before = torch.ones(same.shape[1:], dtype=torch.bool, device=tokens.device).triu(1)  # j' < j
+    return (same & before).to(dtype)
+
+
+def _copying_in(
+    A: Tensor, logits: Tensor, tokens: Tensor, raise_: Tensor, sign: Tensor, earlier: Tensor | None = None
+) -> tuple[float, float]:
     """:func:`_copying` (the definition) computed in two given ``[B, Q, V]`` buffers, with two
     passes fewer over the vocabulary: the share sums the raise at each attended token once (a
     gather, not a vocabulary-wide mask), and the rank reads ``sum sign(own - logits) = below - above``
-    (exact: integers), so ``below + tied / 2 = (V + sum) / 2`` with the token itself among the ties."""
+    (exact: integers), so ``below + tied / 2 = (V + sum) / 2`` with the token itself among the ties.
+    ``earlier``: :func:`earlier_same` of ``tokens`` in the logits' dtype (made here when not given)."""
     V = logits.shape[-1]
     torch.sub(logits, logits.mean(-1, keepdim=True), out=raise_).relu_()
     attended = A >= 0.5 * A.amax(-1, keepdim=True)  # [B, Q, T] positions
-    same = tokens[:, :, None] == tokens[:, None, :]  # [B, T, T]: keys j' and j hold the same token
-    before = torch.ones(same.shape[1:], dtype=torch.bool, device=A.device).triu(1)  # j' < j
-    seen = (attended[..., None] & (same & before)[:, None]).any(-2)  # an earlier attended key holds j's token
+    earlier = earlier_same(tokens, logits.dtype) if earlier is None else earlier
+    # an earlier attended key holds j's token: a count of 0/1 products, exact in floating point
+    seen = torch.bmm(attended.to(earlier.dtype), earlier) > 0
     first = attended & ~seen  # each attended token once
     num = (raise_.gather(-1, tokens[:, None, :].expand(-1, A.shape[1], -1)) * first).sum()
     share = float(num / raise_.sum().clamp_min(1e-30))
