@@ -16,6 +16,9 @@ def test_stdlib_corpus_is_found_without_download() -> None:
     assert len(files) > 500, "the running Python's standard library should hold hundreds of modules"
     assert all(f.rel.endswith(".py") for f in files)
     assert not any("site-packages" in f.rel for f in files)
+    # the same files, in the same order, as every .py under the root outside installed packages
+    every = [p for p in sorted(root.rglob("*.py")) if not {"site-packages", "dist-packages"} & set(p.relative_to(root).parts)]
+    assert [f.path for f in files] == every and [f.rel for f in files] == [p.relative_to(root).as_posix() for p in every]
 
 
 def test_split_by_file_puts_each_file_whole_on_one_side(tmp_path: Path) -> None:
