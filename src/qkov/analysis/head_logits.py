@@ -5,7 +5,8 @@ is ``y @ W_O[h]`` with ``y = A_h @ (read(x_in) @ W_V[h])`` (``A_h`` the frozen p
 the stream term the head reads: the direct path, or the writer's term). Its logits at position
 ``(b, t)`` are ``read(y W_O[h]) @ W_U``; the frozen final read centres (a projection of each row)
 and divides by the position's divisor, both linear, so they equal ``(y @ read(W_O[h])) @ W_U / s``:
-one ``[d_head, d_vocab]`` product per head and ``d_head``-wide rows per position instead of
+one ``[d_head, d_vocab]`` product per head (made for all heads of a layer at once,
+:func:`head_unembed`) and ``d_head``-wide rows per position instead of
 ``d_model``-wide ones (about 3.6x fewer operations for GPT-2 small's term effects). A test checks
 them against the term's own logits (:meth:`qkov.analysis.paths.Expansion.logits_of`).
 """
@@ -20,17 +21,35 @@ from .activations import Trace
 from .forward import project, read
 
 
-def term_logits(source: WeightSource, run: Trace, key: tuple[int, ...], x_in: Tensor, b: Tensor, t: Tensor) -> Tensor:
+def head_unembed(source: WeightSource, layer: int) -> Tensor:
+    """``[H, E, V]``: each head's ``W_O`` as the final normalisation reads it (centred where it
+    centres; its divisor applied per position later), times ``W_U``: one product for the layer."""
+    W_O = source.attention(layer).W_O  # [H, E, D]
+    H, E, D = W_O.shape
+    if source.norm != "none":
+        W_O = read(W_O, source.norm, torch.ones(H, E, 1, dtype=W_O.dtype, device=W_O.device))
+    return (W_O.reshape(H * E, D) @ source.unembed().W_U).view(H, E, -1)
+
+
+def term_logits(
+    source: WeightSource,
+    run: Trace,
+    key: tuple[int, ...],
+    x_in: Tensor,
+    b: Tensor,
+    t: Tensor,
+    unembedded: Tensor | None = None,
+) -> Tensor:
     """Logits ``[n, 1, V]`` (no ``b_U``) at positions ``(b[i], t[i])`` of the term that head
     ``layer, head = key[-2:]`` writes for the stream term ``x_in [B, T, D]`` alone (the term
-    :func:`~qkov.analysis.forward.head_terms` gives), the run's patterns and divisors frozen."""
+    :func:`~qkov.analysis.forward.head_terms` gives), the run's patterns and divisors frozen.
+    ``unembedded``: :func:`head_unembed` of the layer, if made already (terms ending in one layer share it)."""
     layer, head = key[-2], key[-1]
     att = source.attention(layer)
     v = project(read(x_in, source.norm, run.divisor("attn_v", layer)), att.W_V[head : head + 1])[:, 0]  # [B, T, E]
     y = (run.patterns[layer][:, head] @ v)[b, t]  # type: ignore[index]  # [n, E]
     scale = run.divisor("final")
-    W_O = att.W_O[head]  # [E, D]
-    if scale is None:
-        return (y @ (W_O @ source.unembed().W_U))[:, None]
-    W_read = read(W_O[None], source.norm, torch.ones(1, W_O.shape[0], 1, dtype=W_O.dtype, device=W_O.device))[0]
-    return ((y @ (W_read @ source.unembed().W_U)) / scale[b, t])[:, None]
+    if scale is not None:
+        y = y / scale[b, t]
+    P = head_unembed(source, layer) if unembedded is None else unembedded
+    return (y @ P[head])[:, None]
