@@ -110,3 +110,26 @@ def test_sampled_term_effects_equal_cross_entropy_of_the_terms_own_logits() -> N
         assert e.loss_change == pytest.approx(float(F.cross_entropy((full - own).double(), target)) - base, abs=1e-5)
         assert e.size == pytest.approx(float(own.double().pow(2).mean().sqrt()), rel=1e-5)
 
+
+
+@pytest.mark.parametrize("kw", [dict(normalization="layernorm", d_mlp=64, bias=True), dict()])
+def test_materialised_virtual_heads_equal_the_reader_head_run_on_the_writers_term(kw: dict) -> None:
+    """Each virtual term is what its reader head writes for the writer's order-1 term alone
+    (``head_terms``); the kept ones are the largest, and the sum and largest norm are of all of them."""
+    from qkov.analysis import virtual as Vh
+    from qkov.analysis.forward import head_terms
+
+    m, _ = make(3, "standard", torch.float64, **kw)
+    perturb_non_matrices(m, 0.3)
+    w = Weights.from_model(m, dtype=torch.float64)
+    exp = P.expand(w, toks((2, 16), seed=6))
+    keys = Vh.virtual_keys(w.cfg)[::2]  # some pairs: not every reader of every writer
+    want = {k: head_terms(w, exp.run, k[2], exp.heads[k[:2]], heads=[k[3]])[0] for k in keys}
+    every, total, largest = Vh.materialize(w, exp.run, exp.heads, keys)
+    assert list(every) == keys
+    for k in keys:
+        assert (every[k] - want[k]).abs().max() <= 1e-12 * want[k].abs().max()
+    assert (total - sum(want.values())).abs().max() <= 1e-12 * total.abs().max()
+    assert largest == pytest.approx(max(float(t.pow(2).sum().sqrt()) for t in want.values()), rel=1e-12)
+    kept = Vh.materialize(w, exp.run, exp.heads, keys, keep=4)[0]
+    assert sorted(kept) == sorted(sorted(keys, key=lambda k: -float(want[k].pow(2).mean()))[:4])
