@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from qkov.analysis import paths as P
 from qkov.analysis.forward import trace
-from qkov.analysis.head_logits import head_unembed, term_logits
+from qkov.analysis.head_logits import SampledTerms, head_unembed, term_logits
 from qkov.analysis.importance import lm_loss, loss, rms
 from qkov.weights import Weights
 
@@ -87,6 +87,14 @@ def test_shared_head_unembedding_gives_each_terms_own_logits(kw: dict) -> None:
         term = exp.heads[key] if len(key) == 2 else exp.virtual[key]
         want = exp.logits_of(term)[b, t][:, None]
         assert (term_logits(w, exp.run, key, x_in, b, t, U) - want).abs().max() <= 1e-10 * want.abs().max()
+    full = exp.run.logits[b, t]
+    through = SampledTerms(w, exp.run, b, t, full)
+    for key in [(0, 1), (0, 2), (1, 0, 2, 2), (2, 1)]:  # across layers, back and forth
+        term = exp.heads[key] if len(key) == 2 else exp.virtual[key]
+        own = exp.logits_of(term)[b, t]
+        z, size = through.without(key, exp.direct if len(key) == 2 else exp.heads[key[:2]])
+        assert (z - (full - own)).abs().max() <= 1e-10 * full.abs().max()
+        assert size == pytest.approx(float(own.pow(2).mean().sqrt()), rel=1e-10)
 
 
 def test_sampled_term_effects_equal_cross_entropy_of_the_terms_own_logits() -> None:

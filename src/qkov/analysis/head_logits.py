@@ -13,6 +13,8 @@ them against the term's own logits (:meth:`qkov.analysis.paths.Expansion.logits_
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -31,6 +33,18 @@ def head_unembed(source: WeightSource, layer: int) -> Tensor:
     return (W_O.reshape(H * E, D) @ source.unembed().W_U).view(H, E, -1)
 
 
+def head_values(source: WeightSource, run: Trace, key: tuple[int, ...], x_in: Tensor, b: Tensor, t: Tensor) -> Tensor:
+    """``y / s`` ``[n, E]`` at positions ``(b[i], t[i])``: what head ``layer, head = key[-2:]`` reads
+    from ``x_in [B, T, D]`` and mixes by its frozen pattern, over the final divisor (see the module
+    docstring); its logits are ``y / s @ head_unembed(source, layer)[head]``."""
+    layer, head = key[-2], key[-1]
+    att = source.attention(layer)
+    v = project(read(x_in, source.norm, run.divisor("attn_v", layer)), att.W_V[head : head + 1])[:, 0]  # [B, T, E]
+    y = (run.patterns[layer][:, head] @ v)[b, t]  # type: ignore[index]  # [n, E]
+    scale = run.divisor("final")
+    return y if scale is None else y / scale[b, t]
+
+
 def term_logits(
     source: WeightSource,
     run: Trace,
@@ -44,12 +58,32 @@ def term_logits(
     ``layer, head = key[-2:]`` writes for the stream term ``x_in [B, T, D]`` alone (the term
     :func:`~qkov.analysis.forward.head_terms` gives), the run's patterns and divisors frozen.
     ``unembedded``: :func:`head_unembed` of the layer, if made already (terms ending in one layer share it)."""
-    layer, head = key[-2], key[-1]
-    att = source.attention(layer)
-    v = project(read(x_in, source.norm, run.divisor("attn_v", layer)), att.W_V[head : head + 1])[:, 0]  # [B, T, E]
-    y = (run.patterns[layer][:, head] @ v)[b, t]  # type: ignore[index]  # [n, E]
-    scale = run.divisor("final")
-    if scale is not None:
-        y = y / scale[b, t]
-    P = head_unembed(source, layer) if unembedded is None else unembedded
-    return (y @ P[head])[:, None]
+    P = head_unembed(source, key[-2]) if unembedded is None else unembedded
+    return (head_values(source, run, key, x_in, b, t) @ P[key[-1]])[:, None]
+
+
+class SampledTerms:
+    """The model's logits at sampled positions with one term's logits taken out, term after term:
+    ``full [n, V]`` minus :func:`term_logits` in one fused product into one reused ``[n, V]``
+    buffer, and the term's root mean square logit from ``y^T y`` and ``P P^T`` (float64, ``[E, E]``)
+    instead of from its ``[n, V]`` logits. Give the terms ending in one layer one after another:
+    the layer's :func:`head_unembed` is kept until the next layer's is needed."""
+
+    def __init__(self, source: WeightSource, run: Trace, b: Tensor, t: Tensor, full: Tensor) -> None:
+        self.source, self.run, self.b, self.t, self.full = source, run, b, t, full
+        self.buffer = torch.empty_like(full)
+        self.layer: int | None = None
+
+    def without(self, key: tuple[int, ...], x_in: Tensor) -> tuple[Tensor, float]:
+        """``full - term logits`` ``[n, V]`` (the shared buffer: overwritten by the next call) and
+        the term's root mean square logit, for the term of :func:`term_logits`."""
+        if key[-2] != self.layer:
+            self.P = None  # free the last layer's before making the next
+            self.P = head_unembed(self.source, key[-2])
+            Pd = self.P.double()
+            self.gram, self.layer = Pd @ Pd.transpose(1, 2), key[-2]  # [H, E, E]
+        y = head_values(self.source, self.run, key, x_in, self.b, self.t)
+        z = torch.addmm(self.full, y, self.P[key[-1]], alpha=-1, out=self.buffer)
+        yd = y.double()
+        square = float(((yd.T @ yd) * self.gram[key[-1]]).sum().clamp_min(0))
+        return z, math.sqrt(square / z.numel())

@@ -67,10 +67,11 @@ def rms(x: Tensor) -> float:
     return math.sqrt(float(rows.pow(2).sum()) / x.numel())
 
 
-def loss(logits: Tensor, tokens: Tensor) -> float:
-    """Mean next-token loss in nats of ``logits [B, T, V]`` for ``tokens [B, T]`` (:func:`lm_loss`)."""
+def loss(logits: Tensor, tokens: Tensor, *, overwrite: bool = False) -> float:
+    """Mean next-token loss in nats of ``logits [B, T, V]`` for ``tokens [B, T]`` (:func:`lm_loss`;
+    ``overwrite``: ``logits`` may be used as its scratch space)."""
     V = logits.shape[-1]
-    return lm_loss(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1))
+    return lm_loss(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1), overwrite=overwrite)
 
 
 @dataclass
@@ -107,12 +108,16 @@ def _heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor) -> Te
     return write_heads(real.patterns[layer] @ v, att.W_O)  # type: ignore[index]
 
 
-def _logits(source: WeightSource, real: Trace, x: Tensor) -> Tensor:
-    """``[B, T, V]`` logits of the final stream ``x`` with the final divisor frozen."""
+def _logits(source: WeightSource, real: Trace, x: Tensor, out: Tensor | None) -> Tensor:
+    """``[B, T, V]`` logits of the final stream ``x`` with the final divisor frozen (into ``out``, if given)."""
     unemb = source.unembed()
     s = real.divisor("final")
     final = x if source.norm == "none" else normalize(x, source.norm, 0.0, scale=s, w=unemb.ln_w, b=unemb.ln_b)[0]
-    return final @ unemb.W_U + unemb.b_U
+    B, T, D = final.shape
+    if out is None:
+        out = final.new_empty(B, T, unemb.W_U.shape[1])
+    torch.addmm(unemb.b_U, final.reshape(B * T, D), unemb.W_U, out=out.view(B * T, -1))
+    return out
 
 
 @torch.no_grad()
@@ -137,14 +142,15 @@ def term_importance(
         add = source.attention(l, expand_kv=False).b_O
         fixed.append(add if real.mlp_outputs is None else add + real.mlp_outputs[l])
     prev = [torch.zeros_like(x0) for _ in range(c.n_layers)]  # each layer's heads' outputs on the last run
-    losses = []
+    losses, buffer = [], None  # one [B, T, V] buffer serves every run's logits
     for i in range(c.n_layers + 1):  # run i + 1 reads the outputs of run i
         x, live = x0, list(prev)
         for l in range(c.n_layers):
             if l >= i:  # below, the layer reads what it read on run i: its output is prev[l]
                 live[l] = _heads_write(source, real, l, x)
             x = x + prev[l] + fixed[l]
-        losses.append(loss(_logits(source, real, x), toks))
+        buffer = _logits(source, real, x, buffer)
+        losses.append(loss(buffer, toks, overwrite=True))
         prev = live
         tick(progress, "paths: term importance", i + 1, c.n_layers + 1)
     return TermImportance(losses, loss(real.logits, toks), math.log(c.d_vocab))

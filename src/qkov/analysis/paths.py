@@ -49,7 +49,7 @@ from ..weights.convert import SourceLike, as_source
 from .budget import expansion_bytes as expansion_bytes  # the memory plan of summarize, kept here by name
 from .forward import Trace, flops_per_token, head_terms, read
 from . import split
-from .head_logits import head_unembed, term_logits
+from .head_logits import SampledTerms
 from .importance import FROZEN as FROZEN, check_linear as check_linear  # kept here by name
 from .importance import TermImportance, frozen_run, lm_loss, loss, rms, term_importance
 from .progress import Progress, tick
@@ -224,29 +224,28 @@ def term_effects(
 
         lossf = lambda lg: lm_loss(lg[:, 0], target, overwrite=True)  # noqa: E731
 
-    shared: dict[int, Tensor] = {}  # the head_unembed of the layer the current terms end in
-
-    def logits_of(key: tuple[int, ...], x: Tensor) -> Tensor:  # sampled: through the term's last head
-        x_in = exp.direct if len(key) == 2 else exp.heads.get(key[:2])  # type: ignore[arg-type]
-        if positions is None or x_in is None:
-            return at(x)
-        if key[-2] not in shared:
-            shared.clear()
-            shared[key[-2]] = head_unembed(exp.source, key[-2])
-        return term_logits(exp.source, exp.run, key, x_in, b, t, shared[key[-2]])
-
     full = at(sum(exp.orders, torch.zeros_like(exp.bias)) + exp.bias + exp.mlp) + exp.source.unembed().b_U
     base = lossf(full.clone())
     sized = sorted(exp.virtual.items(), key=lambda kv: -float(kv[1].pow(2).mean()))[:top_virtual]
     keys = list(exp.heads) + [key for key, _ in sized]
     names = [f"{l}.{h}" for l, h in exp.heads] + [f"{l1}.{h1}->{l2}.{h2}" for (l1, h1, l2, h2), _ in sized]
     terms = list(exp.heads.values()) + [term for _, term in sized]
+    through = None if positions is None or exp.direct is None else SampledTerms(exp.source, exp.run, b, t, full[:, 0])
+
+    def without(key: tuple[int, ...], x: Tensor) -> tuple[Tensor, float]:  # the logits less the term's; its size
+        x_in = exp.direct if len(key) == 2 else exp.heads.get(key[:2])
+        if through is None or x_in is None:
+            tl = at(x)
+            size = rms(tl)
+            return torch.sub(full, tl, out=tl), size
+        z, size = through.without(key, x_in)  # sampled: through the term's last head
+        return z[:, None], size
+
     sp, parts = split.current(), {}  # a unit: one term; a rank's terms taken by the layer they end in
     mine = sorted((u for u in range(len(terms)) if sp.mine(u, len(terms))), key=lambda u: keys[u][-2])
     for i, u in enumerate(mine):
-        tl = logits_of(keys[u], terms[u])
-        size = rms(tl)
-        parts[u] = TermEffect(names[u], lossf(torch.sub(full, tl, out=tl)) - base, size)
+        z, size = without(keys[u], terms[u])
+        parts[u] = TermEffect(names[u], lossf(z) - base, size)
         tick(progress, "paths: term effects", i + 1, len(mine))
     effects = sp.gather(parts, len(terms))
     singles, virtual = effects[: len(exp.heads)], effects[len(exp.heads) :]
