@@ -33,14 +33,22 @@ def head_unembed(source: WeightSource, layer: int) -> Tensor:
     return (W_O.reshape(H * E, D) @ source.unembed().W_U).view(H, E, -1)
 
 
-def head_values(source: WeightSource, run: Trace, key: tuple[int, ...], x_in: Tensor, b: Tensor, t: Tensor) -> Tensor:
+def head_values(
+    source: WeightSource, run: Trace, key: tuple[int, ...], x_in: Tensor, b: Tensor, t: Tensor, v: Tensor | None = None
+) -> Tensor:
     """``y / s`` ``[n, E]`` at positions ``(b[i], t[i])``: what head ``layer, head = key[-2:]`` reads
     from ``x_in [B, T, D]`` and mixes by its frozen pattern, over the final divisor (see the module
-    docstring); its logits are ``y / s @ head_unembed(source, layer)[head]``."""
+    docstring); its logits are ``y / s @ head_unembed(source, layer)[head]``. ``v``: the head's
+    values of ``x_in`` ``[B, T, E]``, if made already. Only the pattern rows at the positions are used."""
     layer, head = key[-2], key[-1]
-    att = source.attention(layer)
-    v = project(read(x_in, source.norm, run.divisor("attn_v", layer)), att.W_V[head : head + 1])[:, 0]  # [B, T, E]
-    y = (run.patterns[layer][:, head] @ v)[b, t]  # type: ignore[index]  # [n, E]
+    if v is None:
+        att = source.attention(layer)
+        v = project(read(x_in, source.norm, run.divisor("attn_v", layer)), att.W_V[head : head + 1])[:, 0]
+    pattern = run.patterns[layer]  # type: ignore[index]
+    y = v.new_empty(len(b), v.shape[-1])
+    for seq in b.unique().tolist():  # [n, T] rows of one sequence's pattern, then its values
+        at = (b == seq).nonzero()[:, 0]
+        y[at] = pattern[seq, head, t[at]] @ v[seq]
     scale = run.divisor("final")
     return y if scale is None else y / scale[b, t]
 
@@ -73,6 +81,7 @@ class SampledTerms:
         self.source, self.run, self.b, self.t, self.full = source, run, b, t, full
         self.buffer = torch.empty_like(full)
         self.layer: int | None = None
+        self.values: tuple[int, Tensor, Tensor] | None = None  # (layer, x_in, [B, H, T, E]) of the last order-1 term
 
     def without(self, key: tuple[int, ...], x_in: Tensor) -> tuple[Tensor, float]:
         """``full - term logits`` ``[n, V]`` (the shared buffer: overwritten by the next call) and
@@ -82,7 +91,13 @@ class SampledTerms:
             self.P = head_unembed(self.source, key[-2])
             Pd = self.P.double()
             self.gram, self.layer = Pd @ Pd.transpose(1, 2), key[-2]  # [H, E, E]
-        y = head_values(self.source, self.run, key, x_in, self.b, self.t)
+        layer = key[-2]
+        if len(key) == 2 and (self.values is None or self.values[0] != layer or self.values[1] is not x_in):
+            att = self.source.attention(layer)  # order-1 terms of a layer read one x_in: every head's values at once
+            v = project(read(x_in, self.source.norm, self.run.divisor("attn_v", layer)), att.W_V)
+            self.values = (layer, x_in, v)
+        v = self.values[2][:, key[-1]] if len(key) == 2 else None  # type: ignore[index]
+        y = head_values(self.source, self.run, key, x_in, self.b, self.t, v)
         z = torch.addmm(self.full, y, self.P[key[-1]], alpha=-1, out=self.buffer)
         yd = y.double()
         square = float(((yd.T @ yd) * self.gram[key[-1]]).sum().clamp_min(0))

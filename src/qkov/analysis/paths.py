@@ -26,11 +26,11 @@ the logits, but a term's size depends on frozen divisors set by all the other te
 terms through different LayerNorms are not directly comparable ([F]; docs/conventions.md).
 With MLPs, MLP outputs are frozen sources, not expanded.
 
-:func:`term_importance` is the paper's procedure (zero every head's output under frozen
-patterns, then repeatedly let each head add the output it computed on the previous run).
-:func:`qkov.analysis.qk_split.qk_split` expands a head's pre-softmax scores the same way.
+:func:`term_importance` (:mod:`qkov.analysis.importance`) is the paper's procedure (zero every
+head's output under frozen patterns, then repeatedly let each head add the output it computed on
+the previous run). :func:`qkov.analysis.qk_split.qk_split` expands a head's pre-softmax scores the same way.
 
-Every run here is :func:`qkov.analysis.forward.trace`; the expansion applies its layer pieces
+The recorded run is :func:`qkov.analysis.forward.trace`; the expansion applies its layer pieces
 (:func:`~qkov.analysis.forward.read`, :func:`~qkov.analysis.forward.project`,
 :func:`~qkov.analysis.forward.head_writes`) to single stream terms.
 """
