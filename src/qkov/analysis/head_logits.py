@@ -5,12 +5,15 @@ is ``y @ W_O[h]`` with ``y = A_h @ (read(x_in) @ W_V[h])`` (``A_h`` the frozen p
 the stream term the head reads: the direct path, or the writer's term). Its logits at position
 ``(b, t)`` are ``read(y W_O[h]) @ W_U``; the frozen final read centres (a projection of each row)
 and divides by the position's divisor, both linear, so they equal ``(y @ read(W_O[h])) @ W_U / s``:
-one ``[d_head, d_vocab]`` product per head and ``d_head``-wide rows per position instead of
+one ``[d_head, d_vocab]`` product per head (made for all heads of a layer at once,
+:func:`head_unembed`) and ``d_head``-wide rows per position instead of
 ``d_model``-wide ones (about 3.6x fewer operations for GPT-2 small's term effects). A test checks
 them against the term's own logits (:meth:`qkov.analysis.paths.Expansion.logits_of`).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor
@@ -20,17 +23,82 @@ from .activations import Trace
 from .forward import project, read
 
 
-def term_logits(source: WeightSource, run: Trace, key: tuple[int, ...], x_in: Tensor, b: Tensor, t: Tensor) -> Tensor:
+def head_unembed(source: WeightSource, layer: int) -> Tensor:
+    """``[H, E, V]``: each head's ``W_O`` as the final normalisation reads it (centred where it
+    centres; its divisor applied per position later), times ``W_U``: one product for the layer."""
+    W_O = source.attention(layer).W_O  # [H, E, D]
+    H, E, D = W_O.shape
+    if source.norm != "none":
+        W_O = read(W_O, source.norm, torch.ones(H, E, 1, dtype=W_O.dtype, device=W_O.device))
+    return (W_O.reshape(H * E, D) @ source.unembed().W_U).view(H, E, -1)
+
+
+def head_values(
+    source: WeightSource, run: Trace, key: tuple[int, ...], x_in: Tensor, b: Tensor, t: Tensor, v: Tensor | None = None
+) -> Tensor:
+    """``y / s`` ``[n, E]`` at positions ``(b[i], t[i])``: what head ``layer, head = key[-2:]`` reads
+    from ``x_in [B, T, D]`` and mixes by its frozen pattern, over the final divisor (see the module
+    docstring); its logits are ``y / s @ head_unembed(source, layer)[head]``. ``v``: the head's
+    values of ``x_in`` ``[B, T, E]``, if made already. Only the pattern rows at the positions are used."""
+    layer, head = key[-2], key[-1]
+    if v is None:
+        att = source.attention(layer)
+        v = project(read(x_in, source.norm, run.divisor("attn_v", layer)), att.W_V[head : head + 1])[:, 0]
+    pattern = run.patterns[layer]  # type: ignore[index]
+    y = v.new_empty(len(b), v.shape[-1])
+    for seq in b.unique().tolist():  # [n, T] rows of one sequence's pattern, then its values
+        at = (b == seq).nonzero()[:, 0]
+        y[at] = pattern[seq, head, t[at]] @ v[seq]
+    scale = run.divisor("final")
+    return y if scale is None else y / scale[b, t]
+
+
+def term_logits(
+    source: WeightSource,
+    run: Trace,
+    key: tuple[int, ...],
+    x_in: Tensor,
+    b: Tensor,
+    t: Tensor,
+    unembedded: Tensor | None = None,
+) -> Tensor:
     """Logits ``[n, 1, V]`` (no ``b_U``) at positions ``(b[i], t[i])`` of the term that head
     ``layer, head = key[-2:]`` writes for the stream term ``x_in [B, T, D]`` alone (the term
-    :func:`~qkov.analysis.forward.head_terms` gives), the run's patterns and divisors frozen."""
-    layer, head = key[-2], key[-1]
-    att = source.attention(layer)
-    v = project(read(x_in, source.norm, run.divisor("attn_v", layer)), att.W_V[head : head + 1])[:, 0]  # [B, T, E]
-    y = (run.patterns[layer][:, head] @ v)[b, t]  # type: ignore[index]  # [n, E]
-    scale = run.divisor("final")
-    W_O = att.W_O[head]  # [E, D]
-    if scale is None:
-        return (y @ (W_O @ source.unembed().W_U))[:, None]
-    W_read = read(W_O[None], source.norm, torch.ones(1, W_O.shape[0], 1, dtype=W_O.dtype, device=W_O.device))[0]
-    return ((y @ (W_read @ source.unembed().W_U)) / scale[b, t])[:, None]
+    :func:`~qkov.analysis.forward.head_terms` gives), the run's patterns and divisors frozen.
+    ``unembedded``: :func:`head_unembed` of the layer, if made already (terms ending in one layer share it)."""
+    P = head_unembed(source, key[-2]) if unembedded is None else unembedded
+    return (head_values(source, run, key, x_in, b, t) @ P[key[-1]])[:, None]
+
+
+class SampledTerms:
+    """The model's logits at sampled positions with one term's logits taken out, term after term:
+    ``full [n, V]`` minus :func:`term_logits` in one fused product into one reused ``[n, V]``
+    buffer, and the term's root mean square logit from ``y^T y`` and ``P P^T`` (float64, ``[E, E]``)
+    instead of from its ``[n, V]`` logits. Give the terms ending in one layer one after another:
+    the layer's :func:`head_unembed` is kept until the next layer's is needed."""
+
+    def __init__(self, source: WeightSource, run: Trace, b: Tensor, t: Tensor, full: Tensor) -> None:
+        self.source, self.run, self.b, self.t, self.full = source, run, b, t, full
+        self.buffer = torch.empty_like(full)
+        self.layer: int | None = None
+        self.values: tuple[int, Tensor, Tensor] | None = None  # (layer, x_in, [B, H, T, E]) of the last order-1 term
+
+    def without(self, key: tuple[int, ...], x_in: Tensor) -> tuple[Tensor, float]:
+        """``full - term logits`` ``[n, V]`` (the shared buffer: overwritten by the next call) and
+        the term's root mean square logit, for the term of :func:`term_logits`."""
+        if key[-2] != self.layer:
+            self.P = None  # free the last layer's before making the next
+            self.P = head_unembed(self.source, key[-2])
+            Pd = self.P.double()
+            self.gram, self.layer = Pd @ Pd.transpose(1, 2), key[-2]  # [H, E, E]
+        layer = key[-2]
+        if len(key) == 2 and (self.values is None or self.values[0] != layer or self.values[1] is not x_in):
+            att = self.source.attention(layer)  # order-1 terms of a layer read one x_in: every head's values at once
+            v = project(read(x_in, self.source.norm, self.run.divisor("attn_v", layer)), att.W_V)
+            self.values = (layer, x_in, v)
+        v = self.values[2][:, key[-1]] if len(key) == 2 else None  # type: ignore[index]
+        y = head_values(self.source, self.run, key, x_in, self.b, self.t, v)
+        z = torch.addmm(self.full, y, self.P[key[-1]], alpha=-1, out=self.buffer)
+        yd = y.double()
+        square = float(((yd.T @ yd) * self.gram[key[-1]]).sum().clamp_min(0))
+        return z, math.sqrt(square / z.numel())

@@ -26,41 +26,38 @@ the logits, but a term's size depends on frozen divisors set by all the other te
 terms through different LayerNorms are not directly comparable ([F]; docs/conventions.md).
 With MLPs, MLP outputs are frozen sources, not expanded.
 
-:func:`term_importance` is the paper's procedure (zero every head's output under frozen
-patterns, then repeatedly let each head add the output it computed on the previous run).
-:func:`qkov.analysis.qk_split.qk_split` expands a head's pre-softmax scores the same way.
+:func:`term_importance` (:mod:`qkov.analysis.importance`) is the paper's procedure (zero every
+head's output under frozen patterns, then repeatedly let each head add the output it computed on
+the previous run). :func:`qkov.analysis.qk_split.qk_split` expands a head's pre-softmax scores the same way.
 
-Every run here is :func:`qkov.analysis.forward.trace`; the expansion applies its layer pieces
+The recorded run is :func:`qkov.analysis.forward.trace`; the expansion applies its layer pieces
 (:func:`~qkov.analysis.forward.read`, :func:`~qkov.analysis.forward.project`,
 :func:`~qkov.analysis.forward.head_writes`) to single stream terms.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from ..device import check_fits
-from ..errors import QkovError
-from ..model.ops import next_token_loss
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from .budget import expansion_bytes as expansion_bytes  # the memory plan of summarize, kept here by name
-from .forward import Trace, flops_per_token, head_terms, read, trace
+from .forward import Trace, flops_per_token, head_terms, read
 from . import split
-from .head_logits import term_logits
+from .head_logits import SampledTerms
+from .importance import FROZEN as FROZEN, check_linear as check_linear  # kept here by name
+from .importance import TermImportance, frozen_run, lm_loss, loss, rms, term_importance
 from .progress import Progress, tick
 from .sampling import seeded_subset
 from .shown import Shown
 from .term_results import TermEffect, TermEffects
 from .virtual import VirtualCoverage, materialize, select_virtual, virtual_keys
 
-FROZEN = ("patterns", "scales", "mlp_outputs")  # what a run must record to be frozen
 VIRTUAL_AUTO_MAX = 1024  # virtual heads materialised by default (GPT-2 small has 9,504; 1,024 take ~10 s there)
 BATCH_TOKENS = 2048  # tokens the default batch holds at most (8 sequences of 256, 2 of 1024)
 RUN_FLOPS = 3 * 10**11  # one forward pass over the default paths batch costs at most this (term importance runs L + 1)
@@ -85,24 +82,6 @@ def virtual_pairs(source: WeightSource) -> int:
     """Virtual heads: pairs of heads in strictly increasing layers, ``H^2 L (L-1) / 2``."""
     L, H = source.cfg.n_layers, source.cfg.n_heads
     return H * H * L * (L - 1) // 2
-
-
-def check_linear(source: WeightSource) -> None:
-    """Path analyses need reads that are linear once the normalisation divisor is frozen."""
-    if source.norm == "layernorm":
-        raise QkovError("paths: use a weights view with LayerNorm folded (fold_ln=True)")
-
-
-def frozen_run(source: WeightSource, tokens: Tensor, *, record: tuple[str, ...] = ()) -> Trace:
-    """A real forward pass recording what the expansion freezes (patterns, normalisation divisors,
-    MLP outputs), plus ``record``."""
-    check_linear(source)
-    return trace(source, tokens, record=FROZEN + record)
-
-
-def loss(logits: Tensor, tokens: Tensor) -> float:
-    """Mean next-token loss in nats, computed in float64 (term differences are small)."""
-    return float(next_token_loss(logits, tokens, dtype=torch.float64))
 
 
 # -------------------------------------------------------------------- expansion
@@ -210,56 +189,7 @@ def expand(
     return Expansion(r, source, orders, bias, mlp, heads, virtual, x0)
 
 
-# ------------------------------------------------------------------ term importance
-@dataclass
-class TermImportance:
-    """Loss (nats) after each run of the paper's procedure and the marginal loss of each order."""
-
-    run_losses: list[float]  # run 1 (heads zeroed) .. run L+1 (everything)
-    full_loss: float  # the model's own loss
-    uniform_loss: float  # log(d_vocab)
-
-    @property
-    def marginal_by_order(self) -> list[float]:
-        """Order 0 = uniform - run 1 (the direct path); order n = run n - run n+1."""
-        out = [self.uniform_loss - self.run_losses[0]]
-        out += [self.run_losses[i] - self.run_losses[i + 1] for i in range(len(self.run_losses) - 1)]
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "run_losses": self.run_losses,
-            "full_loss": self.full_loss,
-            "uniform_loss": self.uniform_loss,
-            "marginal_by_order": self.marginal_by_order,
-        }
-
-
-def term_importance(
-    source: SourceLike, tokens: Tensor, *, progress: Progress | None = None, run: Trace | None = None
-) -> TermImportance:
-    """The paper's procedure ([F]; docs/conventions.md, "Term importance"), literally.
-
-    Run 0 is the real forward pass, which fixes the patterns, normalisation divisors and MLP
-    outputs. Run 1: all of those frozen, every head's output replaced by zeros. Run n: each
-    head adds the output it computed on run n-1. After ``n_layers + 1`` runs every order is in
-    and the logits equal the model's. Order n first enters on run n+1. ``run``: run 0, if made already.
-    """
-    source = as_source(source, where="qkov.term_importance")
-    real = frozen_run(source, tokens) if run is None else run
-    toks = real.tokens
-    c = source.cfg
-    B, T = toks.shape
-    outputs = real.logits.new_zeros(c.n_layers, B, c.n_heads, T, c.d_model)
-    losses = []
-    for i in range(c.n_layers + 1):
-        r = trace(source, toks, record=("head_outputs",), frozen=real, head_outputs=outputs)
-        losses.append(loss(r.logits, toks))
-        outputs = r.head_outputs  # type: ignore[assignment]
-        tick(progress, "paths: term importance", i + 1, c.n_layers + 1)
-    return TermImportance(losses, loss(real.logits, toks), math.log(c.d_vocab))
-
-
+# ------------------------------------------------------------------ term effects
 def effect_positions(exp: Expansion, max_logits: int = EFFECT_LOGITS) -> Tensor | None:
     """The ``(b, t)`` positions term effects are measured on: ``None`` (every position) when their
     logits hold at most ``max_logits`` entries, else a seeded sample of ``max_logits // d_vocab``
@@ -292,23 +222,31 @@ def term_effects(
         def at(x: Tensor) -> Tensor:  # [n, 1, V] at the sampled positions
             return read(x[b, t][:, None], exp.source.norm, None if scale is None else scale[b, t][:, None]) @ W_U
 
-        lossf = lambda lg: float(F.cross_entropy(lg[:, 0].double(), target))  # noqa: E731
-
-    def logits_of(key: tuple[int, ...], x: Tensor) -> Tensor:  # sampled: through the term's last head
-        x_in = exp.direct if len(key) == 2 else exp.heads.get(key[:2])  # type: ignore[arg-type]
-        return at(x) if positions is None or x_in is None else term_logits(exp.source, exp.run, key, x_in, b, t)
+        lossf = lambda lg: lm_loss(lg[:, 0], target, overwrite=True)  # noqa: E731
 
     full = at(sum(exp.orders, torch.zeros_like(exp.bias)) + exp.bias + exp.mlp) + exp.source.unembed().b_U
-    base = lossf(full)
+    base = lossf(full.clone())
     sized = sorted(exp.virtual.items(), key=lambda kv: -float(kv[1].pow(2).mean()))[:top_virtual]
     keys = list(exp.heads) + [key for key, _ in sized]
     names = [f"{l}.{h}" for l, h in exp.heads] + [f"{l1}.{h1}->{l2}.{h2}" for (l1, h1, l2, h2), _ in sized]
     terms = list(exp.heads.values()) + [term for _, term in sized]
-    sp, parts = split.current(), {}  # a unit: one term
-    for u in (u for u in range(len(terms)) if sp.mine(u, len(terms))):
-        tl = logits_of(keys[u], terms[u])
-        parts[u] = TermEffect(names[u], lossf(full - tl) - base, float(tl.pow(2).mean().sqrt()))
-        tick(progress, "paths: term effects", u + 1, len(terms))
+    through = None if positions is None or exp.direct is None else SampledTerms(exp.source, exp.run, b, t, full[:, 0])
+
+    def without(key: tuple[int, ...], x: Tensor) -> tuple[Tensor, float]:  # the logits less the term's; its size
+        x_in = exp.direct if len(key) == 2 else exp.heads.get(key[:2])
+        if through is None or x_in is None:
+            tl = at(x)
+            size = rms(tl)
+            return torch.sub(full, tl, out=tl), size
+        z, size = through.without(key, x_in)  # sampled: through the term's last head
+        return z[:, None], size
+
+    sp, parts = split.current(), {}  # a unit: one term; a rank's terms taken by the layer they end in
+    mine = sorted((u for u in range(len(terms)) if sp.mine(u, len(terms))), key=lambda u: keys[u][-2])
+    for i, u in enumerate(mine):
+        z, size = without(keys[u], terms[u])
+        parts[u] = TermEffect(names[u], lossf(z) - base, size)
+        tick(progress, "paths: term effects", i + 1, len(mine))
     effects = sp.gather(parts, len(terms))
     singles, virtual = effects[: len(exp.heads)], effects[len(exp.heads) :]
     singles.sort(key=lambda e: -e.loss_change)

@@ -36,7 +36,7 @@ from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..weights.parts import WeightSource
 from .factored import LowRank
-from .forward import Trace, head_terms
+from .forward import Trace, project, read
 from .progress import Progress, tick
 
 Key = tuple[int, int, int, int]  # (l1, h1, l2, h2): writer head, then reader head in a later layer
@@ -86,36 +86,57 @@ def materialize(
     progress: Progress | None = None,
 ) -> tuple[dict[Key, Tensor], Tensor, float]:
     """The terms ``[B, T, D]`` of the virtual heads ``keys``: every one, or with ``keep`` only that
-    many of the largest (by mean square), never holding more at once; the sum of all of them; and
-    the largest Frobenius norm among them. Reader heads of one writer and layer are computed together."""
-    groups: dict[tuple[int, int, int], list[int]] = defaultdict(list)
+    many of the largest (by mean square); the sum of all of them; and the largest Frobenius norm
+    among them.
+
+    A term is ``z @ W_O2`` with ``z = A2 @ (read(y1) @ W_V2)`` ``[B, T, E]``; its size is read from
+    ``z`` (``||z W_O||_F^2 = sum(z^T z * W_O W_O^T)``, in float64), so only the terms kept are
+    formed ``d_model`` wide, and the sum of all of them is one ``W_O`` product per reader head.
+    The values of each writer are made for all its readers in a layer at once, and each reader's
+    pattern is applied to the values of all its writers at once."""
+    by_layer: dict[int, dict[tuple[int, int], list[int]]] = defaultdict(lambda: defaultdict(list))
     for l1, h1, l2, h2 in keys:
-        groups[(l1, h1, l2)].append(h2)
-    any_term = next(iter(first_order.values()))
-    total = torch.zeros_like(any_term)
-    terms: dict[Key, Tensor] = {}
+        by_layer[l2][(l1, h1)].append(h2)
+    total = torch.zeros_like(next(iter(first_order.values())))
     heap: list[tuple[float, Key]] = []
-    largest = 0.0
-    for i, ((l1, h1, l2), readers) in enumerate(groups.items()):
-        outs = head_terms(source, run, l2, first_order[(l1, h1)], heads=readers)  # [h, B, T, D]
-        total += outs.sum(0)
-        largest = max(largest, float(outs.double().pow(2).sum((1, 2, 3)).sqrt().max()))
-        for h2, term in zip(readers, outs):
-            _keep_largest(terms, heap, keep, (l1, h1, l2, h2), term)
-        tick(progress, "paths: virtual heads", i + 1, len(groups))
+    zs: dict[Key, Tensor] = {}
+    largest, done, readers_total = 0.0, 0, sum(len({h for hs in w.values() for h in hs}) for w in by_layer.values())
+    for l2, writers in sorted(by_layer.items()):
+        att = source.attention(l2)
+        gram = att.W_O.double() @ att.W_O.double().transpose(1, 2)  # [H, E, E]
+        values: dict[int, list[tuple[Key, Tensor]]] = defaultdict(list)  # reader -> its writers' values
+        for (l1, h1), readers in writers.items():
+            v = project(read(first_order[(l1, h1)], source.norm, run.divisor("attn_v", l2)), att.W_V[readers])
+            for h2, vh in zip(readers, v.unbind(1)):
+                values[h2].append(((l1, h1, l2, h2), vh))  # [B, T, E]
+        for h2, vals in sorted(values.items()):
+            z = run.patterns[l2][:, h2] @ torch.cat([vh for _, vh in vals], -1)  # type: ignore[index]  # [B, T, n E]
+            z = z.view(*z.shape[:2], len(vals), -1)  # [B, T, n, E]
+            zd = z.double()
+            sq = torch.einsum("btne,ef,btnf->n", zd, gram[h2], zd).clamp_min(0)  # squared Frobenius norms
+            total += z.sum(2) @ att.W_O[h2]
+            largest = max(largest, math.sqrt(float(sq.max())))
+            for (key, _), size, zk in zip(vals, (sq / total.numel()).tolist(), z.unbind(2)):
+                _keep_largest(zs, heap, keep, key, zk, size)
+            done += 1
+            tick(progress, "paths: virtual heads", done, readers_total)
+    order = {k: i for i, k in enumerate(keys)}
+    terms = {}
+    for key in sorted(zs, key=order.__getitem__):
+        l2, h2 = key[2], key[3]
+        terms[key] = zs.pop(key) @ source.attention(l2).W_O[h2]
     return terms, total, largest
 
 
 def _keep_largest(
-    terms: dict[Key, Tensor], heap: list[tuple[float, Key]], most: int | None, key: Key, term: Tensor
+    terms: dict[Key, Tensor], heap: list[tuple[float, Key]], most: int | None, key: Key, term: Tensor, size: float
 ) -> None:
-    """Add a term, keeping only the ``most`` largest (``None``: all)."""
+    """Add a term of mean square ``size``, keeping only the ``most`` largest (``None``: all)."""
     if most is None:
         terms[key] = term
         return
     if most <= 0:
         return
-    size = float(term.pow(2).mean())
     if len(heap) < most:
         heapq.heappush(heap, (size, key))
         terms[key] = term.clone()  # a view of a larger block would keep the block alive
