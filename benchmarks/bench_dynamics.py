@@ -41,7 +41,7 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
     final = qkov.load(run)
     text = analysis_inputs(Path(run), final, batch=16).tokens
     length = min(50, (final.cfg.n_ctx - 1) // 2)
-    rep = induction_probe_tokens(final.cfg.d_vocab, length=length, batch=8, seed=0)
+    rep = induction_probe_tokens(final, length=length, batch=8, seed=0)
     found = snaps.listing(Path(run))
     out = []
     if lib == "tl":
