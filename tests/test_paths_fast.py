@@ -71,14 +71,19 @@ def test_loss_equals_float64_cross_entropy() -> None:
     assert rms(lg) == pytest.approx(float(lg.pow(2).mean().sqrt()), rel=1e-12)
 
 
+def sampled_expansion(layers: int, dtype: torch.dtype, seed: int, **kw: object) -> tuple:
+    """A perturbed model's weights, 6 x 16 tokens, their expansion with virtual heads, and 20 sampled positions."""
+    m, _ = make(layers, "standard", dtype, **kw)
+    perturb_non_matrices(m, 0.3)
+    w = Weights.from_model(m, dtype=dtype)
+    tokens = toks((6, 16), seed=seed)
+    exp = P.expand(w, tokens, virtual_heads=True)
+    return w, tokens, exp, P.effect_positions(exp, max_logits=20 * w.cfg.d_vocab)
+
+
 @pytest.mark.parametrize("kw", [dict(normalization="layernorm", d_mlp=64, bias=True), dict()])
 def test_shared_head_unembedding_gives_each_terms_own_logits(kw: dict) -> None:
-    m, _ = make(3, "standard", torch.float64, **kw)
-    perturb_non_matrices(m, 0.3)
-    w = Weights.from_model(m, dtype=torch.float64)
-    tokens = toks((6, 16), seed=5)
-    exp = P.expand(w, tokens, virtual_heads=True)
-    pos = P.effect_positions(exp, max_logits=20 * w.cfg.d_vocab)
+    w, tokens, exp, pos = sampled_expansion(3, torch.float64, 5, **kw)
     b, t = pos[:, 0], pos[:, 1]
     U = head_unembed(w, 2)
     assert U.shape == (w.cfg.n_heads, w.cfg.d_head, w.cfg.d_vocab)
@@ -99,12 +104,7 @@ def test_shared_head_unembedding_gives_each_terms_own_logits(kw: dict) -> None:
 
 def test_sampled_term_effects_equal_cross_entropy_of_the_terms_own_logits() -> None:
     """float32, as at real size: each effect is the float64 cross-entropy of (model - term) logits."""
-    m, _ = make(2, "standard", torch.float32, normalization="layernorm", d_mlp=64, bias=True)
-    perturb_non_matrices(m, 0.3)
-    w = Weights.from_model(m, dtype=torch.float32)
-    tokens = toks((6, 16), seed=4)
-    exp = P.expand(w, tokens, virtual_heads=True)
-    pos = P.effect_positions(exp, max_logits=20 * w.cfg.d_vocab)
+    w, tokens, exp, pos = sampled_expansion(2, torch.float32, 4, normalization="layernorm", d_mlp=64, bias=True)
     b, t = pos[:, 0], pos[:, 1]
     effects = P.term_effects(exp, top_virtual=3, positions=pos)
     target = tokens[b, t + 1]
