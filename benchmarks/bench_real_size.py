@@ -19,6 +19,13 @@ ICL score, each head's OV copying scores over the vocabulary).
 
     python benchmarks/bench_real_size.py                 # builds /tmp/qkov-gpt2s once, then measures
     python benchmarks/bench_real_size.py --only circuits --dir /tmp/qkov-gpt2s
+    python benchmarks/bench_real_size.py --only heads paths report --floor
+
+``--floor`` also counts, in a second run of each command (under ``torch.utils.flop_counter``, which
+sees every matrix product the command's torch calls make), its floating-point operations, and
+divides them by a measured float32 matmul peak of this machine (the best of square products
+and of the analyses' own skinny shapes, each with a preallocated output): the time no
+implementation of the same work could beat here, printed beside the measured time and the goal.
 """
 
 from __future__ import annotations
@@ -86,6 +93,43 @@ def worker(argv: list[str]) -> dict[str, object]:
         rc = int(exc.code or 0)
     wall = time.perf_counter() - t
     return {"rc": rc, "wall_s": wall, "peak_gib": peak_mib() / 1024}
+
+
+def flops_worker(argv: list[str]) -> dict[str, object]:
+    """Run ``qkov ARGV`` in this process counting its matrix-product FLOPs (by aten op)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from qkov.apps.cli import main
+
+    with FlopCounterMode(display=False) as counter:
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = int(exc.code or 0)
+    by_op = {str(op): n for op, n in counter.get_flop_counts().get("Global", {}).items()}
+    return {"rc": rc, "flops": counter.get_total_flops(), "by_op": by_op}
+
+
+PEAK_SHAPES = [(2048, 2048, 2048), (4096, 768, 4096), (1024, 64, 50257), (2048, 768, 50257)]
+
+
+def peak_worker(seconds: float = 2.0) -> dict[str, object]:
+    """float32 ``torch.matmul`` FLOP/s into a preallocated output for each of :data:`PEAK_SHAPES`
+    ``(m, k, n)``: square, the MLP's, a head's ``d_head``-wide product read by the unembedding,
+    and a batch of 2 x 1024 tokens unembedded; the best is this machine's peak."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    rates = {}
+    for m, k, n in PEAK_SHAPES:
+        a, b, out = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), torch.empty(m, n)
+        torch.matmul(a, b, out=out)  # warm up
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds or reps < 2:
+            torch.matmul(a, b, out=out)
+            reps += 1
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n * reps / (time.perf_counter() - t0)
+    return {"rc": 0, "rates": rates, "peak": max(rates.values())}
 
 
 def tl_worker(path: Path, text: Path) -> dict[str, object]:
@@ -185,9 +229,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", choices=[*COMMANDS, *PEER], help="run only these")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    ap.add_argument("--floor", action="store_true", help="also count each command's FLOPs: its floor at the matmul peak")
     a = ap.parse_args(argv)
     if a.worker == "qkov":
         print(json.dumps(worker(a.rest)))
+        return 0
+    if a.worker == "flops":
+        print(json.dumps(flops_worker(a.rest)))
+        return 0
+    if a.worker == "peak":
+        print(json.dumps(peak_worker()))
         return 0
     if a.worker in ("tl", "detect"):
         fn = tl_worker if a.worker == "tl" else qkov_detect_worker
@@ -197,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     text = text_file()
     todo = a.only or [*COMMANDS, *PEER]
     print(f"GPT-2-small shape at {a.dir}; text {text.name}; {os.cpu_count()} CPU cores; default flags\n")
+    peak = None
+    if a.floor:
+        rates = measure("peak", [])
+        peak = float(rates["peak"])  # type: ignore[arg-type]
+        shown = ", ".join(f"{s} {r / 1e9:.0f}" for s, r in rates["rates"].items())  # type: ignore[union-attr]
+        print(f"float32 matmul GFLOP/s ({shown}): peak {peak / 1e9:.1f}\n")
     print(f"{'command':<34} {'exit':>4} {'wall s':>8} {'peak GiB':>9}  goal")
     results: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -213,6 +270,18 @@ def main(argv: list[str] | None = None) -> int:
             goal = GOALS_S.get(name, GOAL_S)
             ok = "" if name in PEER else ("ok" if r["wall_s"] <= goal and r["peak_gib"] <= GOAL_GIB else "MISSED")
             print(f"{label:<34} {r['rc']:>4} {r['wall_s']:>8.1f} {r['peak_gib']:>9.2f}  {ok} {r.get('err', '')}")
+            if peak is not None and name not in PEER:
+                f = measure("flops", args)
+                if f["rc"] == 0:
+                    flops = float(f["flops"])  # type: ignore[arg-type]
+                    top = sorted(f["by_op"].items(), key=lambda kv: -kv[1])[:3]  # type: ignore[union-attr]
+                    ops = ", ".join(f"{op} {n / 1e12:.2f}" for op, n in top)
+                    print(
+                        f"{'':<34}      {flops / 1e12:.2f} TFLOP of matrix products ({ops}): "
+                        f"floor {flops / peak:.1f} s at the peak (goal {goal:.0f} s)"
+                    )
+                else:
+                    print(f"{'':<34}      FLOP count failed: {f.get('err', '')}")
             if name == "transformer-lens" and r["rc"] == 0:
                 print(
                     f"{'':<34}      load {r['load_s']:.1f} s, run_with_cache {r['run_with_cache_s']:.1f} s, "

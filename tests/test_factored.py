@@ -102,6 +102,13 @@ def test_diag_rank() -> None:
     assert zero.diag_rank().tolist() == [4] * 5
     tied = LowRank(torch.eye(3, dtype=torch.float64), torch.tensor([[2.0, 2.0, 0.0], [0, 1, 5], [1, 1, 1]]).double())
     assert tied.diag_rank().tolist() == [1, 1, 2]
+    # float32, a wide row of many ties (entries rounded to a few values) over several chunks
+    g = torch.Generator().manual_seed(5)
+    A, B = torch.randint(-2, 3, (40, 3), generator=g).float(), torch.randint(-2, 3, (3, 5000), generator=g).float()
+    full3, rows3 = A @ B, torch.randint(0, 5000, (40,), generator=g)
+    want3 = (full3 >= full3[torch.arange(40), rows3][:, None]).sum(-1) - 1
+    got3 = LowRank(A, B).diag_rank(cols=rows3, max_bytes=5000 * 4 * 7)
+    assert torch.equal(got3, want3) and got3.dtype == torch.long and int(want3.max()) > 1000
 
 
 def test_bad_k_and_materialise_bound() -> None:

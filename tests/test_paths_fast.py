@@ -141,3 +141,25 @@ def test_materialised_virtual_heads_equal_the_reader_head_run_on_the_writers_ter
     assert largest == pytest.approx(max(float(t.pow(2).sum().sqrt()) for t in want.values()), rel=1e-12)
     kept = Vh.materialize(w, exp.run, exp.heads, keys, keep=4)[0]
     assert sorted(kept) == sorted(sorted(keys, key=lambda k: -float(want[k].pow(2).mean()))[:4])
+
+
+@pytest.mark.parametrize("kw", KINDS)
+def test_heads_sum_equals_the_sum_of_head_terms(kw: dict) -> None:
+    positional = "rotary" if kw.get("normalization") == "rmsnorm" else "standard"
+    m, _ = make(2, positional, torch.float64, **kw)
+    perturb_non_matrices(m, 0.3)
+    w = Weights.from_model(m, dtype=torch.float64)
+    run = P.frozen_run(w, toks((2, 12), seed=3))
+    x = torch.randn(2, 12, w.cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for layer in range(2):
+        want = P.head_terms(w, run, layer, x).sum(0)
+        torch.testing.assert_close(P._heads_sum(w, run, layer, x), want, rtol=0, atol=1e-12)
+
+
+def test_gram_in_column_blocks_equals_the_float64_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    from qkov.analysis import head_logits
+
+    monkeypatch.setattr(head_logits, "GRAM_COLUMNS", 7)  # 50 columns: 7 full blocks and a short one
+    Pm = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(2))
+    want = Pm.double() @ Pm.double().transpose(1, 2)
+    torch.testing.assert_close(head_logits._gram(Pm), want, rtol=1e-13, atol=1e-13)

@@ -299,16 +299,19 @@ class LowRank:
                 d = block[..., torch.arange(hi - lo, device=block.device), cols[lo:hi]]
                 out.append((block >= d[..., None]).sum(-1) - 1)  # the diagonal itself is not counted
             return torch.cat(out, -1) if out else torch.zeros(self.shape[:-1], dtype=torch.long, device=self.A.device)
-        # one reused block and comparison for every chunk (as row_max): no fresh 8 MiB per chunk
+        # one reused block and comparison for every chunk (as row_max): no fresh 8 MiB per chunk. The
+        # comparison is written as 0.0 / 1.0 and summed as floats, exact (integers below 2^24, or 2^53):
+        # a float row sum is vectorised, a bool one is not (measured: ~20x slower on a CPU)
         rows = chunks[0][1] - chunks[0][0]
-        buf, above = self.A.new_empty(rows, n), torch.empty(rows, n, dtype=torch.bool, device=self.A.device)
-        out_ = torch.empty(m, dtype=torch.long, device=self.A.device)
+        count = torch.float32 if n < 2**24 else torch.float64
+        buf, above = self.A.new_empty(rows, n), torch.empty(rows, n, dtype=count, device=self.A.device)
+        out_ = torch.empty(m, dtype=count, device=self.A.device)
         for lo, hi in chunks:
             block = torch.matmul(self.A[lo:hi], self.B, out=buf[: hi - lo])
             d = block[torch.arange(hi - lo, device=block.device), cols[lo:hi]]
             torch.ge(block, d[:, None], out=above[: hi - lo])
             torch.sum(above[: hi - lo], -1, out=out_[lo:hi])
-        return out_.sub_(1)  # the diagonal itself is not counted
+        return out_.long().sub_(1)  # the diagonal itself is not counted
 
 
 def eigenvalues(small: Tensor) -> Tensor:

@@ -89,8 +89,7 @@ class SampledTerms:
         if key[-2] != self.layer:
             self.P = None  # free the last layer's before making the next
             self.P = head_unembed(self.source, key[-2])
-            Pd = self.P.double()
-            self.gram, self.layer = Pd @ Pd.transpose(1, 2), key[-2]  # [H, E, E]
+            self.gram, self.layer = _gram(self.P), key[-2]  # [H, E, E]
         layer = key[-2]
         if len(key) == 2 and (self.values is None or self.values[0] != layer or self.values[1] is not x_in):
             att = self.source.attention(layer)  # order-1 terms of a layer read one x_in: every head's values at once
@@ -102,3 +101,18 @@ class SampledTerms:
         yd = y.double()
         square = float(((yd.T @ yd) * self.gram[key[-1]]).sum().clamp_min(0))
         return z, math.sqrt(square / z.numel())
+
+
+GRAM_COLUMNS = 4096  # columns of P converted to float64 at a time by :func:`_gram`
+
+
+def _gram(P: Tensor) -> Tensor:
+    """``P P^T`` ``[H, E, E]`` in float64 for ``P [H, E, V]``, summed over column blocks of
+    :data:`GRAM_COLUMNS` (no float64 copy of the whole ``P``: 0.3 GB per layer at GPT-2's vocabulary)."""
+    H, E, V = P.shape
+    out = torch.zeros(H, E, E, dtype=torch.float64, device=P.device)
+    for lo in range(0, V, GRAM_COLUMNS):
+        block = P[..., lo : lo + GRAM_COLUMNS].double()
+        out.baddbmm_(block, block.transpose(1, 2))
+    return out
+

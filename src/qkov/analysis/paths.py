@@ -44,10 +44,11 @@ import torch
 from torch import Tensor
 
 from ..device import check_fits
+from ..model.ops import write_heads
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from .budget import expansion_bytes as expansion_bytes  # the memory plan of summarize, kept here by name
-from .forward import Trace, flops_per_token, head_terms, read
+from .forward import Trace, flops_per_token, head_terms, project, read
 from . import split
 from .head_logits import SampledTerms
 from .importance import FROZEN as FROZEN, check_linear as check_linear  # kept here by name
@@ -162,16 +163,18 @@ def expand(
         att = source.attention(l)
         # bias of this layer: b_V through the (row-stochastic) pattern, plus b_O
         new_bias = torch.einsum("he,hed->d", att.b_V, att.W_O) + att.b_O
-        bias_through = head_terms(source, r, l, bias).sum(0)
-        mlp_through = head_terms(source, r, l, mlp).sum(0)
+        bias_through = _heads_sum(source, r, l, bias)
+        mlp_through = _heads_sum(source, r, l, mlp)
         # carry the stream order by order, highest first so each order is read before it grows
         for k in range(l, -1, -1):
             if float(orders[k].abs().max()) == 0.0 and k > 0:
                 continue
-            outs = head_terms(source, r, l, orders[k])  # [H, B, T, D]
             if k == 0 and (per_head or virtual_heads):
+                outs = head_terms(source, r, l, orders[k])  # [H, B, T, D]
                 heads.update({(l, h): outs[h] for h in range(cfg.n_heads)})
-            orders[k + 1] = orders[k + 1] + outs.sum(0)
+                orders[k + 1] = orders[k + 1] + outs.sum(0)
+            else:  # only the sum over heads is kept: no [H, B, T, D]
+                orders[k + 1] = orders[k + 1] + _heads_sum(source, r, l, orders[k])
         bias = bias + bias_through + new_bias
         mlp = mlp + mlp_through
         if r.mlp_outputs is not None:
@@ -187,6 +190,14 @@ def expand(
         orders = orders[: max_order + 1]
         orders[-1] = orders[-1] + tail
     return Expansion(r, source, orders, bias, mlp, heads, virtual, x0)
+
+
+def _heads_sum(source: WeightSource, run: Trace, layer: int, x: Tensor) -> Tensor:
+    """The sum over heads of :func:`~qkov.analysis.forward.head_terms` ``[B, T, D]``, as one
+    product of the concatenated head outputs with ``W_O`` (each head's term never made)."""
+    att = source.attention(layer)
+    v = project(read(x, source.norm, run.divisor("attn_v", layer)), att.W_V)
+    return write_heads(run.patterns[layer] @ v, att.W_O)  # type: ignore[index]
 
 
 # ------------------------------------------------------------------ term effects
