@@ -26,6 +26,8 @@ sees every matrix product the command's torch calls make), its floating-point op
 divides them by a measured float32 matmul peak of this machine (the best of square products
 and of the analyses' own skinny shapes, each with a preallocated output): the time no
 implementation of the same work could beat here, printed beside the measured time and the goal.
+The count leaves out fused attention (torch's CPU ``scaled_dot_product_attention`` kernel is not
+counted), so the floor is a lower bound.
 """
 
 from __future__ import annotations

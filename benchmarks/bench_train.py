@@ -5,8 +5,8 @@ context 256, batch 8, shortformer positions, attention-only, no LayerNorm, AdamW
 Both libraries train on the same random token batches; each measurement runs in its
 own subprocess so that peak memory (max RSS) belongs to one library alone. qkov is
 measured twice: in float32 (like for like with TransformerLens) and with bf16 matrix
-products (``qkov train --precision bf16``, the default where the CPU has AMX or the GPU
-has bf16); the ratio that compares like with like is the float32 one.
+products (``qkov train --precision bf16``; the default is float32); the ratio that compares
+like with like is the float32 one.
 
 Against the machine's limit: each qkov run's achieved FLOP/s (tokens/s x
 ``qkov.analysis.forward.flops_per_token``, x3 for a training step: forward + backward) is
