@@ -217,8 +217,8 @@ class _Pass:
             B, H, T = v.shape[0], self.cfg.n_heads, v.shape[2]
             pattern = self.edits.fixed(("pattern", l)).expand(B, H, T, T)  # type: ignore[union-attr]
         else:
-            scores = self.at("scores", l, masked_scores(attention_scores(q, expand_kv(k, self.group, dim=1))))  # type: ignore[arg-type]
-            pattern = torch.softmax(scores, dim=-1)
+            fresh = attention_scores(q, expand_kv(k, self.group, dim=1))  # type: ignore[arg-type]  # nothing else holds it
+            pattern = torch.softmax(self.at("scores", l, masked_scores(fresh, inplace=True)), dim=-1)
         pattern = self.at("pattern", l, pattern)
         return pattern @ v, pattern
 

@@ -89,7 +89,7 @@ def causal_mask(seq: int, device: torch.device | str | None = None) -> Tensor:
 def attention_scores(q: Tensor, k: Tensor) -> Tensor:
     """Pre-softmax scores ``q k^T / sqrt(d_head)``: ``q [..., query, d_head]``, ``k [..., key, d_head]`` ->
     ``[..., query, key]`` (not masked)."""
-    return (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    return (q @ k.transpose(-1, -2)).div_(math.sqrt(q.shape[-1]))  # in place on the fresh product: one tensor
 
 
 def attention_pattern(scores: Tensor) -> Tensor:
@@ -98,9 +98,11 @@ def attention_pattern(scores: Tensor) -> Tensor:
     return torch.softmax(masked_scores(scores), dim=-1)
 
 
-def masked_scores(scores: Tensor) -> Tensor:
-    """``scores [..., query, key]`` with every key after its query set to ``-inf``."""
-    return scores.masked_fill(causal_mask(scores.shape[-1], scores.device), float("-inf"))
+def masked_scores(scores: Tensor, *, inplace: bool = False) -> Tensor:
+    """``scores [..., query, key]`` with every key after its query set to ``-inf`` (``inplace``: in
+    ``scores`` itself, for scores nothing else holds)."""
+    mask = causal_mask(scores.shape[-1], scores.device)
+    return scores.masked_fill_(mask, float("-inf")) if inplace else scores.masked_fill(mask, float("-inf"))
 
 
 def activation(name: str, x: Tensor) -> Tensor:
