@@ -115,4 +115,3 @@ def _gram(P: Tensor) -> Tensor:
         block = P[..., lo : lo + GRAM_COLUMNS].double()
         out.baddbmm_(block, block.transpose(1, 2))
     return out
-
