@@ -144,7 +144,7 @@ def test_materialised_virtual_heads_equal_the_reader_head_run_on_the_writers_ter
 
 
 @pytest.mark.parametrize("kw", KINDS)
-def test_heads_sum_equals_the_sum_of_head_terms(kw: dict) -> None:
+def test_heads_write_without_value_bias_equals_the_sum_of_head_terms(kw: dict) -> None:
     positional = "rotary" if kw.get("normalization") == "rmsnorm" else "standard"
     m, _ = make(2, positional, torch.float64, **kw)
     perturb_non_matrices(m, 0.3)
@@ -153,7 +153,7 @@ def test_heads_sum_equals_the_sum_of_head_terms(kw: dict) -> None:
     x = torch.randn(2, 12, w.cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for layer in range(2):
         want = P.head_terms(w, run, layer, x).sum(0)
-        torch.testing.assert_close(P._heads_sum(w, run, layer, x), want, rtol=0, atol=1e-12)
+        torch.testing.assert_close(P.heads_write(w, run, layer, x, value_bias=False), want, rtol=0, atol=1e-12)
 
 
 def test_gram_in_column_blocks_equals_the_float64_product(monkeypatch: pytest.MonkeyPatch) -> None:

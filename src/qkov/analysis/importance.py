@@ -98,13 +98,15 @@ class TermImportance:
         }
 
 
-def _heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor) -> Tensor:
-    """The sum over heads of what layer ``layer``'s heads write ``[B, T, D]`` (``b_V`` in, ``b_O``
-    out) when they read the stream ``x [B, T, D]``, the run's patterns and divisors frozen."""
+def heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor, *, value_bias: bool = True) -> Tensor:
+    """The sum over heads of what layer ``layer``'s heads write ``[B, T, D]`` (``b_V`` in unless
+    ``value_bias=False``, ``b_O`` out) when they read the stream ``x [B, T, D]``, the run's patterns
+    and divisors frozen: one product of the concatenated head outputs with ``W_O``."""
     att = source.attention(layer, expand_kv=False)
     s = real.divisor("attn_v", layer)
     v_in = x if source.norm == "none" else normalize(x, source.norm, 0.0, scale=s, w=att.ln_w, b=att.ln_b)[0]
-    v = expand_kv(project_heads(v_in, att.W_V, att.b_V), source.cfg.n_heads // source.cfg.kv_heads, dim=1)
+    v = project_heads(v_in, att.W_V, att.b_V if value_bias else None)
+    v = expand_kv(v, source.cfg.n_heads // source.cfg.kv_heads, dim=1)
     return write_heads(real.patterns[layer] @ v, att.W_O)  # type: ignore[index]
 
 
@@ -147,7 +149,7 @@ def term_importance(
         x, live = x0, list(prev)
         for l in range(c.n_layers):
             if l >= i:  # below, the layer reads what it read on run i: its output is prev[l]
-                live[l] = _heads_write(source, real, l, x)
+                live[l] = heads_write(source, real, l, x)
             x = x + prev[l] + fixed[l]
         buffer = _logits(source, real, x, buffer)
         losses.append(loss(buffer, toks, overwrite=True))

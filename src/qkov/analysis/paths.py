@@ -44,15 +44,14 @@ import torch
 from torch import Tensor
 
 from ..device import check_fits
-from ..model.ops import write_heads
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from .budget import expansion_bytes as expansion_bytes  # the memory plan of summarize, kept here by name
-from .forward import Trace, flops_per_token, head_terms, project, read
+from .forward import Trace, flops_per_token, head_terms, read
 from . import split
 from .head_logits import SampledTerms
 from .importance import FROZEN as FROZEN, check_linear as check_linear  # kept here by name
-from .importance import TermImportance, frozen_run, lm_loss, loss, rms, term_importance
+from .importance import TermImportance, frozen_run, heads_write, lm_loss, loss, rms, term_importance
 from .progress import Progress, tick
 from .sampling import seeded_subset
 from .shown import Shown
@@ -163,8 +162,8 @@ def expand(
         att = source.attention(l)
         # bias of this layer: b_V through the (row-stochastic) pattern, plus b_O
         new_bias = torch.einsum("he,hed->d", att.b_V, att.W_O) + att.b_O
-        bias_through = _heads_sum(source, r, l, bias)
-        mlp_through = _heads_sum(source, r, l, mlp)
+        bias_through = heads_write(source, r, l, bias, value_bias=False)  # each sum: no [H, B, T, D]
+        mlp_through = heads_write(source, r, l, mlp, value_bias=False)
         # carry the stream order by order, highest first so each order is read before it grows
         for k in range(l, -1, -1):
             if float(orders[k].abs().max()) == 0.0 and k > 0:
@@ -173,8 +172,8 @@ def expand(
                 outs = head_terms(source, r, l, orders[k])  # [H, B, T, D]
                 heads.update({(l, h): outs[h] for h in range(cfg.n_heads)})
                 orders[k + 1] = orders[k + 1] + outs.sum(0)
-            else:  # only the sum over heads is kept: no [H, B, T, D]
-                orders[k + 1] = orders[k + 1] + _heads_sum(source, r, l, orders[k])
+            else:  # only the sum over heads is kept
+                orders[k + 1] = orders[k + 1] + heads_write(source, r, l, orders[k], value_bias=False)
         bias = bias + bias_through + new_bias
         mlp = mlp + mlp_through
         if r.mlp_outputs is not None:
@@ -190,14 +189,6 @@ def expand(
         orders = orders[: max_order + 1]
         orders[-1] = orders[-1] + tail
     return Expansion(r, source, orders, bias, mlp, heads, virtual, x0)
-
-
-def _heads_sum(source: WeightSource, run: Trace, layer: int, x: Tensor) -> Tensor:
-    """The sum over heads of :func:`~qkov.analysis.forward.head_terms` ``[B, T, D]``, as one
-    product of the concatenated head outputs with ``W_O`` (each head's term never made)."""
-    att = source.attention(layer)
-    v = project(read(x, source.norm, run.divisor("attn_v", layer)), att.W_V)
-    return write_heads(run.patterns[layer] @ v, att.W_O)  # type: ignore[index]
 
 
 # ------------------------------------------------------------------ term effects
