@@ -42,6 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from matmul_rate import matmul_rate
 from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 COMMANDS = {
@@ -116,21 +117,10 @@ PEAK_SHAPES = [(2048, 2048, 2048), (4096, 768, 4096), (1024, 64, 50257), (2048, 
 
 
 def peak_worker(seconds: float = 2.0) -> dict[str, object]:
-    """float32 ``torch.matmul`` FLOP/s into a preallocated output for each of :data:`PEAK_SHAPES`
-    ``(m, k, n)``: square, the MLP's, a head's ``d_head``-wide product read by the unembedding,
-    and a batch of 2 x 1024 tokens unembedded; the best is this machine's peak."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    rates = {}
-    for m, k, n in PEAK_SHAPES:
-        a, b, out = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g), torch.empty(m, n)
-        torch.matmul(a, b, out=out)  # warm up
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds or reps < 2:
-            torch.matmul(a, b, out=out)
-            reps += 1
-        rates[f"{m}x{k}x{n}"] = 2 * m * k * n * reps / (time.perf_counter() - t0)
+    """float32 ``torch.matmul`` FLOP/s (:func:`matmul_rate.matmul_rate`: outputs preallocated) of each
+    of :data:`PEAK_SHAPES` ``(m, k, n)``: square, the MLP's, a head's ``d_head``-wide product read by
+    the unembedding, and a batch of 2 x 1024 tokens unembedded; the best is this machine's peak."""
+    rates = {f"{m}x{k}x{n}": matmul_rate([(1, m, k, n)], "float32", seconds) for m, k, n in PEAK_SHAPES}
     return {"rc": 0, "rates": rates, "peak": max(rates.values())}
 
 

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from matmul_rate import matmul_rate
 from peak import peak_mib  # this process's own peak (ru_maxrss counts a forked parent's)
 
 CFG = dict(n_layers=2, n_heads=8, d_model=256, d_head=32, d_vocab=4096, n_ctx=256)
@@ -103,32 +104,16 @@ def gemm_shapes(task: str) -> list[tuple[int, int, int, int]]:
 
 
 def matmul_peak(task: str, dtype_name: str, seconds: float = 1.0) -> dict[str, float]:
-    """The device's matmul limit for this model's work: ``torch.matmul`` into preallocated outputs,
-    timed on each of :func:`gemm_shapes`' distinct products alone and on a 2048-square one (as many
-    rounds as fit in ``seconds`` each, after a warm-up); ``flops_per_s`` is the best of them (no
-    product of this work runs faster here), ``mix_flops_per_s`` the rate of the step's products
-    back to back (the small attention ones drag it down)."""
-    import torch
-
-    dtype = getattr(torch, dtype_name)
-    g = torch.Generator().manual_seed(0)
-
-    def rate(shapes: list[tuple[int, int, int, int]]) -> float:
-        ops = []
-        for b, m, k, n in shapes:
-            x, y = (torch.randn(b, *s, generator=g).to(dtype) for s in ((m, k), (k, n)))
-            ops.append((x, y, torch.matmul(x, y)))  # the output, allocated once
-        reps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds or reps < 2:
-            for x, y, out in ops:
-                torch.matmul(x, y, out=out)
-            reps += 1
-        return reps * sum(2 * b * m * k * n for b, m, k, n in shapes) / (time.perf_counter() - t0)
-
+    """The device's matmul limit for this model's work (:func:`matmul_rate.matmul_rate`: outputs
+    preallocated), timed on each of :func:`gemm_shapes`' distinct products alone and on a 2048-square
+    one; ``flops_per_s`` is the best of them (no product of this work runs faster here),
+    ``mix_flops_per_s`` the rate of the step's products back to back (the small attention ones drag
+    it down)."""
     shapes = gemm_shapes(task)
-    rate(shapes)  # warm up
-    alone = [rate([s]) for s in sorted(set(shapes))] + [rate([(1, 2048, 2048, 2048)])]
-    return {"flops_per_s": max(alone), "mix_flops_per_s": rate(shapes)}
+    matmul_rate(shapes, dtype_name, seconds)  # warm up
+    alone = [matmul_rate([s], dtype_name, seconds) for s in sorted(set(shapes))]
+    alone.append(matmul_rate([(1, 2048, 2048, 2048)], dtype_name, seconds))
+    return {"flops_per_s": max(alone), "mix_flops_per_s": matmul_rate(shapes, dtype_name, seconds)}
 
 
 def worker(lib: str, task: str, steps: int) -> dict[str, float]:
