@@ -42,7 +42,7 @@ def explorer(cfg: ModelConfig, seed: int = 0) -> Explorer:
     torch.manual_seed(seed)
     model = Transformer(cfg).eval()
     w = Weights.from_model(model)
-    return Explorer(model=model, weights=w, name="tiny", decode=decode, encode=None, bos=0, max_tokens=cfg.n_ctx)
+    return Explorer(model=model, weights=w, name="tiny", decode=decode, codec=None, bos=0, max_tokens=cfg.n_ctx)
 
 
 def near(card_eigs: list[dict], lib: torch.Tensor, tol: float = 1e-4) -> None:

@@ -14,7 +14,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "qkov"
 # each package may import only itself and the packages before it (the flow of the README's layout)
 ORDER = ["errors", "deprecated", "progress", "version", "device", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
 OPTIONAL = {"transformers", "transformer_lens", "huggingface_hub", "plotly"}  # imported only where used
-MAX_FILE_LINES = 400
+# one idea per file: a concept is not split to meet a cap, and no file grows past this ceiling
+MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS: dict[str, str] = {}  # "module:function" -> why it may be longer (none today)
 

@@ -21,7 +21,7 @@ import qkov
 from qkov.analysis.snapshot_measures import Sample, measure
 
 transformers = pytest.importorskip("transformers")
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: E402
 
 GPT2_BOS = 50256  # <|endoftext|>, the last id of GPT-2's vocabulary of 50257
 PARAGRAPH = (
@@ -66,7 +66,10 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).eval().save_pretrained(path)
-    _word_tokenizer(PARAGRAPH.split(), {"<unk>": 0, "<s>": 1, "</s>": 2}).save(str(path / "tokenizer.json"))
+    tok = _word_tokenizer(PARAGRAPH.split(), {"<unk>": 0, "<s>": 1, "</s>": 2})
+    # as a real Llama tokenizer.json: the post-processor adds <s> itself (qkov must not add a second)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok.save(str(path / "tokenizer.json"))
     return path
 
 

@@ -46,6 +46,8 @@ def _words() -> list[str]:
 
 def _llama(folder: Path) -> tuple[Path, int]:
     tok = _tokenizer(_words(), {"<unk>": 0, "<s>": 1, "</s>": 2})  # Llama's layout: <s> is 1
+    # and, as a real Llama tokenizer.json, a post-processor that adds <s> itself (one start token, not two)
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     cfg = transformers.LlamaConfig(
         vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=N_CTX, bos_token_id=1,
@@ -84,10 +86,12 @@ def source(request: Any, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path
 
 
 def _ids(path: Path, bos: int) -> list[int]:
-    """The tokens the analyses should read: the start token, then the paragraph as the tokenizer
-    in the directory encodes it (read here with ``tokenizers`` itself)."""
+    """The tokens the analyses should read: the paragraph as the tokenizer in the directory encodes it
+    (read here with ``tokenizers`` itself, special tokens included: what ``transformers`` gives), with
+    one start token first: the Llama tokenizer's own ``<s>``, or the one GPT-2's convention prepends."""
     tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-    return [bos, *tok.encode(PARAGRAPH).ids]
+    ids = tok.encode(PARAGRAPH).ids
+    return ids if ids[0] == bos else [bos, *ids]
 
 
 def _hf(path: Path, ids: list[int]) -> Any:

@@ -15,6 +15,8 @@ from qkov.analysis.metrics import Attention, LogitDiff, Loss, parse_metric
 from qkov.analysis.path_patching import path_patching
 from qkov.analysis.patch_study import patch_study
 from qkov.analysis.probes import induction_probe_tokens
+from qkov.model.tokens import TextCodec
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from helpers import LN_MLP, perturb_non_matrices
 from test_heads import V, hand_built
@@ -162,12 +164,15 @@ def test_study_and_metrics_and_one_line_errors() -> None:
     assert kinds == [("activation", "resid_pre"), ("activation", "head_out"), ("attribution", "head_out"), ("path", "sender -> 1.0 k")]
     assert "head_out" in study.agreement and study.result("activation", "resid_pre").labels["pos"][0].startswith("0 ")
     assert "activation patching of resid_pre" in repr(study) and study.to_dict()["results"][0]["axes"] == ["layer", "pos"]
-    encode = lambda s: {" a": [5], "b": [6], " two": [7, 8]}[s]  # noqa: E731
+    words = Tokenizer(models.WordLevel({"<s>": 0, "x": 1, "y": 2, "a": 5, "b": 6}, unk_token="<s>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    codec = TextCodec(words, 0)
     assert isinstance(parse_metric(None, clean, None, 30), Loss)
-    lm = parse_metric("logit-diff: a,b", clean, encode, 30)
+    lm = parse_metric("logit-diff: a,b", clean, codec, 30)
     assert (lm.correct, lm.incorrect) == (5, 6) and parse_metric("prob:4", clean, None, 30).token == 4
+    assert lm.name == "logit diff 'a' (5) - 'b' (6)"
     bad = [
-        (lambda: parse_metric("logit-diff: two,b", clean, encode, 30), "2 tokens, not one"),
+        (lambda: parse_metric("logit-diff: x y,b", clean, codec, 30), r"' x y' is not one token: it splits into \['x', 'y'\]"),
         (lambda: parse_metric("logit-diff:x,3", clean, None, 30), "no tokenizer"),
         (lambda: parse_metric("prob:99", clean, None, 30), "out of range"),
         (lambda: parse_metric("median", clean, None, 30), "expected loss, logit-diff"),

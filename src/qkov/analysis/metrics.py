@@ -19,13 +19,15 @@ from torch import Tensor
 
 from ..errors import QkovError
 from ..model.ops import next_token_nll
+from ..model.tokens import TextCodec
 from .activations import Trace
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Metric:
     """Base class: ``name`` (how results label it), ``reads`` (sites to cache), ``positions``
-    (logit positions needed, absolute or negative from the end; ``None``: all)."""
+    (logit positions needed, absolute or negative from the end; ``None``: all). These are keywords
+    only, so a metric's own fields come first: ``LogitDiff(correct, incorrect)``."""
 
     name: str = "metric"
     reads: tuple[str, ...] = ()
@@ -54,14 +56,17 @@ class OfLogits(Metric):
 @dataclass
 class LogitDiff(Metric):
     """``logit[correct] - logit[incorrect]`` at ``position`` (default the last), mean over the batch.
-    ``correct`` / ``incorrect``: one id, or one per sequence."""
+    ``correct`` / ``incorrect``: one id, or one per sequence (``LogitDiff(317, 326)``)."""
 
-    correct: Any = 0
-    incorrect: Any = 0
+    correct: Any
+    incorrect: Any
     position: int = -1
 
     def __post_init__(self) -> None:
-        self.name, self.positions = f"logit diff {_ids(self.correct)} - {_ids(self.incorrect)}", [self.position]
+        _check_ids("LogitDiff", correct=self.correct, incorrect=self.incorrect)
+        if self.name == "metric":
+            self.name = f"logit diff {_ids(self.correct)} - {_ids(self.incorrect)}"
+        self.positions = [self.position]
 
     def __call__(self, out: Trace) -> Tensor:
         logits = out.logits_at(self.position)  # [B, V]
@@ -73,11 +78,14 @@ class LogitDiff(Metric):
 class Prob(Metric):
     """The probability of ``token`` at ``position`` (default the last), mean over the batch."""
 
-    token: Any = 0
+    token: Any
     position: int = -1
 
     def __post_init__(self) -> None:
-        self.name, self.positions = f"prob {_ids(self.token)}", [self.position]
+        _check_ids("Prob", token=self.token)
+        if self.name == "metric":
+            self.name = f"prob {_ids(self.token)}"
+        self.positions = [self.position]
 
     def __call__(self, out: Trace) -> Tensor:
         logits = out.logits_at(self.position).float()
@@ -179,36 +187,54 @@ def _column(t: Any, logits: Tensor) -> Tensor:
     return ids.expand(logits.shape[0], 1)
 
 
+def _check_ids(what: str, **given: Any) -> None:
+    """Refuse what cannot be token ids (a string, a float), naming the argument."""
+    for name, t in given.items():
+        try:
+            ids = torch.as_tensor(t)
+        except (TypeError, ValueError, RuntimeError):
+            ids = None
+        if ids is None or ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.numel() == 0 or ids.ndim > 1:
+            hint = " (a word: model.to_single_token(word))" if isinstance(t, str) else ""
+            raise QkovError(f"{what}: {name} must be a token id or one id per sequence, got {t!r}{hint}")
+
+
 def _ids(t: Any) -> str:
     t = torch.as_tensor(t).reshape(-1).tolist()
     return str(t[0]) if len(t) == 1 else f"[{len(t)} ids]"
 
 
-def parse_metric(spec: str | None, clean: Tensor, encode: Callable[[str], list[int]] | None, d_vocab: int) -> Metric:
+def parse_metric(spec: str | None, clean: Tensor, codec: TextCodec | None, d_vocab: int) -> Metric:
     """A metric from its written form: ``loss`` (default: the loss on the clean tokens),
     ``logit-diff:A,B`` (logit of A minus logit of B at the last position), ``prob:T``. Each token is
-    an integer id, or a string the tokenizer ``encode`` turns into exactly one token (spaces count:
-    ``logit-diff: Mary, John``)."""
+    an integer id, or a word the model's ``codec`` resolves to one token with or without its leading
+    space (:meth:`~qkov.model.tokens.TextCodec.single_token`: ``logit-diff: Tim, Lily`` and
+    ``logit-diff:Tim,Lily`` both find ``▁Tim`` / ``ĠTim``); the metric's name shows what each became."""
     if spec is None or spec == "loss":
         return Loss(tokens=clean)
     kind, _, rest = spec.partition(":")
-    tokens = [_token(t, encode, d_vocab) for t in rest.split(",")] if rest else []
+    tokens = [_token(t, codec, d_vocab) for t in rest.split(",")] if rest else []
+    ids = [i for i, _ in tokens]
     if kind == "logit-diff" and len(tokens) == 2:
-        return LogitDiff(correct=tokens[0], incorrect=tokens[1])
+        return LogitDiff(*ids, name=f"logit diff {tokens[0][1]} - {tokens[1][1]}")
     if kind == "prob" and len(tokens) == 1:
-        return Prob(token=tokens[0])
+        return Prob(ids[0], name=f"prob {tokens[0][1]}")
     raise QkovError(f"metric {spec!r}: expected loss, logit-diff:A,B or prob:T")
 
 
-def _token(text: str, encode: Callable[[str], list[int]] | None, d_vocab: int) -> int:
+def _token(text: str, codec: TextCodec | None, d_vocab: int) -> tuple[int, str]:
+    """``(id, label)`` of one token of a written metric: an id as given, or a word's one token."""
     if text.strip().lstrip("-").isdigit():
         i = int(text)
         if not 0 <= i < d_vocab:
             raise QkovError(f"metric: token id {i} out of range [0, {d_vocab})")
-        return i
-    if encode is None:
+        return i, str(i) if codec is None else f"{codec.token_str(i)!r} ({i})"
+    if codec is None:
         raise QkovError(f"metric: {text!r} is not a token id, and the model has no tokenizer to read it")
-    ids = encode(text)
-    if len(ids) != 1:
-        raise QkovError(f"metric: {text!r} is {len(ids)} tokens, not one (spaces count: ' Mary' differs from 'Mary')")
-    return ids[0]
+    try:
+        i = codec.single_token(text)
+    except QkovError as exc:
+        raise QkovError(f"metric: {exc}") from None
+    if not 0 <= i < d_vocab:
+        raise QkovError(f"metric: {text!r} is token {i}, outside the model's vocabulary of {d_vocab}")
+    return i, f"{codec.token_str(i)!r} ({i})"

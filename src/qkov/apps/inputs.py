@@ -22,7 +22,6 @@ from ..analysis.metrics import parse_metric
 from ..errors import QkovError
 from ..io.checkpoint import read_config
 from ..io.sources import source_kind
-from ..model.tokens import token_decoder
 from ..model.transformer import Transformer
 from ..training.data import Corpus, load_corpus, val_batches
 
@@ -88,6 +87,32 @@ def _shape(seqs: torch.Tensor, n_ctx: int) -> str:
     return f"{B} sequence{'s' if B != 1 else ''} of {T} tokens"
 
 
+def text_windows(ids: list[int] | np.ndarray, model: Transformer, batch: int) -> tuple[torch.Tensor, str]:
+    """A text's ids (no start token) as the sequences the model reads, and what they cover.
+
+    Consecutive windows from the start, each of ``n_ctx`` tokens with the start token first (when the
+    model prepends one: :attr:`~qkov.Transformer.default_prepend_bos`), at most ``batch`` of them; a
+    text shorter than one window is one sequence of its own length. The note says what was not read
+    (``"381 of 474 tokens read; the last 93 not read: 3 windows of 127 text tokens (context 128)"``)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    bos = model.bos_token_id if model.default_prepend_bos else None
+    start = [] if bos is None else [bos]
+    width = model.cfg.n_ctx - len(start)
+    if len(ids) == 0:
+        raise QkovError("the text holds no tokens")
+    n = min(len(ids) // width, batch) if len(ids) > width else 1
+    if len(ids) <= width:
+        return torch.tensor([[*start, *ids.tolist()]], dtype=torch.long), f"all {len(ids):,} tokens read"
+    rows = np.stack([np.concatenate([start, ids[i * width : (i + 1) * width]]) for i in range(n)]).astype(np.int64)
+    read = n * width
+    if read == len(ids):
+        return torch.from_numpy(rows), f"all {len(ids):,} tokens read"
+    why = f"{n} window{'s' if n != 1 else ''} of {width} text tokens (context {model.cfg.n_ctx})"
+    if n == batch and len(ids) // width > batch:
+        why += f"; at most {batch} sequences are read (batch)"
+    return torch.from_numpy(rows), f"{read:,} of {len(ids):,} tokens read; the last {len(ids) - read:,} not read: {why}"
+
+
 def _sequences(arr: np.ndarray, model: Transformer, batch: int, where: str) -> torch.Tensor:
     """``[batch, T]`` sequences of ``arr``: a 2-D array's rows as given; a 1-D stream cut into
     context-length windows, each started with the start token, or one sequence of its own length
@@ -146,11 +171,13 @@ def analysis_inputs(
         if model.tokenizer is None:
             raise QkovError("a text file needs a model with a tokenizer (give token ids instead)")
         try:
-            ids = model.tokenizer.encode(text.read_text(encoding="utf-8", errors="replace")).ids
+            ids = model.codec.plain(text.read_text(encoding="utf-8", errors="replace"))
         except OSError as exc:
             raise QkovError(f"cannot read the text {str(text)!r} ({exc.strerror})") from None
-        seqs = _sequences(np.asarray(ids, dtype=np.int64), model, batch, f"text {str(text)!r}")
-        return AnalysisInput(seqs, freqs, f"text from {text}: {_shape(seqs, model.cfg.n_ctx)}")
+        if not ids:
+            raise QkovError(f"text {str(text)!r} holds no tokens")
+        seqs, covered = text_windows(ids, model, batch)
+        return AnalysisInput(seqs, freqs, f"text from {text}: {_shape(seqs, model.cfg.n_ctx)} ({covered})")
     if corpus is not None:
         seqs = torch.from_numpy(val_batches(corpus.val, model.cfg.n_ctx, model.bos_token_id, batch))
         return AnalysisInput(seqs, freqs, f"validation split of the training corpus ({corpus.source})")
@@ -181,7 +208,7 @@ def read_sequences(path: Path, model: Transformer) -> torch.Tensor:
     elif model.tokenizer is None:
         raise QkovError(f"{where} is text, and the model has no tokenizer: give token ids (.npy, .bin or integers)")
     else:
-        seqs = [np.asarray([model.bos_token_id, *model.tokenizer.encode(ln).ids], dtype=np.int64) for ln in lines]
+        seqs = [np.asarray(model.codec.encode(ln), dtype=np.int64) for ln in lines]
     lengths = sorted({len(s) for s in seqs})
     if len(lengths) > 1:
         raise QkovError(f"{where}: every sequence must have the same number of tokens; got lengths {lengths}")
@@ -221,7 +248,7 @@ def patching_inputs(model: Transformer, clean: Path, corrupted: Path, metric: st
     """The pair (:func:`patching_pair`) on ``device``, its metric parsed (token strings through the
     model's tokenizer) and a decoder for position labels: what ``qkov patch`` and the report read."""
     c, x = patching_pair(clean, corrupted, model)
-    encode = None if model.tokenizer is None else (lambda s: model.tokenizer.encode(s).ids)  # type: ignore[union-attr]
-    m = parse_metric(metric, c.to(device), encode, model.cfg.d_vocab)
-    decode = None if model.tokenizer is None else token_decoder(model.tokenizer)
+    codec = None if model.tokenizer is None else model.codec
+    m = parse_metric(metric, c.to(device), codec, model.cfg.d_vocab)
+    decode = None if codec is None else codec.token_str
     return PatchingInputs(c.to(device), x.to(device), m, decode, (str(clean), str(corrupted)))

@@ -114,7 +114,11 @@ def save_checkpoint(
     save_tensors(path / MODEL_FILE, dict(model.state_dict()), metadata={"format": "qkov"})
     config = {
         "model": model.cfg.to_dict(),
-        "tokenizer": {"bos_token_id": model.bos_token_id, "file": TOKENIZER_FILE if tokenizer_json else None},
+        "tokenizer": {
+            "bos_token_id": model.bos_token_id,
+            "default_prepend_bos": bool(getattr(model, "default_prepend_bos", True)),
+            "file": TOKENIZER_FILE if tokenizer_json else None,
+        },
         "training": training or {},
     }
     atomic_write_text(path / CONFIG_FILE, json.dumps(config, indent=2))
@@ -145,6 +149,7 @@ def load(path: Path | str, *, device: str | torch.device = "cpu", dtype: torch.d
     load_state(model, state, where=str(weights_path), assign=True)  # the file's tensors, not copies of them
     tok_info = data.get("tokenizer") or {}
     model.bos_token_id = int(tok_info.get("bos_token_id", 0))
+    model.default_prepend_bos = bool(tok_info.get("default_prepend_bos", True))
     model.tokenizer = read_tokenizer(path / TOKENIZER_FILE, where=f"checkpoint {str(path)!r}")
     return model.to(device=device, dtype=dtype).eval()
 

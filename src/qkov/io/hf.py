@@ -40,7 +40,7 @@ from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from .atomic import atomic_write_text
 from .checkpoint import load_state, read_tokenizer, save_tensors
-from .hf_families import FAMILIES, family_config, family_state, start_token
+from .hf_families import FAMILIES, family_config, family_state, prepends_start, start_token
 from .hf_store import WEIGHTS_FILE, shard_paths
 from .plausible import check_shapes
 
@@ -207,6 +207,7 @@ def load_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transfor
     hf_config(hf_cfg)  # refuse an unsupported model before reading its weights
     model = _build(hf_cfg, _read_weights(path), dtype, where=str(path), owned=True)
     model.tokenizer = read_tokenizer(path / TOKENIZER_FILE, where=f"Hugging Face model {str(path)!r}")
+    model.default_prepend_bos = prepends_start(hf_cfg, model.tokenizer)
     return model
 
 

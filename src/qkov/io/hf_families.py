@@ -27,6 +27,7 @@ import torch
 
 from ..errors import QkovError, QkovWarning
 from ..model.config import ModelConfig
+from ..model.tokens import TextCodec
 
 FAMILIES: dict[str, str] = {
     "gpt_neox": "GPTNeoXForCausalLM",
@@ -40,6 +41,16 @@ _ACT = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new",
 _ACT.update(relu="relu", silu="silu", swish="silu")
 # buffers some checkpoints carry that are not weights
 BUFFERS = (".rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias")
+
+
+def prepends_start(hf: dict[str, Any], tokenizer: Any) -> bool:
+    """Whether texts get the start token unless asked (a model's ``default_prepend_bos``): GPT-2 and
+    GPT-NeoX/Pythia by convention (TransformerLens prepends it; their tokenizers add nothing); the
+    Llama family (Llama, Mistral, Qwen2) as its own tokenizer does: ``<s>`` where its post-processor
+    adds it, none where it adds nothing (what ``transformers`` gives for the same directory)."""
+    if hf.get("model_type") in ("gpt2", "gpt_neox") or tokenizer is None:
+        return True
+    return TextCodec(tokenizer, 0).tokenizer_adds_bos
 
 
 def start_token(hf: dict[str, Any], d_vocab: int, where: str) -> int:

@@ -1,8 +1,10 @@
-"""Token ids in and token strings out: the checks every entry point applies to ids, and the
-one decoder of single tokens (with a tokenizer, or ``<id>`` without one)."""
+"""Token ids in and token strings out: the checks every entry point applies to ids, and the one
+codec of texts (:class:`TextCodec`: a text to ids with exactly one start token, an id to a readable
+string, which ids are ordinary text tokens, a word to its one token)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import torch
@@ -44,14 +46,208 @@ def check_tokens(tokens: Tensor | Any, cfg: ModelConfig) -> Tensor:
 
 
 def token_decoder(tokenizer: Any | None) -> Callable[[int], str]:
-    """``decode(id) -> str`` for one token: the tokenizer's string (special tokens kept), or
-    ``"<id>"`` when there is no tokenizer. Strings are cached per id."""
-    cache: dict[int, str] = {}
+    """``decode(id) -> str`` for one token: its readable string (:meth:`TextCodec.token_str`:
+    SentencePiece's ``▁`` a space, byte tokens by name, special tokens kept), or ``"<id>"`` when
+    there is no tokenizer."""
+    if tokenizer is None:
+        return lambda i: f"<{int(i)}>"
+    return text_codec(tokenizer, 0).token_str
 
-    def decode(i: int) -> str:
+
+# --------------------------------------------------------------------------- texts
+SPACE_PIECE = "\u2581"  # "▁": SentencePiece's space, the first character of a word's piece
+_BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def _decoder_spec(tokenizer: Any) -> str:
+    """The tokenizer's decoder as its JSON text ("" when it has none)."""
+    dec = getattr(tokenizer, "decoder", None)
+    if dec is None:
+        return ""
+    try:
+        state = dec.__getstate__()
+    except Exception:  # noqa: BLE001 - a decoder without a serialisable state: assume none of the known kinds
+        return ""
+    return state.decode("utf-8", errors="replace") if isinstance(state, bytes) else str(state)
+
+
+def _added_around(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor adds before and after a text: ``([1], [])`` for a
+    Llama-style ``<s> $A`` template, ``([], [])`` for GPT-2's byte-level processor."""
+    with_special = tokenizer.encode("a", add_special_tokens=True).ids
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    n = len(plain)
+    for k in range(len(with_special) - n + 1):
+        if with_special[k : k + n] == plain:
+            return with_special[:k], with_special[k + n :]
+    return [], []  # a processor that rewrites the text's own ids: nothing recognisably added
+
+
+class TextCodec:
+    """A tokenizer as qkov reads text with it: the one place where a text becomes ids and an id
+    becomes a readable string.
+
+    * **One start token, decided once.** :meth:`encode` asks the tokenizer for the text's ids
+      without any special token, then puts the start token ``bos`` first when ``prepend_bos`` is
+      true: never two, whatever the tokenizer's post-processor adds (a Llama-style
+      ``tokenizer.json`` adds ``<s>`` itself; GPT-2's adds nothing). ``prepend_bos=None`` is the
+      model's default (:attr:`default_prepend_bos`).
+    * **Readable tokens.** :meth:`token_str` keeps SentencePiece's ``▁`` as a space and byte-fallback
+      tokens as their ``<0x0A>`` names (a piece decoded alone loses its leading space); byte-level
+      (GPT-2-style) tokens decode as the tokenizer decodes them.
+    * **Ordinary tokens.** :meth:`ordinary` marks the ids that are neither special (added special
+      tokens, the unknown token), nor byte-fallback pieces, nor beyond the tokenizer's vocabulary
+      (a model's padded rows): what vocabulary-wide tables and random-token probes draw from.
+    * **Words.** :meth:`single_token` resolves a word with or without its leading space to one token,
+      or says what it splits into.
+    """
+
+    def __init__(self, tokenizer: Any, bos: int, *, default_prepend_bos: bool = True) -> None:
+        self.tokenizer = tokenizer
+        before, after = _added_around(tokenizer)
+        # the tokenizer's own start token is the one its model read texts with
+        self.bos: int = int(before[-1]) if before else int(bos)
+        self.tokenizer_adds_bos: bool = bool(before)
+        self.tokenizer_adds_eos: bool = bool(after)
+        self.default_prepend_bos = bool(default_prepend_bos)
+        spec = _decoder_spec(tokenizer)
+        self.sentencepiece: bool = SPACE_PIECE in spec or "\\u2581" in spec or '"Metaspace"' in spec
+        self._strings: dict[int, str] = {}
+        self._ordinary: dict[int, Tensor] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows (with its added tokens)."""
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    # ---------------------------------------------------------------- text -> ids
+    def encode(self, text: str, *, prepend_bos: bool | None = None) -> list[int]:
+        """``text`` -> ids: the tokenizer's ids of the text alone, the start token first when
+        ``prepend_bos`` (``None``: :attr:`default_prepend_bos`)."""
+        if not isinstance(text, str):
+            raise QkovError(f"expected a text (str), got {type(text).__name__}")
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if self.default_prepend_bos if prepend_bos is None else prepend_bos:
+            ids.insert(0, self.bos)
+        return ids
+
+    def plain(self, text: str) -> list[int]:
+        """The ids of ``text`` with no start token."""
+        return self.encode(text, prepend_bos=False)
+
+    # ---------------------------------------------------------------- ids -> strings
+    def token_str(self, i: int) -> str:
+        """One token as a reader should see it (cached per id): a SentencePiece ``▁`` is a space,
+        a byte-fallback piece keeps its ``<0xNN>`` name, a special token its name."""
         i = int(i)
-        if i not in cache:
-            cache[i] = f"<{i}>" if tokenizer is None else tokenizer.decode([i], skip_special_tokens=False)
-        return cache[i]
+        s = self._strings.get(i)
+        if s is None:
+            piece = self.tokenizer.id_to_token(i)
+            if piece is None:
+                s = f"<{i}>"
+            elif self.sentencepiece and not _BYTE_PIECE.fullmatch(piece):
+                s = piece.replace(SPACE_PIECE, " ")
+            elif self.sentencepiece:
+                s = piece
+            else:
+                s = self.tokenizer.decode([i], skip_special_tokens=False)
+            self._strings[i] = s
+        return s
 
-    return decode
+    def str_tokens(self, ids: Any) -> list[str]:
+        """:meth:`token_str` of each id of a ``[seq]`` (or ``[1, seq]``) sequence."""
+        flat = torch.as_tensor(ids).reshape(-1).tolist()
+        return [self.token_str(i) for i in flat]
+
+    def decode(self, ids: Any) -> str:
+        """A sequence of ids as the tokenizer decodes it (special tokens kept)."""
+        return self.tokenizer.decode([int(i) for i in torch.as_tensor(ids).reshape(-1).tolist()], skip_special_tokens=False)
+
+    # ---------------------------------------------------------------- which ids
+    def special_ids(self) -> list[int]:
+        """Added special tokens and the unknown token."""
+        ids = {int(i) for i, t in self.tokenizer.get_added_tokens_decoder().items() if getattr(t, "special", False)}
+        unk = getattr(self.tokenizer.model, "unk_token", None)
+        if unk is not None and self.tokenizer.token_to_id(unk) is not None:
+            ids.add(int(self.tokenizer.token_to_id(unk)))
+        return sorted(ids)
+
+    def byte_ids(self) -> list[int]:
+        """Byte-fallback pieces (``<0x00>`` ... ``<0xFF>``) of a tokenizer that falls back to bytes."""
+        if not (self.sentencepiece or getattr(self.tokenizer.model, "byte_fallback", False)):
+            return []
+        return sorted(int(i) for p, i in self.tokenizer.get_vocab(with_added_tokens=False).items() if _BYTE_PIECE.fullmatch(p))
+
+    def ordinary(self, d_vocab: int) -> Tensor:
+        """``[d_vocab]`` bool: ids that are ordinary text tokens (not special, not byte fallback,
+        inside the tokenizer's vocabulary)."""
+        mask = self._ordinary.get(d_vocab)
+        if mask is None:
+            mask = torch.zeros(d_vocab, dtype=torch.bool)
+            mask[: min(d_vocab, self.vocab_size)] = True
+            for i in (*self.special_ids(), *self.byte_ids()):
+                if i < d_vocab:
+                    mask[i] = False
+            self._ordinary[d_vocab] = mask
+        return mask
+
+    # ---------------------------------------------------------------- words
+    def _one(self, spelling: str) -> int | None:
+        """The id ``spelling`` is as one token: the text the tokenizer encodes to a single id, else
+        the vocabulary piece of that name (``▁Tim``, ``ĠTim``, ``<0x0A>``)."""
+        ids = self.plain(spelling)
+        if len(ids) == 1:
+            return ids[0]
+        piece = self.tokenizer.token_to_id(spelling.replace(" ", SPACE_PIECE) if self.sentencepiece else spelling)
+        return None if piece is None else int(piece)
+
+    def single_token(self, word: str) -> int:
+        """The one token that ``word`` is: as typed (a text the tokenizer makes one token of, with
+        SentencePiece's own leading ``▁``; or a piece named as in the vocabulary, ``▁Tim`` or
+        ``<0x0A>``), else the word with a leading space, else without one.
+
+        Raises:
+            QkovError: no spelling is one token; the message shows how it splits.
+        """
+        if not isinstance(word, str) or not word:
+            raise QkovError(f"expected a word (a non-empty str), got {word!r}")
+        bare = word.strip() or word
+        for spelling in dict.fromkeys([word, " " + bare, bare]):
+            found = self._one(spelling)
+            if found is not None:
+                return found
+        splits = " / ".join(
+            "[" + ", ".join(repr(t) for t in self.str_tokens(self.plain(w))) + "]" for w in dict.fromkeys([word, " " + bare])
+        )
+        raise QkovError(f"{word!r} is not one token: it splits into {splits}; give a token id instead")
+
+
+_CODECS: dict[tuple[int, int, bool], tuple[Any, TextCodec]] = {}
+
+
+def text_codec(tokenizer: Any, bos: int, *, default_prepend_bos: bool | None = None) -> TextCodec:
+    """The :class:`TextCodec` of ``tokenizer`` with start token ``bos`` (made once per tokenizer
+    object and kept while it lives). ``default_prepend_bos=None`` means true."""
+    prepend = True if default_prepend_bos is None else bool(default_prepend_bos)
+    key = (id(tokenizer), int(bos), prepend)
+    hit = _CODECS.get(key)
+    if hit is None or hit[0] is not tokenizer:
+        if len(_CODECS) > 64:
+            _CODECS.clear()
+        hit = (tokenizer, TextCodec(tokenizer, bos, default_prepend_bos=prepend))
+        _CODECS[key] = hit
+    return hit[1]
+
+
+def source_codec(source: Any, *, where: str = "text") -> TextCodec:
+    """The codec of anything that carries ``tokenizer`` and ``bos_token_id`` (a model, a weights
+    view, a lazy checkpoint), with its ``default_prepend_bos``.
+
+    Raises:
+        QkovError: the source has no tokenizer.
+    """
+    tok = getattr(source, "tokenizer", None)
+    if tok is None:
+        raise QkovError(f"{where}: this model has no tokenizer (give token ids instead)")
+    bos = getattr(source, "bos_token_id", None)
+    return text_codec(tok, 0 if bos is None else int(bos), default_prepend_bos=getattr(source, "default_prepend_bos", None))

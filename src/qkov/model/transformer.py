@@ -16,7 +16,7 @@ against this module.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +36,7 @@ from .ops import (
     stream_start,
     write_heads,
 )
-from .tokens import check_tokens, token_decoder
+from .tokens import TextCodec, check_tokens, source_codec
 
 if TYPE_CHECKING:  # pragma: no cover
     from tokenizers import Tokenizer
@@ -204,6 +204,10 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tokenizer: Tokenizer | None = None
         self.bos_token_id: int = 0
+        # whether texts get the start token unless asked (to_tokens, every command that reads a
+        # text): true for qkov's models, GPT-2 and Pythia (TransformerLens' convention); a
+        # Llama-family directory sets what its own tokenizer does
+        self.default_prepend_bos: bool = True
         self.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
         if cfg.positional in ("standard", "shortformer"):
             self.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
@@ -269,21 +273,46 @@ class Transformer(nn.Module):
         """Validate token ids (:func:`qkov.model.tokens.check_tokens`): ``[batch, seq]`` long, on the model's device."""
         return check_tokens(tokens, self.cfg).to(self.W_E.device)
 
-    def to_tokens(self, text: str, *, prepend_bos: bool = True) -> Tensor:
-        """Encode ``text`` with the model's tokenizer -> ``[1, seq]`` (start token first by default)."""
-        if self.tokenizer is None:
-            raise QkovError("this model has no tokenizer")
-        ids = self.tokenizer.encode(text).ids
-        if prepend_bos:
-            ids = [self.bos_token_id, *ids]
-        return self.check_tokens(torch.tensor(ids)[None])
+    @property
+    def codec(self) -> TextCodec:
+        """The model's :class:`~qkov.model.tokens.TextCodec`: texts to ids with one start token,
+        ids to readable strings (needs a tokenizer)."""
+        return source_codec(self)
 
-    def to_str_tokens(self, tokens: Tensor) -> list[str]:
-        """Token strings for a ``[seq]`` or ``[1, seq]`` tensor of ids."""
-        if self.tokenizer is None:
-            raise QkovError("this model has no tokenizer")
-        decode = token_decoder(self.tokenizer)
-        return [decode(i) for i in tokens.reshape(-1).tolist()]
+    def to_tokens(self, text: str | Sequence[str], *, prepend_bos: bool | None = None) -> Tensor:
+        """Encode ``text`` -> ``[1, seq]`` (a list of texts of equal token counts -> ``[batch, seq]``).
+
+        The start token comes first exactly once when ``prepend_bos`` (``None``: the model's
+        :attr:`default_prepend_bos`), whether or not the tokenizer adds one itself; ``False``: none."""
+        codec = self.codec
+        texts = [text] if isinstance(text, str) else list(text)
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise QkovError(f"to_tokens: expected a text or a list of texts, got {type(text).__name__}")
+        rows = [codec.encode(t, prepend_bos=prepend_bos) for t in texts]
+        lengths = sorted({len(r) for r in rows})
+        if len(lengths) > 1:
+            raise QkovError(f"to_tokens: the texts have different token counts {lengths}; give them one at a time")
+        return self.check_tokens(torch.tensor(rows, dtype=torch.long))
+
+    def to_str_tokens(self, tokens: Tensor | str | Sequence[int], *, prepend_bos: bool | None = None) -> list[str]:
+        """Readable token strings of a text (encoded as :meth:`to_tokens` does) or of a ``[seq]`` /
+        ``[1, seq]`` sequence of ids: SentencePiece's ``▁`` shown as a space, byte tokens as ``<0x0A>``."""
+        codec = self.codec
+        if isinstance(tokens, str):
+            return codec.str_tokens(codec.encode(tokens, prepend_bos=prepend_bos))
+        ids = torch.as_tensor(tokens)
+        if ids.ndim > 1 and ids.shape[0] != 1:
+            raise QkovError(f"to_str_tokens: expected one sequence, got shape {tuple(ids.shape)}")
+        return codec.str_tokens(ids)
+
+    def to_single_token(self, word: str) -> int:
+        """The id of ``word`` as one token (with or without its leading space: ``"Tim"`` finds
+        ``▁Tim`` / ``ĠTim``); a :class:`QkovError` shows how it splits when no spelling is one token."""
+        return self.codec.single_token(word)
+
+    def to_string(self, tokens: Tensor | Sequence[int]) -> str:
+        """The text of a sequence of ids, as the tokenizer decodes it (special tokens kept)."""
+        return self.codec.decode(tokens)
 
     # ------------------------------------------------------------- forward
     def stream(self, tokens: Tensor) -> Tensor:

@@ -13,7 +13,7 @@ from ..analysis.forward import trace
 from ..apps.report.collect import attention_section
 from ..errors import QkovError
 from ..io.sources import load_any
-from ..model.tokens import check_tokens, token_decoder
+from ..model.tokens import check_tokens, text_codec, token_decoder
 from ..model.transformer import Transformer
 from ..weights.parts import WeightSource
 from ..weights.view import Weights
@@ -58,7 +58,7 @@ def _source(model: Any) -> tuple[WeightSource, Any, int | None]:
     if isinstance(model, Transformer):
         return Weights.from_model(model), model.tokenizer, model.bos_token_id
     if hasattr(model, "cfg") and hasattr(model, "attention"):  # a WeightSource (a protocol)
-        return model, None, None
+        return model, getattr(model, "tokenizer", None), getattr(model, "bos_token_id", None)
     raise QkovError(f"attention: expected a model, a Weights view or a checkpoint path, got {type(model).__name__}")
 
 
@@ -85,7 +85,8 @@ def attention(
     if isinstance(text_or_tokens, str):
         if tok is None or bos is None:
             raise QkovError("attention: text needs a model with a tokenizer; give token ids instead")
-        ids = torch.tensor([bos, *tok.encode(text_or_tokens).ids][: cfg.n_ctx])
+        prepend = getattr(model, "default_prepend_bos", None)
+        ids = torch.tensor(text_codec(tok, bos, default_prepend_bos=prepend).encode(text_or_tokens)[: cfg.n_ctx])
     else:
         ids = check_tokens(text_or_tokens, cfg)[0]
     layer, head = layer or 0, head or 0

@@ -27,7 +27,7 @@ from torch import Tensor
 from ..errors import QkovError
 from ..expect import expect_path
 from ..io.checkpoint import MODEL_FILE, TOKENIZER_FILE, read_config, read_tokenizer
-from ..io.hf_families import start_token
+from ..io.hf_families import prepends_start, start_token
 from ..io.hf_store import HFStore
 from ..io.plausible import check_shapes
 from ..io.tensorfile import TensorFile
@@ -79,7 +79,9 @@ class LazyCheckpoint:
         self.file: TensorFile | HFStore
         if "model" in data:
             self.cfg = ModelConfig.from_dict(data["model"])
-            self.bos_token_id = int((data.get("tokenizer") or {}).get("bos_token_id", 0))
+            tok_info = data.get("tokenizer") or {}
+            self.bos_token_id = int(tok_info.get("bos_token_id", 0))
+            self.default_prepend_bos = bool(tok_info.get("default_prepend_bos", True))
             weights_path = self.path / MODEL_FILE
             if not weights_path.is_file():
                 raise QkovError(f"checkpoint {str(self.path)!r} has no {MODEL_FILE}")
@@ -91,6 +93,8 @@ class LazyCheckpoint:
             where = f"Hugging Face model {str(self.path)!r}"
             self.bos_token_id = start_token(data, self.cfg.d_vocab, where)
         self.tokenizer = read_tokenizer(self.path / TOKENIZER_FILE, where=where)  # None when there is none
+        if "model" not in data:
+            self.default_prepend_bos = prepends_start(data, self.tokenizer)
         self.centered_writing = writer_centring(self.cfg, center_writing)
         self.centered_unembed = center_unembed
         self._unembed_mean: tuple[Tensor, Tensor] | None = None

@@ -102,6 +102,8 @@ class WeightSource(Protocol):
     """The start token the analyses prepend when not told otherwise (``None``: none known)."""
     tokenizer: Any
     """The model's ``tokenizers.Tokenizer``, or ``None`` when it has none."""
+    default_prepend_bos: bool
+    """Whether a text gets the start token unless asked (:class:`~qkov.model.tokens.TextCodec`)."""
 
     @property
     def norm(self) -> str:

@@ -99,6 +99,7 @@ class Weights:
     # token the analyses prepend when not told otherwise, and the tokenizer (None when there is none).
     bos_token_id: int | None = dataclasses.field(default=None, compare=False)
     tokenizer: Any = dataclasses.field(default=None, compare=False, repr=False)
+    default_prepend_bos: bool = dataclasses.field(default=True, compare=False, repr=False)
 
     # ---------------------------------------------------------------- build
     @classmethod
@@ -167,6 +168,7 @@ class Weights:
             lnf_b=t(model.ln_final.b) if affine else None,
             bos_token_id=model.bos_token_id,
             tokenizer=model.tokenizer,
+            default_prepend_bos=model.default_prepend_bos,
         )
         if fold_ln:  # every tensor of w is its own copy: fold and centre in place, no second one
             w = w._fold_ln(inplace=True)
@@ -208,7 +210,8 @@ class Weights:
             cfg=cfg, W_E=source.embed(), W_pos=source.pos(), W_U=unemb.W_U, b_U=unemb.b_U, lnf_w=unemb.ln_w,
             lnf_b=unemb.ln_b, norm=source.norm, centered_writing=source.centered_writing,
             centered_unembed=source.centered_unembed, bos_token_id=getattr(source, "bos_token_id", None),
-            tokenizer=getattr(source, "tokenizer", None), **out,
+            tokenizer=getattr(source, "tokenizer", None),
+            default_prepend_bos=getattr(source, "default_prepend_bos", True), **out,
         )  # fmt: skip
 
     def replace(self, **changes: object) -> "Weights":

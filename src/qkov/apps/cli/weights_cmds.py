@@ -17,7 +17,7 @@ from ...analysis.rotary_circuits import OffsetProfiles
 from ...analysis.circuits import CircuitsReport, circuits_report
 from ...errors import QkovError
 from ...io.checkpoint import TOKENIZER_FILE, read_tokenizer
-from ...model.tokens import token_decoder
+from ...model.tokens import text_codec, token_decoder
 from ...weights.lazy import LazyCheckpoint
 from ...weights.parts import WeightSource
 from ...weights.view import Weights
@@ -225,10 +225,10 @@ def _source_token(token: str, tokenizer: Any, decode: Any, vocab: int) -> list[i
                 "(e.g. 17 or <17>)"
             )
         return [int(digits)]
-    ids = tokenizer.encode(token).ids
-    if len(ids) != 1:
-        raise QkovError(f"--source {token!r} encodes to {len(ids)} tokens {[decode(i) for i in ids]}; give one token")
-    return ids
+    try:
+        return [text_codec(tokenizer, 0).single_token(token)]
+    except QkovError as exc:
+        raise QkovError(f"--source {exc}") from None
 
 
 def trigram_data(

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ...errors import QkovError
+from ...model.tokens import TextCodec
 from ...model.transformer import Transformer
 from ...weights.view import Weights
 
@@ -38,24 +39,24 @@ class Explorer:
     """The model being explored and what every view needs about it.
 
     ``model`` runs texts (loss, attention, ablation, patching); ``weights`` is its folded weights view
-    (the weight-only circuits read it); ``decode(id) -> str`` is one token's string; ``encode(text)`` the
-    text's ids without a start token (``None``: the model has no tokenizer, only token ids are accepted);
-    ``bos`` the start token put first; ``max_tokens`` the longest text accepted (the model's context);
+    (the weight-only circuits read it); ``decode(id) -> str`` is one token's string; ``codec`` the
+    model's :class:`~qkov.model.tokens.TextCodec` (texts to ids with one start token, words to tokens;
+    ``None``: the model has no tokenizer, only token ids are accepted); ``bos`` the start token; ``max_tokens`` the longest text accepted (the model's context);
     ``cache_dir`` where results computed once per model are kept on disk (``None``: nowhere)."""
 
     model: Transformer
     weights: Weights
     name: str
     decode: Callable[[int], str]
-    encode: Callable[[str], list[int]] | None
+    codec: TextCodec | None
     bos: int
     max_tokens: int
     cache_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def tokens(self, args: dict[str, Any], key: str = "text") -> torch.Tensor:
-        """The request's text (``args[key]``: a string, or a list of token ids) as ``[1, seq]`` ids with
-        the start token first, checked against the vocabulary and ``max_tokens``.
+        """The request's text (``args[key]``: a string, encoded by :attr:`codec` with its one start
+        token; or a list of token ids, taken as given) as ``[1, seq]`` ids, checked against the vocabulary and ``max_tokens``.
 
         Raises:
             BadRequest: missing, empty, of the wrong type, too long, or an id out of range.
@@ -64,9 +65,9 @@ class Explorer:
         if isinstance(value, str):
             if not value:
                 raise BadRequest(f"{key!r} is empty: type some text")
-            if self.encode is None:
+            if self.codec is None:
                 raise BadRequest(f"this model has no tokenizer: send {key!r} as a list of token ids")
-            ids = [self.bos, *self.encode(value)]
+            ids = self.codec.encode(value)
         elif isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
             ids = list(value)
         else:

@@ -38,7 +38,7 @@ def open_explorer(
     name: str | None = None,
 ) -> Explorer:
     """The :class:`Explorer` over ``source``: the model (eval, on ``device``), its folded weights view, its
-    tokenizer's ``encode``/``decode``, start token and context length.
+    tokenizer's codec and token strings, start token and context length.
 
     ``cache_dir``: where once-per-model results are stored (``DEFAULT``: :func:`~qkov.apps.explore.disk_cache.default_cache_dir`;
     ``None``: nowhere; the folder is made only when something is written). ``config``: the TransformerLens
@@ -50,14 +50,13 @@ def open_explorer(
     dev = pick_device(device)
     model = load_any(source, config=config).to(dev).eval()
     tokenizer = model.tokenizer
-    encode = None if tokenizer is None else (lambda text: list(tokenizer.encode(text).ids))
     folder = default_cache_dir() if cache_dir == DEFAULT else (None if cache_dir is None else Path(cache_dir))
     ex = Session(
         model=model,
         weights=None,  # type: ignore[arg-type]  (built next, on a thread)
         name=name or _name(source),
         decode=token_decoder(tokenizer),
-        encode=encode,
+        codec=None if tokenizer is None else model.codec,
         bos=int(model.bos_token_id),
         max_tokens=int(model.cfg.n_ctx),
         cache_dir=folder,

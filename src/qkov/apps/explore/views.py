@@ -62,7 +62,7 @@ def view_model(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[s
         "heads": head_names(ex),
         "rotary": cfg.positional == "rotary",
         "cache_dir": None if ex.cache_dir is None else str(ex.cache_dir),
-        "has_tokenizer": ex.encode is not None,
+        "has_tokenizer": ex.codec is not None,
     }
 
 

@@ -116,7 +116,7 @@ def patch(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
     dev = ex.weights.device
     clean, corrupted = clean.to(dev), corrupted.to(dev)
     try:
-        m = parse_metric(metric, clean, ex.encode, ex.model.cfg.d_vocab)
+        m = parse_metric(metric, clean, ex.codec, ex.model.cfg.d_vocab)
     except QkovError as exc:
         raise BadRequest(str(exc)) from None
     study = patch_study(ex.weights, clean, corrupted, metric=m, decode=ex.decode, progress=progress)
