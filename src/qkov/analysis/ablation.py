@@ -393,4 +393,5 @@ def random_sets(others: list[Head], k: int, draws: int, seed: int) -> list[list[
 def _probe_tokens(w: WeightSource, bos: int, seed: int) -> Tensor:
     cfg = w.cfg
     length = min(50, (cfg.n_ctx - 1) // 2)
-    return induction_probe_tokens(cfg.d_vocab, length=length, repeats=2, batch=8, seed=seed, bos=bos)
+    vocab = w if getattr(w, "tokenizer", None) is not None else cfg.d_vocab  # its ordinary tokens, where it has them
+    return induction_probe_tokens(vocab, length=length, repeats=2, batch=8, seed=seed, bos=bos)

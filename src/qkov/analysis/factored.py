@@ -201,14 +201,29 @@ class LowRank:
         for lo in range(0, m, step):
             yield lo, min(m, lo + step)
 
-    def topk(self, k: int, *, largest: bool = True, max_bytes: int = DEFAULT_MAX_BYTES) -> TopK:
-        """The ``k`` largest (or smallest) entries of the whole matrix, per batch element.
+    def topk(
+        self,
+        k: int,
+        *,
+        largest: bool = True,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        rows: Tensor | None = None,
+        cols: Tensor | None = None,
+    ) -> TopK:
+        """The ``k`` largest (or smallest) entries of the whole matrix, per batch element; with
+        ``rows`` / ``cols`` (1-D index tensors), of the entries in those rows and columns only
+        (indices in the result are still the whole matrix's).
 
         Computed in small row chunks (at most ``max_bytes``, and at most 8 MiB so a chunk
         stays in cache). A running threshold (the k-th best value so far) lets a chunk's
         row maxima rule out almost every row, so the cost is about one matrix product.
         ``values/rows/cols [..., k]``.
         """
+        if rows is not None or cols is not None:
+            r = torch.arange(self.shape[-2], device=self.A.device) if rows is None else rows.to(self.A.device)
+            c = torch.arange(self.shape[-1], device=self.B.device) if cols is None else cols.to(self.B.device)
+            sub = LowRank(self.A[..., r, :], self.B[..., :, c]).topk(k, largest=largest, max_bytes=max_bytes)
+            return TopK(sub.values, r[sub.rows], c[sub.cols])
         m, n = self.shape[-2], self.shape[-1]
         k = _check_k(k, m * n)
         batch = self.batch_shape

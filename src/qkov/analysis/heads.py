@@ -200,7 +200,7 @@ def head_report(
     )
     on_text = text_scores(source, text, chunk=chunk, progress=progress)
     length = min(25, (cfg.n_ctx - 1) // 4)
-    rep = prefix_matching_tokens(cfg.d_vocab, length=length, seed=seed, bos=bos, frequencies=frequencies)
+    rep = prefix_matching_tokens(source, length=length, seed=seed, bos=bos, frequencies=frequencies)
     repeat = _RepeatRun(source, rep, length)  # its copying reads each head's W_O W_U, which the
     # copying scores below form anyway: handed over, not formed twice (GPT-2 small: 0.7 TFLOP)
     copying = copying_scores(

@@ -26,10 +26,52 @@ from ..deprecated import renamed_property
 from ..errors import QkovError
 from ..weights.convert import SourceLike, as_source, vocab_and_bos
 from ..model.ops import next_token_nll
+from ..model.tokens import left_out_tokens
+from ..model.transformer import Transformer
 from . import split
 from .progress import Progress, tick
 from .forward import flops_per_token, trace
 from .shown import Shown
+
+
+def token_pool(vocab: Any, d_vocab: int, bos: int, *, low: int = 0, ordinary: bool = True) -> Tensor | None:
+    """The ids a random-token probe draws from, ``[n]`` ascending, or ``None`` for the whole range
+    ``[low, d_vocab)`` (a bare vocabulary size, a model without a tokenizer, or ``ordinary=False``).
+
+    With a tokenizer: the ids in ``[low, d_vocab)`` that are ordinary text tokens
+    (:func:`~qkov.model.tokens.left_out_tokens`: not the start token, a special token, a byte-fallback
+    piece or an id past the tokenizer's vocabulary). Random bytes and special tokens make no text a
+    model has seen: on a SentencePiece model with byte fallback, a probe over them measures losses far
+    above uniform, not copying."""
+    if not ordinary or isinstance(vocab, int) or getattr(vocab, "tokenizer", None) is None:
+        return None
+    out = torch.ones(d_vocab, dtype=torch.bool)
+    out[:low] = False
+    out[list(left_out_tokens(vocab, d_vocab)[0])] = False
+    out[bos] = False
+    pool = out.nonzero().squeeze(-1)
+    if pool.numel() == 0:
+        raise QkovError("no ordinary tokens to draw random tokens from (pass ordinary=False to use every id)")
+    return pool
+
+
+def _holder(where: str, vocab: Any) -> Any:
+    """``vocab`` read once: a vocabulary size as it is, a model as it is, anything else as a source."""
+    if isinstance(vocab, int) or isinstance(vocab, Transformer):
+        return vocab
+    return as_source(vocab, where=where)
+
+
+def random_ids(pool: Tensor | None, low: int, high: int, shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
+    """Ids drawn uniformly with replacement from ``pool`` (``None``: from ``[low, high)``). A pool that is
+    one contiguous range draws exactly as ``torch.randint`` over that range (qkov's own tokenizers:
+    only the start token is special, so their probes are the same draws as before pools existed)."""
+    if pool is None:
+        return torch.randint(low, high, shape, generator=gen)
+    first, last = int(pool[0]), int(pool[-1])
+    if last - first + 1 == pool.numel():
+        return torch.randint(first, last + 1, shape, generator=gen)
+    return pool[torch.randint(0, pool.numel(), shape, generator=gen)]
 
 
 def induction_probe_tokens(
@@ -41,17 +83,22 @@ def induction_probe_tokens(
     seed: int = 0,
     bos: int | None = None,
     low: int = 1,
+    ordinary: bool = True,
 ) -> Tensor:
     """``[batch, 1 + length * repeats]``: the start token, then ``length`` uniformly random ids repeated.
 
     ``vocab``: the model (a :class:`~qkov.Transformer`, weights source or path: its ``d_vocab``
     and start token) or a vocabulary size (then ``bos`` is required). ``bos=None``: the model's
     start token. Ids are drawn uniformly from ``[low, d_vocab)`` with replacement with a seeded
-    generator (``low=1`` keeps id 0, the start token of qkov's own tokenizers, out).
+    generator (``low=1`` keeps id 0, the start token of qkov's own tokenizers, out); for a model
+    with a tokenizer, from its ordinary text tokens only (:func:`token_pool`; ``ordinary=False``:
+    every id in the range).
     """
+    vocab = _holder("qkov.induction_probe_tokens", vocab)
     d_vocab, bos = vocab_and_bos("qkov.induction_probe_tokens", vocab, bos)
     gen = torch.Generator().manual_seed(seed)
-    block = torch.randint(low, d_vocab, (batch, length), generator=gen)
+    pool = token_pool(vocab, d_vocab, bos, low=low, ordinary=ordinary)
+    block = random_ids(pool, low, d_vocab, (batch, length), gen)
     body = block.repeat(1, repeats)
     return torch.cat([torch.full((batch, 1), bos, dtype=torch.long), body], dim=1)
 
@@ -67,16 +114,20 @@ def prefix_matching_tokens(
     frequencies: np.ndarray | None = None,
     drop_top: float = 0.05,
     drop_bottom: float = 0.2,
+    ordinary: bool = True,
 ) -> Tensor:
     """[I]'s probe: ``[examples, 1 + length * repeats]`` — the start token, then random tokens repeated.
 
     Tokens are drawn without replacement within a block, from the vocabulary minus the start
-    token, the ``drop_top`` most frequent and the ``drop_bottom`` least frequent ids when
-    ``frequencies`` (counts per id, e.g. from the training split) are given. ``vocab`` and ``bos``
-    as :func:`induction_probe_tokens`'s.
+    token (for a model with a tokenizer, its ordinary text tokens: :func:`token_pool`), the
+    ``drop_top`` most frequent and the ``drop_bottom`` least frequent ids when
+    ``frequencies`` (counts per id, e.g. from the training split) are given. ``vocab``, ``bos`` and
+    ``ordinary`` as :func:`induction_probe_tokens`'s.
     """
+    vocab = _holder("qkov.prefix_matching_tokens", vocab)
     d_vocab, bos = vocab_and_bos("qkov.prefix_matching_tokens", vocab, bos)
-    pool = np.arange(d_vocab)
+    chosen = token_pool(vocab, d_vocab, bos, ordinary=ordinary)
+    pool = np.arange(d_vocab) if chosen is None else chosen.numpy()
     pool = pool[pool != bos]
     if frequencies is not None:
         freq = np.asarray(frequencies, dtype=np.float64)[pool]

@@ -122,11 +122,12 @@ class SkipTrigrams(ListAccess, Shown):
     ITEMS: ClassVar[str] = "trigrams"
     trigrams: list[Any] = field(default_factory=list)
     head: str = ""
+    left_out: str = ""  # which tokens the search left out ("the start token, 3 special ... left out")
 
     def to_dict(self, decode: Callable[[int], str] | None = None) -> dict[str, Any]:
         """``decode`` (``id -> str``; default: the one given to :meth:`with_tokens`) adds token strings."""
         d = decode or decoder(self)
-        return {"head": self.head, "trigrams": [t.to_dict(d) for t in self.trigrams]}
+        return {"head": self.head, "left_out": self.left_out, "trigrams": [t.to_dict(d) for t in self.trigrams]}
 
 
 @dataclass(repr=False, eq=False)
@@ -136,11 +137,12 @@ class Bigrams(ListAccess, Shown):
 
     ITEMS: ClassVar[str] = "bigrams"
     bigrams: list[Any] = field(default_factory=list)
+    left_out: str = ""  # which tokens the table left out
 
     def to_dict(self, decode: Callable[[int], str] | None = None) -> dict[str, Any]:
         """``decode`` (``id -> str``; default: the one given to :meth:`with_tokens`) adds token strings."""
         d = decode or decoder(self)
-        return {"bigrams": [b.to_dict(d) for b in self.bigrams]}
+        return {"left_out": self.left_out, "bigrams": [b.to_dict(d) for b in self.bigrams]}
 
 
 @dataclass(repr=False, eq=False)

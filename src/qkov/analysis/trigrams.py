@@ -12,8 +12,13 @@ source then promotes. Scoring (a documented choice, docs/conventions.md):
   attends to the source more than average *and* the source raises the output more than
   average). This is the token-token part only: positions and other heads are left out,
   which is exact for the paper's layer-0 heads up to the positional term.
-* The start token is excluded as source, destination and output (it is every example's
-  first token and the default place for heads to park attention).
+* Left out by default as source, destination and output (``exclude=None``;
+  :func:`~qkov.model.tokens.left_out_tokens`): the start token (every example's first token and the
+  default place for heads to park attention) and, for a model with a tokenizer, every id that is not
+  an ordinary text token: special tokens, byte-fallback pieces (``<0x00>``..``<0xFF>``: a
+  SentencePiece model rarely or never trains them, and their many near-identical rows would fill the
+  table) and ids past the tokenizer's vocabulary (padding rows). ``exclude=()`` keeps every id; the
+  result's ``left_out`` says what was left out.
 
 Because the table is a product of two factors, raising ``(s, d1, o1)`` and ``(s, d2, o2)``
 raises the crossed ``(s, d1, o2)`` and ``(s, d2, o1)`` too: the paper's "skip-trigram bugs"
@@ -39,6 +44,7 @@ import torch
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.parts import WeightSource
+from ..model.tokens import left_out_tokens
 from ..weights.convert import SourceLike, as_source
 from .shown import Bigrams, SkipTrigrams
 from .rotary_circuits import rotations
@@ -97,7 +103,7 @@ class TrigramTable:
             EQ = EQ @ Rs.mean(0)
         OU = unembed_product(source, att.W_O[0])  # [d_head, V]
         self.d_vocab = source.cfg.d_vocab
-        self.bos_token_id = getattr(source, "bos_token_id", None)  # what exclude=None leaves out
+        self.left_out = left_out_tokens(source, self.d_vocab)  # what exclude=None leaves out, and its wording
         self.ov = LowRank(EV, OU - OU.mean(dim=-1, keepdim=True))  # centred over outputs, per source
         B = EK.T - EK.T.mean(dim=-1, keepdim=True)  # full QK = EQ @ EK^T; centred over sources, per destination
         self.qk = LowRank(B.T, EQ.T)  # [source, destination]
@@ -120,15 +126,14 @@ class TrigramTable:
         (at most :data:`~qkov.analysis.factored.DEFAULT_MAX_BYTES` and :data:`SEARCH_BATCH`).
         """
         V, qk, ov = self.d_vocab, self.qk, self.ov
-        exclude = _excluded(exclude, self.bos_token_id)
+        exclude = self.excluded(exclude)
         max_bytes = self.max_bytes if max_bytes is None else max_bytes
         batch = self.batch if batch is None else batch
         k = min(top, V - len(exclude))
         if k < 1:
             raise QkovError("skip_trigrams: vocabulary too small")
         bound = qk.row_max(max_bytes=max_bytes).clamp_min(0) * ov.row_max(max_bytes=max_bytes).clamp_min(0)
-        for e in exclude:
-            bound[e] = 0
+        bound[list(exclude)] = 0
         order = torch.argsort(bound, descending=True)
         best: list[tuple[float, int, int, int, float, float]] = []
         excl = torch.tensor(list(exclude), dtype=torch.long, device=bound.device)
@@ -163,14 +168,23 @@ class TrigramTable:
         if not 0 <= source < V:
             raise QkovError(f"source token id {source} out of range [0, {V})")
         ov_row, qk_col = self.ov.rows([source])[0], self.qk.rows([source])[0]
-        exclude = _excluded(exclude, self.bos_token_id)
-        for e in exclude:
-            ov_row[e] = float("-inf")
-            qk_col[e] = float("-inf")
+        exclude = self.excluded(exclude)
+        ov_row[list(exclude)] = float("-inf")
+        qk_col[list(exclude)] = float("-inf")
         k = min(top, V - len(exclude))
         ov_v, ov_i = torch.topk(ov_row, k)
         qk_v, qk_i = torch.topk(qk_col, k)
         return SourceView(source, list(zip(ov_i.tolist(), ov_v.tolist())), list(zip(qk_i.tolist(), qk_v.tolist())))
+
+    def excluded(self, exclude: tuple[int, ...] | None) -> tuple[int, ...]:
+        """``exclude`` as given, or (``None``) the default ids left out (the module docstring)."""
+        return self.left_out[0] if exclude is None else tuple(int(e) for e in exclude)
+
+    def left_out_note(self, exclude: tuple[int, ...] | None) -> str:
+        """What ``exclude`` leaves out, in words (``""``: nothing)."""
+        if exclude is None:
+            return self.left_out[1]
+        return f"{len(exclude)} token{'s' if len(exclude) != 1 else ''} left out" if exclude else ""
 
     def crossed(self, a: SkipTrigram, b: SkipTrigram) -> list[SkipTrigram]:
         """The skip-trigram bug: two trigrams sharing a source imply the two crossed ones.
@@ -210,18 +224,15 @@ def _search_budget(source: WeightSource, layer: int, head: int) -> tuple[int, in
     return batch, min(chunk, row * (1 + (spare - (batch - 1) * per_source) // row))
 
 
-def _excluded(exclude: tuple[int, ...] | None, bos: int | None) -> tuple[int, ...]:
-    """``exclude``, or (``None``) the source's start token (nothing when it carries none)."""
-    if exclude is not None:
-        return tuple(exclude)
-    return () if bos is None else (int(bos),)
-
-
 def skip_trigrams(source: SourceLike, layer: int, head: int, *, top: int = 20, **options: Any) -> SkipTrigrams:
-    """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there).
-    ``.with_tokens(model)`` on the result shows token strings."""
+    """The ``top`` skip-trigrams of one head (:meth:`TrigramTable.top`; ``options`` go there:
+    ``exclude=None`` leaves out the start token, special and byte-fallback tokens, ``exclude=()``
+    nothing). ``.with_tokens(model)`` on the result shows token strings; ``.left_out`` says what was
+    left out."""
     source = as_source(source, where="qkov.skip_trigrams")
-    return SkipTrigrams(TrigramTable(source, layer, head).top(top, **options), f"{layer}.{head}")
+    table = TrigramTable(source, layer, head)
+    found = table.top(top, **options)
+    return SkipTrigrams(found, f"{layer}.{head}", left_out=table.left_out_note(options.get("exclude")))
 
 
 @dataclass
@@ -267,8 +278,10 @@ def bigrams(
     embedding and unembedding are checked against the memory budget first, and the row chunks
     shrink to fit it."""
     source = as_source(source, where="qkov.bigrams")
-    exclude = _excluded(exclude, getattr(source, "bos_token_id", None))
     V = source.cfg.d_vocab
+    default_ids, default_note = left_out_tokens(source, V)
+    note = default_note if exclude is None else (f"{len(exclude)} tokens left out" if exclude else "")
+    exclude = default_ids if exclude is None else tuple(int(e) for e in exclude)
     least = bigram_bytes(source, chunk_rows=1)
     advice = "analyse a model with a smaller vocabulary"
     check_fits(least, source.device, "trigrams: the bigram table", advice, hint="memory")
@@ -277,16 +290,11 @@ def bigrams(
         max_bytes = min(max_bytes, V * item(source) * (1 + (have - least) // (V * item(source))))
     W_U = source.unembed().W_U
     B = W_U - W_U.mean(dim=-1, keepdim=True)
-    A = source.embed().clone()
-    for e in exclude:
-        A[e] = 0.0  # the start token's row is not a bigram
-    f = LowRank(A, B)
-    total = f.shape[0] * f.shape[1]
-    k = min(top + 4 * len(exclude), total)
-    while True:
-        res = f.topk(k, max_bytes=max_bytes)
-        entries = zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist())
-        out = [Bigram(r, c, v) for v, r, c in entries if r not in exclude and c not in exclude]
-        if len(out) >= top or k == total:
-            return Bigrams(out[:top])
-        k = min(total, 4 * k)
+    keep = torch.ones(V, dtype=torch.bool)
+    keep[list(exclude)] = False
+    ids = keep.nonzero().squeeze(-1)
+    if ids.numel() == 0:
+        raise QkovError("bigrams: every token is left out")
+    res = LowRank(source.embed(), B).topk(min(top, ids.numel() ** 2), max_bytes=max_bytes, rows=ids, cols=ids)
+    entries = zip(res.values.tolist(), res.rows.tolist(), res.cols.tolist())
+    return Bigrams([Bigram(r, c, v) for v, r, c in entries], left_out=note)

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ..analysis.metrics import parse_metric
+from ..analysis.probes import random_ids, token_pool
 from ..errors import QkovError
 from ..io.checkpoint import read_config
 from ..io.sources import source_kind
@@ -69,11 +70,19 @@ def read_token_file(path: Path, d_vocab: int) -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def random_tokens(d_vocab: int, n_ctx: int, batch: int, *, bos: int, seed: int = 0) -> torch.Tensor:
-    """``[batch, n_ctx]`` seeded uniform random ids, the start token ``bos`` first and never elsewhere."""
+def random_tokens(
+    d_vocab: int, n_ctx: int, batch: int, *, bos: int, seed: int = 0, model: Transformer | None = None
+) -> torch.Tensor:
+    """``[batch, n_ctx]`` seeded uniform random ids, the start token ``bos`` first and never elsewhere;
+    with a ``model`` that has a tokenizer, drawn from its ordinary text tokens only
+    (:func:`~qkov.analysis.probes.token_pool`)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, max(1, d_vocab - 1), (batch, n_ctx), generator=g)
-    ids = ids + (ids >= bos).long()  # skip the start token's id
+    pool = None if model is None else token_pool(model, d_vocab, bos)
+    if pool is None:
+        ids = torch.randint(0, max(1, d_vocab - 1), (batch, n_ctx), generator=g)
+        ids = ids + (ids >= bos).long()  # skip the start token's id
+    else:
+        ids = random_ids(pool, 0, d_vocab, (batch, n_ctx), g)
     ids[:, 0] = bos
     return ids
 
@@ -181,9 +190,11 @@ def analysis_inputs(
     if corpus is not None:
         seqs = torch.from_numpy(val_batches(corpus.val, model.cfg.n_ctx, model.bos_token_id, batch))
         return AnalysisInput(seqs, freqs, f"validation split of the training corpus ({corpus.source})")
-    seqs = random_tokens(model.cfg.d_vocab, model.cfg.n_ctx, batch, bos=model.bos_token_id, seed=seed)
+    seqs = random_tokens(model.cfg.d_vocab, model.cfg.n_ctx, batch, bos=model.bos_token_id, seed=seed, model=model)
+    which = "" if model.tokenizer is None else ", ordinary text tokens only"
     return AnalysisInput(
-        seqs, None, f"seeded random tokens (seed {seed}): no text, token ids or training corpus given", natural=False
+        seqs, None, f"seeded random tokens (seed {seed}{which}): no text, token ids or training corpus given",
+        natural=False,
     )
 
 

@@ -70,6 +70,11 @@ def read_config(path: Path | str) -> dict[str, Any]:
         data = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise QkovError(f"checkpoint {str(path)!r}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    if isinstance(data, dict) and "model" not in data and "model_type" in data:
+        raise QkovError(
+            f"{str(path)!r} is a Hugging Face model directory (model_type {data['model_type']!r}), not a qkov "
+            "checkpoint: load it with qkov.load(path) (or qkov.io.load_hf)"
+        )
     if not isinstance(data, dict) or "model" not in data:
         raise QkovError(f"checkpoint {str(path)!r}: {CONFIG_FILE} has no 'model' section")
     return data

@@ -92,20 +92,27 @@ def fetch_hub(name: str, revision: str | None = None) -> Path:
 
 
 def load_any(
-    source: Path | str, *, config: dict[str, Any] | Path | str | None = None, dtype: torch.dtype = torch.float32
+    source: Path | str,
+    *,
+    config: dict[str, Any] | Path | str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> Transformer:
-    """Load any supported source (see the module docstring) as a qkov :class:`~qkov.Transformer` (CPU, eval).
+    """Load any supported source (see the module docstring) as a qkov :class:`~qkov.Transformer` (eval
+    mode, on ``device``): what ``qkov.load`` is.
 
     ``config`` is the TransformerLens config for a TransformerLens file that carries none.
     """
-    expect_path("qkov.load_any", source)
+    expect_path("qkov.load", source)
     kind = source_kind(source)
     if config is not None and kind != "tl":
         raise QkovError("a separate config applies to TransformerLens files only")
     if kind == "qkov":
-        return load(source, dtype=dtype)
+        return load(source, dtype=dtype, device=device)
     if kind == "hf":
-        return load_hf(source, dtype=dtype)
-    if kind == "tl":
-        return load_tl(source, config, dtype=dtype)
-    return load_hf(fetch_hub(str(source)), dtype=dtype)
+        model = load_hf(source, dtype=dtype)
+    elif kind == "tl":
+        model = load_tl(source, config, dtype=dtype)
+    else:
+        model = load_hf(fetch_hub(str(source)), dtype=dtype)
+    return model if torch.device(device) == torch.device("cpu") else model.to(device)

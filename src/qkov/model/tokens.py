@@ -178,18 +178,25 @@ class TextCodec:
             return []
         return sorted(int(i) for p, i in self.tokenizer.get_vocab(with_added_tokens=False).items() if _BYTE_PIECE.fullmatch(p))
 
+    def known(self, d_vocab: int) -> Tensor:
+        """``[d_vocab]`` bool: the ids the tokenizer has a token for (a model's padded rows past its
+        vocabulary, or the gaps of a sparse one, have none)."""
+        mask = torch.zeros(d_vocab, dtype=torch.bool)
+        ids = torch.tensor([i for i in self.tokenizer.get_vocab(with_added_tokens=True).values() if i < d_vocab])
+        if ids.numel():
+            mask[ids] = True
+        return mask
+
     def ordinary(self, d_vocab: int) -> Tensor:
-        """``[d_vocab]`` bool: ids that are ordinary text tokens (not special, not byte fallback,
-        inside the tokenizer's vocabulary)."""
+        """``[d_vocab]`` bool: ids that are ordinary text tokens (known to the tokenizer, not special,
+        not byte fallback)."""
         mask = self._ordinary.get(d_vocab)
         if mask is None:
-            mask = torch.zeros(d_vocab, dtype=torch.bool)
-            mask[: min(d_vocab, self.vocab_size)] = True
-            for i in (*self.special_ids(), *self.byte_ids()):
-                if i < d_vocab:
-                    mask[i] = False
+            mask = self.known(d_vocab)
+            drop = [i for i in (*self.special_ids(), *self.byte_ids()) if i < d_vocab]
+            mask[drop] = False
             self._ordinary[d_vocab] = mask
-        return mask
+        return mask.clone()
 
     # ---------------------------------------------------------------- words
     def _one(self, spelling: str) -> int | None:
@@ -251,3 +258,25 @@ def source_codec(source: Any, *, where: str = "text") -> TextCodec:
         raise QkovError(f"{where}: this model has no tokenizer (give token ids instead)")
     bos = getattr(source, "bos_token_id", None)
     return text_codec(tok, 0 if bos is None else int(bos), default_prepend_bos=getattr(source, "default_prepend_bos", None))
+
+
+def left_out_tokens(source: Any, d_vocab: int) -> tuple[tuple[int, ...], str]:
+    """The ids a vocabulary-wide table or a random-token probe leaves out by default, and how to say
+    it: the source's start token and, when it carries a tokenizer, every id that is not an ordinary
+    text token (:meth:`TextCodec.ordinary`: special tokens, byte-fallback pieces, ids past the
+    tokenizer's vocabulary). ``((), "")`` for a source with neither."""
+    bos = getattr(source, "bos_token_id", None)
+    tok = getattr(source, "tokenizer", None)
+    ids = set() if bos is None else {int(bos)}
+    if tok is None:
+        return tuple(sorted(ids)), ("the start token left out" if ids else "")
+    codec = text_codec(tok, 0 if bos is None else int(bos))
+    special = {i for i in codec.special_ids() if i < d_vocab} - ids
+    byte = {i for i in codec.byte_ids() if i < d_vocab}
+    unknown = set((~codec.known(d_vocab)).nonzero().squeeze(-1).tolist()) - ids
+    ids |= special | byte | unknown
+    parts = ["the start token"] if bos is not None else []
+    parts += [f"{len(special)} special"] if special else []
+    parts += [f"{len(byte)} byte-fallback"] if byte else []
+    parts += [f"{len(unknown):,} unknown to the tokenizer (padding)"] if unknown else []
+    return tuple(sorted(ids)), ", ".join(parts) + " tokens left out" if len(parts) > 1 else parts[0] + " left out"

@@ -196,7 +196,8 @@ def add_trigrams(sub: Any) -> None:
         help="a head's skip-trigrams [source] ... [destination] -> [output], and the bigram table",
         description=(
             "Skip-trigram table of one head from its QK and OV circuits over the whole vocabulary "
-            "(score = centred QK x centred OV; the start token excluded), the crossed trigrams a factored "
+            "(score = centred QK x centred OV; the start token, special and byte-fallback tokens left out unless "
+            "--all-tokens), the crossed trigrams a factored "
             "table implies ('skip-trigram bugs'), and the direct path's bigram table. With --source, that "
             "token's top outputs (OV row) and the destinations that attend to it most (QK column)."
         ),
@@ -209,6 +210,12 @@ def add_trigrams(sub: Any) -> None:
         help="a token string (it must encode to exactly one token); for a model without a tokenizer, a token id",
     )
     p.add_argument("--top", type=positive_int, default=20, help="rows to show (default 20)")
+    p.add_argument(
+        "--all-tokens",
+        action="store_true",
+        help="keep special and byte-fallback tokens in the tables (default: only ordinary text tokens; "
+        "the start token is always left out)",
+    )
     add_device(p)
     add_lazy(p)
     p.add_argument("--json", action="store_true", help="print JSON")
@@ -232,13 +239,15 @@ def _source_token(token: str, tokenizer: Any, decode: Any, vocab: int) -> list[i
 
 
 def trigram_data(
-    source: WeightSource, tokenizer: Any, bos: int, head: str, top: int, token: str | None
+    source: WeightSource, tokenizer: Any, bos: int, head: str, top: int, token: str | None, all_tokens: bool = False
 ) -> dict[str, Any]:
-    """Everything ``qkov trigrams`` shows, as JSON-ready data (token strings decoded)."""
+    """Everything ``qkov trigrams`` shows, as JSON-ready data (token strings decoded). ``all_tokens``:
+    only the start token is left out (else special and byte-fallback tokens too)."""
     layer, index = parse_head(head, source.cfg)
     decode = token_decoder(tokenizer)
     table = trigrams.TrigramTable(source, layer, index)  # reads W_E and W_U once
-    data: dict[str, Any] = {"head": head}
+    exclude = (bos,) if all_tokens else None
+    data: dict[str, Any] = {"head": head, "left_out": table.left_out_note(exclude)}
     if layer > 0:
         data["note"] = (
             f"head {head} is in layer {layer}: this is its one-layer (direct) view, reading the token "
@@ -247,14 +256,14 @@ def trigram_data(
         )
     if token is not None:
         ids = _source_token(token, tokenizer, decode, source.cfg.d_vocab)
-        view = table.source_view(ids[0], top=top, exclude=(bos,))
+        view = table.source_view(ids[0], top=top, exclude=exclude)
         data["source"] = {
             "token": ids[0],
             "string": decode(ids[0]),
             "outputs": [{"token": i, "string": decode(i), "ov": v} for i, v in view.outputs],
             "destinations": [{"token": i, "string": decode(i), "qk": v} for i, v in view.destinations],
         }
-    tri = table.top(max(top, 40), exclude=(bos,))
+    tri = table.top(max(top, 40), exclude=exclude)
     data["trigrams"] = [t.to_dict(decode) for t in tri[:top]]
     bug = trigrams.first_bug(tri)
     if bug is not None:
@@ -263,7 +272,7 @@ def trigram_data(
             "crossed": [t.to_dict(decode) for t in table.crossed(*bug)],
         }
     del table  # the bigram table is planned alone: the two are never held at once
-    data["bigrams"] = [b.to_dict(decode) for b in trigrams.bigrams(source, top=top, exclude=(bos,)).bigrams]
+    data["bigrams"] = [b.to_dict(decode) for b in trigrams.bigrams(source, top=top, exclude=exclude).bigrams]
     return data
 
 
@@ -273,7 +282,8 @@ def cmd_trigrams(args: argparse.Namespace) -> int:
         parse_head(args.head, source.cfg)  # a bad head is every rank's error
         if not split.main:
             return 0
-        data = {"path": str(args.ckpt), **trigram_data(source, tokenizer, bos, args.head, args.top, args.source)}
+        found = trigram_data(source, tokenizer, bos, args.head, args.top, args.source, args.all_tokens)
+        data = {"path": str(args.ckpt), **found}
     if args.json:
         dump_json(data)
         return 0
@@ -285,6 +295,8 @@ def _print_trigrams(data: dict[str, Any], head: str) -> None:
     con = console()
     if "note" in data:
         con.print(f"note: {data['note']}", highlight=False)
+    if data.get("left_out"):
+        con.print(f"tokens: {data['left_out']} (--all-tokens keeps them)", highlight=False)
     if "source" in data:
         src = data["source"]
         t = Table(title=f"head {head}, source {src['string']!r}")

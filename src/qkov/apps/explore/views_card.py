@@ -37,6 +37,7 @@ from ...analysis.forward import trace
 from ...analysis.progress import tick
 from ...analysis.rotary_circuits import offset_profile, offset_qk, rotations
 from ...analysis.trigrams import skip_trigrams
+from ...model.tokens import left_out_tokens
 from ...progress import Progress
 from .context import BadRequest, Explorer
 
@@ -184,16 +185,20 @@ def card(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, An
     tick(progress, what, 3, steps)
     out["top_ov"] = out["top_qk"] = out["trigrams"] = None
     if tables:
-        k = min(top, ex.model.cfg.d_vocab**2)
-        t = fov.topk(k)
+        left_out, out["left_out"] = left_out_tokens(ex.weights, ex.model.cfg.d_vocab)  # as the trigram search's
+        keep = torch.ones(ex.model.cfg.d_vocab, dtype=torch.bool)
+        keep[list(left_out)] = False
+        ids = keep.nonzero().squeeze(-1)
+        k = min(top, ids.numel() ** 2)
+        t = fov.topk(k, rows=ids, cols=ids)
         out["top_ov"] = [{"src": ex.decode(r), "out": ex.decode(c), "src_id": r, "out_id": c, "value": r6(v)}
                          for v, r, c in zip(t.values.tolist(), t.rows.tolist(), t.cols.tolist())]  # fmt: skip
         tick(progress, what, 4, steps)
-        t = fqk.topk(k)
+        t = fqk.topk(k, rows=ids, cols=ids)
         out["top_qk"] = [{"query": ex.decode(r), "key": ex.decode(c), "query_id": r, "key_id": c, "value": r6(v)}
                          for v, r, c in zip(t.values.tolist(), t.rows.tolist(), t.cols.tolist())]  # fmt: skip
         tick(progress, what, 5, steps)
-        found = skip_trigrams(ex.weights, layer, head, top=top, exclude=(ex.bos,)).trigrams
+        found = skip_trigrams(ex.weights, layer, head, top=top).trigrams
         out["trigrams"] = [
             {"src": ex.decode(s.source), "dest": ex.decode(s.destination), "out": ex.decode(s.output),
              "src_id": s.source, "dest_id": s.destination, "out_id": s.output, "value": r6(s.score)}

@@ -245,9 +245,9 @@ def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection
     chosen, note = _trigram_heads(w)
     sp = split.current()  # a unit: one head's table
     mine = [i for i in range(len(chosen)) if sp.mine(i, len(chosen))]
-    parts = {i: trigrams.skip_trigrams(w, 0, chosen[i], top=top, exclude=(bos,)).trigrams for i in mine}
+    parts = {i: trigrams.skip_trigrams(w, 0, chosen[i], top=top).trigrams for i in mine}
     heads = [HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)) for h, tri in zip(chosen, sp.gather(parts, len(chosen)))]
-    return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top, exclude=(bos,)).bigrams, decode), note)
+    return TrigramsSection(heads, bigram_rows(trigrams.bigrams(w, top=top).bigrams, decode), note)
 
 
 def trigram_rows(tri: list[trigrams.SkipTrigram], decode: Decode) -> list[TrigramRow]:
