@@ -262,3 +262,40 @@ def test_ablating_last_layer_heads_keeps_the_few_positions_pass_exact(mode: str,
         full = trace(w, toks, edits=edits).logits
         assert (got - full[:, at]).abs().max() <= 1e-6 * full.abs().max(), positions
         assert (got - intact).abs().max() > 1e-2 * intact.abs().max()  # the ablation changed the logits
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean", "resample"])
+@pytest.mark.parametrize("positions", [None, "20:"])
+def test_the_sweep_equals_one_study_per_head(mode: str, positions: str | None) -> None:
+    """``qkov ablate --heads all``: every head ablated alone, several per forward pass (inputs tiled),
+    gives what one ablation_study per head gives (loss, ICL, both copies), at every position or some."""
+    w = Weights.from_model(hand_built())
+    text = natural_text(4)
+    icl = natural_text(4)
+    assert icl.shape[1] >= 61  # long enough for the ICL score
+    sweep = Ab.ablation_sweep(w, text, icl_text=icl, mode=mode, positions=positions, seed=3)
+    heads = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads)]
+    assert sweep.heads == [f"{l}.{h}" for l, h in heads] and len(sweep.ablated) == len(heads)
+    for (l, h), got in zip(heads, sweep.ablated):
+        want = Ab.ablation_study(w, text, [(l, h)], icl_text=icl, mode=mode, draws=0, positions=positions, seed=3)
+        for name in ("loss", "icl", "repeat_first", "repeat_second"):
+            assert getattr(got, name) == pytest.approx(getattr(want.ablated, name), abs=2e-5), (l, h, name)
+        assert sweep.intact == want.intact
+    assert any(abs(m.repeat_second - sweep.intact.repeat_second) > 0.1 for m in sweep.ablated)  # something moved
+
+
+def test_the_probe_follows_the_ablated_positions() -> None:
+    """An ablation from position 100 on cannot change the losses of a 1 + 50 + 50-token probe (its
+    last loss is predicted at position 99): the probe grows to the longest the context holds; where
+    no probe the context holds is reached, the repeated-token losses are left out and say why."""
+    assert Ab.probe_plan(256, None) == (50, None)
+    assert Ab.probe_plan(256, "40:") == (50, None)
+    assert Ab.probe_plan(256, "100:") == (127, None)
+    assert Ab.probe_plan(64, None) == (31, None)
+    length, why = Ab.probe_plan(64, "62:")
+    assert length is None and "lie after every loss" in (why or "") and "position 61" in (why or "")
+    w = Weights.from_model(hand_built())  # a 64-token context: probes of 31 per copy at most
+    study = Ab.ablation_study(w, None, [(1, 0)], mode="zero", draws=0, positions="40:")
+    assert study.probe_length == 31 and study.ablated.repeat_second > study.intact.repeat_second + 0.5
+    late = Ab.ablation_study(w, None, [(1, 0)], mode="zero", draws=0, positions="62:")
+    assert late.intact.repeat_first is None and "repeated" in late.left_out

@@ -35,12 +35,14 @@ from .budget import fit_chunk, item, run_bytes
 from .forward import trace
 from .forward_fast import per_position
 from .positions import PositionSpec, describe_positions, resolve_positions
+from .progress import Progress, tick
 from .probes import ICL_LATE, LOGIT_BYTES, icl_left_out, icl_score, icl_windows, induction_probe, induction_probe_tokens
 from .shown import TEXT, Shown, register
 from .sites import Address
 
 Head = tuple[int, int]
 MODES = ("zero", "mean", "resample")
+PROBE_LENGTH = 50  # tokens per copy of the repeated-token probe the measures run (fewer on a short context)
 
 
 def parse_heads(text: str, cfg: Any) -> list[Head]:
@@ -112,6 +114,7 @@ def ablation_budget(
     bos: int | None = None,
     seed: int = 0,
     where: str = "ablate",
+    probe_length: int | None = PROBE_LENGTH,
 ) -> Chunks:
     """How :func:`ablation_study` splits its forward passes to fit the memory budget
     (:func:`qkov.device.memory_budget`): every pass whole when it fits, else as few sequences at
@@ -127,9 +130,10 @@ def ablation_budget(
         return None if n >= B else max(least, n)
 
     own = getattr(source, "bos_token_id", None)  # a planned source may carry none: only the probe's shape counts here
-    probe = _probe_tokens(source, bos if bos is not None else (0 if own is None else own), seed)
+    probe = _probe_tokens(source, bos if bos is not None else (0 if own is None else own), seed, probe_length)
     need = run_bytes(source, *probe.shape, cached_patterns=True, loss=True)
-    check_fits(need, source.device, f"{what} the repeated-token probe", advice, hint="memory")
+    if probe_length is not None:
+        check_fits(need, source.device, f"{what} the repeated-token probe", advice, hint="memory")
     mean = text_chunk = icl = None
     if mode == "mean":
         on = text if text is not None else probe
@@ -207,10 +211,10 @@ def _ablate(mode: str, positions: PositionSpec, mean: Tensor | None, seed: int) 
 class Measures:
     """What an ablation is judged by; ``None`` where the text does not allow it."""
 
-    loss: float | None  # mean next-token loss on the validation sample
+    loss: float | None  # mean next-token loss on the text
     icl: float | None  # ICL score (loss late minus loss at token 50; negative = learns in context)
-    repeat_first: float  # loss on the first copy of repeated random tokens
-    repeat_second: float  # ... and on the second copy (an induction head makes it far lower)
+    repeat_first: float | None  # loss on the first copy of repeated random tokens (None: no probe)
+    repeat_second: float | None  # ... and on the second copy (an induction head makes it far lower)
 
 
 def measures(
@@ -222,17 +226,20 @@ def measures(
     seed: int = 0,
     edits: dict[Any, Any] | None = None,
     chunks: Chunks = Chunks(),
+    probe_length: int | None = PROBE_LENGTH,
 ) -> Measures:
     """Loss on ``text [B, T]``, ICL score on ``icl_text [N, T]`` (``None``: not measured) and the
     repeated-token losses (:func:`~qkov.analysis.probes.induction_probe`, seeded), every forward
     pass with ``edits``, the text and ICL examples ``chunks`` sequences at a time; ``bos=None``: the
-    source's start token."""
+    source's start token; ``probe_length`` tokens per copy of the probe (``None``: no probe)."""
     source = as_source(source, where="qkov.analysis.ablation.measures")
     loss = None if text is None else float(sequence_losses(source, text, chunk=chunks.text, edits=edits).mean())
     icl = None
     if icl_text is not None and icl_left_out(icl_text.shape[1], source.cfg.n_ctx) is None:
         icl = icl_score(source, icl_text, curve=False, edits=edits, chunk=chunks.icl).score
-    probe = induction_probe(source, bos=bos, seed=seed, edits=edits)
+    if probe_length is None:
+        return Measures(loss, icl, None, None)
+    probe = induction_probe(source, bos=bos, seed=seed, edits=edits, length=probe_length)
     return Measures(loss, icl, probe.loss_by_copy[0], probe.loss_by_copy[1])
 
 
@@ -248,7 +255,8 @@ class AblationStudy(Shown):
     random_heads: list[list[str]] = field(default_factory=list)
     random: list[Measures] = field(default_factory=list)
     positions: str = "all"  # where the heads were ablated (every position, or a spec such as "50:")
-    left_out: dict[str, str] = field(default_factory=dict)  # measure ("loss", "icl") -> why it is None
+    left_out: dict[str, str] = field(default_factory=dict)  # measure ("loss", "icl", "repeated") -> why it is None
+    probe_length: int | None = PROBE_LENGTH  # tokens per copy of the repeated-token probe
 
     def icl_removed(self, which: Measures | None = None) -> float | None:
         """Share of the intact model's in-context improvement (``-icl``) that the ablation removes:
@@ -273,6 +281,7 @@ class AblationStudy(Shown):
             "heads": self.heads,
             "mode": self.mode,
             "positions": self.positions,
+            "probe_length": self.probe_length,
             "mean_sample": self.mean_sample,
             "intact": asdict(self.intact),
             "ablated": asdict(self.ablated),
@@ -300,7 +309,7 @@ def study_text(s: AblationStudy) -> str:
     for name, m in rows:
         lines.append(
             f"  {name[:24]:24s} {_fmt(m.loss, '8.4f')} {_fmt(m.icl, '+8.4f')} "
-            f"{m.repeat_first:8.3f} {m.repeat_second:8.3f}"
+            f"{_fmt(m.repeat_first, '8.3f')} {_fmt(m.repeat_second, '8.3f')}"
         )
     removed, med = _fmt(s.icl_removed(), ".0%"), _fmt(s.random_icl_removed("median"), ".0%")
     lines.append(f"  in-context improvement removed: {removed} (random heads: median {med}, ")
@@ -338,8 +347,9 @@ def ablation_study(
     heads = list(heads)
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed)  # before any work
-    mean_on = text if text is not None else _probe_tokens(w, bos, seed)
+    length, why = probe_plan(w.cfg.n_ctx, positions)
+    chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed, probe_length=length)  # before any work
+    mean_on = text if text is not None else _probe_tokens(w, bos, seed, length)
     sample = None
     if mode == "mean":
         sample = (
@@ -351,12 +361,12 @@ def ablation_study(
     def measure(hs: list[Head]) -> Measures:
         means = z_means(w, mean_on, hs, chunk=chunks.mean) if mode == "mean" else None
         edits = ablation_edits(hs, mode, positions=positions, means=means, seed=seed)
-        return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits, chunks=chunks)
+        return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits, chunks=chunks, probe_length=length)
 
-    intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks)
+    intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length)
     study = AblationStudy([f"{l}.{h}" for l, h in heads], mode, sample, intact, measure(heads))
-    study.positions = describe_positions(positions)
-    study.left_out = measures_left_out(w.cfg.n_ctx, text, icl_text)
+    study.positions, study.probe_length = describe_positions(positions), length
+    study.left_out = measures_left_out(w.cfg.n_ctx, text, icl_text) | ({} if why is None else {"repeated": why})
     others = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads) if (l, h) not in heads]
     for pick in random_sets(others, len(heads), draws, seed):
         study.random_heads.append([f"{l}.{h}" for l, h in pick])
@@ -390,8 +400,156 @@ def random_sets(others: list[Head], k: int, draws: int, seed: int) -> list[list[
     return [list(c) for c in sorted(seen)]
 
 
-def _probe_tokens(w: WeightSource, bos: int, seed: int) -> Tensor:
+def probe_plan(n_ctx: int, positions: PositionSpec) -> tuple[int | None, str | None]:
+    """Tokens per copy of the repeated-token probe an ablation at ``positions`` runs, and why the
+    repeated-token losses are left out (``None``: they are measured).
+
+    :data:`PROBE_LENGTH` (or the longest probe the context holds); when the positions cannot change
+    that probe's losses (an ablation acts at its positions and after; the last loss counted is
+    predicted at position ``2 * length - 1``: ``--positions 100:`` on a 1 + 50 + 50-token probe), the
+    longest probe the context holds, if they can change its; else no probe."""
+    longest = (n_ctx - 1) // 2
+    if longest < 2:
+        return None, f"a context of {n_ctx} tokens holds no repeated-token probe"
+
+    def reaches(length: int) -> bool:
+        try:
+            at = resolve_positions(positions, 1 + 2 * length)
+        except QkovError:  # an index beyond the probe
+            return False
+        return at is None or bool((at <= 2 * length - 1).any())
+
+    for length in dict.fromkeys([min(PROBE_LENGTH, longest), longest]):
+        if reaches(length):
+            return length, None
+    return None, (
+        f"the ablated positions ({describe_positions(positions)}) lie after every loss of the longest "
+        f"repeated-token probe the context holds (1 + 2 x {longest} tokens; its last loss is predicted at "
+        f"position {2 * longest - 1})"
+    )
+
+
+def _probe_tokens(w: WeightSource, bos: int, seed: int, length: int | None = None) -> Tensor:
     cfg = w.cfg
-    length = min(50, (cfg.n_ctx - 1) // 2)
+    length = min(PROBE_LENGTH, (cfg.n_ctx - 1) // 2) if length is None else length
     vocab = w if getattr(w, "tokenizer", None) is not None else cfg.d_vocab  # its ordinary tokens, where it has them
     return induction_probe_tokens(vocab, length=length, repeats=2, batch=8, seed=seed, bos=bos)
+
+
+# --------------------------------------------------------------------------- every head in turn
+@dataclass(repr=False)
+class AblationSweep(Shown):
+    """Each head ablated alone (``qkov ablate --heads all``): ``intact`` and one :class:`Measures` per
+    head of ``heads``, in the same order; ``probe_length`` the repeated-token probe's tokens per copy."""
+
+    mode: str
+    positions: str
+    intact: Measures
+    heads: list[str]
+    ablated: list[Measures]
+    probe_length: int | None
+    mean_sample: str | None = None
+    left_out: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode, "positions": self.positions, "probe_length": self.probe_length,
+            "mean_sample": self.mean_sample, "intact": asdict(self.intact),
+            "heads": [{"head": h, **asdict(m)} for h, m in zip(self.heads, self.ablated)],
+            "left_out": dict(self.left_out),
+        }  # fmt: skip
+
+
+def _block_edits(group: list[Head], mode: str, positions: PositionSpec, means: Tensor | None, B: int, seed: int) -> dict:
+    """Edits of a batch made of ``len(group)`` copies of ``B`` sequences: copy ``g`` has head
+    ``group[g]`` ablated (``mode`` at ``positions``), the other copies leave it alone."""
+    edits: dict[Any, Any] = {}
+    for g, (l, h) in enumerate(group):
+        one = _ablate(mode, positions, None if means is None else means[g], seed)
+
+        def edit(z: Tensor, site: Address, lo: int = g * B, one: Callable = one) -> Tensor:
+            out = z.clone()
+            out[lo : lo + B] = one(z[lo : lo + B], site)
+            return out
+
+        edits[Address("z", l, h)] = per_position(edit) if positions is None else edit
+    return edits
+
+
+def _by_block(nll: Tensor, G: int) -> Tensor:
+    """``[G * B, P]`` losses -> the mean of each block of ``B`` sequences ``[G]``."""
+    return nll.reshape(G, -1).mean(-1)
+
+
+def _sweep_group(
+    w: WeightSource, group: list[Head], text: Tensor | None, icl_text: Tensor | None, probe: Tensor | None,
+    edits_of: Callable[[int], dict],
+) -> list[Measures]:  # fmt: skip
+    """Measures of each head of ``group`` ablated alone, every input tiled ``len(group)`` times in one pass."""
+    G = len(group)
+    loss = icl = first = second = [None] * G  # type: ignore[list-item]
+    if text is not None:
+        tiled = text.repeat(G, 1)
+        loss = _by_block(next_token_nll(trace(w, tiled, edits=edits_of(text.shape[0])).logits, tiled), G).tolist()
+    if icl_text is not None and icl_left_out(icl_text.shape[1], w.cfg.n_ctx) is None:
+        ex = icl_text[:, : ICL_LATE + 2].repeat(G, 1)
+        _, _, early_at, late_at = icl_windows(ex.shape[1])
+        at = torch.cat([early_at, late_at]).unique()
+        logp = trace(w, ex, positions=at, edits=edits_of(icl_text.shape[0])).logits.float().log_softmax(-1)
+        nll = -logp.gather(-1, ex[:, at + 1, None])[..., 0]  # [G * N, len(at)]
+        late, early = torch.isin(at, late_at), torch.isin(at, early_at)
+        icl = (_by_block(nll[:, late], G) - _by_block(nll[:, early], G)).tolist()
+    if probe is not None:
+        tiled = probe.repeat(G, 1)
+        nll = next_token_nll(trace(w, tiled, edits=edits_of(probe.shape[0])).logits, tiled)
+        L = (probe.shape[1] - 1) // 2
+        first = _by_block(nll[:, 1:L], G).tolist()
+        second = _by_block(nll[:, L + 1 : 2 * L], G).tolist()
+    return [Measures(*m) for m in zip(loss, icl, first, second)]
+
+
+def ablation_sweep(
+    source: SourceLike,
+    text: Tensor | None = None,
+    *,
+    heads: Sequence[Head] | None = None,
+    icl_text: Tensor | None = None,
+    mode: str = "mean",
+    bos: int | None = None,
+    seed: int = 0,
+    positions: PositionSpec = None,
+    progress: Progress | None = None,
+) -> AblationSweep:
+    """Ablate each head of ``heads`` (default every head) alone and measure it as
+    :func:`ablation_study` does (loss on ``text``, ICL score on ``icl_text``, repeated-token losses):
+    batched, several heads per forward pass (each input tiled once per head, the copies ablating
+    different heads), as many as fit the memory budget. Equal to one :func:`ablation_study` per head
+    (tested)."""
+    w = as_source(source, where="qkov.ablation_sweep")
+    bos = source_bos("qkov.ablation_sweep", w, bos)
+    if mode not in MODES:
+        raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
+    c = w.cfg
+    heads = [(l, h) for l in range(c.n_layers) for h in range(c.n_heads)] if heads is None else list(heads)
+    if not heads:
+        raise QkovError("ablate: the model has no heads to sweep")
+    length, why = probe_plan(c.n_ctx, positions)
+    chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed, probe_length=length)
+    probe = None if length is None else _probe_tokens(w, bos, seed, length).to(w.device)
+    mean_on = text if text is not None else _probe_tokens(w, bos, seed, length or PROBE_LENGTH).to(w.device)
+    means = z_means(w, mean_on, heads, chunk=chunks.mean) if mode == "mean" else None
+    inputs = [t for t in (text, icl_text, probe) if t is not None]
+    B, T = max(t.shape[0] for t in inputs), max(t.shape[1] for t in inputs)  # the largest pass, per head
+    sequences = fit_chunk(w, len(heads) * B, run_bytes(w, 1, T, loss=True), 0, "ablate: one head's pass", "ablate fewer heads")
+    G = max(1, sequences // B)  # heads per forward pass
+    intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length)
+    out: list[Measures] = []
+    for lo in range(0, len(heads), G):
+        group = heads[lo : lo + G]
+        m = None if means is None else means[lo : lo + G]
+        out += _sweep_group(w, group, text, icl_text, probe, lambda B: _block_edits(group, mode, positions, m, B, seed))
+        tick(progress, "ablate: each head in turn", len(out), len(heads))
+    sample = None if mode != "mean" else f"every position of {mean_on.shape[0]} sequences of {mean_on.shape[1]} tokens"
+    left = measures_left_out(c.n_ctx, text, icl_text) | ({} if why is None else {"repeated": why})
+    names = [f"{l}.{h}" for l, h in heads]
+    return AblationSweep(mode, describe_positions(positions), intact, names, out, length, sample, left)

@@ -10,6 +10,7 @@ assigns roles from :data:`THRESHOLDS`. Every run is :func:`qkov.analysis.forward
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,6 +68,11 @@ THRESHOLDS: dict[str, float] = {
     "memory_eigen": -0.5,  # residual-space OV eigen score below this (untrained 0.00, min -0.12) ...
     "memory_self": 0.3,  # ... and mean attention to the current token above this (untrained 0.02)
 }
+POSITIONAL_NA = (
+    "not applicable: the model has no positional embedding ({} positions), so no part of an attention score "
+    "is position alone (qkov circuits shows a rotary head's offset profile instead)"
+)
+"""Why the positional score is left out (n/a) on a model without ``W_pos``."""
 ROLES = ("copying", "positional", "previous-token", "induction", "sink", "memory-management")
 SCORE_COLUMNS: tuple[tuple[str, str], ...] = (
     ("prev", "previous_token"),
@@ -104,7 +110,7 @@ class HeadReport(Shown):
         for l in range(L):
             for h in range(H):
                 row: dict[str, object] = {"head": f"{l}.{h}", "layer": l, "index": h}
-                row.update({k: float(v[l, h]) for k, v in self.scores.items()})
+                row.update({k: _value(float(v[l, h])) for k, v in self.scores.items()})
                 row["roles"] = self.roles[l][h]
                 out.append(row)
         return out
@@ -119,6 +125,11 @@ class HeadReport(Shown):
             "copying_queries": None if self.copying_queries is None else list(self.copying_queries),
             "left_out": dict(self.left_out),
         }
+
+
+def _value(v: float) -> float | None:
+    """A score as rows show it: ``None`` where it does not apply (NaN; its reason is in ``left_out``)."""
+    return None if math.isnan(v) else v
 
 
 def assign_roles(scores: dict[str, Tensor], thresholds: dict[str, float] = THRESHOLDS) -> list[list[list[str]]]:
@@ -223,10 +234,13 @@ def head_report(
     scores = {k: v.detach().float().cpu() for k, v in scores.items()}
     icl_on = text if icl_text is None else icl_text  # ICL compares two narrow windows: it needs many examples
     left_out = {} if icl else {"icl": NOT_TEXT}
+    if source.pos() is None:  # the score splits W_pos's part from the attention score: nothing to split
+        scores["positional_fraction"] = torch.full((L, H), float("nan"))
+        left_out["positional_fraction"] = POSITIONAL_NA.format(cfg.positional)
     reason = icl_left_out(icl_on.shape[1], cfg.n_ctx) if icl else None
     if reason is not None:
         left_out["icl"] = reason
-    icl_result = None if left_out else icl_score(source, icl_on, progress=progress)
+    icl_result = None if "icl" in left_out else icl_score(source, icl_on, progress=progress)
     roles = assign_roles(scores, thresholds)
     n_diag = copying[0].diag_tokens if copying else None
     neurons = memory_neurons(source)

@@ -28,9 +28,9 @@ from .shown import (
 
 
 def num(v: Any, digits: int = 3) -> str:
-    """``v`` with ``digits`` decimals; ``-`` for None/NaN (the report page's format)."""
+    """``v`` with ``digits`` decimals; ``n/a`` for None/NaN (a score that does not apply)."""
     if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "-"
+        return "n/a"
     return f"{float(v):.{digits}f}"
 
 

@@ -209,15 +209,17 @@ def cmd_heads(args: argparse.Namespace) -> int:
         t.add_column(name, justify="right")
     t.add_column("roles")
     for row in report.rows():
-        t.add_row(str(row["head"]), *[f"{row[key]:.2f}" for _, key in cols], ", ".join(row["roles"]) or "-")
+        cells = ["n/a" if row[key] is None else f"{row[key]:.2f}" for _, key in cols]
+        t.add_row(str(row["head"]), *cells, ", ".join(row["roles"]) or "-")
     con.print(t)
     if report.icl is not None:
         con.print(
             f"in-context learning score: {report.icl.score:+.3f} nats "
             f"(loss at token {report.icl.late} minus loss at token {report.icl.early})"
         )
+    labels = {key: label for label, key in cols} | {"icl": "in-context learning"}
     for name, why in report.left_out.items():
-        con.print(f"{'in-context learning' if name == 'icl' else name} score left out: {why}", highlight=False)
+        con.print(f"{labels.get(name, name)} score left out: {why}", highlight=False)
     if report.memory_neurons:
         con.print(f"memory-management neurons (cos(W_in, W_out) < -0.5): {len(report.memory_neurons)}")
     con.print("thresholds: " + ", ".join(f"{k} {v:g}" for k, v in THRESHOLDS.items()))
