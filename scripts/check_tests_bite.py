@@ -382,6 +382,36 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "entries = zip(res.values.tolist(), res.cols.tolist(), res.rows.tolist())",
         "tests/test_report.py::test_zero_layer_report_renders",
     ),
+    "texts: the tokenizer's own start token kept, so a Llama text gets two": (
+        "model/tokens.py",
+        "ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)",
+        "ids = list(self.tokenizer.encode(text, add_special_tokens=True).ids)",
+        "tests/test_real_tokenizers.py::test_to_tokens_is_the_directorys_own_tokenizer",
+    ),
+    "metric words: only the spelling as typed is tried": (
+        "model/tokens.py",
+        'for spelling in dict.fromkeys([word, " " + bare, bare]):',
+        "for spelling in [word]:",
+        "tests/test_real_tokenizers.py::test_words_resolve_to_one_token",
+    ),
+    "ordinary tokens: byte-fallback pieces kept in the tables and probes": (
+        "model/tokens.py",
+        "byte = {i for i in codec.byte_ids() if i < d_vocab}",
+        "byte = set()",
+        "tests/test_real_tokenizers.py::test_tables_and_probes_leave_byte_and_special_tokens_out",
+    ),
+    "ablate --heads all: every copy of the batch ablates the first head of its group": (
+        "analysis/ablation.py",
+        "def edit(z: Tensor, site: Address, lo: int = g * B, one: Callable = one) -> Tensor:",
+        "def edit(z: Tensor, site: Address, lo: int = 0, one: Callable = one) -> Tensor:",
+        "tests/test_ablation.py::test_the_sweep_equals_one_study_per_head",
+    ),
+    "ablate: the probe ignores where the ablation is": (
+        "analysis/ablation.py",
+        "return at is None or bool((at <= 2 * length - 1).any())",
+        "return True",
+        "tests/test_ablation.py::test_the_probe_follows_the_ablated_positions",
+    ),
 }
 
 

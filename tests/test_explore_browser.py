@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,6 +27,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 import qkov
 from browser import need_browser
 from qkov.analysis.ablation import ablation_edits, sequence_losses
+from qkov.model.tokens import left_out_tokens
 from qkov.io.checkpoint import save_checkpoint
 
 pytest.importorskip("starlette")
@@ -267,6 +269,15 @@ def test_hovering_a_token_marks_the_argmax_key_of_the_forward_pass(page: Chrome,
         assert weights == pytest.approx(pattern[q, : q + 1].tolist(), abs=2e-5)
 
 
+def _kept(full: torch.Tensor, model: Any, tok: Tokenizer) -> torch.Tensor:
+    """``full`` with the rows and columns of the tokens the card's tables leave out (the start token,
+    any special or unknown ids of the checkpoint's tokenizer) at -inf."""
+    left, _ = left_out_tokens(SimpleNamespace(tokenizer=tok, bos_token_id=model.bos_token_id), full.shape[0])
+    full = full.clone()
+    full[list(left)], full[:, list(left)] = float("-inf"), float("-inf")
+    return full
+
+
 def test_head_card_numbers_are_the_librarys(page: Chrome, built: Any) -> None:
     _, model, tok = built
     drawn(page, "heads", timeout=120)
@@ -279,7 +290,7 @@ def test_head_card_numbers_are_the_librarys(page: Chrome, built: Any) -> None:
     copying = float(eig.sum().real / eig.abs().sum())
     assert dom_floats(page, "#card [data-field=copying]")[0] == pytest.approx(copying, abs=1e-4)
     top = dom_floats(page, "#card table.top-ov td span[data-value]")
-    flat = full.flatten().topk(len(top))
+    flat = _kept(full, model, tok).flatten().topk(len(top))
     assert top == pytest.approx(flat.values.tolist(), rel=1e-4, abs=1e-5)
     src, out = divmod(int(flat.indices[0]), full.shape[1])
     cells = page.eval("[...document.querySelector('#card table.top-ov').rows[1].cells].map((c) => c.textContent)")
@@ -313,7 +324,7 @@ def test_the_card_shows_before_its_tables_which_cancel_alone(page: Chrome, built
     tables_drawn(page)
     full = full_ov(model, 0, 1)
     top = dom_floats(page, "#card table.top-ov td span[data-value]")
-    assert top == pytest.approx(full.flatten().topk(len(top)).values.tolist(), rel=1e-4, abs=1e-5)
+    assert top == pytest.approx(_kept(full, model, tok).flatten().topk(len(top)).values.tolist(), rel=1e-4, abs=1e-5)
 
 
 def test_ablating_a_head_changes_the_loss_as_qkov_ablate_says(page: Chrome, built: Any) -> None:

@@ -148,7 +148,7 @@ def test_public_api_is_what_the_package_docs_list() -> None:
         "LazyCheckpoint": lazy,
         "trace": forward,
         "Trace": forward,
-        "load": checkpoint,
+        "load": sources,
         "save_checkpoint": checkpoint,
         "load_any": sources,
         "train": loop,

@@ -41,8 +41,7 @@ from .analysis.trigrams import bigrams, skip_trigrams
 from .deprecated import warn_renamed as _warn_renamed
 from .errors import QkovError
 from .io.checkpoint import save_checkpoint
-from .io.sources import load_any
-from .io.sources import load_any as load  # every source qkov reads: a checkpoint, a HF directory, a TL file
+from .io.sources import load, load_any
 from .model.config import ModelConfig
 from .model.transformer import Transformer
 from .progress import Progress

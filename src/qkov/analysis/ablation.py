@@ -431,7 +431,7 @@ def probe_plan(n_ctx: int, positions: PositionSpec) -> tuple[int | None, str | N
 
 def _probe_tokens(w: WeightSource, bos: int, seed: int, length: int | None = None) -> Tensor:
     cfg = w.cfg
-    length = min(PROBE_LENGTH, (cfg.n_ctx - 1) // 2) if length is None else length
+    length = min(PROBE_LENGTH if length is None else length, (cfg.n_ctx - 1) // 2)  # as induction_probe caps it
     vocab = w if getattr(w, "tokenizer", None) is not None else cfg.d_vocab  # its ordinary tokens, where it has them
     return induction_probe_tokens(vocab, length=length, repeats=2, batch=8, seed=seed, bos=bos)
 

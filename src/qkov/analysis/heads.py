@@ -20,6 +20,7 @@ from torch import Tensor
 from ..device import check_fits, memory_budget
 from ..errors import QkovError
 from ..weights.convert import SourceLike, as_source, source_bos
+from ..weights.parts import WeightSource
 from .budget import COPYING_LOGITS as COPYING_LOGITS
 from .circuits import check_diag_k, copying_scores
 from .probes import NOT_TEXT, ICLScore, icl_left_out, icl_score, prefix_matching_tokens
@@ -125,6 +126,18 @@ class HeadReport(Shown):
             "copying_queries": None if self.copying_queries is None else list(self.copying_queries),
             "left_out": dict(self.left_out),
         }
+
+
+def _not_measured(source: WeightSource, icl_on: Tensor, icl: bool) -> dict[str, str]:
+    """The scores a head report leaves out, and why: the ICL score on tokens that are not text or too
+    short; the positional score on a model without ``W_pos`` (it splits W_pos's part from the
+    attention score: there is nothing to split)."""
+    cfg = source.cfg
+    reason = icl_left_out(icl_on.shape[1], cfg.n_ctx) if icl else NOT_TEXT
+    out = {} if reason is None else {"icl": reason}
+    if source.pos() is None:
+        out["positional_fraction"] = POSITIONAL_NA.format(cfg.positional)
+    return out
 
 
 def _value(v: float) -> float | None:
@@ -233,13 +246,9 @@ def head_report(
         scores[f"diag_top{diag_k}"] = torch.tensor([c.diag_topk_rate for c in copying]).reshape(L, H)
     scores = {k: v.detach().float().cpu() for k, v in scores.items()}
     icl_on = text if icl_text is None else icl_text  # ICL compares two narrow windows: it needs many examples
-    left_out = {} if icl else {"icl": NOT_TEXT}
-    if source.pos() is None:  # the score splits W_pos's part from the attention score: nothing to split
+    left_out = _not_measured(source, icl_on, icl)
+    if "positional_fraction" in left_out:
         scores["positional_fraction"] = torch.full((L, H), float("nan"))
-        left_out["positional_fraction"] = POSITIONAL_NA.format(cfg.positional)
-    reason = icl_left_out(icl_on.shape[1], cfg.n_ctx) if icl else None
-    if reason is not None:
-        left_out["icl"] = reason
     icl_result = None if "icl" in left_out else icl_score(source, icl_on, progress=progress)
     roles = assign_roles(scores, thresholds)
     n_diag = copying[0].diag_tokens if copying else None

@@ -18,9 +18,9 @@ imported only by the functions that build their objects. Every file is written a
 (:mod:`~qkov.io.atomic`).
 """
 
-from .checkpoint import checkpoint_info, load, save_checkpoint
+from .checkpoint import checkpoint_info, save_checkpoint
 from .hf import from_hf, load_hf, save_hf, to_hf
-from .sources import load_any, source_kind
+from .sources import load, load_any, source_kind
 from .tl import from_hooked, load_tl, save_tl, to_hooked
 
 __all__ = [

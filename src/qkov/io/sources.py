@@ -21,7 +21,7 @@ import torch
 from ..errors import QkovError
 from ..expect import expect_path
 from ..model.transformer import Transformer
-from .checkpoint import load
+from .checkpoint import load as load_checkpoint
 from .hf import load_hf
 from .tl import load_tl
 
@@ -99,16 +99,16 @@ def load_any(
     device: str | torch.device = "cpu",
 ) -> Transformer:
     """Load any supported source (see the module docstring) as a qkov :class:`~qkov.Transformer` (eval
-    mode, on ``device``): what ``qkov.load`` is.
+    mode, on ``device``); :func:`load` is the same under the name most code uses.
 
     ``config`` is the TransformerLens config for a TransformerLens file that carries none.
     """
-    expect_path("qkov.load", source)
+    expect_path("qkov.load_any", source)
     kind = source_kind(source)
     if config is not None and kind != "tl":
         raise QkovError("a separate config applies to TransformerLens files only")
     if kind == "qkov":
-        return load(source, dtype=dtype, device=device)
+        return load_checkpoint(source, dtype=dtype, device=device)
     if kind == "hf":
         model = load_hf(source, dtype=dtype)
     elif kind == "tl":
@@ -116,3 +116,18 @@ def load_any(
     else:
         model = load_hf(fetch_hub(str(source)), dtype=dtype)
     return model if torch.device(device) == torch.device("cpu") else model.to(device)
+
+
+def load(
+    source: Path | str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    config: dict[str, Any] | Path | str | None = None,
+) -> Transformer:
+    """``qkov.load``: any source qkov reads (a qkov checkpoint, a Hugging Face directory or Hub name, a
+    TransformerLens file) as a :class:`~qkov.Transformer` in eval mode on ``device``, with its tokenizer
+    (``model.tokenizer``, ``model.codec``) and start token (``model.bos_token_id``). A qkov checkpoint
+    alone: :func:`qkov.io.checkpoint.load`."""
+    expect_path("qkov.load", source)
+    return load_any(source, config=config, dtype=dtype, device=device)

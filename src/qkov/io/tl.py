@@ -272,7 +272,6 @@ def from_hooked(hooked: Any, *, dtype: torch.dtype = torch.float32) -> Transform
         bos = getattr(tok, "bos_token_id", None)
         if isinstance(bos, int) and 0 <= bos < model.cfg.d_vocab:
             model.bos_token_id = bos
-        model.default_prepend_bos = bool(getattr(c, "default_prepend_bos", True))
     return model
 
 
