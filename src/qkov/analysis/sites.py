@@ -13,6 +13,12 @@ TransformerLens hook names are accepted as aliases (``"blocks.1.attn.hook_patter
 by search-and-replace. :data:`KINDS` lists each kind with its shape and its TransformerLens hook;
 docs/conventions.md has the same table.
 
+Which stream: a site holds the value of the weights view the run reads. The default view of a
+LayerNorm model centres the writers (TransformerLens' processed default), so ``embed``, ``pos``,
+``resid_pre/mid/post``, ``head_out``, ``attn_out`` and ``mlp_out`` are the model's own values minus
+their mean over ``d_model``; ``trace(..., stream="model")`` gives the model's own
+(:func:`~qkov.analysis.forward.trace`).
+
 Shapes: ``B`` batch, ``T`` positions, ``D`` d_model, ``H`` heads, ``K`` key/value heads (``H``
 unless grouped-query), ``E`` d_head, ``M`` d_mlp, ``V`` d_vocab.
 """
