@@ -1,14 +1,14 @@
-"""Text from the model, one token at a time: :func:`generate`, what ``Transformer.generate`` runs
-(TransformerLens' ``HookedTransformer.generate``, with its argument names and defaults).
+"""Text from the model, one token at a time: the pieces of ``Transformer.generate`` (TransformerLens'
+``HookedTransformer.generate``, with its argument names and defaults).
 
 A text is encoded by the model's :class:`~qkov.model.tokens.TextCodec`, so it gets exactly one start
-token (``prepend_bos=None``: the model's default), and a text comes back without it. Each step runs
-the model's own forward on the whole sequence so far (no key/value cache: these are small models)
-and appends one token per sequence: the most likely one (``temperature=0`` or ``do_sample=False``),
-or one drawn from ``softmax(logits / temperature)`` over the ``top_k`` most likely tokens, from
-``generator`` (or a generator seeded with ``seed``; neither: torch's global generator, as
-TransformerLens draws). With ``stop_at_eos`` a sequence that produced the end token gets the end token
-from then on, and generation stops once every sequence has ended.
+token (``prepend_bos=None``: the model's default), and a text comes back without it. Each step
+(:func:`continue_tokens`) runs the model's own forward on the whole sequence so far (no key/value cache:
+these are small models) and appends one token per sequence (:func:`next_tokens`): the most likely one
+(``temperature=0`` or ``do_sample=False``), or one drawn from ``softmax(logits / temperature)`` over the
+``top_k`` most likely tokens, from ``generator`` (or a generator seeded with ``seed``; neither: torch's
+global generator, as TransformerLens draws). With ``stop_at_eos`` a sequence that produced an end token
+gets the first end token from then on, and generation stops once every sequence has ended.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 RETURN_TYPES = ("input", "str", "tokens")
 
 
-def _prompt(model: "Transformer", input: Any, prepend_bos: bool | None) -> tuple[Tensor, bool, int]:
+def prompt_tokens(model: "Transformer", input: Any, prepend_bos: bool | None) -> tuple[Tensor, bool, int]:
     """``(tokens [B, T], given as text, start tokens to drop when decoding)``."""
     if is_text(input):
         codec = model.codec
@@ -39,7 +39,7 @@ def _prompt(model: "Transformer", input: Any, prepend_bos: bool | None) -> tuple
     return model.check_tokens(input), False, 0
 
 
-def _generator(model: "Transformer", seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
+def sampling_generator(model: "Transformer", seed: int | None, generator: torch.Generator | None) -> torch.Generator | None:
     if seed is not None and generator is not None:
         raise QkovError("generate: give seed or generator, not both")
     if seed is None:
@@ -65,7 +65,7 @@ def next_tokens(
     return torch.multinomial(probs, 1, replacement=True, generator=generator)[:, 0]
 
 
-def _end_ids(model: "Transformer", eos_token_id: int | Sequence[int] | None) -> Tensor:
+def end_ids(model: "Transformer", eos_token_id: int | Sequence[int] | None) -> Tensor:
     """The end tokens ``[n]`` (the first pads a sequence that has ended); ``None``: the start token."""
     ends = [model.bos_token_id] if eos_token_id is None else eos_token_id
     ids = torch.as_tensor([ends] if isinstance(ends, int) else list(ends))
@@ -75,7 +75,7 @@ def _end_ids(model: "Transformer", eos_token_id: int | Sequence[int] | None) -> 
     return ids.long()
 
 
-def _check(model: "Transformer", max_new_tokens: int, temperature: float, top_k: int | None, return_type: str) -> None:
+def check_options(model: "Transformer", max_new_tokens: int, temperature: float, top_k: int | None, return_type: str) -> None:
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
         raise QkovError(f"generate: max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
@@ -86,53 +86,40 @@ def _check(model: "Transformer", max_new_tokens: int, temperature: float, top_k:
 
 
 @torch.no_grad()
-def generate(
+def continue_tokens(
     model: "Transformer",
-    input: str | Sequence[str] | Tensor,
-    max_new_tokens: int = 10,
+    tokens: Tensor,
+    max_new_tokens: int,
     *,
-    stop_at_eos: bool = True,
-    eos_token_id: int | Sequence[int] | None = None,
-    do_sample: bool = True,
-    top_k: int | None = None,
-    temperature: float = 1.0,
-    seed: int | None = None,
-    generator: torch.Generator | None = None,
-    prepend_bos: bool | None = None,
-    return_type: str = "input",
-) -> str | list[str] | Tensor:
-    """Continue ``input`` (a text, a list of texts of equal token counts, or ids ``[B, T]`` / ``[T]``)
-    by up to ``max_new_tokens`` tokens; see the module docstring.
-
-    ``eos_token_id``: the end token(s) ``stop_at_eos`` stops at; ``None``: the model's start token
-    (``<|bos|>`` of qkov's models and ``<|endoftext|>`` of GPT-2 also end a text; pass the end token of a
-    model whose end differs, such as Llama's ``</s>``). The prompt and the new tokens must fit the
-    context (``n_ctx``). ``return_type``: ``"input"`` (text for text, ids for ids), ``"str"`` (the
-    whole text, prompt included, decoded without special tokens as TransformerLens decodes it: a string
-    for one sequence, a list for several) or ``"tokens"`` (``[B, T + new]``, prompt included).
-    """
-    _check(model, max_new_tokens, temperature, top_k, return_type)
-    tokens, as_text, skip = _prompt(model, input, prepend_bos)
+    temperature: float,
+    top_k: int | None,
+    generator: torch.Generator | None,
+    ends: Tensor | None,
+) -> Tensor:
+    """``tokens [B, T]`` and up to ``max_new_tokens`` more: ``[B, T + new]``. ``ends`` (``[n]``, or ``None``
+    never to stop): the end tokens; a sequence that produced one gets ``ends[0]`` from then on, and the
+    loop stops when every sequence has ended."""
     if tokens.shape[1] + max_new_tokens > model.cfg.n_ctx:
         raise QkovError(
             f"generate: the prompt's {tokens.shape[1]} tokens and {max_new_tokens} new ones exceed the context "
             f"of {model.cfg.n_ctx} tokens"
         )
-    gen = _generator(model, seed, generator)
-    end_ids = _end_ids(model, eos_token_id).to(tokens.device)
     done = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-    greedy = temperature == 0 or not do_sample
     for _ in range(max_new_tokens):
-        logits = model(tokens)[:, -1]
-        new = next_tokens(logits, temperature=0 if greedy else temperature, top_k=top_k, generator=gen)
-        if stop_at_eos:
-            new = torch.where(done, end_ids[0], new)
-            done = done | torch.isin(new, end_ids)
+        new = next_tokens(model(tokens)[:, -1], temperature=temperature, top_k=top_k, generator=generator)
+        if ends is not None:
+            ends = ends.to(tokens.device)
+            new = torch.where(done, ends[0], new)
+            done = done | torch.isin(new, ends)
         tokens = torch.cat([tokens, new[:, None]], dim=1)
-        if stop_at_eos and bool(done.all()):
+        if ends is not None and bool(done.all()):
             break
-    if return_type == "tokens" or (return_type == "input" and not as_text):
-        return tokens
+    return tokens
+
+
+def texts_of(model: "Transformer", tokens: Tensor, skip: int) -> str | list[str]:
+    """Each row of ``tokens [B, T]`` as text, less its first ``skip`` ids (the start token prepended),
+    decoded without special tokens as TransformerLens decodes it: a string for one row, else a list."""
     tokenizer = model.codec.tokenizer
     texts = [tokenizer.decode(row[skip:].tolist(), skip_special_tokens=True) for row in tokens]
     return texts[0] if len(texts) == 1 else texts

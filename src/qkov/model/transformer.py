@@ -37,7 +37,14 @@ from .ops import (
     write_heads,
 )
 from . import registry
-from .generate import generate
+from .generate import (
+    check_options,
+    continue_tokens,
+    end_ids,
+    prompt_tokens,
+    sampling_generator,
+    texts_of,
+)
 from .tokens import TextCodec, check_tokens, source_codec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -360,15 +367,24 @@ class Transformer(nn.Module):
         prepend_bos: bool | None = None,
         return_type: str = "input",
     ) -> str | list[str] | Tensor:
-        """TransformerLens' ``generate``: continue a text (one start token, added once) or ids by up to
-        ``max_new_tokens`` tokens, greedy at ``temperature=0`` (or ``do_sample=False``), else sampled
-        (``top_k``, ``seed`` or ``generator``); text back for text, ids ``[batch, seq + new]`` for ids.
-        See :func:`qkov.model.generate.generate`."""
-        return generate(
-            self, input, max_new_tokens, stop_at_eos=stop_at_eos, eos_token_id=eos_token_id, do_sample=do_sample,
-            top_k=top_k, temperature=temperature, seed=seed, generator=generator, prepend_bos=prepend_bos,
-            return_type=return_type,
-        )  # fmt: skip
+        """TransformerLens' ``generate``: continue ``input`` (a text, which gets one start token, added
+        once; texts of equal token counts; or ids ``[batch, seq]``) by up to ``max_new_tokens`` tokens
+        (:mod:`qkov.model.generate`). Greedy at ``temperature=0`` (or ``do_sample=False``), else sampled
+        from ``softmax(logits / temperature)`` over the ``top_k`` most likely tokens with ``generator`` (or
+        one seeded with ``seed``; neither: torch's global generator, as TransformerLens; the same seed gives
+        TransformerLens' tokens). ``stop_at_eos``: stop a sequence at ``eos_token_id`` (one id or several;
+        ``None``: the start token, which also ends a text in qkov's models and GPT-2; pass Llama's ``</s>``),
+        padding it with that token until every sequence has ended. The prompt and the new tokens must fit
+        ``n_ctx``. ``return_type``: ``"input"`` (text for text, ids for ids), ``"str"`` (the whole text
+        without special tokens, as TransformerLens decodes it: a string for one sequence, else a list) or
+        ``"tokens"`` (``[batch, seq + new]``, the prompt included)."""
+        check_options(self, max_new_tokens, temperature, top_k, return_type)
+        tokens, as_text, skip = prompt_tokens(self, input, prepend_bos)
+        ends, draw = end_ids(self, eos_token_id) if stop_at_eos else None, sampling_generator(self, seed, generator)
+        new = continue_tokens(
+            self, tokens, max_new_tokens, temperature=temperature if do_sample else 0, top_k=top_k, generator=draw, ends=ends
+        )
+        return new if return_type == "tokens" or (return_type == "input" and not as_text) else texts_of(self, new, skip)
 
     # ------------------------------------------------------------- forward
     def stream(self, tokens: Tensor) -> Tensor:
