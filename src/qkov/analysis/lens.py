@@ -2,8 +2,9 @@
 the functions behind ``Transformer.run_with_cache`` and ``Transformer.run_with_hooks``.
 
 Both take any source (a model, a weights view, a lazy checkpoint, a path) and a text, a list of texts
-of equal token counts (each with one start token, :class:`~qkov.model.tokens.TextCodec`) or token
-ids, and run :func:`~qkov.analysis.forward.trace` once:
+of equal token counts (each with one start token, :class:`~qkov.model.tokens.TextCodec`;
+``prepend_bos`` applies to texts, as in TransformerLens) or token ids, and run
+:func:`~qkov.analysis.forward.trace` once:
 
 * ``run_with_cache(source, input, names_filter=None)`` -> ``(logits [B, T, V], cache)``: the cache is
   the :class:`~qkov.analysis.activations.Trace`, indexed by TransformerLens hook names and qkov site
