@@ -412,6 +412,36 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "return True",
         "tests/test_ablation.py::test_the_probe_follows_the_ablated_positions",
     ),
+    "run_with_hooks: a hook's replacement is dropped": (
+        "analysis/lens.py",
+        "value = value if new is None else new",
+        "value = value",
+        "tests/test_lens.py::test_run_with_hooks_equals_transformerlens",
+    ),
+    "trace: stream='model' still centres the writers": (
+        "weights/convert.py",
+        'return False if stream == "model" else None',
+        "return None",
+        "tests/test_stream.py::test_stream_model_is_what_transformers_computes_and_the_default_is_it_centred",
+    ),
+    "logit_attrs: pos_slice=-1 reads the position before": (
+        "analysis/decompose.py",
+        "return values[:, :, pos_slice]",
+        "return values[:, :, pos_slice - 1]",
+        "tests/test_edits.py::test_decompositions_add_up_to_the_stream_and_the_logits",
+    ),
+    "generate: top_k keeps one token too many": (
+        "model/generate.py",
+        "kth = scaled.topk(top_k, dim=-1).values[:, -1:]",
+        "kth = scaled.topk(min(top_k + 1, scaled.shape[-1]), dim=-1).values[:, -1:]",
+        "tests/test_lens.py::test_generate_greedy_and_sampled_equal_transformerlens",
+    ),
+    "sites: a kind alone names layer 0 only": (
+        "analysis/sites.py",
+        "return [Address(a.kind, l) for l in range(self.cfg.n_layers)]",
+        "return [Address(a.kind, 0)]",
+        "tests/test_sites.py::test_a_kind_alone_is_that_kind_at_every_layer",
+    ),
 }
 
 

@@ -152,6 +152,12 @@ def test_decompositions_add_up_to_the_stream_and_the_logits() -> None:
     assert (attrs.sum(0) - want).abs().max() < 1e-10
     diff = parts.logit_attrs(t, incorrect=3)
     assert (diff.sum(0) - (want - out.logits[..., 3] + w.b_U[3])).abs().max() < 1e-10
+    # pos_slice: each position against its own next token, or the last position alone
+    nxt = parts.logit_attrs(toks[:, 1:], pos_slice=slice(0, -1))  # [C, B, T-1]
+    own = out.logits[:, :-1].gather(-1, toks[:, 1:, None])[..., 0] - w.b_U[toks[:, 1:]]
+    assert nxt.shape == (len(parts), *toks[:, 1:].shape) and (nxt.sum(0) - own).abs().max() < 1e-10
+    last = parts.logit_attrs(t, pos_slice=-1)  # [C, B]
+    assert last.shape == (len(parts), toks.shape[0]) and torch.equal(last, attrs[:, :, -1])
     direction = torch.randn(GPT2_LIKE.d_model, dtype=torch.float64)
     assert (parts.project(direction).sum(0) - final @ direction).abs().max() < 1e-10
     with pytest.raises(Exception, match="apply_ln needs a weights view with the normalisation folded"):

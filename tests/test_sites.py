@@ -109,6 +109,23 @@ def test_names_tuples_globs_aliases_and_heads_address_the_same_tensors() -> None
     assert {k.tl for k in KINDS if k.tl} >= {"blocks.{l}.attn.hook_z", "hook_embed", "unembed.hook_out"}
 
 
+def test_a_kind_alone_is_that_kind_at_every_layer() -> None:
+    cfg, _, w, toks = _setup("gpt2-like")
+    every = trace(w, toks, cache=["pattern", ("z",), "attn_scores", "hook_resid_pre"])
+    assert set(every.keys()) == {f"{k}.{l}" for k in ("pattern", "z", "scores", "resid_pre") for l in range(cfg.n_layers)}
+    assert torch.equal(every.stack("pattern"), trace(w, toks, cache=["pattern.*"]).stack("pattern"))
+    silenced = trace(w, toks, edits={"z": torch.zeros(())}, cache=["attn_out"])  # an edit of every layer's z
+    for l in range(cfg.n_layers):
+        assert (silenced["attn_out", l] - w.b_O[l]).abs().max() < 1e-12
+    with pytest.raises(QkovError, match=r"'pattern' names 2 sites; index one at a time \(out\['pattern', layer\] or out.stack"):
+        every["pattern"]
+    _, _, attn_only, toks2 = _setup("paper-shortformer")
+    with pytest.raises(QkovError, match="no site 'mlp_out' in this model"):
+        trace(attn_only, toks2, cache=["mlp_out"])
+    with pytest.raises(QkovError, match="'blocks.0.hook_attn_in': not the TransformerLens hook of a qkov site"):
+        trace(w, toks, cache=["blocks.0.hook_attn_in"])
+
+
 def test_the_older_record_names_read_the_same_cache() -> None:
     _, _, w, toks = _setup("ln-mlp-shortformer")
     old = trace(w, toks, record=("patterns", "head_outputs", "values", "mlp_outputs", "qk_inputs", "scales"))

@@ -13,9 +13,12 @@ from its behaviour (through the one analysis forward, :func:`forward.trace`).
 * :mod:`~qkov.analysis.trigrams` — skip-trigram and bigram tables.
 * :mod:`~qkov.analysis.shown` / :mod:`~qkov.analysis.reprs` — how results show themselves
   (text here; rich HTML registered by :mod:`qkov.show`).
+* :mod:`~qkov.analysis.lens` — TransformerLens' ``run_with_cache`` and ``run_with_hooks`` on the
+  analysis forward (registered as the model's methods).
 """
 
 from . import reprs as reprs  # registers the results' text forms
+from . import lens as lens  # registers the model's run_with_cache and run_with_hooks (qkov.model.registry)
 from ..deprecated import module_getattr
 from .factored import LowRank
 from .forward import Trace, trace

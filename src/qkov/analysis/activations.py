@@ -58,7 +58,9 @@ class Trace:
     def address(self, key: Any) -> Address:
         found = self._sites().resolve(key)
         if len(found) != 1:
-            raise QkovError(f"{key!r} names {len(found)} sites; index one at a time (or use stack())")
+            kinds = sorted({a.kind for a in found})
+            how = f"out[{kinds[0]!r}, layer] or out.stack({kinds[0]!r})" if len(kinds) == 1 else "stack()"
+            raise QkovError(f"{key!r} names {len(found)} sites; index one at a time ({how})")
         return found[0]
 
     def __getitem__(self, key: Any) -> Tensor:

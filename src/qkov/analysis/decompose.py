@@ -71,28 +71,74 @@ class Stack:
             raise QkovError(f"project: a direction has {self.values.shape[-1]} entries (d_model), got {direction.shape[-1]}")
         return (self.values * direction).sum(-1)
 
-    def logit_attrs(self, tokens: Any, incorrect: Any = None) -> Tensor:
+    def logit_attrs(self, tokens: Any, incorrect: Any = None, *, pos_slice: Any = None) -> Tensor:
         """Each component's direct contribution to the logit of ``tokens`` (minus that of ``incorrect``,
-        for a logit difference): ``[C, B, T]``. ``tokens``: an id, ``[B]`` (one per sequence) or ``[B, T]``.
-        Components read at the final stream are normalised first (:meth:`apply_ln`); summed over
-        components they give ``logits[..., token] - b_U[token]`` (tested)."""
+        for a logit difference) at the positions ``pos_slice`` picks (TransformerLens' ``pos_slice``):
+
+        * ``None``: every position, ``[C, B, T]``;
+        * an int (``-1``: the last position): that position, ``[C, B]``;
+        * a ``slice``, a ``(start, stop[, step])`` tuple (``slice(*tuple)``, as TransformerLens reads it),
+          a list or a 1-D tensor of positions: those, in that order, ``[C, B, P]``.
+
+        ``tokens`` (and ``incorrect``): an id, ``[B]`` (one per sequence, at every position picked) or
+        ``[B, P]`` (one per position picked). The logit a position *predicts* is that of the next token:
+        ``logit_attrs(tokens[:, 1:], pos_slice=slice(0, -1))`` credits each position with its next token,
+        ``logit_attrs(answer, pos_slice=-1)`` the last position with ``answer [B]``. Components read at the
+        final stream are normalised first (:meth:`apply_ln`); summed over components they give
+        ``logits[..., token] - b_U[token]`` at those positions (tested)."""
         stack = self.apply_ln() if self.layer is None and not self.normalized else self
+        values = _at_positions(stack.values, pos_slice)  # [C, B, P, D] or [C, B, D]
         W_U = self.run.source.unembed().W_U  # [D, V]
-        direction = _directions(W_U, tokens, stack.values.shape[1:3])
+        batch_pos = values.shape[1:3] if values.ndim == 4 else values.shape[1:2]
+        direction = _directions(W_U, tokens, batch_pos)
         if incorrect is not None:
-            direction = direction - _directions(W_U, incorrect, stack.values.shape[1:3])
-        return stack.project(direction)
+            direction = direction - _directions(W_U, incorrect, batch_pos)
+        return (values * direction.to(values)).sum(-1)
+
+
+def _at_positions(values: Tensor, pos_slice: Any) -> Tensor:
+    """``values [C, B, T, D]`` at the positions ``pos_slice`` picks (see :meth:`Stack.logit_attrs`):
+    ``[C, B, D]`` for an int, ``[C, B, P, D]`` otherwise."""
+    T = values.shape[2]
+    if pos_slice is None:
+        return values
+    if isinstance(pos_slice, int) and not isinstance(pos_slice, bool):
+        if not -T <= pos_slice < T:
+            raise QkovError(f"logit_attrs: pos_slice {pos_slice} is outside the {T} positions")
+        return values[:, :, pos_slice]
+    if isinstance(pos_slice, tuple):
+        pos_slice = slice(*pos_slice)
+    if isinstance(pos_slice, slice):
+        picked = torch.arange(T)[pos_slice]
+    else:
+        try:
+            picked = torch.as_tensor(pos_slice)
+        except (TypeError, ValueError):
+            picked = torch.zeros(0, 0)
+        if picked.ndim != 1 or picked.dtype.is_floating_point or picked.dtype == torch.bool:
+            raise QkovError(
+                f"logit_attrs: pos_slice must be None, an int, a slice, a tuple or a list of ints; got {pos_slice!r}"
+            )
+        if bool(((picked < -T) | (picked >= T)).any()):
+            raise QkovError(f"logit_attrs: pos_slice {picked.tolist()} reaches outside the {T} positions")
+    if len(picked) == 0:
+        raise QkovError(f"logit_attrs: pos_slice {pos_slice!r} picks no position of {T}")
+    return values[:, :, picked.to(values.device) % T]
 
 
 def _directions(W_U: Tensor, tokens: Any, batch_pos: torch.Size) -> Tensor:
-    """Unembedding columns of ``tokens`` shaped to broadcast over ``[B, T, D]``."""
+    """Unembedding columns of ``tokens`` shaped to broadcast over ``[B, P, D]`` (or ``[B, D]`` when
+    ``batch_pos`` is ``[B]``: one position picked)."""
     t = torch.as_tensor(tokens, device=W_U.device)
-    if t.ndim > 2 or (t.ndim >= 1 and t.shape[0] != batch_pos[0]) or (t.ndim == 2 and t.shape[1] != batch_pos[1]):
-        raise QkovError(f"logit_attrs: tokens must be one id, [batch] or [batch, positions]; got {list(t.shape)}")
+    per_pos = t.ndim == 2 and len(batch_pos) == 2 and t.shape[1] == batch_pos[1]
+    if t.ndim > 2 or (t.ndim >= 1 and t.shape[0] != batch_pos[0]) or (t.ndim == 2 and not per_pos):
+        want = "one id or [batch]" if len(batch_pos) == 1 else "one id, [batch] or [batch, positions]"
+        raise QkovError(f"logit_attrs: tokens must be {want} (batch {batch_pos[0]}, positions picked "
+                        f"{batch_pos[1] if len(batch_pos) == 2 else 1}); got {list(t.shape)}")
     if bool(((t < 0) | (t >= W_U.shape[1])).any()):
         raise QkovError(f"logit_attrs: token ids must be in 0..{W_U.shape[1] - 1}")
     cols = W_U[:, t].movedim(0, -1)  # [..., D]
-    return cols[:, None] if t.ndim == 1 else cols
+    return cols[:, None] if t.ndim == 1 and len(batch_pos) == 2 else cols
 
 
 def _need(run: "Trace", names: list[str], what: str) -> None:

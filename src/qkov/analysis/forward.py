@@ -314,14 +314,23 @@ def trace(
     frozen: Trace | None = None,
     head_outputs: Tensor | None = None,
     observe: Callable[[LayerView], None] | None = None,
+    stream: str | None = None,
 ) -> Trace:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
 
     ``source``: a model, weights source or path, read once (:func:`~qkov.weights.as_source`).
 
+    Which stream the sites hold: a model or path is read into the default view, which for a
+    LayerNorm model centres the writers (as TransformerLens' processed default does; the logits, every
+    attention pattern and every normalised input are unchanged), so ``embed``, ``pos``, ``resid_pre/mid/post``,
+    ``attn_out``, ``head_out`` and ``mlp_out`` are the model's own values minus their mean over
+    ``d_model``. ``stream="model"`` gives the model's own stream (``transformers``' hidden states,
+    an unprocessed TransformerLens model; tested against ``output_hidden_states``).
+
     Args:
-        cache: sites to keep (names, ``(kind, layer)`` tuples, globs such as ``"pattern.*"``,
-            TransformerLens hook names); read them from the result, ``out["pattern", 1]``.
+        cache: sites to keep (names, ``(kind, layer)`` tuples, globs such as ``"pattern.*"``, a
+            per-layer kind alone for every layer (``"pattern"``), TransformerLens hook names); read
+            them from the result, ``out["pattern", 1]``.
         edits: ``{site: tensor | fn(value, site)}``: what to write at a site (:mod:`qkov.analysis.edits`).
         grad: run differentiably (else under ``torch.no_grad``); cached activations that
             require grad keep their gradient after a backward pass.
@@ -337,10 +346,13 @@ def trace(
         head_outputs: ``[L, B, H, T, D]``: each head adds this instead of its live output (the
             live output is still recorded under ``head_outputs``); ``b_O`` is added as usual.
         observe: called with each layer's :class:`LayerView` as soon as it is computed.
+        stream: ``None`` (the source as given; a model or path in the default view) or ``"model"``:
+            a model or path read with its writers uncentred (``Weights.from_model(m,
+            center_writing=False)``); a weights view given must then be uncentred already.
     Returns:
         :class:`~qkov.analysis.activations.Trace`.
     """
-    source = as_source(source, where="qkov.trace")
+    source = as_source(source, where="qkov.trace", stream=stream)
     expect_tokens("qkov.trace", tokens)
     cfg = source.cfg
     tokens = check_tokens(tokens, cfg).to(source.device)

@@ -3,12 +3,21 @@ reading (``trace(..., cache=[...])``) and writing (``trace(..., edits={...})``).
 
 A site is a kind and, for the per-layer kinds, a layer: ``"pattern.1"`` (or ``("pattern", 1)``),
 ``"embed"``, ``"logits"``. Head-indexed kinds also take a head: ``"z.0.3"`` is head 3 of
-``z.0`` (``out["z", 0][:, :, 3]``). Globs pick several: ``"pattern.*"``, ``"*.1"``, ``"resid_*"``.
+``z.0`` (``out["z", 0][:, :, 3]``). Globs pick several: ``"pattern.*"``, ``"*.1"``, ``"resid_*"``;
+a per-layer kind named alone (``"pattern"``, ``("z",)``, TransformerLens' short ``"attn_scores"``) is
+that kind at every layer, as ``"pattern.*"`` (indexing a :class:`~qkov.analysis.activations.Trace`
+with it is refused: one site at a time, or ``stack()``).
 TransformerLens hook names are accepted as aliases (``"blocks.1.attn.hook_pattern"``,
 ``"hook_embed"``, ``"ln_final.hook_scale"``, and its short names: ``("attn_scores", 1)``,
 ``("result", 0)``), and every site has TransformerLens' layout, so TransformerLens code ports
 by search-and-replace. :data:`KINDS` lists each kind with its shape and its TransformerLens hook;
 docs/conventions.md has the same table.
+
+Which stream: a site holds the value of the weights view the run reads. The default view of a
+LayerNorm model centres the writers (TransformerLens' processed default), so ``embed``, ``pos``,
+``resid_pre/mid/post``, ``head_out``, ``attn_out`` and ``mlp_out`` are the model's own values minus
+their mean over ``d_model``; ``trace(..., stream="model")`` gives the model's own
+(:func:`~qkov.analysis.forward.trace`).
 
 Shapes: ``B`` batch, ``T`` positions, ``D`` d_model, ``H`` heads, ``K`` key/value heads (``H``
 unless grouped-query), ``E`` d_head, ``M`` d_mlp, ``V`` d_vocab.
@@ -156,7 +165,7 @@ class Sites:
         if isinstance(key, Address):
             return [self._check(key, key.name)]
         if isinstance(key, tuple):
-            return [self._from_parts(key, repr(key))]
+            return self._every_layer(self._from_parts(key, repr(key), bare=True))
         if not isinstance(key, str):
             raise QkovError(f"site {key!r}: give a name such as 'pattern.1' or a tuple such as ('pattern', 1)")
         if any(c in key for c in "*?["):
@@ -173,7 +182,12 @@ class Sites:
         tl = self._from_tl(key)
         if tl is not None:
             return [tl]
-        return [self._from_parts(tuple(_split(key)), repr(key))]
+        if key.startswith("blocks."):
+            raise QkovError(
+                f"no site {key!r}: not the TransformerLens hook of a qkov site (docs/conventions.md lists them; "
+                "TransformerLens' optional copies hook_attn_in and hook_mlp_in have none)"
+            )
+        return self._every_layer(self._from_parts(tuple(_split(key)), repr(key), bare=True))
 
     def resolve_all(self, keys: Iterable[Any]) -> list[Address]:
         """Every address of ``keys`` (a name, a ``(kind, layer[, head])`` tuple, or a collection of
@@ -186,7 +200,9 @@ class Sites:
                 seen.setdefault(a.name, a)
         return sorted(seen.values(), key=lambda a: (self.order[Address(a.kind, a.layer).name], a.head or 0))
 
-    def _from_parts(self, parts: tuple[Any, ...], shown: str) -> Address:
+    def _from_parts(self, parts: tuple[Any, ...], shown: str, *, bare: bool = False) -> Address:
+        """The address of ``(kind, layer[, head])``; with ``bare``, a per-layer kind alone is
+        returned without a layer (for :meth:`_every_layer`) instead of refused."""
         if not parts or not isinstance(parts[0], str) or len(parts) > 3:
             raise QkovError(f"site {shown}: expected (kind, layer[, head]), e.g. ('pattern', 1)")
         kind = _TL_SHORT.get(parts[0], parts[0])
@@ -195,7 +211,17 @@ class Sites:
             nums = [int(p) for p in parts[1:]]
         except (TypeError, ValueError):
             raise QkovError(f"site {shown}: layer and head must be integers") from None
+        if bare and not nums and kind in BY_NAME and BY_NAME[kind].per_layer:
+            if kind not in {k.name for k in self.kinds}:
+                self._check(Address(kind, 0), shown)  # raises: a kind this model lacks
+            return Address(kind)
         return self._check(Address(kind, *nums), shown)
+
+    def _every_layer(self, a: Address) -> list[Address]:
+        """A per-layer kind without a layer (``"pattern"``) at every layer; any other address as it is."""
+        if a.layer is None and BY_NAME[a.kind].per_layer:
+            return [Address(a.kind, l) for l in range(self.cfg.n_layers)]
+        return [a]
 
     def _from_tl(self, key: str) -> Address | None:
         m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
@@ -230,6 +256,14 @@ class Sites:
             if not 0 <= a.head < heads:
                 raise QkovError(f"site {shown}: head {a.head} out of range (the site has {heads} heads)")
         return a
+
+    def tl_name(self, a: Address) -> str:
+        """The TransformerLens hook name of ``a``'s site (``"blocks.1.attn.hook_z"``; ``attn.hook_q`` in a
+        model without rotary, ``attn.hook_rot_q`` with it), or its qkov name where TransformerLens has none."""
+        kind = BY_NAME[a.kind]
+        if a.kind in ("q", "k") and self.cfg.positional != "rotary":
+            return f"blocks.{a.layer}.attn.hook_{a.kind}"
+        return kind.tl.format(l=a.layer) if kind.tl else Address(a.kind, a.layer).name
 
     def heads(self, kind: str) -> int:
         """Heads along a head-indexed kind: key/value heads for ``k, v, k_input, v_input``."""

@@ -55,6 +55,13 @@ def token_decoder(tokenizer: Any | None) -> Callable[[int], str]:
 
 
 # --------------------------------------------------------------------------- texts
+def is_text(value: Any) -> bool:
+    """Whether ``value`` is a text or a non-empty list (or tuple) of texts, not token ids."""
+    return isinstance(value, str) or (
+        isinstance(value, (list, tuple)) and bool(value) and all(isinstance(t, str) for t in value)
+    )
+
+
 SPACE_PIECE = "\u2581"  # "▁": SentencePiece's space, the first character of a word's piece
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
@@ -130,6 +137,18 @@ class TextCodec:
         if self.default_prepend_bos if prepend_bos is None else prepend_bos:
             ids.insert(0, self.bos)
         return ids
+
+    def encode_texts(self, text: Any, *, prepend_bos: bool | None = None, where: str = "to_tokens") -> Tensor:
+        """A text -> ``[1, seq]``, a list of texts of equal token counts -> ``[batch, seq]`` (each as
+        :meth:`encode`); ``where`` names the caller in the one-line error for anything else."""
+        texts = [text] if isinstance(text, str) else list(text) if isinstance(text, (list, tuple)) else []
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise QkovError(f"{where}: expected a text or a list of texts, got {type(text).__name__}")
+        rows = [self.encode(t, prepend_bos=prepend_bos) for t in texts]
+        lengths = sorted({len(r) for r in rows})
+        if len(lengths) > 1:
+            raise QkovError(f"{where}: the texts have different token counts {lengths}; give them one at a time")
+        return torch.tensor(rows, dtype=torch.long)
 
     def plain(self, text: str) -> list[int]:
         """The ids of ``text`` with no start token."""

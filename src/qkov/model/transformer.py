@@ -16,7 +16,7 @@ against this module.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,15 @@ from .ops import (
     query_key_stream,
     stream_start,
     write_heads,
+)
+from . import registry
+from .generate import (
+    check_options,
+    continue_tokens,
+    end_ids,
+    prompt_tokens,
+    sampling_generator,
+    texts_of,
 )
 from .tokens import TextCodec, check_tokens, source_codec
 
@@ -284,15 +293,7 @@ class Transformer(nn.Module):
 
         The start token comes first exactly once when ``prepend_bos`` (``None``: the model's
         :attr:`default_prepend_bos`), whether or not the tokenizer adds one itself; ``False``: none."""
-        codec = self.codec
-        texts = [text] if isinstance(text, str) else list(text)
-        if not texts or not all(isinstance(t, str) for t in texts):
-            raise QkovError(f"to_tokens: expected a text or a list of texts, got {type(text).__name__}")
-        rows = [codec.encode(t, prepend_bos=prepend_bos) for t in texts]
-        lengths = sorted({len(r) for r in rows})
-        if len(lengths) > 1:
-            raise QkovError(f"to_tokens: the texts have different token counts {lengths}; give them one at a time")
-        return self.check_tokens(torch.tensor(rows, dtype=torch.long))
+        return self.check_tokens(self.codec.encode_texts(text, prepend_bos=prepend_bos))
 
     def to_str_tokens(self, tokens: Tensor | str | Sequence[int], *, prepend_bos: bool | None = None) -> list[str]:
         """Readable token strings of a text (encoded as :meth:`to_tokens` does) or of a ``[seq]`` /
@@ -313,6 +314,77 @@ class Transformer(nn.Module):
     def to_string(self, tokens: Tensor | Sequence[int]) -> str:
         """The text of a sequence of ids, as the tokenizer decodes it (special tokens kept)."""
         return self.codec.decode(tokens)
+
+    # ---------------------------------------------- TransformerLens' habits
+    def run_with_cache(
+        self,
+        input: str | Sequence[str] | Tensor,
+        names_filter: Any = None,
+        *,
+        prepend_bos: bool | None = None,
+        stream: str | None = None,
+        return_type: str | None = "logits",
+    ) -> tuple[Any, Any]:
+        """TransformerLens' ``run_with_cache``: ``(logits [batch, seq, d_vocab], cache)`` for a text,
+        texts of equal token counts or ids; the cache is a :class:`~qkov.Trace` that TransformerLens hook
+        names and qkov site names both index, ``names_filter`` as TransformerLens' (``None``: every site).
+        The logits are ``model(tokens)``'s; ``stream="model"``: the sites hold the model's own residual
+        stream (else, with LayerNorm, the writers are centred). Runs
+        :func:`qkov.analysis.lens.run_with_cache` (registered by the analysis package:
+        :mod:`qkov.model.registry`)."""
+        kw = dict(prepend_bos=prepend_bos, stream=stream, return_type=return_type)
+        return registry.call("run_with_cache", self, input, names_filter, **kw)  # type: ignore[no-any-return]
+
+    def run_with_hooks(
+        self,
+        input: str | Sequence[str] | Tensor,
+        fwd_hooks: Sequence[tuple[Any, Callable[..., Tensor | None]]] = (),
+        *,
+        bwd_hooks: Sequence[Any] = (),
+        prepend_bos: bool | None = None,
+        stream: str | None = None,
+        return_type: str | None = "logits",
+    ) -> Any:
+        """TransformerLens' ``run_with_hooks``: the logits ``[batch, seq, d_vocab]`` (or what
+        ``return_type`` asks) with ``fwd_hooks = [(hook name, fn(activation, hook))]`` applied, each
+        ``fn`` returning a replacement or ``None``; which hook points are supported is listed in
+        :mod:`qkov.analysis.lens`, whose :func:`~qkov.analysis.lens.run_with_hooks` this runs."""
+        kw = dict(bwd_hooks=bwd_hooks, prepend_bos=prepend_bos, stream=stream, return_type=return_type)
+        return registry.call("run_with_hooks", self, input, fwd_hooks, **kw)
+
+    def generate(
+        self,
+        input: str | Sequence[str] | Tensor,
+        max_new_tokens: int = 10,
+        *,
+        stop_at_eos: bool = True,
+        eos_token_id: int | Sequence[int] | None = None,
+        do_sample: bool = True,
+        top_k: int | None = None,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        prepend_bos: bool | None = None,
+        return_type: str = "input",
+    ) -> str | list[str] | Tensor:
+        """TransformerLens' ``generate``: continue ``input`` (a text, which gets one start token, added
+        once; texts of equal token counts; or ids ``[batch, seq]``) by up to ``max_new_tokens`` tokens
+        (:mod:`qkov.model.generate`). Greedy at ``temperature=0`` (or ``do_sample=False``), else sampled
+        from ``softmax(logits / temperature)`` over the ``top_k`` most likely tokens with ``generator`` (or
+        one seeded with ``seed``; neither: torch's global generator, as TransformerLens; the same seed gives
+        TransformerLens' tokens). ``stop_at_eos``: stop a sequence at ``eos_token_id`` (one id or several;
+        ``None``: the start token, which also ends a text in qkov's models and GPT-2; pass Llama's ``</s>``),
+        padding it with that token until every sequence has ended. The prompt and the new tokens must fit
+        ``n_ctx``. ``return_type``: ``"input"`` (text for text, ids for ids), ``"str"`` (the whole text
+        without special tokens, as TransformerLens decodes it: a string for one sequence, else a list) or
+        ``"tokens"`` (``[batch, seq + new]``, the prompt included)."""
+        check_options(self, max_new_tokens, temperature, top_k, return_type)
+        tokens, as_text, skip = prompt_tokens(self, input, prepend_bos)
+        ends, draw = end_ids(self, eos_token_id) if stop_at_eos else None, sampling_generator(self, seed, generator)
+        new = continue_tokens(
+            self, tokens, max_new_tokens, temperature=temperature if do_sample else 0, top_k=top_k, generator=draw, ends=ends
+        )
+        return new if return_type == "tokens" or (return_type == "input" and not as_text) else texts_of(self, new, skip)
 
     # ------------------------------------------------------------- forward
     def stream(self, tokens: Tensor) -> Tensor:

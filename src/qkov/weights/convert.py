@@ -14,6 +14,14 @@ and converts it once, with :func:`as_source`, at its entry. Anything else is a
 what can be passed. The start token and the tokenizer travel with the source: a view made from a
 model carries the model's ``bos_token_id`` and ``tokenizer``, and :func:`source_bos` is what every
 analysis that builds or prepends a start token uses when the caller passes ``bos=None``.
+
+**Which residual stream.** The default view of a LayerNorm model centres the writers (what
+TransformerLens' processed default does, and exact for the model's function): its ``resid_*``,
+``attn_out``, ``mlp_out``, ``embed`` and ``pos`` sites are the model's own minus their mean over
+``d_model``. ``as_source(value, stream="model")`` reads a model or path with the writers left as
+they are (``Weights.from_model(model, center_writing=False)``), so those sites hold the stream the
+model itself computes (``transformers``' ``output_hidden_states``, an unprocessed TransformerLens model);
+a weights source given as it is must already be uncentred. Without LayerNorm the two are the same.
 """
 
 from __future__ import annotations
@@ -32,21 +40,44 @@ SourceLike = Union[WeightSource, Transformer, str, "os.PathLike[str]"]
 """What an analysis takes as its model: a weights source, a loaded model or a path (see the module docstring)."""
 
 
-def as_source(value: Any, *, where: str = "qkov.as_source") -> WeightSource:
+STREAMS: tuple[str | None, ...] = (None, "model")
+"""What ``stream=`` takes: ``None`` (the default view: writers centred under LayerNorm) or ``"model"``
+(the model's own residual stream); see the module docstring."""
+
+
+def stream_centring(where: str, stream: str | None) -> bool | None:
+    """The ``center_writing`` of :meth:`Weights.from_model` that ``stream`` asks for (``None``: the
+    default; ``False`` for ``"model"``); anything but :data:`STREAMS` is a one-line error."""
+    if stream not in STREAMS:
+        raise QkovError(
+            f"{where}: stream must be None (the default view) or 'model' (the model's own stream), got {stream!r}"
+        )
+    return False if stream == "model" else None
+
+
+def as_source(value: Any, *, where: str = "qkov.as_source", stream: str | None = None) -> WeightSource:
     """``value`` as a weights source (see the module docstring): a source as it is, a
     :class:`~qkov.Transformer` as ``Weights.from_model(value)``, a path through :func:`qkov.load_any`.
 
-    ``where`` names the calling function in the error for anything else."""
+    ``stream="model"``: a model or path is read with its writers uncentred (the model's own residual
+    stream); a source given as it is must be uncentred already (else a :class:`QkovError` says how to
+    make one). ``where`` names the calling function in the error for anything else."""
+    centre = stream_centring(where, stream)
     if is_source(value):
+        if centre is False and getattr(value, "centered_writing", False):
+            raise QkovError(
+                f"{where}: stream='model' needs uncentred writers, and this weights view centres them: pass the model "
+                "itself, Weights.from_model(model, center_writing=False) or LazyCheckpoint(path, center_writing=False)"
+            )
         return value  # type: ignore[no-any-return]
     if isinstance(value, Transformer):
-        return Weights.from_model(value)
+        return Weights.from_model(value, center_writing=centre)
     if isinstance(value, (str, os.PathLike)):
         try:
             model = load_any(value)
         except QkovError as exc:  # "'x' does not exist" names no function: say which one was called
             raise QkovError(f"{where}: {exc}", hint=exc.hint) from None
-        return Weights.from_model(model)
+        return Weights.from_model(model, center_writing=centre)
     refuse_source(where, value)
     raise AssertionError("unreachable")  # refuse_source always raises
 
