@@ -1,0 +1,100 @@
+"""The report on a model shaped like a real one, in headless Chromium at 1400 and 900 px: what it shows
+fits and reads as text.
+
+The model is a Llama-family Hugging Face directory (rotary, grouped-query attention, 5 layers of 8 heads:
+32 x 32 composition heatmaps whose Q and K titles carry the rotary offsets) with a SentencePiece-style
+tokenizer with byte fallback, read with a text holding characters that only byte tokens spell. At both widths:
+no chart title is cut off and no heading runs past its box, no table reaches past its card, the heads table
+shows its roles column without scrolling (every head given three roles), heatmap cells print their values only
+where they fit; the text on the page is the text itself (spaces kept, byte tokens joined into their
+characters).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from browser import FIT_CHECK, need_browser
+from tokenizers_like import STORY, llama_tokenizer, write_tokenizer
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("websocket")
+
+from cdp import Chrome  # noqa: E402  (needs websocket-client)
+
+WIDTHS = [1400, 900]
+LAYERS, HEADS = 5, 8
+OPENING = "Ça va? “Lily” said 日本語, and Tim\tlaughed.\n"  # Ç, the quotes and 日本語: byte tokens
+ROLES = ["previous-token", "induction", "memory-management"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The Hugging Face directory (a 512-token Llama tokenizer that adds ``<s>`` itself) and the text file."""
+    folder = tmp_path_factory.mktemp("fit")
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=4,
+        head_dim=8, intermediate_size=96, max_position_embeddings=64, tie_word_embeddings=True,
+        initializer_range=0.15, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(folder / "llama")
+    write_tokenizer(folder / "llama", llama_tokenizer(512))
+    text = folder / "story.txt"
+    text.write_text(OPENING + STORY * 3, encoding="utf-8")
+    return folder / "llama", text
+
+
+@pytest.fixture(scope="module")
+def report_page(llama: tuple[Path, Path]) -> Path:
+    """The report of the model on the text, drawn again with three roles on every head (the longest rows)."""
+    from qkov.apps.report import Report, render_html, write_report
+
+    path, text = llama
+    out = path.parent / "report"
+    report = write_report(path, out, text=text, batch=2, icl_examples=4, diag_k=0, viewer_tokens=64).to_dict()
+    for row in report["heads"]["rows"]:
+        row["roles"] = list(ROLES)
+    (out / "roles.html").write_text(render_html(Report.from_dict(report)), encoding="utf-8")
+    return out / "roles.html"
+
+
+def fits(page: Chrome) -> dict[str, Any]:
+    """The page's :data:`~browser.FIT_CHECK`, asserted: nothing clipped, past its card or scrolled."""
+    got = page.eval(FIT_CHECK)
+    assert got["clipped"] == [], f"cut off: {got['clipped']}"
+    assert got["past"] == [], f"tables past their card (px): {got['past']}"
+    assert got["scrolled"] == [], f"tables that show all their columns only when scrolled (px): {got['scrolled']}"
+    assert got["cells"] == [], f"heatmap cell texts bigger than their cells [text, w, h, cell w, cell h]: {got['cells']}"
+    return got
+
+
+def spans_text(page: Chrome, selector: str) -> str:
+    """The text of a running-text display's token spans, newline marks dropped."""
+    parts = page.eval(f"[...document.querySelectorAll({json.dumps(selector)})].map((s) => s.textContent)")
+    return "".join(parts).replace("↵", "")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_report_fits_and_its_text_reads_as_text(report_page: Path, llama: tuple[Path, Path], width: int) -> None:
+    need_browser()
+    with Chrome(width=width) as page:
+        page.open(report_page.as_uri(), ready="document.documentElement.dataset.ready === '1'")
+        assert not page.eval("document.documentElement.dataset.errors"), page.eval("document.documentElement.dataset.errors")
+        got = fits(page)
+        assert got["heatmaps"] >= 3 and got["tables"] > 10, got
+        titles = page.eval("[...document.querySelectorAll('#composition h3.heatmap-title')].map((h) => h.textContent)")
+        assert titles == ["Q-composition", "K-composition", "V-composition"]
+        roles = page.eval("[...document.querySelectorAll('#heads td .role')].length")
+        assert roles == 3 * LAYERS * HEADS  # every role of every head is on the page, inside the card (fits)
+        # the viewer is the text itself: the start token, then the file's opening (a SentencePiece space first)
+        shown = spans_text(page, "#viewer-text span")
+        story = llama[1].read_text(encoding="utf-8")
+        assert shown.startswith("<s> ") and len(shown) > 100 and "日本語" in shown and "<0x" not in shown
+        assert story.startswith(shown[len("<s> ") :])
+        assert page.problems() == []
