@@ -1,5 +1,5 @@
-"""The report on a model shaped like a real one, in headless Chromium at 1400 and 900 px: what it shows
-fits and reads as text.
+"""The report and the explorer on a model shaped like a real one, in headless Chromium at 1400 and 900 px:
+what they show fits and reads as text.
 
 The model is a Llama-family Hugging Face directory (rotary, grouped-query attention, 5 layers of 8 heads:
 32 x 32 composition heatmaps whose Q and K titles carry the rotary offsets) with a SentencePiece-style
@@ -7,7 +7,8 @@ tokenizer with byte fallback, read with a text holding characters that only byte
 no chart title is cut off and no heading runs past its box, no table reaches past its card, the heads table
 shows its roles column without scrolling (every head given three roles), heatmap cells print their values only
 where they fit; the text on the page is the text itself (spaces kept, byte tokens joined into their
-characters).
+characters); the explorer's composition graph is drawn as soon as Compute ends, with the strongest edges above
+their random baselines (not a hairball).
 """
 
 from __future__ import annotations
@@ -19,13 +20,16 @@ from typing import Any
 import pytest
 import torch
 
+import qkov
 from browser import FIT_CHECK, need_browser
 from tokenizers_like import STORY, llama_tokenizer, write_tokenizer
 
 transformers = pytest.importorskip("transformers")
+pytest.importorskip("starlette")
 pytest.importorskip("websocket")
 
 from cdp import Chrome  # noqa: E402  (needs websocket-client)
+from test_explore_browser import drawn  # noqa: E402
 
 WIDTHS = [1400, 900]
 LAYERS, HEADS = 5, 8
@@ -64,6 +68,19 @@ def report_page(llama: tuple[Path, Path]) -> Path:
     return out / "roles.html"
 
 
+@pytest.fixture(scope="module")
+def explorer(llama: tuple[Path, Path]) -> Any:
+    from qkov.apps.explore.server import make_app, start_background
+    from qkov.apps.explore.session import open_explorer
+
+    path, _ = llama
+    bg = start_background(make_app(open_explorer(path, cache_dir=None)))
+    try:
+        yield bg
+    finally:
+        bg.stop()
+
+
 def fits(page: Chrome) -> dict[str, Any]:
     """The page's :data:`~browser.FIT_CHECK`, asserted: nothing clipped, past its card or scrolled."""
     got = page.eval(FIT_CHECK)
@@ -97,4 +114,39 @@ def test_the_report_fits_and_its_text_reads_as_text(report_page: Path, llama: tu
         story = llama[1].read_text(encoding="utf-8")
         assert shown.startswith("<s> ") and len(shown) > 100 and "日本語" in shown and "<0x" not in shown
         assert story.startswith(shown[len("<s> ") :])
+        assert page.problems() == []
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_explorer_graph_is_drawn_after_compute_with_the_strongest_edges(
+    explorer: Any, llama: tuple[Path, Path], width: int
+) -> None:
+    need_browser()
+    model = qkov.load_any(llama[0])
+    scores = qkov.composition_scores(qkov.Weights.from_model(model), "qkv")
+    edges = {}  # (src, dst, kind) -> raw score, for the kinds' scores above their baseline mean
+    for kind in "qkv":
+        c = scores.kinds[kind]
+        for l1 in range(LAYERS):
+            for l2 in range(l1 + 1, LAYERS):
+                for h1 in range(HEADS):
+                    for h2 in range(HEADS):
+                        edges[f"{l1}.{h1}", f"{l2}.{h2}", kind] = (float(c.raw[l1, h1, l2, h2]), c.baseline.mean)
+    above = sorted((k for k, (v, base) in edges.items() if v >= base), key=lambda k: -edges[k][0])
+    strongest = set(above[:24])
+    assert len(above) > 100, "too few edges above the baselines: the test cannot tell a hairball"
+    with Chrome(width=width) as page:
+        page.open(explorer.url, ready="document.documentElement.dataset.ready === '1'")
+        drawn(page, "heads", timeout=180)  # first: the table it draws moves the button clicked next
+        page.click("#composition-run")
+        drawn(page, "composition", timeout=120)
+        lines = page.eval("[...document.querySelectorAll('#composition svg line')].map((e) => "
+                          "[e.dataset.src, e.dataset.dst, e.dataset.kind])")  # fmt: skip
+        nodes = page.eval("document.querySelectorAll('#composition svg g.node').length")
+        assert nodes == LAYERS * HEADS and {tuple(x) for x in lines} == strongest and len(lines) == 24
+        shown = page.eval("document.querySelector('#composition .graph-shown').textContent")
+        assert shown.startswith(f"showing 24 of {len(edges)} edges") and f"{len(above)} are above" in shown, shown
+        svg, card = page.eval("[document.querySelector('#composition svg').getBoundingClientRect().right, "
+                              "document.querySelector('#composition').getBoundingClientRect().right]")  # fmt: skip
+        assert svg <= card, "the graph runs past its card"
         assert page.problems() == []

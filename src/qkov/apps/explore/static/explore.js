@@ -341,24 +341,30 @@
     const slider = $("#composition-threshold");
     slider.max = String(max);
     slider.step = "any";
-    const base = Math.max(0, ...Object.values(g.baselines || {}).map((b) => b.mean || 0));
-    slider.value = String(base > 0 && base < max ? base : max / 2);
+    slider.value = String(g.default_threshold);
+    const base = Object.entries(g.baselines || {}).map(([k, b]) => `${k.toUpperCase()} ${fmt(b.mean)} ± ${fmt(b.std)}`);
     note(out, "Heads by layer (columns); an edge from an earlier head to a later one is their Q-, K- or V-composition " +
-      "score (blue, orange, green), drawn when it is at least the threshold (it starts at the largest random-matrix " +
-      "baseline). Click a head for its card.");
-    out.append(el("div", { class: "graph" }));
+      `score (blue, orange, green), drawn when it is at least the threshold. The threshold starts at the ` +
+      `${g.default_edges} strongest edges above the random-matrix baselines (${base.join(", ")}); the slider ` +
+      "shows more or fewer. Click a head for its card.");
+    // the graph's elements, kept: redrawGraph draws into them before and after they are on the page
+    S.compShown = el("p", { class: "note graph-shown" });
+    S.compBox = el("div", { class: "graph" });
+    out.append(S.compShown, S.compBox);
     redrawGraph();
   }
   function redrawGraph() {
-    const g = S.comp;
-    const box = P.composition.out.querySelector(".graph");
+    const g = S.comp, box = S.compBox;
     if (!g || !box) return;
     const th = +$("#composition-threshold").value;
     $("#composition-threshold-value").textContent = fmt(th, 3);
     const kinds = new Set([...document.querySelectorAll(".composition-kind")].filter((c) => c.checked).map((c) => c.value));
     const H = M.n_heads, W = 140 * M.n_layers + 60, Ht = 34 * H + 40;
     const at = (h) => { const [l, i] = h.split(".").map(Number); return [60 + 140 * l, 30 + 34 * i]; };
-    const s = svg("svg", { width: W, height: Ht, class: "composition-graph" });
+    // drawn at its size, scaled down to fit a narrower card
+    const s = svg("svg", { width: W, height: Ht, viewBox: `0 0 ${W} ${Ht}`, class: "composition-graph" });
+    s.style.maxWidth = "100%";
+    s.style.height = "auto";
     const max = Math.max(1e-9, ...g.edges.map((e) => e.value));
     let n = 0;
     for (const e of g.edges) {
@@ -381,6 +387,9 @@
     }
     s.dataset.shown = String(n);
     box.replaceChildren(s);
+    const above = g.edges.filter((e) => e.value >= e.baseline).length;
+    S.compShown.textContent = `showing ${n} of ${g.edges.length} edges (score ≥ ${fmt(th, 4)}${kinds.size < 3 ?
+      `, kinds ${[...kinds].join(", ").toUpperCase() || "none"}` : ""}); ${above} are above their kind's baseline mean.`;
   }
 
   // ------------------------------------------------------------------ terms, ablation, patching
