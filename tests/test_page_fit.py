@@ -6,9 +6,9 @@ The model is a Llama-family Hugging Face directory (rotary, grouped-query attent
 tokenizer with byte fallback, read with a text holding characters that only byte tokens spell. At both widths:
 no chart title is cut off and no heading runs past its box, no table reaches past its card, the heads table
 shows its roles column without scrolling (every head given three roles), heatmap cells print their values only
-where they fit; the text on the page is the text itself (spaces kept, byte tokens joined into their
+where they fit; the texts on the pages are the text itself (spaces kept, byte tokens joined into their
 characters); the explorer's composition graph is drawn as soon as Compute ends, with the strongest edges above
-their random baselines (not a hairball).
+their random baselines (not a hairball), and its heads table says which tokens it was measured on.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def explorer(llama: tuple[Path, Path]) -> Any:
     from qkov.apps.explore.server import make_app, start_background
     from qkov.apps.explore.session import open_explorer
 
-    path, _ = llama
-    bg = start_background(make_app(open_explorer(path, cache_dir=None)))
+    path, text = llama
+    bg = start_background(make_app(open_explorer(path, cache_dir=None, text=text)))
     try:
         yield bg
     finally:
@@ -149,4 +149,24 @@ def test_the_explorer_graph_is_drawn_after_compute_with_the_strongest_edges(
         svg, card = page.eval("[document.querySelector('#composition svg').getBoundingClientRect().right, "
                               "document.querySelector('#composition').getBoundingClientRect().right]")  # fmt: skip
         assert svg <= card, "the graph runs past its card"
+        assert page.problems() == []
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_explorer_heads_table_fits_and_names_its_text(explorer: Any, llama: tuple[Path, Path], width: int) -> None:
+    need_browser()
+    with Chrome(width=width) as page:
+        page.open(explorer.url, ready="document.documentElement.dataset.ready === '1'")
+        drawn(page, "heads", timeout=180)
+        notes = page.eval("[...document.querySelectorAll('#heads .out p.note')].map((p) => p.textContent).join(' ')")
+        assert f"(text from {llama[1]}: " in notes, notes[:400]
+        assert "seeded random tokens" not in notes and "validation text" not in notes, notes[:400]
+        # a text typed in reads back as itself, byte tokens joined into the characters they spell
+        page.type_into("#text-input", OPENING.strip())
+        page.click("#text-run")
+        drawn(page, "text")
+        assert spans_text(page, "#text .loss-text span") == "<s> " + OPENING.strip()
+        drawn(page, "attention")
+        got = fits(page)
+        assert got["tables"] >= 2, got
         assert page.problems() == []
