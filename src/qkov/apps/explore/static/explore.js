@@ -157,7 +157,7 @@
     table(out, ["", ""], [
       ["model", M.name], ["source", String(M.source)],
       ["shape", `${M.n_layers} layers × ${M.n_heads} heads, d_model ${M.d_model}, d_head ${M.d_head}, ` +
-        `vocab ${M.d_vocab}, context ${M.n_ctx}${M.rotary ? ", rotary positions" : ""}`],
+        `vocab ${M.d_vocab.toLocaleString("en-US")}, context ${M.n_ctx}${M.rotary ? ", rotary positions" : ""}`],
       ["texts", M.has_tokenizer ? `up to ${M.max_tokens} tokens, the start token first` :
         "no tokenizer: type token ids separated by spaces"],
       ["disk cache", M.cache_dir || "none (results are kept in memory only)"],

@@ -25,6 +25,7 @@
     return node;
   }
   const fmt = (v, d = 3) => (v == null || Number.isNaN(v) ? "–" : Number(v).toFixed(d));
+  const sig = (v, d = 3) => (v == null || Number.isNaN(v) ? "–" : Number(v).toPrecision(d));  // d significant digits
   const signed = (v, d = 3) => (v == null ? "–" : (v >= 0 ? "+" : "") + Number(v).toFixed(d));
   const tok = (s) => JSON.stringify(s);  // quotes and escapes: whitespace tokens stay visible
   // tokens as running text, one string per token: its own string, except that a run of byte-fallback tokens
@@ -91,7 +92,7 @@
   function card(sec, c, inputs) {
     const m = c.model;
     const arch = `${m.n_layers} layers × ${m.n_heads} heads, d_model ${m.d_model}, d_head ${m.d_head}, ` +
-      `vocab ${m.d_vocab}, context ${m.n_ctx}, positions ${m.positional}, norm ${m.normalization}, ` +
+      `vocab ${m.d_vocab.toLocaleString("en-US")}, context ${m.n_ctx}, positions ${m.positional}, norm ${m.normalization}, ` +
       `MLP ${m.d_mlp || "none"}`;
     const rows = [["architecture", arch], ["parameters", (c.parameters || 0).toLocaleString("en-US")]];
     if (c.source) {
@@ -263,7 +264,7 @@
 
   function paths(sec, p) {
     const ti = p.term_importance;
-    note(sec, `Path expansion on ${p.tokens[0]} × ${p.tokens[1]} validation tokens, attention patterns frozen. ` +
+    note(sec, `Path expansion on ${p.tokens[0]} × ${p.tokens[1]} tokens of the analysed text, attention patterns frozen. ` +
       `The sum of all path terms reproduces the model's logits to ${p.reconstruction_max_abs_error.toExponential(2)} ` +
       `(max |difference|).` + virtualNote(p.virtual_coverage) + (p.effect_positions
         ? ` Term effects (loss change when a term is removed) were measured on a seeded sample of ` +
@@ -277,12 +278,12 @@
     plot(row, [{ type: "bar", x: runs, y: losses, text: losses.map((v) => fmt(v, 2)), textposition: "auto",
       marker: { color: "#8aa2e8" } }], {
       title: { text: "loss by run (term importance)" }, width: 460, height: 340,
-      yaxis: { title: { text: "loss (nats)" } },
+      xaxis: { automargin: true }, yaxis: { title: { text: "loss (nats)" } },
     });
     plot(row, [{ type: "bar", x: orderNames, y: ti.marginal_by_order, text: ti.marginal_by_order.map((v) => fmt(v, 2)),
       textposition: "auto", marker: { color: "#d3562f" } }], {
       title: { text: "marginal loss reduction by order" }, width: 460, height: 340,
-      yaxis: { title: { text: "nats" } },
+      xaxis: { automargin: true }, yaxis: { title: { text: "nats" } },
     });
     const terms = el("div", { class: "cols" });
     sec.append(terms);
@@ -299,7 +300,7 @@
   // ids: prefix of the viewer's element ids (unique per page); hash: "#attend=L.H.Q" opens head L.H at token Q
   function attention(sec, a, ids = "viewer", hash = "") {
     if (absent(sec, a)) return;
-    note(sec, "The start of a validation sequence. Choose a head; hover (or click) a token to see where it " +
+    note(sec, "The start of the first sequence analysed. Choose a head; hover (or click) a token to see where it " +
       "attends: earlier tokens are shaded by attention weight. The heatmap shows the head's whole pattern.");
     const L = a.patterns.length, H = a.patterns[0].length, T = a.tokens.length;
     const selL = el("select", { id: `${ids}-layer` }), selH = el("select", { id: `${ids}-head` });
@@ -373,8 +374,8 @@
     sec.append(row);
     if (c.loss_by_position) {
       plot(row, [{ y: c.loss_by_position, x: c.loss_by_position.map((_, i) => i + 1), mode: "lines",
-        name: "validation text" }], {
-        title: { text: "loss by token position (validation text)" }, width: 560, height: 360,
+        name: "analysed text" }], {
+        title: { text: "loss by token position (analysed text)" }, width: 560, height: 360,
         xaxis: { title: { text: "token index" }, type: "log" }, yaxis: { title: { text: "loss (nats)" } },
       });
     }
@@ -400,7 +401,7 @@
       const d = el("div"); grid.append(d);
       d.append(el("h3", { text: `head ${h.head}` }));
       table(d, ["source", "destination", "output", "score"],
-        h.rows.map((r) => [tok(r.source_str), tok(r.destination_str), tok(r.output_str), fmt(r.score, 1)]), [0, 1, 2]);
+        h.rows.map((r) => [tok(r.source_str), tok(r.destination_str), tok(r.output_str), sig(r.score)]), [0, 1, 2]);
     }
     if (!t.bigrams.length) return;
     const d = el("div"); grid.append(d);
