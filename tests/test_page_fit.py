@@ -40,6 +40,7 @@ ROLES = ["previous-token", "induction", "memory-management"]
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """The Hugging Face directory (a 512-token Llama tokenizer that adds ``<s>`` itself) and the text file."""
+    need_browser()  # before the work: every test here opens a page
     folder = tmp_path_factory.mktemp("fit")
     cfg = transformers.LlamaConfig(
         vocab_size=512, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=4,
