@@ -442,6 +442,18 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "return [Address(a.kind, 0)]",
         "tests/test_sites.py::test_a_kind_alone_is_that_kind_at_every_layer",
     ),
+    "explorer graph: drawn into the panel's old element, before Panel.draw attaches the new one (blank)": (
+        "apps/explore/static/explore.js",
+        "const g = S.comp, box = S.compBox;",
+        'const g = S.comp, box = P.composition.out.querySelector(".graph");',
+        "tests/test_page_fit.py::test_the_explorer_graph_is_drawn_after_compute_with_the_strongest_edges[1400]",
+    ),
+    "explorer graph: the threshold starts at the weakest edge above the baselines (a hairball)": (
+        "apps/explore/views_graph.py",
+        "return float(above[min(most, len(above)) - 1])",
+        "return float(above[-1])",
+        "tests/test_page_fit.py::test_the_explorer_graph_is_drawn_after_compute_with_the_strongest_edges[1400]",
+    ),
 }
 
 

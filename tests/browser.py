@@ -151,3 +151,50 @@ def layout(dom: str) -> dict:
     m = re.search(r'data-layout="([^"]*)"', dom)
     assert m is not None, "the layout probe did not run"
     return json.loads(html.unescape(m.group(1)))
+
+
+# evaluated in a drawn page (tests/cdp.py Chrome.eval): what of it does not fit. ``clipped``: chart titles
+# reaching past their chart (the chart cuts them off) and headings or notes wider than their box; ``past``:
+# tables whose visible part (cut to any scrolling ancestor) reaches past their section (the card); ``scrolled``:
+# tables that fit only by scrolling sideways (their last column hidden); ``cells``: heatmap cell texts bigger
+# than their cells (the first of each heatmap); and the counts of charts, heatmaps, cell texts and tables seen.
+FIT_CHECK = """(() => {
+  const out = { clipped: [], past: [], scrolled: [], cells: [], charts: 0, heatmaps: 0, cell_texts: 0, tables: 0 };
+  const R = (e) => e.getBoundingClientRect();
+  const name = (e) => (e.closest("[id]") || {}).id + ": " + (e.textContent || "").trim().slice(0, 70);
+  for (const chart of document.querySelectorAll(".js-plotly-plot")) {
+    out.charts++;
+    const c = R(chart);
+    for (const t of chart.querySelectorAll(".gtitle")) {
+      const r = R(t);
+      if (r.width && (r.left < c.left - 1 || r.right > c.right + 1)) out.clipped.push(name(t));
+    }
+    const trace = (chart.data || [])[0], drag = chart.querySelector("rect.nsewdrag");
+    if (!trace || trace.type !== "heatmap" || !drag) continue;
+    out.heatmaps++;
+    const d = R(drag), cw = d.width / trace.z[0].length, ch = d.height / trace.z.length;
+    for (const t of chart.querySelectorAll("g.heatmap-label text")) {
+      out.cell_texts++;
+      const r = R(t);
+      if (r.width > cw || r.height > ch) {
+        out.cells.push([name(t), Math.round(r.width), Math.round(r.height), Math.round(cw), Math.round(ch)]);
+        break;
+      }
+    }
+  }
+  for (const e of document.querySelectorAll("h1, h2, h3, p.note")) {
+    if (e.offsetParent && e.scrollWidth > e.clientWidth + 1) out.clipped.push(name(e));
+  }
+  for (const t of document.querySelectorAll("section table")) {
+    if (!t.offsetParent) continue;
+    out.tables++;
+    const card = R(t.closest("section")), own = R(t);
+    let right = own.right;
+    for (let a = t.parentElement; a && a !== document.body; a = a.parentElement) {
+      if (getComputedStyle(a).overflowX !== "visible") right = Math.min(right, R(a).right);
+    }
+    if (right > card.right + 0.5) out.past.push([name(t), Math.round(right - card.right)]);
+    if (own.right > right + 0.5) out.scrolled.push([name(t), Math.round(own.right - right)]);
+  }
+  return out;
+})()"""

@@ -35,6 +35,12 @@ def test_a_bad_source_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     assert err.startswith("qkov: error:") and err.count("\n") == 1 and "missing" in err
 
 
+def test_a_text_that_cannot_be_read_is_one_line_and_exit_2(ckpt: Path, tmp_path: Path, capsys) -> None:
+    rc, out, err = run_main(capsys, "explore", ckpt, "--text", tmp_path / "missing.txt", "--port", "0", "--no-cache")
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("qkov: error: cannot read the text") and err.count("\n") == 1, err
+
+
 def test_a_port_in_use_is_one_line_and_exit_2(ckpt: Path, capsys) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -17,7 +17,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 import qkov
-from explore_helpers import CONTEXT, call, one_line_error, tokenized_checkpoint, view
+from explore_helpers import CONTEXT, TEXT, call, one_line_error, tokenized_checkpoint, view
 from qkov.apps.explore import session as session_module, views as views_module
 from qkov.apps.explore.context import BadRequest, Explorer
 from qkov.apps.explore.disk_cache import entry_key, entry_path, read_entry, write_entry
@@ -128,8 +128,8 @@ def heads_expected(ckpt: Path) -> dict[str, Any]:
     return {"rows": report.rows(), "inputs": inputs.source, "left_out": report.left_out}
 
 
-def heads_of(ckpt: Path, cache: Path) -> tuple[dict[str, Any], Explorer]:
-    ex = open_explorer(ckpt, cache_dir=cache)
+def heads_of(ckpt: Path, cache: Path, **kw: Any) -> tuple[dict[str, Any], Explorer]:
+    ex = open_explorer(ckpt, cache_dir=cache, **kw)
     bg = start_background(make_app(ex))
     try:
         status, got = view(bg.url, "heads")
@@ -179,6 +179,40 @@ def test_heads_view_is_head_report_and_a_second_start_reads_the_disk_cache(
     fourth, _ = heads_of(other, cache)
     assert fourth["from_cache"] is False and fourth["cached"] != str(path)
     same_rows(fourth["rows"], heads_expected(other)["rows"])
+
+
+def test_heads_on_a_text_are_qkov_heads_on_that_text(ckpt: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``qkov explore SOURCE --text FILE``'s heads table: the same source and text as ``qkov heads SOURCE --text
+    FILE`` give the same inputs line and the same score for every head (1e-6); without the text (a checkpoint
+    recording no corpus) the table says it read seeded random tokens, and its scores are not the text's."""
+    from helpers import run_main
+    from qkov.analysis.heads import SCORE_COLUMNS
+
+    text = tmp_path / "code.txt"
+    text.write_text(TEXT * 12)
+    rc, out, err = run_main(capsys, "heads", ckpt, "--text", text, "--json")
+    assert rc == 0, err
+    want = json.loads(out)
+    got, _ = heads_of(ckpt, tmp_path / "cache", text=text)
+    assert got["inputs"] == want["inputs"] and want["inputs"].startswith(f"text from {text}") and got["natural"]
+    keys = [key for _, key in SCORE_COLUMNS] + ["diag_top5"]
+    assert [r["head"] for r in got["rows"]] == [r["head"] for r in want["heads"]]
+    for g, w in zip(got["rows"], want["heads"]):
+        assert g["roles"] == w["roles"]
+        for key in keys:
+            assert g[key] == pytest.approx(w[key], abs=1e-6), (g["head"], key)
+    plain, _ = heads_of(ckpt, tmp_path / "cache")
+    assert plain["inputs"].startswith("seeded random tokens") and plain["natural"] is False
+    pattern = ("previous_token", "self_attention", "sink")  # what the tokens read change
+    assert max(abs(a[k] - b[k]) for a, b in zip(plain["rows"], got["rows"]) for k in pattern) > 1e-5  # beyond rounding
+
+
+def test_a_text_that_cannot_be_read_fails_when_the_explorer_opens(ckpt: Path, tmp_path: Path) -> None:
+    with pytest.raises(qkov.QkovError, match="cannot read the text"):
+        open_explorer(ckpt, cache_dir=None, text=tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(qkov.QkovError, match="holds no tokens"):
+        open_explorer(ckpt, cache_dir=None, text=tmp_path / "empty.txt")
 
 
 def test_concurrent_clients_all_get_their_answers_within_a_memory_bound(served, model: qkov.Transformer) -> None:

@@ -168,6 +168,10 @@ def test_report_on_a_short_text(source: tuple[Path, int, Path], tmp_path: Path, 
     card = rep["card"]
     assert card["source"] == "hf" and card["origin"]["path"] == str(path) and card["unknown"]
     assert "steps" not in card and "train_loss" not in card  # no training record is made up
+    # the parameters the directory holds, as `qkov info` counts them (no zero biases qkov's form adds, a tied
+    # unembedding once: GPT-2's is tied, this Llama's has no biases)
+    stored = transformers.AutoModelForCausalLM.from_pretrained(path).num_parameters()
+    assert card["parameters"] == _json(capsys, "info", path)["parameters"] == stored
     # the viewer's patterns are transformers' (report.json keeps 3 significant digits)
     att = torch.stack(_hf(path, ids).attentions)[:, 0]
     for l, h, q in ((0, 0, len(ids) - 1), (1, 3, len(ids) // 2)):

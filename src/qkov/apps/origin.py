@@ -10,11 +10,16 @@ origin is the source itself.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 from ..io.checkpoint import read_config
+from ..io.hf_store import shard_paths
 from ..io.sources import hf_model_type, source_kind
+from ..io.tensorfile import TensorFile
+from ..model.transformer import Transformer
+from ..weights.lazy import LazyCheckpoint
 
 FORMATS = {
     "qkov": "qkov checkpoint",
@@ -48,3 +53,21 @@ def describe_origin(origin: dict[str, Any]) -> str:
     what = FORMATS.get(str(origin.get("format")), str(origin.get("format")))
     family = f" ({origin['family']})" if origin.get("family") else ""
     return f"{what}{family} {origin.get('path')}"
+
+
+def stored_parameters(path: Path) -> int:
+    """The weights a Hugging Face directory stores, from its safetensors headers (``transformers``'
+    ``num_parameters()`` of the same model: a tied unembedding counted once, no biases the family lacks)."""
+    return sum(math.prod(f.shape(name)) for f in map(TensorFile, shard_paths(path)) for name in f.entries)
+
+
+def parameter_count(source: Path | str, model: Transformer | LazyCheckpoint) -> int:
+    """The parameters of the model of ``source``, as ``qkov info`` and the report's card state them: for a
+    Hugging Face directory what it stores (:func:`stored_parameters`; qkov's form of it adds zero biases
+    and an untied copy of a tied unembedding, which are not the model's), else the parameters of
+    ``model`` (loaded, or a :class:`~qkov.weights.lazy.LazyCheckpoint`: its tensors, from the headers)."""
+    if source_kind(source) == "hf":
+        return stored_parameters(Path(source))
+    if isinstance(model, LazyCheckpoint):
+        return sum(math.prod(model.file.shape(name)) for name in model.file.entries)
+    return model.num_parameters()

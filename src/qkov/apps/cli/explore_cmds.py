@@ -28,13 +28,18 @@ def add_explore(sub: Any) -> None:
         help="a local web page over one model: texts, attention, heads, head cards, ablation, computed on demand",
         description=(
             "Serve a page over the model of SOURCE on this machine: type a text to see its tokens, loss per "
-            "token and any head's attention; the heads table (computed once per model and kept in the disk "
-            "cache); each head's card, the composition graph, ablation and patching, each computed when asked "
+            "token and any head's attention; the heads table (on --text FILE, a qkov checkpoint's validation text "
+            "or seeded random tokens; computed once per model and text and kept in the disk cache); each head's card, the composition graph, ablation and patching, each computed when asked "
             "by the library's functions. Binds to 127.0.0.1 by default; another --host requires a token "
             "(generated unless --token is given, and printed in the URL). Ctrl-C stops it."
         ),
     )
     add_source_args(p)
+    p.add_argument(
+        "--text", type=Path, metavar="FILE",
+        help="a text file the heads table is measured on, as qkov heads --text FILE measures it (default: a qkov "
+        "checkpoint's validation text; a model without a corpus: seeded random tokens, and the table says so)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, this machine only)")
     p.add_argument(
         "--port", type=int_at_least(0, "a port number"), default=DEFAULT_PORT,
@@ -64,7 +69,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
     cache_dir = None if args.no_cache else (args.cache_dir or DEFAULT)
     sock = bind(args.host, args.port)  # first: a port in use is refused before the model is read
     try:
-        ex = open_explorer(args.ckpt, device=dev, cache_dir=cache_dir, config=args.config)
+        ex = open_explorer(args.ckpt, device=dev, cache_dir=cache_dir, config=args.config, text=args.text)
         budget, _ = memory_budget(dev) if args.max_memory else (None, "")
         cache_bytes = 256 * 2**20 if budget is None else max(2**20, budget // CACHE_SHARE)
         app = make_app(ex, token=token, cache_bytes=cache_bytes)

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 from typing import Any
 
 from rich.table import Table
 
 from ...io.checkpoint import TOKENIZER_FILE, checkpoint_info, training_record
-from ...io.hf_store import shard_paths
 from ...io.sources import source_kind
-from ...io.tensorfile import TensorFile
 from ...model.config import ModelConfig
 from ...weights.lazy import LazyCheckpoint
-from ..origin import FORMATS, UNKNOWN, describe_origin, source_origin
+from ..origin import FORMATS, UNKNOWN, describe_origin, parameter_count, source_origin
 from .common import add_lazy, add_source_args, console, dump_json, lazy, load_source
 
 
@@ -45,17 +42,14 @@ def source_info(args: argparse.Namespace) -> dict[str, Any]:
     kind = source_kind(args.ckpt)
     if lazy(args):  # the headers only: the config, the tensors' shapes, the start token
         ck = LazyCheckpoint(args.ckpt)
-        cfg, bos = ck.cfg, ck.bos_token_id
-        parameters = sum(math.prod(ck.file.shape(name)) for name in ck.file.entries)
+        cfg, bos, parameters = ck.cfg, ck.bos_token_id, parameter_count(args.ckpt, ck)
         tokenizer = (Path(args.ckpt) / TOKENIZER_FILE).is_file()
         record = training_record(args.ckpt) if kind == "qkov" else {}
     else:
         model = load_source(args)
-        cfg, bos, parameters = model.cfg, model.bos_token_id, model.num_parameters()
+        cfg, bos, parameters = model.cfg, model.bos_token_id, parameter_count(args.ckpt, model)
         tokenizer = model.tokenizer is not None
         record = checkpoint_info(args.ckpt, model) if kind == "qkov" else {}
-    if kind == "hf":  # what the directory stores (qkov's form adds zero biases a family lacks)
-        parameters = stored_parameters(Path(args.ckpt))
     origin = source_origin(args.ckpt)
     info: dict[str, Any] = {"path": str(args.ckpt), "kind": kind, "model": cfg.to_dict(), "parameters": parameters}
     info.update(record)
@@ -63,12 +57,6 @@ def source_info(args: argparse.Namespace) -> dict[str, Any]:
     if origin is not None:
         info["unknown"] = list(UNKNOWN)
     return info
-
-
-def stored_parameters(path: Path) -> int:
-    """The weights a Hugging Face directory stores, from its safetensors headers (``transformers``'
-    ``num_parameters()`` of the same model)."""
-    return sum(math.prod(f.shape(name)) for f in map(TensorFile, shard_paths(path)) for name in f.entries)
 
 
 def _print(info: dict[str, Any]) -> None:

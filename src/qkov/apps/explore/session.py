@@ -3,7 +3,7 @@
 :func:`open_explorer` loads the source (:func:`qkov.io.sources.load_any`: a qkov checkpoint, a Hugging
 Face directory, a TransformerLens file or a Hub name), builds its folded weights view on the device and
 the :class:`~qkov.apps.explore.context.Explorer` every view reads. A model without a tokenizer accepts
-token-id lists only (``encode`` is ``None``) and its tokens read ``<id>``.
+token-id lists only (``codec`` is ``None``) and its tokens read ``<id>``.
 
 The weights view (a folded copy: ~1 s and the model's size again at GPT-2 size) is built on a thread from the
 moment the model is loaded (:class:`Session`), so the server starts, and the first page (which needs only the
@@ -22,6 +22,7 @@ from ...device import pick_device
 from ...io.sources import load_any
 from ...model.tokens import token_decoder
 from ...weights.view import Weights
+from ..inputs import analysis_inputs
 from .context import Explorer
 from .disk_cache import default_cache_dir, tensors_fingerprint
 
@@ -36,19 +37,27 @@ def open_explorer(
     cache_dir: Path | str | None = DEFAULT,
     config: dict[str, Any] | Path | str | None = None,
     name: str | None = None,
+    text: Path | str | None = None,
 ) -> Explorer:
     """The :class:`Explorer` over ``source``: the model (eval, on ``device``), its folded weights view, its
     tokenizer's codec and token strings, start token and context length.
+
+    ``text``: a text file the heads table is measured on (``extra["text"]``), read here once to check it; without
+    one, a qkov checkpoint's validation text or, for a model without a corpus, seeded random tokens (the
+    table says which: :func:`qkov.apps.inputs.analysis_inputs`).
 
     ``cache_dir``: where once-per-model results are stored (``DEFAULT``: :func:`~qkov.apps.explore.disk_cache.default_cache_dir`;
     ``None``: nowhere; the folder is made only when something is written). ``config``: the TransformerLens
     config of a file that carries none. ``extra["source"]`` is the source as given.
 
     Raises:
-        QkovError: the source cannot be read, or the device is unusable (one line each).
+        QkovError: the source cannot be read, the device is unusable, or the text cannot be read (it is
+            missing, holds no tokens, or the model has no tokenizer); one line each.
     """
     dev = pick_device(device)
     model = load_any(source, config=config).to(dev).eval()
+    if text is not None:  # bad text fails now, not when the page first asks for the heads table
+        analysis_inputs(Path(str(source)), model, text=Path(text), batch=1)
     tokenizer = model.tokenizer
     folder = default_cache_dir() if cache_dir == DEFAULT else (None if cache_dir is None else Path(cache_dir))
     ex = Session(
@@ -60,7 +69,7 @@ def open_explorer(
         bos=int(model.bos_token_id),
         max_tokens=int(model.cfg.n_ctx),
         cache_dir=folder,
-        extra={"source": str(source)},
+        extra={"source": str(source), **({} if text is None else {"text": str(text)})},
     )
     ex.build_weights(dev)
     return ex

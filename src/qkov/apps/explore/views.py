@@ -121,14 +121,18 @@ def view_attention(ex: Explorer, args: dict[str, Any], progress: Progress) -> di
 
 
 def heads_inputs(ex: Explorer) -> tuple[Any, int, int]:
-    """The inputs ``qkov heads SOURCE`` runs on (:func:`qkov.apps.inputs.analysis_inputs` with its default
-    batch and ICL examples), the batch and the number of ICL examples; read once, kept in ``ex.extra``."""
+    """The inputs ``qkov heads SOURCE [--text FILE]`` runs on (:func:`qkov.apps.inputs.analysis_inputs` with its
+    default batch and ICL examples: the text ``ex.extra["text"]`` when the explorer was given one, else a qkov
+    checkpoint's validation text, else seeded random tokens), the batch and the number of ICL examples; read
+    once, kept in ``ex.extra``."""
     if "heads_inputs" in ex.extra:
         return ex.extra["heads_inputs"]
     cfg = ex.model.cfg
     batch, icl_examples = default_batch(cfg.n_ctx), default_icl_examples(cfg)
     source = Path(str(ex.extra.get("source", ex.name)))
-    inputs = analysis_inputs(source, ex.model, batch=max(batch, icl_examples), want_corpus=True)
+    text = ex.extra.get("text")
+    rows = max(batch, icl_examples)
+    inputs = analysis_inputs(source, ex.model, text=None if text is None else Path(text), batch=rows, want_corpus=True)
     ex.extra["heads_inputs"] = (inputs, batch, icl_examples)
     return inputs, batch, icl_examples
 
@@ -154,6 +158,7 @@ def compute_heads(ex: Explorer, progress: Progress) -> dict[str, Any]:
         "columns": [{"label": label, "key": key} for label, key in SCORE_COLUMNS],
         "rows": rows,
         "inputs": inputs.source,
+        "natural": inputs.natural,
         "left_out": data["left_out"],
         "icl": data["icl"],
         "thresholds": data["thresholds"],

@@ -2,7 +2,8 @@
 
 * ``composition`` {} — every pair of heads in increasing layers, Q/K/V: :func:`qkov.composition_scores`
   (raw scores and each kind's random-matrix baseline), computed once per model and kept in memory;
-  the page filters the edges by threshold.
+  the page filters the edges by threshold, which starts at ``default_threshold`` (:func:`default_threshold`:
+  the :data:`GRAPH_EDGES` strongest edges above their baselines).
 * ``terms`` {text, position} — the path expansion of the text (:func:`qkov.analysis.paths.expand`, patterns,
   normalisation divisors and MLP outputs frozen at the real forward pass), then the loss change at one
   position when each term is removed: the direct path (token and position embeddings), every single
@@ -25,6 +26,10 @@ from ...analysis.virtual import select_virtual
 from ...progress import Progress
 from .context import BadRequest, Explorer
 from .views_card import int_arg, r6
+
+GRAPH_EDGES = 24
+"""Edges the composition graph shows at first: the strongest ones above their kind's random baseline (a graph
+of every pair above the baseline is a hairball: hundreds of edges on a model of a few layers)."""
 
 TOP_VIRTUAL = 10
 """Virtual-head terms listed by ``terms`` by default (the largest over the text, as ``qkov paths``)."""
@@ -53,7 +58,23 @@ def composition(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[
                 for i, row in enumerate(block):
                     edges += [{"src": f"{l1}.{h1}", "dst": f"{l1 + 1 + i}.{h2}", "kind": kind, "value": r6(v),
                                "baseline": baselines[kind]["mean"]} for h2, v in enumerate(row)]  # fmt: skip
-    return {"heads": [f"{l}.{h}" for l in range(L) for h in range(H)], "edges": edges, "baselines": baselines}
+    return {
+        "heads": [f"{l}.{h}" for l in range(L) for h in range(H)],
+        "edges": edges,
+        "baselines": baselines,
+        "default_threshold": default_threshold(edges),
+        "default_edges": GRAPH_EDGES,
+    }
+
+
+def default_threshold(edges: list[dict[str, Any]], most: int = GRAPH_EDGES) -> float:
+    """The graph's first threshold: the score of the ``most``-th strongest edge among those at or above their
+    kind's baseline mean (``edge["baseline"]``), so at most ``most`` edges show (more only on a tie), none below
+    its baseline; with none above its baseline, the largest score (the strongest edge alone)."""
+    above = sorted((e["value"] for e in edges if e["value"] is not None and e["value"] >= e["baseline"]), reverse=True)
+    if above:
+        return float(above[min(most, len(above)) - 1])
+    return max((float(e["value"]) for e in edges if e["value"] is not None), default=0.0)
 
 
 def _position(args: dict[str, Any], seq: int) -> int:

@@ -31,7 +31,7 @@ from ...model.transformer import Transformer
 from ...progress import Progress, as_progress
 from ...weights.view import Weights
 from ..inputs import AnalysisInput, analysis_inputs
-from ..origin import UNKNOWN, source_origin
+from ..origin import UNKNOWN, parameter_count, source_origin
 from .interventions import causal_section, patching_section, read_patching
 from .sections import (
     Absent,
@@ -113,7 +113,7 @@ def _card(ckpt: Path, model: Transformer, w: Weights) -> Card:
     bw = [b.to_dict() for b in bandwidth(model.cfg)]
     view = {"fold_ln": w.norm == "folded", "center_writing": w.centered_writing, "center_unembed": w.centered_unembed}
     source = None if origin is None else str(origin.get("format", kind))
-    card = Card(str(ckpt), model.cfg.to_dict(), model.num_parameters(), curve, bw, record, source, view)
+    card = Card(str(ckpt), model.cfg.to_dict(), parameter_count(ckpt, model), curve, bw, record, source, view)
     if origin is not None:
         card.origin, card.unknown = origin, list(UNKNOWN)
     return card

@@ -7,7 +7,7 @@
 "use strict";
 (function () {
   const R = window.qkovReport;
-  const { el, fmt, signed, note, table, plot, tok } = R.helpers;
+  const { el, fmt, signed, note, table, plot, tok, runningText } = R.helpers;
   const $ = (sel) => document.querySelector(sel);
   const pageError = (msg) => { const p = $("#page-error"); p.hidden = false; p.textContent = msg; };
   window.addEventListener("error", (e) => pageError("page error: " + e.message));
@@ -15,7 +15,6 @@
   let M;
   try { M = JSON.parse($("#qkov-explore-data").textContent); } catch (e) { pageError("could not read the page's data: " + e); return; }
   const S = { text: null, textResult: null, head: M.heads[0] || null, cardHead: null, ablate: new Set(), comp: null };
-  const shown = (t) => String(t).replace(/\n/g, "↵\n");  // a token as it sits in running text
 
   // ------------------------------------------------------------------ server
   const TOKEN = new URLSearchParams(location.search).get("token");
@@ -115,9 +114,10 @@
     const status = el("p", { class: "note viewer-status" });
     const box = el("div", { class: "viewer-text attention-text" });
     parent.append(status, box);
+    const shown = runningText(tokens);
     const spans = tokens.map((t, i) => {
       const sp = el("span", { "data-pos": i, title: `${i}: ${tok(t)}` });
-      sp.textContent = shown(t);
+      sp.textContent = shown[i];
       box.append(sp);
       return sp;
     });
@@ -157,7 +157,7 @@
     table(out, ["", ""], [
       ["model", M.name], ["source", String(M.source)],
       ["shape", `${M.n_layers} layers × ${M.n_heads} heads, d_model ${M.d_model}, d_head ${M.d_head}, ` +
-        `vocab ${M.d_vocab}, context ${M.n_ctx}${M.rotary ? ", rotary positions" : ""}`],
+        `vocab ${M.d_vocab.toLocaleString("en-US")}, context ${M.n_ctx}${M.rotary ? ", rotary positions" : ""}`],
       ["texts", M.has_tokenizer ? `up to ${M.max_tokens} tokens, the start token first` :
         "no tokenizer: type token ids separated by spaces"],
       ["disk cache", M.cache_dir || "none (results are kept in memory only)"],
@@ -182,10 +182,11 @@
     out.append(box, hover);
     const finite = r.loss.filter((v) => v != null);
     const top = Math.max(1e-9, ...finite);
+    const shown = runningText(r.tokens);
     r.tokens.forEach((t, i) => {
       const l = r.loss[i];
       const sp = el("span", { "data-pos": i, "data-loss": l == null ? "" : String(l), title: `${i}: ${tok(t)}` });
-      sp.textContent = shown(t);
+      sp.textContent = shown[i];
       if (l != null) sp.style.background = `rgba(211, 86, 47, ${Math.min(1, l / top).toFixed(3)})`;
       sp.addEventListener("mouseenter", () => predictions(hover, r, i));
       sp.addEventListener("click", () => { $("#terms-position").value = i; runTerms(); });
@@ -220,13 +221,17 @@
   }
 
   // ------------------------------------------------------------------ heads
+  // the table the report draws, on the tokens `qkov heads` reads (said in its note: h.inputs)
   function drawHeads(out, h) {
-    if (h.cached) note(out, `Computed once for this model on ${h.inputs || "its default inputs"}; kept at ${h.cached}.`);
-    else if (h.inputs) note(out, `Computed on ${h.inputs}.`);
+    if (h.natural === false && M.has_tokenizer) {
+      note(out, "No text to measure the pattern scores on: this model records no corpus. Start the explorer with " +
+        "qkov explore SOURCE --text FILE to measure them on a text (as qkov heads --text FILE does).");
+    }
+    if (h.cached) note(out, `Computed once for this model and these tokens; kept at ${h.cached}.`);
     for (const [name, why] of Object.entries(h.left_out || {})) note(out, `${name} left out: ${why}.`);
     const cols = (h.columns || []).map((c) => (Array.isArray(c) ? c : [c.label, c.key]));  // [label, score name]
     if (h.thresholds) {  // the report's table and plots, its head cells made into links to the cards
-      R.sections.heads(out, Object.assign({}, h, { columns: cols }), null, M.d_vocab);
+      R.sections.heads(out, Object.assign({}, h, { columns: cols }), null, M.d_vocab, h.inputs);
       const t = out.querySelector("table");
       [...t.rows].slice(1).forEach((tr, i) => { const c = tr.cells[0]; c.replaceChildren(headLink(h.rows[i].head)); });
       t.classList.add("heads-table");
@@ -236,7 +241,7 @@
       const roles = el("span");
       (r.roles.length ? r.roles : ["–"]).forEach((x) => roles.append(el("span", { class: "role", text: x })));
       return [headLink(r.head), ...cols.map((c) => fmt(r[c[1]], 2)), roles];
-    }), [cols.length + 1]);
+    }), [cols.length + 1], [], [cols.length + 1]);
     t.classList.add("heads-table");
   }
 
@@ -341,24 +346,30 @@
     const slider = $("#composition-threshold");
     slider.max = String(max);
     slider.step = "any";
-    const base = Math.max(0, ...Object.values(g.baselines || {}).map((b) => b.mean || 0));
-    slider.value = String(base > 0 && base < max ? base : max / 2);
+    slider.value = String(g.default_threshold);
+    const base = Object.entries(g.baselines || {}).map(([k, b]) => `${k.toUpperCase()} ${fmt(b.mean)} ± ${fmt(b.std)}`);
     note(out, "Heads by layer (columns); an edge from an earlier head to a later one is their Q-, K- or V-composition " +
-      "score (blue, orange, green), drawn when it is at least the threshold (it starts at the largest random-matrix " +
-      "baseline). Click a head for its card.");
-    out.append(el("div", { class: "graph" }));
+      `score (blue, orange, green), drawn when it is at least the threshold. The threshold starts at the ` +
+      `${g.default_edges} strongest edges above the random-matrix baselines (${base.join(", ")}); the slider ` +
+      "shows more or fewer. Click a head for its card.");
+    // the graph's elements, kept: redrawGraph draws into them before and after they are on the page
+    S.compShown = el("p", { class: "note graph-shown" });
+    S.compBox = el("div", { class: "graph" });
+    out.append(S.compShown, S.compBox);
     redrawGraph();
   }
   function redrawGraph() {
-    const g = S.comp;
-    const box = P.composition.out.querySelector(".graph");
+    const g = S.comp, box = S.compBox;
     if (!g || !box) return;
     const th = +$("#composition-threshold").value;
-    $("#composition-threshold-value").textContent = fmt(th, 3);
+    $("#composition-threshold-value").textContent = fmt(th, 4);
     const kinds = new Set([...document.querySelectorAll(".composition-kind")].filter((c) => c.checked).map((c) => c.value));
     const H = M.n_heads, W = 140 * M.n_layers + 60, Ht = 34 * H + 40;
     const at = (h) => { const [l, i] = h.split(".").map(Number); return [60 + 140 * l, 30 + 34 * i]; };
-    const s = svg("svg", { width: W, height: Ht, class: "composition-graph" });
+    // drawn at its size, scaled down to fit a narrower card
+    const s = svg("svg", { width: W, height: Ht, viewBox: `0 0 ${W} ${Ht}`, class: "composition-graph" });
+    s.style.maxWidth = "100%";
+    s.style.height = "auto";
     const max = Math.max(1e-9, ...g.edges.map((e) => e.value));
     let n = 0;
     for (const e of g.edges) {
@@ -381,6 +392,9 @@
     }
     s.dataset.shown = String(n);
     box.replaceChildren(s);
+    const above = g.edges.filter((e) => e.value >= e.baseline).length;
+    S.compShown.textContent = `showing ${n} of ${g.edges.length} edges (score ≥ ${fmt(th, 4)}${kinds.size < 3 ?
+      `, kinds ${[...kinds].join(", ").toUpperCase() || "none"}` : ""}); ${above} are above their kind's baseline mean.`;
   }
 
   // ------------------------------------------------------------------ terms, ablation, patching

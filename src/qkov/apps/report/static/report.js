@@ -25,15 +25,42 @@
     return node;
   }
   const fmt = (v, d = 3) => (v == null || Number.isNaN(v) ? "–" : Number(v).toFixed(d));
+  const sig = (v, d = 3) => (v == null || Number.isNaN(v) ? "–" : Number(v).toPrecision(d));  // d significant digits
   const signed = (v, d = 3) => (v == null ? "–" : (v >= 0 ? "+" : "") + Number(v).toFixed(d));
   const tok = (s) => JSON.stringify(s);  // quotes and escapes: whitespace tokens stay visible
+  // tokens as running text, one string per token: its own string, except that a run of byte-fallback tokens
+  // spelling UTF-8 characters (<0xE2><0x80><0x9C> for a quotation mark) shows each character on its first byte's
+  // token and nothing on the others, and a byte that is a printable character, a tab or a newline shows as it;
+  // any other byte keeps its <0xNN> name. A newline shows as ↵ and breaks the line.
+  const BYTE = /^<0x([0-9A-Fa-f]{2})>$/;
+  function runningText(tokens) {
+    const byte = (t) => { const m = BYTE.exec(t); return m ? parseInt(m[1], 16) : null; };
+    const width = (b) => (b == null ? 0 : b < 0x80 ? 1 : b >= 0xc2 && b < 0xe0 ? 2 : b >= 0xe0 && b < 0xf0 ? 3 :
+      b >= 0xf0 && b < 0xf5 ? 4 : 0);  // bytes of the character a lead byte starts (0: none)
+    const out = tokens.map((t) => String(t));
+    for (let i = 0; i < tokens.length;) {
+      const n = width(byte(tokens[i]));
+      const bytes = tokens.slice(i, i + n).map(byte);
+      let ch = null;
+      if (n && bytes.length === n && bytes.every((b, k) => b != null && (k === 0 || (b & 0xc0) === 0x80))) {
+        try { ch = new TextDecoder("utf-8", { fatal: true }).decode(new Uint8Array(bytes)); } catch (e) { ch = null; }
+      }
+      if (ch != null && n === 1 && !/^[\t\n\x20-\x7e]$/.test(ch)) ch = null;  // control bytes keep their names
+      if (ch == null) { i++; continue; }
+      out[i] = ch;
+      for (let k = 1; k < n; k++) out[i + k] = "";
+      i += n;
+    }
+    return out.map((s) => s.replace(/\n/g, "↵\n"));
+  }
   function note(parent, text) { parent.append(el("p", { class: "note", text })); }
-  // a table of rows (cells: text or nodes); leftCols are left-aligned, wrapCols' cells wrap their text
-  function table(parent, head, rows, leftCols = [], wrapCols = []) {
+  // a table of rows (cells: text or nodes); leftCols are left-aligned, wrapCols' cells wrap their text,
+  // chipCols' cells wrap between the chips (spans) they hold; the table returned sits in a div.table-scroll
+  function table(parent, head, rows, leftCols = [], wrapCols = [], chipCols = []) {
     const t = el("table");
     const tr = el("tr");
     const left = (i) => (leftCols.includes(i) ? "l" : "");
-    const cls = (i) => [left(i), wrapCols.includes(i) ? "w" : ""].join(" ").trim();
+    const cls = (i) => [left(i), wrapCols.includes(i) ? "w" : "", chipCols.includes(i) ? "chips-cell" : ""].join(" ").trim();
     head.forEach((h, i) => tr.append(el("th", { class: left(i), text: h })));
     t.append(tr);
     for (const r of rows) {
@@ -45,7 +72,7 @@
       });
       t.append(row);
     }
-    parent.append(t);
+    parent.append(el("div", { class: "table-scroll" }, t));  // a table wider than its card scrolls inside it
     return t;
   }
   function plot(parent, traces, layout, cls = "plot") {
@@ -65,7 +92,7 @@
   function card(sec, c, inputs) {
     const m = c.model;
     const arch = `${m.n_layers} layers × ${m.n_heads} heads, d_model ${m.d_model}, d_head ${m.d_head}, ` +
-      `vocab ${m.d_vocab}, context ${m.n_ctx}, positions ${m.positional}, norm ${m.normalization}, ` +
+      `vocab ${m.d_vocab.toLocaleString("en-US")}, context ${m.n_ctx}, positions ${m.positional}, norm ${m.normalization}, ` +
       `MLP ${m.d_mlp || "none"}`;
     const rows = [["architecture", arch], ["parameters", (c.parameters || 0).toLocaleString("en-US")]];
     if (c.source) {
@@ -114,10 +141,13 @@
     }
   }
 
-  function heads(sec, h, ev, vocab) {
+  // inputs: what the pattern scores were measured on (the "inputs" line of `qkov heads`)
+  function heads(sec, h, ev, vocab, inputs) {
     if (absent(sec, h)) return;
     const HEAD_COLS = h.columns;  // [label, score name], the same columns as `qkov heads`
-    note(sec, "Per-head scores. Pattern scores come from validation text; prefix matching, induction, " +
+    note(sec, "Per-head scores. Pattern scores (prev, self, sink, pos) are measured on the analysed tokens" +
+      (inputs ? ` (${inputs}); ` : "; ") +
+      "prefix matching, induction, " +
       "duplicate-token and [I] copying from repeated random tokens; eigen copying = Σλ / Σ|λ| of the full OV " +
       "circuit W_E W_OV W_U (1 = copies its input, −1 = suppresses it); own in topk = share of tokens whose own " +
       "logit is among the k largest of their OV row. Roles use the thresholds listed below.");
@@ -134,7 +164,7 @@
         const roles = el("span");
         (r.roles.length ? r.roles : ["–"]).forEach((x) => roles.append(el("span", { class: "role", text: x })));
         return [r.head, ...shown.map((c) => fmt(r[c[1]], 2)), roles];
-      }), [shown.length + 1]);
+      }), [shown.length + 1], [], [shown.length + 1]);
     if (listed.length < h.rows.length) note(sec, `... ${h.rows.length - listed.length} more heads (in the object)`);
     note(sec, "Thresholds: " + Object.entries(h.thresholds).map(([k, v]) => `${k} ${v}`).join(", ") +
       (h.memory_neurons ? `; memory-management neurons: ${h.memory_neurons}` : ""));
@@ -177,27 +207,42 @@
     }
   }
 
+  // a heatmap's size for cols x rows cells (8 px cells at least, within 420..640 x 380..640 px), and whether
+  // its cells are big enough to print their values in (else hovering a cell still gives them)
+  function heatmapSize(cols, rows) {
+    const width = Math.min(640, Math.max(420, 150 + 10 * cols)), height = Math.min(640, Math.max(380, 110 + 10 * rows));
+    const cell = Math.min((width - 150) / Math.max(1, cols), (height - 110) / Math.max(1, rows));
+    return { width, height, cellText: cell >= 30 };
+  }
   function composition(sec, comp) {
     if (absent(sec, comp)) return;
     note(sec, "Composition score ‖W_A W_B‖_F / (‖W_A‖_F ‖W_B‖_F) between the output of an earlier head (rows) " +
       "and the query, key or value side of a later head (columns), minus the mean over random matrices of the " +
-      "same shapes. Cells show the adjusted score; hover shows the raw score and the baseline.");
+      "same shapes. Cells show the adjusted score (printed when the cells are big enough); hover shows the " +
+      "adjusted and raw scores and the baseline.");
     const grid = el("div", { class: "cols" });
     sec.append(grid);
     for (const kind of ["q", "k", "v"].filter((k) => comp[k])) {
       const c = comp[kind];
       const custom = c.raw.map((row) => row.map((v) => [v, c.baseline_mean, c.baseline_std]));
-      const div = el("div");
+      const size = heatmapSize(c.readers.length, c.writers.length);
+      const div = el("div", { class: "heatmap-box", "data-kind": kind });
+      div.style.width = `${size.width}px`;
       grid.append(div);
-      plot(div, [{
+      // the title and its caption are page text (they wrap), not the chart's (a chart cuts a long title off)
+      div.append(el("h3", { class: "heatmap-title", text: `${kind.toUpperCase()}-composition` }));
+      note(div, `baseline ${fmt(c.baseline_mean)} ± ${fmt(c.baseline_std)} (random matrices of the same shapes)` +
+        (c.offsets ? `; mean over query-key offsets ${c.offsets.join(", ")} (rotary)` : ""));
+      const cells = size.cellText ? { texttemplate: "%{z:.2f}", textfont: { size: 10 } } : {};
+      plot(div, [Object.assign({
         type: "heatmap", z: c.adjusted, x: c.readers, y: c.writers, customdata: custom, colorscale: "RdBu",
-        reversescale: true, zmid: 0, texttemplate: "%{z:.2f}", textfont: { size: 10 },
+        reversescale: true, zmid: 0,
         hovertemplate: "%{y} → %{x}<br>adjusted %{z:.3f}<br>raw %{customdata[0]:.3f}<br>" +
           "baseline %{customdata[1]:.3f} ± %{customdata[2]:.3f}<extra></extra>",
         colorbar: { thickness: 10 },
-      }], {
-        title: { text: `${kind.toUpperCase()}-composition (baseline ${fmt(c.baseline_mean)} ± ${fmt(c.baseline_std)}${c.offsets ? `; mean over offsets ${c.offsets.join(",")}` : ""})` },
-        width: 420, height: 380, xaxis: { title: { text: "reader head" }, type: "category" },
+      }, cells)], {
+        width: size.width, height: size.height, margin: { l: 60, r: 40, t: 10, b: 50 },
+        xaxis: { title: { text: "reader head" }, type: "category" },
         yaxis: { title: { text: "writer head" }, type: "category", autorange: "reversed" },
       });
       const top = c.top.slice(0, 5).map((p) => [p.writer, p.reader, signed(p.adjusted), fmt(p.raw)]);
@@ -219,7 +264,7 @@
 
   function paths(sec, p) {
     const ti = p.term_importance;
-    note(sec, `Path expansion on ${p.tokens[0]} × ${p.tokens[1]} validation tokens, attention patterns frozen. ` +
+    note(sec, `Path expansion on ${p.tokens[0]} × ${p.tokens[1]} tokens of the analysed text, attention patterns frozen. ` +
       `The sum of all path terms reproduces the model's logits to ${p.reconstruction_max_abs_error.toExponential(2)} ` +
       `(max |difference|).` + virtualNote(p.virtual_coverage) + (p.effect_positions
         ? ` Term effects (loss change when a term is removed) were measured on a seeded sample of ` +
@@ -233,12 +278,12 @@
     plot(row, [{ type: "bar", x: runs, y: losses, text: losses.map((v) => fmt(v, 2)), textposition: "auto",
       marker: { color: "#8aa2e8" } }], {
       title: { text: "loss by run (term importance)" }, width: 460, height: 340,
-      yaxis: { title: { text: "loss (nats)" } },
+      xaxis: { automargin: true }, yaxis: { title: { text: "loss (nats)" } },
     });
     plot(row, [{ type: "bar", x: orderNames, y: ti.marginal_by_order, text: ti.marginal_by_order.map((v) => fmt(v, 2)),
       textposition: "auto", marker: { color: "#d3562f" } }], {
       title: { text: "marginal loss reduction by order" }, width: 460, height: 340,
-      yaxis: { title: { text: "nats" } },
+      xaxis: { automargin: true }, yaxis: { title: { text: "nats" } },
     });
     const terms = el("div", { class: "cols" });
     sec.append(terms);
@@ -255,7 +300,7 @@
   // ids: prefix of the viewer's element ids (unique per page); hash: "#attend=L.H.Q" opens head L.H at token Q
   function attention(sec, a, ids = "viewer", hash = "") {
     if (absent(sec, a)) return;
-    note(sec, "The start of a validation sequence. Choose a head; hover (or click) a token to see where it " +
+    note(sec, "The start of the first sequence analysed. Choose a head; hover (or click) a token to see where it " +
       "attends: earlier tokens are shaded by attention weight. The heatmap shows the head's whole pattern.");
     const L = a.patterns.length, H = a.patterns[0].length, T = a.tokens.length;
     const selL = el("select", { id: `${ids}-layer` }), selH = el("select", { id: `${ids}-head` });
@@ -265,9 +310,10 @@
     sec.append(el("div", { class: "controls" }, el("label", { text: "layer " }, selL), el("label", { text: "head " }, selH), status));
     const box = el("div", { id: `${ids}-text`, class: "viewer-text" });
     sec.append(box);
+    const shown = runningText(a.tokens);
     const spans = a.tokens.map((t, i) => {
       const sp = el("span", { "data-pos": i, title: `${i}: ${tok(t)}` });
-      sp.textContent = t.replace(/\n/g, "↵\n");
+      sp.textContent = shown[i];
       box.append(sp);
       return sp;
     });
@@ -328,8 +374,8 @@
     sec.append(row);
     if (c.loss_by_position) {
       plot(row, [{ y: c.loss_by_position, x: c.loss_by_position.map((_, i) => i + 1), mode: "lines",
-        name: "validation text" }], {
-        title: { text: "loss by token position (validation text)" }, width: 560, height: 360,
+        name: "analysed text" }], {
+        title: { text: "loss by token position (analysed text)" }, width: 560, height: 360,
         xaxis: { title: { text: "token index" }, type: "log" }, yaxis: { title: { text: "loss (nats)" } },
       });
     }
@@ -355,7 +401,7 @@
       const d = el("div"); grid.append(d);
       d.append(el("h3", { text: `head ${h.head}` }));
       table(d, ["source", "destination", "output", "score"],
-        h.rows.map((r) => [tok(r.source_str), tok(r.destination_str), tok(r.output_str), fmt(r.score, 1)]), [0, 1, 2]);
+        h.rows.map((r) => [tok(r.source_str), tok(r.destination_str), tok(r.output_str), sig(r.score)]), [0, 1, 2]);
     }
     if (!t.bigrams.length) return;
     const d = el("div"); grid.append(d);
@@ -435,7 +481,7 @@
   // each renderer reads the sections it needs from D (the report's JSON, or a part of it)
   const RENDER = {
     card: (s, D) => card(s, D.card, D.inputs),
-    heads: (s, D) => { leftOut(s, D.left_out); heads(s, D.heads, D.eigenvalues, D.card.model.d_vocab); },
+    heads: (s, D) => { leftOut(s, D.left_out); heads(s, D.heads, D.eigenvalues, D.card.model.d_vocab, D.inputs); },
     composition: (s, D) => composition(s, D.composition),
     paths: (s, D) => paths(s, D.paths),
     attention: (s, D, o) => attention(s, D.attention, o.ids, o.hash),
@@ -516,7 +562,7 @@
   }
   // the helpers serve the other qkov pages drawn with this library (the dynamics and tour pages)
   // sections: the section renderers themselves, for pages that draw them from their own data (qkov explore)
-  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot, tok },
+  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot, tok, runningText },
     sections: { heads, composition, attention, trigrams, patching, patchResult, topk } };
 
   // the report page: every section from #qkov-data
