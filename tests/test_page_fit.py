@@ -110,6 +110,13 @@ def test_the_report_fits_and_its_text_reads_as_text(report_page: Path, llama: tu
         assert titles == ["Q-composition", "K-composition", "V-composition"]
         roles = page.eval("[...document.querySelectorAll('#heads td .role')].length")
         assert roles == 3 * LAYERS * HEADS  # every role of every head is on the page, inside the card (fits)
+        # a rotary model's positional score does not apply: n/a in every row, and the reason on the page
+        pos = page.eval(
+            "(() => { const t = document.querySelector('#heads table'); const i = [...t.rows[0].cells]"
+            ".findIndex((c) => c.textContent === 'pos'); return [...t.rows].slice(1).map((r) => r.cells[i].textContent); })()"
+        )
+        assert pos == ["n/a"] * (LAYERS * HEADS), pos[:4]
+        assert "positional score (pos) left out: not applicable" in page.eval("document.querySelector('#heads').textContent")
         # the viewer is the text itself: the start token, then the file's opening (a SentencePiece space first)
         shown = spans_text(page, "#viewer-text span")
         story = llama[1].read_text(encoding="utf-8")
@@ -162,6 +169,7 @@ def test_the_explorer_heads_table_fits_and_names_its_text(explorer: Any, llama: 
         notes = page.eval("[...document.querySelectorAll('#heads .out p.note')].map((p) => p.textContent).join(' ')")
         assert f"(text from {llama[1]}: " in notes, notes[:400]
         assert "seeded random tokens" not in notes and "validation text" not in notes, notes[:400]
+        assert "positional score (pos) left out: not applicable" in notes
         # a text typed in reads back as itself, byte tokens joined into the characters they spell
         page.type_into("#text-input", OPENING.strip())
         page.click("#text-run")

@@ -7,7 +7,7 @@
 "use strict";
 (function () {
   const R = window.qkovReport;
-  const { el, fmt, signed, note, table, plot, tok, runningText } = R.helpers;
+  const { el, fmt, signed, note, table, plot, tok, runningText, leftOut } = R.helpers;
   const $ = (sel) => document.querySelector(sel);
   const pageError = (msg) => { const p = $("#page-error"); p.hidden = false; p.textContent = msg; };
   window.addEventListener("error", (e) => pageError("page error: " + e.message));
@@ -228,7 +228,7 @@
         "qkov explore SOURCE --text FILE to measure them on a text (as qkov heads --text FILE does).");
     }
     if (h.cached) note(out, `Computed once for this model and these tokens; kept at ${h.cached}.`);
-    for (const [name, why] of Object.entries(h.left_out || {})) note(out, `${name} left out: ${why}.`);
+    leftOut(out, h.left_out);
     const cols = (h.columns || []).map((c) => (Array.isArray(c) ? c : [c.label, c.key]));  // [label, score name]
     if (h.thresholds) {  // the report's table and plots, its head cells made into links to the cards
       R.sections.heads(out, Object.assign({}, h, { columns: cols }), null, M.d_vocab, h.inputs);
@@ -290,6 +290,7 @@
     drawCardRest(out, c);
   }
   function drawTables(out, c) {
+    if (c.left_out) note(out, `Tables over the vocabulary's ordinary tokens: ${c.left_out}.`);
     const tabs = el("div", { class: "cols" });
     out.append(tabs);
     if (c.top_ov) {

@@ -163,7 +163,7 @@
       listed.map((r) => {
         const roles = el("span");
         (r.roles.length ? r.roles : ["–"]).forEach((x) => roles.append(el("span", { class: "role", text: x })));
-        return [r.head, ...shown.map((c) => fmt(r[c[1]], 2)), roles];
+        return [r.head, ...shown.map((c) => (r[c[1]] == null ? "n/a" : fmt(r[c[1]], 2))), roles];
       }), [shown.length + 1], [], [shown.length + 1]);
     if (listed.length < h.rows.length) note(sec, `... ${h.rows.length - listed.length} more heads (in the object)`);
     note(sec, "Thresholds: " + Object.entries(h.thresholds).map(([k, v]) => `${k} ${v}`).join(", ") +
@@ -360,9 +360,10 @@
     redraw();
   }
 
+  const LEFT_OUT_NAMES = { icl: "ICL score", positional_fraction: "positional score (pos)" };
   function leftOut(sec, left) {  // scores the text does not give, and why (report.json "left_out")
     for (const [name, why] of Object.entries(left || {})) {
-      note(sec, `${name === "icl" ? "ICL score" : name} left out: ${why}.`);
+      note(sec, `${LEFT_OUT_NAMES[name] || name} left out: ${why}.`);
     }
   }
 
@@ -562,7 +563,7 @@
   }
   // the helpers serve the other qkov pages drawn with this library (the dynamics and tour pages)
   // sections: the section renderers themselves, for pages that draw them from their own data (qkov explore)
-  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot, tok, runningText },
+  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot, tok, runningText, leftOut },
     sections: { heads, composition, attention, trigrams, patching, patchResult, topk } };
 
   // the report page: every section from #qkov-data
