@@ -137,6 +137,12 @@ def test_every_command_reads_a_text_as_transformers_does(llama: Path, tmp_path: 
     rc, out, err = run_main(capsys, "heads", llama, "--text", text, "--json")
     assert rc == 0, err
     assert f"one sequence of {len(want)} tokens" in json.loads(out)["inputs"]
+    rc, out, err = run_main(capsys, "paths", llama, "--text", text, "--json")
+    assert rc == 0, err
+    assert f"one sequence of {len(want)} tokens" in json.loads(out)["inputs"]
+    rc, out, err = run_main(capsys, "report", llama, "--text", text, "-o", tmp_path / "rep")
+    assert rc == 0, err
+    assert f"one sequence of {len(want)} tokens" in json.loads((tmp_path / "rep" / "report.json").read_text())["inputs"]
     rc, out, err = run_main(capsys, "ablate", llama, "--heads", "1.0", "--text", text, "--draws", "0", "--json")
     assert rc == 0, err
     assert json.loads(out)["intact"]["loss"] == pytest.approx(_hf_loss(llama, want), abs=1e-5)
@@ -231,3 +237,13 @@ def test_ablate_each_head_in_turn(llama: Path, tmp_path: Path, capsys: Any) -> N
     assert data["heads"][6]["loss"] == pytest.approx(json.loads(one[1])["ablated"]["loss"], abs=1e-5)
     rc, out, err = run_main(capsys, "ablate", llama, "--heads", "all", "--text", text)
     assert rc == 0 and "each head ablated alone" in out and "text loss" in out and "31 per copy" in out
+
+
+def test_the_notebook_viewer_names_a_text_it_cannot_read(llama: Path) -> None:
+    from qkov.show import attention
+
+    model = qkov.load(llama)
+    view = attention(model, STORY.strip())
+    assert view.ids.tolist() == _hf_ids(llama, STORY.strip())
+    with pytest.raises(qkov.QkovError, match=r"the text is \d+ tokens and the model reads at most 64"):
+        attention(model, LONG_STORY)

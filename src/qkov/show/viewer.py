@@ -86,7 +86,11 @@ def attention(
         if tok is None or bos is None:
             raise QkovError("attention: text needs a model with a tokenizer; give token ids instead")
         prepend = getattr(model, "default_prepend_bos", None)
-        ids = torch.tensor(text_codec(tok, bos, default_prepend_bos=prepend).encode(text_or_tokens)[: cfg.n_ctx])
+        ids = torch.tensor(text_codec(tok, bos, default_prepend_bos=prepend).encode(text_or_tokens))
+        if len(ids) > cfg.n_ctx:  # said, not cut silently
+            raise QkovError(
+                f"attention: the text is {len(ids)} tokens and the model reads at most {cfg.n_ctx}; give a shorter text"
+            )
     else:
         ids = check_tokens(text_or_tokens, cfg)[0]
     layer, head = layer or 0, head or 0
