@@ -57,8 +57,8 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
             w = qkov.Weights.from_model(model)
             r = qkov.trace(w, text, cache="pattern.*")
             loss = float(next_token_loss(r.logits, text))
-            prev = r.patterns.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, 3))
-            ind = induction_attention(qkov.trace(w, rep, cache="pattern.*").patterns, length)
+            prev = r.stack("pattern").diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, 3))
+            ind = induction_attention(qkov.trace(w, rep, cache="pattern.*").stack("pattern"), length)
         else:
             hooked.load_state_dict(to_hooked(model, dtype=torch.float32).state_dict())
             logits, cache = hooked.run_with_cache(text)

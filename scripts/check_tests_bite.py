@@ -22,22 +22,28 @@ SRC = ROOT / "src" / "qkov"
 
 # name: (file under src/qkov, text, replacement, tests that must fail)
 BUGS: dict[str, tuple[str, str, str, str]] = {
-    "forward: shortformer positions leak into the values": (
-        "analysis/forward.py",
-        'v_in, v_scale = self.normed("attn", l, x, att.ln_w, att.ln_b)',
-        'v_in, v_scale = self.normed("attn", l, query_key_stream(x, self.pos, self.cfg.positional), att.ln_w, att.ln_b)',
+    "block: shortformer positions leak into the values (the training model and the trace alike)": (
+        "model/block.py",
+        'v_in, _ = self.normed("attn", l, x, att.ln_w, att.ln_b)',
+        'v_in, _ = self.normed("attn", l, query_key_stream(x, self.pos, self.cfg.positional), att.ln_w, att.ln_b)',
         "tests/test_forward.py::test_run_equals_training_model_and_reference",
     ),
-    "forward: a replaced head output is ignored": (
-        "analysis/legacy.py",
-        "        return given.to(value)",
-        "        return value",
+    "block: the attention scale (sqrt(d_head)) changed in the one place both passes read it": (
+        "model/ops.py",
+        "    return math.sqrt(d_head)",
+        "    return math.sqrt(d_head) * 1.25",
+        "tests/test_forward.py::test_run_equals_training_model_and_reference tests/test_model.py::test_multihead_equals_sum_of_heads",
+    ),
+    "edits: a function's replacement is ignored": (
+        "analysis/edits.py",
+        "    if out is None:\n        return value",
+        "    if out is not value:\n        return value",
         "tests/test_forward.py::test_frozen_run_with_own_outputs_is_the_model_and_is_linear",
     ),
     "term importance: every run adds the live outputs (no paper procedure)": (
-        "analysis/legacy.py",
-        "        return given.to(value)",
-        "        return value",
+        "analysis/importance.py",
+        "            x = x + prev[l] + fixed[l]",
+        "            x = x + live[l] + fixed[l]",
         "tests/test_paths.py::test_term_importance_against_an_independent_recomputation",
     ),
     "term effects: half the term removed": (
@@ -221,13 +227,13 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "tests/test_runs.py::test_a_state_without_config_json_resumes_and_a_run_without_state_restarts",
     ),
     "sites: attn_out forgets b_O when heads write one by one": (
-        "analysis/forward.py",
-        "            out = per_head.sum(2) + att.b_O",
-        "            out = per_head.sum(2)",
+        "model/block.py",
+        "out = per_head.sum(2) if att.b_O is None else per_head.sum(2) + att.b_O",
+        "out = per_head.sum(2)",
         "tests/test_sites.py::test_every_site_is_cached_in_its_layout_and_equals_its_definition",
     ),
     "sites: the per-head query/key copies miss the shortformer positions": (
-        "analysis/forward.py",
+        "model/block.py",
         '        if kind != "v":\n            split = query_key_stream(',
         '        if False:\n            split = query_key_stream(',
         "tests/test_sites.py::test_every_site_is_cached_in_its_layout_and_equals_its_definition",

@@ -244,11 +244,11 @@ def test_ablating_last_layer_heads_keeps_the_few_positions_pass_exact(mode: str,
     """Ablations of every position are marked as acting on each position alone, so the forward still
     runs the last layer at a few positions only with them (the ICL score's passes): its logits there
     are the full ablated pass's. Ablated at some positions only, the whole last layer runs (same check)."""
-    import qkov.analysis.forward as F
+    from qkov.model.block import BlockPass
 
     calls: list[int] = []
-    real = F.last_block
-    monkeypatch.setattr(F, "last_block", lambda *a: calls.append(1) or real(*a))
+    real = BlockPass.attention_at  # the last layer at a few query positions
+    monkeypatch.setattr(BlockPass, "attention_at", lambda *a: calls.append(1) or real(*a))
     w = Weights.from_model(hand_built(), center_unembed=False)
     toks = natural_text(4)
     at, heads = torch.tensor([3, 20, toks.shape[1] - 1]), [(1, 0), (0, 1)]

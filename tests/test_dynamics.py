@@ -403,6 +403,6 @@ def test_previous_token_alone_equals_the_text_scores_and_the_patterns(chunk: int
     got = previous_token_on_text(w, text, chunk=chunk)
     assert got.dtype == torch.float64 and got.shape == (w.cfg.n_layers, w.cfg.n_heads)
     assert torch.equal(got, text_scores(w, text, chunk=chunk)["previous_token"])
-    patterns = qkov.trace(w, text, record=("patterns",)).patterns
+    patterns = qkov.trace(w, text, cache=["pattern"]).stack("pattern")
     assert (got - previous_token_scores(patterns.double())).abs().max() < 1e-6
     assert got.max() > 0.9 and got.min() < 0.5  # heads differ: the comparison is not between constants

@@ -90,12 +90,18 @@ def forward_pattern(model: qkov.Transformer, ids: list[int], layer: int, head: i
     """Head ``layer.head``'s pattern recomputed from the attention module's own inputs in the model's forward
     pass (a hook on the module; softmax of q.k / sqrt(d_head), causal), not through qkov.trace."""
     seen: dict[str, torch.Tensor] = {}
-    attn = model.blocks[layer].attn
-    handle = attn.register_forward_pre_hook(lambda mod, inputs: seen.update(qk=inputs[0]))
+    block = model.blocks[layer]
+    attn = block.attn
+    handle = attn.register_forward_pre_hook(lambda mod, inputs: seen.update(x=inputs[-1]))  # the stream it reads
     try:
         with torch.no_grad():
             model(torch.tensor([ids]))
-            q, k, _ = attn.qkv(seen["qk"], seen["qk"])
+            qk = seen["x"]
+            if model.cfg.positional == "shortformer":  # positions enter the queries and keys only
+                qk = qk + model.W_pos[: len(ids)]
+            if block.ln1 is not None:
+                qk = block.ln1(qk)
+            q, k, _ = attn.qkv(qk, qk)
     finally:
         handle.remove()
     scores = q[0, head] @ k[0, head].T / model.cfg.d_head**0.5

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from qkov import ModelConfig, QkovError, Transformer, Weights, trace
-from qkov.analysis.forward import RECORDABLE
+from qkov.analysis.frozen import frozen_edits, frozen_sites
 
 from helpers import LN_MLP, MODERN, perturb_non_matrices
 from reference import reference_forward
@@ -65,7 +65,7 @@ def test_run_equals_training_model_and_reference(name: str, fold: bool) -> None:
     m = _model(cfg)
     w = Weights.from_model(m, dtype=torch.float64, fold_ln=fold, center_unembed=False)
     toks = _tokens(cfg)
-    r = trace(w, toks, record=RECORDABLE)
+    r = trace(w, toks, cache=["pattern"])
     ref_logits, ref_patterns = reference_forward(w, toks)
     with torch.no_grad():
         assert (r.logits - m(toks)).abs().max() < 1e-10
@@ -74,10 +74,11 @@ def test_run_equals_training_model_and_reference(name: str, fold: bool) -> None:
         assert (centred.log_softmax(-1) - m(toks).log_softmax(-1)).abs().max() < 1e-10
         assert centred.mean(-1).abs().max() < 1e-10
     assert (r.logits - ref_logits).abs().max() < 1e-10
-    assert (r.patterns - ref_patterns).abs().max() < 1e-12
-    assert torch.allclose(r.patterns.sum(-1), torch.ones(()).double()) and r.patterns.triu(1).abs().max() == 0
-    # nothing recorded: the fused attention gives the same logits
-    assert (trace(w, toks, record=()).logits - ref_logits).abs().max() < 1e-10
+    patterns = r.stack("pattern")
+    assert (patterns - ref_patterns).abs().max() < 1e-12
+    assert torch.allclose(patterns.sum(-1), torch.ones(()).double()) and patterns.triu(1).abs().max() == 0
+    # nothing cached: the fused attention gives the same logits
+    assert (trace(w, toks).logits - ref_logits).abs().max() < 1e-10
 
 
 def test_recorded_pieces_rebuild_the_stream() -> None:
@@ -87,21 +88,21 @@ def test_recorded_pieces_rebuild_the_stream() -> None:
     m = _model(cfg)
     w = Weights.from_model(m, dtype=torch.float64)
     toks = _tokens(cfg)
-    r = trace(w, toks, record=RECORDABLE)
+    r = trace(w, toks, cache=["pattern", "head_out", "mlp_out", "v", "qk_in", "attn_scale", "final_scale"])
     L, B, H, T, D = cfg.n_layers, 3, cfg.n_heads, cfg.n_ctx, cfg.d_model
-    assert r.head_outputs.shape == (L, B, H, T, D) and r.mlp_outputs.shape == (L, B, T, D)
-    assert r.values.shape == (L, B, H, T, cfg.d_head) and r.qk_inputs.shape == (L, B, T, D)
+    assert r.stack("head_out").shape == (L, B, T, H, D) and r.stack("mlp_out").shape == (L, B, T, D)
+    assert r.stack("v").shape == (L, B, T, cfg.kv_heads, cfg.d_head) and r.stack("qk_in").shape == (L, B, T, D)
     x = w.W_E[toks]
     for l in range(L):
-        x = x + r.head_outputs[l].sum(1) + w.b_O[l] + r.mlp_outputs[l]
-    final = (x - x.mean(-1, keepdim=True)) / r.scales.final
+        x = x + r["head_out", l].sum(2) + w.b_O[l] + r["mlp_out", l]
+    final = (x - x.mean(-1, keepdim=True)) / r["final_scale"]
     assert (final @ w.W_U + w.b_U - r.logits).abs().max() < 1e-10
-    # head 1.1's output is its pattern times its recorded values times W_O
-    out = r.patterns[1, :, 1] @ r.values[1, :, 1] @ w.W_O[1, 1]
-    assert (out - r.head_outputs[1, :, 1]).abs().max() < 1e-12
-    # the value input of layer 0 is the embedding, normalised by the recorded divisor
-    v_in = (w.W_E[toks] - w.W_E[toks].mean(-1, keepdim=True)) / r.scales.attn_v[0]
-    assert (v_in @ w.W_V[0, 1] + w.b_V[0, 1] - r.values[0, :, 1]).abs().max() < 1e-12
+    # head 1.1's output is its pattern times its cached values times W_O
+    out = r["pattern", 1][:, 1] @ r["v", 1][:, :, 1] @ w.W_O[1, 1]
+    assert (out - r["head_out", 1][:, :, 1]).abs().max() < 1e-12
+    # the value input of layer 0 is the embedding, normalised by the cached divisor
+    v_in = (w.W_E[toks] - w.W_E[toks].mean(-1, keepdim=True)) / r["attn_scale", 0]
+    assert (v_in @ w.W_V[0, 1] + w.b_V[0, 1] - r["v", 0][:, :, 1]).abs().max() < 1e-12
 
 
 def test_frozen_patterns_replace_the_models() -> None:
@@ -112,11 +113,11 @@ def test_frozen_patterns_replace_the_models() -> None:
     toks = _tokens(cfg, batch=2)
     T = cfg.n_ctx
     uniform = torch.tril(torch.ones(T, T)) / torch.arange(1, T + 1)[:, None]
-    forced = trace(w, toks, patterns=uniform.expand(cfg.n_layers, cfg.n_heads, T, T).double(), record=("patterns",))
+    forced = trace(w, toks, edits={"pattern": uniform.double()}, cache=["pattern"])  # every layer, every head
     expected, _ = reference_forward(w, toks, patterns=uniform.expand(cfg.n_layers, 2, cfg.n_heads, T, T).double())
     assert (forced.logits - expected).abs().max() < 1e-12
     assert (forced.logits - trace(w, toks).logits).abs().max() > 1e-3
-    assert torch.equal(forced.patterns[0, 0], uniform.expand(cfg.n_heads, T, T).double())
+    assert torch.equal(forced["pattern", 0][0], uniform.expand(cfg.n_heads, T, T).double())
 
 
 def test_shortformer_positions_only_enter_queries_and_keys() -> None:
@@ -124,10 +125,11 @@ def test_shortformer_positions_only_enter_queries_and_keys() -> None:
     cfg = CONFIGS["shortformer"]
     w = Weights.from_model(_model(cfg), dtype=torch.float64)
     toks = _tokens(cfg, batch=2)
-    own = trace(w, toks, record=("patterns",))
+    own = trace(w, toks, cache=["pattern"])
     moved = w.replace(W_pos=w.W_pos * 3)
-    assert (trace(moved, toks, record=("patterns",)).patterns - own.patterns).abs().max() > 1e-3
-    assert (trace(moved, toks, patterns=own.patterns).logits - own.logits).abs().max() < 1e-12
+    assert (trace(moved, toks, cache=["pattern"]).stack("pattern") - own.stack("pattern")).abs().max() > 1e-3
+    frozen = {f"pattern.{l}": own["pattern", l] for l in range(cfg.n_layers)}
+    assert (trace(moved, toks, edits=frozen).logits - own.logits).abs().max() < 1e-12
 
 
 def test_frozen_run_with_own_outputs_is_the_model_and_is_linear() -> None:
@@ -136,54 +138,63 @@ def test_frozen_run_with_own_outputs_is_the_model_and_is_linear() -> None:
     cfg = CONFIGS["ln-mlp-standard-gelu_new"]
     w = Weights.from_model(_model(cfg), dtype=torch.float64)
     toks = _tokens(cfg)
-    real = trace(w, toks, record=("patterns", "scales", "mlp_outputs", "head_outputs"))
-    again = trace(w, toks, frozen=real, head_outputs=real.head_outputs)
+    real = trace(w, toks, cache=[*frozen_sites(w), "head_out"])
+    frozen, L = frozen_edits(real), cfg.n_layers
+    again = trace(w, toks, edits={**frozen, **{f"head_out.{l}": real["head_out", l] for l in range(L)}})
     assert (again.logits - real.logits).abs().max() < 1e-10
-    zeroed = trace(w, toks, frozen=real, head_outputs=torch.zeros_like(real.head_outputs), record=("head_outputs",))
+    live: dict[int, torch.Tensor] = {}
+
+    def zero(value: torch.Tensor, site: object) -> torch.Tensor:  # keeps what the heads computed, adds nothing
+        live[site.layer] = value.clone()  # type: ignore[attr-defined]
+        return torch.zeros_like(value)
+
+    zeroed = trace(w, toks, edits={**frozen, "head_out": zero})
     assert (zeroed.logits - real.logits).abs().max() > 1e-2
     # heads replaced by zeros, the stream is embedding + biases + frozen MLP outputs
-    x = w.W_E[toks] + w.W_pos[: cfg.n_ctx] + w.b_O.sum(0) + real.mlp_outputs.sum(0)
-    expected = (x - x.mean(-1, keepdim=True)) / real.scales.final @ w.W_U + w.b_U
+    x = w.W_E[toks] + w.W_pos[: cfg.n_ctx] + w.b_O.sum(0) + real.stack("mlp_out").sum(0)
+    expected = (x - x.mean(-1, keepdim=True)) / real["final_scale"] @ w.W_U + w.b_U
     assert (zeroed.logits - expected).abs().max() < 1e-10
     # the outputs heads compute on that run are computed from that run's stream, not the real one
-    assert (zeroed.head_outputs[1] - real.head_outputs[1]).abs().max() > 1e-3
-    assert (zeroed.head_outputs[0] - real.head_outputs[0]).abs().max() < 1e-12  # layer 0 reads the same stream
+    assert (live[1] - real["head_out", 1]).abs().max() > 1e-3
+    assert (live[0] - real["head_out", 0]).abs().max() < 1e-12  # layer 0 reads the same stream
 
 
 def test_zero_layer_model() -> None:
     cfg = ModelConfig(n_layers=0, d_model=8, d_vocab=10, n_ctx=6)
     w = Weights.from_model(Transformer(cfg, seed=5))
-    r = trace(w, torch.tensor([[1, 2, 3, 4]]), record=RECORDABLE)
+    r = trace(w, torch.tensor([[1, 2, 3, 4]]), cache=["pattern", "head_out"])
     assert torch.allclose(r.logits, w.W_E[torch.tensor([[1, 2, 3, 4]])] @ w.W_U, atol=1e-6)
-    assert r.patterns.shape == (0, 1, cfg.n_heads, 4, 4) and r.head_outputs.shape[0] == 0
+    assert r.stack("pattern").shape == (0, 1, cfg.n_heads, 4, 4) and r.stack("head_out").shape[0] == 0
 
 
 def test_bad_input_is_a_user_error() -> None:
     cfg = CONFIGS["shortformer"]
     w = Weights.from_model(Transformer(cfg, seed=0))
     toks = torch.zeros(1, 5, dtype=torch.long)
-    with pytest.raises(QkovError, match="patterns"):
-        trace(w, toks, patterns=torch.zeros(2, 1, 3, 4, 4))
-    with pytest.raises(QkovError, match="cannot record attention"):
-        trace(w, toks, record=("attention",))
+    with pytest.raises(QkovError, match="pattern"):
+        trace(w, toks, edits={"pattern.0": torch.zeros(2, 1, 3, 4, 4)})
+    with pytest.raises(QkovError, match="attention"):
+        trace(w, toks, cache=["attention"])
     with pytest.raises(QkovError, match="out of range"):
         trace(w, torch.tensor([[0, 50]]))
-    with pytest.raises(QkovError, match="recorded its patterns"):
-        trace(w, toks, frozen=trace(w, toks, record=()))
+    with pytest.raises(QkovError, match="a frozen run must have cached"):
+        frozen_edits(trace(w, toks))
+    with pytest.raises(TypeError):  # the pre-1.1 modes are gone
+        trace(w, toks, record=("patterns",))  # type: ignore[call-arg]
 
 
 def _counting_last_block(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count the calls of the last layer's few-positions block (:mod:`qkov.analysis.forward_fast`)."""
-    import qkov.analysis.forward as F
+    """Count the calls of the last layer's few-positions attention (:meth:`qkov.model.block.BlockPass.attention_at`)."""
+    from qkov.model.block import BlockPass
 
     calls: list[int] = []
-    real = F.last_block
+    real = BlockPass.attention_at
 
-    def counted(state, l, x, rows):  # type: ignore[no-untyped-def]
+    def counted(self, l, x, rows):  # type: ignore[no-untyped-def]
         calls.append(l)
-        return real(state, l, x, rows)
+        return real(self, l, x, rows)
 
-    monkeypatch.setattr(F, "last_block", counted)
+    monkeypatch.setattr(BlockPass, "attention_at", counted)
     return calls
 
 
@@ -215,15 +226,15 @@ def test_logits_at_positions_equal_the_full_pass(name: str, fold: bool, monkeypa
 
 @pytest.mark.parametrize("name", ["ln-mlp-shortformer", "llama-like"])
 def test_positions_with_the_last_layer_read_run_it_whole(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Anything that reads or writes the last layer (a cached or edited site there, an observer, a
-    gradient, a start inside the pass) runs it at every position: same logits, full-size sites. An
+    """Anything that reads or writes the last layer (a cached or edited site there, an observing edit,
+    a gradient, a start inside the pass) runs it at every position: same logits, full-size sites. An
     edit of an earlier layer keeps the few-positions block, and its effect."""
     cfg = CONFIGS[name]
     w = Weights.from_model(_model(cfg), dtype=torch.float64)
     toks, at, last = _tokens(cfg), torch.tensor([2, 7, cfg.n_ctx - 1]), cfg.n_layers - 1
     calls = _counting_last_block(monkeypatch)
     zero = {f"z.{last}.1": lambda z, site: torch.zeros_like(z)}
-    for kw in (dict(cache=[f"pattern.{last}"]), dict(edits=zero), dict(observe=lambda view: None), dict(grad=True),
+    for kw in (dict(cache=[f"pattern.{last}"]), dict(edits=zero), dict(edits={f"pattern.{last}": lambda p, site: None}), dict(grad=True),
                dict(start_at=(last, trace(w, toks, cache=[f"resid_pre.{last}"])[f"resid_pre.{last}"]))):
         got = trace(w, toks, positions=at, **kw)  # type: ignore[arg-type]
         full = trace(w, toks, **{k: v for k, v in kw.items() if k != "cache"})  # type: ignore[arg-type]
@@ -239,21 +250,22 @@ def test_positions_with_the_last_layer_read_run_it_whole(name: str, monkeypatch:
 
 def test_zero_biases_are_skipped_and_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     """A weights view holds zeros for the biases a model lacks; the forward skips adding them
-    (:func:`~qkov.analysis.forward_fast.live_bias`): the same logits and sites, bit for bit."""
+    (:func:`~qkov.model.ops.live_bias`): the same logits and sites, bit for bit."""
     import qkov.analysis.forward as F
-    import qkov.analysis.forward_fast as FF
+    import qkov.model.block as FB
+    from qkov.model.ops import live_bias
 
     zeros, some = torch.zeros(3, 4), torch.zeros(3, 4)
     some[1, 2] = 1e-30
-    assert FF.live_bias(zeros) is None and FF.live_bias(None) is None
-    assert FF.live_bias(some) is some and FF.live_bias(zeros.clone().requires_grad_()) is not None
+    assert live_bias(zeros) is None and live_bias(None) is None
+    assert live_bias(some) is some and live_bias(zeros.clone().requires_grad_()) is not None
     cfg = LN_MLP.replace(bias=False, normalization="rmsnorm")
     w = Weights.from_model(_model(cfg).float(), fold_ln=False)
     assert not w.b_Q.any() and not w.b_O.any()
     toks, at = _tokens(cfg), torch.tensor([1, 5])
     runs = lambda: [trace(w, toks, cache="*"), trace(w, toks, positions=at)]  # noqa: E731
     fast = runs()
-    for module in (F, FF):
+    for module in (F, FB):
         monkeypatch.setattr(module, "live_bias", lambda b: b)
     slow = runs()
     for a, b in zip(fast, slow):

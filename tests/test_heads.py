@@ -170,7 +170,7 @@ def test_positional_fraction_is_unchanged_by_a_rotation_of_the_stream() -> None:
     text = torch.randint(1, cfg.d_vocab, (3, 10), generator=torch.Generator().manual_seed(2))
     fractions = []
     for w in (good, rotated):
-        r = trace(w, text, record=("patterns", "scales", "qk_inputs"))
+        r = trace(w, text, cache=["qk_in", "*_scale*"])
         fractions.append(Hd.positional_fraction(w, r))
     assert rotated.norm == "scale" and (fractions[0] - fractions[1]).abs().max() < 1e-9
     assert fractions[0].max() > 0.05  # positions do matter in this model

@@ -74,7 +74,7 @@ def test_attention_patterns_equal_transformers(name: str, dirs: dict[str, Path])
     hf.config._attn_implementation = "eager"
     with torch.no_grad():
         ref = torch.stack(hf(TOKENS, output_attentions=True).attentions)  # [L, B, H, T, T]
-    ours = trace(Weights.from_model(load_hf(dirs[name])), TOKENS, cache="pattern.*").patterns
+    ours = trace(Weights.from_model(load_hf(dirs[name])), TOKENS, cache="pattern.*").stack("pattern")
     assert ours.shape == ref.shape and (ours - ref).abs().max() < 1e-5
 
 

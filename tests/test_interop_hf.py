@@ -96,7 +96,7 @@ def test_import_attention_patterns_match_transformers(hf_dir: Path) -> None:
     tokens = _tokens(1)
     with torch.no_grad():
         theirs = hf(tokens, output_attentions=True).attentions
-        ours = trace(Weights.from_model(load_hf(hf_dir, dtype=D), dtype=D), tokens, cache="pattern.*").patterns
+        ours = trace(Weights.from_model(load_hf(hf_dir, dtype=D), dtype=D), tokens, cache="pattern.*").stack("pattern")
     for l in range(2):
         assert (ours[l] - theirs[l]).abs().max() < 1e-12
 

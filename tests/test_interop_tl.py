@@ -68,7 +68,7 @@ def test_export_matches_transformerlens_forward_and_patterns(name: str) -> None:
         assert (m(tokens) - logits).abs().max() < 1e-10
     assert (ours.logits - logits).abs().max() < 1e-10
     for l in range(cfg.n_layers):
-        assert (ours.patterns[l] - cache["pattern", l]).abs().max() < 1e-12
+        assert (ours["pattern", l] - cache["pattern", l]).abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("name", ["paper", "gpt2-like", "no-pos-relu", "shortformer-mlp-gelu"])

@@ -161,8 +161,9 @@ def test_forward_and_paths_stream_the_same_model(saved: tuple[Weights, Path]) ->
     w, path = saved
     ck = LazyCheckpoint(path, dtype=torch.float64)
     toks = torch.randint(0, w.cfg.d_vocab, (2, 10), generator=torch.Generator().manual_seed(4))
-    a, b = trace(ck, toks, record=("patterns", "head_outputs")), trace(w, toks, record=("patterns", "head_outputs"))
-    assert _close(a.logits, b.logits) and _close(a.patterns, b.patterns) and _close(a.head_outputs, b.head_outputs)
+    a, b = trace(ck, toks, cache=["pattern", "head_out"]), trace(w, toks, cache=["pattern", "head_out"])
+    assert _close(a.logits, b.logits) and _close(a.stack("pattern"), b.stack("pattern"))
+    assert _close(a.stack("head_out"), b.stack("head_out"))
     assert P.expand(ck, toks).reconstruction_error() < 1e-10
 
 

@@ -23,13 +23,12 @@ CONFIGS = [
 
 
 def test_multihead_equals_sum_of_heads() -> None:
-    cfg = ModelConfig(n_layers=1, n_heads=4, d_model=32, d_head=8, d_vocab=40, n_ctx=12)
+    cfg = ModelConfig(n_layers=1, n_heads=4, d_model=32, d_head=8, d_vocab=40, n_ctx=12, positional="none")
     model = Transformer(cfg, seed=3).eval()
     attn = model.blocks[0].attn
     x = torch.randn(2, 12, 32)
     with torch.no_grad():
-        fused = attn(x, x)
-        q, k, v = attn.qkv(x, x)
+        fused = model.blocks[0](x, None) - x  # the block body's fused attention (no norm, no MLP here)
         total = torch.zeros_like(x)
         for h in range(cfg.n_heads):
             s = (x @ attn.W_Q[h]) @ (x @ attn.W_K[h]).transpose(-1, -2) / math.sqrt(cfg.d_head)
@@ -194,3 +193,30 @@ def test_public_api_is_what_the_package_docs_list() -> None:
     for name in qkov.__all__:
         assert getattr(qkov, name) is not None
     assert qkov.__version__ == __import__("importlib.metadata").metadata.version("qkov")
+
+
+@pytest.mark.parametrize("positional", ["shortformer", "rotary"])
+def test_the_block_is_written_once(positional: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention scale lives in one place (``qkov.model.ops.score_divisor``): changing it changes
+    the training model's fused attention, the analysis forward's fused and explicit attention, and
+    the few-positions last layer alike, and they still agree with each other."""
+    import qkov.model.ops as ops
+    from qkov import Weights, trace
+
+    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=10, positional=positional)
+    model = Transformer(cfg, seed=4).double().eval()
+    toks = torch.randint(0, 30, (2, 10), generator=torch.Generator().manual_seed(1))
+    w = Weights.from_model(model, dtype=torch.float64, center_unembed=False)
+
+    def passes() -> list[torch.Tensor]:
+        with torch.no_grad():
+            return [model(toks), trace(w, toks).logits, trace(w, toks, cache=["pattern"]).logits,
+                    trace(w, toks, positions=torch.tensor([3, 9])).logits]  # fmt: skip
+
+    before = passes()
+    monkeypatch.setattr(ops, "score_divisor", lambda d: 0.5 * math.sqrt(d))
+    after = passes()
+    for b, a in zip(before, after):
+        assert (a - b).abs().max() > 1e-3  # every pass reads the changed scale
+    assert (after[0] - after[1]).abs().max() < 1e-10 and (after[0] - after[2]).abs().max() < 1e-10
+    assert (after[0][:, [3, 9]] - after[3]).abs().max() < 1e-10

@@ -47,9 +47,6 @@ RENAMED: list[tuple[str, Callable[[], Any], Callable[[], Any], str]] = [
     ("qkov.Run", lambda: qkov.Run, lambda: qkov.Trace, "qkov.Trace"),
     ("qkov.analysis.run", _attr("qkov.analysis", "run"), lambda: qkov.trace, "qkov.analysis.trace"),
     ("qkov.analysis.Run", _attr("qkov.analysis", "Run"), lambda: qkov.Trace, "qkov.analysis.Trace"),
-    ("forward.run", _attr("qkov.analysis.forward", "run"), lambda: qkov.trace, "qkov.analysis.forward.trace"),
-    ("forward.Run", _attr("qkov.analysis.forward", "Run"), lambda: qkov.Trace, "qkov.analysis.forward.Trace"),
-    ("activations.Run", _attr("qkov.analysis.activations", "Run"), lambda: qkov.Trace, "qkov.analysis.activations.Trace"),
     (
         "circuits.analyse",
         _attr("qkov.analysis.circuits", "analyse"),

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from qkov.analysis import paths as P
 from qkov.analysis.forward import trace
 from qkov.analysis.head_logits import SampledTerms, head_unembed, term_logits
+from qkov.analysis.frozen import frozen_edits, head_terms
 from qkov.analysis.importance import lm_loss, loss, rms
 from qkov.weights import Weights
 
@@ -23,12 +24,23 @@ def literal_run_losses(w: Weights, tokens: torch.Tensor) -> list[float]:
     """The paper's procedure as written: L + 1 full passes, each head adding its previous output."""
     c = w.cfg
     real = P.frozen_run(w, tokens)
-    outputs = real.logits.new_zeros(c.n_layers, tokens.shape[0], c.n_heads, tokens.shape[1], c.d_model)
+    frozen = frozen_edits(real)  # its patterns, divisors and MLP outputs
+    B, T = tokens.shape
+    outputs = [real.logits.new_zeros(B, T, c.n_heads, c.d_model) for _ in range(c.n_layers)]  # head_out layout
     losses = []
     for _ in range(c.n_layers + 1):
-        r = trace(w, tokens, record=("head_outputs",), frozen=real, head_outputs=outputs)
+        live: dict[int, torch.Tensor] = {}
+
+        def written(l: int) -> object:
+            def write(value: torch.Tensor, site: object) -> torch.Tensor:
+                live[l] = value.clone()  # what the heads computed on this run
+                return outputs[l]  # what they add: the previous run's
+
+            return write
+
+        r = trace(w, tokens, edits={**frozen, **{f"head_out.{l}": written(l) for l in range(c.n_layers)}})
         losses.append(float(F.cross_entropy(r.logits[:, :-1].reshape(-1, c.d_vocab).double(), tokens[:, 1:].reshape(-1))))
-        outputs = r.head_outputs
+        outputs = [live[l] for l in range(c.n_layers)]
     return losses
 
 
@@ -125,7 +137,6 @@ def test_materialised_virtual_heads_equal_the_reader_head_run_on_the_writers_ter
     """Each virtual term is what its reader head writes for the writer's order-1 term alone
     (``head_terms``); the kept ones are the largest, and the sum and largest norm are of all of them."""
     from qkov.analysis import virtual as Vh
-    from qkov.analysis.forward import head_terms
 
     m, _ = make(3, "standard", torch.float64, **kw)
     perturb_non_matrices(m, 0.3)
@@ -152,7 +163,7 @@ def test_heads_write_without_value_bias_equals_the_sum_of_head_terms(kw: dict) -
     run = P.frozen_run(w, toks((2, 12), seed=3))
     x = torch.randn(2, 12, w.cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for layer in range(2):
-        want = P.head_terms(w, run, layer, x).sum(0)
+        want = head_terms(w, run, layer, x).sum(0)
         torch.testing.assert_close(P.heads_write(w, run, layer, x, value_bias=False), want, rtol=0, atol=1e-12)
 
 

@@ -122,14 +122,16 @@ def test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definit
     )  # fmt: skip
     w = Weights.from_model(Transformer(cfg, seed=3).double(), dtype=torch.float64)
     text = torch.randint(0, 50, (5, 12), generator=torch.Generator().manual_seed(2))
-    r = trace(w, text, record=("patterns", "scales", "values", "qk_inputs"))
+    r = trace(w, text, cache=["pattern", "v", "qk_in", *(["*_scale*"] if norm != "none" else [])])
     W_O = torch.stack([w.attention(l).W_O for l in range(3)])
-    norms = torch.einsum("lbhte,lhed->lbhtd", r.values, W_O).norm(dim=-1)
+    values = r.stack("v").transpose(2, 3)  # [L, B, H, T, E] (no grouped-query heads here)
+    norms = torch.einsum("lbhte,lhed->lbhtd", values, W_O).norm(dim=-1)
+    patterns = r.stack("pattern")
     whole = {
-        "previous_token": Ts.previous_token_scores(r.patterns),
-        "self_attention": Ts.self_attention_scores(r.patterns),
-        "sink": Ts.sink_scores(r.patterns),
-        "sink_value_weighted": Ts.value_weighted_sink_scores(r.patterns, norms),
+        "previous_token": Ts.previous_token_scores(patterns),
+        "self_attention": Ts.self_attention_scores(patterns),
+        "sink": Ts.sink_scores(patterns),
+        "sink_value_weighted": Ts.value_weighted_sink_scores(patterns, norms),
         "positional_fraction": Ts.positional_fraction(w, r),
     }
     assert float(whole["positional_fraction"].abs().sum()) > 0  # a score that is there to compare
@@ -290,10 +292,10 @@ def test_copying_scores_read_a_seeded_sample_of_queries_only_at_large_vocabulari
     part = Hd.repeat_scores(w, tokens, 3)
     picked = Hd.copying_queries(torch.arange(4, 8), tokens.shape[0], 40, 2 * tokens.shape[0] * 40)
     assert part.copying_queries == (2, 4)
-    r = trace(w, tokens, record=("patterns", "head_outputs"))
+    r = trace(w, tokens, cache=["pattern", "head_out"])
     for l, h in ((0, 0), (1, 1)):
-        A = r.patterns[l, :, h][:, picked]
-        want = Hd._copying(A, r.head_outputs[l, :, h][:, picked] @ w.W_U, r.tokens)
+        A = r["pattern", l][:, h][:, picked]
+        want = Hd._copying(A, r["head_out", l][:, :, h][:, picked] @ w.W_U, r.tokens)
         assert (float(part.copying[l, h]), float(part.copying_rank[l, h])) == pytest.approx(want, abs=1e-6)
     assert torch.equal(part.prefix_matching, whole.prefix_matching)  # attention scores read every query
 

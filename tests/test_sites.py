@@ -126,13 +126,21 @@ def test_a_kind_alone_is_that_kind_at_every_layer() -> None:
         trace(w, toks, cache=["blocks.0.hook_attn_in"])
 
 
-def test_the_older_record_names_read_the_same_cache() -> None:
+def test_divisors_are_read_from_their_sites_and_the_old_layouts_are_gone() -> None:
+    """``Trace.divisor`` names a reader's normalisation divisor and reads it from its site (the query/key
+    input has its own under shortformer positions); the pre-1.1 layouts (``patterns``, ``scales``, ...)
+    and ``record=`` are gone."""
     _, _, w, toks = _setup("ln-mlp-shortformer")
-    old = trace(w, toks, record=("patterns", "head_outputs", "values", "mlp_outputs", "qk_inputs", "scales"))
-    new = trace(w, toks, cache=["pattern.*", "head_out.*", "v.*", "mlp_out.*", "qk_in.*", "*_scale*"])
-    assert torch.equal(old.patterns, new.stack("pattern")) and torch.equal(old.head_outputs, new.stack("head_out").transpose(2, 3))
-    assert torch.equal(old.values, new.stack("v").transpose(2, 3)) and torch.equal(old.qk_inputs, new.stack("qk_in"))
-    assert torch.equal(old.scales.attn_qk, new.stack("qk_scale")) and torch.equal(old.scales.final, new["final_scale"])
+    r = trace(w, toks, cache=["*_scale*"])
+    assert r.divisor("attn_v", 1) is r["attn_scale", 1] and r.divisor("attn_qk", 1) is r["qk_scale", 1]
+    assert r.divisor("mlp", 0) is r["mlp_scale", 0] and r.divisor("final") is r["final_scale"]
+    assert not torch.equal(r["attn_scale", 1], r["qk_scale", 1])  # positions enter the query/key input only
+    with pytest.raises(QkovError, match=r"attn_scale.0 was not cached"):
+        trace(w, toks).divisor("attn_v", 0)
+    for old in ("patterns", "scales", "head_outputs", "values", "mlp_outputs", "qk_inputs"):
+        assert not hasattr(r, old), old
+    with pytest.raises(TypeError):
+        trace(w, toks, record=("patterns",))  # type: ignore[call-arg]
 
 
 def test_bad_sites_and_edits_are_one_line_errors() -> None:

@@ -32,8 +32,8 @@ from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source, source_bos
 from .call_forms import ablation_args
 from .budget import fit_chunk, item, run_bytes
+from .edits import per_position
 from .forward import trace
-from .forward_fast import per_position
 from .positions import PositionSpec, describe_positions, resolve_positions
 from .progress import Progress, tick
 from .probes import ICL_LATE, LOGIT_BYTES, icl_left_out, icl_score, icl_windows, induction_probe, induction_probe_tokens

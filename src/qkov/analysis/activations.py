@@ -7,8 +7,7 @@ cache: ``out["pattern", 1]``, ``out["blocks.1.attn.hook_pattern"]``, ``out["z.0.
 return a :class:`~qkov.analysis.decompose.Stack` that projects itself onto a direction or a
 logit difference.
 
-The older fields (``patterns [L, B, H, T, T]``, ``head_outputs [L, B, H, T, D]``, ``values``,
-``mlp_outputs``, ``qk_inputs``, ``scales``) read the same cache in qkov's earlier layouts.
+:meth:`Trace.divisor` reads the normalisation divisor a reader used (what a frozen read needs).
 """
 
 from __future__ import annotations
@@ -19,24 +18,9 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
-from ..deprecated import module_getattr
 from ..errors import QkovError
-from ..model.ops import expand_kv
 from .decompose import Stack, accumulated, by_component, by_head
 from .sites import BY_NAME, Address, Sites
-
-
-@dataclass
-class Scales:
-    """The divisor of every normalisation on a run (``sqrt(var + eps)``, or the RMS in a ``scale``
-    view): ``attn_v`` the attention's value input, ``attn_qk`` its query/key input (different
-    from ``attn_v`` only with shortformer positions), ``mlp`` the MLP's input, each
-    ``[L, B, T, 1]``; ``final`` the unembedding's input ``[B, T, 1]``."""
-
-    attn_v: Tensor
-    attn_qk: Tensor
-    mlp: Tensor | None
-    final: Tensor
 
 
 @dataclass(repr=False)
@@ -149,59 +133,25 @@ class Trace:
         ``None``), one component per head labelled ``"layer.head"``."""
         return by_head(self, layer)
 
-    # ------------------------------------------------------------------ the older fields
-    def _legacy(self, kind: str) -> Tensor | None:
-        L = self.source.cfg.n_layers
-        if kind not in self.stacks and not all(f"{kind}.{l}" in self.cache for l in range(L)):
+    # ------------------------------------------------------------------ normalisation divisors
+    def divisor(self, reader: str, layer: int | None = None) -> Tensor | None:
+        """The normalisation divisor the run used for ``reader`` (``attn_v``: the attention's value
+        input, its ``attn_scale``; ``attn_qk``: its query/key input, ``qk_scale`` where shortformer
+        positions give it one, else ``attn_scale``; ``mlp``: ``mlp_scale``; ``final``: ``final_scale``),
+        ``[B, T, 1]``, of ``layer`` for the per-layer readers; ``None`` for a model without
+        normalisation.
+
+        Raises:
+            QkovError: the run did not cache that divisor.
+        """
+        if self.source.norm == "none":
             return None
-        return self.stack(kind)
-
-    @property
-    def patterns(self) -> Tensor | None:
-        """``[L, B, H, T, T]`` attention patterns (query, key)."""
-        return self._legacy("pattern")
-
-    @property
-    def head_outputs(self) -> Tensor | None:
-        """``[L, B, H, T, D]`` what each head writes (``b_V`` included through the pattern, not ``b_O``)."""
-        s = self._legacy("head_out")
-        return None if s is None else s.transpose(2, 3)
-
-    @property
-    def values(self) -> Tensor | None:
-        """``[L, B, H, T, E]`` each query head's values (``b_V`` included)."""
-        s = self._legacy("v")
-        cfg = self.source.cfg
-        return None if s is None else expand_kv(s.transpose(2, 3), cfg.n_heads // cfg.kv_heads, dim=2)
-
-    @property
-    def mlp_outputs(self) -> Tensor | None:
-        """``[L, B, T, D]`` what each MLP writes (``None`` without MLPs)."""
-        return self._legacy("mlp_out") if self.source.cfg.d_mlp is not None else None
-
-    @property
-    def qk_inputs(self) -> Tensor | None:
-        """``[L, B, T, D]`` each layer's normalised query/key input."""
-        return self._legacy("qk_in")
-
-    @property
-    def scales(self) -> Scales | None:
-        """The normalisation divisors (:class:`Scales`), ``None`` without normalisation or when not cached."""
-        attn, final = self._legacy("attn_scale"), self.cache.get("final_scale")
-        if attn is None or final is None:
-            return None
-        qk = self._legacy("qk_scale")
-        mlp = self._legacy("mlp_scale") if self.source.cfg.d_mlp is not None else None
-        return Scales(attn, attn if qk is None else qk, mlp, final)
-
-    def divisor(self, site: str, layer: int | None = None) -> Tensor | None:
-        """The recorded normalisation divisor at ``site`` (a :class:`Scales` field: ``attn_v``,
-        ``attn_qk``, ``mlp``, ``final``), of ``layer`` for the per-layer sites; ``None`` for a
-        model without normalisation."""
-        if self.scales is None:
-            return None
-        s = getattr(self.scales, site)
-        return s if layer is None or s is None else s[layer]
-
-
-__getattr__ = module_getattr(__name__, {"Run": ("qkov.analysis.activations.Trace", lambda: Trace)})
+        kind = {"attn_v": "attn_scale", "attn_qk": "qk_scale", "mlp": "mlp_scale", "final": "final_scale"}.get(reader)
+        if kind is None:
+            raise QkovError(f"divisor: reader must be attn_v, attn_qk, mlp or final, got {reader!r}")
+        if kind == "qk_scale" and all(k.name != "qk_scale" for k in self._sites().kinds):
+            kind = "attn_scale"  # one input: the query/key input is the value input
+        name = Address(kind, layer).name
+        if name not in self.cache:
+            raise QkovError(f"{name} was not cached: trace(..., cache=[{name!r}]) (cached: {self._cached()})")
+        return self.cache[name]

@@ -21,6 +21,18 @@ from ..errors import QkovError
 from .sites import BY_NAME, Address, Sites
 
 EditFn = Callable[[Tensor, Address], Union[Tensor, None]]
+
+PER_POSITION = "qkov_per_position"  # the attribute that marks an edit function as acting on each position alone
+
+
+def per_position(edit: Callable[[Tensor, Any], Tensor]) -> Callable[[Tensor, Any], Tensor]:
+    """Mark the function ``edit`` (of a ``z`` site) as acting on each position alone: its output at a
+    position depends on the inputs at that position only, not on the others or on how many there
+    are. The last layer of a pass asked for a few positions then still runs at those only with it
+    (:func:`~qkov.analysis.forward.trace`). The ablations of every position
+    (:func:`~qkov.analysis.ablation.ablation_edits`) are marked."""
+    setattr(edit, PER_POSITION, True)
+    return edit
 Edit = Union[Tensor, EditFn]
 Site = tuple[str, Union[int, None]]
 
@@ -57,6 +69,22 @@ class Edits:
         if edits and len(edits) == 1 and edits[0][0].head is None and isinstance(edits[0][1], Tensor):
             return edits[0][1]
         return None
+
+    def check_shapes(self, batch: int, seq: int) -> None:
+        """Refuse, before any work, a tensor edit that does not broadcast to its site's shape on
+        ``batch`` sequences of ``seq`` tokens (the forward may use such a value without computing the
+        site, so the check cannot wait for it)."""
+        for address, value in (e for edits in self.by_site.values() for e in edits):
+            if not isinstance(value, Tensor):
+                continue
+            shape = list(self.sites.shape(address.kind, batch, seq))
+            if address.head is not None:
+                del shape[BY_NAME[address.kind].head_dim]  # type: ignore[arg-type]
+            if not _broadcasts(value.shape, torch.Size(shape)):
+                raise QkovError(
+                    f"edit of {address.name}: expected a tensor of shape {shape} (or one that broadcasts to it), "
+                    f"got {list(value.shape)}"
+                )
 
     def apply(self, site: Site, value: Tensor) -> Tensor:
         """``value`` after every edit of ``site``."""

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..weights.parts import WeightSource
 from .activations import Trace
-from .forward import project, read
+from .frozen import frozen_values, read
 
 
 def head_unembed(source: WeightSource, layer: int) -> Tensor:
@@ -42,9 +42,8 @@ def head_values(
     values of ``x_in`` ``[B, T, E]``, if made already. Only the pattern rows at the positions are used."""
     layer, head = key[-2], key[-1]
     if v is None:
-        att = source.attention(layer)
-        v = project(read(x_in, source.norm, run.divisor("attn_v", layer)), att.W_V[head : head + 1])[:, 0]
-    pattern = run.patterns[layer]  # type: ignore[index]
+        v = frozen_values(source, run, layer, x_in, heads=[head])[:, 0]
+    pattern = run["pattern", layer]
     y = v.new_empty(len(b), v.shape[-1])
     for seq in b.unique().tolist():  # [n, T] rows of one sequence's pattern, then its values
         at = (b == seq).nonzero()[:, 0]
@@ -92,8 +91,7 @@ class SampledTerms:
             self.gram, self.layer = _gram(self.P), key[-2]  # [H, E, E]
         layer = key[-2]
         if len(key) == 2 and (self.values is None or self.values[0] != layer or self.values[1] is not x_in):
-            att = self.source.attention(layer)  # order-1 terms of a layer read one x_in: every head's values at once
-            v = project(read(x_in, self.source.norm, self.run.divisor("attn_v", layer)), att.W_V)
+            v = frozen_values(self.source, self.run, layer, x_in)  # order-1 terms of a layer read one x_in: every head's values at once
             self.values = (layer, x_in, v)
         v = self.values[2][:, key[-1]] if len(key) == 2 else None  # type: ignore[index]
         y = head_values(self.source, self.run, key, x_in, self.b, self.t, v)

@@ -9,7 +9,8 @@ once per run on which it can still change (``L (L + 1) / 2`` layer evaluations i
 ``L (L + 1)``), from the same tensors the literal procedure would use. Only each layer's sum
 over heads is kept (``[B, T, D]``, not ``[B, T, H, D]``), and the frozen pieces (embedding, MLP
 outputs, ``b_O``) are read from run 0 instead of recomputed. A test checks it against the literal
-procedure run through :func:`~qkov.analysis.forward.trace` with ``frozen=`` and ``head_outputs=``.
+procedure run through :func:`~qkov.analysis.forward.trace` with the run frozen
+(:func:`~qkov.analysis.frozen.frozen_edits`) and each head's ``head_out`` written.
 
 :func:`loss` is the mean next-token loss in nats. Term differences are small, so it must not
 lose digits: each position's ``logsumexp`` is taken around its maximum (the exponentials are at
@@ -27,28 +28,20 @@ import torch
 from torch import Tensor
 
 from ..errors import QkovError
-from ..model.ops import embed, expand_kv, normalize, project_heads, stream_start, write_heads
+from ..model.ops import embed, normalize, stream_start, write_heads
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from .activations import Trace
 from .forward import trace
+from .frozen import check_linear, frozen_sites, frozen_values
 from .progress import Progress, tick
 
 
-FROZEN = ("patterns", "scales", "mlp_outputs")  # what a run must record to be frozen
-
-
-def check_linear(source: WeightSource) -> None:
-    """Path analyses need reads that are linear once the normalisation divisor is frozen."""
-    if source.norm == "layernorm":
-        raise QkovError("paths: use a weights view with LayerNorm folded (fold_ln=True)")
-
-
-def frozen_run(source: WeightSource, tokens: Tensor, *, record: tuple[str, ...] = ()) -> Trace:
-    """A real forward pass recording what the expansion freezes (patterns, normalisation divisors,
-    MLP outputs), plus ``record``."""
+def frozen_run(source: WeightSource, tokens: Tensor, *, cache: tuple[str, ...] = ()) -> Trace:
+    """A real forward pass caching what the expansion freezes (:func:`~qkov.analysis.frozen.frozen_sites`:
+    patterns, normalisation divisors, MLP outputs), plus ``cache``."""
     check_linear(source)
-    return trace(source, tokens, record=FROZEN + record)
+    return trace(source, tokens, cache=[*frozen_sites(source), *cache])
 
 
 def lm_loss(logits: Tensor, target: Tensor, *, overwrite: bool = False) -> float:
@@ -102,12 +95,8 @@ def heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor, *, val
     """The sum over heads of what layer ``layer``'s heads write ``[B, T, D]`` (``b_V`` in unless
     ``value_bias=False``, ``b_O`` out) when they read the stream ``x [B, T, D]``, the run's patterns
     and divisors frozen: one product of the concatenated head outputs with ``W_O``."""
-    att = source.attention(layer, expand_kv=False)
-    s = real.divisor("attn_v", layer)
-    v_in = x if source.norm == "none" else normalize(x, source.norm, 0.0, scale=s, w=att.ln_w, b=att.ln_b)[0]
-    v = project_heads(v_in, att.W_V, att.b_V if value_bias else None)
-    v = expand_kv(v, source.cfg.n_heads // source.cfg.kv_heads, dim=1)
-    return write_heads(real.patterns[layer] @ v, att.W_O)  # type: ignore[index]
+    v = frozen_values(source, real, layer, x, value_bias=value_bias)
+    return write_heads(real["pattern", layer] @ v, source.attention(layer, expand_kv=False).W_O)
 
 
 def _logits(source: WeightSource, real: Trace, x: Tensor, out: Tensor | None) -> Tensor:
@@ -142,7 +131,7 @@ def term_importance(
     fixed = []  # what each layer adds besides its heads' outputs: b_O and the frozen MLP output
     for l in range(c.n_layers):
         add = source.attention(l, expand_kv=False).b_O
-        fixed.append(add if real.mlp_outputs is None else add + real.mlp_outputs[l])
+        fixed.append(add if c.d_mlp is None else add + real["mlp_out", l])
     prev = [torch.zeros_like(x0) for _ in range(c.n_layers)]  # each layer's heads' outputs on the last run
     losses, buffer = [], None  # one [B, T, V] buffer serves every run's logits
     for i in range(c.n_layers + 1):  # run i + 1 reads the outputs of run i

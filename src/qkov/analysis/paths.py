@@ -47,10 +47,10 @@ from ..device import check_fits
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from .budget import expansion_bytes as expansion_bytes  # the memory plan of summarize, kept here by name
-from .forward import Trace, flops_per_token, head_terms, read
+from .forward import Trace, flops_per_token
+from .frozen import head_terms, read
 from . import split
 from .head_logits import SampledTerms
-from .importance import FROZEN as FROZEN, check_linear as check_linear  # kept here by name
 from .importance import TermImportance, frozen_run, heads_write, lm_loss, loss, rms, term_importance
 from .progress import Progress, tick
 from .sampling import seeded_subset
@@ -176,8 +176,8 @@ def expand(
                 orders[k + 1] = orders[k + 1] + heads_write(source, r, l, orders[k], value_bias=False)
         bias = bias + bias_through + new_bias
         mlp = mlp + mlp_through
-        if r.mlp_outputs is not None:
-            mlp = mlp + r.mlp_outputs[l]
+        if cfg.d_mlp is not None:
+            mlp = mlp + r["mlp_out", l]
         tick(progress, "paths: expansion", l + 1, L)
     virtual: dict[tuple[int, int, int, int], Tensor] = {}
     if virtual_heads:

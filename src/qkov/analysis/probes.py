@@ -210,8 +210,7 @@ def induction_probe(
     length = min(length, (cfg.n_ctx - 1) // repeats)
     tokens = induction_probe_tokens(source, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
     r = trace(source, tokens, cache="pattern.*", edits=edits)
-    assert r.patterns is not None
-    scores = induction_attention(r.patterns, length)
+    scores = induction_attention(r.stack("pattern"), length)
     nll = next_token_nll(r.logits, r.tokens)  # [batch, seq-1]; position i predicts token i+1
     losses = []
     for copy in range(repeats):

@@ -20,7 +20,8 @@ from torch import Tensor
 from ..model import rotary
 from ..weights.parts import WeightSource, check_head
 from ..weights.convert import SourceLike, as_source
-from .forward import Trace, read
+from .forward import Trace
+from .frozen import read
 from .paths import frozen_run
 
 
@@ -69,7 +70,7 @@ def _components(
 ) -> tuple[Tensor, list[Tensor], list[str], Tensor, Trace]:
     """The stream at ``layer``'s query/key input as direct + per-head outputs + other, and the run."""
     cfg = source.cfg
-    r = frozen_run(source, tokens, record=("head_outputs",))
+    r = frozen_run(source, tokens, cache=("head_out.*",))
     T = r.tokens.shape[1]
     direct = source.embed()[r.tokens]
     if cfg.positional in ("standard", "shortformer"):
@@ -83,11 +84,11 @@ def _components(
         # so a head's b_V contributes exactly b_V @ W_O at every position)
         b_v = torch.einsum("he,hed->hd", att.b_V, att.W_O)  # [H, D]
         for h in range(cfg.n_heads):
-            comps.append(r.head_outputs[l][:, h] - b_v[h])  # type: ignore[index]
+            comps.append(r["head_out", l][:, :, h] - b_v[h])  # head_out [B, T, H, D]
             labels.append(f"{l}.{h}")
         other = other + b_v.sum(0) + att.b_O
-        if r.mlp_outputs is not None:
-            other = other + r.mlp_outputs[l]
+        if cfg.d_mlp is not None:
+            other = other + r["mlp_out", l]
     return direct, comps, labels, other, r
 
 

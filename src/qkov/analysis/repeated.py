@@ -84,9 +84,8 @@ class _RepeatRun:
     so each is formed once)."""
 
     def __init__(self, source: WeightSource, tokens: Tensor, length: int) -> None:
-        r = trace(source, tokens, record=("patterns",), cache="z.*")
-        P = r.patterns  # [L, B, H, T, T]
-        assert P is not None
+        r = trace(source, tokens, cache=["pattern.*", "z.*"])
+        P = r.stack("pattern")  # [L, B, H, T, T]
         L, B, H, T, _ = P.shape
         queries = torch.arange(1 + length, T, device=P.device)
         pm = torch.zeros(L, H, dtype=P.dtype, device=P.device)

@@ -97,15 +97,6 @@ _TL_SHORT = {
 }
 _TL: dict[str, str] = {k.tl: k.name for k in KINDS if k.tl} | _TL_EXTRA
 _ROTARY_PRE = ("blocks.{l}.attn.hook_q", "blocks.{l}.attn.hook_k")
-RECORD_LEGACY: dict[str, tuple[str, ...]] = {
-    "patterns": ("pattern",),
-    "scales": ("attn_scale", "qk_scale", "mlp_scale", "final_scale"),
-    "values": ("v",),
-    "head_outputs": ("head_out",),
-    "mlp_outputs": ("mlp_out",),
-    "qk_inputs": ("qk_in",),
-}
-"""The older ``record=`` names, each the kinds it records at every layer."""
 
 
 class Address(NamedTuple):

@@ -30,11 +30,11 @@ from .ablation import Chunks, ablation_budget, sequence_losses
 from .budget import composition_bytes, copying_bytes, repeat_bytes
 from .circuits import copying_scores
 from .composition import DEFAULT_WRITER_BYTES, composition_scores
-from .forward import LayerView, trace
+from .forward import trace
 from .heads import repeat_scores
 from .probes import icl_left_out, icl_score, induction_probe, prefix_matching_tokens
 from .rotary_circuits import resolve_offsets
-from .text_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes
+from .text_scores import TEXT_CHUNK_BYTES, LayerView, LayerWatch, chunk_size, sequence_bytes
 
 PER_TOKEN_SEQUENCES = 8  # sequences whose per-token losses each record keeps (the trajectory's sample)
 # the smallest rise that counts as a change (the phase change of the default 2-layer run:
@@ -151,7 +151,7 @@ def previous_token_on_text(w: WeightSource, text: Tensor, *, chunk: int | None =
         def diagonal(view: LayerView) -> None:
             part[view.layer] += view.pattern.diagonal(offset=-1, dim1=-2, dim2=-1).sum((0, 2)).double()
 
-        trace(w, text[start : start + chunk], observe=diagonal, positions=none)
+        trace(w, text[start : start + chunk], edits=LayerWatch(w, diagonal, full=False).edits(), positions=none)
         total += part
     return total / (B * (T - 1))
 

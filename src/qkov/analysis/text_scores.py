@@ -2,7 +2,8 @@
 
 Each score is a mean over sequences and queries (or a ratio of such sums), so it can be
 accumulated: :func:`text_scores` runs the analysis forward on ``chunk`` sequences at a time and
-scores each layer's attention as the forward computes it (``observe=``), never holding the
+scores each layer's attention as the forward computes it (edits that read the ``pattern``, ``v``,
+``qk_in`` and divisor sites and change nothing: :class:`LayerWatch`), never holding the
 ``[layers, batch, heads, T, T]`` patterns (4.8 GB for GPT-2 small on 8 sequences of 1024
 tokens). The functions on whole pattern stacks below are the definitions; a test checks that
 the streamed scores equal them.
@@ -10,16 +11,19 @@ the streamed scores equal them.
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
-from ..model.ops import causal_mask
+from ..model.ops import causal_mask, expand_kv
 from ..weights.parts import WeightSource
 from ..weights.convert import SourceLike, as_source
 from . import split
-from .forward import LayerView, Trace, read, trace
+from .forward import Trace, trace
+from .frozen import read
+from .sites import Address, Sites
 from .progress import Progress, tick
 
 TEXT_CHUNK_BYTES = 512 * 2**20  # what one chunk of sequences may take at its peak (sequence_bytes)
@@ -80,18 +84,60 @@ def positional_fraction(source: WeightSource, r: Trace) -> Tensor:
     (clipped to [0, 1]), where the pos-pos term is ``p_q W_QK p_k`` with ``p`` the positional
     part of the query/key input (``W_pos`` for shortformer and standard positions, read through
     the run's frozen normalisation: centred and divided, or only divided in a rotated ``scale``
-    view) and the real score uses the run's actual input. ``r`` must have recorded
-    ``qk_inputs`` (and ``scales`` for a normalised model). 0 for models without positions.
-    ``[n_layers, n_heads]``.
+    view) and the real score uses the run's actual input. ``r`` must have cached ``qk_in`` (and the
+    normalisation divisors, ``attn_scale``/``qk_scale``, for a normalised model). 0 for models without
+    positions. ``[n_layers, n_heads]``.
     """
     c = source.cfg
     out = torch.zeros(c.n_layers, c.n_heads, dtype=source.dtype, device=source.device)
-    if source.pos() is None or r.qk_inputs is None:
+    if source.pos() is None:
         return out
     B = r.tokens.shape[0]
     for l in range(c.n_layers):
-        out[l] = _positional_layer(source, l, r.qk_inputs[l], r.divisor("attn_qk", l)) / B
+        out[l] = _positional_layer(source, l, r["qk_in", l], r.divisor("attn_qk", l)) / B
     return out
+
+
+@dataclass
+class LayerView:
+    """One layer's attention on a pass, as :class:`LayerWatch` hands it on: ``pattern [B, H, T, T]``,
+    ``values [B, H, T, E]`` (``b_V`` included, per query head), ``qk_input [B, T, D]`` (normalised) and its
+    divisor ``qk_scale [B, T, 1]`` (``None`` without normalisation)."""
+
+    layer: int
+    pattern: Tensor
+    values: Tensor | None
+    qk_input: Tensor | None
+    qk_scale: Tensor | None
+
+
+class LayerWatch:
+    """Edits that watch each layer's attention as the forward computes it and change nothing: at
+    ``pattern.l`` the callback gets that layer's :class:`LayerView` (with the ``v``, ``qk_in`` and divisor
+    sites of the layer when ``full``), and nothing is kept after it returns."""
+
+    def __init__(self, source: WeightSource, callback: Callable[[LayerView], None], *, full: bool = True) -> None:
+        self.callback, self.full, self.seen = callback, full, {}
+        self.group = source.cfg.n_heads // source.cfg.kv_heads
+        kinds = {k.name for k in Sites(source.cfg, source.norm).kinds}
+        self.scale = "qk_scale" if "qk_scale" in kinds else ("attn_scale" if "attn_scale" in kinds else None)
+
+    def keep(self, value: Tensor, site: Address) -> None:
+        self.seen[site.kind] = value
+
+    def pattern(self, value: Tensor, site: Address) -> None:
+        v = self.seen.pop("v", None)
+        values = None if v is None else expand_kv(v.transpose(1, 2), self.group, dim=1)
+        view = LayerView(site.layer, value, values, self.seen.pop("qk_in", None), self.seen.pop(self.scale, None))  # type: ignore[arg-type]
+        self.callback(view)
+
+    def edits(self) -> dict[Any, Any]:
+        out: dict[Any, Any] = {"pattern": self.pattern}
+        if self.full:
+            out |= {"v": self.keep, "qk_in": self.keep}
+            if self.scale is not None:
+                out[self.scale] = self.keep
+        return out
 
 
 def sequence_bytes(source: WeightSource, seq: int) -> int:
@@ -109,7 +155,7 @@ def chunk_size(source: WeightSource, seq: int, max_bytes: int = TEXT_CHUNK_BYTES
 
 
 class _Sums:
-    """Running sums of the text scores over chunks (``observe`` callback of the forward)."""
+    """Running sums of the text scores over chunks (the :class:`LayerWatch` callback of the forward)."""
 
     def __init__(self, source: WeightSource) -> None:
         c = source.cfg
@@ -155,14 +201,14 @@ def text_scores(
     B, T = text.shape
     chunk = chunk or chunk_size(source, T)
     sums = _Sums(source)
-    observe: Callable[[LayerView], None] = sums
+    watch = LayerWatch(source, sums).edits()
     none = torch.zeros(0, dtype=torch.long)  # the scores read no logits: nothing is unembedded
     sp, starts, parts = split.current(), range(0, B, chunk), {}  # a unit: one chunk of sequences
     for u, start in enumerate(starts):
         if not sp.mine(u, len(starts)):
             continue
         sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}  # this chunk's sums alone
-        trace(source, text[start : start + chunk], record=(), observe=observe, positions=none)
+        trace(source, text[start : start + chunk], edits=watch, positions=none)
         parts[u] = sums.sums
         tick(progress, "heads: attention on text", min(start + chunk, B), B)
     sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}

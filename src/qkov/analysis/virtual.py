@@ -36,7 +36,8 @@ from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..weights.parts import WeightSource
 from .factored import LowRank
-from .forward import Trace, project, read
+from .forward import Trace
+from .frozen import frozen_values
 from .progress import Progress, tick
 
 Key = tuple[int, int, int, int]  # (l1, h1, l2, h2): writer head, then reader head in a later layer
@@ -56,14 +57,12 @@ def virtual_bounds(source: WeightSource, run: Trace, first_order: dict[tuple[int
     each head's order-1 term ``[B, T, D]``.
     """
     cfg = source.cfg
-    patterns = run.patterns
-    assert patterns is not None, "a frozen run records the patterns"
     y2 = {key: term.double().pow(2).sum(-1) for key, term in first_order.items()}  # [B, T] squared norms
     bounds: dict[Key, float] = {}
     for l2 in range(1, cfg.n_layers):
         att = source.attention(l2)
         sigma = LowRank(att.W_V.double(), att.W_O.double()).svd()[1][:, 0]  # [H] largest singular value of W_OV
-        col = patterns[l2].double().sum(-2)  # [B, H, T]: how much attention each key position receives
+        col = run["pattern", l2].double().sum(-2)  # [B, H, T]: how much attention each key position receives
         scale = run.divisor("attn_v", l2)
         if scale is not None:
             col = col / scale[..., 0].double().pow(2)[:, None]  # the reader divides each position by its s
@@ -106,11 +105,11 @@ def materialize(
         gram = att.W_O.double() @ att.W_O.double().transpose(1, 2)  # [H, E, E]
         values: dict[int, list[tuple[Key, Tensor]]] = defaultdict(list)  # reader -> its writers' values
         for (l1, h1), readers in writers.items():
-            v = project(read(first_order[(l1, h1)], source.norm, run.divisor("attn_v", l2)), att.W_V[readers])
+            v = frozen_values(source, run, l2, first_order[(l1, h1)], heads=readers)
             for h2, vh in zip(readers, v.unbind(1)):
                 values[h2].append(((l1, h1, l2, h2), vh))  # [B, T, E]
         for h2, vals in sorted(values.items()):
-            z = run.patterns[l2][:, h2] @ torch.cat([vh for _, vh in vals], -1)  # type: ignore[index]  # [B, T, n E]
+            z = run["pattern", l2][:, h2] @ torch.cat([vh for _, vh in vals], -1)  # [B, T, n E]
             z = z.view(*z.shape[:2], len(vals), -1)  # [B, T, n, E]
             zd = z.double()
             sq = torch.einsum("btne,ef,btnf->n", zd, gram[h2], zd).clamp_min(0)  # squared Frobenius norms

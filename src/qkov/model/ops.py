@@ -52,6 +52,15 @@ def write_heads(z: Tensor, W_O: Tensor, b_O: Tensor | None = None) -> Tensor:
     return out if b_O is None else out + b_O
 
 
+def live_bias(b: Tensor | None) -> Tensor | None:
+    """``b``, or ``None`` for a bias of zeros on the CPU that needs no gradient: a weights view holds
+    zeros for the biases a model does not have, and adding them changes no value (``x + 0 == x``) but
+    costs a pass over an activation. On an accelerator the check would wait for the device: not made."""
+    if b is None or b.device.type != "cpu" or b.requires_grad or bool(b.any()):
+        return b
+    return None
+
+
 def expand_kv(x: Tensor, group: int, dim: int = 0) -> Tensor:
     """Grouped-query attention: key/value heads along ``dim`` repeated for the ``group`` query heads
     that read each (query head ``h`` reads key/value head ``h // group``); ``x`` itself when ``group == 1``."""
@@ -86,16 +95,16 @@ def causal_mask(seq: int, device: torch.device | str | None = None) -> Tensor:
     return torch.ones(seq, seq, dtype=torch.bool, device=device).triu(1)
 
 
+def score_divisor(d_head: int) -> float:
+    """What attention divides ``q . k`` by: ``sqrt(d_head)``. The fused attention of the training model
+    and of the analysis forward scales by its inverse, the explicit scores divide by it: one definition."""
+    return math.sqrt(d_head)
+
+
 def attention_scores(q: Tensor, k: Tensor) -> Tensor:
     """Pre-softmax scores ``q k^T / sqrt(d_head)``: ``q [..., query, d_head]``, ``k [..., key, d_head]`` ->
     ``[..., query, key]`` (not masked)."""
-    return (q @ k.transpose(-1, -2)).div_(math.sqrt(q.shape[-1]))  # in place on the fresh product: one tensor
-
-
-def attention_pattern(scores: Tensor) -> Tensor:
-    """Causal softmax of ``scores [..., query, key]`` over keys: each query's row sums to one over
-    the keys at or before it, and is zero after it."""
-    return torch.softmax(masked_scores(scores), dim=-1)
+    return (q @ k.transpose(-1, -2)).div_(score_divisor(q.shape[-1]))  # in place on the fresh product: one tensor
 
 
 def masked_scores(scores: Tensor, *, inplace: bool = False) -> Tensor:

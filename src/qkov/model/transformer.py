@@ -16,6 +16,7 @@ against this module.
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
@@ -25,17 +26,8 @@ from torch import Tensor, nn
 from ..errors import QkovError
 from .config import ModelConfig
 from . import rotary
-from .ops import (
-    embed,
-    expand_kv,
-    mlp_hidden,
-    mlp_output,
-    mlp_preactivation,
-    project_heads,
-    query_key_stream,
-    stream_start,
-    write_heads,
-)
+from .block import BlockPass
+from .ops import embed, project_heads, stream_start
 from . import registry
 from .generate import (
     check_options,
@@ -113,29 +105,17 @@ class Attention(nn.Module):
 
     def qkv(self, qk_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``[batch, heads, seq, d_head]``, keys and values ``[batch, kv_heads, seq, d_head]``
-        from the stream inputs."""
+        from the stream inputs (before rotation)."""
         return (
             project_heads(qk_in, self.W_Q, self.b_Q),
             project_heads(qk_in, self.W_K, self.b_K),
             project_heads(v_in, self.W_V, self.b_V),
         )
 
-    def write(self, z: Tensor) -> Tensor:
-        """Concatenate-then-project ``z [batch, heads, seq, d_head]`` -> ``[batch, seq, d_model]``.
-
-        Equal to the sum over heads of ``z[:, h] @ W_O[h]`` (tested).
-        """
-        return write_heads(z, self.W_O, self.b_O)
-
-    def forward(self, qk_in: Tensor, v_in: Tensor) -> Tensor:
-        """Causal attention of every head, fused: ``[batch, seq, d_model]`` in and out."""
-        q, k, v = self.qkv(qk_in, v_in)
-        if self.cfg.positional == "rotary":
-            cos, sin = rotary.tables(self.cfg, q.shape[-2], q.device, q.dtype)
-            q, k = rotary.rotate(q, cos, sin), rotary.rotate(k, cos, sin)
-        group = self.cfg.n_heads // self.cfg.kv_heads
-        k, v = expand_kv(k, group, dim=-3), expand_kv(v, group, dim=-3)
-        return self.write(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    def forward(self, body: BlockPass, layer: int, x: Tensor) -> Tensor:
+        """The attention output ``[batch, seq, d_model]`` of the block body ``body`` for the stream ``x``
+        (:meth:`~qkov.model.block.BlockPass.attention`): called as a module, so torch hooks on it apply."""
+        return BlockPass.attention(body, layer, x)
 
 
 class MLP(nn.Module):
@@ -163,9 +143,10 @@ class MLP(nn.Module):
         else:
             self.register_parameter("b_gate", None)
 
-    def forward(self, x: Tensor) -> Tensor:
-        pre, linear = mlp_preactivation(x, self.W_in, self.b_in, self.W_gate, self.b_gate)
-        return mlp_output(mlp_hidden(self.act_fn, pre, linear), self.W_out, self.b_out)
+    def forward(self, body: BlockPass, layer: int, x: Tensor) -> Tensor | None:
+        """The MLP output of the block body ``body`` for the stream ``x`` it reads
+        (:meth:`~qkov.model.block.BlockPass.mlp`): called as a module, so torch hooks on it apply."""
+        return BlockPass.mlp(body, layer, x)
 
 
 class Block(nn.Module):
@@ -179,23 +160,51 @@ class Block(nn.Module):
         self.mlp = MLP(cfg) if cfg.d_mlp is not None else None
         self.ln2 = norm_layer(cfg) if self.mlp is not None else None
 
+    def parts(self) -> tuple[SimpleNamespace, SimpleNamespace | None]:
+        """This block's weights as the block body reads them (:class:`~qkov.model.block.BlockPass`):
+        the attention's with its pre-norm, and the MLP's (``None`` without one). No copies."""
+        ln1, ln2, a, m = self.ln1, self.ln2, self.attn, self.mlp
+        att = SimpleNamespace(
+            W_Q=a.W_Q, W_K=a.W_K, W_V=a.W_V, W_O=a.W_O, b_Q=a.b_Q, b_K=a.b_K, b_V=a.b_V, b_O=a.b_O,
+            ln_w=None if ln1 is None else ln1.w, ln_b=getattr(ln1, "b", None),
+        )  # fmt: skip
+        if m is None:
+            return att, None
+        mlp = SimpleNamespace(
+            W_in=m.W_in, b_in=m.b_in, W_gate=m.W_gate, b_gate=m.b_gate, W_out=m.W_out, b_out=m.b_out,
+            ln_w=None if ln2 is None else ln2.w, ln_b=getattr(ln2, "b", None),
+        )  # fmt: skip
+        return att, mlp
+
     def forward(self, x: Tensor, pos: Tensor | None) -> Tensor:
         """One block on the stream ``x [batch, seq, d_model]``; ``pos [seq, d_model]`` the learned
-        positions (``None`` without them; only shortformer positions enter here).
+        positions (``None`` without them; only shortformer positions enter here)."""
+        return ModelPass(self.cfg, [self], pos, x).block(0, x)
 
-        Sequential: ``x + attn``, then ``+ mlp`` of that. Parallel: both read ``x``: ``x + attn(x) + mlp(x)``.
-        """
-        # Shortformer: positions enter the query/key input only, never the values or the stream.
-        qk_in = query_key_stream(x, pos, self.cfg.positional)
-        v_in = x
-        if self.ln1 is not None:
-            v_in = self.ln1(x)
-            qk_in = v_in if qk_in is x else self.ln1(qk_in)
-        out = x + self.attn(qk_in, v_in)
-        if self.mlp is not None:
-            read = x if self.cfg.parallel else out
-            out = out + self.mlp(self.ln2(read) if self.ln2 is not None else read)
-        return out
+
+class ModelPass(BlockPass):
+    """The block body (:class:`~qkov.model.block.BlockPass`) on a training model's parameters: no hook
+    points, so attention and normalisation run fused."""
+
+    def __init__(self, cfg: ModelConfig, blocks: Sequence[Block], pos: Tensor | None, x: Tensor) -> None:
+        super().__init__(cfg, cfg.normalization)
+        self.pos, self.blocks = pos, blocks
+        self.parts = [b.parts() for b in blocks]
+        if cfg.positional == "rotary":
+            self.turn = rotary.tables(cfg, x.shape[-2], x.device, x.dtype)
+
+    def attention_weights(self, layer: int) -> SimpleNamespace:
+        return self.parts[layer][0]
+
+    def mlp_weights(self, layer: int) -> SimpleNamespace | None:
+        return self.parts[layer][1]
+
+    def attention(self, l: int, x: Tensor) -> Tensor:
+        return self.blocks[l].attn(self, l, x)  # through the module (its hooks), which runs the body's
+
+    def mlp(self, l: int, x: Tensor) -> Tensor | None:
+        m = self.blocks[l].mlp
+        return None if m is None else m(self, l, x)
 
 
 class Transformer(nn.Module):
@@ -391,7 +400,7 @@ class Transformer(nn.Module):
         """The final residual stream ``[batch, seq, d_model]`` (before the final LayerNorm) of checked ids."""
         x, pos = embed(tokens, self.W_E, self.W_pos)
         x = stream_start(x, pos, self.cfg.positional)
-        for block in self.blocks:
+        for block in self.blocks:  # each through its module call: torch hooks on a block still apply
             x = block(x, pos)
         return x
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ...analysis.composition import KINDS, composition_scores
-from ...analysis.forward import read
+from ...analysis.frozen import read
 from ...analysis.paths import VIRTUAL_AUTO_MAX, expand, term_effects, virtual_pairs
 from ...analysis.virtual import select_virtual
 from ...progress import Progress
