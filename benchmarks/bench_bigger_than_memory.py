@@ -164,13 +164,13 @@ def worker(task: str, ckpt: str, cap_bytes: int) -> dict[str, object]:
                 },
             }
         elif task == "trigrams":
-            from qkov.analysis.trigrams import skip_trigrams
+            from qkov.analysis.circuits.trigrams import skip_trigrams
             from qkov.weights import LazyCheckpoint
 
             ck = LazyCheckpoint(ckpt)
             result = {"top3": [t.score for t in skip_trigrams(ck, mid, 7, top=50)[:3]]}
         elif task == "virtual":
-            from qkov.analysis.circuits import virtual_weights
+            from qkov.analysis.circuits.qk_ov import virtual_weights
             from qkov.weights import LazyCheckpoint
 
             ck = LazyCheckpoint(ckpt)

@@ -101,8 +101,8 @@ def worker(lib: str, task: str) -> dict[str, object]:
     torch.set_grad_enabled(False)
     if lib == "qkov":
         from qkov.analysis import circuits as C
-        from qkov.analysis.composition import composition_raw
-        from qkov.analysis.trigrams import skip_trigrams
+        from qkov.analysis.circuits.composition import composition_raw
+        from qkov.analysis.circuits.trigrams import skip_trigrams
 
         w = _qkov_weights()
         t0 = time.perf_counter()

@@ -32,8 +32,8 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
 
     torch.set_grad_enabled(False)
     import qkov
-    from qkov.analysis.snapshot_measures import PER_TOKEN_SEQUENCES
-    from qkov.analysis.probes import induction_attention, induction_probe_tokens
+    from qkov.analysis.series.measures import PER_TOKEN_SEQUENCES
+    from qkov.analysis.heads.probes import induction_attention, induction_probe_tokens
     from qkov.apps.inputs import analysis_inputs
     from qkov.model.ops import next_token_loss
     from qkov.training import snapshots as snaps

@@ -32,7 +32,7 @@ Hugging Face's GPT-2 does), so its zero ablation is the head writing nothing, th
 rows of ``attn.c_proj.weight`` by hand. Measured with the folded biases at this shape (random GPT-2-like HF
 model, two heads, 256 tokens): per-token losses 0.017 nats off both qkov and the hand-zeroed model, while qkov
 and the hand-zeroed model agree to 5e-5 (the view's 6 significant digits) and TransformerLens without the
-folding agrees with the hand-zeroed model to 1.2e-6 (tests/test_ablation.py checks qkov against it).
+folding agrees with the hand-zeroed model to 1.2e-6 (tests/analysis/causal/test_ablation.py checks qkov against it).
 
 HTTP: ``qkov explore CHECKPOINT --port 0 --no-cache`` in its own process: the seconds from starting it
 to the first page (``GET /``), then a head card and a 256-token attention through ``POST /api/views/...``,

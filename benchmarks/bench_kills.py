@@ -1,6 +1,6 @@
 """Kill and resume, thousands of times: is every resumed run the uninterrupted one, bit for bit?
 
-``tests/test_runs.py`` kills the tiny training once at each of its atomic writes; this runs the
+``tests/training/test_runs.py`` kills the tiny training once at each of its atomic writes; this runs the
 same training (the test's flags: 2 layers, 20 steps, checkpoints at 10 and 20, snapshots at 0, 5
 and 15) ``--kills`` times (default 2000), each killed at a random atomic write through the test
 hook ``QKOV_FAULT=kill:N`` (:mod:`qkov.io.atomic`: the process ends as abruptly as SIGKILL when
@@ -158,7 +158,7 @@ def _rows(out: Path) -> list[dict[str, Any]]:
 
 
 def compare_runs(ref: Path, out: Path) -> dict[str, Any] | None:
-    """``None`` when ``out`` is ``ref`` bit for bit (as tests/test_runs.py's ``_same_run``); else what differs."""
+    """``None`` when ``out`` is ``ref`` bit for bit (as tests/training/test_runs.py's ``_same_run``); else what differs."""
     problems: dict[str, Any] = {}
     for name in (STATE, MODEL):
         d = diff_tensors(_tensors(ref / name), _tensors(out / name))

@@ -90,7 +90,7 @@ def pythia_worker(lib: str, path: Path) -> dict[str, object]:
     else:
         from qkov import Weights
         from qkov.analysis import circuits as C
-        from qkov.analysis.composition import composition_raw
+        from qkov.analysis.circuits.composition import composition_raw
         from qkov.io.hf import load_hf
         from qkov.weights import LazyCheckpoint
 
@@ -222,8 +222,8 @@ def llama_worker(path: Path, bf16: bool = False) -> dict[str, object]:
     import torch
 
     from qkov.analysis import circuits as C
-    from qkov.analysis.composition import composition_raw
-    from qkov.analysis.trigrams import skip_trigrams
+    from qkov.analysis.circuits.composition import composition_raw
+    from qkov.analysis.circuits.trigrams import skip_trigrams
     from qkov.weights import LazyCheckpoint
 
     torch.set_grad_enabled(False)
@@ -347,7 +347,7 @@ def tl_slice_worker(path: Path) -> dict[str, object]:
 
 def qkov_slice_worker(path: Path) -> dict[str, object]:
     from qkov.analysis import circuits as C
-    from qkov.analysis.composition import composition_raw
+    from qkov.analysis.circuits.composition import composition_raw
     from qkov.weights import LazyCheckpoint
 
     t0 = time.perf_counter()

@@ -77,7 +77,7 @@ def worker(lib: str, task: str, root: Path) -> dict[str, object]:
     t0 = time.perf_counter()
     if lib == "qkov":
         import qkov
-        from qkov.analysis.metrics import LogitDiff
+        from qkov.analysis.causal.metrics import LogitDiff
 
         w = qkov.Weights.from_source(qkov.LazyCheckpoint(root / "qkov"))  # read layer by layer, no model beside it
         loaded = time.perf_counter() - t0

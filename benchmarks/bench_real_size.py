@@ -180,7 +180,7 @@ def qkov_detect_worker(path: Path, text: Path) -> dict[str, object]:
     (previous-token, self, sink, positional, ...) of every head on the same two 1024-token rows."""
     import torch
 
-    from qkov.analysis.text_scores import text_scores
+    from qkov.analysis.heads.pattern_scores import text_scores
     from qkov.io.sources import load_any
     from qkov.weights import Weights
 

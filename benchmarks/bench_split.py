@@ -41,8 +41,8 @@ def worker(stage: str, path: Path, out: Path) -> None:
     scores to ``out`` and prints its time as JSON."""
     import torch
 
-    from qkov.analysis.circuits import copying_scores
-    from qkov.analysis.composition import composition_raw
+    from qkov.analysis.circuits.copying import copying_scores
+    from qkov.analysis.circuits.composition import composition_raw
     from qkov.apps.ranks import ranks
     from qkov.weights import LazyCheckpoint
 

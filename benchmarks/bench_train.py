@@ -9,7 +9,7 @@ products (``qkov train --precision bf16``; the default is float32); the ratio th
 like with like is the float32 one.
 
 Against the machine's limit: each qkov run's achieved FLOP/s (tokens/s x
-``qkov.analysis.forward.flops_per_token``, x3 for a training step: forward + backward) is
+``qkov.analysis.forward.tracer.flops_per_token``, x3 for a training step: forward + backward) is
 printed as a share of a measured matmul peak: ``torch.matmul`` into preallocated outputs, timed
 in its own subprocess with the same threads, on each of this model's own products alone (the
 Q/K/V, output and unembedding projections of batch x context tokens, the batched attention
@@ -158,7 +158,7 @@ def measure(lib: str, task: str, steps: int) -> dict[str, float]:
 
 def _report(results: dict[str, dict[str, dict[str, float]]], repeats: int) -> None:
     from qkov import ModelConfig
-    from qkov.analysis.forward import flops_per_token
+    from qkov.analysis.forward.tracer import flops_per_token
 
     per_token = flops_per_token(ModelConfig(**CFG))
     print(f"model: {CFG}, batch {BATCH}, medians of {repeats} interleaved runs")

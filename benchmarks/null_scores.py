@@ -1,6 +1,6 @@
 """Null distributions of the head scores: what freshly initialised heads score.
 
-The role thresholds in ``qkov.analysis.heads.THRESHOLDS`` must sit well above these, so that a
+The role thresholds in ``qkov.analysis.heads.report.THRESHOLDS`` must sit well above these, so that a
 role means trained structure, not chance. Runs ``head_report`` on untrained models of the
 default shape (2 layers x 4 heads, d_model 128, vocab 1024, ctx 256) for several seeds on
 validation text of the built-in corpus, and prints each score's mean, std and max.
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import qkov
-from qkov.analysis.heads import THRESHOLDS, head_report
+from qkov.analysis.heads.report import THRESHOLDS, head_report
 from qkov.training.data import val_batches
 
 

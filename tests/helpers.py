@@ -12,6 +12,8 @@ import torch
 from qkov import ModelConfig, TrainConfig, Transformer
 from qkov.apps.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]  # the repository
+
 # the tiny model most tests train: seconds on a CPU
 TINY = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
 TINY_FLAGS: dict[str, object] = dict(
@@ -104,3 +106,37 @@ def torchrun(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
     run = args if script else ["-m", "qkov", *args]
     return subprocess.run([*cmd, *run], env=env, capture_output=True, text=True, timeout=600)
+
+
+def own_patterns(model: Transformer, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each layer's attention pattern ``[B, H, T, T]`` recomputed from the training model's own pass, not
+    through qkov's analysis forward: a forward pre-hook on each attention module takes the stream it reads,
+    adds shortformer positions, applies the block's own first norm module and the module's query/key
+    projections, then softmax(q k / sqrt(d_head)) with the causal mask (models without rotary positions)."""
+    assert model.cfg.positional != "rotary", "a reference for models without rotary positions"
+    got: list[torch.Tensor] = []
+
+    def hook_of(block: Any) -> Any:
+        def hook(attn: Any, inputs: tuple[Any, ...]) -> None:
+            x = inputs[-1]  # the residual stream the block's attention reads
+            if model.cfg.positional == "shortformer":
+                x = x + model.W_pos[: x.shape[-2]]
+            if block.ln1 is not None:
+                x = block.ln1(x)
+            q, k, _ = attn.qkv(x, x)
+            group = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(group, dim=1)
+            s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+            T = s.shape[-1]
+            got.append(s.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1))
+
+        return hook
+
+    hooks = [b.attn.register_forward_pre_hook(hook_of(b)) for b in model.blocks]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return got

@@ -12,7 +12,11 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "qkov"
 # each package may import only itself and the packages before it (the flow of the README's layout)
-ORDER = ["errors", "deprecated", "progress", "version", "device", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
+ORDER = ["errors", "deprecated", "progress", "version", "device", "ranks", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
+# inside analysis/: the support modules at its top level, then one sub-package per concept; a
+# sub-package imports only itself and those of a lower rank (paths and heads share one: neither
+# imports the other)
+ANALYSIS_RANK = {"": 0, "forward": 1, "circuits": 2, "paths": 3, "heads": 3, "causal": 4, "series": 5}
 OPTIONAL = {"transformers", "transformer_lens", "huggingface_hub", "plotly"}  # imported only where used
 # one idea per file: a concept is not split to meet a cap, and no file grows past this ceiling
 MAX_FILE_LINES = 600
@@ -61,6 +65,28 @@ def test_dependencies_point_one_way(path: Path) -> None:
     mine = ORDER.index(package_of(path))
     for pkg in imported_qkov_packages(path):
         assert ORDER.index(pkg) <= mine, f"{path.relative_to(SRC)} imports qkov.{pkg}, which comes later"
+
+
+def analysis_part(target: tuple[str, ...]) -> str:
+    """The sub-package of ``analysis`` that a module path inside the package is in ("" for analysis/
+    itself and the support modules at its top)."""
+    return target[1] if len(target) > 1 and (SRC / "analysis" / target[1]).is_dir() else ""
+
+
+@pytest.mark.parametrize("path", [p for p in modules() if package_of(p) == "analysis"], ids=lambda p: str(p.relative_to(SRC)))
+def test_analysis_sub_packages_point_one_way(path: Path) -> None:
+    rel = path.relative_to(SRC).with_suffix("").parts
+    if rel == ("analysis", "__init__"):
+        return  # the package's public names gather its sub-packages
+    mine = analysis_part(rel)
+    assert mine in ANALYSIS_RANK, f"{'/'.join(rel)}: analysis/{mine} is not in ANALYSIS_RANK"
+    for target in imported_qkov_modules(path):
+        if target[0] != "analysis" or len(target) < 2:
+            continue
+        theirs = analysis_part(target)
+        if theirs == mine:
+            continue
+        assert ANALYSIS_RANK[theirs] < ANALYSIS_RANK[mine], f"{'/'.join(rel)} imports analysis/{theirs}, which is not below it"
 
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))

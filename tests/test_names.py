@@ -45,32 +45,12 @@ def _shim(old: str) -> Callable[[], Any]:
 RENAMED: list[tuple[str, Callable[[], Any], Callable[[], Any], str]] = [
     ("qkov.run", lambda: qkov.run, lambda: qkov.trace, "qkov.trace"),
     ("qkov.Run", lambda: qkov.Run, lambda: qkov.Trace, "qkov.Trace"),
-    ("qkov.analysis.run", _attr("qkov.analysis", "run"), lambda: qkov.trace, "qkov.analysis.trace"),
-    ("qkov.analysis.Run", _attr("qkov.analysis", "Run"), lambda: qkov.Trace, "qkov.analysis.Trace"),
-    (
-        "circuits.analyse",
-        _attr("qkov.analysis.circuits", "analyse"),
-        _attr("qkov.analysis.circuits", "circuits_report"),
-        "qkov.analysis.circuits.circuits_report",
-    ),
-    (
-        "dynamics.analyse",
-        _attr("qkov.analysis.snapshot_measures", "analyse"),
-        _attr("qkov.analysis.snapshot_measures", "read_series"),
-        "qkov.analysis.snapshot_measures.read_series",
-    ),
     ("tour.render_page", _attr("qkov.apps.tour", "render_page"), _attr("qkov.apps.tour", "render_tour"), "qkov.apps.tour.render_tour"),
     (
         "render.render_page",
         _attr("qkov.apps.report.render", "render_page"),
         _attr("qkov.apps.report.render", "render_template"),
         "qkov.apps.report.render.render_template",
-    ),
-    (
-        "qkov.analysis.dynamics",
-        _shim("qkov.analysis.dynamics"),
-        lambda: importlib.import_module("qkov.analysis.snapshot_measures"),
-        "qkov.analysis.snapshot_measures",
     ),
     (
         "qkov.apps.dynamics",
@@ -112,7 +92,7 @@ def test_the_old_forward_still_computes_the_model() -> None:
 def test_old_attribute_names_of_the_induction_scores() -> None:
     """``InductionProbe.scores`` and ``RepeatScores.induction`` are the induction attention: the mean
     attention from a repeated token to the token after its previous occurrence, recomputed here."""
-    from qkov.analysis.heads import repeat_scores
+    from qkov.analysis.heads.repeated import repeat_scores
 
     w = _tiny()
     probe = qkov.induction_probe(w, length=6, batch=2)
@@ -193,8 +173,8 @@ def test_analyses_report_progress_as_what_done_total() -> None:
     heard: list[tuple[Any, ...]] = []
     w = _tiny()
     toks = torch.randint(0, TINY.d_vocab, (2, 16))
-    from qkov.analysis.circuits import circuits_report
-    from qkov.analysis.paths import summarize
+    from qkov.analysis.circuits.report import circuits_report
+    from qkov.analysis.paths.summary import summarize
 
     circuits_report(w, diag_k=None, progress=lambda *a: heard.append(a))
     summarize(w, toks, progress=lambda *a: heard.append(a))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import qkov
-from qkov.analysis.snapshot_measures import Sample, measure
+from qkov.analysis.series.measures import Sample, measure
 
 transformers = pytest.importorskip("transformers")
 from tokenizers import Tokenizer, models, pre_tokenizers, processors  # noqa: E402

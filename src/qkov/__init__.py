@@ -24,20 +24,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .analysis import shown as _shown
-from .analysis.ablation import ablation_edits, ablation_study
-from .analysis.causal_composition import composition_paths
-from .analysis.circuits import copying_scores, full_ov, full_qk, ov, ov_eigenvalues, positional_qk, qk, virtual_weights
-from .analysis.composition import composition_scores
-from .analysis.factored import LowRank
-from .analysis.forward import Trace, trace
-from .analysis.heads import head_report
-from .analysis.patch_study import patch_study
-from .analysis.patching import activation_patching, attribution_patching
-from .analysis.path_patching import path_patching
-from .analysis.paths import expand, term_effects, term_importance
-from .analysis.probes import InductionProbe, icl_score, induction_probe, induction_probe_tokens, prefix_matching_tokens
-from .analysis.text_scores import text_scores
-from .analysis.trigrams import bigrams, skip_trigrams
+from .analysis.causal.ablation import ablation_edits, ablation_study
+from .analysis.causal.composition import composition_paths
+from .analysis.circuits.copying import copying_scores, ov_eigenvalues
+from .analysis.circuits.qk_ov import full_ov, full_qk, ov, positional_qk, qk, virtual_weights
+from .analysis.circuits.composition import composition_scores
+from .analysis.circuits.factored import LowRank
+from .analysis.forward.cache import Trace
+from .analysis.forward.tracer import trace
+from .analysis.heads.report import head_report
+from .analysis.causal.studies import patch_study
+from .analysis.causal.patching import activation_patching, attribution_patching
+from .analysis.causal.path_patch import path_patching
+from .analysis.paths.expansion import expand
+from .analysis.paths.effects import term_effects
+from .analysis.paths.importance import term_importance
+from .analysis.heads.probes import InductionProbe, icl_score, induction_probe, induction_probe_tokens, prefix_matching_tokens
+from .analysis.heads.pattern_scores import text_scores
+from .analysis.circuits.trigrams import bigrams, skip_trigrams
 from .deprecated import warn_renamed as _warn_renamed
 from .errors import QkovError
 from .io.checkpoint import save_checkpoint

@@ -1,30 +1,26 @@
-"""Taking a model apart, from its weights (through a :class:`~qkov.weights.WeightSource`) and
-from its behaviour (through the one analysis forward, :func:`forward.trace`).
+"""Taking a model apart, from its weights (through a :class:`~qkov.weights.WeightSource`) and from its
+behaviour (through the one analysis forward, :func:`trace`).
 
-* :mod:`~qkov.analysis.factored` — :class:`LowRank`: factored products, never materialised.
-* :mod:`~qkov.analysis.forward` — the analysis forward: records patterns, normalisation
-  divisors, per-head values and outputs, MLP outputs; runs with any of them frozen.
-* :mod:`~qkov.analysis.circuits` — QK/OV circuits, virtual weights, copying scores, bandwidth.
-* :mod:`~qkov.analysis.composition` — Q/K/V composition scores and their random baseline.
-* :mod:`~qkov.analysis.paths` — path expansion, term importance, term effects;
-  :mod:`~qkov.analysis.qk_split` — the QK side of the expansion.
-* :mod:`~qkov.analysis.probes` — repeated random tokens, the induction probe, the ICL score.
-* :mod:`~qkov.analysis.heads` — head detectors, thresholds and roles.
-* :mod:`~qkov.analysis.trigrams` — skip-trigram and bigram tables.
-* :mod:`~qkov.analysis.shown` / :mod:`~qkov.analysis.reprs` — how results show themselves
-  (text here; rich HTML registered by :mod:`qkov.show`).
-* :mod:`~qkov.analysis.lens` — TransformerLens' ``run_with_cache`` and ``run_with_hooks`` on the
-  analysis forward (registered as the model's methods).
+One sub-package per concept, each importing only the ones before it (tests/test_layout.py checks it):
+
+* support, at this level: :mod:`.shown` (how results show themselves: text here, rich HTML registered
+  by :mod:`qkov.show`), :mod:`.budget` (memory plans: one pass, chunk sizes) and :mod:`.sampling`
+  (seeded samples);
+* :mod:`.forward` — the analysis forward: sites, edits, the recorded pass (:class:`Trace`), frozen runs,
+  TransformerLens' ``run_with_cache`` / ``run_with_hooks``;
+* :mod:`.circuits` — from the weights alone: QK/OV circuits, copying, composition, rotary circuits,
+  skip-trigrams and bigrams, the weights-only report;
+* :mod:`.paths` and :mod:`.heads` (neither imports the other) — the exact path expansion with term
+  importance and effects; what each head does on behaviour (probes, repeated-token and text scores, roles);
+* :mod:`.causal` — interventions: metrics, ablation, activation / attribution / path patching, studies;
+* :mod:`.series` — a series of snapshots: its measures and the induction-head phase change.
 """
 
-from . import reprs as reprs  # registers the results' text forms
-from . import lens as lens  # registers the model's run_with_cache and run_with_hooks (qkov.model.registry)
-from ..deprecated import module_getattr
-from .factored import LowRank
-from .forward import Trace, trace
+from __future__ import annotations
 
-__getattr__ = module_getattr(
-    __name__, {"run": ("qkov.analysis.trace", lambda: trace), "Run": ("qkov.analysis.Trace", lambda: Trace)}
-)
+from .circuits.factored import LowRank
+from .forward import lens as lens  # registers the model's run_with_cache and run_with_hooks (qkov.model.registry)
+from .forward.cache import Trace
+from .forward.tracer import trace
 
 __all__ = ["LowRank", "Trace", "trace"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+__all__ = ["seeded_subset"]
+
 
 def seeded_subset(n: int, k: int, seed: int = 0) -> Tensor:
     """``k`` distinct indices of ``range(n)`` drawn without replacement (CPU generator seeded with

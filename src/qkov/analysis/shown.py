@@ -2,7 +2,7 @@
 HTML in a notebook.
 
 Results inherit :class:`Shown`, which looks its formatters up by type: the text ones are
-registered by :mod:`qkov.analysis.reprs` (this package), the HTML ones by :mod:`qkov.show`
+registered by :mod:`qkov.analysis.shown` (this package), the HTML ones by :mod:`qkov.show`
 (which draws with the report's renderers and sits above this package, and is loaded on the first
 display: :data:`LOADERS`). Without a registered HTML formatter ``_repr_html_`` returns ``None`` and a
 notebook shows the text.
@@ -14,12 +14,29 @@ list-like ones keep ``len``, iteration and, deprecated, indexing: :class:`ListAc
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator
+import math
+from typing import Sequence
 
 from ..deprecated import warn_renamed
-
 from ..model.tokens import token_decoder
+
+__all__ = [
+    "decoder",
+    "Formatter",
+    "HTML",
+    "ListAccess",
+    "load_html",
+    "LOADERS",
+    "MAX_ROWS",
+    "more",
+    "num",
+    "register",
+    "Shown",
+    "table",
+    "TEXT",
+    "token",
+]
 
 Formatter = Callable[[Any], str]
 TEXT: dict[type, Formatter] = {}
@@ -100,99 +117,28 @@ class ListAccess:
         return getattr(self, self.ITEMS)[i]
 
 
-@dataclass(repr=False, eq=False)
-class CopyingScores(ListAccess, Shown):
-    """What :func:`~qkov.analysis.circuits.copying_scores` returns: ``heads``, one
-    :class:`~qkov.analysis.circuits.HeadCopying` per head in layer-major order, and ``k``, the top-k of
-    the diagonal rate (``None`` when it was skipped)."""
-
-    ITEMS: ClassVar[str] = "heads"
-    heads: list[Any] = field(default_factory=list)
-    k: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"k": self.k, "heads": [c.to_dict() for c in self.heads]}
-
-
-@dataclass(repr=False, eq=False)
-class SkipTrigrams(ListAccess, Shown):
-    """What :func:`~qkov.analysis.trigrams.skip_trigrams` returns: ``trigrams``, the
-    :class:`~qkov.analysis.trigrams.SkipTrigram` list of head ``head`` (``"layer.head"``), strongest first."""
-
-    ITEMS: ClassVar[str] = "trigrams"
-    trigrams: list[Any] = field(default_factory=list)
-    head: str = ""
-    left_out: str = ""  # which tokens the search left out ("the start token, 3 special ... left out")
-
-    def to_dict(self, decode: Callable[[int], str] | None = None) -> dict[str, Any]:
-        """``decode`` (``id -> str``; default: the one given to :meth:`with_tokens`) adds token strings."""
-        d = decode or decoder(self)
-        return {"head": self.head, "left_out": self.left_out, "trigrams": [t.to_dict(d) for t in self.trigrams]}
-
-
-@dataclass(repr=False, eq=False)
-class Bigrams(ListAccess, Shown):
-    """What :func:`~qkov.analysis.trigrams.bigrams` returns: ``bigrams``, the
-    :class:`~qkov.analysis.trigrams.Bigram` list, strongest first."""
-
-    ITEMS: ClassVar[str] = "bigrams"
-    bigrams: list[Any] = field(default_factory=list)
-    left_out: str = ""  # which tokens the table left out
-
-    def to_dict(self, decode: Callable[[int], str] | None = None) -> dict[str, Any]:
-        """``decode`` (``id -> str``; default: the one given to :meth:`with_tokens`) adds token strings."""
-        d = decode or decoder(self)
-        return {"left_out": self.left_out, "bigrams": [b.to_dict(d) for b in self.bigrams]}
-
-
-@dataclass(repr=False, eq=False)
-class CompositionScores(Shown):
-    """What :func:`~qkov.analysis.composition.composition_scores` returns: ``kinds``, one
-    :class:`~qkov.analysis.composition.Composition` per kind asked for (``"q"``, ``"k"``, ``"v"``), also
-    read as ``.q``, ``.k``, ``.v`` (``None`` when that kind was not asked for). ``keys()``, ``values()``,
-    ``items()``, ``len``, ``in`` and iteration go over ``kinds``; indexing (a ``dict`` before qkov 1.0)
-    still works with a ``DeprecationWarning`` naming ``kinds``, until 1.1."""
-
-    kinds: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def q(self) -> Any:
-        return self.kinds.get("q")
-
-    @property
-    def k(self) -> Any:
-        return self.kinds.get("k")
-
-    @property
-    def v(self) -> Any:
-        return self.kinds.get("v")
-
-    def keys(self) -> Any:
-        return self.kinds.keys()
-
-    def values(self) -> Any:
-        return self.kinds.values()
-
-    def items(self) -> Any:
-        return self.kinds.items()
-
-    def __len__(self) -> int:
-        return len(self.kinds)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.kinds)
-
-    def __contains__(self, kind: object) -> bool:
-        return kind in self.kinds
-
-    def __getitem__(self, kind: str) -> Any:
-        warn_renamed("indexing a CompositionScores", f"CompositionScores.kinds[{kind!r}] (or .{kind})")
-        return self.kinds[kind]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {kind: c.to_dict() for kind, c in self.kinds.items()}
-
-
 def more(n: int, shown: int = MAX_ROWS) -> str:
     """The note under a truncated table ("" when nothing was left out)."""
     return f"... {n - shown} more" if n > shown else ""
+
+
+def num(v: Any, digits: int = 3) -> str:
+    """``v`` with ``digits`` decimals; ``n/a`` for None/NaN (a score that does not apply)."""
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "n/a"
+    return f"{float(v):.{digits}f}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]], total: int | None = None) -> str:
+    """Columns padded to their widest cell (first column left, others right), at most
+    :data:`MAX_ROWS` rows of ``rows``; ``total`` rows exist (default ``len(rows)``)."""
+    cells = [list(map(str, header))] + [list(map(str, r)) for r in rows[:MAX_ROWS]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    note = more(len(rows) if total is None else total)
+    return "\n".join(lines + ([note] if note else []))
+
+
+def token(decode: Callable[[int], str] | None, i: int) -> str:
+    """``id`` or ``id 'string'`` when a decoder was given."""
+    return str(i) if decode is None else f"{i} {decode(i)!r}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..analysis.heads import THRESHOLDS
+from ..analysis.heads.report import THRESHOLDS
 from .report.sections import Absent, CompositionSection, HeadRow, Report, TrigramRow
 
 ICL_GAP = 0.1  # nats: the 2-layer ICL score must be this far below the 1-layer one

@@ -1,5 +1,5 @@
 """The dynamics study behind ``qkov dynamics``: find and load every snapshot of a series, measure
-each (:mod:`qkov.analysis.snapshot_measures`), read the phase change, ablate its heads.
+each (:mod:`qkov.analysis.series.measures`), read the phase change, ablate its heads.
 
 :func:`dynamics` returns a :class:`DynamicsResult` (``to_dict()`` is its JSON); :func:`write_dynamics`
 also writes that JSON beside an offline HTML page. Under ``torchrun`` the snapshots are split over
@@ -18,12 +18,12 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..analysis import ablation as Ab
-from ..analysis.ablation import AblationStudy
+from ..analysis.causal import ablation as Ab
+from ..analysis.causal.ablation import AblationStudy
 from ..analysis.budget import Planned
-from ..analysis.snapshot_measures import Sample, SeriesReading, measure, measure_budget, read_series
-from ..analysis.heads import THRESHOLDS
-from ..analysis.probes import default_icl_examples
+from ..analysis.series.measures import Sample, SeriesReading, measure, measure_budget, read_series
+from ..analysis.heads.report import THRESHOLDS
+from ..analysis.heads.probes import default_icl_examples
 from ..analysis.shown import TEXT, Shown, register
 from ..deprecated import DictAccess
 from ..device import pick_device

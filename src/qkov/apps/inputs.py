@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..analysis.metrics import parse_metric
-from ..analysis.probes import random_ids, token_pool
+from ..analysis.causal.metrics import parse_metric
+from ..analysis.heads.probes import random_ids, token_pool
 from ..errors import QkovError
 from ..io.checkpoint import read_config
 from ..io.sources import source_kind
@@ -75,7 +75,7 @@ def random_tokens(
 ) -> torch.Tensor:
     """``[batch, n_ctx]`` seeded uniform random ids, the start token ``bos`` first and never elsewhere;
     with a ``model`` that has a tokenizer, drawn from its ordinary text tokens only
-    (:func:`~qkov.analysis.probes.token_pool`)."""
+    (:func:`~qkov.analysis.heads.probes.token_pool`)."""
     g = torch.Generator().manual_seed(seed)
     pool = None if model is None else token_pool(model, d_vocab, bos)
     if pool is None:

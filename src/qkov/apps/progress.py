@@ -108,7 +108,7 @@ class TrainProgress:
 
 class StageProgress:
     """Callable ``(stage, done, total)`` for the ``progress`` argument of the long analyses
-    (:func:`qkov.analysis.circuits.circuits_report`, ...). Use as a context manager.
+    (:func:`qkov.analysis.circuits.report.circuits_report`, ...). Use as a context manager.
 
     On a terminal it draws one rich progress bar per stage (stderr). Elsewhere (a log file, CI)
     it writes plain lines instead, so long work is never silent: once the command has run

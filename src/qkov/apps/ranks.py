@@ -2,7 +2,7 @@
 
 ``torchrun --nproc-per-node N -m qkov circuits MODEL --json`` starts N processes; :func:`ranks` joins
 them into one process group (:func:`qkov.training.distributed.setup`: gloo on CPUs, NCCL on GPUs),
-gives each rank its share of the cores, and puts the split in force (:func:`qkov.analysis.split.over`)
+gives each rank its share of the cores, and puts the split in force (:func:`qkov.ranks.over`)
 for the analyses called inside it. Every rank gets every result; the command prints and writes on
 rank 0 alone (``Split.main``) and the others exit 0 having written nothing. Without torchrun's
 variables it is one process and changes nothing. A group already joined (a script of one's own that
@@ -18,7 +18,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..analysis.split import Split, over
+from ..ranks import Split, over
 from ..training import distributed
 
 

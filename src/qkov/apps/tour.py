@@ -31,7 +31,8 @@ from .claims import Claim, claims, head_rows
 from .dynamics_study import SCHEMA_VERSION as DYNAMICS_SCHEMA
 from .dynamics_study import DYNAMICS_FILES, write_dynamics
 from .phase_section import phase_charts, phase_claims
-from .report.sections import Report, TrainingRecord
+from .report.card import TrainingRecord
+from .report.sections import Report
 
 LAYERS: tuple[int, ...] = (0, 1, 2)
 

@@ -8,14 +8,14 @@ MLP; sequential (``x + attn``, then ``+ mlp`` of that) or parallel (both read ``
 positions enter the query/key input only, never the values or the stream.
 
 :class:`BlockPass` is that body. Every intermediate value passes through a **hook point**, named as
-the analysis forward's sites (:mod:`qkov.analysis.sites`: ``resid_pre``, ``attn_in``, ``qk_in``,
+the analysis forward's sites (:mod:`qkov.analysis.forward.sites`: ``resid_pre``, ``attn_in``, ``qk_in``,
 ``q``, ``k``, ``v``, ``scores``, ``pattern``, ``z``, ``head_out``, ``attn_out``, ``resid_mid``,
 ``mlp_in``, ``mlp_pre``, ``mlp_hidden``, ``mlp_out``, ``resid_post`` ...): :meth:`BlockPass.at`
 passes a value through one, :meth:`BlockPass.active` says whether anything reads or writes it,
 :meth:`BlockPass.fixed` gives a value that replaces it outright. Here they do nothing, so the
 training model (:class:`qkov.Transformer`) runs this body as plain fused code: attention by
 ``scaled_dot_product_attention``, normalisation by ``F.layer_norm``/``F.rms_norm``. The analysis
-forward (:func:`qkov.analysis.forward.trace`) subclasses it with its sites: the same body then
+forward (:func:`qkov.analysis.forward.tracer.trace`) subclasses it with its sites: the same body then
 computes the scores and patterns a site asks for, freezes a normalisation's divisor, skips the queries
 and keys of a pattern given as a tensor or the MLP of an output given as one, and runs the last
 layer at a few query positions only (``rows``) when nothing reads it. A new residual scheme or gate

@@ -3,7 +3,7 @@
 ``Transformer.run_with_cache`` and ``Transformer.run_with_hooks`` (TransformerLens' habits) run the
 analysis forward, which lives in :mod:`qkov.analysis`: a later package in the layer order
 (errors < ... < model < ... < weights < analysis, tests/test_layout.py), which :mod:`qkov.model` may not
-import. So the implementation is written once, in :mod:`qkov.analysis.lens`, as plain functions of any
+import. So the implementation is written once, in :mod:`qkov.analysis.forward.lens`, as plain functions of any
 weights source; that module registers them here when it is imported, and the model's methods are
 thin: they look their implementation up by name and call it with the model. ``import qkov`` imports
 :mod:`qkov.analysis` (and so does importing any ``qkov.*`` module: Python runs the package's

@@ -9,7 +9,7 @@ stacked views ``model.W_Q`` etc. add the leading layer dimension.
 Attention runs fused (``torch.nn.functional.scaled_dot_product_attention``): this module
 trains and predicts. Everything that looks inside the model (attention patterns, frozen
 patterns, per-head outputs, LayerNorm scales) is the analysis forward's job
-(:func:`qkov.analysis.forward.trace` over :class:`qkov.weights.Weights`), which is tested
+(:func:`qkov.analysis.forward.tracer.trace` over :class:`qkov.weights.Weights`), which is tested
 against this module.
 """
 
@@ -339,7 +339,7 @@ class Transformer(nn.Module):
         names and qkov site names both index, ``names_filter`` as TransformerLens' (``None``: every site).
         The logits are ``model(tokens)``'s; ``stream="model"``: the sites hold the model's own residual
         stream (else, with LayerNorm, the writers are centred). Runs
-        :func:`qkov.analysis.lens.run_with_cache` (registered by the analysis package:
+        :func:`qkov.analysis.forward.lens.run_with_cache` (registered by the analysis package:
         :mod:`qkov.model.registry`)."""
         kw = dict(prepend_bos=prepend_bos, stream=stream, return_type=return_type)
         return registry.call("run_with_cache", self, input, names_filter, **kw)  # type: ignore[no-any-return]
@@ -357,7 +357,7 @@ class Transformer(nn.Module):
         """TransformerLens' ``run_with_hooks``: the logits ``[batch, seq, d_vocab]`` (or what
         ``return_type`` asks) with ``fwd_hooks = [(hook name, fn(activation, hook))]`` applied, each
         ``fn`` returning a replacement or ``None``; which hook points are supported is listed in
-        :mod:`qkov.analysis.lens`, whose :func:`~qkov.analysis.lens.run_with_hooks` this runs."""
+        :mod:`qkov.analysis.forward.lens`, whose :func:`~qkov.analysis.forward.lens.run_with_hooks` this runs."""
         kw = dict(bwd_hooks=bwd_hooks, prepend_bos=prepend_bos, stream=stream, return_type=return_type)
         return registry.call("run_with_hooks", self, input, fwd_hooks, **kw)
 

@@ -7,25 +7,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..analysis.causal_composition import CompositionPaths
-from ..analysis.circuits import CircuitsReport
-from ..analysis.composition import Composition
-from ..analysis.factored import TopK
-from ..analysis.heads import HeadReport
-from ..analysis.patch_study import PatchStudy
-from ..analysis.patching import PatchResult
-from ..analysis.paths import PathSummary
-from ..analysis.probes import InductionProbe
-from ..analysis.shown import (
-    HTML,
-    MAX_ROWS,
-    Bigrams,
-    CompositionScores,
-    CopyingScores,
-    SkipTrigrams,
-    decoder,
-    register,
-)
+from ..analysis.causal.composition import CompositionPaths
+from ..analysis.circuits.report import CircuitsReport
+from ..analysis.circuits.composition import Composition
+from ..analysis.circuits.factored import TopK
+from ..analysis.heads.report import HeadReport
+from ..analysis.causal.studies import PatchStudy
+from ..analysis.causal.patching import PatchResult
+from ..analysis.paths.summary import PathSummary
+from ..analysis.heads.probes import InductionProbe
+from ..analysis.shown import HTML, MAX_ROWS, decoder, register
+from ..analysis.circuits.trigrams import Bigrams, SkipTrigrams
+from ..analysis.circuits.composition import CompositionScores
+from ..analysis.circuits.copying import CopyingScores
 from ..apps.report.collect import bigram_rows, composition_section, heads_section, repeat_curves, trigram_rows
 from ..model.tokens import token_decoder
 from .page import mounted, page, text_only

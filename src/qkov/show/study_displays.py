@@ -1,12 +1,12 @@
 """Notebook displays of the studies: a :class:`~qkov.apps.dynamics_study.DynamicsResult`
 (the windows table, the detector curves as static SVG with the window shaded, the ablation line)
-and an :class:`~qkov.analysis.ablation.AblationStudy` (its table). Static HTML: nothing to run."""
+and an :class:`~qkov.analysis.causal.ablation.AblationStudy` (its table). Static HTML: nothing to run."""
 
 from __future__ import annotations
 
 import html
 
-from ..analysis.ablation import AblationStudy, Measures
+from ..analysis.causal.ablation import AblationStudy, Measures
 from ..analysis.shown import HTML, register
 from ..apps.dynamics_study import DynamicsResult
 from ..apps.phase_section import svg_dynamics

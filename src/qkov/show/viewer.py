@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from ..analysis.forward import trace
+from ..analysis.forward.tracer import trace
 from ..apps.report.collect import attention_section
 from ..errors import QkovError
 from ..io.sources import load_any

@@ -32,7 +32,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from ..errors import QkovError
 from ..io.atomic import atomic_write_bytes, atomic_write_text
 from ..progress import Progress, as_progress, tick
-from .corpus_size import check_examples as check_examples
 from .corpus_size import tokens, too_short
 
 BOS_TOKEN = "<|bos|>"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..analysis.probes import induction_probe
+from ..analysis.heads.probes import induction_probe
 from ..device import flush_denormals, pick_device, reproducible_blas, tune_cpu_allocator
 from ..errors import QkovError
 from ..io.atomic import atomic_write_text
@@ -36,7 +36,8 @@ from ..model.transformer import Transformer
 from ..weights.view import Weights
 from . import distributed
 from .config import TrainConfig, lr_at
-from .data import Batches, Corpus, check_examples, load_corpus, val_batches
+from .corpus_size import check_examples
+from .data import Batches, Corpus, load_corpus, val_batches
 from .losses import LossModule
 from . import rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state

@@ -27,7 +27,7 @@ unembedding centred; so composition and copying scores of the same model agree w
   a change of logits by a per-position constant, which softmax ignores.
 
 :meth:`Weights.rotate` applies an orthogonal change of basis of the residual stream;
-:func:`qkov.analysis.forward.trace` runs the model from any view (tests check that every
+:func:`qkov.analysis.forward.tracer.trace` runs the model from any view (tests check that every
 option keeps the model's function).
 """
 

@@ -10,9 +10,10 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from ...analysis.heads import SCORE_COLUMNS, THRESHOLDS, head_report
-from ...analysis.paths import VIRTUAL_AUTO_MAX, default_batch, paths_batch, summarize
-from ...analysis.probes import default_icl_examples
+from ...analysis.heads.report import SCORE_COLUMNS, THRESHOLDS, head_report
+from ...analysis.paths.expansion import VIRTUAL_AUTO_MAX, default_batch, paths_batch
+from ...analysis.paths.summary import summarize
+from ...analysis.heads.probes import default_icl_examples
 from ...weights.view import Weights
 from ..inputs import analysis_inputs
 from ..progress import StageProgress

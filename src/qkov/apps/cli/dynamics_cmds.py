@@ -9,8 +9,8 @@ from typing import Any
 
 from rich.table import Table
 
-from ...analysis import ablation as Ab
-from ...analysis.positions import parse_positions
+from ...analysis.causal import ablation as Ab
+from ...analysis.causal.positions import parse_positions
 from ...errors import QkovError
 from ...io.sources import source_kind
 from ...weights.view import Weights

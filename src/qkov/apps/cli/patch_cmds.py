@@ -8,9 +8,9 @@ from typing import Any
 
 from rich.table import Table
 
-from ...analysis.patch_study import patch_study
-from ...analysis.patching import DIRECTIONS, PatchResult, largest
-from ...analysis.path_patching import INPUTS
+from ...analysis.causal.studies import patch_study
+from ...analysis.causal.patching import DIRECTIONS, PatchResult, largest
+from ...analysis.causal.path_patch import INPUTS
 from ...errors import QkovError
 from ...weights.view import Weights
 from ..inputs import patching_inputs

@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from rich.table import Table
 
-from ...analysis import trigrams
-from ...analysis.rotary_circuits import OffsetProfiles
-from ...analysis.circuits import CircuitsReport, circuits_report
+from ...analysis.circuits import trigrams
+from ...analysis.circuits.rotary import OffsetProfiles
+from ...analysis.circuits.report import CircuitsReport, circuits_report
 from ...errors import QkovError
 from ...io.checkpoint import TOKENIZER_FILE, read_tokenizer
 from ...model.tokens import text_codec, token_decoder

@@ -15,10 +15,10 @@ from typing import Any, Callable
 
 import torch
 
-from ...analysis.forward import trace
-from ...analysis.heads import SCORE_COLUMNS, head_report
-from ...analysis.paths import default_batch
-from ...analysis.probes import default_icl_examples
+from ...analysis.forward.tracer import trace
+from ...analysis.heads.report import SCORE_COLUMNS, head_report
+from ...analysis.paths.expansion import default_batch
+from ...analysis.heads.probes import default_icl_examples
 from ...progress import Progress
 from ..inputs import analysis_inputs
 from .context import BadRequest, Explorer

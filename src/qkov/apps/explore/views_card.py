@@ -3,16 +3,16 @@ the library function that computes it, for this head only.
 
 * ``ov_eigenvalues`` / ``copying``: the eigenvalues of the full OV circuit ``W_E W_OV W_U``
   (:func:`qkov.full_ov` ``.eigenvalues()``, the ``d_head`` values of its small twin: the same numbers
-  :func:`qkov.ov_eigenvalues` gives for every head) and :func:`~qkov.analysis.circuits.eigen_copying_score`;
-* ``qk_eigenvalues`` / ``top_qk``: the full QK circuit ``W_E W_QK W_E^T`` (:func:`qkov.analysis.circuits.full_qk`);
+  :func:`qkov.ov_eigenvalues` gives for every head) and :func:`~qkov.analysis.circuits.copying.eigen_copying_score`;
+* ``qk_eigenvalues`` / ``top_qk``: the full QK circuit ``W_E W_QK W_E^T`` (:func:`qkov.analysis.circuits.qk_ov.full_qk`);
   a rotary head has one per offset, so its card reads the direct-path table at the offset its profile
-  prefers (:func:`~qkov.analysis.rotary_circuits.offset_qk`, ``qk_offset`` says which);
+  prefers (:func:`~qkov.analysis.circuits.rotary.offset_qk`, ``qk_offset`` says which);
 * ``top_ov`` / ``top_qk``: the largest entries over the whole vocabulary, exact, in row chunks
-  (:meth:`LowRank.topk <qkov.analysis.factored.LowRank.topk>`; nothing ``d_vocab x d_vocab`` is held);
-* ``trigrams``: :func:`~qkov.analysis.trigrams.skip_trigrams` (exact branch and bound, start token excluded);
+  (:meth:`LowRank.topk <qkov.analysis.circuits.factored.LowRank.topk>`; nothing ``d_vocab x d_vocab`` is held);
+* ``trigrams``: :func:`~qkov.analysis.circuits.trigrams.skip_trigrams` (exact branch and bound, start token excluded);
 * ``positional``: a learned-position head's ``W_pos W_QK W_pos^T`` (:func:`qkov.positional_qk`)
   averaged along each offset ``query - key``; a rotary head's weights-only offset profile
-  (:func:`~qkov.analysis.rotary_circuits.offset_profile`);
+  (:func:`~qkov.analysis.circuits.rotary.offset_profile`);
 * ``composition``: the head's row and column of Q/K/V composition, computed for this head's pairs
   only with the scores of :func:`qkov.composition_scores` (tested equal to the all-pairs result);
 * ``pattern``: the head's attention pattern on ``text`` when given (the ``attention`` view's form).
@@ -30,13 +30,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...analysis.circuits import eigen_copying_score, full_ov, full_qk, positional_qk
-from ...analysis.composition import KINDS, reader_matrix
-from ...analysis.factored import LowRank
-from ...analysis.forward import trace
-from ...analysis.progress import tick
-from ...analysis.rotary_circuits import offset_profile, offset_qk, rotations
-from ...analysis.trigrams import skip_trigrams
+from ...analysis.circuits.copying import eigen_copying_score
+from ...analysis.circuits.qk_ov import full_ov, full_qk, positional_qk
+from ...analysis.circuits.composition import KINDS, reader_matrix
+from ...analysis.circuits.factored import LowRank
+from ...analysis.forward.tracer import trace
+from ...progress import tick
+from ...analysis.circuits.rotary import offset_profile, offset_qk, rotations
+from ...analysis.circuits.trigrams import skip_trigrams
 from ...model.tokens import left_out_tokens
 from ...progress import Progress
 from .context import BadRequest, Explorer

@@ -1,11 +1,11 @@
 """Interventions in ``qkov explore``: ablate heads on a text, patch between two texts.
 
-* ``ablate`` {text, heads, mode} — the edits of :func:`qkov.analysis.ablation.ablation_edits` (``zero``: the
+* ``ablate`` {text, heads, mode} — the edits of :func:`qkov.analysis.causal.ablation.ablation_edits` (``zero``: the
   heads write nothing; ``mean``: each writes its mean output over every position of this text,
-  :func:`~qkov.analysis.ablation.z_means`), run by :func:`qkov.trace`: the loss per token and the top
+  :func:`~qkov.analysis.causal.ablation.z_means`), run by :func:`qkov.trace`: the loss per token and the top
   predictions before and after. The mean loss is what ``qkov ablate SOURCE --heads ... --mode ...`` reports
   for this text as its validation sample (:func:`qkov.ablation_study`'s ``intact`` / ``ablated`` loss; tested).
-* ``patch`` {clean, corrupted, metric?} — :func:`qkov.analysis.patch_study.patch_study` with ``qkov patch``'s
+* ``patch`` {clean, corrupted, metric?} — :func:`qkov.analysis.causal.studies.patch_study` with ``qkov patch``'s
   defaults: activation patching of the residual stream by (layer, position) and of every head's output by
   (layer, head), attribution patching of the head outputs and its agreement; ``metric`` as ``qkov patch
   --metric`` writes it (``loss``, ``logit-diff:A,B``, ``prob:T``).
@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ...analysis.ablation import ablation_edits, z_means
-from ...analysis.forward import trace
-from ...analysis.metrics import parse_metric
-from ...analysis.patch_study import patch_study
+from ...analysis.causal.ablation import ablation_edits, z_means
+from ...analysis.forward.tracer import trace
+from ...analysis.causal.metrics import parse_metric
+from ...analysis.causal.studies import patch_study
 from ...errors import QkovError
 from ...model.ops import next_token_nll
 from ...progress import Progress

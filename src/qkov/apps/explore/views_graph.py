@@ -4,11 +4,11 @@
   (raw scores and each kind's random-matrix baseline), computed once per model and kept in memory;
   the page filters the edges by threshold, which starts at ``default_threshold`` (:func:`default_threshold`:
   the :data:`GRAPH_EDGES` strongest edges above their baselines).
-* ``terms`` {text, position} — the path expansion of the text (:func:`qkov.analysis.paths.expand`, patterns,
+* ``terms`` {text, position} — the path expansion of the text (:func:`qkov.analysis.paths.expansion.expand`, patterns,
   normalisation divisors and MLP outputs frozen at the real forward pass), then the loss change at one
   position when each term is removed: the direct path (token and position embeddings), every single
-  head (:func:`~qkov.analysis.paths.term_effects`) and the largest virtual heads (the same
-  :func:`~qkov.analysis.virtual.select_virtual` choice ``qkov paths`` makes). ``position`` is the position
+  head (:func:`~qkov.analysis.paths.effects.term_effects`) and the largest virtual heads (the same
+  :func:`~qkov.analysis.paths.virtual.select_virtual` choice ``qkov paths`` makes). ``position`` is the position
   whose prediction of the next token is measured (the ``text`` view's ``loss[position]``).
 """
 
@@ -19,10 +19,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ...analysis.composition import KINDS, composition_scores
-from ...analysis.frozen import read
-from ...analysis.paths import VIRTUAL_AUTO_MAX, expand, term_effects, virtual_pairs
-from ...analysis.virtual import select_virtual
+from ...analysis.circuits.composition import KINDS, composition_scores
+from ...analysis.forward.frozen import read
+from ...analysis.paths.expansion import VIRTUAL_AUTO_MAX, expand, virtual_pairs
+from ...analysis.paths.effects import term_effects
+from ...analysis.paths.virtual import select_virtual
 from ...progress import Progress
 from .context import BadRequest, Explorer
 from .views_card import int_arg, r6
@@ -120,7 +121,7 @@ def terms(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
 
 def _direct(exp: Any, t: int, ids: torch.Tensor) -> tuple[float, float]:
     """The loss change at position ``t`` from removing the direct path (order 0), and the loss there;
-    logits read at ``t`` as :func:`~qkov.analysis.paths.term_effects` reads them."""
+    logits read at ``t`` as :func:`~qkov.analysis.paths.effects.term_effects` reads them."""
     scale, W_U, b_U = exp.run.divisor("final"), exp.source.unembed().W_U, exp.source.unembed().b_U
 
     def logits_of(x: torch.Tensor) -> torch.Tensor:  # [1, V]

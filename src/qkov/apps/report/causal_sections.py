@@ -1,6 +1,6 @@
 """The report's patching section's schema: a patching study of a clean/corrupted pair (computed by
 :mod:`qkov.apps.report.interventions`). The causal section is
-:class:`~qkov.analysis.causal_composition.CompositionPaths` itself."""
+:class:`~qkov.analysis.causal.composition.CompositionPaths` itself."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 @dataclass
 class PatchingSection:
-    """A :class:`~qkov.analysis.patch_study.PatchStudy` as JSON, with the inputs it ran on."""
+    """A :class:`~qkov.analysis.causal.studies.PatchStudy` as JSON, with the inputs it ran on."""
 
     clean: str
     corrupted: str

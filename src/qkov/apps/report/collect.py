@@ -15,13 +15,18 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from ...analysis import split, trigrams
-from ...analysis.circuits import DIAG_EXACT_MAX, bandwidth, check_diag_k, eigen_copying_score, full_ov, ov_eigenvalues
-from ...analysis.composition import Composition, composition_scores
-from ...analysis.forward import trace
-from ...analysis.heads import SCORE_COLUMNS, HeadReport, head_report
-from ...analysis.paths import PathSummary, TermEffect, default_batch, paths_batch, summarize
-from ...analysis.probes import NOT_TEXT, InductionProbe, default_icl_examples, icl_left_out, icl_score, induction_probe
+from ... import ranks
+from ...analysis.circuits import trigrams
+from ...analysis.circuits.copying import DIAG_EXACT_MAX, check_diag_k, eigen_copying_score, ov_eigenvalues
+from ...analysis.circuits.report import bandwidth
+from ...analysis.circuits.qk_ov import full_ov
+from ...analysis.circuits.composition import Composition, composition_scores
+from ...analysis.forward.tracer import trace
+from ...analysis.heads.report import SCORE_COLUMNS, HeadReport, head_report
+from ...analysis.paths.summary import PathSummary, summarize
+from ...analysis.paths.expansion import default_batch, paths_batch
+from ...analysis.paths.effects import TermEffect
+from ...analysis.heads.probes import NOT_TEXT, InductionProbe, default_icl_examples, icl_left_out, icl_score, induction_probe
 from ...device import pick_device
 from ...errors import QkovError
 from ...io.checkpoint import checkpoint_info, read_metrics
@@ -33,14 +38,13 @@ from ...weights.view import Weights
 from ..inputs import AnalysisInput, analysis_inputs
 from ..origin import UNKNOWN, parameter_count, source_origin
 from .interventions import causal_section, patching_section, read_patching
+from .card import Card, Curve, TrainingRecord
 from .sections import (
     Absent,
     AttentionSection,
     BigramRow,
-    Card,
     CompositionKind,
     CompositionSection,
-    Curve,
     EigenHead,
     EigenSection,
     HeadRow,
@@ -51,7 +55,6 @@ from .sections import (
     Pair,
     RepeatCurves,
     Report,
-    TrainingRecord,
     TrigramRow,
     TrigramsSection,
 )
@@ -227,7 +230,7 @@ def _icl(w: Weights, bos: int, seed: int, curve: list[float] | None, info: ICLSu
 
 def _trigram_heads(w: Weights) -> tuple[list[int], str | None]:
     """The layer-0 heads that get a skip-trigram table: all of them, or above a vocabulary of
-    :data:`~qkov.analysis.circuits.DIAG_EXACT_MAX` tokens (~5 s per head at GPT-2's) the
+    :data:`~qkov.analysis.circuits.copying.DIAG_EXACT_MAX` tokens (~5 s per head at GPT-2's) the
     :data:`TRIGRAM_HEADS` with the largest full OV circuits (Frobenius norm), and a note saying so."""
     H = w.cfg.n_heads if w.cfg.n_layers >= 1 else 0
     if w.cfg.d_vocab <= DIAG_EXACT_MAX or H <= TRIGRAM_HEADS:
@@ -243,7 +246,7 @@ def _trigram_heads(w: Weights) -> tuple[list[int], str | None]:
 
 def _trigrams(w: Weights, decode: Decode, bos: int, top: int) -> TrigramsSection:
     chosen, note = _trigram_heads(w)
-    sp = split.current()  # a unit: one head's table
+    sp = ranks.current()  # a unit: one head's table
     mine = [i for i in range(len(chosen)) if sp.mine(i, len(chosen))]
     parts = {i: trigrams.skip_trigrams(w, 0, chosen[i], top=top).trigrams for i in mine}
     heads = [HeadTrigrams(f"0.{h}", trigram_rows(tri, decode)) for h, tri in zip(chosen, sp.gather(parts, len(chosen)))]
@@ -270,7 +273,7 @@ def _inputs(
 
 def _icl_without_heads(w: Weights, ids: torch.Tensor, natural: bool) -> tuple[Any, ICLSummary | None, dict[str, str]]:
     """The ICL curve of a 0-layer model (natural text as long as the score reads only:
-    :func:`~qkov.analysis.probes.icl_left_out`), or why it is left out."""
+    :func:`~qkov.analysis.heads.probes.icl_left_out`), or why it is left out."""
     reason = NOT_TEXT if not natural else icl_left_out(ids.shape[1], w.cfg.n_ctx)
     if reason is not None:
         return None, None, {"icl": reason}
@@ -303,8 +306,8 @@ def collect(
         ckpt: a qkov checkpoint, or any source :func:`qkov.io.load_any` reads (a
             Hugging Face directory, a TransformerLens file with ``config``, a Hub name).
         batch: sequences (of ``n_ctx`` tokens) for the pattern-based head scores and the path
-            expansion (at most 2048 tokens of them); default :func:`~qkov.analysis.paths.default_batch`.
-        icl_examples: sequences for the ICL curve; default :func:`~qkov.analysis.probes.default_icl_examples`.
+            expansion (at most 2048 tokens of them); default :func:`~qkov.analysis.paths.expansion.default_batch`.
+        icl_examples: sequences for the ICL curve; default :func:`~qkov.analysis.heads.probes.default_icl_examples`.
         viewer_tokens: tokens of validation text shown in the attention viewer.
         top: rows of each skip-trigram / bigram / term table.
         text: a text file to analyse instead of the training corpus's validation split.
@@ -315,7 +318,7 @@ def collect(
         diag_k: k of the heads' "own logit in the top k of its OV row" rate; 0 skips it.
         diag_sample: tokens that rate is measured on: ``None`` = all up to a vocabulary of 8192
             (exact), else a seeded sample of 1024 with its standard error
-            (:func:`qkov.analysis.circuits.copying_scores`).
+            (:func:`qkov.analysis.circuits.copying.copying_scores`).
         clean, corrupted, metric: a clean/corrupted pair (text or token files, as ``qkov patch``
             reads them) and a metric (``loss``, ``logit-diff:A,B``, ``prob:T``) for a patching section.
         progress: ``progress(stage, done, total)`` (:class:`qkov.progress.Progress`) as each stage starts and ends.

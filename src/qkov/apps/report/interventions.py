@@ -1,6 +1,6 @@
 """The report's causal sections: the induction circuit's composition paths, patched
-(:mod:`qkov.analysis.causal_composition`), and a patching study of a clean/corrupted pair when
-the report is given one (:mod:`qkov.analysis.patch_study`)."""
+(:mod:`qkov.analysis.causal.composition_paths`), and a patching study of a clean/corrupted pair when
+the report is given one (:mod:`qkov.analysis.causal.studies`)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ...analysis.causal_composition import composition_paths
-from ...analysis.patch_study import PatchStudy, patch_study
+from ...analysis.causal.composition import composition_paths
+from ...analysis.causal.studies import PatchStudy, patch_study
 from ...errors import QkovError
 from ...model.transformer import Transformer
 from ...weights.view import Weights
@@ -64,7 +64,7 @@ def read_patching(
 
 
 def patching_section(w: Weights, given: PatchingInputs | None) -> Any:
-    """Patching of the pair (:func:`~qkov.analysis.patch_study.patch_study` with its defaults: the
+    """Patching of the pair (:func:`~qkov.analysis.causal.studies.patch_study` with its defaults: the
     residual stream by layer and position, head outputs, attribution); ``Absent`` without one."""
     if given is None:
         return Absent("no clean/corrupted pair given (qkov report --clean FILE --corrupted FILE)")

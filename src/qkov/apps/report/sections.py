@@ -11,13 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, Union
 
-from ...analysis.causal_composition import CompositionPaths
-from ...analysis.paths import PathSummary
+from ...analysis.causal.composition import CompositionPaths
+from ...analysis.paths.summary import PathSummary
 from ...errors import QkovError
-from .card import Card as Card
+from .card import Card
 from .card import _build, _plain
-from .card import Curve as Curve
-from .card import TrainingRecord as TrainingRecord
 from .causal_sections import PatchingSection
 
 SCHEMA_VERSION = 3  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, heads "columns"; 3: causal, patching
@@ -53,7 +51,7 @@ class ICLSummary:
 
 @dataclass
 class HeadRow:
-    """One head's scores (names as in :data:`qkov.analysis.heads.SCORE_COLUMNS`) and roles."""
+    """One head's scores (names as in :data:`qkov.analysis.heads.report.SCORE_COLUMNS`) and roles."""
 
     head: str
     layer: int

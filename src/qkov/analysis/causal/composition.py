@@ -1,0 +1,149 @@
+"""[F]'s composition made causal: how much of an induction head's behaviour each path from a
+previous-token head carries, by path patching (:mod:`qkov.analysis.causal.path_patch`).
+
+[F] reads K-composition off the weights: the previous-token head writes "the token before me"
+and the induction head's keys read it. The causal test: noise one path at a time, the writer's
+output reaching the reader's key input only (then, separately, its query and its value input),
+with the writer's output taken from a corrupted run, and measure what the reader loses:
+
+* **prefix matching** — the reader's attention from each token of the second copy of repeated
+  random tokens to the token after its first occurrence ([I]'s prefix-matching score). Clean:
+  the repeated tokens; corrupted: random tokens of the same length that do not repeat. Share
+  removed = ``(clean - patched) / (clean - corrupted)``.
+* **in-context learning** — the ICL score (loss at the late positions minus loss at position 50,
+  :func:`~qkov.analysis.heads.probes.icl_windows`) on validation text. Clean: the text; corrupted:
+  another sequence of the same text (each example's writer output taken from the next example).
+  Share removed = ``(patched - clean) / -clean``: the share of the in-context improvement lost
+  (as :meth:`~qkov.analysis.causal.ablation.AblationStudy.icl_removed` measures an ablation's).
+
+A reader whose keys find the earlier occurrence through the writer loses most of its prefix
+matching on the K path and little on the Q and V paths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...weights.parts import WeightSource
+from ...weights.convert import SourceLike, as_source
+from .metrics import Attention, ICLWindows
+from .path_patch import input_paths
+from .patching import PATCH_BYTES, copy_bytes
+from ..heads.probes import icl_left_out, icl_windows, induction_probe_tokens
+from ..shown import TEXT, Shown, register
+from ..forward.sites import Head
+from .path_patch import INPUTS
+
+__all__ = ["composition_paths", "composition_paths_text", "CompositionPaths", "ICL_CHUNK",]
+
+ICL_CHUNK = 32  # ICL examples per path-patching pass at most (fewer where their activations exceed PATCH_BYTES)
+
+
+@dataclass(repr=False)
+class CompositionPaths(Shown):
+    """Each path writer -> reader's q, k, v: the share of the reader's prefix matching it removes when
+    noised, and the share of the in-context improvement (``None`` without text, or without an improvement)."""
+
+    writer: str
+    reader: str
+    prefix_clean: float
+    prefix_corrupted: float
+    prefix_removed: dict[str, float]
+    icl_clean: float | None = None
+    icl_removed: dict[str, float] | None = None
+    repeat_length: int = 0
+    icl_examples: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompositionPaths":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def rounded(self, digits: int = 4) -> "CompositionPaths":
+        """The same numbers rounded as the report stores them."""
+        r = lambda v: v if v is None else round(v, digits)  # noqa: E731
+        shares = lambda d: None if d is None else {k: r(v) for k, v in d.items()}  # noqa: E731
+        return CompositionPaths(
+            self.writer, self.reader, r(self.prefix_clean), r(self.prefix_corrupted), shares(self.prefix_removed),  # type: ignore[arg-type]
+            r(self.icl_clean), shares(self.icl_removed), self.repeat_length, self.icl_examples,
+        )  # fmt: skip
+
+
+def _repeated(source: WeightSource, bos: int | None, seed: int, batch: int) -> tuple[Tensor, Tensor, int]:
+    length = min(50, (source.cfg.n_ctx - 1) // 2)
+    V = source  # the source's vocabulary, and its start token unless bos is given
+    clean = induction_probe_tokens(V, length=length, repeats=2, batch=batch, seed=seed, bos=bos)
+    corrupted = induction_probe_tokens(V, length=2 * length, repeats=1, batch=batch, seed=seed + 1, bos=bos)
+    return clean.to(source.device), corrupted.to(source.device), length
+
+
+def composition_paths(
+    source: SourceLike,
+    writer: Head,
+    reader: Head,
+    *,
+    text: Tensor | None = None,
+    bos: int | None = None,
+    seed: int = 0,
+    batch: int = 8,
+) -> CompositionPaths:
+    """Path-patch ``writer`` -> ``reader``'s q, k and v inputs (see the module docstring); ``text``
+    ``[N, T]`` validation examples for the ICL share (at least 2, as long as the ICL score reads:
+    :func:`~qkov.analysis.heads.probes.icl_left_out`); ``source``: a model, weights source or path;
+    ``bos=None``: its start token."""
+    source = as_source(source, where="qkov.composition_paths")
+    clean, corrupted, L = _repeated(source, bos, seed, batch)
+    m = Attention(layer=reader[0], head=reader[1], queries=list(range(L + 1, 2 * L + 1)), offset=L - 1)
+    got, base, target = input_paths(source, clean, corrupted, sender=writer, receiver=reader, metric=m)
+    removed = {inp: (got[inp] - base) / (target - base) for inp in INPUTS}  # noised: base = clean
+    out = CompositionPaths(f"{writer[0]}.{writer[1]}", f"{reader[0]}.{reader[1]}", base, target, removed, repeat_length=L)
+    if text is not None and text.shape[0] >= 2 and icl_left_out(text.shape[1], source.cfg.n_ctx) is None:
+        out.icl_clean, out.icl_removed = _icl_paths(source, writer, reader, text.to(source.device))
+        out.icl_examples = text.shape[0]
+    return out
+
+
+def _icl_paths(source: WeightSource, writer: Head, reader: Head, text: Tensor) -> tuple[float, dict[str, float] | None]:
+    """The clean ICL score and, per input, the share of its improvement the noised path removes."""
+    _, _, early_at, late_at = icl_windows(text.shape[1])
+    text = text[:, : int(late_at[-1]) + 2]
+    other = torch.roll(text, 1, dims=0)  # each example's writer output from another example
+    sums = {inp: 0.0 for inp in INPUTS}
+    clean = 0.0
+    N, T = text.shape
+    c = source.cfg
+    K = len(INPUTS)  # one patched copy per input, each holding every input's per-head copies
+    one = K * (copy_bytes(source, text[:1], None) + 2 * K * T * c.n_heads * c.d_model * torch.finfo(source.dtype).bits // 8)
+    chunk = max(1, min(ICL_CHUNK, PATCH_BYTES // one))  # examples whose patched pass fits the budget
+    for lo in range(0, N, chunk):
+        part, corrupted = text[lo : lo + chunk], other[lo : lo + chunk]
+        m = ICLWindows(early=early_at.tolist(), late=late_at.tolist(), tokens=part)
+        got, base, _ = input_paths(source, part, corrupted, sender=writer, receiver=reader, metric=m)
+        for inp in INPUTS:
+            sums[inp] += got[inp] * part.shape[0]
+        clean += base * part.shape[0]
+    clean /= N
+    if clean >= 0:
+        return clean, None
+    return clean, {inp: (sums[inp] / N - clean) / -clean for inp in INPUTS}
+
+
+@register(TEXT, CompositionPaths)
+def composition_paths_text(c: CompositionPaths) -> str:
+    lines = [
+        f"paths {c.writer} -> {c.reader} noised one at a time (path patching):",
+        f"  {c.reader}'s prefix matching on {c.repeat_length}-token repeats: clean {c.prefix_clean:.3f}, "
+        f"non-repeating {c.prefix_corrupted:.3f}",
+    ]
+    for inp in INPUTS:
+        icl = "" if c.icl_removed is None else f", in-context improvement removed {c.icl_removed[inp]:+.0%}"
+        lines.append(f"  {c.writer} -> {c.reader} {inp}: prefix matching removed {c.prefix_removed[inp]:+.0%}{icl}")
+    if c.icl_clean is not None:
+        lines.append(f"  (ICL score on {c.icl_examples} validation examples: {c.icl_clean:+.3f})")
+    return "\n".join(lines)

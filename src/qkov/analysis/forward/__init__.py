@@ -1,0 +1,70 @@
+"""The analysis forward: one pass of the block body (:mod:`qkov.model.block`) over any weights
+source, every activation through a named site that can be read or written.
+
+Order inside: :mod:`.sites` (the declarative table of site kinds, :class:`Address`) < :mod:`.edits`
+(what a pass writes) < :mod:`.cache` (:class:`Trace`, what it recorded, and the residual stream
+taken apart on it) < :mod:`.tracer` (:func:`trace`, the pass) < :mod:`.frozen` (a pass held at
+another's patterns, divisors and MLP outputs: what the path expansion freezes) and :mod:`.lens`
+(TransformerLens' ``run_with_cache`` / ``run_with_hooks`` on it).
+"""
+
+from __future__ import annotations
+
+from .sites import Head, Address, BY_NAME, Kind, KINDS, Sites, SPLIT_INPUTS
+from .edits import Edit, EditFn, Edits, PER_POSITION, per_position, Site
+from .cache import accumulated, by_component, by_head, final_stream, Stack, Trace
+from .tracer import flops_per_token, trace
+from .frozen import check_linear, frozen_edits, frozen_sites, frozen_values, head_terms, head_writes, read
+from .lens import (
+    cached_sites,
+    hook_edits,
+    HookFn,
+    HookPoint,
+    NamesFilter,
+    output,
+    prepare,
+    RETURN_TYPES,
+    run_with_cache,
+    run_with_hooks,
+)
+
+__all__ = [
+    "Head",
+    "Address",
+    "BY_NAME",
+    "Kind",
+    "KINDS",
+    "Sites",
+    "SPLIT_INPUTS",
+    "Edit",
+    "EditFn",
+    "Edits",
+    "PER_POSITION",
+    "per_position",
+    "Site",
+    "accumulated",
+    "by_component",
+    "by_head",
+    "final_stream",
+    "Stack",
+    "Trace",
+    "flops_per_token",
+    "trace",
+    "check_linear",
+    "frozen_edits",
+    "frozen_sites",
+    "frozen_values",
+    "head_terms",
+    "head_writes",
+    "read",
+    "cached_sites",
+    "hook_edits",
+    "HookFn",
+    "HookPoint",
+    "NamesFilter",
+    "output",
+    "prepare",
+    "RETURN_TYPES",
+    "run_with_cache",
+    "run_with_hooks",
+]

@@ -1,0 +1,118 @@
+"""A run frozen: what the path expansion holds fixed, and a reader's view of one stream term under it.
+
+[F]'s expansion writes the logits as a sum of paths once the attention patterns, the normalisation
+divisors and the MLP outputs of a real forward pass are held at their values: the logits are then
+linear in each stream term. Three pieces serve every analysis that does so (paths, term importance,
+term effects, virtual heads, the QK split):
+
+* :func:`frozen_sites` — the sites a real run must cache to be frozen (``pattern``, the normalisation
+  divisors ``attn_scale``/``qk_scale``/``mlp_scale``/``final_scale``, ``mlp_out``), and
+  :func:`frozen_edits` — the edits that hold another pass of the same tokens at those values;
+* :func:`read` — a reader's linear view of a stream term with the divisor frozen;
+* :func:`frozen_values` — what a layer's heads read as values from one stream term, ``[B, h, T, E]``:
+  written once here (the expansion's head terms, term importance's head writes, term effects' head
+  logits and virtual heads all read it).
+
+Shapes: ``B`` batch, ``T`` positions, ``H`` heads, ``D`` d_model, ``E`` d_head.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ...errors import QkovError
+from ...model.ops import expand_kv, normalize, project_heads
+from ...weights.parts import WeightSource
+from .cache import Trace
+from .sites import Sites
+from .tracer import trace
+
+__all__ = ["check_linear", "frozen_edits", "frozen_sites", "frozen_values", "head_terms", "head_writes", "read"]
+
+FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out")
+"""The site kinds a frozen run holds (those the model has)."""
+
+
+def check_linear(source: WeightSource) -> None:
+    """Path analyses need reads that are linear once the normalisation divisor is frozen."""
+    if source.norm == "layernorm":
+        raise QkovError("paths: use a weights view with LayerNorm folded (fold_ln=True)")
+
+
+def frozen_sites(source: WeightSource) -> list[str]:
+    """The sites (``cache=`` names) a run must keep to be frozen: every one of :data:`FROZEN_KINDS`
+    the model has, at every layer."""
+    have = {k.name: k.per_layer for k in Sites(source.cfg, source.norm).kinds}
+    return [f"{k}.*" if have[k] else k for k in FROZEN_KINDS if k in have]
+
+
+def frozen_edits(run: Trace) -> dict[str, Tensor]:
+    """Edits that hold a pass of ``run``'s tokens at ``run``'s patterns, divisors and MLP outputs.
+
+    Raises:
+        QkovError: ``run`` did not cache them (:func:`frozen_sites`).
+    """
+    out: dict[str, Tensor] = {}
+    for pattern in frozen_sites(run.source):
+        kind = pattern.removesuffix(".*")
+        names = [f"{kind}.{l}" for l in range(run.source.cfg.n_layers)] if pattern.endswith(".*") else [kind]
+        missing = [n for n in names if n not in run.cache]
+        if missing:
+            raise QkovError(f"a frozen run must have cached {', '.join(frozen_sites(run.source))}; {missing[0]} is missing")
+        out.update({n: run.cache[n] for n in names})
+    return out
+
+
+def read(x: Tensor, norm: str, scale: Tensor | None, w: Tensor | None = None) -> Tensor:
+    """A reader's (linear) view of a stream term ``x [B, T, D]`` with the normalisation's divisor
+    frozen at ``scale [B, T, 1]``: centred and divided (``folded``), divided (``scale``), divided and
+    multiplied by the gain ``w`` (an unfolded ``rmsnorm`` view), or ``x`` itself (``none``). Summed
+    over terms, it gives the real normalised input."""
+    if norm == "layernorm":
+        raise QkovError("a frozen read needs a weights view with LayerNorm folded (fold_ln=True)")
+    return normalize(x, norm, 0.0, scale=scale, w=w)[0] if scale is not None else x
+
+
+def frozen_values(
+    source: WeightSource,
+    run: Trace,
+    layer: int,
+    x: Tensor,
+    *,
+    heads: Sequence[int] | None = None,
+    value_bias: bool = False,
+) -> Tensor:
+    """What the heads of ``layer`` (all, or ``heads``) read as values from the stream term ``x [B, T, D]``,
+    the run's divisor frozen: ``[B, h, T, E]`` (``b_V`` added with ``value_bias``). Key/value heads
+    shared by a group are projected once and repeated for their query heads."""
+    att = source.attention(layer, expand_kv=False)
+    x = read(x, source.norm, run.divisor("attn_v", layer), att.ln_w)
+    group = source.cfg.n_heads // source.cfg.kv_heads
+    if heads is None:
+        return expand_kv(project_heads(x, att.W_V, att.b_V if value_bias else None), group, dim=1)
+    kv = torch.as_tensor(list(heads), dtype=torch.long) // group
+    return project_heads(x, att.W_V[kv], att.b_V[kv] if value_bias else None)
+
+
+def head_writes(pattern: Tensor, v: Tensor, W_O: Tensor) -> Tensor:
+    """Each head's output ``[B, H, T, D]``: ``pattern [B, H, T, T] @ v [B, H, T, E] @ W_O [H, E, D]``."""
+    return torch.einsum("bhte,hed->bhtd", pattern @ v, W_O)
+
+
+def head_terms(source: WeightSource, run: Trace, layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
+    """What each head of ``layer`` (or only ``heads``) writes for one stream term ``x [B, T, D]``
+    alone, with the run's patterns and normalisation divisors frozen, no biases: ``[h, B, T, D]``."""
+    pattern, W_O = run["pattern", layer], source.attention(layer, expand_kv=False).W_O
+    if heads is not None:
+        pattern, W_O = pattern[:, heads], W_O[heads]
+    return head_writes(pattern, frozen_values(source, run, layer, x, heads=heads), W_O).transpose(0, 1)
+
+
+def frozen_run(source: WeightSource, tokens: Tensor, *, cache: tuple[str, ...] = ()) -> Trace:
+    """A real forward pass caching what the expansion freezes (:func:`~qkov.analysis.forward.frozen.frozen_sites`:
+    patterns, normalisation divisors, MLP outputs), plus ``cache``."""
+    check_linear(source)
+    return trace(source, tokens, cache=[*frozen_sites(source), *cache])

@@ -1,0 +1,295 @@
+"""Named sites: every activation the analysis forward computes, addressed by one scheme for
+reading (``trace(..., cache=[...])``) and writing (``trace(..., edits={...})``).
+
+A site is a kind and, for the per-layer kinds, a layer: ``"pattern.1"`` (or ``("pattern", 1)``),
+``"embed"``, ``"logits"``. Head-indexed kinds also take a head: ``"z.0.3"`` is head 3 of
+``z.0`` (``out["z", 0][:, :, 3]``). Globs pick several: ``"pattern.*"``, ``"*.1"``, ``"resid_*"``;
+a per-layer kind named alone (``"pattern"``, ``("z",)``, TransformerLens' short ``"attn_scores"``) is
+that kind at every layer, as ``"pattern.*"`` (indexing a :class:`~qkov.analysis.forward.cache.Trace`
+with it is refused: one site at a time, or ``stack()``).
+TransformerLens hook names are accepted as aliases (``"blocks.1.attn.hook_pattern"``,
+``"hook_embed"``, ``"ln_final.hook_scale"``, and its short names: ``("attn_scores", 1)``,
+``("result", 0)``), and every site has TransformerLens' layout, so TransformerLens code ports
+by search-and-replace. :data:`KINDS` lists each kind with its shape and its TransformerLens hook;
+docs/conventions.md has the same table.
+
+Which stream: a site holds the value of the weights view the run reads. The default view of a
+LayerNorm model centres the writers (TransformerLens' processed default), so ``embed``, ``pos``,
+``resid_pre/mid/post``, ``head_out``, ``attn_out`` and ``mlp_out`` are the model's own values minus
+their mean over ``d_model``; ``trace(..., stream="model")`` gives the model's own
+(:func:`~qkov.analysis.forward.tracer.trace`).
+
+Shapes: ``B`` batch, ``T`` positions, ``D`` d_model, ``H`` heads, ``K`` key/value heads (``H``
+unless grouped-query), ``E`` d_head, ``M`` d_mlp, ``V`` d_vocab.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, NamedTuple
+
+from ...errors import QkovError
+
+__all__ = ["Head", "Address", "BY_NAME", "Kind", "KINDS", "Sites", "SPLIT_INPUTS"]
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One kind of site: ``name``, ``shape`` (its layout), ``head_dim`` (the dimension of the head
+    index, ``None`` if it has none), ``tl`` (the TransformerLens hook, ``{l}`` the layer), ``what``."""
+
+    name: str
+    shape: str
+    head_dim: int | None
+    tl: str
+    what: str
+    per_layer: bool = True
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("embed", "[B, T, D]", None, "hook_embed", "the token embedding W_E[tokens]", False),
+    Kind("pos", "[B, T, D]", None, "hook_pos_embed", "the learned positions W_pos[:T] (standard, shortformer)", False),
+    Kind("resid_pre", "[B, T, D]", None, "blocks.{l}.hook_resid_pre", "the residual stream entering the block"),
+    Kind("attn_scale", "[B, T, 1]", None, "blocks.{l}.ln1.hook_scale", "the attention input's normalisation divisor"),
+    Kind("attn_in", "[B, T, D]", None, "blocks.{l}.ln1.hook_normalized", "the normalised input the values read"),
+    Kind("qk_scale", "[B, T, 1]", None, "", "the query/key input's divisor (shortformer with normalisation)"),
+    Kind("qk_in", "[B, T, D]", None, "", "the normalised input the queries and keys read"),
+    Kind("q_input", "[B, T, H, D]", 2, "blocks.{l}.hook_q_input", "each head's own copy of resid_pre for its query"),
+    Kind("k_input", "[B, T, K, D]", 2, "blocks.{l}.hook_k_input", "each key head's own copy of resid_pre"),
+    Kind("v_input", "[B, T, K, D]", 2, "blocks.{l}.hook_v_input", "each value head's own copy of resid_pre"),
+    Kind("q", "[B, T, H, E]", 2, "blocks.{l}.attn.hook_rot_q", "queries (after rotary)"),
+    Kind("k", "[B, T, K, E]", 2, "blocks.{l}.attn.hook_rot_k", "keys (after rotary)"),
+    Kind("v", "[B, T, K, E]", 2, "blocks.{l}.attn.hook_v", "values (b_V included)"),
+    Kind("scores", "[B, H, T, T]", 1, "blocks.{l}.attn.hook_attn_scores", "q k^T / sqrt(E), -inf after the query"),
+    Kind("pattern", "[B, H, T, T]", 1, "blocks.{l}.attn.hook_pattern", "attention pattern [query, key]"),
+    Kind("z", "[B, T, H, E]", 2, "blocks.{l}.attn.hook_z", "pattern @ values, per head"),
+    Kind("head_out", "[B, T, H, D]", 2, "blocks.{l}.attn.hook_result", "what each head writes, z @ W_O (no b_O)"),
+    Kind("attn_out", "[B, T, D]", None, "blocks.{l}.hook_attn_out", "the attention's output: heads + b_O"),
+    Kind("resid_mid", "[B, T, D]", None, "blocks.{l}.hook_resid_mid", "the stream between attention and MLP"),
+    Kind("mlp_scale", "[B, T, 1]", None, "blocks.{l}.ln2.hook_scale", "the MLP input's normalisation divisor"),
+    Kind("mlp_in", "[B, T, D]", None, "blocks.{l}.ln2.hook_normalized", "the MLP's normalised input"),
+    Kind("mlp_pre", "[B, T, M]", None, "blocks.{l}.mlp.hook_pre", "pre-activations (a gated MLP: the gate's)"),
+    Kind("mlp_linear", "[B, T, M]", None, "blocks.{l}.mlp.hook_pre_linear", "a gated MLP's linear factor"),
+    Kind("mlp_hidden", "[B, T, M]", None, "blocks.{l}.mlp.hook_post", "hidden activations"),
+    Kind("mlp_out", "[B, T, D]", None, "blocks.{l}.hook_mlp_out", "what the MLP writes (b_out included)"),
+    Kind("resid_post", "[B, T, D]", None, "blocks.{l}.hook_resid_post", "the residual stream leaving the block"),
+    Kind("final_scale", "[B, T, 1]", None, "ln_final.hook_scale", "the final normalisation's divisor", False),
+    Kind("final", "[B, T, D]", None, "ln_final.hook_normalized", "the normalised final stream", False),
+    Kind("logits", "[B, T, V]", None, "unembed.hook_out", "the logits", False),
+)
+BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
+SPLIT_INPUTS = ("q_input", "k_input", "v_input")
+"""Each head's own copy of the stream: ``H`` times a layer's stream in memory, and each head then
+normalises its own copy, so a glob whose kind is a wildcard (``"*"``, ``"*.1"``) leaves them out;
+name them to cache or edit them (``"q_input.1"``, ``"k_input.*"``)."""
+
+_TL_EXTRA = {"unembed.hook_in": "final", "blocks.{l}.attn.hook_q": "q", "blocks.{l}.attn.hook_k": "k"}
+_TL_SHORT = {
+    "attn_scores": "scores",
+    "result": "head_out",
+    "rot_q": "q",
+    "rot_k": "k",
+    "pre": "mlp_pre",
+    "pre_linear": "mlp_linear",
+    "post": "mlp_hidden",
+    "pos_embed": "pos",
+}
+_TL: dict[str, str] = {k.tl: k.name for k in KINDS if k.tl} | _TL_EXTRA
+_ROTARY_PRE = ("blocks.{l}.attn.hook_q", "blocks.{l}.attn.hook_k")
+
+
+Head = tuple[int, int]
+"""A head: ``(layer, head)``."""
+
+
+class Address(NamedTuple):
+    """One site: ``kind``, ``layer`` (``None`` for the global kinds), ``head`` (``None``: all heads)."""
+
+    kind: str
+    layer: int | None = None
+    head: int | None = None
+
+    @property
+    def name(self) -> str:
+        return ".".join(str(p) for p in self if p is not None)
+
+    @property
+    def site(self) -> tuple[str, int | None]:
+        """The stored site (kind, layer): a head's address reads a slice of it."""
+        return self.kind, self.layer
+
+
+class Sites:
+    """The sites one model has (some kinds exist only with normalisation, learned positions, MLPs,
+    shortformer positions or gated MLPs) and the resolution of names, tuples, globs and aliases."""
+
+    def __init__(self, cfg: Any, norm: str) -> None:
+        self.cfg, self.norm = cfg, norm
+        self.kinds = [k for k in KINDS if self._exists(k.name)]
+        self.layer_names = self._forward_order()  # every site of kind and layer, in the forward's order
+        self.order = {name: i for i, name in enumerate(self.layer_names)}
+
+    def _exists(self, kind: str) -> bool:
+        c, normed = self.cfg, self.norm != "none"
+        mlp = c.d_mlp is not None
+        return {
+            "pos": c.positional in ("standard", "shortformer"),
+            "attn_scale": normed,
+            "final_scale": normed,
+            "qk_scale": normed and c.positional == "shortformer",
+            "mlp_scale": normed and mlp,
+            "resid_mid": mlp and not c.parallel,
+            "mlp_in": mlp,
+            "mlp_pre": mlp,
+            "mlp_linear": mlp and c.gated_mlp,
+            "mlp_hidden": mlp,
+            "mlp_out": mlp,
+        }.get(kind, True)
+
+    def _forward_order(self) -> list[str]:
+        """Every site name in the order the forward computes it."""
+        first = [k.name for k in self.kinds if not k.per_layer and k.name in ("embed", "pos")]
+        last = [k.name for k in self.kinds if not k.per_layer and k.name not in ("embed", "pos")]
+        per = [k.name for k in self.kinds if k.per_layer]
+        return first + [f"{k}.{l}" for l in range(self.cfg.n_layers) for k in per] + last
+
+    # ------------------------------------------------------------------ resolving
+    def resolve(self, key: Any) -> list[Address]:
+        """The addresses ``key`` names (one, or several for a glob); a one-line error otherwise."""
+        if isinstance(key, Address):
+            return [self._check(key, key.name)]
+        if isinstance(key, tuple):
+            return self._every_layer(self._from_parts(key, repr(key), bare=True))
+        if not isinstance(key, str):
+            raise QkovError(f"site {key!r}: give a name such as 'pattern.1' or a tuple such as ('pattern', 1)")
+        if any(c in key for c in "*?["):
+            kind_part = key.split(".")[0]
+            split = kind_part not in SPLIT_INPUTS  # a wildcard kind never takes the per-head copies
+            found = [
+                Address(*_split(n))
+                for n in self.layer_names
+                if fnmatch.fnmatchcase(n, key) and (not split or n.split(".")[0] not in SPLIT_INPUTS)
+            ]
+            if not found and not any(fnmatch.fnmatchcase(k.name, kind_part) for k in self.kinds if k.per_layer):
+                raise QkovError(f"no site matches {key!r}; sites are {self.summary()}")
+            return found
+        tl = self._from_tl(key)
+        if tl is not None:
+            return [tl]
+        if key.startswith("blocks."):
+            raise QkovError(
+                f"no site {key!r}: not the TransformerLens hook of a qkov site (docs/conventions.md lists them; "
+                "TransformerLens' optional copies hook_attn_in and hook_mlp_in have none)"
+            )
+        return self._every_layer(self._from_parts(tuple(_split(key)), repr(key), bare=True))
+
+    def resolve_all(self, keys: Iterable[Any]) -> list[Address]:
+        """Every address of ``keys`` (a name, a ``(kind, layer[, head])`` tuple, or a collection of
+        them), in forward order, once each."""
+        if isinstance(keys, (str, Address)) or _is_key_tuple(keys):
+            keys = [keys]
+        seen: dict[str, Address] = {}
+        for key in keys:
+            for a in self.resolve(key):
+                seen.setdefault(a.name, a)
+        return sorted(seen.values(), key=lambda a: (self.order[Address(a.kind, a.layer).name], a.head or 0))
+
+    def _from_parts(self, parts: tuple[Any, ...], shown: str, *, bare: bool = False) -> Address:
+        """The address of ``(kind, layer[, head])``; with ``bare``, a per-layer kind alone is
+        returned without a layer (for :meth:`_every_layer`) instead of refused."""
+        if not parts or not isinstance(parts[0], str) or len(parts) > 3:
+            raise QkovError(f"site {shown}: expected (kind, layer[, head]), e.g. ('pattern', 1)")
+        kind = _TL_SHORT.get(parts[0], parts[0])
+        kind = kind[5:] if kind.startswith("hook_") and kind[5:] in BY_NAME else kind
+        try:
+            nums = [int(p) for p in parts[1:]]
+        except (TypeError, ValueError):
+            raise QkovError(f"site {shown}: layer and head must be integers") from None
+        if bare and not nums and kind in BY_NAME and BY_NAME[kind].per_layer:
+            if kind not in {k.name for k in self.kinds}:
+                self._check(Address(kind, 0), shown)  # raises: a kind this model lacks
+            return Address(kind)
+        return self._check(Address(kind, *nums), shown)
+
+    def _every_layer(self, a: Address) -> list[Address]:
+        """A per-layer kind without a layer (``"pattern"``) at every layer; any other address as it is."""
+        if a.layer is None and BY_NAME[a.kind].per_layer:
+            return [Address(a.kind, l) for l in range(self.cfg.n_layers)]
+        return [a]
+
+    def _from_tl(self, key: str) -> Address | None:
+        m = re.fullmatch(r"blocks\.(\d+)\.(.+)", key)
+        pattern, layer = (f"blocks.{{l}}.{m.group(2)}", int(m.group(1))) if m else (key, None)
+        kind = _TL.get(pattern)
+        if kind is None:
+            return None
+        if pattern in _ROTARY_PRE and self.cfg.positional == "rotary":
+            raise QkovError(
+                f"{key}: TransformerLens' hook_q/hook_k are before rotary; qkov's q and k are after it "
+                f"(TransformerLens' hook_rot_q/hook_rot_k): use {kind}.{layer}"
+            )
+        return self._check(Address(kind, layer), key)
+
+    def _check(self, a: Address, shown: str) -> Address:
+        kind = BY_NAME.get(a.kind)
+        if kind is None or kind.name not in {k.name for k in self.kinds}:
+            hint = difflib.get_close_matches(a.kind, [k.name for k in self.kinds], n=1)
+            why = "" if kind is None else " in this model"
+            raise QkovError(
+                f"no site {shown}{why}" + (f" (did you mean {hint[0]}?)" if hint else "") + f"; sites are {self.summary()}"
+            )
+        L = self.cfg.n_layers
+        if kind.per_layer and (a.layer is None or not 0 <= a.layer < L):
+            raise QkovError(f"site {shown}: {a.kind} needs a layer in 0..{L - 1} (the model has {L} layers)")
+        if not kind.per_layer and a.layer is not None:
+            raise QkovError(f"site {shown}: {a.kind} has no layer")
+        if a.head is not None:
+            heads = self.heads(a.kind)
+            if kind.head_dim is None:
+                raise QkovError(f"site {shown}: {a.kind} has no head index")
+            if not 0 <= a.head < heads:
+                raise QkovError(f"site {shown}: head {a.head} out of range (the site has {heads} heads)")
+        return a
+
+    def tl_name(self, a: Address) -> str:
+        """The TransformerLens hook name of ``a``'s site (``"blocks.1.attn.hook_z"``; ``attn.hook_q`` in a
+        model without rotary, ``attn.hook_rot_q`` with it), or its qkov name where TransformerLens has none."""
+        kind = BY_NAME[a.kind]
+        if a.kind in ("q", "k") and self.cfg.positional != "rotary":
+            return f"blocks.{a.layer}.attn.hook_{a.kind}"
+        return kind.tl.format(l=a.layer) if kind.tl else Address(a.kind, a.layer).name
+
+    def heads(self, kind: str) -> int:
+        """Heads along a head-indexed kind: key/value heads for ``k, v, k_input, v_input``."""
+        return self.cfg.kv_heads if kind in ("k", "v", "k_input", "v_input") else self.cfg.n_heads
+
+    def shape(self, kind: str, batch: int, seq: int) -> tuple[int, ...]:
+        """The shape of a ``kind`` site on ``batch`` sequences of ``seq`` tokens."""
+        c = self.cfg
+        dims = {"B": batch, "T": seq, "D": c.d_model, "H": c.n_heads, "K": c.kv_heads, "E": c.d_head}
+        dims |= {"M": c.d_mlp or 0, "V": c.d_vocab, "1": 1}
+        return tuple(dims[d] for d in BY_NAME[kind].shape.strip("[]").split(", "))
+
+    def summary(self) -> str:
+        per = [k.name for k in self.kinds if k.per_layer]
+        glob = [k.name for k in self.kinds if not k.per_layer]
+        return f"{', '.join(glob)} and, per layer 0..{self.cfg.n_layers - 1}, {', '.join(per)}"
+
+
+def _split(name: str) -> list[Any]:
+    """``"pattern.1.3"`` -> ``["pattern", 1, 3]`` (non-integer parts left as strings, refused later)."""
+    head, *rest = name.split(".")
+    return [head, *(int(p) if p.lstrip("-").isdigit() else p for p in rest)]
+
+
+def _is_key_tuple(keys: Any) -> bool:
+    """``("pattern", 1)`` is one key; ``("pattern.1", "z.0")`` and ``()`` are collections of keys."""
+    return (
+        isinstance(keys, tuple)
+        and len(keys) >= 2
+        and isinstance(keys[0], str)
+        and all(isinstance(k, int) for k in keys[1:])
+    )

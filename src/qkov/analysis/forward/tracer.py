@@ -1,0 +1,248 @@
+"""The analysis forward: one pass over any :class:`~qkov.weights.WeightSource`, written once, that
+can read and write every activation by name.
+
+``trace(source, tokens, cache=[...], edits={...}, grad=False)`` computes the logits and passes
+every activation through a named site (:mod:`qkov.analysis.forward.sites`: ``embed``, ``resid_pre.1``,
+``pattern.0``, ``z.1``, ``head_out.1``, ``mlp_hidden.0``, ``final``, ``logits``, ...). ``cache``
+names the sites to keep (names, tuples, globs or TransformerLens hook names); ``edits`` replaces
+a site's value by a tensor or a function of it (:mod:`qkov.analysis.forward.edits`); ``grad=True`` runs it
+differentiably (cached activations keep their ``.grad`` after a backward pass). It returns a
+:class:`~qkov.analysis.forward.cache.Trace` (the recorded pass) that indexes like TransformerLens' cache.
+
+The block itself is :class:`qkov.model.block.BlockPass`, the one body the training model
+(:class:`qkov.Transformer`) runs too; this module gives it the sites as hook points (a test checks the
+two passes against each other and against an independent reference). What a site does not need is not
+computed: with nothing asked of a layer's scores, patterns or per-head outputs, attention runs fused; a
+pattern replaced by a tensor skips the queries and keys; an MLP output replaced by a tensor skips the
+MLP. With logits asked at a few ``positions`` and nothing reading the last layer (no cached site there,
+no gradient, no start inside the pass, and no edit there but of ``z`` by functions marked
+:func:`~qkov.analysis.forward.edits.per_position`), that layer's keys and values still run at every position
+but its queries, attention, output, MLP and stream only at those positions; the scores that read a few
+positions (the ICL score) then skip most of it, with the same values (tested). A bias of zeros (what
+a weights view holds for a model without one) is not added (:func:`qkov.model.ops.live_bias`).
+
+Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head, ``V`` d_vocab.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Mapping
+
+import torch
+from torch import Tensor
+
+from ...errors import QkovError
+from ...expect import expect_tokens
+from ...model import rotary
+from ...model.block import BlockPass
+from ...model.ops import embed, live_bias, norm_scale, normalize, stream_start
+from ...model.tokens import check_tokens
+from ...weights.parts import WeightSource
+from ...weights.convert import SourceLike, as_source
+from .cache import Trace
+from .edits import PER_POSITION, Edit, Edits
+from .sites import Address, Sites
+
+__all__ = [ "flops_per_token", "trace"]
+
+
+def flops_per_token(cfg: Any) -> int:
+    """Floating-point operations of one token through the model (matrix products, attention over a
+    full context, the unembedding): what sizes the default batches of the analyses."""
+    L, D, HE, M, V, T = cfg.n_layers, cfg.d_model, cfg.n_heads * cfg.d_head, cfg.d_mlp or 0, cfg.d_vocab, cfg.n_ctx
+    return 2 * (L * (4 * D * HE + 2 * D * M + T * HE) + D * V)
+
+
+# ------------------------------------------------------------------ the pass
+class _Store:
+    """The cache being filled: every site asked for, kinds asked at every layer kept in one
+    ``[L, ...]`` buffer (so stacking them later copies nothing) unless gradients are wanted."""
+
+    def __init__(self, wanted: set[tuple[str, int | None]], stacked: set[str], n_layers: int, grad: bool) -> None:
+        self.wanted, self.stacked, self.L, self.grad = wanted, stacked, n_layers, grad
+        self.items: dict[str, Tensor] = {}
+        self.buffers: dict[str, Tensor] = {}
+
+    def put(self, kind: str, layer: int | None, value: Tensor) -> None:
+        name = Address(kind, layer).name
+        if self.grad:
+            if value.requires_grad and not value.is_leaf:
+                value.retain_grad()
+        elif kind in self.stacked and layer is not None:
+            if kind not in self.buffers:
+                self.buffers[kind] = value.new_empty(self.L, *value.shape)
+            self.buffers[kind][layer] = value
+            value = self.buffers[kind][layer]
+        self.items[name] = value
+
+
+class _Pass(BlockPass):
+    """One analysis forward in progress: the block body (:class:`~qkov.model.block.BlockPass`) over a
+    weights source, its hook points the sites (edited, then cached)."""
+
+    def __init__(self, source: WeightSource, edits: Edits, store: _Store, grad: bool) -> None:
+        super().__init__(source.cfg, source.norm)
+        self.source, self.edits, self.store, self.grad = source, edits, store, grad
+
+    # ------------------------------------------------------------------ the hook points: sites
+    def active(self, kind: str, layer: int | None) -> bool:
+        return (kind, layer) in self.edits or (kind, layer) in self.store.wanted
+
+    def written(self, kind: str, layer: int | None) -> bool:
+        return (kind, layer) in self.edits
+
+    def fixed(self, kind: str, layer: int | None) -> Tensor | None:
+        return self.edits.fixed((kind, layer))
+
+    def at(self, kind: str, layer: int | None, value: Tensor) -> Tensor:
+        """``value`` through site ``kind.layer``: edited, then cached."""
+        site = (kind, layer)
+        if site in self.edits:
+            value = self.edits.apply(site, value)
+        if site in self.store.wanted:
+            self.store.put(kind, layer, value)
+        return value
+
+    def normed(self, prefix: str, layer: int | None, x: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """``x`` normalised at ``{prefix}_scale`` / ``{prefix}_in`` (``final_scale`` / ``final``), the
+        divisor through its own site (so it can be read or frozen): the normalised stream and the divisor."""
+        name = "final" if prefix == "final" else f"{prefix}_in"
+        if self.source.norm == "none":
+            return self.at(name, layer, x), None
+        s = self.edits.fixed((f"{prefix}_scale", layer))
+        s = self.at(f"{prefix}_scale", layer, norm_scale(x, self.source.norm, self.cfg.ln_eps) if s is None else s)
+        out = normalize(x, self.source.norm, self.cfg.ln_eps, scale=s, w=w, b=b)[0]
+        return self.at(name, layer, out), s
+
+    def attention_weights(self, layer: int) -> Any:
+        return self.source.attention(layer, expand_kv=False)
+
+    def mlp_weights(self, layer: int) -> Any:
+        return self.source.mlp(layer)
+
+    # ------------------------------------------------------------------ the ends
+    def start(self, tokens: Tensor, start_at: tuple[int, Tensor] | None) -> tuple[int, Tensor | None]:
+        """Embed ``tokens`` (or take the stream given by ``start_at``); set the positions."""
+        B, T = tokens.shape
+        emb, pos = embed(tokens, self.source.embed(), self.source.pos())
+        if pos is not None:
+            pos = pos.expand(B, T, -1)
+            if self.grad and not pos.requires_grad:
+                pos = pos.clone().requires_grad_()
+            self.pos = pos = self.at("pos", None, pos)
+        if self.cfg.positional == "rotary":
+            self.turn = rotary.tables(self.cfg, T, self.source.device, self.source.dtype)
+        if start_at is not None:
+            return start_at[0], start_at[1]
+        if self.grad and not emb.requires_grad:
+            emb = emb.requires_grad_()
+        return 0, stream_start(self.at("embed", None, emb), pos, self.cfg.positional)
+
+    def logits(self, x: Tensor, positions: Tensor | None) -> Tensor:
+        if positions is not None and len(positions) == 0:  # a metric that reads no logits: unembed nothing
+            return x.new_zeros(x.shape[0], 0, self.cfg.d_vocab)
+        unemb = self.source.unembed()
+        x = x if positions is None else x[:, positions.to(x.device)]
+        final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
+        logits = final @ unemb.W_U
+        b_U = live_bias(unemb.b_U)
+        return self.at("logits", None, logits if b_U is None else logits + b_U)
+
+    def query_rows(self, positions: Tensor | None, T: int, *, start_at: Any) -> Tensor | None:
+        """The positions ``[P]`` (in ``0 .. T-1``) where the last layer needs its queries, or ``None``
+        when the whole last layer must run (see the module docstring)."""
+        L = self.cfg.n_layers
+        if positions is None or L == 0 or self.grad or start_at is not None:
+            return None
+        if positions.dim() != 1 or not 0 < len(positions) < T or positions.is_floating_point() or positions.dtype == torch.bool:
+            return None
+        if any(layer == L - 1 for _, layer in self.store.wanted):
+            return None
+        for (kind, layer), edits in self.edits.by_site.items():  # at the last layer: only per-position z edits
+            if layer == L - 1 and (kind != "z" or not all(getattr(e, PER_POSITION, False) for _, e in edits)):
+                return None
+        return positions.to(self.source.device).remainder(T)
+
+
+def trace(
+    source: SourceLike,
+    tokens: Tensor,
+    *,
+    cache: Iterable[Any] | str = (),
+    edits: Mapping[Any, Edit] | None = None,
+    grad: bool = False,
+    positions: Tensor | None = None,
+    start_at: tuple[int, Tensor] | None = None,
+    stream: str | None = None,
+) -> Trace:
+    """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
+
+    ``source``: a model, weights source or path, read once (:func:`~qkov.weights.as_source`).
+
+    Which stream the sites hold: a model or path is read into the default view, which for a
+    LayerNorm model centres the writers (as TransformerLens' processed default does; the logits, every
+    attention pattern and every normalised input are unchanged), so ``embed``, ``pos``, ``resid_pre/mid/post``,
+    ``attn_out``, ``head_out`` and ``mlp_out`` are the model's own values minus their mean over
+    ``d_model``. ``stream="model"`` gives the model's own stream (``transformers``' hidden states,
+    an unprocessed TransformerLens model; tested against ``output_hidden_states``).
+
+    Args:
+        cache: sites to keep (names, ``(kind, layer)`` tuples, globs such as ``"pattern.*"``, a
+            per-layer kind alone for every layer (``"pattern"``), TransformerLens hook names); read
+            them from the result, ``out["pattern", 1]`` or ``out.stack("pattern")``.
+        edits: ``{site: tensor | fn(value, site)}``: what to write at a site (:mod:`qkov.analysis.forward.edits`);
+            a function that returns its value unchanged observes the site without keeping it.
+        grad: run differentiably (else under ``torch.no_grad``); cached activations that
+            require grad keep their gradient after a backward pass.
+        positions: ``[P]`` positions: the logits, the final sites (``Trace.logits [B, P, V]``) and, when
+            nothing reads the last layer, its queries are computed there only (scores at a few positions).
+        start_at: ``(layer, stream [B, T, D])``: start at that layer's ``resid_pre`` (``n_layers``:
+            the final stream) with the given stream; earlier sites are not computed.
+        stream: ``None`` (the source as given; a model or path in the default view) or ``"model"``:
+            a model or path read with its writers uncentred (``Weights.from_model(m,
+            center_writing=False)``); a weights view given must then be uncentred already.
+    Returns:
+        :class:`~qkov.analysis.forward.cache.Trace`.
+    """
+    source = as_source(source, where="qkov.trace", stream=stream)
+    expect_tokens("qkov.trace", tokens)
+    cfg = source.cfg
+    tokens = check_tokens(tokens, cfg).to(source.device)
+    sites = Sites(cfg, source.norm)
+    asked = sites.resolve_all(cache)
+    ed = Edits(sites, edits, device=source.device, dtype=source.dtype)
+    ed.check_shapes(*tokens.shape)
+    _check_start(start_at, tokens, cfg, source)
+    if positions is not None and len(positions) and not bool(((positions >= -tokens.shape[1]) & (positions < tokens.shape[1])).all()):
+        raise QkovError(f"positions: every position must be in -{tokens.shape[1]}..{tokens.shape[1] - 1}")
+    store = _Store({a.site for a in asked}, _whole_kinds(asked, cfg.n_layers), cfg.n_layers, grad)
+    state = _Pass(source, ed, store, grad)
+    with contextlib.nullcontext() if grad else torch.no_grad():
+        first, x = state.start(tokens, start_at)
+        rows = state.query_rows(positions, tokens.shape[1], start_at=start_at)
+        for l in range(first, cfg.n_layers):  # the last layer at the positions alone when nothing reads it
+            x = state.block(l, x, rows if l == cfg.n_layers - 1 else None)
+        logits = state.logits(x, positions if rows is None else None)  # type: ignore[arg-type]
+    return Trace(tokens, logits, store.items, source, positions, dict(store.buffers))
+
+
+def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
+    """Kinds asked for at every layer (kept in one buffer)."""
+    by_kind: dict[str, set[int]] = {}
+    for a in asked:
+        if a.layer is not None:
+            by_kind.setdefault(a.kind, set()).add(a.layer)
+    return {k for k, ls in by_kind.items() if len(ls) == n_layers}
+
+
+def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, source: Any) -> None:
+    if start_at is None:
+        return
+    (layer, x), (B, T) = start_at, tokens.shape
+    if not (isinstance(layer, int) and 0 <= layer <= cfg.n_layers):
+        raise QkovError(f"start_at: layer must be in 0..{cfg.n_layers}, got {layer!r}")
+    if tuple(x.shape) != (B, T, cfg.d_model):
+        raise QkovError(f"start_at: expected a stream of shape [{B}, {T}, {cfg.d_model}], got {list(x.shape)}")
+    if x.device != source.device or x.dtype != source.dtype:
+        raise QkovError("start_at: the stream must be on the source's device and dtype")

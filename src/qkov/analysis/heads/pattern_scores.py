@@ -1,0 +1,234 @@
+"""Head scores from attention on natural text, streamed layer by layer and batch by batch.
+
+Each score is a mean over sequences and queries (or a ratio of such sums), so it can be
+accumulated: :func:`text_scores` runs the analysis forward on ``chunk`` sequences at a time and
+scores each layer's attention as the forward computes it (edits that read the ``pattern``, ``v``,
+``qk_in`` and divisor sites and change nothing: :class:`LayerWatch`), never holding the
+``[layers, batch, heads, T, T]`` patterns (4.8 GB for GPT-2 small on 8 sequences of 1024
+tokens). The functions on whole pattern stacks below are the definitions; a test checks that
+the streamed scores equal them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from ...model.ops import causal_mask, expand_kv
+from ...weights.parts import WeightSource
+from ...weights.convert import SourceLike, as_source
+from ... import ranks
+from ..forward.cache import Trace
+from ..forward.tracer import trace
+from ..forward.frozen import read
+from ..forward.sites import Address, Sites
+from ...progress import Progress, tick
+
+__all__ = [
+    "chunk_size",
+    "LayerView",
+    "LayerWatch",
+    "positional_fraction",
+    "previous_token_scores",
+    "self_attention_scores",
+    "sequence_bytes",
+    "sink_scores",
+    "TEXT_CHUNK_BYTES",
+    "text_scores",
+    "value_weighted_sink_scores",
+]
+
+TEXT_CHUNK_BYTES = 512 * 2**20  # what one chunk of sequences may take at its peak (sequence_bytes)
+
+
+def previous_token_scores(patterns: Tensor) -> Tensor:
+    """Mean attention ``A[i, i-1]`` over queries ``i >= 1`` (use natural text). ``[L, B, H, T, T] -> [L, H]``."""
+    return patterns.diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, 3))
+
+
+def self_attention_scores(patterns: Tensor) -> Tensor:
+    """Mean attention to the current token ``A[i, i]`` over queries ``i >= 1``."""
+    return patterns.diagonal(offset=0, dim1=-2, dim2=-1)[..., 1:].mean(dim=(1, 3))
+
+
+def sink_scores(patterns: Tensor) -> Tensor:
+    """Mean attention to position 0 over queries ``i >= 1`` (Gu et al.: a sink head above 0.3)."""
+    return patterns[..., 1:, 0].mean(dim=(1, 3))
+
+
+def value_weighted_sink_scores(patterns: Tensor, value_norms: Tensor) -> Tensor:
+    """Share of a head's value-weighted attention ``A[i, j] * ||v_j W_O||`` that goes to position 0.
+
+    ``value_norms [n_layers, batch, n_heads, key]``. A sink that reads a near-zero value
+    (a "do nothing" default) scores low here even when its attention to position 0 is high.
+    """
+    weighted = patterns[..., 1:, :] * value_norms[..., None, :]
+    return weighted[..., 0].sum(dim=(1, 3)) / weighted.sum(dim=(1, 3, 4)).clamp_min(1e-30)
+
+
+def _positional_layer(source: WeightSource, layer: int, x: Tensor, scale: Tensor | None) -> Tensor:
+    """:func:`positional_fraction` of one layer's heads, summed (not averaged) over the batch: ``[H]``."""
+    B, T, _ = x.shape
+    allowed = ~causal_mask(T, source.device)
+    counts = allowed.sum(-1)
+
+    def var_k(s: Tensor) -> Tensor:  # [..., T, T] -> variance over allowed keys, for queries >= 1
+        s = s.masked_fill(~allowed, 0.0)
+        mean = s.sum(-1) / counts
+        return (s.pow(2).sum(-1) / counts - mean.pow(2)).clamp_min(0)[..., 1:]
+
+    pos = source.pos()
+    p = read(pos[:T].expand(B, T, -1), source.norm, scale)  # type: ignore[index]  # [B, T, D]
+    att = source.attention(layer)
+    out = torch.zeros(source.cfg.n_heads, dtype=source.dtype, device=source.device)
+    for h in range(source.cfg.n_heads):
+        Q, K = att.W_Q[h], att.W_K[h]
+        real = (x @ Q + att.b_Q[h]) @ (x @ K + att.b_K[h]).transpose(-1, -2)
+        pp = (p @ Q) @ (p @ K).transpose(-1, -2)
+        out[h] = (var_k(pp) / var_k(real).clamp_min(1e-30)).clamp(0, 1).mean(-1).sum()
+    return out
+
+
+def positional_fraction(source: WeightSource, r: Trace) -> Tensor:
+    """How much of each head's attention score varies with position alone.
+
+    ``Var_k(pos-pos term) / Var_k(real score)`` over allowed keys, averaged over queries
+    (clipped to [0, 1]), where the pos-pos term is ``p_q W_QK p_k`` with ``p`` the positional
+    part of the query/key input (``W_pos`` for shortformer and standard positions, read through
+    the run's frozen normalisation: centred and divided, or only divided in a rotated ``scale``
+    view) and the real score uses the run's actual input. ``r`` must have cached ``qk_in`` (and the
+    normalisation divisors, ``attn_scale``/``qk_scale``, for a normalised model). 0 for models without
+    positions. ``[n_layers, n_heads]``.
+    """
+    c = source.cfg
+    out = torch.zeros(c.n_layers, c.n_heads, dtype=source.dtype, device=source.device)
+    if source.pos() is None:
+        return out
+    B = r.tokens.shape[0]
+    for l in range(c.n_layers):
+        out[l] = _positional_layer(source, l, r["qk_in", l], r.divisor("attn_qk", l)) / B
+    return out
+
+
+@dataclass
+class LayerView:
+    """One layer's attention on a pass, as :class:`LayerWatch` hands it on: ``pattern [B, H, T, T]``,
+    ``values [B, H, T, E]`` (``b_V`` included, per query head), ``qk_input [B, T, D]`` (normalised) and its
+    divisor ``qk_scale [B, T, 1]`` (``None`` without normalisation)."""
+
+    layer: int
+    pattern: Tensor
+    values: Tensor | None
+    qk_input: Tensor | None
+    qk_scale: Tensor | None
+
+
+class LayerWatch:
+    """Edits that watch each layer's attention as the forward computes it and change nothing: at
+    ``pattern.l`` the callback gets that layer's :class:`LayerView` (with the ``v``, ``qk_in`` and divisor
+    sites of the layer when ``full``), and nothing is kept after it returns."""
+
+    def __init__(self, source: WeightSource, callback: Callable[[LayerView], None], *, full: bool = True) -> None:
+        self.callback, self.full, self.seen = callback, full, {}
+        self.group = source.cfg.n_heads // source.cfg.kv_heads
+        kinds = {k.name for k in Sites(source.cfg, source.norm).kinds}
+        self.scale = "qk_scale" if "qk_scale" in kinds else ("attn_scale" if "attn_scale" in kinds else None)
+
+    def keep(self, value: Tensor, site: Address) -> None:
+        self.seen[site.kind] = value
+
+    def pattern(self, value: Tensor, site: Address) -> None:
+        v = self.seen.pop("v", None)
+        values = None if v is None else expand_kv(v.transpose(1, 2), self.group, dim=1)
+        view = LayerView(site.layer, value, values, self.seen.pop("qk_in", None), self.seen.pop(self.scale, None))  # type: ignore[arg-type]
+        self.callback(view)
+
+    def edits(self) -> dict[Any, Any]:
+        out: dict[Any, Any] = {"pattern": self.pattern}
+        if self.full:
+            out |= {"v": self.keep, "qk_in": self.keep}
+            if self.scale is not None:
+                out[self.scale] = self.keep
+        return out
+
+
+def sequence_bytes(source: WeightSource, seq: int) -> int:
+    """Memory one sequence of ``seq`` tokens takes at the peak of one layer's scoring: scores, their
+    masked copy and the pattern (three ``[heads, seq, seq]``), the value-weighted pattern, and its
+    ``[seq, d_vocab]`` logits at the end of the pass."""
+    c = source.cfg
+    return (c.n_heads * seq * (4 * seq + c.d_model) + seq * c.d_vocab) * (torch.finfo(source.dtype).bits // 8)
+
+
+def chunk_size(source: WeightSource, seq: int, max_bytes: int = TEXT_CHUNK_BYTES) -> int:
+    """Sequences of ``seq`` tokens scored at once: as many as :func:`sequence_bytes` fits in
+    ``max_bytes`` (at least one)."""
+    return max(1, max_bytes // sequence_bytes(source, seq))
+
+
+class _Sums:
+    """Running sums of the text scores over chunks (the :class:`LayerWatch` callback of the forward)."""
+
+    def __init__(self, source: WeightSource) -> None:
+        c = source.cfg
+        self.source = source
+        z = lambda: torch.zeros(c.n_layers, c.n_heads, dtype=torch.float64, device=source.device)  # noqa: E731
+        self.sums = {k: z() for k in ("previous_token", "self_attention", "sink", "vw_num", "vw_den", "positional")}
+        self.queries = 0  # sequences x (T - 1) queries seen
+        self.sequences = 0
+        self.W_O = [source.attention(l).W_O for l in range(c.n_layers)]
+
+    def __call__(self, view: LayerView) -> None:
+        l, P = view.layer, view.pattern  # [b, H, T, T]
+        s = self.sums
+        s["previous_token"][l] += P.diagonal(offset=-1, dim1=-2, dim2=-1).sum((0, 2)).double()
+        s["self_attention"][l] += P.diagonal(dim1=-2, dim2=-1)[..., 1:].sum((0, 2)).double()
+        s["sink"][l] += P[..., 1:, 0].sum((0, 2)).double()
+        norms = torch.einsum("bhte,hed->bhtd", view.values, self.W_O[l]).norm(dim=-1)  # [b, H, T]
+        weighted = P[..., 1:, :] * norms[..., None, :]
+        s["vw_num"][l] += weighted[..., 0].sum((0, 2)).double()
+        s["vw_den"][l] += weighted.sum((0, 2, 3)).double()
+        if self.source.pos() is not None:
+            s["positional"][l] += _positional_layer(self.source, l, view.qk_input, view.qk_scale).double()
+
+    def scores(self) -> dict[str, Tensor]:
+        s, q, n = self.sums, self.queries, self.sequences
+        return {
+            "previous_token": s["previous_token"] / q,
+            "self_attention": s["self_attention"] / q,
+            "sink": s["sink"] / q,
+            "sink_value_weighted": s["vw_num"] / s["vw_den"].clamp_min(1e-30),
+            "positional_fraction": s["positional"] / n,
+        }
+
+
+@torch.no_grad()
+def text_scores(
+    source: SourceLike, text: Tensor, *, chunk: int | None = None, progress: Progress | None = None
+) -> dict[str, Tensor]:
+    """Previous-token, self-attention, sink, value-weighted sink and positional scores of every head
+    on ``text [B, T]`` (natural text), ``[n_layers, n_heads]`` each (float64), streamed: ``chunk``
+    sequences at a time (default :func:`chunk_size`), one layer's attention at a time."""
+    source = as_source(source, where="qkov.text_scores")
+    B, T = text.shape
+    chunk = chunk or chunk_size(source, T)
+    sums = _Sums(source)
+    watch = LayerWatch(source, sums).edits()
+    none = torch.zeros(0, dtype=torch.long)  # the scores read no logits: nothing is unembedded
+    sp, starts, parts = ranks.current(), range(0, B, chunk), {}  # a unit: one chunk of sequences
+    for u, start in enumerate(starts):
+        if not sp.mine(u, len(starts)):
+            continue
+        sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}  # this chunk's sums alone
+        trace(source, text[start : start + chunk], edits=watch, positions=none)
+        parts[u] = sums.sums
+        tick(progress, "heads: attention on text", min(start + chunk, B), B)
+    sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}
+    for got in sp.gather(parts, len(starts)):  # added in chunk order, whatever the number of ranks
+        for k, v in got.items():
+            sums.sums[k] += v
+    sums.sequences, sums.queries = B, B * (T - 1)
+    return sums.scores()
