@@ -47,9 +47,9 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "tests/analysis/paths/test_paths.py::test_term_importance_against_an_independent_recomputation",
     ),
     "term effects: half the term removed": (
-        "analysis/paths/expansion.py",
-        'singles.append(TermEffect(f"{l}.{h}", lossf(full - tl) - base,',
-        'singles.append(TermEffect(f"{l}.{h}", lossf(full - 0.5 * tl) - base,',
+        "analysis/paths/effects.py",
+        "            return torch.sub(full, tl, out=tl), size",
+        "            return torch.sub(full, 0.5 * tl), size",
         "tests/analysis/paths/test_paths.py::test_term_effects_match_a_recomputed_loss",
     ),
     "weights: 'scale' (rotated) view centres the stream": (
@@ -106,10 +106,10 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "s2 <= s1 + ICL_GAP",
         "tests/apps/test_report.py::test_claims_verdicts_follow_the_numbers",
     ),
-    "bigrams: no refetch when the start token's column dominates": (
+    "bigrams: the left-out tokens (the start token's column) stay among the columns": (
         "analysis/circuits/trigrams.py",
-        "if len(out) >= top or k == total:",
-        "if True:",
+        "max_bytes=max_bytes, rows=ids, cols=ids)",
+        "max_bytes=max_bytes, rows=ids)",
         "tests/analysis/circuits/test_trigrams.py::test_bigrams_fill_the_table_when_the_start_token_dominates",
     ),
     "positional fraction: positions centred in a rotated view": (
@@ -198,14 +198,14 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "virtual heads: the coverage counts only the kept terms": (
         "analysis/paths/virtual.py",
-        "        total += outs.sum(0)\n",
-        "        total += outs[:1].sum(0)\n",
+        "            total += z.sum(2) @ att.W_O[h2]\n",
+        "            total += z[:, :, :1].sum(2) @ att.W_O[h2]\n",
         "tests/analysis/heads/test_scale.py::test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds",
     ),
     "text scores: the last chunk is not counted": (
         "analysis/heads/pattern_scores.py",
-        "sums.sequences += part.shape[0]",
-        "sums.sequences += chunk",
+        "    for got in sp.gather(parts, len(starts)):",
+        "    for got in sp.gather(parts, len(starts))[: len(starts) - 1]:",
         "tests/analysis/heads/test_scale.py::test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definitions",
     ),
     "runs: a directory without a manifest counts as a restartable run": (
