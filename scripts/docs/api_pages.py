@@ -47,9 +47,14 @@ class Page:
 def all_names(path: Path) -> list[str] | None:
     """The module's ``__all__`` (None when it declares none)."""
     for node in ast.parse(path.read_text(encoding="utf-8")).body:
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
-        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and node.value is not None:
-            return list(ast.literal_eval(node.value))
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and value is not None:
+            return list(ast.literal_eval(value))
     return None
 
 
@@ -110,8 +115,9 @@ def package_of(module: str) -> str:
 def page_key(package: str, order: list[str], rank: dict[str, int]) -> tuple:
     parts = package.split(".")[1:]
     top = order.index(parts[0]) if parts and parts[0] in order else (-1 if not parts else len(order))
-    subs = list(rank)  # in rank order, ties as the test lists them
-    sub = (rank[parts[1]], subs.index(parts[1])) if parts[:1] == ["analysis"] and len(parts) > 1 and parts[1] in rank else (-1, 0)
+    sub = (-1, 0)
+    if parts[:1] == ["analysis"] and len(parts) > 1 and parts[1] in rank:
+        sub = (rank[parts[1]], list(rank).index(parts[1]))  # ties as the test lists them
     return (top, sub, package)
 
 
@@ -132,13 +138,18 @@ def pages() -> list[Page]:
         if page.package != "qkov":
             came_from = origins(page.package)
             names = all_names(module_path(page.package)) or []
-            page.names = [n for n in names if came_from.get(n, page.package) not in documented or came_from.get(n) is None]
+            page.names = [n for n in names if came_from.get(n) not in documented]
     return [by_package[p] for p in sorted(by_package, key=lambda p: page_key(p, order, rank))]
 
 
 def module_path(module: str) -> Path:
     path = SRC.joinpath(*module.split("."))
     return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def directive(path: str) -> list[str]:
+    """``::: path`` with the options of an entry of its own (undocumented names shown too)."""
+    return [f"::: {path}", "    options:", "      heading_level: 2", "      show_if_no_docstring: true", ""]
 
 
 def page_text(page: Page) -> str:
@@ -158,13 +169,13 @@ def page_text(page: Page) -> str:
         lines += ["      members:"] + [f"        - {n}" for n in plain] if plain else ["      members: false"]
         lines.append("")
         for n in shadowed:
-            lines += [f"::: {came_from[n]}.{n}", "    options:", "      heading_level: 2", "      show_if_no_docstring: true", ""]
+            lines += directive(f"{came_from[n]}.{n}")
     if page.modules:
         lines += ["| module | what it holds |", "|---|---|"]
         lines += [f"| [`{m.rsplit('.', 1)[1]}`](#{m}) | {summary(module_path(m))} |" for m in page.modules]
         lines.append("")
     for module in page.modules:
-        lines += [f"::: {module}", "    options:", "      heading_level: 2", "      show_if_no_docstring: true", ""]
+        lines += directive(module)
     return "\n".join(lines).rstrip() + "\n"
 
 
