@@ -172,7 +172,7 @@ def page_text(page: Page) -> str:
             lines += directive(f"{came_from[n]}.{n}")
     if page.modules:
         lines += ["| module | what it holds |", "|---|---|"]
-        lines += [f"| [`{m.rsplit('.', 1)[1]}`](#{m}) | {summary(module_path(m))} |" for m in page.modules]
+        lines += [f"| [{m.rsplit('.', 1)[1]}](#{m}) | {summary(module_path(m))} |" for m in page.modules]
         lines.append("")
     for module in page.modules:
         lines += directive(module)
@@ -193,13 +193,13 @@ def index_text(all_pages: list[Page]) -> str:
         "",
         "| page | what it holds |",
         "|---|---|",
-        "| [`qkov`](qkov.md) | the names a user reaches for: models, checkpoints, the weights views, the analysis "
+        "| [qkov](qkov.md) | the names a user reaches for: models, checkpoints, the weights views, the analysis "
         "forward, probes, interventions, training |",
     ]
     for page in all_pages:
         what = summary(module_path(page.package)) if page.package != "qkov" else "the modules at the package's top"
         name = "qkov (top-level modules)" if page.package == "qkov" else page.package
-        lines.append(f"| [`{name}`]({page.file}) | {what} |")
+        lines.append(f"| [{name}]({page.file}) | {what} |")
     return "\n".join(lines) + "\n"
 
 
