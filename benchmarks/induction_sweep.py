@@ -27,7 +27,7 @@ from qkov.training.config import TrainConfig
 MODEL_KEYS = {"n_layers", "n_heads", "d_model", "d_head", "d_vocab", "n_ctx", "positional"}
 
 GRIDS: dict[str, list[dict[str, object]]] = {
-    # The settings compared when choosing the defaults (README, "Default training"): constant
+    # The settings compared when choosing the defaults (docs/training.md, "The defaults"): constant
     # learning rate after the 100-step warm-up, so the curve shows when heads form, not when
     # a schedule happens to decay. Run with: --grid defaults --steps 4000 --stop-at 0.4
     "defaults": [

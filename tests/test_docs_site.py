@@ -1,7 +1,9 @@
 """The reference site: ``mkdocs build --strict`` (no broken link or anchor, no griffe warning about
 a docstring, no page left out of the navigation), every name in ``qkov.__all__`` documented on the
-API pages from a docstring, the Sphinx roles of the docstrings rendered (never shown raw), the home
-page and the example notebooks present. Builds the site once, into a temporary directory (~10 s)."""
+API pages from a docstring, every module that declares ``__all__`` on an API page with each of its
+names (the pages written by scripts/docs/api_pages.py, which must be up to date), the Sphinx roles of
+the docstrings rendered (never shown raw), the home page and the example notebooks present. Builds
+the site once, into a temporary directory (~10 s)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import qkov
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts" / "docs"))
+import api_pages  # noqa: E402  (writes the API pages, a script)
 from roles import exported, rewrite  # noqa: E402  (the site's griffe extension, a script)
 
 API = ROOT / "docs" / "api"
@@ -40,14 +43,38 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def api_pages(site: Path) -> dict[str, str]:
+def api_html(site: Path) -> dict[str, str]:
     return {p.parent.name: p.read_text(encoding="utf-8") for p in (site / "api").glob("*/index.html")}
 
 
 def test_every_public_name_is_on_an_api_page(site: Path) -> None:
-    pages = api_pages(site)
+    pages = api_html(site)
     missing = [n for n in qkov.__all__ if not any(f'id="qkov.{n}"' in text for text in pages.values())]
     assert not missing, f"not documented: add '::: qkov.NAME' for {missing} to a page in docs/api/ (e.g. qkov.md)"
+
+
+def test_the_api_pages_are_up_to_date(capsys: pytest.CaptureFixture[str]) -> None:
+    """A module added, renamed or given an ``__all__`` since the pages were written fails here."""
+    stale = api_pages.main(["--check"])
+    assert stale == 0, f"rerun python3 scripts/docs/api_pages.py:\n{capsys.readouterr().out}"
+
+
+def test_every_module_with_all_is_on_an_api_page_with_its_names(site: Path) -> None:
+    """Each name of every module's ``__all__`` has its entry, under the module's path or where it is
+    defined (a package documents a name once, at the module that defines it)."""
+    ids = {i for text in api_html(site).values() for i in re.findall(r'id="(qkov[\w.]*)"', text)}
+    package = griffe.load("qkov", search_paths=[str(ROOT / "src")])
+    modules = [m for m in api_pages.public_modules() if m != "qkov"]  # qkov: the test above
+    assert len(modules) >= 40, modules  # the walk found the package
+    missing = []
+    for module in modules:
+        came_from = api_pages.origins(module) if api_pages.module_path(module).name == "__init__.py" else {}
+        for name in api_pages.all_names(api_pages.module_path(module)) or []:
+            where = {f"{module}.{name}", package[module.removeprefix("qkov.")][name].canonical_path}
+            where.add(f"{came_from.get(name)}.{name}")
+            if not where & ids:
+                missing.append(f"{module}.{name}")
+    assert not missing, f"not on an API page: {missing}"
 
 
 def test_every_public_name_has_a_docstring() -> None:
@@ -76,7 +103,7 @@ def test_sphinx_roles_become_code_and_links() -> None:
 
 def test_no_raw_role_on_the_site(site: Path) -> None:
     raw = re.compile(r":(class|func|meth|mod|attr|data|exc):<code>|:(class|func|meth|mod|attr|data|exc):`")
-    shown = {name: raw.findall(text)[:3] for name, text in api_pages(site).items() if raw.search(text)}
+    shown = {name: raw.findall(text)[:3] for name, text in api_html(site).items() if raw.search(text)}
     assert not shown, f"Sphinx roles shown raw on the API pages: {shown}"
 
 

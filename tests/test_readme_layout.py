@@ -1,4 +1,5 @@
-"""README's "Layout" section against the tree, both ways: every module under src/qkov is listed, and
+"""The "Layout" section of docs/dev/architecture.md (the contributors' page; the README links to it)
+against the tree, both ways: every module under src/qkov and every page of docs/ is listed, and
 everything listed exists.
 
 The section's code block is one entry per line: a name (``x.py``, ``x.md``, ``folder/``) indented two
@@ -15,12 +16,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "src/qkov/"
 NAME_COLUMN_MAX = 12  # names start at most this far in (four folder levels); continuations further
 ENTRY = re.compile(r"^[\w.-]+(/[\w.-]+)*/?$")
+ARCHITECTURE = ROOT / "docs" / "dev" / "architecture.md"
 
 
-def layout_block(readme: str) -> list[str]:
-    section = readme.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+def layout_block(page: str) -> list[str]:
+    section = page.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     match = re.search(r"^```\n(.*?)^```", section, re.S | re.M)
-    assert match, "README's Layout section has no code block"
+    assert match, "docs/dev/architecture.md's Layout section has no code block"
     return match.group(1).splitlines()
 
 
@@ -33,7 +35,7 @@ def listed(lines: list[str]) -> list[str]:
         if not line.strip() or indent > NAME_COLUMN_MAX:
             continue  # blank, or a description's continuation
         name = line.split()[0]
-        assert ENTRY.match(name) and indent % 2 == 0, f"README layout: {line.strip()!r} is not 'name  description'"
+        assert ENTRY.match(name) and indent % 2 == 0, f"layout: {line.strip()!r} is not 'name  description'"
         while folders and folders[-1][0] >= indent:
             folders.pop()
         path = "".join(f for _, f in folders) + name
@@ -44,7 +46,7 @@ def listed(lines: list[str]) -> list[str]:
 
 
 def modules_in_tree() -> set[str]:
-    """Every module, as the README names it: a subpackage's __init__.py by its folder."""
+    """Every module, as the layout names it: a subpackage's __init__.py by its folder."""
     out = set()
     for path in (ROOT / PACKAGE).rglob("*.py"):
         rel = path.relative_to(ROOT).as_posix()
@@ -69,7 +71,7 @@ def test_parser_reads_nesting_and_continuations() -> None:
 
 
 def test_every_module_is_listed_and_every_listed_path_exists() -> None:
-    paths = listed(layout_block((ROOT / "README.md").read_text(encoding="utf-8")))
+    paths = listed(layout_block(ARCHITECTURE.read_text(encoding="utf-8")))
     in_package = {p for p in paths if p.startswith(PACKAGE) and (p.endswith(".py") or p.endswith("/"))}
     in_package = {p for p in in_package if p.endswith(".py") or (ROOT / p / "__init__.py").is_file()}
     add = sorted(modules_in_tree() - in_package - {PACKAGE})
@@ -77,12 +79,19 @@ def test_every_module_is_listed_and_every_listed_path_exists() -> None:
     guide = {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")}
     add += sorted(guide - set(paths))
     assert not add and not remove, (
-        "README's Layout section is out of date:"
+        "docs/dev/architecture.md's Layout section is out of date:"
         + (f"\n  add (in the tree, not listed): {', '.join(add)}" if add else "")
         + (f"\n  remove (listed, not in the tree): {', '.join(remove)}" if remove else "")
     )
 
 
 def test_no_path_is_listed_twice() -> None:
-    paths = listed(layout_block((ROOT / "README.md").read_text(encoding="utf-8")))
+    paths = listed(layout_block(ARCHITECTURE.read_text(encoding="utf-8")))
     assert sorted({p for p in paths if paths.count(p) > 1}) == []
+
+
+def test_the_readme_links_to_the_layout() -> None:
+    """The README keeps no copy of the layout (one list, checked above), only the way to it."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "](docs/dev/architecture.md" in readme
+    assert "\n## Layout\n" not in readme

@@ -15,7 +15,7 @@ PRECISIONS = ("fp32", "bf16")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """How to train. Defaults were chosen by measurement (see README, "Default training")."""
+    """How to train. Defaults were chosen by measurement (docs/training.md, "The defaults")."""
 
     steps: int = 5000
     batch: int = 16

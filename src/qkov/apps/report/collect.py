@@ -319,8 +319,9 @@ def collect(
         diag_sample: tokens that rate is measured on: ``None`` = all up to a vocabulary of 8192
             (exact), else a seeded sample of 1024 with its standard error
             (:func:`qkov.analysis.circuits.copying.copying_scores`).
-        clean, corrupted, metric: a clean/corrupted pair (text or token files, as ``qkov patch``
-            reads them) and a metric (``loss``, ``logit-diff:A,B``, ``prob:T``) for a patching section.
+        clean: the clean text or token file of a patching section (as ``qkov patch`` reads it).
+        corrupted: its corrupted counterpart, of the same length in tokens.
+        metric: what the patching section measures (``loss``, ``logit-diff:A,B``, ``prob:T``).
         progress: ``progress(stage, done, total)`` (:class:`qkov.progress.Progress`) as each stage starts and ends.
     Raises:
         QkovError: the checkpoint or a given file cannot be read.
