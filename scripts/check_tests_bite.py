@@ -276,8 +276,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "patching: a sweep starts after the patched layer": (
         "analysis/causal/patching.py",
-        "        start = min(l, reads_from(source, m))",
-        "        start = min(l + 1, reads_from(source, m), L)",
+        "        start = min(l, c.reads_from)",
+        "        start = min(l + 1, c.reads_from, L)",
         "tests/analysis/causal/test_patching.py::test_batched_sweeps_equal_one_patch_at_a_time tests/analysis/causal/test_patching_tl.py",
     ),
     "path patching: the sender's change subtracted": (

@@ -5,10 +5,12 @@
   :func:`~qkov.analysis.causal.ablation.z_means`), run by :func:`qkov.trace`: the loss per token and the top
   predictions before and after. The mean loss is what ``qkov ablate SOURCE --heads ... --mode ...`` reports
   for this text as its validation sample (:func:`qkov.ablation_study`'s ``intact`` / ``ablated`` loss; tested).
-* ``patch`` {clean, corrupted, metric?} — :func:`qkov.analysis.causal.studies.patch_study` with ``qkov patch``'s
-  defaults: activation patching of the residual stream by (layer, position) and of every head's output by
-  (layer, head), attribution patching of the head outputs and its agreement; ``metric`` as ``qkov patch
-  --metric`` writes it (``loss``, ``logit-diff:A,B``, ``prob:T``).
+* ``patch`` {clean, corrupted, metric?, ...} — :func:`qkov.analysis.causal.studies.patch_study` with ``qkov
+  patch``'s defaults: activation patching of the residual stream by (layer, position) and of every head's
+  output by (layer, head), attribution patching of the head outputs and its agreement; ``metric`` as ``qkov
+  patch --metric`` writes it (``loss``, ``logit-diff:A,B``, ``prob:T``). Any registered sweep's option
+  (:func:`~qkov.analysis.causal.registry.study_options`: ``sites``, ``by_pos``, ``attribution``,
+  ``receivers``, ``input``, ...) may be given by name, as text or a JSON value.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import torch
 from ...analysis.causal.ablation import ablation_edits, z_means
 from ...analysis.forward.tracer import trace
 from ...analysis.causal.metrics import parse_metric
+from ...analysis.causal.registry import study_options
 from ...analysis.causal.studies import patch_study
 from ...errors import QkovError
 from ...model.ops import next_token_nll
 from ...progress import Progress
 from .context import BadRequest, Explorer
 from .views_card import r6
+
+__all__ = ["ablate", "MODES", "patch", "TOP_K"]
 
 MODES = ("zero", "mean")
 TOP_K = 5
@@ -117,7 +122,8 @@ def patch(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
     clean, corrupted = clean.to(dev), corrupted.to(dev)
     try:
         m = parse_metric(metric, clean, ex.codec, ex.model.cfg.d_vocab)
+        options = {name: opt.value(args[name]) for name, opt in study_options().items() if args.get(name) is not None}
     except QkovError as exc:
         raise BadRequest(str(exc)) from None
-    study = patch_study(ex.weights, clean, corrupted, metric=m, decode=ex.decode, progress=progress)
+    study = patch_study(ex.weights, clean, corrupted, metric=m, decode=ex.decode, progress=progress, **options)
     return _clean_nan(study.to_dict())
