@@ -148,9 +148,9 @@ def _node(text: str, what: str, whole: str) -> Address:
         text, inp = m.group(1), m.group(2)
         if inp not in INPUTS:
             raise QkovError(f"{what}: {whole.strip()!r}: a head's input is q, k or v, got <{inp}>")
-    if _HEAD.fullmatch(text):
-        layer, head = (int(x) for x in text.split("."))
-        return Address(HEAD, layer, head, inp)
+    m = _HEAD.fullmatch(text)
+    if m:  # LAYER.HEAD
+        return Address(HEAD, int(m.group(1)), int(m.group(2)), inp)
     m = _SITE.fullmatch(text)
     if m is None or inp is not None:
         raise QkovError(
@@ -170,8 +170,7 @@ def as_head(value: HeadLike, cfg: Any = None, what: str = "heads") -> Address:
     if isinstance(value, Address):
         head = value
     elif isinstance(value, str):
-        text = value.strip()
-        head = Address.of_head(*text.split(".")) if _HEAD.fullmatch(text) else None  # type: ignore[arg-type]
+        head = _node(value, what, value) if _HEAD.fullmatch(value.strip()) else None
     elif isinstance(value, Sequence) and len(value) == 2 and all(_is_int(v) for v in value):
         head = Address.of_head(*value)
     else:
