@@ -280,10 +280,10 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "        start = min(l + 1, c.reads_from, L)",
         "tests/analysis/causal/test_patching.py::test_batched_sweeps_equal_one_patch_at_a_time tests/analysis/causal/test_patching_tl.py",
     ),
-    "toolkit: the Contrast ignores the direction (the base run is always the corrupted one)": (
-        "analysis/causal/contrast.py",
-        '        return (corrupted, clean) if self.direction == "denoise" else (clean, corrupted)',
-        "        return (corrupted, clean)",
+    "toolkit: the one swap ignores the direction (the base run is always the corrupted one)": (
+        "analysis/causal/result.py",
+        '    return (corrupted, clean) if direction == "denoise" else (clean, corrupted)',
+        "    return (corrupted, clean)",
         "tests/analysis/causal/test_toolkit.py::test_a_contrast_runs_swaps_and_measures_as_the_model_does "
         "tests/analysis/causal/test_patching.py::test_batched_sweeps_equal_one_patch_at_a_time",
     ),

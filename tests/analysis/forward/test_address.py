@@ -81,11 +81,14 @@ def test_a_head_given_any_way_is_one_address() -> None:
         assert as_head(given, GQA) == want
     assert parse_heads("1.0, 0.1,1.0", GQA) == [Address.of_head(1, 0), Address.of_head(0, 1)]  # in order, once
     assert parse_heads([(1, 0), "0.2", Address.of_head(1, 0)]) == [Address.of_head(1, 0), Address.of_head(0, 2)]
+    assert parse_heads((1, 0)) == parse_heads(want._replace(head=0)) == parse_heads("1.0") == [Address.of_head(1, 0)]
     for bad in ["x", "1", "1.0<k>", "0.1 -> 1.0", (1.5, 0), (True, 0), (1, 2, 3), None]:
         with pytest.raises(QkovError, match="is not a head; write LAYER.HEAD, e.g. 1.0"):
             as_head(bad, GQA, "heads")  # type: ignore[arg-type]
     with pytest.raises(QkovError, match="heads: no heads given"):
         parse_heads(" , ", GQA)
+    with pytest.raises(QkovError, match="heads: 5 is not a head"):
+        parse_heads(5, GQA)  # type: ignore[arg-type]
 
 
 def test_the_library_the_command_line_and_the_explorer_say_it_alike() -> None:

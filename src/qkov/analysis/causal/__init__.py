@@ -33,7 +33,7 @@ from .ablation import (
     ablation_text,
     z_means,
 )
-from .result import agreement, largest, PatchResult, result_text
+from .result import agreement, by_direction, largest, PatchResult, result_text
 from .contrast import Contrast, copy_bytes, DIRECTIONS, PATCH_BYTES
 from .registry import Option, register_sweep, study_options, StudyRun, Sweep, SWEEPS
 from .patching import activation_patching, attribution_patching, default_axes, study_axes
@@ -74,6 +74,7 @@ __all__ = [
     "ablation_text",
     "z_means",
     "agreement",
+    "by_direction",
     "largest",
     "PatchResult",
     "result_text",

@@ -9,7 +9,9 @@ what the metric reads) and the metric's value on each. It also runs the patched 
 layer from the base run's stream, one metric value per copy, and wraps the values in a
 :class:`~qkov.analysis.causal.result.PatchResult` (:meth:`Contrast.result`).
 
-The swap between (clean, corrupted) and (base, source) is written once, in :meth:`Contrast.swap`.
+The swap between (clean, corrupted) and (base, source) is written once
+(:func:`~qkov.analysis.causal.result.by_direction`, which :meth:`Contrast.swap` and a result's
+``base``/``target`` read).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ..forward.cache import Trace, final_stream
 from ..forward.sites import Sites
 from ..forward.tracer import trace
 from .metrics import Metric, as_metric
-from .result import PatchResult
+from .result import PatchResult, by_direction
 
 __all__ = ["Contrast", "copy_bytes", "DIRECTIONS", "PATCH_BYTES"]
 
@@ -92,7 +94,7 @@ class Contrast:
     def swap(self, clean: Any, corrupted: Any) -> tuple[Any, Any]:
         """``(clean, corrupted)`` in the order ``(base, source)``; the same call turns ``(base, source)``
         back into ``(clean, corrupted)``."""
-        return (corrupted, clean) if self.direction == "denoise" else (clean, corrupted)
+        return by_direction(self.direction, clean, corrupted)
 
     @property
     def base(self) -> Tensor:
@@ -158,6 +160,8 @@ class Contrast:
         B, T = self.base.shape
         tokens = self.base.repeat(K, 1) if tokens is None else tokens
         start_at = None
+        if stream is not None and start is None:
+            raise QkovError("Contrast.measure: a stream needs the layer it enters at (start=)")
         if start is not None:
             if stream is None:
                 run = self.base_run

@@ -18,7 +18,14 @@ from torch import Tensor
 from ...errors import QkovError
 from ..shown import TEXT, Shown, register
 
-__all__ = ["agreement", "largest", "PatchResult", "result_text"]
+__all__ = ["agreement", "by_direction", "largest", "PatchResult", "result_text"]
+
+
+def by_direction(direction: str, clean: Any, corrupted: Any) -> tuple[Any, Any]:
+    """``(clean, corrupted)`` in the order ``(base, source)``: denoising patches the corrupted run with
+    clean values, noising the clean run with corrupted ones. The same call turns ``(base, source)`` back
+    into ``(clean, corrupted)``. The one place the direction decides which run is which."""
+    return (corrupted, clean) if direction == "denoise" else (clean, corrupted)
 
 
 @dataclass(repr=False)
@@ -53,11 +60,12 @@ class PatchResult(Shown):
     @property
     def base(self) -> float:
         """The metric with nothing patched: the corrupted run when denoising, the clean one when noising."""
-        return self.corrupted if self.direction == "denoise" else self.clean
+        return by_direction(self.direction, self.clean, self.corrupted)[0]
 
     @property
     def target(self) -> float:
-        return self.clean if self.direction == "denoise" else self.corrupted
+        """The source run's metric: what a patch that moves the metric all the way reaches."""
+        return by_direction(self.direction, self.clean, self.corrupted)[1]
 
     def normalized(self) -> Tensor:
         """``(value - base) / (target - base)``: 0 where the patch changes nothing, 1 where it moves the

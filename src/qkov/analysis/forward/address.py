@@ -171,8 +171,8 @@ def as_head(value: HeadLike, cfg: Any = None, what: str = "heads") -> Address:
         head = value
     elif isinstance(value, str):
         head = _node(value, what, value) if _HEAD.fullmatch(value.strip()) else None
-    elif isinstance(value, Sequence) and len(value) == 2 and all(_is_int(v) for v in value):
-        head = Address.of_head(*value)
+    elif _is_pair(value):
+        head = Address.of_head(*value)  # type: ignore[misc]
     else:
         head = None
     if head is None or not head.is_head:
@@ -181,9 +181,16 @@ def as_head(value: HeadLike, cfg: Any = None, what: str = "heads") -> Address:
 
 
 def parse_heads(value: str | Iterable[HeadLike], cfg: Any = None, what: str = "heads") -> list[Address]:
-    """Heads from ``"1.0,1.3"`` (comma-separated) or a collection of heads (:data:`HeadLike`), each
-    read by :func:`as_head` and checked against ``cfg`` when given; in order, once each, at least one."""
-    items = [p for p in value.split(",") if p.strip()] if isinstance(value, str) else list(value)
+    """Heads from ``"1.0,1.3"`` (comma-separated), one head, or a collection of heads (:data:`HeadLike`),
+    each read by :func:`as_head` and checked against ``cfg`` when given; in order, once each, at least one."""
+    if isinstance(value, str):
+        items: list[Any] = [p for p in value.split(",") if p.strip()]
+    elif isinstance(value, Address) or _is_pair(value):
+        items = [value]  # one head
+    elif isinstance(value, Iterable):
+        items = list(value)
+    else:
+        raise QkovError(not_a_head(what, value))
     heads: list[Address] = []
     for item in items:
         head = as_head(item, cfg, what)
@@ -192,6 +199,11 @@ def parse_heads(value: str | Iterable[HeadLike], cfg: Any = None, what: str = "h
     if not heads:
         raise QkovError(f"{what}: no heads given")
     return heads
+
+
+def _is_pair(value: Any) -> bool:
+    """``(layer, head)``: a sequence of two integers (not a string)."""
+    return isinstance(value, Sequence) and not isinstance(value, str) and len(value) == 2 and all(map(_is_int, value))
 
 
 def _is_int(v: Any) -> bool:

@@ -65,7 +65,8 @@ def _add_option(p: argparse.ArgumentParser, opt: Option) -> None:
         p.add_argument(opt.cli_flag, dest=dest, action="store_false" if opt.default else "store_true", help=opt.help)
     else:
         choices = opt.choices or None
-        p.add_argument(opt.cli_flag, dest=dest, default=None, choices=choices, metavar=opt.metavar, help=opt.help)
+        metavar = opt.metavar or (None if choices else opt.cli_flag.lstrip("-").replace("-", "_").upper())
+        p.add_argument(opt.cli_flag, dest=dest, default=None, choices=choices, metavar=metavar, help=opt.help)
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
