@@ -276,9 +276,52 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "patching: a sweep starts after the patched layer": (
         "analysis/causal/patching.py",
-        "        start = min(l, reads_from(source, m))",
-        "        start = min(l + 1, reads_from(source, m), L)",
+        "        start = min(l, c.reads_from)",
+        "        start = min(l + 1, c.reads_from, L)",
         "tests/analysis/causal/test_patching.py::test_batched_sweeps_equal_one_patch_at_a_time tests/analysis/causal/test_patching_tl.py",
+    ),
+    "toolkit: the one swap ignores the direction (the base run is always the corrupted one)": (
+        "analysis/causal/result.py",
+        '    return (corrupted, clean) if direction == "denoise" else (clean, corrupted)',
+        "    return (corrupted, clean)",
+        "tests/analysis/causal/test_toolkit.py::test_a_contrast_runs_swaps_and_measures_as_the_model_does "
+        "tests/analysis/causal/test_patching.py::test_batched_sweeps_equal_one_patch_at_a_time",
+    ),
+    "toolkit: the one head parser reads LAYER.HEAD as HEAD.LAYER": (
+        "analysis/forward/address.py",
+        "        return Address(HEAD, int(m.group(1)), int(m.group(2)), inp)",
+        "        return Address(HEAD, int(m.group(2)), int(m.group(1)), inp)",
+        "tests/analysis/forward/test_address.py tests/analysis/causal/test_ablation.py::test_bad_heads_are_one_line_errors",
+    ),
+    "toolkit: a key input read at the query head's slot under grouped-query attention": (
+        "analysis/forward/address.py",
+        '        group = cfg.n_heads // cfg.kv_heads if self.input in ("k", "v") else 1',
+        "        group = 1",
+        "tests/analysis/causal/test_toolkit.py::test_path_patching_into_a_grouped_key_equals_an_edit_by_hand",
+    ),
+    "toolkit: a result read by label at the index before": (
+        "analysis/causal/result.py",
+        "                index.append(labels.index(str(key)))",
+        "                index.append(labels.index(str(key)) - 1)",
+        "tests/analysis/causal/test_toolkit.py::test_results_take_named_axes_of_any_kind",
+    ),
+    "toolkit: qkov patch makes flags of the built-in sweeps' options only": (
+        "apps/cli/patch_cmds.py",
+        "    for opt in study_options().values():",
+        "    for opt in list(study_options().values())[:5]:",
+        "tests/analysis/causal/test_plugging_in.py::test_every_surface_shows_the_registered_sweep",
+    ),
+    "toolkit: the study runs the built-in sweeps, not the registry": (
+        "analysis/causal/studies.py",
+        "    asked = [s for s in SWEEPS.values() if s.when(values)]",
+        "    asked = [s for s in BUILT_IN if s.when(values)]",
+        "tests/analysis/causal/test_plugging_in.py::test_every_surface_shows_the_registered_sweep",
+    ),
+    "toolkit: the report's heatmap takes its rows from the layer axis whatever the result's axes": (
+        "apps/report/static/report.js",
+        "    let y = r.labels[r.axes[0]];",
+        "    let y = r.labels.layer;",
+        "tests/show/test_notebooks.py::test_results_with_axes_of_any_kind_draw_in_a_browser",
     ),
     "path patching: the sender's change subtracted": (
         "analysis/causal/path_patch.py",

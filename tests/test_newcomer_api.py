@@ -191,11 +191,17 @@ def test_old_call_forms_still_work_with_a_deprecation_warning(tmp_path: Path) ->
         qkov.save_checkpoint(tmp_path / "old", model)
     qkov.save_checkpoint(model, tmp_path / "new")
     assert (tmp_path / "old" / "model.safetensors").read_bytes() == (tmp_path / "new" / "model.safetensors").read_bytes()
+
+
+def test_ablation_study_takes_the_text_then_the_heads() -> None:
+    """Positional or named, heads as pairs or ``"L.H"``; the pre-1.0 order (heads second, ``text=``) was
+    removed in 1.1 and is a plain ``TypeError``."""
+    model = qkov.Transformer(qkov.ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, n_ctx=16, d_vocab=32))
     text = qkov.induction_probe_tokens(model, length=7, batch=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         new = qkov.ablation_study(model, text, [(1, 0)], mode="zero", draws=1)
-        named = qkov.ablation_study(model, text=text, heads=[(1, 0)], mode="zero", draws=1)
-    with pytest.warns(DeprecationWarning, match=r"ablation_study\(source, text, heads\)"):
-        old = qkov.ablation_study(model, [(1, 0)], text=text, mode="zero", draws=1)
-    assert old.to_dict() == new.to_dict() == named.to_dict()
+        named = qkov.ablation_study(model, text=text, heads=["1.0"], mode="zero", draws=1)
+    assert new.to_dict() == named.to_dict() and new.heads == ["1.0"]
+    with pytest.raises(TypeError, match="multiple values for argument 'text'"):
+        qkov.ablation_study(model, [(1, 0)], text=text, mode="zero", draws=1)

@@ -4,6 +4,7 @@ offline page that a real browser draws without a network."""
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import os
@@ -194,6 +195,35 @@ def test_patching_and_composition_path_displays(hand: tuple) -> None:
     data = the_spec(paths)["data"]["causal"]
     assert data["prefix_removed"] == pytest.approx(paths.prefix_removed) and data["writer"] == "0.0"
     assert f"{paths.prefix_removed['k']:+.0%}" in repr(paths)
+
+
+def test_results_with_axes_of_any_kind_draw_in_a_browser(tmp_path: Path) -> None:
+    """The patching renderer draws a result by its own axes: one axis (edges, one row), two axes whose
+    first is not the layer, three axes (rows "a · b"); every display draws, with its labels."""
+    need_browser()
+    from qkov.analysis.causal import PatchResult
+
+    edges = ["0.0 -> 1.0<k>", "0.1 -> 1.0<k>", "0.1 -> 1.1<q>"]
+    results = [
+        PatchResult("edge", "edges", ("edge",), torch.tensor([0.5, 2.0, 1.25]), 2.0, 0.0, "denoise", "m", {"edge": edges}),
+        PatchResult("steps", "z", ("step", "head"), torch.arange(6.0).reshape(3, 2), 5.0, 0.0, "noise", "m"),
+        PatchResult("act", "z", ("head", "step", "pos"), torch.arange(12.0).reshape(2, 3, 2), 5.0, 0.0, "denoise", "m",
+                    {"head": ["h0", "h1"]}),
+    ]  # fmt: skip
+    page.reset()
+    out = tmp_path / "axes.html"
+    body = "".join(r._repr_html_() for r in results)
+    out.write_text(f'<!DOCTYPE html><html><head><meta charset="utf-8"></head><body>{body}</body></html>')
+    res = chromium(out.as_uri(), tmp_path / "profile", "--dump-dom")
+    assert res.returncode == 0 and not console_lines(res), "\n".join(console_lines(res)) or res.stderr[-2000:]
+    roots = re.findall(r'<div class="qkov-nb" id="(qkov-[0-9a-f]{12})"([^>]*)>', res.stdout)
+    assert len(roots) == 3 and all('data-rendered="ok"' in attrs for _, attrs in roots), roots
+    assert len(re.findall(r'<g class="hm"[^>]*><image', res.stdout)) == 3  # a heatmap each
+    rows = [html.unescape(t) for t in re.findall(r'class="ytick"><text[^>]*>([^<]*)<', res.stdout)]
+    assert rows[:1] == ["edge"] and {"0", "1", "2"} <= set(rows) and "h1 · 2" in rows  # first axis (and second) as rows
+    dom = html.unescape(res.stdout)
+    for label in [*edges, "edge patching of edges by edge", "steps patching of z by step × head"]:
+        assert label in dom, label
 
 
 def test_text_reprs_fit_one_screen_and_say_what_was_left_out() -> None:

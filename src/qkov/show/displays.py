@@ -13,7 +13,7 @@ from ..analysis.circuits.composition import Composition
 from ..analysis.circuits.factored import TopK
 from ..analysis.heads.report import HeadReport
 from ..analysis.causal.studies import PatchStudy
-from ..analysis.causal.patching import PatchResult
+from ..analysis.causal.result import PatchResult
 from ..analysis.paths.summary import PathSummary
 from ..analysis.heads.probes import InductionProbe
 from ..analysis.shown import HTML, MAX_ROWS, decoder, register
@@ -23,6 +23,23 @@ from ..analysis.circuits.copying import CopyingScores
 from ..apps.report.collect import bigram_rows, composition_section, heads_section, repeat_curves, trigram_rows
 from ..model.tokens import token_decoder
 from .page import mounted, page, text_only
+
+__all__ = [
+    "bigrams_html",
+    "circuits_html",
+    "composition_html",
+    "composition_paths_html",
+    "composition_scores_html",
+    "copying_html",
+    "heads_html",
+    "HTML_ROWS",
+    "patch_result_html",
+    "patch_study_html",
+    "paths_html",
+    "probe_html",
+    "topk_html",
+    "trigrams_html",
+]
 
 HTML_ROWS = 48  # rows an HTML table shows before "... N more"
 

@@ -12,6 +12,8 @@ from ..apps.dynamics_study import DynamicsResult
 from ..apps.phase_section import svg_dynamics
 from .page import page
 
+__all__ = ["ablation_html", "dynamics_html", "NAMES"]
+
 NAMES = {"induction": "induction score", "previous_token": "previous-token score", "icl": "in-context improvement"}
 
 
@@ -55,7 +57,7 @@ def dynamics_html(r: DynamicsResult) -> str:
 @register(HTML, AblationStudy)
 def ablation_html(s: AblationStudy) -> str:
     def row(name: str, m: Measures) -> list[str]:
-        return [name, _f(m.loss, ".4f"), _f(m.icl, "+.4f"), f"{m.repeat_first:.3f}", f"{m.repeat_second:.3f}"]
+        return [name, _f(m.loss, ".4f"), _f(m.icl, "+.4f"), _f(m.repeat_first, ".3f"), _f(m.repeat_second, ".3f")]
 
     rows = [row("intact", s.intact), row("ablated", s.ablated)]
     rows += [row(f"random {', '.join(h)}", m) for h, m in zip(s.random_heads, s.random)]

@@ -178,16 +178,15 @@ def test_icl_removed_is_the_share_of_the_intact_improvement() -> None:
 
 
 def test_bad_heads_are_one_line_errors() -> None:
-    cfg = hand_built().cfg
-    assert Ab.parse_heads("1.0, 0.1,1.0", cfg) == [(1, 0), (0, 1)]
-    for bad, says in [("2.0", "no head 2.0"), ("1.2", "no head 1.2"), ("x", "not a head"), ("1", "not a head")]:
+    w = Weights.from_model(hand_built())
+    bad_heads = [("2.0", "ablate: the model has no head 2.0"), ("1.2", "no head 1.2"), ("x", "not a head"), ("1", "not a head")]
+    for bad, says in bad_heads:
         with pytest.raises(QkovError, match=says):
-            Ab.parse_heads(bad, cfg)
+            Ab.ablation_study(w, natural_text(2), bad, mode="zero", draws=0)
     with pytest.raises(QkovError, match="mode"):
         Ab.ablation_edits([(0, 0)], "half")
     with pytest.raises(QkovError, match="mean z per head"):
         Ab.ablation_edits([(0, 0)], "mean")
-    w = Weights.from_model(hand_built())
     with pytest.raises(QkovError, match="out of range for a sequence of 64"):
         trace(w, natural_text(2), edits=Ab.ablation_edits([(0, 0)], "zero", positions=70))
 

@@ -11,6 +11,8 @@ import torch
 
 from qkov import QkovError, Transformer, Weights, trace
 from qkov.analysis.causal import patching as Pt
+from qkov.analysis.causal.contrast import copy_bytes
+from qkov.analysis.causal.result import agreement
 from qkov.analysis.causal.metrics import Attention, LogitDiff, Loss, parse_metric
 from qkov.analysis.causal.path_patch import path_patching
 from qkov.analysis.causal.studies import patch_study
@@ -61,7 +63,7 @@ def test_batched_sweeps_equal_one_patch_at_a_time(direction: str) -> None:
         ("pattern", ("layer", "head", "pos"), lambda h, p: (h, p)),
     ]
     for kind, axes, index in cases:
-        budget = 3 * Pt.copy_bytes(w, clean, metric.logit_positions(clean.shape[1]))
+        budget = 3 * copy_bytes(w, clean, metric.logit_positions(clean.shape[1]))
         got = Pt.activation_patching(
             w, clean, corrupted, site=kind, axes=axes, metric=metric, direction=direction, max_bytes=budget
         )  # batches of three patched copies (the last one shorter)
@@ -154,7 +156,7 @@ def test_attribution_is_the_first_order_term_of_the_patch() -> None:
         slope = (float(metric(moved)) - f0) / eps
         assert att.values[l, h] - att.base == pytest.approx(slope, rel=1e-4, abs=1e-8)
     act = Pt.activation_patching(w, clean, corrupted, site="head_out", metric=metric)
-    assert Pt.agreement(act, act) == pytest.approx(1.0) and -1 <= Pt.agreement(act, att) <= 1
+    assert agreement(act, act) == pytest.approx(1.0) and -1 <= agreement(act, att) <= 1
 
 
 def test_study_and_metrics_and_one_line_errors() -> None:

@@ -1,9 +1,12 @@
 """Interventions: what changes when activations are removed, replaced or patched.
 
 :mod:`.metrics` what an experiment measures; :mod:`.positions` where it intervenes; :mod:`.ablation`
-head ablation; :mod:`.patching` activation and attribution patching; :mod:`.path_patch` path
-patching; :mod:`.composition` [F]'s composition checked causally; :mod:`.studies` the sweeps run
-first on a clean/corrupted pair.
+head ablation. The causal toolkit every patching method is built on: :mod:`.result` (a result with
+named axes), :mod:`.contrast` (a clean/corrupted pair, its two runs and the batched patched passes),
+:mod:`.registry` (the sweeps a study runs and every surface shows). The methods: :mod:`.patching`
+activation and attribution patching; :mod:`.path_patch` path patching; :mod:`.composition` [F]'s
+composition checked causally; :mod:`.studies` the registered sweeps run on a clean/corrupted pair.
+docs/dev/plugging-in.md shows how a new method plugs in.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from .ablation import (
     measures,
     measures_left_out,
     MODES,
-    parse_heads,
     PROBE_LENGTH,
     probe_plan,
     random_sets,
@@ -31,27 +33,13 @@ from .ablation import (
     ablation_text,
     z_means,
 )
-from .patching import (
-    activation_patching,
-    agreement,
-    attribution_patching,
-    batched,
-    copy_bytes,
-    default_axes,
-    DIRECTIONS,
-    largest,
-    metric_values,
-    pair,
-    PATCH_BYTES,
-    PatchResult,
-    reads_from,
-    result_text,
-    scalar,
-)
-from .path_patch import input_paths, INPUTS, path_patching
+from .result import agreement, by_direction, largest, PatchResult, result_text
+from .contrast import Contrast, copy_bytes, DIRECTIONS, PATCH_BYTES
+from .registry import Option, register_sweep, study_options, StudyRun, Sweep, SWEEPS
+from .patching import activation_patching, attribution_patching, default_axes, study_axes
+from .path_patch import input_paths, path_patching, receivers_of
 from .composition import composition_paths, composition_paths_text, CompositionPaths, ICL_CHUNK
 from .studies import patch_study, PatchStudy, patch_study_text
-from .call_forms import ablation_args
 
 __all__ = [
     "as_metric",
@@ -79,31 +67,34 @@ __all__ = [
     "measures",
     "measures_left_out",
     "MODES",
-    "parse_heads",
     "PROBE_LENGTH",
     "probe_plan",
     "random_sets",
     "sequence_losses",
     "ablation_text",
     "z_means",
-    "activation_patching",
     "agreement",
-    "attribution_patching",
-    "batched",
-    "copy_bytes",
-    "default_axes",
-    "DIRECTIONS",
+    "by_direction",
     "largest",
-    "metric_values",
-    "pair",
-    "PATCH_BYTES",
     "PatchResult",
-    "reads_from",
     "result_text",
-    "scalar",
+    "Contrast",
+    "copy_bytes",
+    "DIRECTIONS",
+    "PATCH_BYTES",
+    "Option",
+    "register_sweep",
+    "study_options",
+    "StudyRun",
+    "Sweep",
+    "SWEEPS",
+    "activation_patching",
+    "attribution_patching",
+    "default_axes",
+    "study_axes",
     "input_paths",
-    "INPUTS",
     "path_patching",
+    "receivers_of",
     "composition_paths",
     "composition_paths_text",
     "CompositionPaths",
@@ -111,5 +102,4 @@ __all__ = [
     "patch_study",
     "PatchStudy",
     "patch_study_text",
-    "ablation_args",
 ]

@@ -30,7 +30,6 @@ from ...errors import QkovError
 from ...model.ops import next_token_nll
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source, source_bos
-from .call_forms import ablation_args
 from ..budget import fit_chunk, item, run_bytes
 from ..forward.edits import per_position
 from ..forward.tracer import trace
@@ -38,8 +37,7 @@ from .positions import PositionSpec, describe_positions, resolve_positions
 from ...progress import Progress, tick
 from ..heads.probes import ICL_LATE, LOGIT_BYTES, icl_left_out, icl_score, icl_windows, induction_probe, induction_probe_tokens
 from ..shown import TEXT, Shown, register
-from ..forward.sites import Address
-from ..forward.sites import Head
+from ..forward.address import Address, HeadLike, parse_heads
 
 __all__ = [
     "ablation_budget",
@@ -54,7 +52,6 @@ __all__ = [
     "measures",
     "measures_left_out",
     "MODES",
-    "parse_heads",
     "PROBE_LENGTH",
     "probe_plan",
     "random_sets",
@@ -67,29 +64,11 @@ MODES = ("zero", "mean", "resample")
 PROBE_LENGTH = 50  # tokens per copy of the repeated-token probe the measures run (fewer on a short context)
 
 
-def parse_heads(text: str, cfg: Any) -> list[Head]:
-    """``"1.0,1.3"`` -> ``[(1, 0), (1, 3)]``, each checked against ``cfg``'s layers and heads."""
-    heads: list[Head] = []
-    for part in (p.strip() for p in text.split(",")):
-        try:
-            layer, head = (int(x) for x in part.split("."))
-        except ValueError:
-            raise QkovError(f"ablate: {part!r} is not a head; write LAYER.HEAD, e.g. 1.0") from None
-        if not (0 <= layer < cfg.n_layers and 0 <= head < cfg.n_heads):
-            raise QkovError(
-                f"ablate: the model has no head {layer}.{head} ({cfg.n_layers} layers of {cfg.n_heads} heads)"
-            )
-        if (layer, head) not in heads:
-            heads.append((layer, head))
-    if not heads:
-        raise QkovError("ablate: no heads given")
-    return heads
-
-
-def z_means(source: SourceLike, tokens: Tensor, heads: Sequence[Head], *, chunk: int | None = None) -> Tensor:
+def z_means(source: SourceLike, tokens: Tensor, heads: Sequence[HeadLike], *, chunk: int | None = None) -> Tensor:
     """Each head's ``z`` averaged over every position of ``tokens [B, T]``: ``[len(heads), d_head]``
     (its mean output is this times its ``W_O``); ``chunk`` sequences per forward pass (default all)."""
     source = as_source(source, where="qkov.z_means")
+    heads = [(a.layer, a.head) for a in parse_heads(heads, source.cfg, "ablate")]
     layers = sorted({l for l, _ in heads})
     chunk = chunk or tokens.shape[0]
     if chunk >= tokens.shape[0]:
@@ -190,7 +169,7 @@ def derangement(n: int, seed: int) -> Tensor:
 
 
 def ablation_edits(
-    heads: Sequence[Head],
+    heads: Sequence[HeadLike] | str,
     mode: str = "zero",
     *,
     positions: PositionSpec = None,
@@ -199,15 +178,17 @@ def ablation_edits(
 ) -> dict[Address, Callable[[Tensor, Address], Tensor]]:
     """Edits that ablate ``heads`` (``mode`` zero, mean or resample) at ``positions`` (default every
     position): pass them to :func:`~qkov.analysis.forward.tracer.trace` or any analysis taking ``edits``.
-    ``means [len(heads), d_head]`` (from :func:`z_means`) for mean ablation."""
+    ``heads``: ``(layer, head)`` pairs, addresses or ``"1.0,1.3"``. ``means [len(heads), d_head]``
+    (from :func:`z_means`) for mean ablation."""
+    heads = parse_heads(heads, what="ablate")
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "mean" and (means is None or means.shape[0] != len(heads)):
         raise QkovError("ablate: mean ablation needs one mean z per head (z_means)")
     edits = {}
-    for i, (l, h) in enumerate(heads):
+    for i, a in enumerate(heads):
         mean = None if means is None else means[i]
-        edits[Address("z", l, h)] = _ablate(mode, positions, mean, seed)
+        edits[Address("z", a.layer, a.head)] = _ablate(mode, positions, mean, seed)
     return edits
 
 
@@ -342,9 +323,9 @@ def ablation_text(s: AblationStudy) -> str:
 
 def ablation_study(
     w: SourceLike,
-    text: Tensor | None = None,
-    heads: Sequence[Head] | None = None,
     /,
+    text: Tensor | None = None,
+    heads: Sequence[HeadLike] | str | None = None,
     *,
     icl_text: Tensor | None = None,
     mode: str = "mean",
@@ -352,7 +333,6 @@ def ablation_study(
     bos: int | None = None,
     seed: int = 0,
     positions: PositionSpec = None,
-    **named: Any,
 ) -> AblationStudy:
     """Ablate ``heads`` (at ``positions`` of every sequence; default all) and ``draws`` seeded random
     sets of as many other heads; measure each.
@@ -360,13 +340,14 @@ def ablation_study(
     ``w``: a model, weights source or path (:func:`~qkov.weights.as_source`). ``text [B, T]`` is the
     validation sample (loss, and the mean of mean ablation; ``None``: mean ablation averages over the
     repeated random tokens of the probe and the loss is left out). ``bos=None``: the source's start
-    token. ``text`` and ``heads`` may also be named (``text=..., heads=...``). The pre-1.0 order ``ablation_study(w, heads, text=...)`` still works, with a
-    :class:`DeprecationWarning`.
+    token. ``heads``: ``(layer, head)`` pairs, addresses or ``"1.0,1.3"``. ``text`` and ``heads`` may
+    also be named (``text=..., heads=...``).
     """
-    text, heads = ablation_args(text, heads, named)
+    if heads is None:
+        raise QkovError("qkov.ablation_study: which heads? ablation_study(source, text, heads=[(layer, head), ...])")
     w = as_source(w, where="qkov.ablation_study")
+    heads = parse_heads(heads, w.cfg, "ablate")
     bos = source_bos("qkov.ablation_study", w, bos)
-    heads = list(heads)
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
     length, why = probe_plan(w.cfg.n_ctx, positions)
@@ -380,18 +361,18 @@ def ablation_study(
             else f"every position of {mean_on.shape[0]} sequences of repeated random tokens"
         )
 
-    def measure(hs: list[Head]) -> Measures:
+    def measure(hs: list[Address]) -> Measures:
         means = z_means(w, mean_on, hs, chunk=chunks.mean) if mode == "mean" else None
         edits = ablation_edits(hs, mode, positions=positions, means=means, seed=seed)
         return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits, chunks=chunks, probe_length=length)
 
     intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length)
-    study = AblationStudy([f"{l}.{h}" for l, h in heads], mode, sample, intact, measure(heads))
+    study = AblationStudy([a.name for a in heads], mode, sample, intact, measure(heads))
     study.positions, study.probe_length = describe_positions(positions), length
     study.left_out = measures_left_out(w.cfg.n_ctx, text, icl_text) | ({} if why is None else {"repeated": why})
-    others = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads) if (l, h) not in heads]
-    for pick in random_sets(others, len(heads), draws, seed):
-        study.random_heads.append([f"{l}.{h}" for l, h in pick])
+    every = [Address.of_head(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads)]
+    for pick in random_sets([a for a in every if a not in heads], len(heads), draws, seed):
+        study.random_heads.append([a.name for a in pick])
         study.random.append(measure(pick))
     return study
 
@@ -407,8 +388,9 @@ def measures_left_out(n_ctx: int, text: Tensor | None, icl_text: Tensor | None) 
     return out if reason is None else {**out, "icl": reason}
 
 
-def random_sets(others: list[Head], k: int, draws: int, seed: int) -> list[list[Head]]:
-    """Up to ``draws`` distinct seeded sets of ``k`` heads from ``others`` (all of them when fewer exist)."""
+def random_sets(others: list[Any], k: int, draws: int, seed: int) -> list[list[Any]]:
+    """Up to ``draws`` distinct seeded sets of ``k`` heads (or any sortable items) from ``others`` (all
+    of them when fewer exist)."""
     if len(others) < k or k == 0:
         return []
     total = math.comb(len(others), k)
@@ -416,7 +398,7 @@ def random_sets(others: list[Head], k: int, draws: int, seed: int) -> list[list[
     if total <= max(draws, 1000):
         every = [list(c) for c in itertools.combinations(others, k)]
         return [sorted(c) for c in rng.sample(every, min(draws, total))]
-    seen: set[tuple[Head, ...]] = set()
+    seen: set[tuple[Any, ...]] = set()
     while len(seen) < draws:
         seen.add(tuple(sorted(rng.sample(others, k))))
     return [list(c) for c in sorted(seen)]
@@ -482,11 +464,11 @@ class AblationSweep(Shown):
         }  # fmt: skip
 
 
-def _block_edits(group: list[Head], mode: str, positions: PositionSpec, means: Tensor | None, B: int, seed: int) -> dict:
+def _block_edits(group: list[Address], mode: str, positions: PositionSpec, means: Tensor | None, B: int, seed: int) -> dict:
     """Edits of a batch made of ``len(group)`` copies of ``B`` sequences: copy ``g`` has head
     ``group[g]`` ablated (``mode`` at ``positions``), the other copies leave it alone."""
     edits: dict[Any, Any] = {}
-    for g, (l, h) in enumerate(group):
+    for g, a in enumerate(group):
         one = _ablate(mode, positions, None if means is None else means[g], seed)
 
         def edit(z: Tensor, site: Address, lo: int = g * B, one: Callable = one) -> Tensor:
@@ -494,7 +476,7 @@ def _block_edits(group: list[Head], mode: str, positions: PositionSpec, means: T
             out[lo : lo + B] = one(z[lo : lo + B], site)
             return out
 
-        edits[Address("z", l, h)] = per_position(edit) if positions is None else edit
+        edits[Address("z", a.layer, a.head)] = per_position(edit) if positions is None else edit
     return edits
 
 
@@ -504,7 +486,7 @@ def _by_block(nll: Tensor, G: int) -> Tensor:
 
 
 def _sweep_group(
-    w: WeightSource, group: list[Head], text: Tensor | None, icl_text: Tensor | None, probe: Tensor | None,
+    w: WeightSource, group: list[Address], text: Tensor | None, icl_text: Tensor | None, probe: Tensor | None,
     edits_of: Callable[[int], dict],
 ) -> list[Measures]:  # fmt: skip
     """Measures of each head of ``group`` ablated alone, every input tiled ``len(group)`` times in one pass."""
@@ -534,7 +516,7 @@ def ablation_sweep(
     source: SourceLike,
     text: Tensor | None = None,
     *,
-    heads: Sequence[Head] | None = None,
+    heads: Sequence[HeadLike] | str | None = None,
     icl_text: Tensor | None = None,
     mode: str = "mean",
     bos: int | None = None,
@@ -552,9 +534,11 @@ def ablation_sweep(
     if mode not in MODES:
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
     c = w.cfg
-    heads = [(l, h) for l in range(c.n_layers) for h in range(c.n_heads)] if heads is None else list(heads)
-    if not heads:
-        raise QkovError("ablate: the model has no heads to sweep")
+    if heads is None:
+        heads = [(l, h) for l in range(c.n_layers) for h in range(c.n_heads)]
+        if not heads:
+            raise QkovError("ablate: the model has no heads to sweep")
+    heads = parse_heads(heads, c, "ablate")
     length, why = probe_plan(c.n_ctx, positions)
     chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed, probe_length=length)
     probe = None if length is None else _probe_tokens(w, bos, seed, length).to(w.device)
@@ -573,5 +557,5 @@ def ablation_sweep(
         tick(progress, "ablate: each head in turn", len(out), len(heads))
     sample = None if mode != "mean" else f"every position of {mean_on.shape[0]} sequences of {mean_on.shape[1]} tokens"
     left = measures_left_out(c.n_ctx, text, icl_text) | ({} if why is None else {"repeated": why})
-    names = [f"{l}.{h}" for l, h in heads]
+    names = [a.name for a in heads]
     return AblationSweep(mode, describe_positions(positions), intact, names, out, length, sample, left)

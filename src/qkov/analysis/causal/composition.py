@@ -31,12 +31,11 @@ from torch import Tensor
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source
 from .metrics import Attention, ICLWindows
+from .contrast import PATCH_BYTES, copy_bytes
 from .path_patch import input_paths
-from .patching import PATCH_BYTES, copy_bytes
 from ..heads.probes import icl_left_out, icl_windows, induction_probe_tokens
 from ..shown import TEXT, Shown, register
-from ..forward.sites import Head
-from .path_patch import INPUTS
+from ..forward.address import INPUTS, Address, HeadLike, as_head
 
 __all__ = ["composition_paths", "composition_paths_text", "CompositionPaths", "ICL_CHUNK",]
 
@@ -85,8 +84,8 @@ def _repeated(source: WeightSource, bos: int | None, seed: int, batch: int) -> t
 
 def composition_paths(
     source: SourceLike,
-    writer: Head,
-    reader: Head,
+    writer: HeadLike,
+    reader: HeadLike,
     *,
     text: Tensor | None = None,
     bos: int | None = None,
@@ -96,20 +95,21 @@ def composition_paths(
     """Path-patch ``writer`` -> ``reader``'s q, k and v inputs (see the module docstring); ``text``
     ``[N, T]`` validation examples for the ICL share (at least 2, as long as the ICL score reads:
     :func:`~qkov.analysis.heads.probes.icl_left_out`); ``source``: a model, weights source or path;
-    ``bos=None``: its start token."""
+    ``bos=None``: its start token; ``writer``, ``reader``: heads (``(layer, head)`` or ``"L.H"``)."""
     source = as_source(source, where="qkov.composition_paths")
+    writer, reader = (as_head(h, source.cfg, "composition paths") for h in (writer, reader))
     clean, corrupted, L = _repeated(source, bos, seed, batch)
-    m = Attention(layer=reader[0], head=reader[1], queries=list(range(L + 1, 2 * L + 1)), offset=L - 1)
+    m = Attention(layer=reader.layer, head=reader.head, queries=list(range(L + 1, 2 * L + 1)), offset=L - 1)
     got, base, target = input_paths(source, clean, corrupted, sender=writer, receiver=reader, metric=m)
     removed = {inp: (got[inp] - base) / (target - base) for inp in INPUTS}  # noised: base = clean
-    out = CompositionPaths(f"{writer[0]}.{writer[1]}", f"{reader[0]}.{reader[1]}", base, target, removed, repeat_length=L)
+    out = CompositionPaths(writer.name, reader.name, base, target, removed, repeat_length=L)
     if text is not None and text.shape[0] >= 2 and icl_left_out(text.shape[1], source.cfg.n_ctx) is None:
         out.icl_clean, out.icl_removed = _icl_paths(source, writer, reader, text.to(source.device))
         out.icl_examples = text.shape[0]
     return out
 
 
-def _icl_paths(source: WeightSource, writer: Head, reader: Head, text: Tensor) -> tuple[float, dict[str, float] | None]:
+def _icl_paths(source: WeightSource, writer: Address, reader: Address, text: Tensor) -> tuple[float, dict[str, float] | None]:
     """The clean ICL score and, per input, the share of its improvement the noised path removes."""
     _, _, early_at, late_at = icl_windows(text.shape[1])
     text = text[:, : int(late_at[-1]) + 2]

@@ -14,204 +14,40 @@ changes), so a sweep costs about half a forward pass per patch, in a few large b
 patch from one backward pass, ``metric(base) + (source - base) . d metric / d activation``,
 returned on the same scale so the two can be compared (:func:`agreement`).
 
-Results are :class:`PatchResult`: the metric after each patch, the clean and corrupted values,
-``normalized()`` (0: the patch changes nothing, 1: it moves the metric all the way).
+Both are built on a :class:`~qkov.analysis.causal.contrast.Contrast` (the two runs, the metric,
+the batched patched passes) and return a :class:`~qkov.analysis.causal.result.PatchResult`: the
+metric after each patch, the clean and corrupted values, ``normalized()`` (0: the patch changes
+nothing, 1: it moves the metric all the way). Each is a sweep of the patching study
+(:data:`ACTIVATION_SWEEP`, :data:`ATTRIBUTION_SWEEP`; registered in :mod:`qkov.analysis.causal.studies`).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 from torch import Tensor
 
 from ...errors import QkovError
-from ...model.tokens import check_tokens
-from ...weights.parts import WeightSource
-from ...weights.convert import SourceLike, as_source
-from ..forward.cache import Trace
-from ..forward.cache import final_stream
-from ..forward.tracer import trace
-from .metrics import Metric, as_metric
 from ...progress import Progress, tick
-from ..shown import TEXT, Shown, register
+from ...weights.convert import SourceLike, as_source
 from ..forward.sites import BY_NAME, Address, Sites
+from .contrast import PATCH_BYTES, Contrast
+from .registry import Option, StudyRun, Sweep
+from .result import PatchResult, agreement
 
 __all__ = [
     "activation_patching",
-    "agreement",
+    "ACTIVATION_SWEEP",
     "attribution_patching",
-    "batched",
-    "copy_bytes",
+    "ATTRIBUTION_SWEEP",
     "default_axes",
-    "DIRECTIONS",
-    "largest",
-    "metric_values",
-    "pair",
-    "PATCH_BYTES",
-    "PatchResult",
-    "reads_from",
-    "result_text",
-    "scalar",
+    "study_axes",
 ]
 
-DIRECTIONS = ("denoise", "noise")
-PATCH_BYTES = 256 * 2**20  # activations of the patched copies held at once (one batch)
 
-
-@dataclass(repr=False)
-class PatchResult(Shown):
-    """``values`` (one metric value per patch, shaped by ``axes``; NaN where nothing was patched),
-    the metric on the ``clean`` and ``corrupted`` runs, and what was patched."""
-
-    method: str  # "activation", "attribution" or "path"
-    site: str  # the kind patched, or "sender -> receivers' input" for a path
-    axes: tuple[str, ...]
-    values: Tensor
-    clean: float
-    corrupted: float
-    direction: str
-    metric: str
-    labels: dict[str, list[str]] = field(default_factory=dict)
-
-    @property
-    def base(self) -> float:
-        """The metric with nothing patched: the corrupted run when denoising, the clean one when noising."""
-        return self.corrupted if self.direction == "denoise" else self.clean
-
-    @property
-    def target(self) -> float:
-        return self.clean if self.direction == "denoise" else self.corrupted
-
-    def normalized(self) -> Tensor:
-        """``(value - base) / (target - base)``: 0 where the patch changes nothing, 1 where it moves the
-        metric all the way from the base run's value to the source run's."""
-        gap = self.target - self.base
-        if gap == 0:
-            raise QkovError("normalized: the clean and corrupted runs give the same metric; nothing to recover")
-        return (self.values - self.base) / gap
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "method": self.method,
-            "site": self.site,
-            "axes": list(self.axes),
-            "direction": self.direction,
-            "metric": self.metric,
-            "clean": self.clean,
-            "corrupted": self.corrupted,
-            "values": _nan_to_none(self.values.tolist()),
-            "normalized": _nan_to_none(self.normalized().tolist()) if self.target != self.base else None,
-            "labels": self.labels,
-        }
-
-
-def _cell(r: PatchResult, index: tuple[int, ...]) -> str:
-    return ", ".join(f"{a} {r.labels[a][i]}" for a, i in zip(r.axes, index))
-
-
-def largest(r: PatchResult, k: int = 8) -> list[tuple[str, float, float]]:
-    """The ``k`` patches that move the metric most: ``(where, value, normalized)``."""
-    effect = (r.values - r.base).abs().nan_to_num(-1.0)
-    flat = effect.flatten().argsort(descending=True)[:k]
-    gap = r.target - r.base
-    rows = []
-    for i in flat.tolist():
-        index = tuple(int(x) for x in torch.unravel_index(torch.tensor(i), r.values.shape))
-        v = float(r.values[index])
-        if v != v:
-            continue
-        rows.append((_cell(r, index), v, (v - r.base) / gap if gap else float("nan")))
-    return rows
-
-
-@register(TEXT, PatchResult)
-def result_text(r: PatchResult, k: int = 6) -> str:
-    """A header and the ``k`` largest effects."""
-    lines = [
-        f"{r.method} patching of {r.site} by {' x '.join(r.axes)} ({r.direction}; {r.metric}: "
-        f"clean {r.clean:.4g}, corrupted {r.corrupted:.4g})"
-    ]
-    for where, v, n in largest(r, k):
-        lines.append(f"  {where:40s} {v:10.4g}   {n:+7.1%} of the way")
-    return "\n".join(lines)
-
-
-def _nan_to_none(x: Any) -> Any:
-    if isinstance(x, list):
-        return [_nan_to_none(v) for v in x]
-    return None if x != x else x
-
-
-# ------------------------------------------------------------------ shared pieces
-def pair(source: WeightSource, clean: Tensor, corrupted: Tensor, direction: str) -> tuple[Tensor, Tensor]:
-    """``(base, source)`` tokens for ``direction``, both checked: same shape, valid ids."""
-    if direction not in DIRECTIONS:
-        raise QkovError(f"patching: direction must be denoise or noise, got {direction!r}")
-    clean, corrupted = (check_tokens(t, source.cfg).to(source.device) for t in (clean, corrupted))
-    if clean.shape != corrupted.shape:
-        raise QkovError(
-            f"patching: the clean and corrupted tokens must have the same shape (same number of sequences and "
-            f"tokens), got {list(clean.shape)} and {list(corrupted.shape)}"
-        )
-    return (corrupted, clean) if direction == "denoise" else (clean, corrupted)
-
-
-def copy_bytes(source: WeightSource, tokens: Tensor, positions: Tensor | None) -> int:
-    """Memory one patched copy of ``tokens [B, T]`` takes at its peak: a layer's activations and the
-    logits at ``positions`` (every position for ``None``)."""
-    c, (B, T) = source.cfg, tokens.shape
-    P = T if positions is None else len(positions)
-    per = T * (12 * c.d_model + 4 * c.n_heads * T + 3 * (c.d_mlp or 0)) + P * c.d_vocab
-    return B * per * torch.empty(0, dtype=source.dtype).element_size()
-
-
-def batched(
-    source: WeightSource, base: Tensor, base_run: Trace, m: Metric, start: int, edits: dict[Any, Any], K: int
-) -> Tensor:
-    """The metric on ``K`` copies of ``base [B, T]`` in one forward pass with ``edits`` (which patch
-    each copy its own way), started at layer ``start`` from the base run's stream: ``[K]``."""
-    B, T = base.shape
-    L = source.cfg.n_layers
-    stream = base_run[("resid_pre", start)] if start < L else final_stream(base_run)
-    out = trace(
-        source,
-        base.repeat(K, 1),
-        start_at=(start, stream.repeat(K, 1, 1)),
-        edits=edits,
-        cache=m.reads,
-        positions=m.logit_positions(T),
-    )
-    return torch.stack([m(out.select(slice(k * B, (k + 1) * B))).detach() for k in range(K)])
-
-
-def reads_from(source: WeightSource, m: Metric) -> int:
-    """The first layer whose sites the metric reads (``n_layers`` if it reads none): a patched pass
-    must start there or earlier."""
-    sites = Sites(source.cfg, source.norm)
-    layers = [a.layer for a in sites.resolve_all(m.reads) if a.layer is not None]
-    return min(layers, default=source.cfg.n_layers)
-
-
-def metric_values(
-    source: WeightSource, base: Tensor, src: Tensor, m: Metric, cache: Sequence[str]
-) -> tuple[Trace, Trace]:
-    """The base and source runs, caching ``cache`` and what the metric reads."""
-    T = base.shape[1]
-    want = [*cache, *m.reads]
-    return (
-        trace(source, base, cache=want, positions=m.logit_positions(T)),
-        trace(source, src, cache=want, positions=m.logit_positions(T)),
-    )
-
-
-def scalar(m: Metric, r: Trace) -> float:
-    return float(m(r))
-
-
-# ------------------------------------------------------------------ activation patching
+# ------------------------------------------------------------------ what a sweep patches
 def default_axes(kind: str) -> tuple[str, ...]:
     """``(layer, pos)`` for stream-shaped kinds, ``(layer, head)`` for per-head kinds."""
     return ("layer", "head") if BY_NAME[kind].head_dim is not None else ("layer", "pos")
@@ -230,18 +66,13 @@ def _dims(kind: str, axes: Sequence[str]) -> dict[str, int]:
     return {a: where[a] for a in axes[1:]}  # type: ignore[misc]
 
 
-def _plan(
-    source: WeightSource, clean: Tensor, corrupted: Tensor, site: str, axes: Any, metric: Any, direction: str
-) -> tuple[str, tuple[str, ...], dict[str, int], dict[str, int], Tensor, Tensor, Metric]:
-    """What a sweep of ``site`` patches: its kind, axes, their place in the layout and sizes, the base
-    and source tokens, the metric (every argument checked before any work)."""
-    sites = Sites(source.cfg, source.norm)
-    kind = sites.resolve((site, 0) if source.cfg.n_layers else site)[0].kind
+def _swept(c: Contrast, site: str, axes: Any) -> tuple[str, tuple[str, ...], dict[str, int], dict[str, int]]:
+    """The kind ``site`` names, the swept axes, their place in its layout, and their sizes."""
+    sites = Sites(c.weights.cfg, c.weights.norm)
+    kind = sites.resolve((site, 0) if c.weights.cfg.n_layers else site)[0].kind
     axes = tuple(axes or default_axes(kind))
     dims = _dims(kind, axes)
-    base, src = pair(source, clean, corrupted, direction)
-    sizes = {"pos": base.shape[1], "head": sites.heads(kind)}
-    return kind, axes, dims, sizes, base, src, as_metric(metric, clean)
+    return kind, axes, dims, {"pos": c.clean.shape[1], "head": sites.heads(kind)}
 
 
 def _labels(L: int, axes: Sequence[str], sizes: dict[str, int]) -> dict[str, list[str]]:
@@ -268,6 +99,7 @@ def _setter(clean: Tensor, dims: dict[str, int], chunk: list[tuple[int, ...]], K
     return patch
 
 
+# ------------------------------------------------------------------ activation patching
 def activation_patching(
     source: SourceLike,
     clean: Tensor,
@@ -286,28 +118,25 @@ def activation_patching(
     measure ``metric`` (:mod:`qkov.analysis.causal.metrics`; default the loss on the clean tokens).
     ``clean``/``corrupted`` ``[B, T]``: the same shape. See the module docstring."""
     source = as_source(source, where="qkov.activation_patching")
-    kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
-    base_run, src_run = metric_values(source, base, src, m, [f"{kind}.*", "resid_pre.*"])
+    c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
+    kind, axes, dims, sizes = _swept(c, site, axes)
+    c.run([f"{kind}.*", "resid_pre.*"])
     L = source.cfg.n_layers
     values = torch.full((L, *(sizes[a] for a in axes[1:])), float("nan"), dtype=torch.float64)
-    K_max = max(1, max_bytes // copy_bytes(source, base, m.logit_positions(base.shape[1])))
+    K_max = c.copies(max_bytes)
     cells = list(itertools.product(*(range(sizes[a]) for a in axes[1:])))
     total, done = L * len(cells), 0
     for l in range(L):
-        start = min(l, reads_from(source, m))
+        start = min(l, c.reads_from)
         for lo in range(0, len(cells), K_max):
             chunk = cells[lo : lo + K_max]
-            edit = _setter(src_run[(kind, l)], dims, chunk, len(chunk))
-            got = batched(source, base, base_run, m, start, {(kind, l): edit}, len(chunk))
-            for c, v in zip(chunk, got.tolist()):
-                values[(l, *c)] = v
+            edit = _setter(c.source_run[(kind, l)], dims, chunk, len(chunk))  # type: ignore[index]
+            got = c.measure(len(chunk), {(kind, l): edit}, start=start)
+            for cell, v in zip(chunk, got.tolist()):
+                values[(l, *cell)] = v
             done += len(chunk)
             tick(progress, f"patching: {kind}", done, total)
-    clean_run, corrupt_run = (src_run, base_run) if direction == "denoise" else (base_run, src_run)
-    labels = _labels(L, axes, sizes)
-    return PatchResult(
-        "activation", kind, axes, values, scalar(m, clean_run), scalar(m, corrupt_run), direction, m.name, labels
-    )
+    return c.result("activation", kind, axes, values, _labels(L, axes, sizes))
 
 
 # ------------------------------------------------------------------ attribution patching
@@ -325,13 +154,12 @@ def attribution_patching(
     backward pass on the base run: ``metric(base) + sum((source - base) * grad)`` over the
     dimensions not in ``axes``."""
     source = as_source(source, where="qkov.attribution_patching")
-    kind, axes, dims, sizes, base, src, m = _plan(source, clean, corrupted, site, axes, metric, direction)
-    T = base.shape[1]
-    want = [f"{kind}.*", *m.reads]
-    base_run = trace(source, base, cache=want, positions=m.logit_positions(T), grad=True)
-    base_value = m(base_run)
-    base_value.backward()
-    src_run = trace(source, src, cache=want, positions=m.logit_positions(T))
+    c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
+    kind, axes, dims, sizes = _swept(c, site, axes)
+    c.run([f"{kind}.*"], grad=True)
+    base_run, src_run = c.base_run, c.source_run
+    assert base_run is not None and src_run is not None
+    c.metric(base_run).backward()
     L = source.cfg.n_layers
     keep = sorted(dims.values())
     rows = []
@@ -341,12 +169,9 @@ def attribution_patching(
         effect = (src_run[(kind, l)] - a.detach()) * grad
         summed = effect.sum(dim=[d for d in range(effect.ndim) if d not in keep])  # [..kept dims in layout order]
         rows.append(_to_axes(summed, [d for d in keep], [dims[x] for x in axes[1:]]))
-    values = float(base_value.detach()) + torch.stack(rows).double().cpu() if rows else torch.zeros(0)
-    other = float(m(src_run))
-    b = float(base_value.detach())
-    clean_v, corrupt_v = (other, b) if direction == "denoise" else (b, other)
-    labels = _labels(L, axes, sizes)
-    return PatchResult("attribution", kind, axes, values.detach(), clean_v, corrupt_v, direction, m.name, labels)
+    shape = (0, *(sizes[a] for a in axes[1:]))
+    values = c.base_value + torch.stack(rows).double().cpu() if rows else torch.zeros(shape, dtype=torch.float64)
+    return c.result("attribution", kind, axes, values.detach(), _labels(L, axes, sizes))
 
 
 def _to_axes(x: Tensor, have: list[int], want: list[int]) -> Tensor:
@@ -354,12 +179,66 @@ def _to_axes(x: Tensor, have: list[int], want: list[int]) -> Tensor:
     return x.permute([have.index(d) for d in want]) if want else x
 
 
-def agreement(a: PatchResult, b: PatchResult) -> float:
-    """The Pearson correlation of two results' values over the patches both have (NaN-free)."""
-    x, y = a.values.flatten().double(), b.values.flatten().double()
-    if x.shape != y.shape:
-        raise QkovError("agreement: the two results patch different things")
-    ok = ~(x.isnan() | y.isnan())
-    x, y = x[ok] - x[ok].mean(), y[ok] - y[ok].mean()
-    den = float(x.norm() * y.norm())
-    return float((x * y).sum()) / den if den > 0 else float("nan")
+# ------------------------------------------------------------------ as sweeps of the patching study
+def study_axes(study: StudyRun) -> list[tuple[str, tuple[str, ...]]]:
+    """``(kind, axes)`` of each site the study patches: head kinds by (layer, head), or by (layer,
+    position, head) with ``by_pos``; stream kinds by (layer, position)."""
+    w = study.contrast.weights
+    sites = Sites(w.cfg, w.norm)
+    out = []
+    for s in study.options["sites"]:
+        kind = sites.resolve((s, 0))[0].kind
+        axes = default_axes(kind)
+        out.append((kind, ("layer", "pos", "head") if study.options["by_pos"] and "head" in axes else axes))
+    return out
+
+
+def _sites(value: Any) -> tuple[str, ...]:
+    """Site kinds from ``"resid_pre,head_out"`` or a list of names."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
+        raise QkovError(f"sites: expected site kinds such as resid_pre,head_out, got {value!r}")
+    return tuple(s.strip() for s in items if s.strip())
+
+
+def _activation_sweep(study: StudyRun) -> list[PatchResult]:
+    return [
+        activation_patching(**study.inputs(), site=kind, axes=axes, progress=study.progress)
+        for kind, axes in study_axes(study)
+    ]
+
+
+def _attribution_sweep(study: StudyRun) -> list[PatchResult]:
+    out = []
+    for kind, axes in study_axes(study):
+        if "head" not in axes:
+            continue
+        att = attribution_patching(**study.inputs(), site=kind, axes=axes)
+        act = next((r for r in study.results if r.method == "activation" and r.site == kind and r.axes == axes), None)
+        if act is not None:
+            study.agreement[kind] = agreement(act, att)
+        out.append(att)
+    return out
+
+
+ACTIVATION_SWEEP = Sweep(
+    "activation",
+    "each site kind patched at every (layer, position), or every (layer, head) of a head site",
+    _activation_sweep,
+    options=(
+        Option(
+            "sites", ("resid_pre", "head_out"), "comma-separated site kinds to patch by layer (default "
+            "resid_pre,head_out; e.g. attn_out, mlp_out, z, pattern, q; docs/interventions.md lists them)",
+            read=_sites, flag="--site",
+        ),
+        Option("by_pos", False, "sweep head sites by position too (layer x pos x head)"),
+    ),
+    when=lambda o: bool(o["sites"]),
+)
+ATTRIBUTION_SWEEP = Sweep(
+    "attribution",
+    "the first-order estimate of the head sites' patches (one backward pass) and its agreement",
+    _attribution_sweep,
+    options=(Option("attribution", True, "skip attribution patching"),),
+    when=lambda o: bool(o["attribution"] and o["sites"]),
+)

@@ -18,6 +18,9 @@ adds the change to the final stream only (the direct path to the logits).
 One forward pass carries many senders (one patched copy of the base tokens each), started at the
 first receiver's layer from the base run's stream; the runs keep only what the paths need (the
 senders' ``z``, the receivers' inputs, the stream where the patched passes start).
+
+A path is an edge of the model's graph: ``0.1 -> 1.0<k>`` (:class:`~qkov.analysis.forward.address.Address`);
+senders and receivers are heads, given as ``(layer, head)``, ``"L.H"`` or addresses.
 """
 
 from __future__ import annotations
@@ -28,38 +31,38 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
-from ...weights.parts import WeightSource
-from ...weights.convert import SourceLike, as_source
-from ..forward.cache import Trace
-from ..forward.tracer import trace
-from .metrics import Metric, as_metric
-from ..forward.cache import final_stream
-from .patching import PATCH_BYTES, PatchResult, batched, copy_bytes, pair, reads_from, scalar
 from ...progress import Progress, tick
-from ..forward.sites import Address
-from ..forward.sites import Head
+from ...weights.convert import SourceLike, as_source
+from ...weights.parts import WeightSource
+from ..forward.address import INPUTS, Address, HeadLike, as_head, parse_heads
+from ..forward.cache import final_stream
+from .contrast import PATCH_BYTES, Contrast
+from .registry import Option, StudyRun, Sweep
+from .result import PatchResult
 
-__all__ = [ "input_paths", "INPUTS", "path_patching"]
+__all__ = ["input_paths", "path_patching", "PATH_SWEEP", "receivers_of"]
 
-INPUTS = ("q", "k", "v")
+WHERE = "path patching"
 
 
-def _check(source: WeightSource, receivers: Sequence[Head] | str, kind: str) -> list[Head]:
-    cfg = source.cfg
-    if isinstance(receivers, str):
-        if receivers != "logits":
-            raise QkovError(f"path patching: receivers are heads or 'logits', got {receivers!r}")
+def receivers_of(value: Any) -> list[Address] | str:
+    """Receivers as written (``"1.0,1.1"``, ``"logits"``) or given (heads, ``"logits"``): ``"logits"``
+    or the heads, read by the one head parser (not yet checked against a model)."""
+    if isinstance(value, str) and value.strip() == "logits":
+        return "logits"
+    if isinstance(value, str) and not any(c.isdigit() for c in value):
+        raise QkovError(f"{WHERE}: receivers are heads or 'logits', got {value!r}")
+    return parse_heads(value, what=WHERE)
+
+
+def _check(source: WeightSource, receivers: Sequence[HeadLike] | str, kind: str) -> list[Address]:
+    if isinstance(receivers, str) and receivers.strip() == "logits":
         return []
     if kind not in INPUTS:
-        raise QkovError(f"path patching: a receiver's input is q, k or v, got {kind!r}")
-    heads = [(int(l), int(h)) for l, h in receivers]
-    if not heads:
-        raise QkovError("path patching: no receivers")
-    for l, h in heads:
-        if not (0 <= l < cfg.n_layers and 0 <= h < cfg.n_heads):
-            raise QkovError(f"path patching: the model has no head {l}.{h}")
-    if min(l for l, _ in heads) == 0:
-        raise QkovError("path patching: a receiver in layer 0 has no earlier head to receive from")
+        raise QkovError(f"{WHERE}: a receiver's input is q, k or v, got {kind!r}")
+    heads = parse_heads(receivers_of(receivers), source.cfg, WHERE)  # type: ignore[arg-type]
+    if min(h.layer for h in heads) == 0:  # type: ignore[type-var]
+        raise QkovError(f"{WHERE}: a receiver in layer 0 has no earlier head to receive from")
     return heads
 
 
@@ -68,9 +71,9 @@ def path_patching(
     clean: Tensor,
     corrupted: Tensor,
     *,
-    receivers: Sequence[Head] | str,
+    receivers: Sequence[HeadLike] | str,
     input: str = "k",
-    senders: Sequence[Head] | None = None,
+    senders: Sequence[HeadLike] | None = None,
     metric: Any = None,
     direction: str = "denoise",
     max_bytes: int | None = None,
@@ -78,76 +81,61 @@ def path_patching(
 ) -> PatchResult:
     """Patch the path from each sender head (default: every head before the first receiver; every
     head for ``receivers="logits"``) into the ``input`` (``q``, ``k`` or ``v``) of ``receivers``
-    (heads ``(layer, head)``), one sender at a time; see the module docstring. Returns the metric per
-    sender, ``values [L, H]`` (NaN for heads that are not senders)."""
+    (heads: ``(layer, head)``, ``"L.H"``, or ``"1.0,1.3"``), one sender at a time; see the module
+    docstring. Returns the metric per sender, ``values [L, H]`` (NaN for heads that are not senders)."""
     source = as_source(source, where="qkov.path_patching")
     heads = _check(source, receivers, input)
     cfg = source.cfg
     L, H = cfg.n_layers, cfg.n_heads
-    first = min((l for l, _ in heads), default=L)
-    if senders is None:
-        senders = [(l, h) for l in range(first) for h in range(H)]
-    senders = [(int(l), int(h)) for l, h in senders]
-    bad = [f"{l}.{h}" for l, h in senders if not (0 <= l < first and 0 <= h < H)]
-    if bad or not senders:
-        raise QkovError(f"path patching: senders must be heads before layer {first} (got {', '.join(bad) or 'none'})")
-    base, src = pair(source, clean, corrupted, direction)
-    m = as_metric(metric, clean)
-    T = base.shape[1]
-    layers, sender_layers = sorted({l for l, _ in heads}), sorted({l for l, _ in senders})
-    start = min(first, reads_from(source, m))
+    first = min((h.layer for h in heads), default=L)
+    given = [(l, h) for l in range(first) for h in range(H)] if senders is None else senders
+    sent = [as_head(s, what=WHERE) for s in given]
+    bad = [s.name for s in sent if not (0 <= s.layer < first and 0 <= s.head < H)]  # type: ignore[operator]
+    if bad or not sent:
+        raise QkovError(f"{WHERE}: senders must be heads before layer {first} (got {', '.join(bad) or 'none'})")
+    c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
+    layers, sender_layers = sorted({h.layer for h in heads}), sorted({s.layer for s in sent})
+    start = min(first, c.reads_from)
     z = [f"z.{l}" for l in sender_layers]  # a head's output is z @ W_O: the changes come from z, d_head wide
     stream = [f"resid_pre.{start}"] if start < L else []
-    cache = [*z, *stream, *(f"{input}_input.{l}" for l in layers), *m.reads] + ([] if heads else [f"resid_post.{L - 1}"])
-    base_run = trace(source, base, cache=cache, positions=m.logit_positions(T))
-    src_run = trace(source, src, cache=[*z, *m.reads], positions=m.logit_positions(T))
+    inputs = [f"{input}_input.{l}" for l in layers] + ([] if heads else [f"resid_post.{L - 1}"])
+    c.run(z, base_only=[*stream, *inputs])
     W_O = {l: source.attention(l).W_O for l in sender_layers}
     # each patched copy also holds the receivers' per-head inputs, edited and normalised
-    split = 2 * base.numel() * cfg.n_heads * cfg.d_model * base_run.logits.element_size() * len(layers)
-    K_max = max(1, (max_bytes or PATCH_BYTES) // (copy_bytes(source, base, m.logit_positions(T)) + split))
+    split = 2 * c.base.numel() * cfg.n_heads * cfg.d_model * c.base_run.logits.element_size() * len(layers)  # type: ignore[union-attr]
+    K_max = c.copies(max_bytes or PATCH_BYTES, split)
     values = torch.full((L, H), float("nan"), dtype=torch.float64)
-    for lo in range(0, len(senders), K_max):
-        chunk = senders[lo : lo + K_max]
-        delta = torch.stack([(src_run[("z", l)][:, :, h] - base_run[("z", l)][:, :, h]) @ W_O[l][h] for l, h in chunk])
-        got = _run_chunk(source, base, base_run, m, heads, input, chunk, delta, start)
-        for (l, h), v in zip(chunk, got.tolist()):
-            values[l, h] = v
-        tick(progress, "path patching", lo + len(chunk), len(senders))
-    clean_run, corrupt_run = (src_run, base_run) if direction == "denoise" else (base_run, src_run)
-    into = "logits" if not heads else f"{','.join(f'{l}.{h}' for l, h in heads)} {input}"
+    for lo in range(0, len(sent), K_max):
+        chunk = sent[lo : lo + K_max]
+        delta = torch.stack([_change(c, s, W_O[s.layer]) for s in chunk])  # type: ignore[index]
+        got = _run_chunk(c, heads, input, chunk, delta, start)
+        for s, v in zip(chunk, got.tolist()):
+            values[s.layer, s.head] = v
+        tick(progress, WHERE, lo + len(chunk), len(sent))
+    into = "logits" if not heads else f"{','.join(h.name for h in heads)} {input}"
     labels = {"layer": [str(l) for l in range(L)], "head": [str(h) for h in range(H)]}
-    return PatchResult(
-        "path", f"sender -> {into}", ("layer", "head"), values, scalar(m, clean_run), scalar(m, corrupt_run),
-        direction, m.name, labels,
-    )  # fmt: skip
+    return c.result("path", f"sender -> {into}", ("layer", "head"), values, labels)
 
 
-def _run_chunk(
-    source: WeightSource,
-    base: Tensor,
-    base_run: Trace,
-    m: Metric,
-    heads: list[Head],
-    kind: str,
-    chunk: list[Head],
-    delta: Tensor,
-    start: int,
-) -> Tensor:
+def _change(c: Contrast, sender: Address, W_O: Tensor) -> Tensor:
+    """What ``sender`` writes on the source run minus what it writes on the base run ``[B, T, D]``."""
+    l, h = sender.layer, sender.head
+    return (c.source_run[("z", l)][:, :, h] - c.base_run[("z", l)][:, :, h]) @ W_O[h]  # type: ignore[index]
+
+
+def _run_chunk(c: Contrast, heads: list[Address], kind: str, chunk: list[Address], delta: Tensor, start: int) -> Tensor:
     """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes."""
-    K, B = delta.shape[:2]
-    L = source.cfg.n_layers
+    K = delta.shape[0]
     if not heads:  # -> logits: the final stream of each copy is the base one plus the sender's change
-        stream = (final_stream(base_run)[None] + delta).reshape(K * B, *delta.shape[2:])
-        out = trace(source, base.repeat(K, 1), start_at=(L, stream), cache=m.reads, positions=m.logit_positions(base.shape[1]))
-        return torch.stack([m(out.select(slice(k * B, (k + 1) * B))) for k in range(K)])
-    group = source.cfg.n_heads // source.cfg.kv_heads if kind in ("k", "v") else 1
+        stream = (final_stream(c.base_run)[None] + delta).reshape(K * delta.shape[1], *delta.shape[2:])  # type: ignore[arg-type]
+        return c.measure(K, start=c.weights.cfg.n_layers, stream=stream)
     edits: dict[Any, Any] = {}
-    for l2 in sorted({l for l, _ in heads}):
-        slots = sorted({h // group for l, h in heads if l == l2})
-        before = torch.tensor([l1 < l2 for l1, _ in chunk], device=delta.device)
+    for l2 in sorted({h.layer for h in heads}):
+        slots = sorted({h._replace(input=kind).input_site(c.weights.cfg).head for h in heads if h.layer == l2})
+        before = torch.tensor([s.layer < l2 for s in chunk], device=delta.device)  # type: ignore[operator]
         d = delta * before[:, None, None, None].to(delta)
-        edits[Address(f"{kind}_input", l2)] = _receive(base_run[(f"{kind}_input", l2)], slots, d)
-    return batched(source, base, base_run, m, start, edits, K)
+        edits[Address(f"{kind}_input", l2)] = _receive(c.base_run[(f"{kind}_input", l2)], slots, d)  # type: ignore[index]
+    return c.measure(K, edits, start=start)
 
 
 def _receive(base_input: Tensor, slots: list[int], delta: Tensor):  # type: ignore[no-untyped-def]
@@ -169,8 +157,8 @@ def input_paths(
     clean: Tensor,
     corrupted: Tensor,
     *,
-    sender: Head,
-    receiver: Head,
+    sender: HeadLike,
+    receiver: HeadLike,
     metric: Any,
     direction: str = "noise",
     inputs: Sequence[str] = INPUTS,
@@ -178,24 +166,40 @@ def input_paths(
     """One sender's path into each of ``receiver``'s ``inputs``, each patched alone (the definition of
     :func:`path_patching`), from one base run, one source run and one pass of ``len(inputs)`` copies:
     ``({input: metric}, metric on clean, metric on corrupted)``."""
-    (l1, h1), (l2, h2) = sender, receiver
-    _check(source, [receiver], inputs[0])
-    if not l1 < l2:
-        raise QkovError(f"path patching: the sender {l1}.{h1} must come before the receiver {l2}.{h2}")
-    base, src = pair(source, clean, corrupted, direction)
-    m = as_metric(metric, clean)
-    T = base.shape[1]
-    start = min(l2, reads_from(source, m))
-    cache = [f"z.{l1}", f"resid_pre.{start}", *(f"{i}_input.{l2}" for i in inputs), *m.reads]
-    base_run = trace(source, base, cache=cache, positions=m.logit_positions(T))
-    src_run = trace(source, src, cache=[f"z.{l1}", *m.reads], positions=m.logit_positions(T))
-    change = (src_run[("z", l1)][:, :, h1] - base_run[("z", l1)][:, :, h1]) @ source.attention(l1).W_O[h1]
+    (r,) = _check(source, [receiver], inputs[0])
+    s = as_head(sender, source.cfg, WHERE)
+    Address.edge(s, r).check(source.cfg, WHERE)
+    c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
+    l1, l2 = s.layer, r.layer
+    start = min(l2, c.reads_from)  # type: ignore[type-var]
+    c.run([f"z.{l1}"], base_only=[f"resid_pre.{start}", *(f"{i}_input.{l2}" for i in inputs)])
+    change = _change(c, s, source.attention(l1).W_O)  # type: ignore[arg-type]
     K, edits = len(inputs), {}
     for k, inp in enumerate(inputs):
-        group = source.cfg.n_heads // source.cfg.kv_heads if inp in ("k", "v") else 1
         only = torch.zeros(K, 1, 1, 1, dtype=change.dtype, device=change.device)
         only[k] = 1  # copy k carries the change into this input; the others keep the base input
-        edits[Address(f"{inp}_input", l2)] = _receive(base_run[(f"{inp}_input", l2)], [h2 // group], change[None] * only)
-    got = batched(source, base, base_run, m, start, edits, K).tolist()
-    clean_run, corrupt_run = (src_run, base_run) if direction == "denoise" else (base_run, src_run)
-    return dict(zip(inputs, got)), scalar(m, clean_run), scalar(m, corrupt_run)
+        site = Address.edge(s, r, inp).input_site(source.cfg)
+        edits[site._replace(head=None)] = _receive(c.base_run[site.site], [site.head], change[None] * only)  # type: ignore[index,list-item]
+    got = c.measure(K, edits, start=start).tolist()
+    return dict(zip(inputs, got)), c.clean_value, c.corrupted_value
+
+
+# ------------------------------------------------------------------ as a sweep of the patching study
+def _path_sweep(study: StudyRun) -> list[PatchResult]:
+    o = study.options
+    return [path_patching(**study.inputs(), receivers=o["receivers"], input=o["input"], progress=study.progress)]
+
+
+PATH_SWEEP = Sweep(
+    "path",
+    "every earlier head's path into the receivers' query, key or value input (or into the logits)",
+    _path_sweep,
+    options=(
+        Option(
+            "receivers", None, "path patching into these heads (LAYER.HEAD, comma-separated) or 'logits'",
+            read=receivers_of,
+        ),
+        Option("input", "k", "the receivers' input the paths enter (default k)", read=str, choices=INPUTS),
+    ),
+    when=lambda o: o["receivers"] is not None,
+)

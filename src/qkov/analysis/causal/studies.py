@@ -1,29 +1,36 @@
 """A patching study: the sweeps a researcher runs first on a clean/corrupted pair, in one call.
 
-:func:`patch_study` runs activation patching of the residual stream by (layer, position) and of
-every head's output by (layer, head) (or the sites asked for), attribution patching of the same
-head outputs with its agreement to the actual patching, and path patching when receivers are
-given. ``qkov patch``, the report's patching section and the notebook display all show a
-:class:`PatchStudy`.
+:func:`patch_study` runs every registered sweep (:data:`~qkov.analysis.causal.registry.SWEEPS`)
+whose options ask for it, in registration order. The built-in ones: activation patching of the
+residual stream by (layer, position) and of every head's output by (layer, head) (or the sites asked
+for), attribution patching of the same head outputs with its agreement to the actual patching, and
+path patching when receivers are given. ``qkov patch``, the report's patching section, the
+explorer's ``patch`` view and the notebook display all show a :class:`PatchStudy`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from torch import Tensor
 
-from ...weights.convert import SourceLike, as_source
-from .metrics import as_metric
-from .patching import PatchResult, activation_patching, agreement, attribution_patching, default_axes, result_text
-from .path_patch import path_patching
+from ...errors import QkovError
 from ...progress import Progress
+from ...weights.convert import SourceLike, as_source
 from ..shown import TEXT, Shown, register
-from ..forward.sites import Sites
-from ..forward.sites import Head
+from .contrast import Contrast
+from .path_patch import PATH_SWEEP
+from .patching import ACTIVATION_SWEEP, ATTRIBUTION_SWEEP
+from .registry import SWEEPS, StudyRun, register_sweep, study_options
+from .result import PatchResult, result_text
 
-__all__ = [ "patch_study", "PatchStudy", "patch_study_text"]
+__all__ = ["BUILT_IN", "patch_study", "PatchStudy", "patch_study_text"]
+
+BUILT_IN = (ACTIVATION_SWEEP, ATTRIBUTION_SWEEP, PATH_SWEEP)
+"""The built-in sweeps, registered here in the order a study runs and shows them."""
+for _sweep in BUILT_IN:
+    register_sweep(_sweep)
 
 
 @dataclass(repr=False)
@@ -48,38 +55,35 @@ def patch_study(
     corrupted: Tensor,
     *,
     metric: Any = None,
-    sites: Sequence[str] = ("resid_pre", "head_out"),
-    by_pos: bool = False,
-    receivers: Sequence[Head] | str | None = None,
-    input: str = "k",
     direction: str = "denoise",
-    attribution: bool = True,
     decode: Callable[[int], str] | None = None,
     progress: Progress | None = None,
+    **options: Any,
 ) -> PatchStudy:
-    """Activation patching of each of ``sites`` (head sites by (layer, head), or by (layer, position,
-    head) with ``by_pos``), attribution patching of the head sites, and path patching into
-    ``receivers``' ``input`` when given. ``decode`` turns the clean tokens into position labels."""
+    """Every registered sweep its ``options`` ask for, on one contrast. The built-in options:
+    ``sites`` (default ``("resid_pre", "head_out")``: activation patching of each, head sites by
+    (layer, head), or by (layer, position, head) with ``by_pos=True``), ``attribution`` (default
+    ``True``: attribution patching of the head sites and its agreement), ``receivers`` (heads or
+    ``"logits"``: path patching into their ``input``, default ``"k"``); a registered sweep adds its
+    own. ``decode`` turns the clean tokens into position labels."""
     source = as_source(source, where="qkov.patch_study")
-    m = as_metric(metric, clean)
-    out = PatchStudy([])
-    kinds = [Sites(source.cfg, source.norm).resolve((s, 0))[0].kind for s in sites]
-    for kind in kinds:
-        axes = default_axes(kind)
-        if by_pos and "head" in axes:
-            axes = ("layer", "pos", "head")
-        act = activation_patching(source, clean, corrupted, site=kind, axes=axes, metric=m, direction=direction, progress=progress)
-        out.results.append(act)
-        if attribution and "head" in axes:
-            att = attribution_patching(source, clean, corrupted, site=kind, axes=axes, metric=m, direction=direction)
-            out.results.append(att)
-            out.agreement[kind] = agreement(act, att)
-    if receivers is not None:
-        out.results.append(
-            path_patching(source, clean, corrupted, receivers=receivers, input=input, metric=m, direction=direction, progress=progress)
-        )
+    known = study_options()
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        names = ", ".join(known)
+        raise TypeError(f"patch_study() got an unexpected keyword argument {unknown[0]!r} (options: {names})")
+    values = {name: opt.default for name, opt in known.items()}
+    values |= {name: None if v is None else known[name].value(v) for name, v in options.items()}
+    contrast = Contrast.of(source, clean, corrupted, metric=metric, direction=direction, where="patch study")
+    asked = [s for s in SWEEPS.values() if s.when(values)]
+    if not asked:
+        raise QkovError(f"patch study: nothing to patch: none of the sweeps ({', '.join(SWEEPS)}) is asked for")
+    study = StudyRun(contrast, values, progress=progress)
+    for sweep in asked:
+        study.results += sweep.run(study)
+    out = PatchStudy(study.results, study.agreement)
     if decode is not None:
-        out.tokens = [decode(int(t)) for t in clean[0].tolist()]
+        out.tokens = [decode(int(t)) for t in contrast.clean[0].tolist()]
         for r in out.results:
             if "pos" in r.labels:
                 r.labels["pos"] = [f"{i} {tok!r}" for i, tok in enumerate(out.tokens)]

@@ -1,7 +1,8 @@
 """The analysis forward: one pass of the block body (:mod:`qkov.model.block`) over any weights
 source, every activation through a named site that can be read or written.
 
-Order inside: :mod:`.sites` (the declarative table of site kinds, :class:`Address`) < :mod:`.edits`
+Order inside: :mod:`.address` (:class:`Address`: a site, a head, an edge; the one head parser) <
+:mod:`.sites` (the declarative table of site kinds) < :mod:`.edits`
 (what a pass writes) < :mod:`.cache` (:class:`Trace`, what it recorded, and the residual stream
 taken apart on it) < :mod:`.tracer` (:func:`trace`, the pass) < :mod:`.frozen` (a pass held at
 another's patterns, divisors and MLP outputs: what the path expansion freezes) and :mod:`.lens`
@@ -10,7 +11,8 @@ another's patterns, divisors and MLP outputs: what the path expansion freezes) a
 
 from __future__ import annotations
 
-from .sites import Head, Address, BY_NAME, Kind, KINDS, Sites, SPLIT_INPUTS
+from .address import Address, as_head, HEAD, HeadLike, INPUTS, no_head, not_a_head, parse_heads
+from .sites import BY_NAME, Kind, KINDS, Sites, SPLIT_INPUTS
 from .edits import Edit, EditFn, Edits, PER_POSITION, per_position, Site
 from .cache import accumulated, by_component, by_head, final_stream, Stack, Trace
 from .tracer import flops_per_token, trace
@@ -29,8 +31,14 @@ from .lens import (
 )
 
 __all__ = [
-    "Head",
     "Address",
+    "as_head",
+    "HEAD",
+    "HeadLike",
+    "INPUTS",
+    "no_head",
+    "not_a_head",
+    "parse_heads",
     "BY_NAME",
     "Kind",
     "KINDS",

@@ -29,11 +29,12 @@ import difflib
 import fnmatch
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable
 
 from ...errors import QkovError
+from .address import Address
 
-__all__ = ["Head", "Address", "BY_NAME", "Kind", "KINDS", "Sites", "SPLIT_INPUTS"]
+__all__ = ["Address", "BY_NAME", "Kind", "KINDS", "Sites", "SPLIT_INPUTS"]
 
 
 @dataclass(frozen=True)
@@ -99,27 +100,6 @@ _TL_SHORT = {
 }
 _TL: dict[str, str] = {k.tl: k.name for k in KINDS if k.tl} | _TL_EXTRA
 _ROTARY_PRE = ("blocks.{l}.attn.hook_q", "blocks.{l}.attn.hook_k")
-
-
-Head = tuple[int, int]
-"""A head: ``(layer, head)``."""
-
-
-class Address(NamedTuple):
-    """One site: ``kind``, ``layer`` (``None`` for the global kinds), ``head`` (``None``: all heads)."""
-
-    kind: str
-    layer: int | None = None
-    head: int | None = None
-
-    @property
-    def name(self) -> str:
-        return ".".join(str(p) for p in self if p is not None)
-
-    @property
-    def site(self) -> tuple[str, int | None]:
-        """The stored site (kind, layer): a head's address reads a slice of it."""
-        return self.kind, self.layer
 
 
 class Sites:

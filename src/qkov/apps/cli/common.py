@@ -15,6 +15,7 @@ from typing import Any, Callable, NoReturn
 import torch
 from rich.console import Console
 
+from ...analysis.forward.address import as_head
 from ...device import pick_device, set_memory_budget
 from ...errors import QkovError, QkovWarning
 from ...io.hf_families import FAMILIES
@@ -291,15 +292,9 @@ def lazy(args: argparse.Namespace) -> bool:
 
 
 def parse_head(text: str, cfg: ModelConfig) -> tuple[int, int]:
-    """``--head L.H`` -> ``(layer, head)``, checked against the model."""
-    try:
-        l_text, h_text = text.split(".")
-        layer, head = int(l_text), int(h_text)
-    except ValueError:
-        raise QkovError(f"--head: expected LAYER.HEAD like 0.3, got {text!r}") from None
-    if not (0 <= layer < cfg.n_layers and 0 <= head < cfg.n_heads):
-        raise QkovError(f"--head {text}: the model has {cfg.n_layers} layers x {cfg.n_heads} heads")
-    return layer, head
+    """``--head L.H`` -> ``(layer, head)``, checked against the model (the one head parser)."""
+    head = as_head(text, cfg, "--head")
+    return head.layer, head.head  # type: ignore[return-value]
 
 
 def dump_json(data: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from ...analysis.causal import ablation as Ab
 from ...analysis.causal.positions import parse_positions
+from ...analysis.forward.address import parse_heads
 from ...errors import QkovError
 from ...io.sources import source_kind
 from ...weights.view import Weights
@@ -164,7 +165,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "ablate", "nothing to ablate")
     sweep = args.heads.strip() == "all"
-    heads = None if sweep else Ab.parse_heads(args.heads, model.cfg)  # before any work
+    heads = None if sweep else parse_heads(args.heads, model.cfg, "--heads")  # before any work
     positions = None if args.positions is None else parse_positions(args.positions, model.cfg.n_ctx)
     sample = sample_for(args.ckpt, model, text=args.text, tokens=args.tokens, seed=args.seed)
     w = Weights.from_model(model.to(dev))

@@ -1,4 +1,6 @@
-"""``qkov patch``: activation, attribution and path patching between a clean and a corrupted input."""
+"""``qkov patch``: the registered sweeps of a patching study (activation, attribution and path patching,
+and any sweep registered since) between a clean and a corrupted input. Each sweep's options are flags
+here, made from their one declaration (:mod:`qkov.analysis.causal.registry`)."""
 
 from __future__ import annotations
 
@@ -8,19 +10,23 @@ from typing import Any
 
 from rich.table import Table
 
+from ...analysis.causal.contrast import DIRECTIONS
+from ...analysis.causal.registry import SWEEPS, Option, study_options
+from ...analysis.causal.result import PatchResult, largest
 from ...analysis.causal.studies import patch_study
-from ...analysis.causal.patching import DIRECTIONS, PatchResult, largest
-from ...analysis.causal.path_patch import INPUTS
-from ...errors import QkovError
 from ...weights.view import Weights
 from ..inputs import patching_inputs
 from ..progress import StageProgress
-from .common import add_device, add_source_args, console, device, dump_json, load_source, parse_head
+from .common import add_device, add_source_args, console, device, dump_json, load_source
 
-GRID_COLUMNS = 16  # a (layer x head) result with at most this many columns prints as a grid
+__all__ = ["add_patch", "cmd_patch", "GRID_COLUMNS", "GRID_LABEL"]
+
+GRID_COLUMNS = 16  # a two-axis result with at most this many columns prints as a grid ...
+GRID_LABEL = 4  # ... when each column's label is at most this long (heads and layers, not token positions)
 
 
 def add_patch(sub: Any) -> None:
+    sweeps = "; ".join(f"{s.name}: {s.summary}" for s in SWEEPS.values())
     p = sub.add_parser(
         "patch",
         help="activation, attribution and path patching between a clean and a corrupted input",
@@ -30,6 +36,7 @@ def add_patch(sub: Any) -> None:
             "position, every head's output by layer and head, and their first-order estimate from one "
             "backward pass (attribution patching) with its agreement. --receivers adds path patching: "
             "every earlier head's path into those heads' query, key or value input (or into the logits). "
+            f"The sweeps: {sweeps}. "
             "Inputs are a text file (one sequence per line, each started with the start token) or token "
             "ids (.npy, .bin, or a text of integers); clean and corrupted must have the same shape."
         ),
@@ -43,37 +50,36 @@ def add_patch(sub: Any) -> None:
         help="loss (default: the loss on the clean tokens), logit-diff:A,B (last position) or prob:T; tokens "
         "as ids or as strings of one token, spaces included ('logit-diff: Mary, John')",
     )
-    p.add_argument(
-        "--site",
-        default="resid_pre,head_out",
-        help="comma-separated site kinds to patch by layer (default resid_pre,head_out; e.g. attn_out, "
-        "mlp_out, z, pattern, q; docs/interventions.md lists them)",
-    )
-    p.add_argument("--by-pos", action="store_true", help="sweep head sites by position too (layer x pos x head)")
-    p.add_argument("--receivers", help="path patching into these heads (LAYER.HEAD, comma-separated) or 'logits'")
-    p.add_argument("--input", choices=INPUTS, default="k", help="the receivers' input the paths enter (default k)")
+    for opt in study_options().values():
+        _add_option(p, opt)
     p.add_argument("--direction", choices=DIRECTIONS, default="denoise", help="denoise (default) or noise")
-    p.add_argument("--no-attribution", action="store_true", help="skip attribution patching")
     add_device(p, memory=False)  # patching's chunks are fixed in size: no budget it could honour
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.set_defaults(func=cmd_patch)
+
+
+def _add_option(p: argparse.ArgumentParser, opt: Option) -> None:
+    """``opt`` as a flag: a switch (``--by-pos``, ``--no-attribution``) or a value read by the option."""
+    dest = f"opt_{opt.name}"
+    if opt.switch:
+        p.add_argument(opt.cli_flag, dest=dest, action="store_false" if opt.default else "store_true", help=opt.help)
+    else:
+        choices = opt.choices or None
+        metavar = opt.metavar or (None if choices else opt.cli_flag.lstrip("-").replace("-", "_").upper())
+        p.add_argument(opt.cli_flag, dest=dest, default=None, choices=choices, metavar=metavar, help=opt.help)
 
 
 def cmd_patch(args: argparse.Namespace) -> int:
     dev = device(args)
     model = load_source(args, "patch", ": nothing to patch")
     given = patching_inputs(model, args.clean, args.corrupted, args.metric, dev)
-    receivers = _receivers(args.receivers, model.cfg)
-    sites = [s.strip() for s in args.site.split(",") if s.strip()]
-    if not sites and receivers is None:
-        raise QkovError("nothing to patch: give --site or --receivers")
+    options = {name: _flag_value(opt, getattr(args, f"opt_{name}")) for name, opt in study_options().items()}
     w = Weights.from_model(model.to(dev))
     clean = given.clean
     with StageProgress() as progress:
         study = patch_study(
-            w, clean, given.corrupted, metric=given.metric, sites=sites, by_pos=args.by_pos,
-            receivers=receivers, input=args.input, direction=args.direction,
-            attribution=not args.no_attribution, decode=given.decode, progress=progress,
+            w, clean, given.corrupted, metric=given.metric, direction=args.direction, decode=given.decode,
+            progress=progress, **options,
         )  # fmt: skip
     if args.json:
         dump_json({"clean": str(args.clean), "corrupted": str(args.corrupted), **study.to_dict()})
@@ -93,23 +99,24 @@ def cmd_patch(args: argparse.Namespace) -> int:
     return 0
 
 
-def _receivers(text: str | None, cfg: Any) -> Any:
-    if text is None:
-        return None
-    if text.strip() == "logits":
-        return "logits"
-    return [parse_head(h.strip(), cfg) for h in text.split(",") if h.strip()]
+def _flag_value(opt: Option, given: Any) -> Any:
+    """A flag's value as the option reads it (a switch is already a bool; an absent flag: the default)."""
+    if opt.switch:
+        return given
+    return opt.default if given is None else opt.value(given)
 
 
 def _table(r: PatchResult) -> Table:
-    """A (layer x head) grid of the share of the way each patch moves the metric, or the largest effects."""
-    if r.axes == ("layer", "head") and r.values.shape[1] <= GRID_COLUMNS and r.target != r.base:
+    """A grid (first axis by second) of the share of the way each patch moves the metric, or the largest effects."""
+    rows, cols = (r.axes + ("", ""))[:2]
+    narrow = len(r.axes) == 2 and all(len(label) <= GRID_LABEL for label in r.labels[cols])
+    if narrow and r.values.shape[1] <= GRID_COLUMNS and r.target != r.base:
         t = Table(caption="share of the way from the base run's metric to the source run's, %")
-        t.add_column("layer")
-        for h in range(r.values.shape[1]):
-            t.add_column(f"head {h}", justify="right")
-        for l, row in enumerate(r.normalized().tolist()):
-            t.add_row(str(l), *("-" if v != v else f"{100 * v:.0f}" for v in row))
+        t.add_column(rows)
+        for label in r.labels[cols]:
+            t.add_column(f"{cols} {label}", justify="right")
+        for label, row in zip(r.labels[rows], r.normalized().tolist()):
+            t.add_row(label, *("-" if v != v else f"{100 * v:.0f}" for v in row))
         return t
     t = Table(caption="the patches that move the metric most")
     for col in ("where", "metric", "share of the way"):

@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import torch
 
+from ...analysis.forward.address import as_head
 from ...errors import QkovError
 from ...model.tokens import TextCodec
 from ...model.transformer import Transformer
@@ -86,20 +87,12 @@ class Explorer:
         Raises:
             BadRequest: malformed (400) or no such head in this model (404).
         """
-        value = args.get(key)
         try:
-            if isinstance(value, str):
-                layer_s, head_s = value.split(".")
-                layer, head = int(layer_s), int(head_s)
-            elif isinstance(value, list) and len(value) == 2:
-                layer, head = (int(v) for v in value)
-            else:
-                raise ValueError
-        except (ValueError, TypeError):
-            raise BadRequest(f"{key!r} must be a head like \"1.3\" (layer.head)") from None
-        cfg = self.model.cfg
-        if not (0 <= layer < cfg.n_layers and 0 <= head < cfg.n_heads):
-            raise BadRequest(
-                f"no head {layer}.{head}: this model has {cfg.n_layers} layers x {cfg.n_heads} heads", status=404
-            )
-        return layer, head
+            head = as_head(args.get(key), what=repr(key))
+        except QkovError as exc:
+            raise BadRequest(str(exc)) from None
+        try:
+            head.check(self.model.cfg, repr(key))
+        except QkovError as exc:
+            raise BadRequest(str(exc), status=404) from None
+        return head.layer, head.head  # type: ignore[return-value]

@@ -5,10 +5,12 @@
   :func:`~qkov.analysis.causal.ablation.z_means`), run by :func:`qkov.trace`: the loss per token and the top
   predictions before and after. The mean loss is what ``qkov ablate SOURCE --heads ... --mode ...`` reports
   for this text as its validation sample (:func:`qkov.ablation_study`'s ``intact`` / ``ablated`` loss; tested).
-* ``patch`` {clean, corrupted, metric?} — :func:`qkov.analysis.causal.studies.patch_study` with ``qkov patch``'s
-  defaults: activation patching of the residual stream by (layer, position) and of every head's output by
-  (layer, head), attribution patching of the head outputs and its agreement; ``metric`` as ``qkov patch
-  --metric`` writes it (``loss``, ``logit-diff:A,B``, ``prob:T``).
+* ``patch`` {clean, corrupted, metric?, ...} — :func:`qkov.analysis.causal.studies.patch_study` with ``qkov
+  patch``'s defaults: activation patching of the residual stream by (layer, position) and of every head's
+  output by (layer, head), attribution patching of the head outputs and its agreement; ``metric`` as ``qkov
+  patch --metric`` writes it (``loss``, ``logit-diff:A,B``, ``prob:T``). Any registered sweep's option
+  (:func:`~qkov.analysis.causal.registry.study_options`: ``sites``, ``by_pos``, ``attribution``,
+  ``receivers``, ``input``, ...) may be given by name, as text or a JSON value.
 """
 
 from __future__ import annotations
@@ -21,31 +23,36 @@ import torch
 from ...analysis.causal.ablation import ablation_edits, z_means
 from ...analysis.forward.tracer import trace
 from ...analysis.causal.metrics import parse_metric
+from ...analysis.causal.registry import study_options
 from ...analysis.causal.studies import patch_study
+from ...analysis.forward.address import Address, parse_heads
 from ...errors import QkovError
 from ...model.ops import next_token_nll
 from ...progress import Progress
 from .context import BadRequest, Explorer
 from .views_card import r6
 
+__all__ = ["ablate", "MODES", "patch", "TOP_K"]
+
 MODES = ("zero", "mean")
 TOP_K = 5
 """Next-token predictions listed per position before and after the ablation."""
 
 
-def _heads(ex: Explorer, args: dict[str, Any]) -> list[tuple[int, int]]:
-    """``args["heads"]``: a non-empty list of heads (``"L.H"``), each checked (:meth:`Explorer.head`), in order, once."""
+def _heads(ex: Explorer, args: dict[str, Any]) -> list[Address]:
+    """``args["heads"]``: heads as ``"1.0,1.3"`` or a list (``"L.H"`` or ``[L, H]``), read by the one head
+    parser, in order, once each: 400 when malformed or none, 404 for a head the model lacks."""
     value = args.get("heads")
-    if isinstance(value, str):
-        value = [v.strip() for v in value.split(",") if v.strip()]
-    if not isinstance(value, list) or not value:
-        raise BadRequest("'heads' must be a non-empty list of heads like [\"1.3\"]")
-    out: list[tuple[int, int]] = []
-    for v in value:
-        h = ex.head({"head": v})
-        if h not in out:
-            out.append(h)
-    return out
+    try:
+        if not isinstance(value, (str, list)):
+            raise QkovError(f"'heads' must be a non-empty list of heads like [\"1.3\"], got {value!r}")
+        heads = parse_heads(value, what="'heads'")
+    except QkovError as exc:
+        raise BadRequest(str(exc)) from None
+    try:
+        return [h.check(ex.model.cfg, "'heads'") for h in heads]
+    except QkovError as exc:
+        raise BadRequest(str(exc), status=404) from None
 
 
 def _top(ex: Explorer, logits: torch.Tensor) -> list[list[dict[str, Any]]]:
@@ -80,7 +87,7 @@ def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, 
     after, top_after = _run(ex, ids, ablation_edits(heads, mode, means=means))
     progress("ablate", 2, 2)
     return {
-        "heads": [f"{l}.{h}" for l, h in heads],
+        "heads": [h.name for h in heads],
         "mode": mode,
         "mean_sample": f"every position of this text ({ids.shape[1]} tokens)" if mode == "mean" else None,
         "loss_before": [r6(v) for v in before] + [None],
@@ -117,7 +124,8 @@ def patch(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
     clean, corrupted = clean.to(dev), corrupted.to(dev)
     try:
         m = parse_metric(metric, clean, ex.codec, ex.model.cfg.d_vocab)
+        options = {name: opt.value(args[name]) for name, opt in study_options().items() if args.get(name) is not None}
     except QkovError as exc:
         raise BadRequest(str(exc)) from None
-    study = patch_study(ex.weights, clean, corrupted, metric=m, decode=ex.decode, progress=progress)
+    study = patch_study(ex.weights, clean, corrupted, metric=m, decode=ex.decode, progress=progress, **options)
     return _clean_nan(study.to_dict())

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = ["PatchingSection"]
+
 
 @dataclass
 class PatchingSection:

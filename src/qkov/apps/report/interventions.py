@@ -1,6 +1,6 @@
 """The report's causal sections: the induction circuit's composition paths, patched
-(:mod:`qkov.analysis.causal.composition_paths`), and a patching study of a clean/corrupted pair when
-the report is given one (:mod:`qkov.analysis.causal.studies`)."""
+(:mod:`qkov.analysis.causal.composition`), and a patching study of a clean/corrupted pair when
+the report is given one (:mod:`qkov.analysis.causal.studies`: every registered sweep on by default)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,15 @@ import torch
 
 from ...analysis.causal.composition import composition_paths
 from ...analysis.causal.studies import PatchStudy, patch_study
+from ...analysis.forward.address import as_head
 from ...errors import QkovError
 from ...model.transformer import Transformer
 from ...weights.view import Weights
 from ..inputs import PatchingInputs, patching_inputs
 from .causal_sections import PatchingSection
 from .sections import Absent, CompositionSection, HeadsSection
+
+__all__ = ["causal_section", "circuit_heads", "patching_section", "read_patching"]
 
 
 def circuit_heads(heads: HeadsSection | Absent, comp: CompositionSection | Absent) -> tuple[str, str] | str:
@@ -48,8 +51,8 @@ def causal_section(w: Weights, heads: Any, comp: Any, text: torch.Tensor | None,
     pair = circuit_heads(heads, comp)
     if isinstance(pair, str):
         return Absent(pair)
-    writer, reader = (tuple(int(x) for x in h.split(".")) for h in pair)
-    return composition_paths(w, writer, reader, text=text, bos=bos, seed=seed).rounded()  # type: ignore[arg-type]
+    writer, reader = (as_head(h, w.cfg, "report") for h in pair)
+    return composition_paths(w, writer, reader, text=text, bos=bos, seed=seed).rounded()
 
 
 def read_patching(
@@ -64,8 +67,9 @@ def read_patching(
 
 
 def patching_section(w: Weights, given: PatchingInputs | None) -> Any:
-    """Patching of the pair (:func:`~qkov.analysis.causal.studies.patch_study` with its defaults: the
-    residual stream by layer and position, head outputs, attribution); ``Absent`` without one."""
+    """Patching of the pair (:func:`~qkov.analysis.causal.studies.patch_study` with its defaults: every
+    registered sweep on by default; built in: the residual stream by layer and position, head outputs,
+    attribution); ``Absent`` without one."""
     if given is None:
         return Absent("no clean/corrupted pair given (qkov report --clean FILE --corrupted FILE)")
     if w.cfg.n_layers == 0:

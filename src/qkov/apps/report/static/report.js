@@ -425,7 +425,8 @@
         c.icl_removed ? pct(c.icl_removed[i]) : "–"]), [0]);
   }
 
-  // one patching result as a heatmap: layer rows by position or head columns (layer.head rows for 3 axes)
+  // one patching result as a heatmap: rows the first axis, columns the last (named axes of any kind:
+  // layer, head, pos, edge, ...); three axes: rows "first · second"; one axis: a single row
   function patchResult(sec, r, agreement) {
     sec.append(el("h3", { text: `${r.method} patching of ${r.site} by ${r.axes.join(" × ")}` }));
     const share = r.normalized != null;
@@ -434,11 +435,14 @@
         "run's (1 = all the way)." : "Cells: the metric after each patch.") +
       (agreement == null ? "" : ` Agreement with activation patching: r = ${fmt(agreement)}.`));
     let z = share ? r.normalized : r.values;
-    let y = r.labels.layer;
+    let y = r.labels[r.axes[0]];
     const x = r.labels[r.axes[r.axes.length - 1]];
-    if (r.axes.length === 3) {  // (layer, a, b) -> rows "layer a", columns b
+    if (r.axes.length === 1) { z = [z]; y = [r.method]; }
+    if (r.axes.length === 3) {  // (a, b, c) -> rows "a · b", columns c
       y = []; const rows = [];
-      z.forEach((plane, l) => plane.forEach((row, i) => { rows.push(row); y.push(`${l} · ${r.labels[r.axes[1]][i]}`); }));
+      z.forEach((plane, l) => plane.forEach((row, i) => {
+        rows.push(row); y.push(`${r.labels[r.axes[0]][l]} · ${r.labels[r.axes[1]][i]}`);
+      }));
       z = rows;
     }
     plot(sec, [{ type: "heatmap", z, x, y, colorscale: "RdBu", reversescale: true, zmid: 0, colorbar: { thickness: 10 },

@@ -1,0 +1,185 @@
+"""A contrast: a clean and a corrupted input, and what every patching method needs from them.
+
+Every causal method here compares two runs. :class:`Contrast` holds them once: the clean and
+corrupted tokens (checked: valid ids, the same shape), the ``direction`` (``"denoise"``: the
+corrupted tokens are the *base* run, patched with values from the clean *source* run;
+``"noise"``: the other way round), the metric, both runs (each caching what the method asks and
+what the metric reads) and the metric's value on each. It also runs the patched passes
+(:meth:`Contrast.measure`): many patched copies of the base tokens in one forward pass, started at a
+layer from the base run's stream, one metric value per copy, and wraps the values in a
+:class:`~qkov.analysis.causal.result.PatchResult` (:meth:`Contrast.result`).
+
+The swap between (clean, corrupted) and (base, source) is written once
+(:func:`~qkov.analysis.causal.result.by_direction`, which :meth:`Contrast.swap` and a result's
+``base``/``target`` read).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from ...errors import QkovError
+from ...model.tokens import check_tokens
+from ...weights.convert import SourceLike, as_source
+from ...weights.parts import WeightSource
+from ..forward.cache import Trace, final_stream
+from ..forward.sites import Sites
+from ..forward.tracer import trace
+from .metrics import Metric, as_metric
+from .result import PatchResult, by_direction
+
+__all__ = ["Contrast", "copy_bytes", "DIRECTIONS", "PATCH_BYTES"]
+
+DIRECTIONS = ("denoise", "noise")
+PATCH_BYTES = 256 * 2**20  # activations of the patched copies held at once (one batch)
+
+
+def copy_bytes(source: WeightSource, tokens: Tensor, positions: Tensor | None) -> int:
+    """Memory one patched copy of ``tokens [B, T]`` takes at its peak: a layer's activations and the
+    logits at ``positions`` (every position for ``None``)."""
+    c, (B, T) = source.cfg, tokens.shape
+    P = T if positions is None else len(positions)
+    per = T * (12 * c.d_model + 4 * c.n_heads * T + 3 * (c.d_mlp or 0)) + P * c.d_vocab
+    return B * per * torch.empty(0, dtype=source.dtype).element_size()
+
+
+@dataclass
+class Contrast:
+    """The clean and corrupted tokens ``[B, T]`` (on the weights' device), the ``direction``, the
+    ``metric``; after :meth:`run`, the ``base_run`` and ``source_run`` and the metric on the clean
+    and corrupted runs (``clean_value``, ``corrupted_value``)."""
+
+    weights: WeightSource
+    clean: Tensor
+    corrupted: Tensor
+    direction: str
+    metric: Metric
+    base_run: Trace | None = None
+    source_run: Trace | None = None
+    clean_value: float = math.nan
+    corrupted_value: float = math.nan
+
+    @classmethod
+    def of(
+        cls,
+        source: SourceLike,
+        clean: Any,
+        corrupted: Any,
+        *,
+        metric: Any = None,
+        direction: str = "denoise",
+        where: str = "patching",
+    ) -> Contrast:
+        """The contrast of ``clean`` and ``corrupted`` (``[B, T]`` token ids, the same shape) on
+        ``source`` (a model, weights source or path), every argument checked before any work:
+        ``metric`` (default: the loss on the clean tokens, :func:`~qkov.analysis.causal.metrics.as_metric`)
+        and ``direction`` (``"denoise"`` or ``"noise"``); ``where`` begins the error messages."""
+        w = as_source(source, where="qkov.Contrast.of")
+        if direction not in DIRECTIONS:
+            raise QkovError(f"{where}: direction must be denoise or noise, got {direction!r}")
+        clean, corrupted = (check_tokens(t, w.cfg).to(w.device) for t in (clean, corrupted))
+        if clean.shape != corrupted.shape:
+            raise QkovError(
+                f"{where}: the clean and corrupted tokens must have the same shape (same number of sequences and "
+                f"tokens), got {list(clean.shape)} and {list(corrupted.shape)}"
+            )
+        return cls(w, clean, corrupted, direction, as_metric(metric, clean))
+
+    # ------------------------------------------------------------------ the one swap
+    def swap(self, clean: Any, corrupted: Any) -> tuple[Any, Any]:
+        """``(clean, corrupted)`` in the order ``(base, source)``; the same call turns ``(base, source)``
+        back into ``(clean, corrupted)``."""
+        return by_direction(self.direction, clean, corrupted)
+
+    @property
+    def base(self) -> Tensor:
+        """The tokens the patched passes run: the corrupted ones when denoising, the clean ones when noising."""
+        return self.swap(self.clean, self.corrupted)[0]
+
+    @property
+    def source(self) -> Tensor:
+        """The tokens the patched-in values come from."""
+        return self.swap(self.clean, self.corrupted)[1]
+
+    @property
+    def base_value(self) -> float:
+        """The metric with nothing patched."""
+        return self.swap(self.clean_value, self.corrupted_value)[0]
+
+    @property
+    def positions(self) -> Tensor | None:
+        """The logit positions the metric reads (``None``: every one)."""
+        return self.metric.logit_positions(self.clean.shape[1])
+
+    # ------------------------------------------------------------------ the two runs
+    def run(self, cache: Sequence[Any] = (), *, base_only: Sequence[Any] = (), grad: bool = False) -> Contrast:
+        """Run the base and source tokens, caching ``cache`` and what the metric reads (``base_only``:
+        sites only the base run caches; ``grad``: the base run keeps its graph, for a backward pass),
+        and measure the metric on both. Returns ``self``."""
+        reads = list(self.metric.reads)
+        self.base_run = trace(
+            self.weights, self.base, cache=[*cache, *base_only, *reads], positions=self.positions, grad=grad
+        )
+        self.source_run = trace(self.weights, self.source, cache=[*cache, *reads], positions=self.positions)
+        base, src = (float(self.metric(r).detach()) for r in (self.base_run, self.source_run))
+        self.clean_value, self.corrupted_value = self.swap(base, src)
+        return self
+
+    @property
+    def reads_from(self) -> int:
+        """The first layer whose sites the metric reads (``n_layers`` if it reads none): a patched pass
+        must start there or earlier."""
+        sites = Sites(self.weights.cfg, self.weights.norm)
+        layers = [a.layer for a in sites.resolve_all(self.metric.reads) if a.layer is not None]
+        return min(layers, default=self.weights.cfg.n_layers)
+
+    def copies(self, max_bytes: int = PATCH_BYTES, extra: int = 0) -> int:
+        """How many patched copies of the base tokens one pass holds in ``max_bytes`` (each taking
+        :func:`copy_bytes` and ``extra`` bytes); at least one."""
+        return max(1, max_bytes // (copy_bytes(self.weights, self.base, self.positions) + extra))
+
+    # ------------------------------------------------------------------ patched passes
+    def measure(
+        self,
+        K: int,
+        edits: dict[Any, Any] | None = None,
+        *,
+        start: int | None = None,
+        stream: Tensor | None = None,
+        tokens: Tensor | None = None,
+    ) -> Tensor:
+        """The metric on ``K`` copies of the base tokens in one forward pass: ``[K]``. ``edits``
+        patch each copy its own way (copy ``k`` is rows ``k*B .. (k+1)*B`` of the batch); ``start``:
+        begin at that layer from the base run's stream (nothing before it changes), or from
+        ``stream [K*B, T, D]``; ``tokens [K*B, T]``: run these instead of the copies (from the start)."""
+        B, T = self.base.shape
+        tokens = self.base.repeat(K, 1) if tokens is None else tokens
+        start_at = None
+        if stream is not None and start is None:
+            raise QkovError("Contrast.measure: a stream needs the layer it enters at (start=)")
+        if start is not None:
+            if stream is None:
+                run = self.base_run
+                assert run is not None, "Contrast.measure(start=...) needs the base run: call run() first"
+                here = run[("resid_pre", start)] if start < self.weights.cfg.n_layers else final_stream(run)
+                stream = here.repeat(K, 1, 1)
+            start_at = (start, stream)
+        out = trace(
+            self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads, positions=self.positions
+        )
+        return torch.stack([self.metric(out.select(slice(k * B, (k + 1) * B))).detach() for k in range(K)])
+
+    def result(
+        self, method: str, site: str, axes: Sequence[str], values: Tensor, labels: dict[str, list[str]] | None = None
+    ) -> PatchResult:
+        """``values`` (shaped by ``axes``) as a result of this contrast: its clean and corrupted
+        metric values, direction and metric name."""
+        return PatchResult(
+            method, site, tuple(axes), values, self.clean_value, self.corrupted_value, self.direction,
+            self.metric.name, dict(labels or {}),
+        )  # fmt: skip
