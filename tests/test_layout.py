@@ -12,7 +12,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "qkov"
 # each package may import only itself and the packages before it (the flow of the README's layout)
-ORDER = ["errors", "deprecated", "progress", "version", "device", "ranks", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
+ORDER = ["errors", "progress", "version", "device", "ranks", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
 # inside analysis/: the support modules at its top level, then one sub-package per concept; a
 # sub-package imports only itself and those of a lower rank (paths and heads share one: neither
 # imports the other)

@@ -185,12 +185,8 @@ def test_a_llama_family_directory_runs_every_analysis_from_python(llama_dir: Pat
     assert "the text has 31" in data["left_out"]["icl"]  # said, not refused
 
 
-def test_old_call_forms_still_work_with_a_deprecation_warning(tmp_path: Path) -> None:
+def test_ablation_study_takes_the_text_second_or_by_name() -> None:
     model = qkov.Transformer(qkov.ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, n_ctx=16, d_vocab=32))
-    with pytest.warns(DeprecationWarning, match=r"save_checkpoint\(model, path\)"):
-        qkov.save_checkpoint(tmp_path / "old", model)
-    qkov.save_checkpoint(model, tmp_path / "new")
-    assert (tmp_path / "old" / "model.safetensors").read_bytes() == (tmp_path / "new" / "model.safetensors").read_bytes()
     text = qkov.induction_probe_tokens(model, length=7, batch=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

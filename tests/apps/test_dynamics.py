@@ -331,13 +331,8 @@ def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
     assert "1,234,567 - 2,345,678 (rise 0.432)" in text and "removes 83%" in text
     assert "random heads 2% (median), 4% (mean)" in text
     assert "<td>1,234,567</td><td>2,345,678</td><td>0.432</td><td>6.5</td>" in page and 'class="window"' in page
-    # the pre-1.0 dict access reads the JSON form and names the attribute to use
-    old_access = r"DynamicsResult\['reading'\] is deprecated: use DynamicsResult.reading"
-    with pytest.warns(DeprecationWarning, match=old_access):
-        assert r["reading"]["windows"]["induction"]["start"] == 1234567.0
-    with pytest.warns(DeprecationWarning, match="DynamicsResult.ablation"):
-        assert r.get("ablation")["random_icl_removed_median"] == pytest.approx(0.02)
-    assert "snapshots" in r and "nothing" not in r and r.get("nothing", 7) == 7
+    assert r.to_dict()["reading"]["windows"]["induction"]["start"] == 1234567.0
+    assert r.to_dict()["ablation"]["random_icl_removed_median"] == pytest.approx(0.02)
     assert r.to_dict()["model"] == TINY.to_dict() and r.to_dict()["description"] == TINY.describe()
     m = lambda loss, icl: Ab.Measures(loss, icl, 5.0, 1.25)  # noqa: E731
     study = Ab.AblationStudy(["1.0"], "zero", None, m(2.5, -0.2), m(2.75, -0.05), [["0.1"]], [m(2.6, -0.19)])

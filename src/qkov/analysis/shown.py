@@ -8,8 +8,7 @@ display: :data:`LOADERS`). Without a registered HTML formatter ``_repr_html_`` r
 notebook shows the text.
 
 Functions that return several results return a :class:`Shown` dataclass with named fields (the
-list-like ones keep ``len``, iteration and, deprecated, indexing: :class:`ListAccess`; the one that was a
-``dict``, :class:`CompositionScores`, keeps its views and, deprecated, indexing).
+list-like ones give ``len`` and iteration over their items: :class:`Items`).
 """
 
 from __future__ import annotations
@@ -18,14 +17,13 @@ from typing import Any, Callable, ClassVar, Iterator
 import math
 from typing import Sequence
 
-from ..deprecated import warn_renamed
 from ..model.tokens import token_decoder
 
 __all__ = [
     "decoder",
     "Formatter",
     "HTML",
-    "ListAccess",
+    "Items",
     "load_html",
     "LOADERS",
     "MAX_ROWS",
@@ -98,10 +96,9 @@ def decoder(obj: Any) -> Callable[[int], str] | None:
     return getattr(obj, "decode", None)
 
 
-class ListAccess:
-    """Mixin for a result that was a ``list`` subclass before qkov 1.0 and is now a dataclass whose
-    items are the field named by ``ITEMS``: ``len`` and iteration still go over the items (silently),
-    indexing and slicing too, with a ``DeprecationWarning`` naming the field, until 1.1."""
+class Items:
+    """Mixin for a result whose items are the field named by ``ITEMS``: ``len`` and iteration go over
+    them (read one by name: ``result.heads[0]``)."""
 
     ITEMS: ClassVar[str] = "items"
 
@@ -110,11 +107,6 @@ class ListAccess:
 
     def __iter__(self) -> Iterator[Any]:
         return iter(getattr(self, self.ITEMS))
-
-    def __getitem__(self, i: Any) -> Any:
-        name = type(self).__name__
-        warn_renamed(f"indexing a {name}", f"{name}.{self.ITEMS}[...]")
-        return getattr(self, self.ITEMS)[i]
 
 
 def more(n: int, shown: int = MAX_ROWS) -> str:

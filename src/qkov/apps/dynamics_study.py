@@ -25,7 +25,6 @@ from ..analysis.series.measures import Sample, SeriesReading, measure, measure_b
 from ..analysis.heads.report import THRESHOLDS
 from ..analysis.heads.probes import default_icl_examples
 from ..analysis.shown import TEXT, Shown, register
-from ..deprecated import DictAccess
 from ..device import pick_device
 from ..errors import QkovError
 from ..expect import expect_paths
@@ -48,11 +47,10 @@ TEXT_SEQUENCES = 16  # validation sequences for the loss, per-token losses and p
 
 
 @dataclass(repr=False)
-class DynamicsResult(DictAccess, Shown):
+class DynamicsResult(Shown):
     """What :func:`dynamics` returns: the series' records and what they say. ``to_dict()`` is the JSON
     (``dynamics.json``, ``qkov dynamics --json``); the result prints as a short summary and draws
-    itself in a notebook (:mod:`qkov.show`). Before qkov 1.0 it was that JSON dict: ``result["key"]``
-    still reads the JSON form, with a ``DeprecationWarning`` naming the attribute, until 1.1."""
+    itself in a notebook (:mod:`qkov.show`)."""
 
     sources: list[str]  # the sources as given (and "revisions: ..." when revisions were named)
     model: ModelConfig  # the architecture every snapshot shares

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..deprecated import module_getattr
 from ..device import pick_device
 from ..errors import QkovError
 from ..io.checkpoint import read_config
@@ -193,5 +192,3 @@ def run_tour(
     replace_pair(out, {"index.html": page, "tour.json": to_json(body, indent=1)}, overwrite=False, what="tour")
     return table, models
 
-
-__getattr__ = module_getattr(__name__, {"render_page": ("qkov.apps.tour.render_tour", lambda: render_tour)})

@@ -31,7 +31,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..errors import QkovError
 from ..io.atomic import atomic_write_bytes, atomic_write_text
-from ..progress import Progress, as_progress, tick
+from ..progress import Progress, tick
 from .corpus_size import tokens, too_short
 
 BOS_TOKEN = "<|bos|>"
@@ -208,8 +208,7 @@ def load_corpus(
     """Load (or build and cache) a tokenised corpus. See the module docstring for ``spec``.
 
     ``progress(what, done, total)`` (:class:`qkov.progress.Progress`) hears each step of building
-    it, ``what`` saying what is being done (a one-argument callback is still accepted, deprecated)."""
-    progress = as_progress(progress, "qkov.load_corpus")
+    it, ``what`` saying what is being done."""
     say = lambda what, done=0: tick(progress, what, done, CORPUS_STEPS)  # noqa: E731
     if not 0.0 < val_fraction < 0.5:
         raise QkovError(f"val_fraction must be in (0, 0.5), got {val_fraction}")

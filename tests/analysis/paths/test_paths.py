@@ -147,9 +147,6 @@ def test_term_effects_match_a_recomputed_loss() -> None:
     assert len(singles) == 6 and len(virtual) == 4
     assert effects.to_dict()["single_head_terms"] == [e.to_dict() for e in singles]
     assert "single-head terms" in repr(effects) and singles[0].name in repr(effects)
-    with pytest.warns(DeprecationWarning, match=r"read \.singles and \.virtual"):
-        old_singles, old_virtual = effects  # the pre-1.0 pair still unpacks
-    assert (old_singles, old_virtual) == (singles, virtual)
     assert singles == sorted(singles, key=lambda e: -e.loss_change)
     logits, patterns = reference_forward(w, tokens)
     base = reference_loss(logits, tokens)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...deprecated import renamed_property
 from ...errors import QkovError
 from ...weights.convert import SourceLike, as_source
 from ...weights.parts import WeightSource
@@ -37,8 +36,6 @@ class RepeatScores:
     copying: Tensor  # [I] copying score in [-1, 1] (share of the raise on attended tokens)
     copying_rank: Tensor  # where the head's logits rank the token it attends to most, in [-1, 1]
     copying_queries: tuple[int, int] = (0, 0)  # (queries the copying scores read, repeated queries in all)
-
-    induction = renamed_property("induction", "induction_attention", "RepeatScores")
 
 
 def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScores:

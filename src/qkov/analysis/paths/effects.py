@@ -20,9 +20,8 @@ them against the term's own logits (:meth:`qkov.analysis.paths.expansion.Expansi
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -167,16 +166,6 @@ class TermEffects(Shown):
         singles, virtual = [e.to_dict() for e in self.singles], [e.to_dict() for e in self.virtual]
         return {"single_head_terms": singles, "virtual_head_terms": virtual}
 
-    def __iter__(self) -> Iterator[list[TermEffect]]:
-        """``singles, virtual = term_effects(...)``, the pre-1.0 form (deprecated)."""
-        warnings.warn(
-            "unpacking term_effects(...) as a pair is deprecated: read .singles and .virtual "
-            "(the pair is accepted until qkov 1.1)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return iter((self.singles, self.virtual))
-
 
 EFFECT_LOGITS = 2**24  # logits per term effect: above it, effects are measured on a seeded sample of positions
 
@@ -198,7 +187,7 @@ def term_effects(
     exp: Expansion, *, top_virtual: int = 10, positions: Tensor | None = None, progress: Progress | None = None
 ) -> TermEffects:
     """Loss change from removing each order-1 term, and each of the ``top_virtual`` largest order-2
-    terms: a :class:`TermEffects` (``.singles``, ``.virtual``; it still unpacks as the pre-1.0 pair).
+    terms: a :class:`TermEffects` (``.singles``, ``.virtual``).
 
     Logits are built one term at a time (never ``[B, T, V]`` for all terms at once), at every
     position, or at ``positions [n, 2]`` (``(b, t)`` pairs, :func:`effect_positions`) only.

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...deprecated import module_getattr
 from ...device import check_fits, memory_budget
 from ...weights.parts import WeightSource
 from ...weights.view import Weights
@@ -217,5 +216,3 @@ def read_series(records: Sequence[dict[str, Any]], *, until: float | None = None
         together = all(o is not None and o.overlaps(ind) for o in others)
     return SeriesReading(windows, bump, traj, together)
 
-
-__getattr__ = module_getattr(__name__, {"analyse": ("qkov.analysis.series.measures.read_series", lambda: read_series)})

@@ -33,7 +33,7 @@ from ...io.checkpoint import checkpoint_info, read_metrics
 from ...io.sources import load_any, source_kind
 from ...model.tokens import token_decoder
 from ...model.transformer import Transformer
-from ...progress import Progress, as_progress
+from ...progress import Progress
 from ...weights.view import Weights
 from ..inputs import AnalysisInput, analysis_inputs
 from ..origin import UNKNOWN, parameter_count, source_origin
@@ -329,7 +329,6 @@ def collect(
     dev = pick_device(device)
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
-    progress = as_progress(progress, "qkov.apps.report.collect")
     with _stage(timings, "load", progress):
         model = load_any(ckpt, config=config).to(dev).eval()
         batch = batch or default_batch(model.cfg.n_ctx)

@@ -19,7 +19,6 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from ...deprecated import module_getattr
 from ...errors import QkovError
 from ...version import __version__
 from .sections import Report
@@ -126,5 +125,3 @@ def render_html(report: Report, *, title: str | None = None) -> str:
     """The report page for ``report`` (one string of HTML, self-contained)."""
     return render_template("template.html", report.to_dict(), ("report.js",), title or f"qkov report: {report.name}")
 
-
-__getattr__ = module_getattr(__name__, {"render_page": ("qkov.apps.report.render.render_template", lambda: render_template)})
