@@ -13,7 +13,6 @@ write (:mod:`qkov.io.manifest`).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
