@@ -38,7 +38,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "analysis/forward/edits.py",
         "    if out is None:\n        return value",
         "    if out is not value:\n        return value",
-        "tests/analysis/forward/test_forward.py::test_frozen_run_with_own_outputs_is_the_model_and_is_linear",
+        "tests/analysis/forward/test_forward.py::test_frozen_recording_with_own_outputs_is_the_model_and_is_linear",
     ),
     "term importance: every run adds the live outputs (no paper procedure)": (
         "analysis/paths/importance.py",
@@ -170,7 +170,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "analysis/paths/qk_side.py",
         "return (self.q_heads[i] @ self.k_heads[j].transpose(-1, -2))",
         "return (self.q_heads[i] @ self.k_heads[i].transpose(-1, -2))",
-        "tests/analysis/paths/test_paths.py::test_qk_split_sums_to_real_scores",
+        "tests/analysis/paths/test_paths.py::test_expand_qk_sums_to_real_scores",
     ),
     "trigrams: no note for a head beyond layer 0": (
         "apps/cli/weights_cmds.py",
@@ -246,8 +246,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "sites: a wildcard glob takes the per-head input copies": (
         "analysis/forward/sites.py",
-        '            split = kind_part not in SPLIT_INPUTS  # a wildcard kind never takes the per-head copies',
-        '            split = False',
+        '            skip_copies = kind_part not in HEAD_INPUTS  # a wildcard kind never takes the per-head copies',
+        '            skip_copies = False',
         "tests/analysis/forward/test_sites.py::test_every_site_is_cached_in_its_layout_and_equals_its_definition",
     ),
     "edits: a head's edit lands on head 0": (

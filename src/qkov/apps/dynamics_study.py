@@ -31,6 +31,7 @@ from ..expect import expect_paths
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 from ..progress import Progress
+from ..ranks import Ranks
 from ..training import distributed
 from ..version import __version__
 from ..weights.view import Weights
@@ -145,7 +146,7 @@ def _record(s: Series, i: int, sample: Sample, device: torch.device) -> dict[str
 
 
 def measure_series(
-    s: Series, sample: Sample, device: torch.device, info: distributed.DistInfo, progress: Progress | None = None
+    s: Series, sample: Sample, device: torch.device, info: Ranks, progress: Progress | None = None
 ) -> list[dict[str, Any]] | None:
     """Every entry's record, in order, on rank 0 (``None`` on the other ranks)."""
     mine = list(range(info.rank, len(s.entries), info.world))
@@ -279,7 +280,7 @@ def write_dynamics(
     """Check ``out`` first (as the report does), run :func:`dynamics`, write ``out/dynamics.json`` and
     the page ``out/index.html`` (as one pair, :func:`~qkov.apps.outputs.replace_pair`; rank 0 only).
     Returns the result (on every rank under torchrun)."""
-    if not distributed.from_env().main:
+    if not Ranks.from_env().main:
         return dynamics(sources, **options)
     with output_folder(out, DYNAMICS_FILES, overwrite=overwrite, what="dynamics") as folder:
         result = dynamics(sources, **options)

@@ -6,7 +6,7 @@ the last checkpoint and ends exactly where an uninterrupted one would, because b
 a pure function of ``(seed, step)`` (see :class:`qkov.training.data.Batches`).
 
 :func:`train` is three steps: :func:`prepare` (the configs, the device, the corpus), then
-:meth:`Session.build` (model, optimizer, batches, restored state) and :meth:`Session.run`
+:meth:`Session.build` (model, optimizer, batches, restored state) and :meth:`Session.train`
 (the steps, with evaluations and checkpoints). Nothing here prints: progress goes to ``callback`` as event dicts.
 """
 
@@ -33,6 +33,7 @@ from ..io.checkpoint import METRICS_FILE, STATE_FILE, checkpoint_files, read_con
 from ..model.config import ModelConfig
 from ..model.ops import next_token_loss
 from ..model.transformer import Transformer
+from ..ranks import Ranks
 from ..weights.view import Weights
 from . import distributed
 from .config import TrainConfig, lr_at
@@ -71,7 +72,7 @@ class Plan:
     model_cfg: ModelConfig
     train_cfg: TrainConfig
     resume: bool
-    dist: distributed.DistInfo
+    dist: Ranks
     device: torch.device
     corpus: Corpus
     emit: Callback
@@ -135,7 +136,7 @@ def prepare(
     callback: Callback | None,
 ) -> Plan:
     """Settle the configs, join the process group under torchrun, tune the CPU, load the corpus."""
-    dist_info = distributed.from_env()
+    dist_info = Ranks.from_env()
     # under torchrun only rank 0 reports, writes checkpoints and metrics
     emit: Callback = (callback if dist_info.main else None) or (lambda _e: None)
     model_cfg, tc = _configs(out, model_cfg, train_cfg, resume)
@@ -305,7 +306,7 @@ class Session:
             raise QkovError(f"train: loss became {value} at step {self.step}; lower the learning rate")
         return value
 
-    def run(self, stop_after: int | None = None) -> None:
+    def train(self, stop_after: int | None = None) -> None:
         """Train to ``train_cfg.steps`` (or ``stop_after``), logging, evaluating and checkpointing."""
         p, tc = self.plan, self.plan.train_cfg
         autocast = torch.autocast(p.device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
@@ -394,7 +395,7 @@ def _train(plan: Plan, stop_after: int | None) -> Transformer:
             "resumed": plan.resume,
         }
     )
-    session.run(stop_after)
+    session.train(stop_after)
     plan.emit({"event": "done", **session.summary()})
     distributed.barrier(plan.dist)
     distributed.teardown(plan.dist)

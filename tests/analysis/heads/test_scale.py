@@ -187,8 +187,8 @@ def test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds() -> N
     w = Weights.from_model(model, dtype=torch.float64)
     tokens = torch.randint(0, 40, (3, 10), generator=torch.Generator().manual_seed(1))
     every = P.expand(w, tokens, virtual_heads=True)
-    assert float(every.run.divisor("attn_v", 1).max()) < 1
-    bounds = Vh.virtual_bounds(w, every.run, every.heads)
+    assert float(every.recording.divisor("attn_v", 1).max()) < 1
+    bounds = Vh.virtual_bounds(w, every.recording, every.heads)
     norms = {k: float(t.pow(2).sum().sqrt()) for k, t in every.virtual.items()}
     assert bounds.keys() == norms.keys() and len(norms) == 27
     assert all(norms[k] <= bounds[k] * (1 + 1e-9) for k in norms)
@@ -206,10 +206,10 @@ def test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds() -> N
     assert listed == {f"{a}.{b}->{c}.{d}" for a, b, c, d in largest}, (listed, largest)
     assert P.PathSummary.from_dict(s.to_dict()).coverage == cover
     with pytest.raises(QkovError, match="must be >= 0"):
-        Vh.select_virtual(w, every.run, every.heads, every.orders[2], most=-1, keep=1)
+        Vh.select_virtual(w, every.recording, every.heads, every.orders[2], most=-1, keep=1)
     # bounds are computed in float64 whatever the view's dtype (half-precision views have no QR on CPU)
     half = Weights.from_model(model.float(), dtype=torch.bfloat16)
-    assert len(Vh.virtual_bounds(half, P.expand(half, tokens).run, P.expand(half, tokens).heads)) == 27
+    assert len(Vh.virtual_bounds(half, P.expand(half, tokens).recording, P.expand(half, tokens).heads)) == 27
 
 
 def test_paths_refuses_what_would_not_fit_before_any_work(

@@ -10,7 +10,7 @@ another's patterns, divisors and MLP outputs: what the path expansion freezes) a
 
 from __future__ import annotations
 
-from .sites import Head, Address, BY_NAME, Kind, KINDS, Sites, SPLIT_INPUTS
+from .sites import Head, Address, BY_NAME, Kind, KINDS, Sites, HEAD_INPUTS
 from .edits import Edit, EditFn, Edits, PER_POSITION, per_position, Site
 from .cache import accumulated, by_component, by_head, final_stream, Stack, Trace
 from .tracer import flops_per_token, trace
@@ -35,7 +35,7 @@ __all__ = [
     "Kind",
     "KINDS",
     "Sites",
-    "SPLIT_INPUTS",
+    "HEAD_INPUTS",
     "Edit",
     "EditFn",
     "Edits",

@@ -4,7 +4,7 @@ Pattern-based scores take patterns ``[n_layers, batch, n_heads, query, key]`` fr
 text and return ``[n_layers, n_heads]``; [I]'s repeated-token scores (:mod:`qkov.analysis.heads.repeated`)
 run the model on :func:`qkov.analysis.heads.probes.prefix_matching_tokens`; weight-based scores come from
 :mod:`qkov.analysis.circuits`. :func:`head_report` computes all of them for one model and
-assigns roles from :data:`THRESHOLDS`. Every run is :func:`qkov.analysis.forward.tracer.trace` on a
+assigns roles from :data:`THRESHOLDS`. Every pass is :func:`qkov.analysis.forward.tracer.trace` on a
 :class:`~qkov.weights.WeightSource`.
 """
 
@@ -23,7 +23,7 @@ from ...weights.convert import SourceLike, as_source, source_bos
 from ...weights.parts import WeightSource
 from ..circuits.copying import check_diag_k, copying_scores
 from .probes import NOT_TEXT, ICLScore, icl_left_out, icl_score, prefix_matching_tokens
-from .repeated import _RepeatRun
+from .repeated import RepeatPass
 from ...progress import Progress
 from ..shown import Shown
 from .pattern_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
@@ -231,7 +231,7 @@ def head_report(
     on_text = text_scores(source, text, chunk=chunk, progress=progress)
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(source, length=length, seed=seed, bos=bos, frequencies=frequencies)
-    repeat = _RepeatRun(source, rep, length)  # its copying reads each head's W_O W_U, which the
+    repeat = RepeatPass(source, rep, length)  # its copying reads each head's W_O W_U, which the
     # copying scores below form anyway: handed over, not formed twice (GPT-2 small: 0.7 TFLOP)
     copying = copying_scores(
         source, diag_k=diag_k, diag_sample=diag_sample, seed=seed, progress=progress, on_head=repeat.copying

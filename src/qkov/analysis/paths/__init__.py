@@ -35,7 +35,7 @@ from .effects import (
     TermEffects,
 )
 from .summary import expansion_bytes, paths_text, PathSummary, summarize
-from .qk_side import qk_split, QKSplit
+from .qk_side import expand_qk, QKExpansion
 
 __all__ = [
     "heads_write",
@@ -73,6 +73,6 @@ __all__ = [
     "paths_text",
     "PathSummary",
     "summarize",
-    "qk_split",
-    "QKSplit",
+    "expand_qk",
+    "QKExpansion",
 ]

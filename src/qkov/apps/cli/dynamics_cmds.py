@@ -14,7 +14,7 @@ from ...analysis.causal.positions import parse_positions
 from ...errors import QkovError
 from ...io.sources import source_kind
 from ...weights.view import Weights
-from ...training import distributed
+from ...ranks import Ranks
 from ..dynamics_study import DynamicsResult, sample_for, write_dynamics
 from ..progress import StageProgress
 from .common import add_device, add_inputs, add_source_args, console, device, dump_json, load_source, nonneg_int
@@ -83,7 +83,7 @@ def cmd_dynamics(args: argparse.Namespace) -> int:
             device=args.device,
             progress=progress,
         )
-    if not distributed.from_env().main:  # every rank has the result; rank 0 prints it
+    if not Ranks.from_env().main:  # every rank has the result; rank 0 prints it
         return 0
     if args.json:
         dump_json(result.to_dict())

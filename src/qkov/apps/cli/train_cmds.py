@@ -11,7 +11,7 @@ from typing import Any
 from ...errors import QkovError
 from ...model.config import NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
 from ...training.config import SCHEDULES, TrainConfig
-from ...training.distributed import from_env
+from ...ranks import Ranks
 from ...training.loop import saved_configs, train
 from ...training.snapshots import parse_spec
 from ..progress import TrainProgress
@@ -137,7 +137,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             batch = train_over.get("batch", TrainConfig().batch)
             train_over["steps"] = max(1, math.ceil(args.tokens / (batch * model_cfg.n_ctx)))
         train_cfg = TrainConfig(**train_over)
-    main_rank = from_env().main  # under torchrun only rank 0 shows progress and the summary
+    main_rank = Ranks.from_env().main  # under torchrun only rank 0 shows progress and the summary
     with TrainProgress(quiet=args.quiet or not main_rank) as progress:
         train(out, model_cfg, train_cfg, device=args.device, resume=args.resume, callback=progress)
     if main_rank:

@@ -100,7 +100,7 @@ def terms(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
         coverage = None
         if virtual_pairs(w) > 0 and top > 0:
             exp.virtual, coverage = select_virtual(
-                w, exp.run, exp.heads, exp.orders[2], most=VIRTUAL_AUTO_MAX, keep=top, progress=progress
+                w, exp.recording, exp.heads, exp.orders[2], most=VIRTUAL_AUTO_MAX, keep=top, progress=progress
             )
         at = torch.tensor([[0, position]], device=w.device)
         effects = term_effects(exp, top_virtual=top, positions=at, progress=progress)
@@ -122,7 +122,7 @@ def terms(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
 def _direct(exp: Any, t: int, ids: torch.Tensor) -> tuple[float, float]:
     """The loss change at position ``t`` from removing the direct path (order 0), and the loss there;
     logits read at ``t`` as :func:`~qkov.analysis.paths.effects.term_effects` reads them."""
-    scale, W_U, b_U = exp.run.divisor("final"), exp.source.unembed().W_U, exp.source.unembed().b_U
+    scale, W_U, b_U = exp.recording.divisor("final"), exp.source.unembed().W_U, exp.source.unembed().b_U
 
     def logits_of(x: torch.Tensor) -> torch.Tensor:  # [1, V]
         return read(x[:, t][:, None], exp.source.norm, None if scale is None else scale[:, t][:, None])[:, 0] @ W_U
