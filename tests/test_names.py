@@ -4,7 +4,9 @@ optional libraries) to first use, and one progress protocol, ``progress(what, do
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import json
 import subprocess
 import sys
@@ -54,6 +56,45 @@ def test_the_old_names_are_gone(old: str, get: Callable[[], Any], error: type[Ex
         get()
 
 
+# renamed in 1.1 without an alias (CHANGELOG, 1.1.0 "Renamed"): (old module, old name or None for the
+# module itself, new module, new name)
+RENAMED_1_1: list[tuple[str, str | None, str, str | None]] = [
+    ("qkov.ranks", "Split", "qkov.ranks", "Ranks"),
+    ("qkov.training.distributed", "DistInfo", "qkov.ranks", "Ranks"),
+    ("qkov.training.distributed", "from_env", "qkov.ranks", "Ranks"),
+    ("qkov.analysis.forward.sites", "SPLIT_INPUTS", "qkov.analysis.forward.sites", "HEAD_INPUTS"),
+    ("qkov.analysis.paths.qk_side", "qk_split", "qkov.analysis.paths.qk_side", "expand_qk"),
+    ("qkov.analysis.paths", "QKSplit", "qkov.analysis.paths", "QKExpansion"),
+    ("qkov.analysis.forward.frozen", "frozen_run", "qkov.analysis.forward.frozen", "frozen_recording"),
+    ("qkov.analysis.shown", "ListAccess", "qkov.analysis.shown", "Items"),
+    ("qkov.apps.dynamics_study", None, "qkov.apps.dynamics.study", None),
+    ("qkov.apps.dynamics_page", None, "qkov.apps.dynamics.page", None),
+    ("qkov.apps.series", None, "qkov.apps.dynamics.series", None),
+    ("qkov.apps.phase_section", None, "qkov.apps.dynamics.phase", None),
+]
+
+
+@pytest.mark.parametrize("old_module, old, new_module, new", RENAMED_1_1, ids=[f"{r[0]}.{r[1]}" for r in RENAMED_1_1])
+def test_the_names_renamed_in_1_1_have_no_alias(old_module: str, old: str | None, new_module: str, new: str | None) -> None:
+    module = importlib.import_module(new_module)
+    assert new is None or hasattr(module, new)
+    with pytest.raises(AttributeError if old else ImportError):
+        _attr(old_module, old)() if old else importlib.import_module(old_module)
+
+
+def test_a_recorded_pass_is_a_recording_not_a_run() -> None:
+    """In qkov a run is a training run: the fields and arguments holding a ``Trace`` say ``recording``."""
+    from qkov.analysis.forward.cache import Stack
+    from qkov.analysis.paths.expansion import Expansion
+
+    for cls in (Stack, Expansion):
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert "recording" in names and "run" not in names, cls
+    for fn in (qkov.expand, qkov.term_importance):
+        params = inspect.signature(fn).parameters
+        assert "recording" in params and "run" not in params, fn
+
+
 def test_the_old_forms_of_the_results_are_gone(tmp_path: Path) -> None:
     """Indexing the list-like results, unpacking the term effects, the old attribute names and the old
     argument order fail; what replaced them reads the same objects."""
@@ -91,7 +132,7 @@ dynamics, show = qkov.dynamics, qkov.show  # the lazy names load on first use
 from qkov import show as show_again
 print(json.dumps({"before": before, "missing_from_dir": names_listed, "dynamics": dynamics.__module__,
                   "show": show.__name__, "same": show is show_again and hasattr(show, "attention"),
-                  "after": "qkov.apps.dynamics_study" in sys.modules}))
+                  "after": "qkov.apps.dynamics.study" in sys.modules}))
 """
 
 
@@ -106,7 +147,7 @@ def test_import_qkov_leaves_the_app_and_notebook_layers_to_first_use() -> None:
     got = _python(LIGHT)
     assert got["before"] == dict.fromkeys(got["before"], False), got["before"]
     assert got["missing_from_dir"] == []
-    assert got["dynamics"] == "qkov.apps.dynamics_study" and got["show"] == "qkov.show" and got["same"]
+    assert got["dynamics"] == "qkov.apps.dynamics.study" and got["show"] == "qkov.show" and got["same"]
     assert got["after"]
 
 

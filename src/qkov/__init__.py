@@ -58,13 +58,13 @@ from .weights.view import Weights
 
 # The app and notebook layers, loaded on first use: public name -> (module, attribute; None: the module).
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "dynamics": (".apps.dynamics_study", "dynamics"),
+    "dynamics": (".apps.dynamics", "dynamics"),
     "show": (".show", None),
 }
 
 if TYPE_CHECKING:  # what static analysers and IDEs see of the lazy names
     from . import show as show
-    from .apps.dynamics_study import dynamics as dynamics
+    from .apps.dynamics import dynamics as dynamics
 
 
 def __getattr__(name: str) -> Any:

@@ -27,9 +27,8 @@ from .progress import TrainProgress
 from .report import write_report
 from .report.render import render_template, to_json
 from .claims import Claim, claims, head_rows
-from .dynamics_study import SCHEMA_VERSION as DYNAMICS_SCHEMA
-from .dynamics_study import DYNAMICS_FILES, write_dynamics
-from .phase_section import phase_charts, phase_claims
+from .dynamics.study import DYNAMICS_FILES, SCHEMA_VERSION as DYNAMICS_SCHEMA, write_dynamics
+from .dynamics.phase import phase_charts, phase_claims
 from .report.card import TrainingRecord
 from .report.sections import Report
 
@@ -68,7 +67,7 @@ def page_data(
 ) -> dict[str, Any]:
     """What the comparison page shows (its embedded JSON): the model rows, the claims (without
     their values: those are in ``tour.json``), the run's facts, the loss-by-position curves and the
-    phase-change charts (:func:`~qkov.apps.phase_section.phase_charts`)."""
+    phase-change charts (:func:`~qkov.apps.dynamics.phase.phase_charts`)."""
     return {
         "models": models,
         "claims": [{"claim": c.claim, "measured": c.measured, "holds": c.holds, "rule": c.rule} for c in table],

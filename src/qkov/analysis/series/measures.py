@@ -1,5 +1,5 @@
 """The measures of a series of snapshots: one model's measures per snapshot, and the series read
-for [I]'s phase change (the app that finds and loads the snapshots is :mod:`qkov.apps.dynamics_study`).
+for [I]'s phase change (the app that finds and loads the snapshots is :mod:`qkov.apps.dynamics`).
 
 :func:`measure` takes one snapshot's weights and a fixed :class:`Sample` (the same tokens for
 every snapshot) and returns a flat record: validation loss and per-token losses, the ICL score,

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import QkovError
-from ..io.checkpoint import read_config, read_tokenizer
-from ..io.hf import hf_config
-from ..io.sources import fetch_hub, load_any, source_kind
-from ..model.config import ModelConfig
-from ..model.transformer import Transformer
-from ..training import snapshots as snaps
+from ...errors import QkovError
+from ...io.checkpoint import read_config, read_tokenizer
+from ...io.hf import hf_config
+from ...io.sources import fetch_hub, load_any, source_kind
+from ...model.config import ModelConfig
+from ...model.transformer import Transformer
+from ...training import snapshots as snaps
 
 _STEP = re.compile(r"step[-_]?0*(\d+)", re.I)
 
