@@ -3,13 +3,17 @@
 
 ``what`` names the stage of work (``"paths: orders"``, ``"heads"``, ``"corpus: tokenising"``);
 ``done`` of ``total`` units of it are finished (``done == 0`` when it starts, ``done == total``
-when it ends). The command line passes a display that draws a bar per stage
-(:class:`qkov.apps.progress.StageProgress`); ``print`` works too.
+when it ends). Training reports through it too (:func:`qkov.train`: the corpus' stages, then
+``("train", step, steps)``). The command line passes a display that draws a bar per stage
+(:class:`qkov.apps.progress.StageProgress`, :class:`~qkov.apps.progress.TrainProgress`); ``print``
+works too.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+__all__ = ["Progress", "tick"]
 
 
 class Progress(Protocol):

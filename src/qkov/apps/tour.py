@@ -169,9 +169,12 @@ def run_tour(
             say(f"[{n}-layer] {'resuming' if state == 'partial' else 'training'} in {ckpt}")
             with TrainProgress(quiet=quiet) as progress:
                 if state == "partial":
-                    train(ckpt, device=str(dev), resume=True, callback=progress)
+                    train(ckpt, device=str(dev), resume=True, callback=progress.event, progress=progress)
                 else:
-                    train(ckpt, ModelConfig(n_layers=n), TrainConfig(**train_over), device=str(dev), callback=progress)
+                    train(
+                        ckpt, ModelConfig(n_layers=n), TrainConfig(**train_over), device=str(dev),
+                        callback=progress.event, progress=progress,
+                    )
         say(f"[{n}-layer] report -> {ckpt / 'report' / 'index.html'}")
         t_rep = time.perf_counter()
         reports[n] = write_report(ckpt, ckpt / "report", device=str(dev))

@@ -261,14 +261,19 @@ def test_the_gpt2_small_estimate_is_a_few_gib() -> None:
 
 # ------------------------------------------------------------------ training progress
 def test_a_slow_first_step_says_how_long_the_run_will_take() -> None:
+    """Training's display hears the steps through the progress protocol: the time from the start to the
+    first step, times the steps left, is said once (a quick first step says nothing)."""
     buf = io.StringIO()
     with TrainProgress(console=Console(file=buf, force_terminal=False)) as progress:
-        progress({"event": "step", "step": 1, "steps": 101, "seconds": 30.0})
-        progress({"event": "step", "step": 2, "steps": 101, "seconds": 30.0})
+        progress.clock = iter([100.0, 130.0, 160.0]).__next__
+        for step in range(3):
+            progress("train", step, 101)
     assert buf.getvalue().count("the first step took 30.0 s: about 50 min for the 100 steps left") == 1
     quick = io.StringIO()
     with TrainProgress(console=Console(file=quick, force_terminal=False)) as progress:
-        progress({"event": "step", "step": 1, "steps": 101, "seconds": 0.01})
+        progress.clock = iter([100.0, 100.01]).__next__
+        progress("train", 0, 101)
+        progress("train", 1, 101)
     assert quick.getvalue() == ""
 
 

@@ -139,7 +139,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         train_cfg = TrainConfig(**train_over)
     main_rank = Ranks.from_env().main  # under torchrun only rank 0 shows progress and the summary
     with TrainProgress(quiet=args.quiet or not main_rank) as progress:
-        train(out, model_cfg, train_cfg, device=args.device, resume=args.resume, callback=progress)
+        train(out, model_cfg, train_cfg, device=args.device, resume=args.resume, callback=progress.event, progress=progress)
     if main_rank:
         print_info(out)
     return 0
