@@ -460,6 +460,30 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "return float(above[-1])",
         "tests/apps/test_page_fit.py::test_the_explorer_graph_is_drawn_after_compute_with_the_strongest_edges[1400]",
     ),
+    "finite: an infinity passes as a number (strict JSON refuses it)": (
+        "finite.py",
+        "    return x if math.isfinite(x) else None",
+        "    return None if math.isnan(x) else x",
+        "tests/test_finite.py",
+    ),
+    "finite: the --json output keeps a NaN": (
+        "apps/cli/common.py",
+        "    print(json.dumps(json_safe(data), indent=2, allow_nan=False))",
+        "    print(json.dumps(data, indent=2))",
+        "tests/test_finite.py::test_every_json_output_goes_through_it",
+    ),
+    "layout: the apps read a name its module does not declare public": (
+        "io/checkpoint.py",
+        '    "training_record",\n',
+        "",
+        "tests/test_layout.py::test_apps_and_show_read_only_public_names_of_the_layers_below",
+    ),
+    "training: the steps are not reported through the progress protocol": (
+        "training/loop.py",
+        '            tick(p.progress, "train", step, tc.steps)\n',
+        "",
+        "tests/training/test_train.py::test_training_lowers_loss_and_writes_a_checkpoint",
+    ),
 }
 
 

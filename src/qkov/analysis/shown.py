@@ -14,9 +14,9 @@ list-like ones give ``len`` and iteration over their items: :class:`Items`).
 from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Iterator
-import math
 from typing import Sequence
 
+from ..finite import finite
 from ..model.tokens import token_decoder
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "Formatter",
     "HTML",
     "Items",
-    "load_html",
     "LOADERS",
     "MAX_ROWS",
     "more",
@@ -45,7 +44,7 @@ LOADERS: list[Callable[[], Any]] = []
 first use (``import qkov`` puts the import of :mod:`qkov.show` here, so ``import qkov`` stays light)."""
 
 
-def load_html() -> None:
+def _load_html() -> None:
     """Run (and forget) the :data:`LOADERS`."""
     while LOADERS:
         LOADERS.pop(0)()
@@ -78,7 +77,7 @@ class Shown:
         return fn(self) if fn is not None else f"<{type(self).__name__}>"
 
     def _repr_html_(self) -> str | None:
-        load_html()
+        _load_html()
         fn = _lookup(HTML, self)
         return None if fn is None else fn(self)
 
@@ -116,9 +115,8 @@ def more(n: int, shown: int = MAX_ROWS) -> str:
 
 def num(v: Any, digits: int = 3) -> str:
     """``v`` with ``digits`` decimals; ``n/a`` for None/NaN (a score that does not apply)."""
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "n/a"
-    return f"{float(v):.{digits}f}"
+    x = finite(v)
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], total: int | None = None) -> str:

@@ -2,3 +2,6 @@
 dynamics study (:mod:`~qkov.apps.dynamics`), the command line (:mod:`~qkov.apps.cli`), progress
 displays and the analysis text. Built on the library's public functions only; nothing below this
 package imports it."""
+
+__all__: list[str] = []
+

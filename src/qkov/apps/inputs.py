@@ -27,6 +27,20 @@ from ..io.sources import source_kind
 from ..model.transformer import Transformer
 from ..training.data import Corpus, load_corpus, val_batches
 
+__all__ = [
+    "analysis_inputs",
+    "AnalysisInput",
+    "patching_inputs",
+    "patching_pair",
+    "PatchingInputs",
+    "random_tokens",
+    "read_sequences",
+    "read_token_file",
+    "sample_for",
+    "TEXT_SEQUENCES",
+    "text_windows",
+]
+
 TEXT_SEQUENCES = 16  # validation sequences for the loss, per-token losses and previous-token scores of a Sample
 
 

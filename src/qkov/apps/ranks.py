@@ -21,6 +21,8 @@ import torch.distributed as dist
 from ..ranks import Ranks, over
 from ..training import distributed
 
+__all__ = ["rank_device", "ranks"]
+
 
 def rank_device(device: torch.device) -> torch.device:
     """This rank's device: under torchrun a CUDA device is the rank's own (``LOCAL_RANK``); else ``device``."""

@@ -25,12 +25,15 @@ from ..training.loop import train
 from .outputs import output_folder, replace_pair, settle
 from .progress import TrainProgress
 from .report import write_report
-from .report.render import render_template, to_json
+from ..finite import to_json
+from .report.render import render_template
 from .claims import Claim, claims, head_rows
 from .dynamics.study import DYNAMICS_FILES, SCHEMA_VERSION as DYNAMICS_SCHEMA, write_dynamics
 from .dynamics.phase import phase_charts, phase_claims
 from .report.card import TrainingRecord
 from .report.sections import Report
+
+__all__ = ["LAYERS", "render_tour", "run_tour", "TITLE"]
 
 LAYERS: tuple[int, ...] = (0, 1, 2)
 
@@ -58,7 +61,7 @@ def _model_row(n: int, rep: Report) -> dict[str, Any]:
     }
 
 
-def page_data(
+def _page_data(
     models: list[dict[str, Any]],
     table: list[Claim],
     meta: dict[str, Any],
@@ -87,8 +90,8 @@ def render_tour(
     """The comparison page: the models side by side (each linking to its report), the models' loss
     by token position, the phase-change charts (linking to the dynamics pages) and the claims table.
     Drawn as the report is (:func:`~qkov.apps.report.render.render_template`): its stylesheet, its
-    script library and plotly.js, the data of :func:`page_data` embedded; opens with no network."""
-    return render_template("tour.html", page_data(models, table, meta, curves, phase), ("report.js", "tour.js"), TITLE)
+    script library and plotly.js, the data of :func:`_page_data` embedded; opens with no network."""
+    return render_template("tour.html", _page_data(models, table, meta, curves, phase), ("report.js", "tour.js"), TITLE)
 
 
 # --------------------------------------------------------------------------- run

@@ -45,6 +45,7 @@ __all__ = [
     "read_tokenizer",
     "save_checkpoint",
     "save_tensors",
+    "training_record",
 ]
 
 

@@ -34,6 +34,23 @@ from ..io.atomic import atomic_write_bytes, atomic_write_text
 from ..progress import Progress, tick
 from .corpus_size import tokens, too_short
 
+__all__ = [
+    "Batches",
+    "BOS_TOKEN",
+    "Corpus",
+    "CORPUS_STEPS",
+    "default_cache_dir",
+    "is_val_file",
+    "load_corpus",
+    "read_texts",
+    "split_texts",
+    "stdlib_files",
+    "TextFile",
+    "TOKENIZER_VERSION",
+    "train_tokenizer",
+    "val_batches",
+]
+
 BOS_TOKEN = "<|bos|>"
 TOKENIZER_VERSION = 1  # bump when the tokenizer recipe changes (invalidates caches)
 CORPUS_STEPS = 3  # what load_corpus reports: reading the files, training the tokenizer, tokenising

@@ -46,6 +46,8 @@ from .losses import LossModule
 from . import rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state
 
+__all__ = ["BLAS_NOT_REPRODUCIBLE", "Callback", "evaluate", "Plan", "prepare", "saved_configs", "Session", "train"]
+
 Callback = Callable[[dict[str, Any]], None]
 BLAS_NOT_REPRODUCIBLE = (
     "MKL computed in this process before qkov was imported, so its reproducible mode is off: a resume "

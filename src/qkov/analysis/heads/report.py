@@ -10,7 +10,6 @@ assigns roles from :data:`THRESHOLDS`. Every pass is :func:`qkov.analysis.forwar
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +18,7 @@ from torch import Tensor
 
 from ...device import check_fits, memory_budget
 from ...errors import QkovError
+from ...finite import finite
 from ...weights.convert import SourceLike, as_source, source_bos
 from ...weights.parts import WeightSource
 from ..circuits.copying import check_diag_k, copying_scores
@@ -117,7 +117,7 @@ class HeadReport(Shown):
         for l in range(L):
             for h in range(H):
                 row: dict[str, object] = {"head": f"{l}.{h}", "layer": l, "index": h}
-                row.update({k: _value(float(v[l, h])) for k, v in self.scores.items()})
+                row.update({k: finite(v[l, h]) for k, v in self.scores.items()})  # a NaN (does not apply): None
                 row["roles"] = self.roles[l][h]
                 out.append(row)
         return out
@@ -144,11 +144,6 @@ def _not_measured(source: WeightSource, icl_on: Tensor, icl: bool) -> dict[str, 
     if source.pos() is None:
         out["positional_fraction"] = POSITIONAL_NA.format(cfg.positional)
     return out
-
-
-def _value(v: float) -> float | None:
-    """A score as rows show it: ``None`` where it does not apply (NaN; its reason is in ``left_out``)."""
-    return None if math.isnan(v) else v
 
 
 def assign_roles(scores: dict[str, Tensor], thresholds: dict[str, float] = THRESHOLDS) -> list[list[list[str]]]:

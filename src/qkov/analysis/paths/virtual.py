@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
+from ...finite import finite
 from ...model.config import ModelConfig
 from ...weights.parts import WeightSource
 from ..circuits.factored import LowRank
@@ -171,7 +172,7 @@ class VirtualCoverage:
             "pairs": self.pairs,
             "materialised": self.materialised,
             "explained": self.explained,
-            "left_bound": self.left_bound if math.isfinite(self.left_bound) else None,  # JSON has no inf
+            "left_bound": finite(self.left_bound),  # JSON has no inf
         }
 
     @classmethod

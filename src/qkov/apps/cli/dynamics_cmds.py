@@ -17,6 +17,8 @@ from ..dynamics.study import DynamicsResult, write_dynamics
 from ..progress import StageProgress
 from .common import add_device, add_inputs, console, device, dump_json, nonneg_int
 
+__all__ = ["add_dynamics", "cmd_dynamics"]
+
 
 def add_dynamics(sub: Any) -> None:
     p = sub.add_parser(

@@ -18,9 +18,11 @@ from ..progress import TrainProgress
 from .info_cmds import print_info
 from .common import nonneg_int, positive_float, positive_int, token_count
 
+__all__ = ["add_train", "cmd_train", "MODEL_FLAGS", "TRAIN_FLAGS"]
+
 
 # --------------------------------------------------------------------------- train
-def snapshot_spec(text: str) -> int | tuple[int, ...]:
+def _snapshot_spec(text: str) -> int | tuple[int, ...]:
     try:
         return parse_spec(text)
     except QkovError as exc:
@@ -109,7 +111,7 @@ def add_train(sub: Any) -> None:
     )
     o.add_argument(
         "--snapshots",
-        type=snapshot_spec,
+        type=_snapshot_spec,
         metavar="N|none|STEP,...",
         help=f"weight-only snapshots for 'qkov dynamics' in OUT/snapshots: a count (default {t.snapshots}, "
         "log-spaced, dense early), 'none', or comma-separated steps",

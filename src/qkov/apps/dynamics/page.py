@@ -12,6 +12,8 @@ from typing import Any
 
 from ..report.render import render_template
 
+__all__ = ["render_dynamics"]
+
 
 def render_dynamics(result: dict[str, Any], *, title: str | None = None) -> str:
     """The page of a :func:`qkov.apps.dynamics.study.dynamics` result (one string of HTML)."""

@@ -26,6 +26,7 @@ from ...analysis.heads.report import THRESHOLDS
 from ...analysis.shown import TEXT, Shown, register
 from ...device import pick_device
 from ...errors import QkovError
+from ...finite import to_json
 from ...expect import expect_paths
 from ...model.config import ModelConfig
 from ...model.transformer import Transformer
@@ -37,8 +38,19 @@ from ...weights.view import Weights
 from .page import render_dynamics
 from ..inputs import sample_for
 from ..outputs import output_folder, replace_pair
-from ..report.render import to_json
 from .series import Series, series
+
+__all__ = [
+    "dynamics",
+    "DYNAMICS_FILES",
+    "dynamics_text",
+    "DynamicsResult",
+    "induction_heads",
+    "measure_series",
+    "SCHEMA_VERSION",
+    "SHARE_TIMEOUT",
+    "write_dynamics",
+]
 
 SCHEMA_VERSION = 1
 DYNAMICS_FILES = ("index.html", "dynamics.json")

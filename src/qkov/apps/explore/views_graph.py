@@ -28,6 +28,8 @@ from ...progress import Progress
 from .context import BadRequest, Explorer
 from .views_card import int_arg, r6
 
+__all__ = ["composition", "default_threshold", "GRAPH_EDGES", "terms", "TOP_VIRTUAL"]
+
 GRAPH_EDGES = 24
 """Edges the composition graph shows at first: the strongest ones above their kind's random baseline (a graph
 of every pair above the baseline is a hairball: hundreds of edges on a model of a few layers)."""
@@ -36,7 +38,7 @@ TOP_VIRTUAL = 10
 """Virtual-head terms listed by ``terms`` by default (the largest over the text, as ``qkov paths``)."""
 
 
-def scores_of(ex: Explorer, progress: Progress) -> Any:
+def _scores_of(ex: Explorer, progress: Progress) -> Any:
     """:func:`qkov.composition_scores` of the model (``"qkv"``), computed once and kept in ``ex.extra``."""
     if "composition" not in ex.extra:
         ex.extra["composition"] = composition_scores(ex.weights, "qkv", progress=progress)
@@ -47,7 +49,7 @@ def composition(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[
     """Every head pair's raw Q/K/V composition score beside its kind's baseline (mean over random weights)."""
     cfg = ex.model.cfg
     L, H = cfg.n_layers, cfg.n_heads
-    scores = scores_of(ex, progress)
+    scores = _scores_of(ex, progress)
     edges, baselines = [], {}
     for kind in KINDS:
         c = scores.kinds[kind]

@@ -12,31 +12,17 @@ for code (the page's scripts and the plotly bundle). Every qkov page embeds thro
 from __future__ import annotations
 
 import html
-import json
-import math
 import re
 from functools import lru_cache
 from importlib import resources
 from typing import Any
 
 from ...errors import QkovError
+from ...finite import to_json
 from ...version import __version__
 from .sections import Report
 
-
-def clean(obj: Any) -> Any:
-    """``obj`` with NaN/inf replaced by ``None`` (recursively), ready for strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [clean(v) for v in obj]
-    return obj
-
-
-def to_json(data: dict[str, Any], *, indent: int | None = None) -> str:
-    return json.dumps(clean(data), indent=indent, allow_nan=False, ensure_ascii=False)
+__all__ = ["plotly_js", "render_html", "render_template", "script_code", "script_json", "static"]
 
 
 @lru_cache(maxsize=1)
