@@ -40,6 +40,12 @@ def _module(name: str) -> Callable[[], Any]:
 GONE: list[tuple[str, Callable[[], Any], type[Exception]]] = [
     ("qkov.run", _attr("qkov", "run"), AttributeError),
     ("qkov.Run", _attr("qkov", "Run"), AttributeError),
+    ("qkov.analysis.run", _attr("qkov.analysis", "run"), AttributeError),
+    ("qkov.analysis.forward.Run", _attr("qkov.analysis.forward", "Run"), AttributeError),
+    ("qkov.analysis.activations", _module("qkov.analysis.activations"), ImportError),
+    ("qkov.analysis.dynamics", _module("qkov.analysis.dynamics"), ImportError),
+    ("qkov.analysis.snapshot_measures", _module("qkov.analysis.snapshot_measures"), ImportError),
+    ("qkov.analysis.circuits.analyse", _attr("qkov.analysis.circuits", "analyse"), AttributeError),
     ("qkov.apps.tour.render_page", _attr("qkov.apps.tour", "render_page"), AttributeError),
     ("qkov.apps.report.render.render_page", _attr("qkov.apps.report.render", "render_page"), AttributeError),
     ("qkov.analysis.series.measures.analyse", _attr("qkov.analysis.series.measures", "analyse"), AttributeError),

@@ -2,5 +2,5 @@
 
 __all__ = ["__version__"]
 
-__version__ = "1.0.0"
+__version__ = "1.1.0"
 """The release, as ``qkov --version`` prints it and the package's metadata records it."""
