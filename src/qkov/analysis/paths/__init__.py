@@ -17,7 +17,7 @@ from .expansion import (
     expand,
     Expansion,
     paths_batch,
-    RUN_FLOPS,
+    PASS_FLOPS,
     VIRTUAL_AUTO_MAX,
     virtual_pairs,
 )
@@ -55,7 +55,7 @@ __all__ = [
     "expand",
     "Expansion",
     "paths_batch",
-    "RUN_FLOPS",
+    "PASS_FLOPS",
     "VIRTUAL_AUTO_MAX",
     "virtual_pairs",
     "EFFECT_LOGITS",

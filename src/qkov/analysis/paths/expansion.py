@@ -59,14 +59,14 @@ __all__ = [
     "expand",
     "Expansion",
     "paths_batch",
-    "RUN_FLOPS",
+    "PASS_FLOPS",
     "VIRTUAL_AUTO_MAX",
     "virtual_pairs",
 ]
 
 VIRTUAL_AUTO_MAX = 1024  # virtual heads materialised by default (GPT-2 small has 9,504; 1,024 take ~10 s there)
 BATCH_TOKENS = 2048  # tokens the default batch holds at most (8 sequences of 256, 2 of 1024)
-RUN_FLOPS = 3 * 10**11  # one forward pass over the default paths batch costs at most this (term importance runs L + 1)
+PASS_FLOPS = 3 * 10**11  # one forward pass over the default paths batch costs at most this (term importance runs L + 1)
 
 
 def default_batch(n_ctx: int, most: int = 8) -> int:
@@ -77,9 +77,9 @@ def default_batch(n_ctx: int, most: int = 8) -> int:
 
 def paths_batch(cfg: Any, most: int = 8) -> int:
     """Sequences of ``n_ctx`` tokens the path analysis takes by default: :func:`default_batch`, or
-    fewer so that one forward pass costs at most :data:`RUN_FLOPS` (but at least one sequence):
+    fewer so that one forward pass costs at most :data:`PASS_FLOPS` (but at least one sequence):
     8 of 256 tokens for the default models, 1 of 1024 for GPT-2 small."""
-    tokens = min(BATCH_TOKENS, max(cfg.n_ctx, RUN_FLOPS // flops_per_token(cfg)))
+    tokens = min(BATCH_TOKENS, max(cfg.n_ctx, PASS_FLOPS // flops_per_token(cfg)))
     return max(1, min(most, tokens // cfg.n_ctx))
 
 
