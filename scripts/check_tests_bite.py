@@ -166,7 +166,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         '    raise QkovError("no text")\n    seqs = random_tokens(',
         "tests/weights/test_no_tokenizer.py",
     ),
-    "qk split: a pair's key taken from the query head": (
+    "qk expansion: a pair's key taken from the query head": (
         "analysis/paths/qk_side.py",
         "return (self.q_heads[i] @ self.k_heads[j].transpose(-1, -2))",
         "return (self.q_heads[i] @ self.k_heads[i].transpose(-1, -2))",
