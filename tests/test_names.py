@@ -72,7 +72,6 @@ RENAMED_1_1: list[tuple[str, str | None, str, str | None]] = [
     ("qkov.analysis.paths.qk_side", "qk_split", "qkov.analysis.paths.qk_side", "expand_qk"),
     ("qkov.analysis.paths", "QKSplit", "qkov.analysis.paths", "QKExpansion"),
     ("qkov.analysis.forward.frozen", "frozen_run", "qkov.analysis.forward.frozen", "frozen_recording"),
-    ("qkov.analysis.budget", "run_bytes", "qkov.analysis.budget", "pass_bytes"),
     ("qkov.analysis.paths", "RUN_FLOPS", "qkov.analysis.paths", "PASS_FLOPS"),
     ("qkov.analysis.shown", "ListAccess", "qkov.analysis.shown", "Items"),
     ("qkov.apps.dynamics_study", None, "qkov.apps.dynamics.study", None),

@@ -17,7 +17,7 @@ from ... import ranks
 from ..forward.tracer import trace
 from .probes import induction_attention
 from ..sampling import seeded_subset
-from ..budget import item, pass_bytes
+from ..budget import item, run_bytes
 
 __all__ = ["COPYING_LOGITS", "copying_queries", "earlier_same", "repeat_bytes", "repeat_scores", "RepeatPass", "RepeatScores"]
 
@@ -205,4 +205,4 @@ def repeat_bytes(source: WeightSource, batch: int, seq: int) -> int:
     c, it = source.cfg, item(source)
     outputs = c.n_layers * batch * c.n_heads * seq * c.d_model * it
     logits = min(COPYING_LOGITS, batch * seq * c.d_vocab) * it * 3
-    return pass_bytes(source, batch, seq, cached_patterns=True) + outputs + logits
+    return run_bytes(source, batch, seq, cached_patterns=True) + outputs + logits
