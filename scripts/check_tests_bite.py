@@ -38,7 +38,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "analysis/forward/edits.py",
         "    if out is None:\n        return value",
         "    if out is not value:\n        return value",
-        "tests/analysis/forward/test_forward.py::test_frozen_run_with_own_outputs_is_the_model_and_is_linear",
+        "tests/analysis/forward/test_forward.py::test_frozen_recording_with_own_outputs_is_the_model_and_is_linear",
     ),
     "term importance: every run adds the live outputs (no paper procedure)": (
         "analysis/paths/importance.py",
@@ -166,11 +166,11 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         '    raise QkovError("no text")\n    seqs = random_tokens(',
         "tests/weights/test_no_tokenizer.py",
     ),
-    "qk split: a pair's key taken from the query head": (
+    "qk expansion: a pair's key taken from the query head": (
         "analysis/paths/qk_side.py",
         "return (self.q_heads[i] @ self.k_heads[j].transpose(-1, -2))",
         "return (self.q_heads[i] @ self.k_heads[i].transpose(-1, -2))",
-        "tests/analysis/paths/test_paths.py::test_qk_split_sums_to_real_scores",
+        "tests/analysis/paths/test_paths.py::test_expand_qk_sums_to_real_scores",
     ),
     "trigrams: no note for a head beyond layer 0": (
         "apps/cli/weights_cmds.py",
@@ -246,8 +246,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "sites: a wildcard glob takes the per-head input copies": (
         "analysis/forward/sites.py",
-        '            split = kind_part not in SPLIT_INPUTS  # a wildcard kind never takes the per-head copies',
-        '            split = False',
+        '            skip_copies = kind_part not in HEAD_INPUTS  # a wildcard kind never takes the per-head copies',
+        '            skip_copies = False',
         "tests/analysis/forward/test_sites.py::test_every_site_is_cached_in_its_layout_and_equals_its_definition",
     ),
     "edits: a head's edit lands on head 0": (
@@ -284,7 +284,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "analysis/causal/result.py",
         '    return (corrupted, clean) if direction == "denoise" else (clean, corrupted)',
         "    return (corrupted, clean)",
-        "tests/analysis/causal/test_toolkit.py::test_a_contrast_runs_swaps_and_measures_as_the_model_does "
+        "tests/analysis/causal/test_toolkit.py::test_a_contrast_records_swaps_and_measures_as_the_model_does "
         "tests/analysis/causal/test_patching.py::test_batched_sweeps_equal_one_patch_at_a_time",
     ),
     "toolkit: the one head parser reads LAYER.HEAD as HEAD.LAYER": (
@@ -343,8 +343,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "attribution: the difference taken the wrong way round": (
         "analysis/causal/patching.py",
-        "        effect = (src_run[(kind, l)] - a.detach()) * grad",
-        "        effect = (a.detach() - src_run[(kind, l)]) * grad",
+        "        effect = (src_recording[(kind, l)] - a.detach()) * grad",
+        "        effect = (a.detach() - src_recording[(kind, l)]) * grad",
         "tests/analysis/causal/test_patching.py::test_attribution_is_the_first_order_term_of_the_patch",
     ),
     "metrics: the logit difference read at the first position": (
@@ -508,6 +508,30 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         '"""Products with the embedding and the unembedding, in blocks',
         '"""Products of the embedding and the unembedding, in blocks',
         "tests/test_docs_site.py::test_the_api_pages_are_up_to_date",
+    ),
+    "finite: an infinity passes as a number (strict JSON refuses it)": (
+        "finite.py",
+        "    return x if math.isfinite(x) else None",
+        "    return None if math.isnan(x) else x",
+        "tests/test_finite.py",
+    ),
+    "finite: the --json output keeps a NaN": (
+        "apps/cli/common.py",
+        "    print(json.dumps(json_safe(data), indent=2, allow_nan=False))",
+        "    print(json.dumps(data, indent=2))",
+        "tests/test_finite.py::test_every_json_output_goes_through_it",
+    ),
+    "layout: the apps read a name its module does not declare public": (
+        "io/checkpoint.py",
+        '    "training_record",\n',
+        "",
+        "tests/test_layout.py::test_apps_and_show_read_only_public_names_of_the_layers_below",
+    ),
+    "training: the steps are not reported through the progress protocol": (
+        "training/loop.py",
+        '            tick(p.progress, "train", step, tc.steps)\n',
+        "",
+        "tests/training/test_train.py::test_training_lowers_loss_and_writes_a_checkpoint",
     ),
 }
 

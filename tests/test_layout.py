@@ -12,7 +12,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "qkov"
 # each package may import only itself and the packages before it (docs/dev/architecture.md, "The packages, in their order")
-ORDER = ["errors", "deprecated", "progress", "version", "device", "ranks", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
+ORDER = ["errors", "finite", "progress", "version", "device", "ranks", "model", "expect", "io", "weights", "analysis", "training", "apps", "show"]
 # inside analysis/: the support modules at its top level, then one sub-package per concept; a
 # sub-package imports only itself and those of a lower rank (paths and heads share one: neither
 # imports the other)
@@ -87,6 +87,90 @@ def test_analysis_sub_packages_point_one_way(path: Path) -> None:
         if theirs == mine:
             continue
         assert ANALYSIS_RANK[theirs] < ANALYSIS_RANK[mine], f"{'/'.join(rel)} imports analysis/{theirs}, which is not below it"
+
+
+def module_file(target: tuple[str, ...]) -> Path | None:
+    """The file of a module path inside the package (a package: its ``__init__.py``), if there is one."""
+    base = SRC.joinpath(*target)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def declared_all(path: Path) -> list[str] | None:
+    """The module's ``__all__`` (a literal list at its top level), or ``None`` when it declares none."""
+    for node in ast.parse(path.read_text()).body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(isinstance(t, ast.Name) and t.id == "__all__" for t in targets) and node.value is not None:
+            return list(ast.literal_eval(node.value))
+    return None
+
+
+def target_of(path: Path, node: ast.ImportFrom) -> tuple[str, ...] | None:
+    """The qkov module an ``import from`` reads (relative imports resolved); ``None`` outside qkov."""
+    if node.level:
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        return tuple(parts[: len(parts) - node.level] + (node.module.split(".") if node.module else []))
+    if node.module and node.module.split(".")[0] == "qkov":
+        return tuple(node.module.split(".")[1:])
+    return None
+
+
+def names_read_from_other_packages(path: Path) -> list[tuple[tuple[str, ...], str, int]]:
+    """``(module, name, line)`` for every name this module reads from a module of another top-level
+    package: imported by name (``from ..analysis.x import name``) or read as an attribute of a module
+    it imported (``from ..analysis import x as X`` ... ``X.name``)."""
+    tree = ast.parse(path.read_text())
+    mine = package_of(path) if path.relative_to(SRC) != Path("__init__.py") else None
+    out, aliases = [], {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        target = target_of(path, node)
+        if not target or target[0] == mine:
+            continue
+        for alias in node.names:
+            if module_file((*target, alias.name)) is not None:  # a module, not a name: its attributes are read below
+                aliases[alias.asname or alias.name] = (*target, alias.name)
+            else:
+                out.append((target, alias.name, node.lineno))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            target = aliases[node.value.id]
+            if module_file((*target, node.attr)) is None:
+                out.append((target, node.attr, node.lineno))
+    return out
+
+
+PUBLIC_FACING = [p for p in modules() if package_of(p) in ("apps", "show") or p == SRC / "__init__.py"]
+
+
+@pytest.mark.parametrize("path", PUBLIC_FACING, ids=lambda p: str(p.relative_to(SRC)))
+def test_apps_and_show_read_only_public_names_of_the_layers_below(path: Path) -> None:
+    """Public is what a module's ``__all__`` lists: the apps, the notebook layer and ``import qkov`` read
+    another package only through it (a name without an underscore is not public by that alone)."""
+    private = []
+    for target, name, line in names_read_from_other_packages(path):
+        listed = declared_all(module_file(target))  # type: ignore[arg-type]
+        if listed is None or name not in listed:
+            private.append(f"line {line}: {'.'.join(target)}.{name}")
+    assert not private, f"{path.relative_to(SRC)} reads names that are not in their module's __all__: {private}"
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))
+def test_every_module_declares_its_public_names(path: Path) -> None:
+    listed = declared_all(path)
+    assert listed is not None, f"{path.relative_to(SRC)} declares no __all__"
+    tree = ast.parse(path.read_text())
+    defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    defined |= {t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    defined |= {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    imported = {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+    lazy = {"dynamics", "show"} if path == SRC / "__init__.py" else set()  # loaded on first use
+    missing = [name for name in listed if name not in defined | imported | lazy]
+    assert not missing, f"{path.relative_to(SRC)}: __all__ lists names it does not have: {missing}"
+    assert not [n for n in listed if n.startswith("_") and n != "__version__"], "__all__ lists a private name"
 
 
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(SRC)))

@@ -1,14 +1,15 @@
-"""The public names of 1.0: every renamed name still works for one release and warns naming the new
-one; ``import qkov`` leaves the app and notebook layers (and the heavy optional libraries) to first
-use; one progress protocol, ``progress(what, done, total)``, with the old one-argument form accepted."""
+"""The public names of 1.1: the aliases of 1.0's renames are gone (each old name fails the way Python
+fails on a name that never existed), ``import qkov`` leaves the app and notebook layers (and the heavy
+optional libraries) to first use, and one progress protocol, ``progress(what, done, total)``."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import inspect
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -18,98 +19,114 @@ import torch
 import qkov
 from helpers import TINY
 from qkov import Transformer, Weights
-from qkov.progress import as_progress
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
-
-
-def _attr(module: str, name: str) -> Callable[[], Any]:
-    return lambda: getattr(importlib.import_module(module), name)
-
-
-def _shim(old: str) -> Callable[[], Any]:
-    """Import a deprecated module path afresh (its warning is given at import)."""
-
-    def get() -> Any:
-        sys.modules.pop(old, None)
-        parent, _, child = old.rpartition(".")
-        package = importlib.import_module(parent)
-        if hasattr(package, child):
-            delattr(package, child)
-        return importlib.import_module(old)
-
-    return get
-
-
-# old name (as a user reaches it) -> the new object it must be, and the new name the warning must give
-RENAMED: list[tuple[str, Callable[[], Any], Callable[[], Any], str]] = [
-    ("qkov.run", lambda: qkov.run, lambda: qkov.trace, "qkov.trace"),
-    ("qkov.Run", lambda: qkov.Run, lambda: qkov.Trace, "qkov.Trace"),
-    ("tour.render_page", _attr("qkov.apps.tour", "render_page"), _attr("qkov.apps.tour", "render_tour"), "qkov.apps.tour.render_tour"),
-    (
-        "render.render_page",
-        _attr("qkov.apps.report.render", "render_page"),
-        _attr("qkov.apps.report.render", "render_template"),
-        "qkov.apps.report.render.render_template",
-    ),
-    (
-        "qkov.apps.dynamics",
-        _shim("qkov.apps.dynamics"),
-        lambda: importlib.import_module("qkov.apps.dynamics_study"),
-        "qkov.apps.dynamics_study",
-    ),
-    (
-        "qkov.show.dynamics",
-        _shim("qkov.show.dynamics"),
-        lambda: importlib.import_module("qkov.show.study_displays"),
-        "qkov.show.study_displays",
-    ),
-]
-
-
-@pytest.mark.parametrize("old, get_old, get_new, new", RENAMED, ids=[r[0] for r in RENAMED])
-def test_old_names_work_and_warn(old: str, get_old: Callable[[], Any], get_new: Callable[[], Any], new: str) -> None:
-    with pytest.warns(DeprecationWarning, match=f"use {new.replace('.', r'[.]')}.*removed in 1[.]1"):
-        got = get_old()
-    assert got is get_new()
 
 
 def _tiny() -> Weights:
     return Weights.from_model(Transformer(TINY, seed=0).eval(), dtype=torch.float64)
 
 
-def test_the_old_forward_still_computes_the_model() -> None:
-    """``qkov.run`` (deprecated) computes what the training model computes on the same tokens."""
-    model = Transformer(TINY, seed=0).eval().double()
-    toks = torch.randint(0, TINY.d_vocab, (2, 12))
-    with pytest.warns(DeprecationWarning):
-        old = qkov.run(Weights.from_model(model, dtype=torch.float64), toks)
-    with torch.no_grad():  # the view centres the unembedding: the log-probabilities agree
-        assert (old.logits.log_softmax(-1) - model(toks).log_softmax(-1)).abs().max() < 1e-9
-    assert isinstance(old, qkov.Trace)
+def _attr(module: str, name: str) -> Callable[[], Any]:
+    return lambda: getattr(importlib.import_module(module), name)
 
 
-def test_old_attribute_names_of_the_induction_scores() -> None:
-    """``InductionProbe.scores`` and ``RepeatScores.induction`` are the induction attention: the mean
-    attention from a repeated token to the token after its previous occurrence, recomputed here."""
+def _module(name: str) -> Callable[[], Any]:
+    return lambda: importlib.import_module(name)
+
+
+# every alias 1.0 kept for one release (CHANGELOG, 1.0.0 "Renamed"), as a user reaches it, and what
+# reaching it now raises
+GONE: list[tuple[str, Callable[[], Any], type[Exception]]] = [
+    ("qkov.run", _attr("qkov", "run"), AttributeError),
+    ("qkov.Run", _attr("qkov", "Run"), AttributeError),
+    ("qkov.analysis.run", _attr("qkov.analysis", "run"), AttributeError),
+    ("qkov.analysis.forward.Run", _attr("qkov.analysis.forward", "Run"), AttributeError),
+    ("qkov.analysis.activations", _module("qkov.analysis.activations"), ImportError),
+    ("qkov.analysis.dynamics", _module("qkov.analysis.dynamics"), ImportError),
+    ("qkov.analysis.snapshot_measures", _module("qkov.analysis.snapshot_measures"), ImportError),
+    ("qkov.analysis.circuits.analyse", _attr("qkov.analysis.circuits", "analyse"), AttributeError),
+    ("qkov.apps.tour.render_page", _attr("qkov.apps.tour", "render_page"), AttributeError),
+    ("qkov.apps.report.render.render_page", _attr("qkov.apps.report.render", "render_page"), AttributeError),
+    ("qkov.analysis.series.measures.analyse", _attr("qkov.analysis.series.measures", "analyse"), AttributeError),
+    ("qkov.show.dynamics", _module("qkov.show.dynamics"), ImportError),
+    ("qkov.deprecated", _module("qkov.deprecated"), ImportError),
+    ("qkov.progress.as_progress", _attr("qkov.progress", "as_progress"), AttributeError),
+    ("qkov.analysis.shown.ListAccess", _attr("qkov.analysis.shown", "ListAccess"), AttributeError),
+]
+
+
+@pytest.mark.parametrize("old, get, error", GONE, ids=[g[0] for g in GONE])
+def test_the_old_names_are_gone(old: str, get: Callable[[], Any], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        get()
+
+
+# renamed in 1.1 without an alias (CHANGELOG, 1.1.0 "Renamed"): (old module, old name or None for the
+# module itself, new module, new name)
+RENAMED_1_1: list[tuple[str, str | None, str, str | None]] = [
+    ("qkov.ranks", "Split", "qkov.ranks", "Ranks"),
+    ("qkov.training.distributed", "DistInfo", "qkov.ranks", "Ranks"),
+    ("qkov.training.distributed", "from_env", "qkov.ranks", "Ranks"),
+    ("qkov.analysis.forward.sites", "SPLIT_INPUTS", "qkov.analysis.forward.sites", "HEAD_INPUTS"),
+    ("qkov.analysis.paths.qk_side", "qk_split", "qkov.analysis.paths.qk_side", "expand_qk"),
+    ("qkov.analysis.paths", "QKSplit", "qkov.analysis.paths", "QKExpansion"),
+    ("qkov.analysis.forward.frozen", "frozen_run", "qkov.analysis.forward.frozen", "frozen_recording"),
+    ("qkov.analysis.paths", "RUN_FLOPS", "qkov.analysis.paths", "PASS_FLOPS"),
+    ("qkov.analysis.shown", "ListAccess", "qkov.analysis.shown", "Items"),
+    ("qkov.apps.dynamics_study", None, "qkov.apps.dynamics.study", None),
+    ("qkov.apps.dynamics_page", None, "qkov.apps.dynamics.page", None),
+    ("qkov.apps.series", None, "qkov.apps.dynamics.series", None),
+    ("qkov.apps.phase_section", None, "qkov.apps.dynamics.phase", None),
+]
+
+
+@pytest.mark.parametrize("old_module, old, new_module, new", RENAMED_1_1, ids=[f"{r[0]}.{r[1]}" for r in RENAMED_1_1])
+def test_the_names_renamed_in_1_1_have_no_alias(old_module: str, old: str | None, new_module: str, new: str | None) -> None:
+    module = importlib.import_module(new_module)
+    assert new is None or hasattr(module, new)
+    with pytest.raises(AttributeError if old else ImportError):
+        _attr(old_module, old)() if old else importlib.import_module(old_module)
+
+
+def test_a_recorded_pass_is_a_recording_not_a_run() -> None:
+    """In qkov a run is a training run: the fields and arguments holding a ``Trace`` say ``recording``."""
+    from qkov.analysis.forward.cache import Stack
+    from qkov.analysis.paths.expansion import Expansion
+
+    for cls in (Stack, Expansion):
+        names = {f.name for f in dataclasses.fields(cls)}
+        assert "recording" in names and "run" not in names, cls
+    for fn in (qkov.expand, qkov.term_importance):
+        params = inspect.signature(fn).parameters
+        assert "recording" in params and "run" not in params, fn
+
+
+def test_the_old_forms_of_the_results_are_gone(tmp_path: Path) -> None:
+    """Indexing the list-like results, unpacking the term effects, the old attribute names and the old
+    argument order fail; what replaced them reads the same objects."""
     from qkov.analysis.heads.repeated import repeat_scores
 
     w = _tiny()
+    copying = qkov.copying_scores(w, diag_k=3)
+    composition = qkov.composition_scores(w, kinds=("q",), baseline_samples=4)
+    for result, index in [(copying, 0), (composition, "q")]:
+        with pytest.raises(TypeError, match="not subscriptable"):
+            result[index]
+    assert list(copying) == copying.heads and len(copying) == len(copying.heads)  # len and iteration stay
+    assert composition.kinds["q"] is composition.q and list(composition) == ["q"]
+    exp = qkov.expand(w, torch.randint(0, TINY.d_vocab, (1, 8)))
+    with pytest.raises(TypeError, match="non-iterable"):
+        singles, virtual = qkov.term_effects(exp, top_virtual=0)
     probe = qkov.induction_probe(w, length=6, batch=2)
-    with pytest.warns(DeprecationWarning, match="use InductionProbe.induction_attention"):
-        assert probe.scores is probe.induction_attention
-    toks = qkov.induction_probe_tokens(TINY.d_vocab, length=6, repeats=2, batch=2, seed=0, bos=0)
-    P = qkov.trace(w, toks, cache="pattern.*").stack("pattern")  # [L, B, H, T, T]
-    q = torch.arange(7, toks.shape[1])
-    by_hand = P[..., q, q - 5].mean(dim=(1, 3))  # key: the token after the previous copy of the query's
-    assert (probe.induction_attention - by_hand.float()).abs().max() < 1e-6
-    rep = qkov.prefix_matching_tokens(TINY.d_vocab, length=6, seed=0, bos=0)
-    rs = repeat_scores(w, rep, 6)
-    with pytest.warns(DeprecationWarning, match="use RepeatScores.induction_attention"):
-        assert rs.induction is rs.induction_attention
-    P = qkov.trace(w, rep, cache="pattern.*").stack("pattern")
-    q = torch.arange(7, rep.shape[1])
-    assert (rs.induction_attention - P[..., q, q - 5].mean(dim=(1, 3))).abs().max() < 1e-9
+    rep = repeat_scores(w, qkov.prefix_matching_tokens(TINY.d_vocab, length=6, seed=0, bos=0), 6)
+    for result, old in [(probe, "scores"), (rep, "induction")]:
+        with pytest.raises(AttributeError, match=old):
+            getattr(result, old)
+    model = Transformer(TINY, seed=0)
+    with pytest.raises(qkov.QkovError, match="save_checkpoint"):
+        qkov.save_checkpoint(tmp_path / "old", model)  # type: ignore[arg-type]
+    assert not (tmp_path / "old").exists()
 
 
 # --------------------------------------------------------------------------- import qkov stays light
@@ -122,7 +139,7 @@ dynamics, show = qkov.dynamics, qkov.show  # the lazy names load on first use
 from qkov import show as show_again
 print(json.dumps({"before": before, "missing_from_dir": names_listed, "dynamics": dynamics.__module__,
                   "show": show.__name__, "same": show is show_again and hasattr(show, "attention"),
-                  "after": "qkov.apps.dynamics_study" in sys.modules}))
+                  "after": "qkov.apps.dynamics.study" in sys.modules}))
 """
 
 
@@ -137,7 +154,7 @@ def test_import_qkov_leaves_the_app_and_notebook_layers_to_first_use() -> None:
     got = _python(LIGHT)
     assert got["before"] == dict.fromkeys(got["before"], False), got["before"]
     assert got["missing_from_dir"] == []
-    assert got["dynamics"] == "qkov.apps.dynamics_study" and got["show"] == "qkov.show" and got["same"]
+    assert got["dynamics"] == "qkov.apps.dynamics.study" and got["show"] == "qkov.show" and got["same"]
     assert got["after"]
 
 
@@ -184,7 +201,7 @@ def test_analyses_report_progress_as_what_done_total() -> None:
         assert max(d - n for s, d, n in heard if s == stage) == 0, stage
 
 
-def test_load_corpus_reports_with_the_protocol_and_accepts_the_old_form(tmp_path: Path) -> None:
+def test_load_corpus_reports_with_the_protocol(tmp_path: Path) -> None:
     docs = tmp_path / "docs"
     docs.mkdir()
     for i in range(4):
@@ -192,21 +209,3 @@ def test_load_corpus_reports_with_the_protocol_and_accepts_the_old_form(tmp_path
     heard: list[tuple[str, int, int]] = []
     qkov.load_corpus(str(docs), vocab_size=280, cache_dir=tmp_path / "c", progress=lambda *a: heard.append(a))
     assert [a[0] for a in heard][-1] == "corpus: tokenising" and all(0 <= d <= n for _, d, n in heard)
-    old: list[str] = []
-    with pytest.warns(DeprecationWarning, match=r"one-argument progress callback to qkov\.load_corpus"):
-        qkov.load_corpus(str(docs), vocab_size=280, cache_dir=tmp_path / "c2", progress=old.append)
-    assert old == [what for what, _, _ in heard]  # each message once, in order
-
-
-def test_as_progress_tells_the_two_forms_apart_by_signature() -> None:
-    calls: list[Any] = []
-    new = lambda what, done, total: calls.append((what, done, total))  # noqa: E731
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert as_progress(new, "f") is new and as_progress(print, "f") is print and as_progress(None, "f") is None
-    with pytest.warns(DeprecationWarning):
-        wrapped = as_progress(lambda message: calls.append(message), "f")
-    assert wrapped is not None
-    for args in [("a", 0, 2), ("a", 1, 2), ("a", 2, 2), ("b", 0, 1), ("b", 1, 1)]:
-        wrapped(*args)
-    assert calls == ["a", "b"]

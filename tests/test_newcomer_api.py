@@ -185,14 +185,6 @@ def test_a_llama_family_directory_runs_every_analysis_from_python(llama_dir: Pat
     assert "the text has 31" in data["left_out"]["icl"]  # said, not refused
 
 
-def test_old_call_forms_still_work_with_a_deprecation_warning(tmp_path: Path) -> None:
-    model = qkov.Transformer(qkov.ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, n_ctx=16, d_vocab=32))
-    with pytest.warns(DeprecationWarning, match=r"save_checkpoint\(model, path\)"):
-        qkov.save_checkpoint(tmp_path / "old", model)
-    qkov.save_checkpoint(model, tmp_path / "new")
-    assert (tmp_path / "old" / "model.safetensors").read_bytes() == (tmp_path / "new" / "model.safetensors").read_bytes()
-
-
 def test_ablation_study_takes_the_text_then_the_heads() -> None:
     """Positional or named, heads as pairs or ``"L.H"``; the pre-1.0 order (heads second, ``text=``) was
     removed in 1.1 and is a plain ``TypeError``."""

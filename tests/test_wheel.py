@@ -137,7 +137,7 @@ def test_the_sdist_carries_every_module_asset_and_the_license(dist: Dist) -> Non
 def test_the_metadata_is_complete_and_the_version_is_set_once(dist: Dist) -> None:
     with zipfile.ZipFile(dist.wheel) as whl:
         meta = Parser().parsestr(whl.read(f"qkov-{__version__}.dist-info/METADATA").decode())
-    assert meta["Version"] == __version__ == "1.0.0"
+    assert meta["Version"] == __version__ == "1.1.0"
     assert meta["License-Expression"] == "MIT"
     assert meta["Requires-Python"] == ">=3.11"
     assert meta["Author"] and meta["Keywords"] and meta["Summary"]

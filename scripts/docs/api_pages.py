@@ -148,8 +148,13 @@ def module_path(module: str) -> Path:
 
 
 def directive(path: str) -> list[str]:
-    """``::: path`` with the options of an entry of its own (undocumented names shown too)."""
-    return [f"::: {path}", "    options:", "      heading_level: 2", "      show_if_no_docstring: true", ""]
+    """``::: path`` with the options of an entry of its own (undocumented names shown too; a module that
+    lists a dunder name such as ``__version__`` in its ``__all__`` shows its dunder names)."""
+    lines = [f"::: {path}", "    options:", "      heading_level: 2", "      show_if_no_docstring: true"]
+    file = module_path(path)
+    if file.is_file() and any(n.startswith("__") for n in all_names(file) or []):
+        lines.append('      filters: ["!^_[^_]"]')
+    return lines + [""]
 
 
 def page_text(page: Page) -> str:

@@ -42,7 +42,6 @@ from .analysis.paths.importance import term_importance
 from .analysis.heads.probes import InductionProbe, icl_score, induction_probe, induction_probe_tokens, prefix_matching_tokens
 from .analysis.heads.pattern_scores import text_scores
 from .analysis.circuits.trigrams import bigrams, skip_trigrams
-from .deprecated import warn_renamed as _warn_renamed
 from .errors import QkovError
 from .io.checkpoint import save_checkpoint
 from .io.sources import load, load_any
@@ -59,31 +58,23 @@ from .weights.view import Weights
 
 # The app and notebook layers, loaded on first use: public name -> (module, attribute; None: the module).
 _LAZY: dict[str, tuple[str, str | None]] = {
-    "dynamics": (".apps.dynamics_study", "dynamics"),
+    "dynamics": (".apps.dynamics", "dynamics"),
     "show": (".show", None),
-}
-# Renamed public names, kept for one release: old name -> new name (both in this namespace).
-_RENAMED: dict[str, str] = {
-    "Run": "Trace",
-    "run": "trace",
 }
 
 if TYPE_CHECKING:  # what static analysers and IDEs see of the lazy names
     from . import show as show
-    from .apps.dynamics_study import dynamics as dynamics
+    from .apps.dynamics import dynamics as dynamics
 
 
 def __getattr__(name: str) -> Any:
-    """Load a lazy name (:data:`_LAZY`) on first use; serve a renamed one (:data:`_RENAMED`) with a warning."""
+    """Load a lazy name (:data:`_LAZY`) on first use."""
     if name in _LAZY:
         module, attribute = _LAZY[name]
         loaded = importlib.import_module(module, __name__)
         value = loaded if attribute is None else getattr(loaded, attribute)
         globals()[name] = value  # once: later uses are plain attribute reads
         return value
-    if name in _RENAMED:
-        _warn_renamed(f"qkov.{name}", f"qkov.{_RENAMED[name]}")
-        return globals()[_RENAMED[name]]
     raise AttributeError(f"module 'qkov' has no attribute {name!r}")
 
 

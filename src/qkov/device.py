@@ -12,6 +12,17 @@ import torch
 
 from .errors import QkovError
 
+__all__ = [
+    "check_fits",
+    "flush_denormals",
+    "free_memory",
+    "memory_budget",
+    "pick_device",
+    "reproducible_blas",
+    "set_memory_budget",
+    "tune_cpu_allocator",
+]
+
 
 def pick_device(name: str | torch.device = "auto") -> torch.device:
     """``auto`` -> ``cuda`` if a CUDA GPU is available, else ``cpu``; otherwise the named device.

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+__all__ = ["check_choice", "check_int", "HINTS", "QkovError", "QkovWarning"]
+
 HINTS: tuple[str, ...] = ("text", "resume", "out", "config", "overwrite", "batch", "memory")
 """What a hint may name: ``text`` (something to analyse), ``resume`` (continue the run that
 is there), ``out`` (another output location), ``config`` (a config for a weights file that carries

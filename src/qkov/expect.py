@@ -31,6 +31,19 @@ from .errors import QkovError
 from .model.config import ModelConfig
 from .model.transformer import Transformer
 
+__all__ = [
+    "describe",
+    "expect_model",
+    "expect_path",
+    "expect_paths",
+    "expect_source",
+    "expect_tokens",
+    "is_source",
+    "refuse_source",
+    "SOURCE_KINDS",
+    "SourceTypeError",
+]
+
 _SOURCE_PARTS = ("attention", "embed", "unembed", "pos", "mlp", "norm", "device", "dtype")
 
 

@@ -1,24 +1,31 @@
-"""Splitting an analysis over the ranks of a ``torchrun`` launch, with results equal to one process's.
+"""The ranks of a ``torchrun`` launch (one description, :class:`Ranks`), and an analysis split over
+them with results equal to one process's.
 
-An analysis that splits (composition: pairs of layers; copying: heads; text scores and path terms:
-sequences) numbers its units of work the same way whatever the number of ranks, computes on each
-rank only the units :meth:`Split.mine` gives it (rank ``r`` of ``world`` takes the ``r``-th of
+:class:`Ranks` is this process among the others: its rank of ``world`` (and its local rank on this
+machine), read from torchrun's environment (:meth:`Ranks.from_env`; training joins the process group
+with it, :mod:`qkov.training.distributed`) or from the process group joined (:meth:`Ranks.from_group`,
+with a CPU group the analyses' results travel over).
+
+An analysis that splits its work (composition: pairs of layers; copying: heads; text scores and path
+terms: sequences) numbers its units of work the same way whatever the number of ranks, computes on
+each rank only the units :meth:`Ranks.mine` gives it (rank ``r`` of ``world`` takes the ``r``-th of
 ``world`` contiguous runs of the ``n`` units, as even as they can be), each exactly as one process
-computes it, and :meth:`Split.gather` brings every unit's result to every rank in unit order.
+computes it, and :meth:`Ranks.gather` brings every unit's result to every rank in unit order.
 Whatever combines the units then runs on every rank in that fixed order, so any number of ranks
 returns the numbers of one process (not only close ones).
 
-The split in force is set by :func:`over` (a context variable: nothing to pass down the call
+The ranks in force are set by :func:`over` (a context variable: nothing to pass down the call
 chain); outside it, :func:`current` is one process and nothing is split. The commands enter it
-under torchrun (``apps/cli/common.py: ranks``, which joins the process group of
+under torchrun (``apps/ranks.py: ranks``, which joins the process group of
 :mod:`qkov.training.distributed`); in a script of your own launched by torchrun, join the group
-and call the analyses inside ``with over(Split.from_group()):``.
+and call the analyses inside ``with over(Ranks.from_group()):``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, TypeVar
@@ -26,17 +33,24 @@ from typing import Any, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
+from .errors import QkovError
+
+__all__ = ["GATHER_TIMEOUT", "Ranks", "current", "over"]
+
 GATHER_TIMEOUT = timedelta(hours=24)  # how long a rank that finished waits for the others at a gather
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Split:
-    """This process's share of the work: rank ``rank`` of ``world`` (one process: 0 of 1).
-    ``group``: the CPU (gloo) process group the results travel over."""
+class Ranks:
+    """This process among the ranks of a launch: rank ``rank`` of ``world``, local rank ``local_rank``
+    of the ``local_world`` ranks on this machine (one process: 0 of 1). ``group``: the CPU (gloo)
+    process group an analysis's results travel over (:meth:`from_group`; ``None`` otherwise)."""
 
     rank: int = 0
     world: int = 1
+    local_rank: int = 0
+    local_world: int = 1
     group: Any = None
 
     @property
@@ -67,32 +81,47 @@ class Split:
         merged: dict[int, Any] = {k: v for box in boxes for k, v in box.items()}
         missing = [i for i in range(n) if i not in merged]
         if missing:  # a unit no rank computed: a bug in the caller's numbering, never a silent hole
-            raise RuntimeError(f"split: units {missing[:5]} were computed by no rank")
+            raise RuntimeError(f"ranks: units {missing[:5]} were computed by no rank")
         return [_to(merged[i], device) for i in range(n)]
 
     @classmethod
-    def from_group(cls) -> "Split":
-        """The split of the process group this process has joined (one process when none)."""
+    def from_env(cls) -> "Ranks":
+        """The ranks torchrun's environment describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+        ``LOCAL_WORLD_SIZE``); one process when they are unset."""
+        try:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            rank = int(os.environ.get("RANK", "0"))
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        except ValueError:
+            raise QkovError("distributed: RANK/WORLD_SIZE/LOCAL_RANK must be integers") from None
+        return cls(rank, world, local_rank, local_world)
+
+    @classmethod
+    def from_group(cls) -> "Ranks":
+        """The ranks of the process group this process has joined, with a CPU (gloo) group for the
+        analyses' gathers (one process when none)."""
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return cls()
+        env = cls.from_env()
         group = dist.new_group(backend="gloo", timeout=GATHER_TIMEOUT)  # CPU collectives, long waits allowed
-        return cls(dist.get_rank(), dist.get_world_size(), group)
+        return cls(dist.get_rank(), dist.get_world_size(), env.local_rank, env.local_world, group)
 
 
-_CURRENT: contextvars.ContextVar[Split] = contextvars.ContextVar("qkov_split", default=Split())
+_CURRENT: contextvars.ContextVar[Ranks] = contextvars.ContextVar("qkov_ranks", default=Ranks())
 
 
-def current() -> Split:
-    """The split in force (:func:`over`); one process outside it."""
+def current() -> Ranks:
+    """The ranks in force (:func:`over`); one process outside it."""
     return _CURRENT.get()
 
 
 @contextlib.contextmanager
-def over(split: Split) -> Iterator[Split]:
-    """Split every analysis called inside over ``split``'s ranks."""
-    token = _CURRENT.set(split)
+def over(ranks: Ranks) -> Iterator[Ranks]:
+    """Split every analysis called inside over ``ranks``."""
+    token = _CURRENT.set(ranks)
     try:
-        yield split
+        yield ranks
     finally:
         _CURRENT.reset(token)
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import qkov
 from qkov.analysis.heads.probes import default_icl_examples, induction_probe_tokens
 from qkov.apps.inputs import analysis_inputs
-from qkov.apps.dynamics_study import dynamics
+from qkov.apps.dynamics.study import dynamics
 from qkov.io.checkpoint import save_checkpoint
 from qkov.model.ops import next_token_loss
 from qkov.training import snapshots as snaps
@@ -240,7 +240,7 @@ def test_hub_revisions_from_the_local_cache(tmp_path: Path, capsys: pytest.Captu
 EVERY_RANK = """
 import json, os, sys
 from pathlib import Path
-from qkov.apps.dynamics_study import write_dynamics
+from qkov.apps.dynamics.study import write_dynamics
 run, out = sys.argv[1], Path(sys.argv[2])
 result = write_dynamics(out, [run], device="cpu", draws=1)
 (out.parent / f"rank{os.environ['RANK']}.json").write_text(json.dumps(result.to_dict()))
@@ -281,7 +281,7 @@ def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_
     need_browser()
     folder = tiny_run / "dynamics"
     if not (folder / "index.html").exists():
-        qkov.apps.dynamics_study.write_dynamics(folder, [tiny_run], device="cpu", draws=1)
+        qkov.apps.dynamics.study.write_dynamics(folder, [tiny_run], device="cpu", draws=1)
     data = json.loads((folder / "dynamics.json").read_text())
     probed = tmp_path / "index.html"
     probed.write_text((folder / "index.html").read_text().replace("</body>", RESOURCES_PROBE + "</body>"))
@@ -304,7 +304,7 @@ def test_dynamics_page_renders_offline_in_headless_chromium(tiny_run: Path, tmp_
 def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
     """The notebook forms (text and HTML) of a dynamics result and an ablation study show the
     object's own numbers."""
-    from qkov.apps.dynamics_study import DynamicsResult
+    from qkov.apps.dynamics.study import DynamicsResult
     from qkov.analysis.causal import ablation as Ab
     from qkov.analysis.series.phase import Window
     from qkov.analysis.series.measures import SeriesReading
@@ -331,13 +331,8 @@ def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
     assert "1,234,567 - 2,345,678 (rise 0.432)" in text and "removes 83%" in text
     assert "random heads 2% (median), 4% (mean)" in text
     assert "<td>1,234,567</td><td>2,345,678</td><td>0.432</td><td>6.5</td>" in page and 'class="window"' in page
-    # the pre-1.0 dict access reads the JSON form and names the attribute to use
-    old_access = r"DynamicsResult\['reading'\] is deprecated: use DynamicsResult.reading"
-    with pytest.warns(DeprecationWarning, match=old_access):
-        assert r["reading"]["windows"]["induction"]["start"] == 1234567.0
-    with pytest.warns(DeprecationWarning, match="DynamicsResult.ablation"):
-        assert r.get("ablation")["random_icl_removed_median"] == pytest.approx(0.02)
-    assert "snapshots" in r and "nothing" not in r and r.get("nothing", 7) == 7
+    assert r.to_dict()["reading"]["windows"]["induction"]["start"] == 1234567.0
+    assert r.to_dict()["ablation"]["random_icl_removed_median"] == pytest.approx(0.02)
     assert r.to_dict()["model"] == TINY.to_dict() and r.to_dict()["description"] == TINY.describe()
     m = lambda loss, icl: Ab.Measures(loss, icl, 5.0, 1.25)  # noqa: E731
     study = Ab.AblationStudy(["1.0"], "zero", None, m(2.5, -0.2), m(2.75, -0.05), [["0.1"]], [m(2.6, -0.19)])
@@ -359,7 +354,7 @@ def test_icl_score_read_at_its_window_positions_equals_the_full_curve(length: in
 
 
 def test_phase_claims_follow_the_numbers() -> None:
-    from qkov.apps.phase_section import phase_claims
+    from qkov.apps.dynamics.phase import phase_claims
 
     win = {"start": 8e6, "end": 1.2e7, "peak": 1e7, "rise": 0.4, "share": 0.8, "sharpness": 4.0}
     meas = lambda icl: {"loss": 2.5, "icl": icl, "repeat_first": 10.0, "repeat_second": 7.0}  # noqa: E731

@@ -358,7 +358,7 @@ def test_a_tight_budget_splits_the_ablation_passes_and_measures_the_same(
     trained: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from qkov.analysis.causal import ablation as Ab
-    from qkov.apps.dynamics_study import sample_for
+    from qkov.apps.inputs import sample_for
     import qkov.device as D
 
     model = qkov.load(trained)

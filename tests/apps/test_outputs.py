@@ -149,7 +149,7 @@ def test_case4_a_page_written_during_the_analysis_is_kept(
 def test_case4_dynamics_and_tour_repeat_the_check_too(
     hand: Path, hand_report, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import qkov.apps.dynamics_study as dyn_app
+    import qkov.apps.dynamics.study as dyn_app
     import qkov.apps.tour as tour_app
 
     out = tmp_path / "dyn"

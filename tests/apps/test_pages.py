@@ -21,8 +21,8 @@ import qkov
 from qkov import ModelConfig
 from qkov.apps import tour
 from qkov.apps.claims import claims
-from qkov.apps.dynamics_study import write_dynamics
-from qkov.apps.phase_section import phase_charts, phase_claims
+from qkov.apps.dynamics.study import write_dynamics
+from qkov.apps.dynamics.phase import phase_charts, phase_claims
 from qkov.apps.report import write_report
 from qkov.apps.report.render import script_code, script_json
 from qkov.training.loop import train

@@ -16,7 +16,7 @@ from qkov.analysis.causal import ablation as Ab
 from qkov.analysis.causal.metrics import LogitDiff, Loss
 from qkov.analysis.causal.patching import activation_patching
 from qkov.analysis.causal.path_patch import path_patching
-from qkov.apps.dynamics_study import sample_for
+from qkov.apps.inputs import sample_for
 from qkov.io import save_tl
 
 from helpers import TINY, run_main, tiny_train

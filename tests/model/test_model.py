@@ -144,7 +144,7 @@ def test_public_api_is_what_the_package_docs_list() -> None:
     from qkov.analysis import paths
     from qkov.analysis.heads import pattern_scores as text_scores
     from qkov.analysis.circuits import trigrams
-    from qkov.apps import dynamics_study
+    from qkov.apps.dynamics import study as dynamics_study
     from qkov.weights import convert
     from qkov.io import checkpoint, sources
     from qkov.model import config, transformer

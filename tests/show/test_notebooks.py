@@ -111,9 +111,6 @@ def test_copying_scores_display(hand: tuple) -> None:
     _, w, _ = hand
     scores = C.copying_scores(w, diag_k=3)
     assert scores.k == 3 and len(scores.heads) == 4 and list(scores) == scores.heads  # len/iteration: kept
-    old = r"indexing a CopyingScores is deprecated: use CopyingScores.heads\[...\]"
-    with pytest.warns(DeprecationWarning, match=old):
-        assert scores[1] is scores.heads[1]
     assert scores.to_dict() == {"k": 3, "heads": [c.to_dict() for c in scores.heads]}
     heads = the_spec(scores)["data"]["copying"]["heads"]
     assert [h["head"] for h in heads] == ["0.0", "0.1", "1.0", "1.1"]

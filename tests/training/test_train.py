@@ -78,8 +78,16 @@ def test_schedules() -> None:
 
 def test_training_lowers_loss_and_writes_a_checkpoint(tmp_path: Path, small_corpus: Path) -> None:
     events: list[dict] = []
+    heard: list[tuple[str, int, int]] = []
     out = tmp_path / "run"
-    model = qkov.train(out, TINY, tiny_train(small_corpus), device="cpu", callback=events.append)
+    model = qkov.train(
+        out, TINY, tiny_train(small_corpus), device="cpu", callback=events.append, progress=lambda *a: heard.append(a)
+    )
+    # progress goes through the one protocol: the corpus' stages, then the steps (0 when it starts, then each)
+    steps = [a for a in heard if a[0] == "train"]
+    assert steps == [("train", i, 40) for i in range(41)]
+    assert heard[0][0].startswith("corpus: ") and all(0 <= d <= n for _, d, n in heard)
+    assert {e["event"] for e in events} == {"start", "log", "eval", "checkpoint", "done"}  # the event log
     evals = [e for e in events if e["event"] == "eval"]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"] - 0.5
     assert evals[0]["val_loss"] < math.log(300) + 0.5

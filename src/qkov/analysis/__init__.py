@@ -6,7 +6,7 @@ One sub-package per concept, each importing only the ones before it (tests/test_
 * support, at this level: :mod:`.shown` (how results show themselves: text here, rich HTML registered
   by :mod:`qkov.show`), :mod:`.budget` (memory plans: one pass, chunk sizes) and :mod:`.sampling`
   (seeded samples);
-* :mod:`.forward` — the analysis forward: sites, edits, the recorded pass (:class:`Trace`), frozen runs,
+* :mod:`.forward` — the analysis forward: sites, edits, the recorded pass (:class:`Trace`), frozen recordings,
   TransformerLens' ``run_with_cache`` / ``run_with_hooks``;
 * :mod:`.circuits` — from the weights alone: QK/OV circuits, copying, composition, rotary circuits,
   skip-trigrams and bigrams, the weights-only report;

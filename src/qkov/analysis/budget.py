@@ -7,7 +7,7 @@ estimates count the tensors an analysis creates (activations, products, weights 
 memory-mapped checkpoint), not the weights already in memory; each is the sum of the largest
 tensors alive at once, at the chunk sizes the code will use.
 
-:func:`run_bytes` is one forward pass; :func:`fit_chunk` turns a budget into a chunk size.
+:func:`pass_bytes` is one forward pass; :func:`fit_chunk` turns a budget into a chunk size.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..device import check_fits, memory_budget
 from ..model.config import ModelConfig
 from ..weights.parts import WeightSource
 
-__all__ = ["fit_chunk", "item", "layer_read_bytes", "Planned", "rows_per_chunk", "run_bytes"]
+__all__ = ["fit_chunk", "item", "layer_read_bytes", "Planned", "rows_per_chunk", "pass_bytes"]
 
 
 def item(source: WeightSource) -> int:
@@ -35,7 +35,7 @@ def layer_read_bytes(source: WeightSource) -> int:
     return (4 * c.n_heads + 2 * c.kv_heads) * c.d_model * c.d_head * item(source)
 
 
-def run_bytes(
+def pass_bytes(
     source: WeightSource,
     batch: int,
     seq: int,

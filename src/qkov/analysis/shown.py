@@ -8,25 +8,22 @@ display: :data:`LOADERS`). Without a registered HTML formatter ``_repr_html_`` r
 notebook shows the text.
 
 Functions that return several results return a :class:`Shown` dataclass with named fields (the
-list-like ones keep ``len``, iteration and, deprecated, indexing: :class:`ListAccess`; the one that was a
-``dict``, :class:`CompositionScores`, keeps its views and, deprecated, indexing).
+list-like ones give ``len`` and iteration over their items: :class:`Items`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, Iterator
-import math
 from typing import Sequence
 
-from ..deprecated import warn_renamed
+from ..finite import finite
 from ..model.tokens import token_decoder
 
 __all__ = [
     "decoder",
     "Formatter",
     "HTML",
-    "ListAccess",
-    "load_html",
+    "Items",
     "LOADERS",
     "MAX_ROWS",
     "more",
@@ -47,7 +44,7 @@ LOADERS: list[Callable[[], Any]] = []
 first use (``import qkov`` puts the import of :mod:`qkov.show` here, so ``import qkov`` stays light)."""
 
 
-def load_html() -> None:
+def _load_html() -> None:
     """Run (and forget) the :data:`LOADERS`."""
     while LOADERS:
         LOADERS.pop(0)()
@@ -80,7 +77,7 @@ class Shown:
         return fn(self) if fn is not None else f"<{type(self).__name__}>"
 
     def _repr_html_(self) -> str | None:
-        load_html()
+        _load_html()
         fn = _lookup(HTML, self)
         return None if fn is None else fn(self)
 
@@ -98,10 +95,9 @@ def decoder(obj: Any) -> Callable[[int], str] | None:
     return getattr(obj, "decode", None)
 
 
-class ListAccess:
-    """Mixin for a result that was a ``list`` subclass before qkov 1.0 and is now a dataclass whose
-    items are the field named by ``ITEMS``: ``len`` and iteration still go over the items (silently),
-    indexing and slicing too, with a ``DeprecationWarning`` naming the field, until 1.1."""
+class Items:
+    """Mixin for a result whose items are the field named by ``ITEMS``: ``len`` and iteration go over
+    them (read one by name: ``result.heads[0]``)."""
 
     ITEMS: ClassVar[str] = "items"
 
@@ -111,11 +107,6 @@ class ListAccess:
     def __iter__(self) -> Iterator[Any]:
         return iter(getattr(self, self.ITEMS))
 
-    def __getitem__(self, i: Any) -> Any:
-        name = type(self).__name__
-        warn_renamed(f"indexing a {name}", f"{name}.{self.ITEMS}[...]")
-        return getattr(self, self.ITEMS)[i]
-
 
 def more(n: int, shown: int = MAX_ROWS) -> str:
     """The note under a truncated table ("" when nothing was left out)."""
@@ -124,9 +115,8 @@ def more(n: int, shown: int = MAX_ROWS) -> str:
 
 def num(v: Any, digits: int = 3) -> str:
     """``v`` with ``digits`` decimals; ``n/a`` for None/NaN (a score that does not apply)."""
-    if v is None or (isinstance(v, float) and not math.isfinite(v)):
-        return "n/a"
-    return f"{float(v):.{digits}f}"
+    x = finite(v)
+    return "n/a" if x is None else f"{x:.{digits}f}"
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], total: int | None = None) -> str:

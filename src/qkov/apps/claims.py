@@ -14,6 +14,8 @@ from typing import Any
 from ..analysis.heads.report import THRESHOLDS
 from .report.sections import Absent, CompositionSection, HeadRow, Report, TrigramRow
 
+__all__ = ["Claim", "claims", "head_rows", "ICL_GAP", "K_PATH_MOST", "OTHER_PATH_LITTLE"]
+
 ICL_GAP = 0.1  # nats: the 2-layer ICL score must be this far below the 1-layer one
 K_PATH_MOST = 0.5  # the key path must remove at least this share of the induction head's prefix matching ...
 OTHER_PATH_LITTLE = 0.2  # ... and the query and value paths at most this share each

@@ -19,12 +19,29 @@ import numpy as np
 import torch
 
 from ..analysis.causal.metrics import parse_metric
-from ..analysis.heads.probes import random_ids, token_pool
+from ..analysis.heads.probes import default_icl_examples, random_ids, token_pool
+from ..analysis.series.measures import Sample
 from ..errors import QkovError
 from ..io.checkpoint import read_config
 from ..io.sources import source_kind
 from ..model.transformer import Transformer
 from ..training.data import Corpus, load_corpus, val_batches
+
+__all__ = [
+    "analysis_inputs",
+    "AnalysisInput",
+    "patching_inputs",
+    "patching_pair",
+    "PatchingInputs",
+    "random_tokens",
+    "read_sequences",
+    "read_token_file",
+    "sample_for",
+    "TEXT_SEQUENCES",
+    "text_windows",
+]
+
+TEXT_SEQUENCES = 16  # validation sequences for the loss, per-token losses and previous-token scores of a Sample
 
 
 @dataclass
@@ -196,6 +213,21 @@ def analysis_inputs(
         seqs, None, f"seeded random tokens (seed {seed}{which}): no text, token ids or training corpus given",
         natural=False,
     )
+
+
+def sample_for(origin: Path, model: Transformer, *, text: Path | None, tokens: Path | None, seed: int) -> Sample:
+    """The fixed tokens ``model`` (loaded from ``origin``) is measured on: the validation text of
+    the corpus ``origin`` records (or a given text / token file); with none, seeded random tokens,
+    on which loss, ICL and previous-token scores are left out. Serves ``qkov dynamics`` and ``qkov ablate``."""
+    n_icl = default_icl_examples(model.cfg)
+    inp = analysis_inputs(
+        origin, model, text=text, tokens=tokens, batch=max(TEXT_SEQUENCES, n_icl), want_corpus=True, seed=seed
+    )
+    bos, freqs = model.bos_token_id, inp.frequencies
+    if not inp.natural:
+        return Sample(None, None, bos, seed, inp.source + " (loss, ICL and previous-token left out)", freqs)
+    ids = inp.tokens
+    return Sample(ids[:TEXT_SEQUENCES], ids[:n_icl], bos, seed, inp.source, freqs)
 
 
 def read_sequences(path: Path, model: Transformer) -> torch.Tensor:

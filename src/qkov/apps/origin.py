@@ -21,6 +21,8 @@ from ..io.tensorfile import TensorFile
 from ..model.transformer import Transformer
 from ..weights.lazy import LazyCheckpoint
 
+__all__ = ["describe_origin", "FORMATS", "parameter_count", "source_origin", "UNKNOWN"]
+
 FORMATS = {
     "qkov": "qkov checkpoint",
     "hf": "Hugging Face directory",
@@ -55,7 +57,7 @@ def describe_origin(origin: dict[str, Any]) -> str:
     return f"{what}{family} {origin.get('path')}"
 
 
-def stored_parameters(path: Path) -> int:
+def _stored_parameters(path: Path) -> int:
     """The weights a Hugging Face directory stores, from its safetensors headers (``transformers``'
     ``num_parameters()`` of the same model: a tied unembedding counted once, no biases the family lacks)."""
     return sum(math.prod(f.shape(name)) for f in map(TensorFile, shard_paths(path)) for name in f.entries)
@@ -63,11 +65,11 @@ def stored_parameters(path: Path) -> int:
 
 def parameter_count(source: Path | str, model: Transformer | LazyCheckpoint) -> int:
     """The parameters of the model of ``source``, as ``qkov info`` and the report's card state them: for a
-    Hugging Face directory what it stores (:func:`stored_parameters`; qkov's form of it adds zero biases
+    Hugging Face directory what it stores (:func:`_stored_parameters`; qkov's form of it adds zero biases
     and an untied copy of a tied unembedding, which are not the model's), else the parameters of
     ``model`` (loaded, or a :class:`~qkov.weights.lazy.LazyCheckpoint`: its tensors, from the headers)."""
     if source_kind(source) == "hf":
-        return stored_parameters(Path(source))
+        return _stored_parameters(Path(source))
     if isinstance(model, LazyCheckpoint):
         return sum(math.prod(model.file.shape(name)) for name in model.file.entries)
     return model.num_parameters()

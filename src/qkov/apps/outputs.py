@@ -71,6 +71,18 @@ from ..errors import QkovError
 from ..io import dirfd as fs
 from ..io.atomic import atomic_write_text, remove_stale_temporaries
 
+__all__ = [
+    "GENERATOR",
+    "JOURNAL",
+    "JSON_MARKS",
+    "output_folder",
+    "pair_id",
+    "replace_pair",
+    "settle",
+    "WRITE_ID",
+    "written_by_qkov",
+]
+
 GENERATOR = '<meta name="generator" content="qkov'
 WRITE_ID = '<meta name="qkov-write" content="'
 JSON_MARKS = ("schema_version", "claims")

@@ -1,7 +1,9 @@
 """Progress displays: training, and staged analyses (rich bars on a terminal).
 
-Used by the CLI as the ``callback`` of :func:`qkov.train` and the ``progress`` of the
-long analyses (:class:`qkov.progress.Progress`); the library itself never prints.
+Both are the ``progress`` of the library's long functions (:class:`qkov.progress.Progress`,
+``progress(what, done, total)``: :func:`qkov.train`'s steps, the analyses' stages); training's
+display also reads :func:`qkov.train`'s event log (:meth:`TrainProgress.event`). The library
+itself never prints.
 """
 
 from __future__ import annotations
@@ -11,12 +13,15 @@ import time
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress as Bars
+
+__all__ = ["StageProgress", "TrainProgress"]
 
 
-def _start_bar(console: Console, title: str, *extra: Any) -> Progress:
+def _start_bar(console: Console, title: str, *extra: Any) -> Bars:
     """A started rich progress display: title, bar, done/total, ``extra`` columns, elapsed and remaining time."""
-    bar = Progress(
+    bar = Bars(
         TextColumn(title),
         BarColumn(),
         MofNCompleteColumn(),
@@ -30,20 +35,25 @@ def _start_bar(console: Console, title: str, *extra: Any) -> Progress:
 
 
 class TrainProgress:
-    """Callable that renders training events. Use as a context manager."""
+    """Training's display: ``progress(what, done, total)`` for :func:`qkov.train`'s ``progress`` (the
+    corpus stages as lines, the steps as a bar) and :meth:`event` for its ``callback`` (the losses,
+    evaluations and the summary). Use as a context manager."""
 
     def __init__(self, *, quiet: bool = False, console: Console | None = None) -> None:
         self.quiet = quiet
         self.console = console or Console(stderr=True)
         self.live = self.console.is_terminal and not quiet
-        self.progress: Progress | None = None
+        self.bars: Bars | None = None
         self.task: Any = None
         self.fields = {"loss": "-", "val": "-", "ind": "-", "tps": "-"}
+        self.stage = ""  # the corpus stage said last
+        self.first: tuple[int, float] | None = None  # the step training started at, and when
         self.timed = False  # the first step's time was looked at
+        self.clock = time.perf_counter
 
     def __enter__(self) -> "TrainProgress":
         if self.live:
-            self.progress = _start_bar(
+            self.bars = _start_bar(
                 self.console,
                 "[bold]train",
                 TextColumn("loss {task.fields[loss]}  val {task.fields[val]}  induction {task.fields[ind]}"),
@@ -52,14 +62,39 @@ class TrainProgress:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.__exit__(*exc)
+        if self.bars is not None:
+            self.bars.__exit__(*exc)
 
     def say(self, text: str) -> None:
         if not self.quiet:
             self.console.print(text, highlight=False, soft_wrap=True)
 
-    def __call__(self, ev: dict[str, Any]) -> None:
+    def __call__(self, what: str, done: int, total: int) -> None:
+        if what != "train":  # building the corpus: each stage said once
+            if what != self.stage:
+                self.stage = what
+                self.say(what)
+            return
+        if self.bars is not None:
+            if self.task is None:
+                self.task = self.bars.add_task("train", total=total, completed=done, **self.fields)
+            self.bars.update(self.task, completed=done)
+        now = self.clock()
+        if self.first is None:
+            self.first = (done, now)
+        elif not self.timed:
+            self._first_step(now - self.first[1], total - done)
+
+    def _first_step(self, seconds: float, left: int) -> None:
+        """When the first step of a run is slow, say how long the run will take."""
+        self.timed = True
+        if seconds >= 2 and left > 0:
+            eta = seconds * left
+            when = f"{eta / 3600:.1f} h" if eta >= 3600 else f"{eta / 60:.0f} min" if eta >= 60 else f"{eta:.0f} s"
+            self.say(f"the first step took {seconds:.1f} s: about {when} for the {left:,} steps left")
+
+    def event(self, ev: dict[str, Any]) -> None:
+        """One event of :func:`qkov.train`'s event log."""
         kind = ev["event"]
         if kind == "message":
             self.say(ev["text"])
@@ -69,15 +104,10 @@ class TrainProgress:
                 f"{what} {ev['step']} of {ev['steps']}: {ev['params']:,} parameters on {ev['device']} "
                 f"({ev['precision']}), {ev['train_tokens']:,} training tokens"
             )
-            if self.progress is not None:
-                self.task = self.progress.add_task("train", total=ev["steps"], completed=ev["step"], **self.fields)
-        elif kind == "step":
-            self._step(ev)
         elif kind == "log":
             self.fields["loss"] = f"{ev['train_loss']:.3f}"
             self.fields["tps"] = f"{ev['tokens_per_s']:,.0f}"
-            if self.progress is not None:
-                self.progress.update(self.task, completed=ev["step"], **self.fields)
+            self._show_fields()
         elif kind == "eval":
             self.fields["val"] = f"{ev['val_loss']:.3f}"
             if "induction_score" in ev:
@@ -85,25 +115,17 @@ class TrainProgress:
             line = f"step {ev['step']:>6}  tokens {ev['tokens']:>11,}  val loss {ev['val_loss']:.4f}"
             if "induction_score" in ev:
                 line += f"  induction {ev['induction_score']:.3f}"
-            if self.progress is not None:
-                self.progress.update(self.task, **self.fields)
-                self.progress.console.print(line, highlight=False)
+            self._show_fields()
+            if self.bars is not None:
+                self.bars.console.print(line, highlight=False)
             elif not self.quiet:
                 print(line, file=sys.stderr, flush=True)
         elif kind == "done" and not self.quiet:
             self.say(f"done: step {ev['step']}, val loss {ev['val_loss']}, {ev['wall_s']:.0f} s of training")
 
-    def _step(self, ev: dict[str, Any]) -> None:
-        """Move the bar every step; when the first step of a run is slow, say how long the run will take."""
-        if self.progress is not None:
-            self.progress.update(self.task, completed=ev["step"])
-        if not self.timed:
-            self.timed = True
-            left = ev["steps"] - ev["step"]
-            if ev["seconds"] >= 2 and left > 0:
-                eta = ev["seconds"] * left
-                when = f"{eta / 3600:.1f} h" if eta >= 3600 else f"{eta / 60:.0f} min" if eta >= 60 else f"{eta:.0f} s"
-                self.say(f"the first step took {ev['seconds']:.1f} s: about {when} for the {left:,} steps left")
+    def _show_fields(self) -> None:
+        if self.bars is not None and self.task is not None:
+            self.bars.update(self.task, **self.fields)
 
 
 class StageProgress:
@@ -118,7 +140,7 @@ class StageProgress:
 
     def __init__(self, *, console: Console | None = None, every: float = 30.0, quiet: float = 10.0) -> None:
         self.console = console or Console(stderr=True)
-        self.progress: Progress | None = None
+        self.bars: Bars | None = None
         self.tasks: dict[str, Any] = {}
         self.every, self.quiet = every, quiet
         self.t0 = time.monotonic()
@@ -128,20 +150,20 @@ class StageProgress:
     def __enter__(self) -> "StageProgress":
         self.t0 = time.monotonic()
         if self.console.is_terminal:
-            self.progress = _start_bar(self.console, "[bold]{task.description}")
+            self.bars = _start_bar(self.console, "[bold]{task.description}")
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        if self.progress is not None:
-            self.progress.__exit__(*exc)
+        if self.bars is not None:
+            self.bars.__exit__(*exc)
 
     def __call__(self, stage: str, done: int, total: int) -> None:
-        if self.progress is None:
+        if self.bars is None:
             self._line(stage, done, total)
             return
         if stage not in self.tasks:
-            self.tasks[stage] = self.progress.add_task(stage, total=total)
-        self.progress.update(self.tasks[stage], completed=done, total=total)
+            self.tasks[stage] = self.bars.add_task(stage, total=total)
+        self.bars.update(self.tasks[stage], completed=done, total=total)
 
     def _line(self, stage: str, done: int, total: int) -> None:
         now = time.monotonic()

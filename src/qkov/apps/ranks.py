@@ -2,9 +2,9 @@
 
 ``torchrun --nproc-per-node N -m qkov circuits MODEL --json`` starts N processes; :func:`ranks` joins
 them into one process group (:func:`qkov.training.distributed.setup`: gloo on CPUs, NCCL on GPUs),
-gives each rank its share of the cores, and puts the split in force (:func:`qkov.ranks.over`)
+gives each rank its share of the cores, and puts the ranks in force (:func:`qkov.ranks.over`)
 for the analyses called inside it. Every rank gets every result; the command prints and writes on
-rank 0 alone (``Split.main``) and the others exit 0 having written nothing. Without torchrun's
+rank 0 alone (``Ranks.main``) and the others exit 0 having written nothing. Without torchrun's
 variables it is one process and changes nothing. A group already joined (a script of one's own that
 runs several commands: ``qkov.apps.cli.main``) is used as it is and left joined.
 """
@@ -18,30 +18,31 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..ranks import Split, over
+from ..ranks import Ranks, over
 from ..training import distributed
+
+__all__ = ["rank_device", "ranks"]
 
 
 def rank_device(device: torch.device) -> torch.device:
     """This rank's device: under torchrun a CUDA device is the rank's own (``LOCAL_RANK``); else ``device``."""
-    info = distributed.from_env()
-    return torch.device("cuda", info.local_rank) if info.enabled and device.type == "cuda" else device
+    env = Ranks.from_env()
+    return torch.device("cuda", env.local_rank) if env.enabled and device.type == "cuda" else device
 
 
 @contextlib.contextmanager
-def ranks(device: torch.device) -> Iterator[tuple[Split, torch.device]]:
-    """The split of this launch and this rank's device (``device`` itself for one process). Ranks
-    that share a machine share its cores: with as many ranks as cores, each computes on one thread."""
-    info = distributed.from_env()
-    if not info.enabled:
-        yield Split(), device
+def ranks(device: torch.device) -> Iterator[tuple[Ranks, torch.device]]:
+    """The ranks of this launch, in force, and this rank's device (``device`` itself for one process).
+    Ranks that share a machine share its cores: with as many ranks as cores, each computes on one thread."""
+    if not Ranks.from_env().enabled:
+        yield Ranks(), device
         return
     joined = not dist.is_initialized()  # a script that joined the group itself keeps it
-    info, device = distributed.setup(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.local_world))
+    env, device = distributed.setup(device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world))
     try:
-        with over(Split.from_group()) as split:
-            yield split, device
+        with over(Ranks.from_group()) as these:
+            yield these, device
     finally:
         if joined:
-            distributed.teardown(info)
+            distributed.teardown(env)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..deprecated import module_getattr
 from ..device import pick_device
 from ..errors import QkovError
 from ..io.checkpoint import read_config
@@ -26,13 +25,15 @@ from ..training.loop import train
 from .outputs import output_folder, replace_pair, settle
 from .progress import TrainProgress
 from .report import write_report
-from .report.render import render_template, to_json
+from ..finite import to_json
+from .report.render import render_template
 from .claims import Claim, claims, head_rows
-from .dynamics_study import SCHEMA_VERSION as DYNAMICS_SCHEMA
-from .dynamics_study import DYNAMICS_FILES, write_dynamics
-from .phase_section import phase_charts, phase_claims
+from .dynamics.study import DYNAMICS_FILES, SCHEMA_VERSION as DYNAMICS_SCHEMA, write_dynamics
+from .dynamics.phase import phase_charts, phase_claims
 from .report.card import TrainingRecord
 from .report.sections import Report
+
+__all__ = ["LAYERS", "render_tour", "run_tour", "TITLE"]
 
 LAYERS: tuple[int, ...] = (0, 1, 2)
 
@@ -60,7 +61,7 @@ def _model_row(n: int, rep: Report) -> dict[str, Any]:
     }
 
 
-def page_data(
+def _page_data(
     models: list[dict[str, Any]],
     table: list[Claim],
     meta: dict[str, Any],
@@ -69,7 +70,7 @@ def page_data(
 ) -> dict[str, Any]:
     """What the comparison page shows (its embedded JSON): the model rows, the claims (without
     their values: those are in ``tour.json``), the run's facts, the loss-by-position curves and the
-    phase-change charts (:func:`~qkov.apps.phase_section.phase_charts`)."""
+    phase-change charts (:func:`~qkov.apps.dynamics.phase.phase_charts`)."""
     return {
         "models": models,
         "claims": [{"claim": c.claim, "measured": c.measured, "holds": c.holds, "rule": c.rule} for c in table],
@@ -89,8 +90,8 @@ def render_tour(
     """The comparison page: the models side by side (each linking to its report), the models' loss
     by token position, the phase-change charts (linking to the dynamics pages) and the claims table.
     Drawn as the report is (:func:`~qkov.apps.report.render.render_template`): its stylesheet, its
-    script library and plotly.js, the data of :func:`page_data` embedded; opens with no network."""
-    return render_template("tour.html", page_data(models, table, meta, curves, phase), ("report.js", "tour.js"), TITLE)
+    script library and plotly.js, the data of :func:`_page_data` embedded; opens with no network."""
+    return render_template("tour.html", _page_data(models, table, meta, curves, phase), ("report.js", "tour.js"), TITLE)
 
 
 # --------------------------------------------------------------------------- run
@@ -171,9 +172,12 @@ def run_tour(
             say(f"[{n}-layer] {'resuming' if state == 'partial' else 'training'} in {ckpt}")
             with TrainProgress(quiet=quiet) as progress:
                 if state == "partial":
-                    train(ckpt, device=str(dev), resume=True, callback=progress)
+                    train(ckpt, device=str(dev), resume=True, callback=progress.event, progress=progress)
                 else:
-                    train(ckpt, ModelConfig(n_layers=n), TrainConfig(**train_over), device=str(dev), callback=progress)
+                    train(
+                        ckpt, ModelConfig(n_layers=n), TrainConfig(**train_over), device=str(dev),
+                        callback=progress.event, progress=progress,
+                    )
         say(f"[{n}-layer] report -> {ckpt / 'report' / 'index.html'}")
         t_rep = time.perf_counter()
         reports[n] = write_report(ckpt, ckpt / "report", device=str(dev))
@@ -193,5 +197,3 @@ def run_tour(
     replace_pair(out, {"index.html": page, "tour.json": to_json(body, indent=1)}, overwrite=False, what="tour")
     return table, models
 
-
-__getattr__ = module_getattr(__name__, {"render_page": ("qkov.apps.tour.render_tour", lambda: render_tour)})

@@ -24,6 +24,8 @@ from typing import Callable, Iterable
 
 from ..errors import QkovError
 
+__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "remove_stale_temporaries", "temporaries"]
+
 _writes = 0  # atomic writes in this process (the fault-injection counter)
 
 

@@ -13,8 +13,6 @@ write (:mod:`qkov.io.manifest`).
 from __future__ import annotations
 
 import json
-import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +45,7 @@ __all__ = [
     "read_tokenizer",
     "save_checkpoint",
     "save_tensors",
+    "training_record",
 ]
 
 
@@ -88,22 +87,12 @@ def save_checkpoint(
     tokenizer_json: str | None = None,
 ) -> None:
     """Write the model's weights and config (and tokenizer, if given) into ``path``: ``(model, path)``,
-    the order of :func:`~qkov.io.save_tl` and :func:`~qkov.io.save_hf`. The pre-1.0 order
-    ``save_checkpoint(path, model)`` is still accepted (told apart by the types), with a
-    :class:`DeprecationWarning`, until qkov 1.1.
+    the order of :func:`~qkov.io.save_tl` and :func:`~qkov.io.save_hf`.
 
     Raises:
         QkovError: ``path`` holds files qkov did not write (or one is at a name it would write),
             or ``path`` / ``model`` are not a path and a qkov :class:`~qkov.Transformer`.
     """
-    if isinstance(model, (str, os.PathLike)) and isinstance(path, Transformer):
-        warnings.warn(
-            "qkov.save_checkpoint(path, model) is deprecated: pass the model first, save_checkpoint(model, path) "
-            "(as save_tl and save_hf); the old order is accepted until qkov 1.1",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        model, path = path, model
     expect_model("qkov.save_checkpoint", model)
     expect_path("qkov.save_checkpoint", path)
     path = Path(path)

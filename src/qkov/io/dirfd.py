@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+__all__ = ["create", "exchange", "held", "kind", "open_locked", "read", "RENAMEAT2", "sha256", "unlink", "UNSUPPORTED"]
+
 # what a file system says when it cannot exchange names or make hard links
 UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EPERM, errno.EXDEV, errno.EOPNOTSUPP, errno.ENOTSUP}
 _RENAME_EXCHANGE = 2

@@ -44,6 +44,18 @@ from .hf_families import FAMILIES, family_config, family_state, prepends_start, 
 from .hf_store import WEIGHTS_FILE, shard_paths
 from .plausible import check_shapes
 
+__all__ = [
+    "CONFIG_FILE",
+    "from_hf",
+    "gpt2_config",
+    "gpt2_export",
+    "hf_config",
+    "load_hf",
+    "save_hf",
+    "to_hf",
+    "TOKENIZER_FILE",
+]
+
 CONFIG_FILE = "config.json"
 TOKENIZER_FILE = "tokenizer.json"
 

@@ -29,6 +29,8 @@ from ..errors import QkovError, QkovWarning
 from ..model.config import ModelConfig
 from ..model.tokens import TextCodec
 
+__all__ = ["BUFFERS", "FAMILIES", "family_config", "family_state", "Maybe", "prepends_start", "start_token", "Take"]
+
 FAMILIES: dict[str, str] = {
     "gpt_neox": "GPTNeoXForCausalLM",
     "llama": "LlamaForCausalLM",

@@ -27,6 +27,8 @@ from ..model.config import ModelConfig
 from .hf_families import FAMILIES, family_config
 from .tensorfile import TensorFile
 
+__all__ = ["HFStore", "INDEX_FILE", "shard_paths", "WEIGHTS_FILE"]
+
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -25,6 +25,8 @@ from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..model.transformer import Transformer
 
+__all__ = ["check_shapes", "file_shapes", "model_shapes"]
+
 _LAYER = re.compile(r"^blocks\.(\d+)\.(.+)$")
 
 

@@ -25,6 +25,8 @@ from .checkpoint import load as load_checkpoint
 from .hf import load_hf
 from .tl import load_tl
 
+__all__ = ["fetch_hub", "hf_model_type", "load", "load_any", "source_kind", "TL_SUFFIXES"]
+
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 TL_SUFFIXES = (".pt", ".pth", ".safetensors")
 

@@ -24,6 +24,8 @@ from torch import Tensor
 
 from ..errors import QkovError
 
+__all__ = ["TensorFile"]
+
 _DTYPES: dict[str, tuple[type, torch.dtype | None]] = {
     "F64": (np.float64, None),
     "F32": (np.float32, None),

@@ -44,6 +44,8 @@ from .checkpoint import load_state, save_tensors
 from .plausible import check_shapes
 from .torchfile import read_torch_file
 
+__all__ = ["CONFIG_KEY", "from_hooked", "load_tl", "save_tl", "tl_config_dict", "tl_config_to_qkov", "to_hooked"]
+
 CONFIG_KEY = "transformer_lens_config"  # safetensors metadata key holding the config JSON
 
 # TransformerLens activation name -> qkov's. gelu_fast and gelu_pytorch_tanh are the tanh

@@ -17,6 +17,8 @@ import torch
 
 from ..errors import QkovError
 
+__all__ = ["read_torch_file"]
+
 
 def _load_error(path: Path, what: str, exc: Exception) -> QkovError:
     text = str(exc)

@@ -12,6 +12,16 @@ from typing import Any, Literal
 
 from ..errors import QkovError, check_choice, check_int
 
+__all__ = [
+    "ACTIVATION_CHOICES",
+    "ModelConfig",
+    "Normalization",
+    "NORMALIZATION_CHOICES",
+    "Positional",
+    "POSITIONAL_CHOICES",
+    "ROPE_SCALINGS",
+]
+
 Positional = Literal["shortformer", "standard", "rotary", "none"]
 Normalization = Literal["none", "layernorm", "rmsnorm"]
 

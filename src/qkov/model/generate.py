@@ -21,6 +21,17 @@ from torch import Tensor
 from ..errors import QkovError, check_choice
 from .tokens import is_text
 
+__all__ = [
+    "check_options",
+    "continue_tokens",
+    "end_ids",
+    "next_tokens",
+    "prompt_tokens",
+    "RETURN_TYPES",
+    "sampling_generator",
+    "texts_of",
+]
+
 if TYPE_CHECKING:  # pragma: no cover
     from .transformer import Transformer
 

@@ -15,6 +15,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+__all__ = [
+    "activation",
+    "attention_scores",
+    "causal_mask",
+    "centre",
+    "embed",
+    "expand_kv",
+    "live_bias",
+    "masked_scores",
+    "mlp_hidden",
+    "mlp_output",
+    "mlp_preactivation",
+    "next_token_loss",
+    "next_token_nll",
+    "norm_scale",
+    "normalize",
+    "project_heads",
+    "query_key_stream",
+    "score_divisor",
+    "stream_start",
+    "write_heads",
+]
+
 
 # ------------------------------------------------------------------ the block's pieces
 def embed(tokens: Tensor, W_E: Tensor, W_pos: Tensor | None) -> tuple[Tensor, Tensor | None]:

@@ -17,6 +17,8 @@ from typing import Any, Callable, TypeVar
 
 from ..errors import QkovError
 
+__all__ = ["call", "CALLS", "register"]
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 CALLS: dict[str, Callable[..., Any]] = {}

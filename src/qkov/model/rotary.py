@@ -32,6 +32,8 @@ from torch import Tensor
 
 from .config import ModelConfig
 
+__all__ = ["angles", "frequencies", "relative_rotation", "rotate", "tables"]
+
 
 def frequencies(cfg: ModelConfig) -> Tensor:
     """The angular frequencies ``w_m`` of the ``rotary_width / 2`` planes, float32 ``[r/2]``."""

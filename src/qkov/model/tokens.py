@@ -13,6 +13,17 @@ from torch import Tensor
 from ..errors import QkovError
 from .config import ModelConfig
 
+__all__ = [
+    "check_tokens",
+    "is_text",
+    "left_out_tokens",
+    "source_codec",
+    "SPACE_PIECE",
+    "text_codec",
+    "TextCodec",
+    "token_decoder",
+]
+
 
 def check_tokens(tokens: Tensor | Any, cfg: ModelConfig) -> Tensor:
     """Validate token ids for ``cfg`` and return them as a ``[batch, seq]`` long tensor.

@@ -39,6 +39,8 @@ from .generate import (
 )
 from .tokens import TextCodec, check_tokens, source_codec
 
+__all__ = ["Attention", "Block", "LayerNorm", "MLP", "ModelPass", "RMSNorm", "Transformer"]
+
 if TYPE_CHECKING:  # pragma: no cover
     from tokenizers import Tokenizer
 
@@ -68,7 +70,7 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.w, self.eps)
 
 
-def norm_layer(cfg: ModelConfig) -> nn.Module | None:
+def _norm_layer(cfg: ModelConfig) -> nn.Module | None:
     """The model's pre-norm (LayerNorm, RMSNorm) or ``None``."""
     if cfg.normalization == "layernorm":
         return LayerNorm(cfg.d_model, cfg.ln_eps)
@@ -155,10 +157,10 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.ln1 = norm_layer(cfg)
+        self.ln1 = _norm_layer(cfg)
         self.attn = Attention(cfg)
         self.mlp = MLP(cfg) if cfg.d_mlp is not None else None
-        self.ln2 = norm_layer(cfg) if self.mlp is not None else None
+        self.ln2 = _norm_layer(cfg) if self.mlp is not None else None
 
     def parts(self) -> tuple[SimpleNamespace, SimpleNamespace | None]:
         """This block's weights as the block body reads them (:class:`~qkov.model.block.BlockPass`):
@@ -232,7 +234,7 @@ class Transformer(nn.Module):
         else:
             self.register_parameter("W_pos", None)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.ln_final = norm_layer(cfg)
+        self.ln_final = _norm_layer(cfg)
         self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
         if cfg.bias:
             self.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))

@@ -18,6 +18,8 @@ from typing import Any
 
 from ..apps.report.render import plotly_js, script_code, script_json, static
 
+__all__ = ["assets", "MISSING", "mounted", "page", "reset", "SCOPE", "take_assets", "text_only"]
+
 SCOPE = "qkov-nb"  # class of every display's root element; the report's CSS applies below it only
 _state = {"sent": False}
 MISSING = (
@@ -26,7 +28,7 @@ MISSING = (
 )
 
 
-def scoped_css(css: str, scope: str = "." + SCOPE) -> str:
+def _scoped_css(css: str, scope: str = "." + SCOPE) -> str:
     """``css`` with every selector moved under ``scope`` (``:root``, ``html`` and ``body`` become
     ``scope`` itself), so that the report's page styles never restyle the notebook around them."""
 
@@ -46,7 +48,7 @@ def assets() -> str:
     """The style and scripts every display needs (once per page). plotly.js is wrapped so that it
     defines ``window.Plotly`` also where an AMD loader is on the page (the classic notebook)."""
     bundle = "if (!window.Plotly) (function () { var define, module, exports;\n" + plotly_js() + "\n})();"
-    css = scoped_css(static("report.css")) + f"\n.{SCOPE} pre.qkov-text {{ font-size: 12px; }}"
+    css = _scoped_css(static("report.css")) + f"\n.{SCOPE} pre.qkov-text {{ font-size: 12px; }}"
     return (
         f'<style data-qkov="css">{css}</style>\n'
         f'<script data-qkov="plotly">{script_code(bundle)}</script>\n'
@@ -67,7 +69,7 @@ def reset() -> None:
     _state["sent"] = False
 
 
-def new_id() -> str:
+def _new_id() -> str:
     """A fresh element id: displays (and the viewer's controls) never clash on one page."""
     return "qkov-" + uuid.uuid4().hex[:12]
 
@@ -75,7 +77,7 @@ def new_id() -> str:
 def mounted(section: str, data: dict[str, Any], text: str, *, title: str = "", opts: dict | None = None) -> str:
     """One display: an element holding ``text`` that the report's renderer ``section`` replaces
     with its drawing of ``data`` (the report JSON's keys the renderer reads)."""
-    uid = new_id()
+    uid = _new_id()
     spec = {"section": section, "data": data, "title": title, "opts": opts or {}}
     script = (
         f'(function () {{ var root = document.getElementById("{uid}");'

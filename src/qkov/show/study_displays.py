@@ -1,4 +1,4 @@
-"""Notebook displays of the studies: a :class:`~qkov.apps.dynamics_study.DynamicsResult`
+"""Notebook displays of the studies: a :class:`~qkov.apps.dynamics.DynamicsResult`
 (the windows table, the detector curves as static SVG with the window shaded, the ablation line)
 and an :class:`~qkov.analysis.causal.ablation.AblationStudy` (its table). Static HTML: nothing to run."""
 
@@ -8,8 +8,7 @@ import html
 
 from ..analysis.causal.ablation import AblationStudy, Measures
 from ..analysis.shown import HTML, register
-from ..apps.dynamics_study import DynamicsResult
-from ..apps.phase_section import svg_dynamics
+from ..apps.dynamics import DynamicsResult, svg_dynamics
 from .page import page
 
 __all__ = ["ablation_html", "dynamics_html", "NAMES"]

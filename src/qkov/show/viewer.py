@@ -19,6 +19,8 @@ from ..weights.parts import WeightSource
 from ..weights.view import Weights
 from .page import mounted, page
 
+__all__ = ["attention", "AttentionView"]
+
 
 class AttentionView:
     """Every head's attention pattern on one sequence, shown as the report's viewer.

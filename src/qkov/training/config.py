@@ -9,6 +9,8 @@ from typing import Any
 
 from ..errors import QkovError, check_choice, check_int
 
+__all__ = ["lr_at", "PRECISIONS", "SCHEDULES", "TrainConfig"]
+
 SCHEDULES = ("wsd", "cosine", "constant")
 PRECISIONS = ("fp32", "bf16")
 

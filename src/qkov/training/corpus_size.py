@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import QkovError
 
+__all__ = ["check_examples", "least_tokens", "tokens", "too_short"]
+
 if TYPE_CHECKING:
     from .data import Corpus
 

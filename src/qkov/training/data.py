@@ -31,8 +31,25 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ..errors import QkovError
 from ..io.atomic import atomic_write_bytes, atomic_write_text
-from ..progress import Progress, as_progress, tick
+from ..progress import Progress, tick
 from .corpus_size import tokens, too_short
+
+__all__ = [
+    "Batches",
+    "BOS_TOKEN",
+    "Corpus",
+    "CORPUS_STEPS",
+    "default_cache_dir",
+    "is_val_file",
+    "load_corpus",
+    "read_texts",
+    "split_texts",
+    "stdlib_files",
+    "TextFile",
+    "TOKENIZER_VERSION",
+    "train_tokenizer",
+    "val_batches",
+]
 
 BOS_TOKEN = "<|bos|>"
 TOKENIZER_VERSION = 1  # bump when the tokenizer recipe changes (invalidates caches)
@@ -208,8 +225,7 @@ def load_corpus(
     """Load (or build and cache) a tokenised corpus. See the module docstring for ``spec``.
 
     ``progress(what, done, total)`` (:class:`qkov.progress.Progress`) hears each step of building
-    it, ``what`` saying what is being done (a one-argument callback is still accepted, deprecated)."""
-    progress = as_progress(progress, "qkov.load_corpus")
+    it, ``what`` saying what is being done."""
     say = lambda what, done=0: tick(progress, what, done, CORPUS_STEPS)  # noqa: E731
     if not 0.0 < val_fraction < 0.5:
         raise QkovError(f"val_fraction must be in (0, 0.5), got {val_fraction}")

@@ -6,8 +6,10 @@ the last checkpoint and ends exactly where an uninterrupted one would, because b
 a pure function of ``(seed, step)`` (see :class:`qkov.training.data.Batches`).
 
 :func:`train` is three steps: :func:`prepare` (the configs, the device, the corpus), then
-:meth:`Session.build` (model, optimizer, batches, restored state) and :meth:`Session.run`
-(the steps, with evaluations and checkpoints). Nothing here prints: progress goes to ``callback`` as event dicts.
+:meth:`Session.build` (model, optimizer, batches, restored state) and :meth:`Session.train`
+(the steps, with evaluations and checkpoints). Nothing here prints: progress goes through the one
+protocol, ``progress(what, done, total)`` (:mod:`qkov.progress`: the corpus being built, then
+``("train", step, steps)``), and what happens to ``callback`` as event dicts (the event log).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from ..io.checkpoint import METRICS_FILE, STATE_FILE, checkpoint_files, read_con
 from ..model.config import ModelConfig
 from ..model.ops import next_token_loss
 from ..model.transformer import Transformer
+from ..progress import Progress, tick
+from ..ranks import Ranks
 from ..weights.view import Weights
 from . import distributed
 from .config import TrainConfig, lr_at
@@ -41,6 +45,8 @@ from .data import Batches, Corpus, load_corpus, val_batches
 from .losses import LossModule
 from . import rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state
+
+__all__ = ["BLAS_NOT_REPRODUCIBLE", "Callback", "evaluate", "Plan", "prepare", "saved_configs", "Session", "train"]
 
 Callback = Callable[[dict[str, Any]], None]
 BLAS_NOT_REPRODUCIBLE = (
@@ -71,10 +77,11 @@ class Plan:
     model_cfg: ModelConfig
     train_cfg: TrainConfig
     resume: bool
-    dist: distributed.DistInfo
+    dist: Ranks
     device: torch.device
     corpus: Corpus
     emit: Callback
+    progress: Progress | None = None  # rank 0's: the steps as ("train", step, steps)
 
 
 def saved_configs(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -133,11 +140,13 @@ def prepare(
     resume: bool,
     corpus: Corpus | None,
     callback: Callback | None,
+    progress: Progress | None = None,
 ) -> Plan:
     """Settle the configs, join the process group under torchrun, tune the CPU, load the corpus."""
-    dist_info = distributed.from_env()
+    dist_info = Ranks.from_env()
     # under torchrun only rank 0 reports, writes checkpoints and metrics
     emit: Callback = (callback if dist_info.main else None) or (lambda _e: None)
+    progress = progress if dist_info.main else None
     model_cfg, tc = _configs(out, model_cfg, train_cfg, resume)
     dist_info, dev = distributed.setup(pick_device(device))
     if tc.batch % dist_info.world:
@@ -152,8 +161,7 @@ def prepare(
     if sync_cache and not dist_info.main:
         distributed.barrier(dist_info)  # rank 0 builds the token cache first; the others then read it
     if corpus is None:
-        say = lambda what, done, total: emit({"event": "message", "text": what})  # noqa: E731
-        corpus = load_corpus(tc.corpus, vocab_size=model_cfg.d_vocab, val_fraction=tc.val_fraction, progress=say)
+        corpus = load_corpus(tc.corpus, vocab_size=model_cfg.d_vocab, val_fraction=tc.val_fraction, progress=progress)
     if corpus.d_vocab > model_cfg.d_vocab:
         raise QkovError(f"corpus vocabulary ({corpus.d_vocab}) exceeds the model's d_vocab ({model_cfg.d_vocab})")
     if corpus.vocab_trained and corpus.d_vocab < model_cfg.d_vocab:
@@ -164,7 +172,7 @@ def prepare(
     if sync_cache and dist_info.main:
         distributed.barrier(dist_info)
     check_examples(corpus, model_cfg.n_ctx)  # one example of each split, before any output exists (every rank)
-    return Plan(out, model_cfg, tc, resume, dist_info, dev, corpus, emit)
+    return Plan(out, model_cfg, tc, resume, dist_info, dev, corpus, emit, progress)
 
 
 # --------------------------------------------------------------- build and run
@@ -305,7 +313,7 @@ class Session:
             raise QkovError(f"train: loss became {value} at step {self.step}; lower the learning rate")
         return value
 
-    def run(self, stop_after: int | None = None) -> None:
+    def train(self, stop_after: int | None = None) -> None:
         """Train to ``train_cfg.steps`` (or ``stop_after``), logging, evaluating and checkpointing."""
         p, tc = self.plan, self.plan.train_cfg
         autocast = torch.autocast(p.device.type, dtype=torch.bfloat16, enabled=tc.precision == "bf16")
@@ -321,7 +329,7 @@ class Session:
             n_timed += 1
             self.wall += time.perf_counter() - t0
             step, last_step = self.step, self.step == tc.steps
-            p.emit({"event": "step", "step": step, "steps": tc.steps, "seconds": time.perf_counter() - t0})
+            tick(p.progress, "train", step, tc.steps)
             if step % tc.log_interval == 0 or last_step:
                 now = time.perf_counter()
                 row = {
@@ -354,6 +362,7 @@ def train(
     resume: bool = False,
     corpus: Corpus | None = None,
     callback: Callback | None = None,
+    progress: Progress | None = None,
     stop_after: int | None = None,
 ) -> Transformer:
     """Train a model into the checkpoint directory ``out`` and return it (in eval mode).
@@ -365,11 +374,16 @@ def train(
         device: ``auto`` (cuda if available), ``cpu``, ``cuda`` or ``cuda:N``.
         resume: continue from ``out/train_state.safetensors``.
         corpus: an already-loaded corpus (else ``train_cfg.corpus`` is loaded, cached).
-        callback: receives event dicts: ``{"event": "start"|"message"|"step"|"log"|"eval"|"checkpoint"|"done",
-            ...}`` (``step`` after every step, with its ``seconds``).
+        callback: the event log: receives event dicts, ``{"event": "start"|"message"|"log"|"eval"|"checkpoint"|"done",
+            ...}``.
+        progress: ``progress(what, done, total)`` (:class:`qkov.Progress`): the corpus being built (its
+            stages, as :func:`~qkov.training.data.load_corpus` reports them), then ``("train", step, steps)``
+            when training starts and after every step. Under torchrun, rank 0 alone reports (both).
         stop_after: stop (after checkpointing) once this step is reached; for tests and tools.
     """
-    plan = prepare(Path(out), model_cfg, train_cfg, device=device, resume=resume, corpus=corpus, callback=callback)
+    plan = prepare(
+        Path(out), model_cfg, train_cfg, device=device, resume=resume, corpus=corpus, callback=callback, progress=progress
+    )
     if not plan.dist.main:
         return _train(plan, stop_after)
     with rundir.lock(plan.out):  # only rank 0 writes: it alone holds the directory's lock
@@ -394,7 +408,8 @@ def _train(plan: Plan, stop_after: int | None) -> Transformer:
             "resumed": plan.resume,
         }
     )
-    session.run(stop_after)
+    tick(plan.progress, "train", session.step, plan.train_cfg.steps)
+    session.train(stop_after)
     plan.emit({"event": "done", **session.summary()})
     distributed.barrier(plan.dist)
     distributed.teardown(plan.dist)

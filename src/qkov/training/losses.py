@@ -11,6 +11,8 @@ import torch
 
 from ..model.transformer import Transformer
 
+__all__ = ["LossModule", "model_loss"]
+
 
 class _CrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``logits [n, v]`` against ``target [n]`` with a one-pass backward.

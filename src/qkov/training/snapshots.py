@@ -26,6 +26,19 @@ from ..io.atomic import remove_stale_temporaries
 from ..io.checkpoint import save_tensors
 from ..io.manifest import SNAPSHOT_DIR, SNAPSHOT_NAME
 
+__all__ = [
+    "DEFAULT_SNAPSHOTS",
+    "drop_after",
+    "listing",
+    "meta",
+    "name_for",
+    "parse_spec",
+    "path_for",
+    "read",
+    "schedule",
+    "write",
+]
+
 DEFAULT_SNAPSHOTS = 40
 
 

@@ -22,6 +22,8 @@ from ..errors import QkovError
 from ..io.checkpoint import save_tensors
 from ..model.transformer import Transformer
 
+__all__ = ["load_state", "make_optimizer", "read_meta", "save_state"]
+
 
 def save_state(path: Path, model: Transformer, opt: torch.optim.Optimizer, step: int, extra: dict[str, Any]) -> None:
     """Write the model, the optimizer's state, the RNG state, ``step`` and ``extra`` to ``path``."""

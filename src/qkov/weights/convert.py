@@ -36,6 +36,8 @@ from ..model.transformer import Transformer
 from .parts import WeightSource
 from .view import Weights
 
+__all__ = ["as_source", "source_bos", "source_tokenizer", "SourceLike", "stream_centring", "STREAMS", "vocab_and_bos"]
+
 SourceLike = Union[WeightSource, Transformer, str, "os.PathLike[str]"]
 """What an analysis takes as its model: a weights source, a loaded model or a path (see the module docstring)."""
 

@@ -35,6 +35,8 @@ from ..model.config import ModelConfig
 from ..model.ops import expand_kv as expand
 from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader, writer_centring
 
+__all__ = ["AUTO_LAZY_BYTES", "LazyCheckpoint"]
+
 _BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
 AUTO_LAZY_BYTES = 1 << 30  # the CLI streams a checkpoint whose model.safetensors is larger than this
 

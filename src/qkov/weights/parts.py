@@ -26,6 +26,18 @@ from ..errors import QkovError
 from ..model.config import ModelConfig
 from ..model.ops import mlp_hidden, mlp_output, mlp_preactivation
 
+__all__ = [
+    "AttentionWeights",
+    "centre_rows",
+    "check_head",
+    "fold_reader",
+    "MLPWeights",
+    "NORMS",
+    "Unembedding",
+    "WeightSource",
+    "writer_centring",
+]
+
 NORMS: tuple[str, ...] = ("none", "layernorm", "rmsnorm", "folded", "scale")
 """How a view's stream is normalised before each reader: ``none`` (no normalisation), ``layernorm``
 (the affine LayerNorm, gain and bias kept in the view), ``rmsnorm`` (RMSNorm with its gain kept in

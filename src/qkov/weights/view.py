@@ -56,6 +56,8 @@ from .parts import (
     writer_centring,
 )
 
+__all__ = ["Weights"]
+
 
 @dataclass(frozen=True)
 class Weights:

@@ -125,7 +125,7 @@ def test_every_surface_shows_the_registered_sweep(
 def test_the_edge_example_reads_back_by_label() -> None:
     torch.manual_seed(0)
     w = Weights.from_model(Transformer(TINY, seed=5).eval())
-    contrast = Contrast.of(w, *_pair(TINY)).run()
+    contrast = Contrast.of(w, *_pair(TINY)).record()
     scores = torch.tensor([0.25, -1.5], dtype=torch.float64)
     names: dict[str, Any] = {"Address": Address, "w": w, "contrast": contrast, "scores": scores}
     exec(compile(_block("Address.parse(e).check(w.cfg)"), str(DOC), "exec"), names)

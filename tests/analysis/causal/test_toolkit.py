@@ -37,10 +37,10 @@ def _logit_diff(logits: torch.Tensor, correct: torch.Tensor, incorrect: int) -> 
 
 
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
-def test_a_contrast_runs_swaps_and_measures_as_the_model_does(direction: str) -> None:
+def test_a_contrast_records_swaps_and_measures_as_the_model_does(direction: str) -> None:
     m, w, clean, corrupted = _setup()
     metric = LogitDiff(correct=clean[:, -1], incorrect=3)
-    c = Contrast.of(w, clean, corrupted, metric=metric, direction=direction).run(["z.0"])
+    c = Contrast.of(w, clean, corrupted, metric=metric, direction=direction).record(["z.0"])
     with torch.no_grad():
         on_clean, on_corrupted = (_logit_diff(m(t), clean[:, -1], 3) for t in (clean, corrupted))
     assert c.clean_value == pytest.approx(on_clean, abs=1e-10) and c.corrupted_value == pytest.approx(on_corrupted, abs=1e-10)
@@ -48,7 +48,7 @@ def test_a_contrast_runs_swaps_and_measures_as_the_model_does(direction: str) ->
     assert torch.equal(c.base, base) and torch.equal(c.source, source)
     assert c.base_value == pytest.approx(on_corrupted if direction == "denoise" else on_clean, abs=1e-10)
     assert c.swap(*c.swap("clean", "corrupted")) == ("clean", "corrupted")  # its own inverse
-    assert torch.equal(c.base_run["z", 0], trace(w, base, cache="z.0")["z", 0])
+    assert torch.equal(c.base_recording["z", 0], trace(w, base, cache="z.0")["z", 0])
     # three different inputs in one pass: each copy's metric is that input's
     copies = [base.clone() for _ in range(3)]
     copies[1][:, 4] = source[:, 4]

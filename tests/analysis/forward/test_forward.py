@@ -132,7 +132,7 @@ def test_shortformer_positions_only_enter_queries_and_keys() -> None:
     assert (trace(moved, toks, edits=frozen).logits - own.logits).abs().max() < 1e-12
 
 
-def test_frozen_run_with_own_outputs_is_the_model_and_is_linear() -> None:
+def test_frozen_recording_with_own_outputs_is_the_model_and_is_linear() -> None:
     """Frozen patterns, divisors and MLP outputs: each head adding its own live output gives the
     model back; with all of it frozen the logits are linear in the embedding."""
     cfg = CONFIGS["ln-mlp-standard-gelu_new"]
@@ -177,7 +177,7 @@ def test_bad_input_is_a_user_error() -> None:
         trace(w, toks, cache=["attention"])
     with pytest.raises(QkovError, match="out of range"):
         trace(w, torch.tensor([[0, 50]]))
-    with pytest.raises(QkovError, match="a frozen run must have cached"):
+    with pytest.raises(QkovError, match="a frozen recording must have cached"):
         frozen_edits(trace(w, toks))
     with pytest.raises(TypeError):  # the pre-1.1 modes are gone
         trace(w, toks, record=("patterns",))  # type: ignore[call-arg]

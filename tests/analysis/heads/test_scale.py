@@ -187,8 +187,8 @@ def test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds() -> N
     w = Weights.from_model(model, dtype=torch.float64)
     tokens = torch.randint(0, 40, (3, 10), generator=torch.Generator().manual_seed(1))
     every = P.expand(w, tokens, virtual_heads=True)
-    assert float(every.run.divisor("attn_v", 1).max()) < 1
-    bounds = Vh.virtual_bounds(w, every.run, every.heads)
+    assert float(every.recording.divisor("attn_v", 1).max()) < 1
+    bounds = Vh.virtual_bounds(w, every.recording, every.heads)
     norms = {k: float(t.pow(2).sum().sqrt()) for k, t in every.virtual.items()}
     assert bounds.keys() == norms.keys() and len(norms) == 27
     assert all(norms[k] <= bounds[k] * (1 + 1e-9) for k in norms)
@@ -206,10 +206,10 @@ def test_virtual_heads_beyond_the_budget_are_chosen_by_a_bound_that_holds() -> N
     assert listed == {f"{a}.{b}->{c}.{d}" for a, b, c, d in largest}, (listed, largest)
     assert P.PathSummary.from_dict(s.to_dict()).coverage == cover
     with pytest.raises(QkovError, match="must be >= 0"):
-        Vh.select_virtual(w, every.run, every.heads, every.orders[2], most=-1, keep=1)
+        Vh.select_virtual(w, every.recording, every.heads, every.orders[2], most=-1, keep=1)
     # bounds are computed in float64 whatever the view's dtype (half-precision views have no QR on CPU)
     half = Weights.from_model(model.float(), dtype=torch.bfloat16)
-    assert len(Vh.virtual_bounds(half, P.expand(half, tokens).run, P.expand(half, tokens).heads)) == 27
+    assert len(Vh.virtual_bounds(half, P.expand(half, tokens).recording, P.expand(half, tokens).heads)) == 27
 
 
 def test_paths_refuses_what_would_not_fit_before_any_work(
@@ -261,14 +261,19 @@ def test_the_gpt2_small_estimate_is_a_few_gib() -> None:
 
 # ------------------------------------------------------------------ training progress
 def test_a_slow_first_step_says_how_long_the_run_will_take() -> None:
+    """Training's display hears the steps through the progress protocol: the time from the start to the
+    first step, times the steps left, is said once (a quick first step says nothing)."""
     buf = io.StringIO()
     with TrainProgress(console=Console(file=buf, force_terminal=False)) as progress:
-        progress({"event": "step", "step": 1, "steps": 101, "seconds": 30.0})
-        progress({"event": "step", "step": 2, "steps": 101, "seconds": 30.0})
+        progress.clock = iter([100.0, 130.0, 160.0]).__next__
+        for step in range(3):
+            progress("train", step, 101)
     assert buf.getvalue().count("the first step took 30.0 s: about 50 min for the 100 steps left") == 1
     quick = io.StringIO()
     with TrainProgress(console=Console(file=quick, force_terminal=False)) as progress:
-        progress({"event": "step", "step": 1, "steps": 101, "seconds": 0.01})
+        progress.clock = iter([100.0, 100.01]).__next__
+        progress("train", 0, 101)
+        progress("train", 1, 101)
     assert quick.getvalue() == ""
 
 

@@ -11,7 +11,7 @@ import torch
 import qkov
 from qkov import ModelConfig, Transformer
 from qkov.analysis import paths as P
-from qkov.analysis.paths.qk_side import qk_split
+from qkov.analysis.paths.qk_side import expand_qk
 from qkov.weights import Weights
 
 from helpers import TINY, perturb_non_matrices, tiny_train
@@ -147,9 +147,6 @@ def test_term_effects_match_a_recomputed_loss() -> None:
     assert len(singles) == 6 and len(virtual) == 4
     assert effects.to_dict()["single_head_terms"] == [e.to_dict() for e in singles]
     assert "single-head terms" in repr(effects) and singles[0].name in repr(effects)
-    with pytest.warns(DeprecationWarning, match=r"read \.singles and \.virtual"):
-        old_singles, old_virtual = effects  # the pre-1.0 pair still unpacks
-    assert (old_singles, old_virtual) == (singles, virtual)
     assert singles == sorted(singles, key=lambda e: -e.loss_change)
     logits, patterns = reference_forward(w, tokens)
     base = reference_loss(logits, tokens)
@@ -184,7 +181,7 @@ def test_sampled_term_effects_through_the_head_equal_the_terms_own_logits(kw: di
         x_in = exp.direct if len(key) == 2 else exp.heads[key[:2]]
         term = exp.heads[key] if len(key) == 2 else exp.virtual[key]
         want = exp.logits_of(term)[b, t][:, None]
-        assert (term_logits(w, exp.run, key, x_in, b, t) - want).abs().max() <= 1e-10 * want.abs().max()
+        assert (term_logits(w, exp.recording, key, x_in, b, t) - want).abs().max() <= 1e-10 * want.abs().max()
     fast = P.term_effects(exp, top_virtual=5, positions=pos)
     exp.direct = None  # the terms' own logits, d_model wide
     slow = P.term_effects(exp, top_virtual=5, positions=pos)
@@ -195,7 +192,7 @@ def test_sampled_term_effects_through_the_head_equal_the_terms_own_logits(kw: di
 
 @pytest.mark.parametrize("positional", ["shortformer", "standard", "none"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> None:
+def test_expand_qk_sums_to_real_scores(positional: str, dtype: torch.dtype) -> None:
     m, w = make(3, positional, dtype)
     tokens = toks((2, 12))
     with torch.no_grad():  # the real scores, from the model's own attention module
@@ -205,19 +202,19 @@ def test_qk_split_sums_to_real_scores(positional: str, dtype: torch.dtype) -> No
         qk_in = x + m.W_pos[:12] if positional == "shortformer" else x
         q, k, _ = m.blocks[2].attn.qkv(qk_in, x)
         real = (q @ k.transpose(-1, -2)) / (8**0.5)
-    split = qk_split(w, tokens, 2, 1)
-    assert split.earlier == [f"{l}.{h}" for l in range(2) for h in range(3)]
-    assert (split.total() - real[:, 1]).abs().max() <= TOL[dtype]
-    assert (split.scores - real[:, 1]).abs().max() <= TOL[dtype]
-    assert split.k_comp.shape == (6, 2, 12, 12)
+    qk = expand_qk(w, tokens, 2, 1)
+    assert qk.earlier == [f"{l}.{h}" for l in range(2) for h in range(3)]
+    assert (qk.total() - real[:, 1]).abs().max() <= TOL[dtype]
+    assert (qk.scores - real[:, 1]).abs().max() <= TOL[dtype]
+    assert qk.k_comp.shape == (6, 2, 12, 12)
     # the both-sides-composed term, pair by pair: query from head i, key from head j
-    pairs = split.qk_pairs()
+    pairs = qk.qk_pairs()
     assert pairs.shape == (6, 6, 2, 12, 12)
-    assert (pairs.sum((0, 1)) - split.qk_comp).abs().max() <= TOL[dtype]
-    assert (split.qk_pair(1, 4) - pairs[1, 4]).abs().max() <= TOL[dtype]
+    assert (pairs.sum((0, 1)) - qk.qk_comp).abs().max() <= TOL[dtype]
+    assert (qk.qk_pair(1, 4) - pairs[1, 4]).abs().max() <= TOL[dtype]
 
 
-def test_qk_split_of_a_rotary_rmsnorm_head_sums_to_its_scores() -> None:
+def test_expand_qk_of_a_rotary_rmsnorm_head_sums_to_its_scores() -> None:
     """Each part is rotated by its position (rotation is linear): the parts still add up, and the
     softmax of the sum is the reference forward's pattern."""
     from helpers import MODERN
@@ -225,22 +222,22 @@ def test_qk_split_of_a_rotary_rmsnorm_head_sums_to_its_scores() -> None:
     m = Transformer(MODERN.replace(n_layers=3, n_ctx=12), seed=1).double()
     w = Weights.from_model(m, dtype=torch.float64)
     tokens = toks((2, 12), vocab=30)
-    split = qk_split(w, tokens, 2, 3)
-    assert (split.total() - split.scores).abs().max() < 1e-10
+    qk = expand_qk(w, tokens, 2, 3)
+    assert (qk.total() - qk.scores).abs().max() < 1e-10
     pats = reference_forward(w, tokens)[1][2, :, 3]
     mask = torch.ones(12, 12, dtype=torch.bool).triu(1)
-    assert torch.allclose(torch.softmax(split.scores.masked_fill(mask, float("-inf")), -1), pats, atol=1e-6)
+    assert torch.allclose(torch.softmax(qk.scores.masked_fill(mask, float("-inf")), -1), pats, atol=1e-6)
 
 
-def test_qk_split_with_layernorm() -> None:
+def test_expand_qk_with_layernorm() -> None:
     m, _ = make(2, "shortformer", torch.float64, normalization="layernorm", bias=True, d_mlp=32)
     w = Weights.from_model(m, dtype=torch.float64)
     tokens = toks((2, 12))
-    split = qk_split(w, tokens, 1, 0)
-    assert (split.total() - split.scores).abs().max() < 1e-10
+    qk = expand_qk(w, tokens, 1, 0)
+    assert (qk.total() - qk.scores).abs().max() < 1e-10
     pats = reference_forward(Weights.from_model(m, dtype=torch.float64, fold_ln=False), tokens)[1][1, :, 0]
     mask = torch.ones(12, 12, dtype=torch.bool).triu(1)
-    assert torch.allclose(torch.softmax(split.scores.masked_fill(mask, float("-inf")), -1), pats, atol=1e-10)
+    assert torch.allclose(torch.softmax(qk.scores.masked_fill(mask, float("-inf")), -1), pats, atol=1e-10)
 
 
 def test_trained_model_reconstructs(tmp_path: Path, small_corpus: Path) -> None:

@@ -18,13 +18,13 @@ from qkov.weights import Weights
 
 from helpers import perturb_non_matrices
 from test_paths import make, toks
-from qkov.analysis.forward.frozen import frozen_run
+from qkov.analysis.forward.frozen import frozen_recording
 
 
 def literal_run_losses(w: Weights, tokens: torch.Tensor) -> list[float]:
     """The paper's procedure as written: L + 1 full passes, each head adding its previous output."""
     c = w.cfg
-    real = frozen_run(w, tokens)
+    real = frozen_recording(w, tokens)
     frozen = frozen_edits(real)  # its patterns, divisors and MLP outputs
     B, T = tokens.shape
     outputs = [real.logits.new_zeros(B, T, c.n_heads, c.d_model) for _ in range(c.n_layers)]  # head_out layout
@@ -104,9 +104,9 @@ def test_shared_head_unembedding_gives_each_terms_own_logits(kw: dict) -> None:
         x_in = exp.direct if len(key) == 2 else exp.heads[key[:2]]
         term = exp.heads[key] if len(key) == 2 else exp.virtual[key]
         want = exp.logits_of(term)[b, t][:, None]
-        assert (term_logits(w, exp.run, key, x_in, b, t, U) - want).abs().max() <= 1e-10 * want.abs().max()
-    full = exp.run.logits[b, t]
-    through = SampledTerms(w, exp.run, b, t, full)
+        assert (term_logits(w, exp.recording, key, x_in, b, t, U) - want).abs().max() <= 1e-10 * want.abs().max()
+    full = exp.recording.logits[b, t]
+    through = SampledTerms(w, exp.recording, b, t, full)
     for key in [(0, 1), (0, 2), (1, 0, 2, 2), (2, 1)]:  # across layers, back and forth
         term = exp.heads[key] if len(key) == 2 else exp.virtual[key]
         own = exp.logits_of(term)[b, t]
@@ -121,7 +121,7 @@ def test_sampled_term_effects_equal_cross_entropy_of_the_terms_own_logits() -> N
     b, t = pos[:, 0], pos[:, 1]
     effects = P.term_effects(exp, top_virtual=3, positions=pos)
     target = tokens[b, t + 1]
-    full = exp.run.logits[b, t]
+    full = exp.recording.logits[b, t]
     base = float(F.cross_entropy(full.double(), target))
     terms = {f"{l}.{h}": x for (l, h), x in exp.heads.items()}
     terms |= {f"{l1}.{h1}->{l2}.{h2}": x for (l1, h1, l2, h2), x in exp.virtual.items()}
@@ -144,14 +144,14 @@ def test_materialised_virtual_heads_equal_the_reader_head_run_on_the_writers_ter
     w = Weights.from_model(m, dtype=torch.float64)
     exp = P.expand(w, toks((2, 16), seed=6))
     keys = Vh.virtual_keys(w.cfg)[::2]  # some pairs: not every reader of every writer
-    want = {k: head_terms(w, exp.run, k[2], exp.heads[k[:2]], heads=[k[3]])[0] for k in keys}
-    every, total, largest = Vh.materialize(w, exp.run, exp.heads, keys)
+    want = {k: head_terms(w, exp.recording, k[2], exp.heads[k[:2]], heads=[k[3]])[0] for k in keys}
+    every, total, largest = Vh.materialize(w, exp.recording, exp.heads, keys)
     assert list(every) == keys
     for k in keys:
         assert (every[k] - want[k]).abs().max() <= 1e-12 * want[k].abs().max()
     assert (total - sum(want.values())).abs().max() <= 1e-12 * total.abs().max()
     assert largest == pytest.approx(max(float(t.pow(2).sum().sqrt()) for t in want.values()), rel=1e-12)
-    kept = Vh.materialize(w, exp.run, exp.heads, keys, keep=4)[0]
+    kept = Vh.materialize(w, exp.recording, exp.heads, keys, keep=4)[0]
     assert sorted(kept) == sorted(sorted(keys, key=lambda k: -float(want[k].pow(2).mean()))[:4])
 
 
@@ -161,11 +161,11 @@ def test_heads_write_without_value_bias_equals_the_sum_of_head_terms(kw: dict) -
     m, _ = make(2, positional, torch.float64, **kw)
     perturb_non_matrices(m, 0.3)
     w = Weights.from_model(m, dtype=torch.float64)
-    run = frozen_run(w, toks((2, 12), seed=3))
+    recording = frozen_recording(w, toks((2, 12), seed=3))
     x = torch.randn(2, 12, w.cfg.d_model, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     for layer in range(2):
-        want = head_terms(w, run, layer, x).sum(0)
-        torch.testing.assert_close(P.heads_write(w, run, layer, x, value_bias=False), want, rtol=0, atol=1e-12)
+        want = head_terms(w, recording, layer, x).sum(0)
+        torch.testing.assert_close(P.heads_write(w, recording, layer, x, value_bias=False), want, rtol=0, atol=1e-12)
 
 
 def test_gram_in_column_blocks_equals_the_float64_product(monkeypatch: pytest.MonkeyPatch) -> None:

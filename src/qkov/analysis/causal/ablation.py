@@ -30,7 +30,7 @@ from ...errors import QkovError
 from ...model.ops import next_token_nll
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source, source_bos
-from ..budget import fit_chunk, item, run_bytes
+from ..budget import fit_chunk, item, pass_bytes
 from ..forward.edits import per_position
 from ..forward.tracer import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
@@ -132,7 +132,7 @@ def ablation_budget(
 
     own = getattr(source, "bos_token_id", None)  # a planned source may carry none: only the probe's shape counts here
     probe = _probe_tokens(source, bos if bos is not None else (0 if own is None else own), seed, probe_length)
-    need = run_bytes(source, *probe.shape, cached_patterns=True, loss=True)
+    need = pass_bytes(source, *probe.shape, cached_patterns=True, loss=True)
     if probe_length is not None:
         check_fits(need, source.device, f"{what} the repeated-token probe", advice, hint="memory")
     mean = text_chunk = icl = None
@@ -140,19 +140,19 @@ def ablation_budget(
         on = text if text is not None else probe
         T = on.shape[1]
         z = c.n_layers * T * c.n_heads * c.d_head * it  # the cached z of one sequence
-        mean = split(on, run_bytes(source, 1, T) + z, f"one {T}-token sequence (the mean)")
+        mean = split(on, pass_bytes(source, 1, T) + z, f"one {T}-token sequence (the mean)")
     if text is not None and mode == "resample":  # its sequences swap outputs: the batch is one pass
-        need = run_bytes(source, *text.shape, loss=True)
+        need = pass_bytes(source, *text.shape, loss=True)
         check_fits(need, source.device, f"{what} {text.shape[0]} x {text.shape[1]} tokens", advice, hint="memory")
     elif text is not None:
         T = text.shape[1]
-        text_chunk = split(text, run_bytes(source, 1, T, loss=True), f"one {T}-token sequence")
+        text_chunk = split(text, pass_bytes(source, 1, T, loss=True), f"one {T}-token sequence")
     if icl_text is not None and icl_left_out(icl_text.shape[1], c.n_ctx) is None:
         T = min(icl_text.shape[1], ICL_LATE + 2)
         width = len(torch.cat(icl_windows(T)[2:]).unique())  # the positions the score unembeds
         own = max(1, LOGIT_BYTES // (width * c.d_vocab * it))  # icl_score's own chunk
         least = 2 if mode == "resample" else 1
-        one = run_bytes(source, 1, T, logits=width, loss=True)
+        one = pass_bytes(source, 1, T, logits=width, loss=True)
         icl = split(icl_text[:own], one, f"{least} {T}-token ICL example(s)", least)
     return Chunks(text_chunk, icl, mean)
 
@@ -546,7 +546,7 @@ def ablation_sweep(
     means = z_means(w, mean_on, heads, chunk=chunks.mean) if mode == "mean" else None
     inputs = [t for t in (text, icl_text, probe) if t is not None]
     B, T = max(t.shape[0] for t in inputs), max(t.shape[1] for t in inputs)  # the largest pass, per head
-    sequences = fit_chunk(w, len(heads) * B, run_bytes(w, 1, T, loss=True), 0, "ablate: one head's pass", "ablate fewer heads")
+    sequences = fit_chunk(w, len(heads) * B, pass_bytes(w, 1, T, loss=True), 0, "ablate: one head's pass", "ablate fewer heads")
     G = max(1, sequences // B)  # heads per forward pass
     intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length)
     out: list[Measures] = []

@@ -6,7 +6,7 @@ corrupted tokens are the *base* run, patched with values from the clean *source*
 ``"noise"``: the other way round), the metric, both runs (each caching what the method asks and
 what the metric reads) and the metric's value on each. It also runs the patched passes
 (:meth:`Contrast.measure`): many patched copies of the base tokens in one forward pass, started at a
-layer from the base run's stream, one metric value per copy, and wraps the values in a
+layer from the base recording's stream, one metric value per copy, and wraps the values in a
 :class:`~qkov.analysis.causal.result.PatchResult` (:meth:`Contrast.result`).
 
 The swap between (clean, corrupted) and (base, source) is written once
@@ -51,7 +51,7 @@ def copy_bytes(source: WeightSource, tokens: Tensor, positions: Tensor | None) -
 @dataclass
 class Contrast:
     """The clean and corrupted tokens ``[B, T]`` (on the weights' device), the ``direction``, the
-    ``metric``; after :meth:`run`, the ``base_run`` and ``source_run`` and the metric on the clean
+    ``metric``; after :meth:`record`, the ``base_recording`` and ``source_recording`` and the metric on the clean
     and corrupted runs (``clean_value``, ``corrupted_value``)."""
 
     weights: WeightSource
@@ -59,8 +59,8 @@ class Contrast:
     corrupted: Tensor
     direction: str
     metric: Metric
-    base_run: Trace | None = None
-    source_run: Trace | None = None
+    base_recording: Trace | None = None
+    source_recording: Trace | None = None
     clean_value: float = math.nan
     corrupted_value: float = math.nan
 
@@ -117,16 +117,16 @@ class Contrast:
         return self.metric.logit_positions(self.clean.shape[1])
 
     # ------------------------------------------------------------------ the two runs
-    def run(self, cache: Sequence[Any] = (), *, base_only: Sequence[Any] = (), grad: bool = False) -> Contrast:
+    def record(self, cache: Sequence[Any] = (), *, base_only: Sequence[Any] = (), grad: bool = False) -> Contrast:
         """Run the base and source tokens, caching ``cache`` and what the metric reads (``base_only``:
-        sites only the base run caches; ``grad``: the base run keeps its graph, for a backward pass),
+        sites only the base recording caches; ``grad``: the base recording keeps its graph, for a backward pass),
         and measure the metric on both. Returns ``self``."""
         reads = list(self.metric.reads)
-        self.base_run = trace(
+        self.base_recording = trace(
             self.weights, self.base, cache=[*cache, *base_only, *reads], positions=self.positions, grad=grad
         )
-        self.source_run = trace(self.weights, self.source, cache=[*cache, *reads], positions=self.positions)
-        base, src = (float(self.metric(r).detach()) for r in (self.base_run, self.source_run))
+        self.source_recording = trace(self.weights, self.source, cache=[*cache, *reads], positions=self.positions)
+        base, src = (float(self.metric(r).detach()) for r in (self.base_recording, self.source_recording))
         self.clean_value, self.corrupted_value = self.swap(base, src)
         return self
 
@@ -155,7 +155,7 @@ class Contrast:
     ) -> Tensor:
         """The metric on ``K`` copies of the base tokens in one forward pass: ``[K]``. ``edits``
         patch each copy its own way (copy ``k`` is rows ``k*B .. (k+1)*B`` of the batch); ``start``:
-        begin at that layer from the base run's stream (nothing before it changes), or from
+        begin at that layer from the base recording's stream (nothing before it changes), or from
         ``stream [K*B, T, D]``; ``tokens [K*B, T]``: run these instead of the copies (from the start)."""
         B, T = self.base.shape
         tokens = self.base.repeat(K, 1) if tokens is None else tokens
@@ -164,9 +164,9 @@ class Contrast:
             raise QkovError("Contrast.measure: a stream needs the layer it enters at (start=)")
         if start is not None:
             if stream is None:
-                run = self.base_run
-                assert run is not None, "Contrast.measure(start=...) needs the base run: call run() first"
-                here = run[("resid_pre", start)] if start < self.weights.cfg.n_layers else final_stream(run)
+                base = self.base_recording
+                assert base is not None, "Contrast.measure(start=...) needs the base recording: call record() first"
+                here = base[("resid_pre", start)] if start < self.weights.cfg.n_layers else final_stream(base)
                 stream = here.repeat(K, 1, 1)
             start_at = (start, stream)
         out = trace(

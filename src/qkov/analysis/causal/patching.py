@@ -7,7 +7,7 @@ and measure. ``direction="denoise"`` (the default, TransformerLens' convention) 
 tokens and patches in the clean activation; ``"noise"`` runs the clean tokens and patches in the
 corrupted one. A sweep patches one site kind at every (layer, position), (layer, head) or
 (layer, position, head), batched: each forward pass carries many patched copies of the base
-tokens, and starts at the patched layer from the base run's stream (nothing before the patch
+tokens, and starts at the patched layer from the base recording's stream (nothing before the patch
 changes), so a sweep costs about half a forward pass per patch, in a few large batches.
 
 **Attribution patching** (Nanda 2023; Syed et al. 2023): the first-order estimate of every such
@@ -80,7 +80,7 @@ def _labels(L: int, axes: Sequence[str], sizes: dict[str, int]) -> dict[str, lis
 
 
 def _setter(clean: Tensor, dims: dict[str, int], chunk: list[tuple[int, ...]], K: int):  # type: ignore[no-untyped-def]
-    """An edit putting ``clean`` (the source run's value of the site) into copy ``k`` at ``chunk[k]``."""
+    """An edit putting ``clean`` (the source recording's value of the site) into copy ``k`` at ``chunk[k]``."""
     shape = clean.shape
     order = list(dims)
     mask = torch.zeros([K, 1, *(shape[d] if d in dims.values() else 1 for d in range(1, len(shape)))], dtype=torch.bool)
@@ -120,7 +120,7 @@ def activation_patching(
     source = as_source(source, where="qkov.activation_patching")
     c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
     kind, axes, dims, sizes = _swept(c, site, axes)
-    c.run([f"{kind}.*", "resid_pre.*"])
+    c.record([f"{kind}.*", "resid_pre.*"])
     L = source.cfg.n_layers
     values = torch.full((L, *(sizes[a] for a in axes[1:])), float("nan"), dtype=torch.float64)
     K_max = c.copies(max_bytes)
@@ -130,7 +130,7 @@ def activation_patching(
         start = min(l, c.reads_from)
         for lo in range(0, len(cells), K_max):
             chunk = cells[lo : lo + K_max]
-            edit = _setter(c.source_run[(kind, l)], dims, chunk, len(chunk))  # type: ignore[index]
+            edit = _setter(c.source_recording[(kind, l)], dims, chunk, len(chunk))  # type: ignore[index]
             got = c.measure(len(chunk), {(kind, l): edit}, start=start)
             for cell, v in zip(chunk, got.tolist()):
                 values[(l, *cell)] = v
@@ -151,22 +151,22 @@ def attribution_patching(
     direction: str = "denoise",
 ) -> PatchResult:
     """The first-order estimate of :func:`activation_patching` with the same arguments, from one
-    backward pass on the base run: ``metric(base) + sum((source - base) * grad)`` over the
+    backward pass on the base recording: ``metric(base) + sum((source - base) * grad)`` over the
     dimensions not in ``axes``."""
     source = as_source(source, where="qkov.attribution_patching")
     c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
     kind, axes, dims, sizes = _swept(c, site, axes)
-    c.run([f"{kind}.*"], grad=True)
-    base_run, src_run = c.base_run, c.source_run
-    assert base_run is not None and src_run is not None
-    c.metric(base_run).backward()
+    c.record([f"{kind}.*"], grad=True)
+    base_recording, src_recording = c.base_recording, c.source_recording
+    assert base_recording is not None and src_recording is not None
+    c.metric(base_recording).backward()
     L = source.cfg.n_layers
     keep = sorted(dims.values())
     rows = []
     for l in range(L):
-        a = base_run[(kind, l)]
+        a = base_recording[(kind, l)]
         grad = torch.zeros_like(a) if a.grad is None else a.grad  # None: the metric does not depend on it
-        effect = (src_run[(kind, l)] - a.detach()) * grad
+        effect = (src_recording[(kind, l)] - a.detach()) * grad
         summed = effect.sum(dim=[d for d in range(effect.ndim) if d not in keep])  # [..kept dims in layout order]
         rows.append(_to_axes(summed, [d for d in keep], [dims[x] for x in axes[1:]]))
     shape = (0, *(sizes[a] for a in axes[1:]))

@@ -1,5 +1,5 @@
 """Path patching: the causal effect of one path, sender head -> receiver heads' query, key or value
-input (or -> the logits), with everything not on the path held at the base run's values.
+input (or -> the logits), with everything not on the path held at the base recording's values.
 
 The definition (Wang et al. 2022, "Interpretability in the Wild", section 3.1 and appendix B;
 Goldowsky-Dill et al. 2023, "Localizing Model Behavior with Path Patching"), written for the
@@ -16,7 +16,7 @@ adds the change to the final stream only (the direct path to the logits).
 ``direction="denoise"`` (default): base = corrupted, source = clean (how much the path restores);
 ``"noise"``: base = clean, source = corrupted (how much the path's corruption removes).
 One forward pass carries many senders (one patched copy of the base tokens each), started at the
-first receiver's layer from the base run's stream; the runs keep only what the paths need (the
+first receiver's layer from the base recording's stream; the recordings keep only what the paths need (the
 senders' ``z``, the receivers' inputs, the stream where the patched passes start).
 
 A path is an edge of the model's graph: ``0.1 -> 1.0<k>`` (:class:`~qkov.analysis.forward.address.Address`);
@@ -99,10 +99,10 @@ def path_patching(
     z = [f"z.{l}" for l in sender_layers]  # a head's output is z @ W_O: the changes come from z, d_head wide
     stream = [f"resid_pre.{start}"] if start < L else []
     inputs = [f"{input}_input.{l}" for l in layers] + ([] if heads else [f"resid_post.{L - 1}"])
-    c.run(z, base_only=[*stream, *inputs])
+    c.record(z, base_only=[*stream, *inputs])
     W_O = {l: source.attention(l).W_O for l in sender_layers}
     # each patched copy also holds the receivers' per-head inputs, edited and normalised
-    split = 2 * c.base.numel() * cfg.n_heads * cfg.d_model * c.base_run.logits.element_size() * len(layers)  # type: ignore[union-attr]
+    split = 2 * c.base.numel() * cfg.n_heads * cfg.d_model * c.base_recording.logits.element_size() * len(layers)  # type: ignore[union-attr]
     K_max = c.copies(max_bytes or PATCH_BYTES, split)
     values = torch.full((L, H), float("nan"), dtype=torch.float64)
     for lo in range(0, len(sent), K_max):
@@ -118,23 +118,23 @@ def path_patching(
 
 
 def _change(c: Contrast, sender: Address, W_O: Tensor) -> Tensor:
-    """What ``sender`` writes on the source run minus what it writes on the base run ``[B, T, D]``."""
+    """What ``sender`` writes on the source recording minus what it writes on the base recording ``[B, T, D]``."""
     l, h = sender.layer, sender.head
-    return (c.source_run[("z", l)][:, :, h] - c.base_run[("z", l)][:, :, h]) @ W_O[h]  # type: ignore[index]
+    return (c.source_recording[("z", l)][:, :, h] - c.base_recording[("z", l)][:, :, h]) @ W_O[h]  # type: ignore[index]
 
 
 def _run_chunk(c: Contrast, heads: list[Address], kind: str, chunk: list[Address], delta: Tensor, start: int) -> Tensor:
     """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes."""
     K = delta.shape[0]
     if not heads:  # -> logits: the final stream of each copy is the base one plus the sender's change
-        stream = (final_stream(c.base_run)[None] + delta).reshape(K * delta.shape[1], *delta.shape[2:])  # type: ignore[arg-type]
+        stream = (final_stream(c.base_recording)[None] + delta).reshape(K * delta.shape[1], *delta.shape[2:])  # type: ignore[arg-type]
         return c.measure(K, start=c.weights.cfg.n_layers, stream=stream)
     edits: dict[Any, Any] = {}
     for l2 in sorted({h.layer for h in heads}):
         slots = sorted({h._replace(input=kind).input_site(c.weights.cfg).head for h in heads if h.layer == l2})
         before = torch.tensor([s.layer < l2 for s in chunk], device=delta.device)  # type: ignore[operator]
         d = delta * before[:, None, None, None].to(delta)
-        edits[Address(f"{kind}_input", l2)] = _receive(c.base_run[(f"{kind}_input", l2)], slots, d)  # type: ignore[index]
+        edits[Address(f"{kind}_input", l2)] = _receive(c.base_recording[(f"{kind}_input", l2)], slots, d)  # type: ignore[index]
     return c.measure(K, edits, start=start)
 
 
@@ -164,7 +164,7 @@ def input_paths(
     inputs: Sequence[str] = INPUTS,
 ) -> tuple[dict[str, float], float, float]:
     """One sender's path into each of ``receiver``'s ``inputs``, each patched alone (the definition of
-    :func:`path_patching`), from one base run, one source run and one pass of ``len(inputs)`` copies:
+    :func:`path_patching`), from one base recording, one source recording and one pass of ``len(inputs)`` copies:
     ``({input: metric}, metric on clean, metric on corrupted)``."""
     (r,) = _check(source, [receiver], inputs[0])
     s = as_head(sender, source.cfg, WHERE)
@@ -172,14 +172,14 @@ def input_paths(
     c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
     l1, l2 = s.layer, r.layer
     start = min(l2, c.reads_from)  # type: ignore[type-var]
-    c.run([f"z.{l1}"], base_only=[f"resid_pre.{start}", *(f"{i}_input.{l2}" for i in inputs)])
+    c.record([f"z.{l1}"], base_only=[f"resid_pre.{start}", *(f"{i}_input.{l2}" for i in inputs)])
     change = _change(c, s, source.attention(l1).W_O)  # type: ignore[arg-type]
     K, edits = len(inputs), {}
     for k, inp in enumerate(inputs):
         only = torch.zeros(K, 1, 1, 1, dtype=change.dtype, device=change.device)
         only[k] = 1  # copy k carries the change into this input; the others keep the base input
         site = Address.edge(s, r, inp).input_site(source.cfg)
-        edits[site._replace(head=None)] = _receive(c.base_run[site.site], [site.head], change[None] * only)  # type: ignore[index,list-item]
+        edits[site._replace(head=None)] = _receive(c.base_recording[site.site], [site.head], change[None] * only)  # type: ignore[index,list-item]
     got = c.measure(K, edits, start=start).tolist()
     return dict(zip(inputs, got)), c.clean_value, c.corrupted_value
 

@@ -64,12 +64,12 @@ class PatchResult(Shown):
 
     @property
     def target(self) -> float:
-        """The source run's metric: what a patch that moves the metric all the way reaches."""
+        """The source recording's metric: what a patch that moves the metric all the way reaches."""
         return by_direction(self.direction, self.clean, self.corrupted)[1]
 
     def normalized(self) -> Tensor:
         """``(value - base) / (target - base)``: 0 where the patch changes nothing, 1 where it moves the
-        metric all the way from the base run's value to the source run's."""
+        metric all the way from the base recording's value to the source recording's."""
         gap = self.target - self.base
         if gap == 0:
             raise QkovError("normalized: the clean and corrupted runs give the same metric; nothing to recover")

@@ -43,7 +43,6 @@ from .rotary import resolve_offsets, rotations
 from ..shown import Shown
 from ..shown import TEXT, num, register, table
 from ..budget import item, layer_read_bytes
-from ...deprecated import warn_renamed
 
 __all__ = [
     "Baseline",
@@ -373,8 +372,7 @@ class CompositionScores(Shown):
     """What :func:`~qkov.analysis.circuits.composition.composition_scores` returns: ``kinds``, one
     :class:`~qkov.analysis.circuits.composition.Composition` per kind asked for (``"q"``, ``"k"``, ``"v"``), also
     read as ``.q``, ``.k``, ``.v`` (``None`` when that kind was not asked for). ``keys()``, ``values()``,
-    ``items()``, ``len``, ``in`` and iteration go over ``kinds``; indexing (a ``dict`` before qkov 1.0)
-    still works with a ``DeprecationWarning`` naming ``kinds``, until 1.1."""
+    ``items()``, ``len``, ``in`` and iteration go over ``kinds``."""
 
     kinds: dict[str, Any] = field(default_factory=dict)
 
@@ -407,10 +405,6 @@ class CompositionScores(Shown):
 
     def __contains__(self, kind: object) -> bool:
         return kind in self.kinds
-
-    def __getitem__(self, kind: str) -> Any:
-        warn_renamed("indexing a CompositionScores", f"CompositionScores.kinds[{kind!r}] (or .{kind})")
-        return self.kinds[kind]
 
     def to_dict(self) -> dict[str, Any]:
         return {kind: c.to_dict() for kind, c in self.kinds.items()}

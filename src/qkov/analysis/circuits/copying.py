@@ -27,7 +27,7 @@ from ..shown import Shown
 from .vocab import VOCAB_BLOCK
 from ..sampling import seeded_subset
 from .qk_ov import full_ov, unembed_embed
-from ..shown import TEXT, ListAccess, num, register, table
+from ..shown import TEXT, Items, num, register, table
 from ..budget import item, layer_read_bytes
 
 __all__ = [
@@ -235,7 +235,7 @@ def copying_scores(
 
 
 @dataclass(repr=False, eq=False)
-class CopyingScores(ListAccess, Shown):
+class CopyingScores(Items, Shown):
     """What :func:`~qkov.analysis.circuits.copying.copying_scores` returns: ``heads``, one
     :class:`~qkov.analysis.circuits.copying.HeadCopying` per head in layer-major order, and ``k``, the top-k of
     the diagonal rate (``None`` when it was skipped)."""

@@ -54,7 +54,7 @@ from ..budget import item, rows_per_chunk
 from .factored import CACHE_BYTES, DEFAULT_MAX_BYTES, LowRank
 from ..shown import TEXT, Shown, decoder, num, register, table, token
 from .vocab import VOCAB_BLOCK
-from ..shown import ListAccess
+from ..shown import Items
 
 __all__ = [
     "Bigram",
@@ -323,7 +323,7 @@ def bigrams(
 
 
 @dataclass(repr=False, eq=False)
-class SkipTrigrams(ListAccess, Shown):
+class SkipTrigrams(Items, Shown):
     """What :func:`~qkov.analysis.circuits.trigrams.skip_trigrams` returns: ``trigrams``, the
     :class:`~qkov.analysis.circuits.trigrams.SkipTrigram` list of head ``head`` (``"layer.head"``), strongest first."""
 
@@ -339,7 +339,7 @@ class SkipTrigrams(ListAccess, Shown):
 
 
 @dataclass(repr=False, eq=False)
-class Bigrams(ListAccess, Shown):
+class Bigrams(Items, Shown):
     """What :func:`~qkov.analysis.circuits.trigrams.bigrams` returns: ``bigrams``, the
     :class:`~qkov.analysis.circuits.trigrams.Bigram` list, strongest first."""
 

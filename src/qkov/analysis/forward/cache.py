@@ -10,7 +10,7 @@ Its decompositions (:meth:`Trace.accumulated_resid`, :meth:`Trace.decompose_resi
 :meth:`Trace.stack_head_results`) take the stream apart by layer, by component (embedding, positions,
 each layer's attention and MLP output) or by head, as a :class:`Stack`: components ``[C, B, T, D]`` of
 the stream at one place, the input of layer ``layer``'s attention or the final stream (``layer=None``).
-:meth:`Stack.apply_ln` reads every component through that place's normalisation with the run's
+:meth:`Stack.apply_ln` reads every component through that place's normalisation with the recording's
 divisor frozen, which is linear, so normalised components still add up to the normalised stream;
 :meth:`Stack.logit_attrs` then gives each component's share of a logit or logit difference (they sum
 to the logit minus ``b_U``: direct logit attribution).
@@ -40,7 +40,7 @@ class Stack:
 
     values: Tensor
     labels: list[str]
-    run: "Trace"
+    recording: "Trace"
     layer: int | None
     normalized: bool = False
 
@@ -56,20 +56,20 @@ class Stack:
         return self.values.sum(0)
 
     def apply_ln(self) -> "Stack":
-        """Every component through the normalisation at this place, its divisor frozen at the run's
+        """Every component through the normalisation at this place, its divisor frozen at the recording's
         (``attn_scale`` of the layer, or ``final_scale``): centred and divided (LayerNorm folded) or
         divided (RMS). Needs a view with the normalisation folded (``fold_ln=True``, the default)."""
-        src = self.run.source
+        src = self.recording.source
         if self.normalized or src.norm == "none":
             return replace(self, normalized=True)
         if src.norm not in ("folded", "scale"):
             raise QkovError("apply_ln needs a weights view with the normalisation folded (fold_ln=True)")
         name = "final_scale" if self.layer is None else f"attn_scale.{self.layer}"
-        if name not in self.run.cache:
+        if name not in self.recording.cache:
             raise QkovError(f"apply_ln needs {name} cached: trace(..., cache=[{name!r}, ...])")
-        scale = self.run.cache[name]
+        scale = self.recording.cache[name]
         if scale.shape[1] != self.values.shape[2]:
-            raise QkovError("apply_ln at the final stream needs a run with logits at every position")
+            raise QkovError("apply_ln at the final stream needs a recording with logits at every position")
         return replace(self, values=normalize(self.values, src.norm, 0.0, scale=scale)[0], normalized=True)
 
     def project(self, direction: Tensor) -> Tensor:
@@ -97,7 +97,7 @@ class Stack:
         ``logits[..., token] - b_U[token]`` at those positions (tested)."""
         stack = self.apply_ln() if self.layer is None and not self.normalized else self
         values = _at_positions(stack.values, pos_slice)  # [C, B, P, D] or [C, B, D]
-        W_U = self.run.source.unembed().W_U  # [D, V]
+        W_U = self.recording.source.unembed().W_U  # [D, V]
         batch_pos = values.shape[1:3] if values.ndim == 4 else values.shape[1:2]
         direction = _directions(W_U, tokens, batch_pos)
         if incorrect is not None:
@@ -150,87 +150,87 @@ def _directions(W_U: Tensor, tokens: Any, batch_pos: torch.Size) -> Tensor:
     return cols[:, None] if t.ndim == 1 and len(batch_pos) == 2 else cols
 
 
-def _need(run: "Trace", names: list[str], what: str) -> None:
-    """A one-line error naming every site ``what`` reads that the run did not cache."""
-    missing = [n for n in names if n not in run.cache]
+def _need(recording: "Trace", names: list[str], what: str) -> None:
+    """A one-line error naming every site ``what`` reads that the recording did not cache."""
+    missing = [n for n in names if n not in recording.cache]
     if missing:
         raise QkovError(f"{what} reads {', '.join(names)}: trace(..., cache={missing!r}) to cache the missing ones")
 
 
-def final_stream(run: "Trace") -> Tensor:
-    """The run's final residual stream (before the final normalisation): ``resid_post`` of the last
+def final_stream(recording: "Trace") -> Tensor:
+    """The recording's final residual stream (before the final normalisation): ``resid_post`` of the last
     layer, or the embedding (plus standard positions) of a 0-layer model."""
-    L = run.source.cfg.n_layers
+    L = recording.source.cfg.n_layers
     if L:
-        return run["resid_post", L - 1]
-    x = run["embed"]
-    return x + run["pos"] if run.source.cfg.positional == "standard" else x
+        return recording["resid_post", L - 1]
+    x = recording["embed"]
+    return x + recording["pos"] if recording.source.cfg.positional == "standard" else x
 
 
-def _upto(run: "Trace", layer: int | None) -> int:
-    L = run.source.cfg.n_layers
+def _upto(recording: "Trace", layer: int | None) -> int:
+    L = recording.source.cfg.n_layers
     if layer is not None and not 0 <= layer <= L:
         raise QkovError(f"layer {layer}: the model has {L} layers (0..{L - 1}, or {L} for the final stream)")
     return L if layer is None else layer
 
 
-def accumulated(run: "Trace", layer: int | None, incl_mid: bool) -> Stack:
+def accumulated(recording: "Trace", layer: int | None, incl_mid: bool) -> Stack:
     """``resid_pre`` of layers ``0 .. layer`` (with ``resid_mid`` of those before it when ``incl_mid``);
     for ``None`` every layer's and then the final stream, labelled ``"0_pre"``, ``"0_mid"``, ``"final"``."""
-    upto = _upto(run, layer)
-    L = run.source.cfg.n_layers
-    mid = incl_mid and run.source.cfg.d_mlp is not None and not run.source.cfg.parallel
+    upto = _upto(recording, layer)
+    L = recording.source.cfg.n_layers
+    mid = incl_mid and recording.source.cfg.d_mlp is not None and not recording.source.cfg.parallel
     names = [f"resid_pre.{l}" for l in range(min(upto + 1, L))] + [f"resid_mid.{l}" for l in range(upto) if mid]
-    _need(run, names + ([f"resid_post.{L - 1}"] if upto == L and L else []), "accumulated_resid")
+    _need(recording, names + ([f"resid_post.{L - 1}"] if upto == L and L else []), "accumulated_resid")
     parts, labels = [], []
     for l in range(min(upto + 1, L)):
-        parts.append(run["resid_pre", l])
+        parts.append(recording["resid_pre", l])
         labels.append(f"{l}_pre")
         if mid and l < upto:
-            parts.append(run["resid_mid", l])
+            parts.append(recording["resid_mid", l])
             labels.append(f"{l}_mid")
     if upto == L:
-        parts.append(final_stream(run))
+        parts.append(final_stream(recording))
         labels.append("final")
-    return Stack(torch.stack(parts), labels, run, None if upto == L else upto)
+    return Stack(torch.stack(parts), labels, recording, None if upto == L else upto)
 
 
-def by_component(run: "Trace", layer: int | None, mode: str) -> Stack:
+def by_component(recording: "Trace", layer: int | None, mode: str) -> Stack:
     """The stream entering ``layer`` as embedding, positions and each earlier layer's outputs."""
     if mode not in ("all", "attn", "mlp"):
         raise QkovError(f"decompose_resid: mode must be all, attn or mlp, got {mode!r}")
-    upto, cfg = _upto(run, layer), run.source.cfg
+    upto, cfg = _upto(recording, layer), recording.source.cfg
     writers = ["attn_out"] * (mode != "mlp") + ["mlp_out"] * (mode != "attn" and cfg.d_mlp is not None)
     names = ["embed"] + ["pos"] * (cfg.positional == "standard") + [f"{k}.{l}" for l in range(upto) for k in writers]
-    _need(run, names, "decompose_resid")
-    parts, labels = [run["embed"]], ["embed"]
+    _need(recording, names, "decompose_resid")
+    parts, labels = [recording["embed"]], ["embed"]
     if cfg.positional == "standard":
-        parts.append(run["pos"])
+        parts.append(recording["pos"])
         labels.append("pos")
     for l in range(upto):
         if mode in ("all", "attn"):
-            parts.append(run["attn_out", l])
+            parts.append(recording["attn_out", l])
             labels.append(f"{l}_attn_out")
         if mode in ("all", "mlp") and cfg.d_mlp is not None:
-            parts.append(run["mlp_out", l])
+            parts.append(recording["mlp_out", l])
             labels.append(f"{l}_mlp_out")
-    return Stack(torch.stack(parts), labels, run, None if upto == cfg.n_layers else upto)
+    return Stack(torch.stack(parts), labels, recording, None if upto == cfg.n_layers else upto)
 
 
-def by_head(run: "Trace", layer: int | None) -> Stack:
+def by_head(recording: "Trace", layer: int | None) -> Stack:
     """Every head's output in the layers before ``layer``, one component per head."""
-    upto, cfg = _upto(run, layer), run.source.cfg
+    upto, cfg = _upto(recording, layer), recording.source.cfg
     if upto == 0:
         raise QkovError("stack_head_results: no heads before layer 0")
-    _need(run, [f"head_out.{l}" for l in range(upto)], "stack_head_results")
-    outs = torch.cat([run["head_out", l].permute(2, 0, 1, 3) for l in range(upto)])  # [upto * H, B, T, D]
+    _need(recording, [f"head_out.{l}" for l in range(upto)], "stack_head_results")
+    outs = torch.cat([recording["head_out", l].permute(2, 0, 1, 3) for l in range(upto)])  # [upto * H, B, T, D]
     labels = [f"{l}.{h}" for l in range(upto) for h in range(cfg.n_heads)]
-    return Stack(outs, labels, run, None if upto == cfg.n_layers else upto)
+    return Stack(outs, labels, recording, None if upto == cfg.n_layers else upto)
 
 
 @dataclass(repr=False)
 class Trace:
-    """One forward pass: ``tokens [B, T]``, ``logits [B, T, V]`` (``[B, P, V]`` when the run was
+    """One forward pass: ``tokens [B, T]``, ``logits [B, T, V]`` (``[B, P, V]`` when the recording was
     asked for ``positions``) and ``cache``, the activations asked for by site name."""
 
     tokens: Tensor
@@ -288,7 +288,7 @@ class Trace:
         return f"Trace(tokens {list(self.tokens.shape)}, logits {list(self.logits.shape)}, cached: {self._cached()})"
 
     def stack(self, kind: str) -> Tensor:
-        """A per-layer kind cached at every layer, stacked: ``[L, ...]`` (a view when the run kept it
+        """A per-layer kind cached at every layer, stacked: ``[L, ...]`` (a view when the recording kept it
         in one buffer)."""
         if kind in self.stacks:
             return self.stacks[kind]
@@ -298,14 +298,14 @@ class Trace:
         return torch.stack([self[(kind, l)] for l in range(L)])
 
     def select(self, index: Any) -> "Trace":
-        """The run of some sequences only (``index`` along the batch: an int, slice or index tensor)."""
+        """The recording of some sequences only (``index`` along the batch: an int, slice or index tensor)."""
         pick = (lambda t: t[index : index + 1]) if isinstance(index, int) else (lambda t: t[index])  # noqa: E731
         cache = {name: pick(value) for name, value in self.cache.items()}
         return Trace(pick(self.tokens), pick(self.logits), cache, self.source, self.positions)
 
     def logits_at(self, positions: Tensor | list[int] | int) -> Tensor:
         """The logits at ``positions`` (absolute; negative from the end of the sequence), whether or not
-        the run unembedded only some positions: ``[B, len(positions), V]`` (``[B, V]`` for an int)."""
+        the recording unembedded only some positions: ``[B, len(positions), V]`` (``[B, V]`` for an int)."""
         one = isinstance(positions, int)
         T = self.tokens.shape[1]
         want = positions.cpu() if isinstance(positions, Tensor) else torch.tensor([positions] if one else list(positions))
@@ -316,7 +316,7 @@ class Trace:
             where = {int(p): i for i, p in enumerate(self.positions.tolist())}
             missing = [int(p) for p in want.tolist() if int(p) not in where]
             if missing:
-                raise QkovError(f"the run computed logits at positions {sorted(where)} only, not {missing}")
+                raise QkovError(f"the recording computed logits at positions {sorted(where)} only, not {missing}")
             out = self.logits[:, [where[int(p)] for p in want.tolist()]]
         return out[:, 0] if one else out
 
@@ -340,14 +340,14 @@ class Trace:
 
     # ------------------------------------------------------------------ normalisation divisors
     def divisor(self, reader: str, layer: int | None = None) -> Tensor | None:
-        """The normalisation divisor the run used for ``reader`` (``attn_v``: the attention's value
+        """The normalisation divisor the recording used for ``reader`` (``attn_v``: the attention's value
         input, its ``attn_scale``; ``attn_qk``: its query/key input, ``qk_scale`` where shortformer
         positions give it one, else ``attn_scale``; ``mlp``: ``mlp_scale``; ``final``: ``final_scale``),
         ``[B, T, 1]``, of ``layer`` for the per-layer readers; ``None`` for a model without
         normalisation.
 
         Raises:
-            QkovError: the run did not cache that divisor.
+            QkovError: the recording did not cache that divisor.
         """
         if self.source.norm == "none":
             return None

@@ -1,11 +1,11 @@
-"""A run frozen: what the path expansion holds fixed, and a reader's view of one stream term under it.
+"""A recording frozen: what the path expansion holds fixed, and a reader's view of one stream term under it.
 
 [F]'s expansion writes the logits as a sum of paths once the attention patterns, the normalisation
 divisors and the MLP outputs of a real forward pass are held at their values: the logits are then
 linear in each stream term. Three pieces serve every analysis that does so (paths, term importance,
 term effects, virtual heads, the QK split):
 
-* :func:`frozen_sites` — the sites a real run must cache to be frozen (``pattern``, the normalisation
+* :func:`frozen_sites` — the sites a recording must cache to be frozen (``pattern``, the normalisation
   divisors ``attn_scale``/``qk_scale``/``mlp_scale``/``final_scale``, ``mlp_out``), and
   :func:`frozen_edits` — the edits that hold another pass of the same tokens at those values;
 * :func:`read` — a reader's linear view of a stream term with the divisor frozen;
@@ -30,10 +30,10 @@ from .cache import Trace
 from .sites import Sites
 from .tracer import trace
 
-__all__ = ["check_linear", "frozen_edits", "frozen_sites", "frozen_values", "head_terms", "head_writes", "read"]
+__all__ = ["check_linear", "frozen_edits", "frozen_recording", "frozen_sites", "frozen_values", "head_terms", "head_writes", "read"]
 
 FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out")
-"""The site kinds a frozen run holds (those the model has)."""
+"""The site kinds a frozen recording holds (those the model has)."""
 
 
 def check_linear(source: WeightSource) -> None:
@@ -43,26 +43,26 @@ def check_linear(source: WeightSource) -> None:
 
 
 def frozen_sites(source: WeightSource) -> list[str]:
-    """The sites (``cache=`` names) a run must keep to be frozen: every one of :data:`FROZEN_KINDS`
+    """The sites (``cache=`` names) a recording must keep to be frozen: every one of :data:`FROZEN_KINDS`
     the model has, at every layer."""
     have = {k.name: k.per_layer for k in Sites(source.cfg, source.norm).kinds}
     return [f"{k}.*" if have[k] else k for k in FROZEN_KINDS if k in have]
 
 
-def frozen_edits(run: Trace) -> dict[str, Tensor]:
-    """Edits that hold a pass of ``run``'s tokens at ``run``'s patterns, divisors and MLP outputs.
+def frozen_edits(recording: Trace) -> dict[str, Tensor]:
+    """Edits that hold a pass of ``recording``'s tokens at ``recording``'s patterns, divisors and MLP outputs.
 
     Raises:
-        QkovError: ``run`` did not cache them (:func:`frozen_sites`).
+        QkovError: ``recording`` did not cache them (:func:`frozen_sites`).
     """
     out: dict[str, Tensor] = {}
-    for pattern in frozen_sites(run.source):
+    for pattern in frozen_sites(recording.source):
         kind = pattern.removesuffix(".*")
-        names = [f"{kind}.{l}" for l in range(run.source.cfg.n_layers)] if pattern.endswith(".*") else [kind]
-        missing = [n for n in names if n not in run.cache]
+        names = [f"{kind}.{l}" for l in range(recording.source.cfg.n_layers)] if pattern.endswith(".*") else [kind]
+        missing = [n for n in names if n not in recording.cache]
         if missing:
-            raise QkovError(f"a frozen run must have cached {', '.join(frozen_sites(run.source))}; {missing[0]} is missing")
-        out.update({n: run.cache[n] for n in names})
+            raise QkovError(f"a frozen recording must have cached {', '.join(frozen_sites(recording.source))}; {missing[0]} is missing")
+        out.update({n: recording.cache[n] for n in names})
     return out
 
 
@@ -78,7 +78,7 @@ def read(x: Tensor, norm: str, scale: Tensor | None, w: Tensor | None = None) ->
 
 def frozen_values(
     source: WeightSource,
-    run: Trace,
+    recording: Trace,
     layer: int,
     x: Tensor,
     *,
@@ -86,10 +86,10 @@ def frozen_values(
     value_bias: bool = False,
 ) -> Tensor:
     """What the heads of ``layer`` (all, or ``heads``) read as values from the stream term ``x [B, T, D]``,
-    the run's divisor frozen: ``[B, h, T, E]`` (``b_V`` added with ``value_bias``). Key/value heads
+    the recording's divisor frozen: ``[B, h, T, E]`` (``b_V`` added with ``value_bias``). Key/value heads
     shared by a group are projected once and repeated for their query heads."""
     att = source.attention(layer, expand_kv=False)
-    x = read(x, source.norm, run.divisor("attn_v", layer), att.ln_w)
+    x = read(x, source.norm, recording.divisor("attn_v", layer), att.ln_w)
     group = source.cfg.n_heads // source.cfg.kv_heads
     if heads is None:
         return expand_kv(project_heads(x, att.W_V, att.b_V if value_bias else None), group, dim=1)
@@ -102,16 +102,16 @@ def head_writes(pattern: Tensor, v: Tensor, W_O: Tensor) -> Tensor:
     return torch.einsum("bhte,hed->bhtd", pattern @ v, W_O)
 
 
-def head_terms(source: WeightSource, run: Trace, layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
+def head_terms(source: WeightSource, recording: Trace, layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
     """What each head of ``layer`` (or only ``heads``) writes for one stream term ``x [B, T, D]``
-    alone, with the run's patterns and normalisation divisors frozen, no biases: ``[h, B, T, D]``."""
-    pattern, W_O = run["pattern", layer], source.attention(layer, expand_kv=False).W_O
+    alone, with the recording's patterns and normalisation divisors frozen, no biases: ``[h, B, T, D]``."""
+    pattern, W_O = recording["pattern", layer], source.attention(layer, expand_kv=False).W_O
     if heads is not None:
         pattern, W_O = pattern[:, heads], W_O[heads]
-    return head_writes(pattern, frozen_values(source, run, layer, x, heads=heads), W_O).transpose(0, 1)
+    return head_writes(pattern, frozen_values(source, recording, layer, x, heads=heads), W_O).transpose(0, 1)
 
 
-def frozen_run(source: WeightSource, tokens: Tensor, *, cache: tuple[str, ...] = ()) -> Trace:
+def frozen_recording(source: WeightSource, tokens: Tensor, *, cache: tuple[str, ...] = ()) -> Trace:
     """A real forward pass caching what the expansion freezes (:func:`~qkov.analysis.forward.frozen.frozen_sites`:
     patterns, normalisation divisors, MLP outputs), plus ``cache``."""
     check_linear(source)

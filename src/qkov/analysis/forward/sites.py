@@ -13,7 +13,7 @@ TransformerLens hook names are accepted as aliases (``"blocks.1.attn.hook_patter
 by search-and-replace. :data:`KINDS` lists each kind with its shape and its TransformerLens hook;
 docs/conventions.md has the same table.
 
-Which stream: a site holds the value of the weights view the run reads. The default view of a
+Which stream: a site holds the value of the weights view the recording reads. The default view of a
 LayerNorm model centres the writers (TransformerLens' processed default), so ``embed``, ``pos``,
 ``resid_pre/mid/post``, ``head_out``, ``attn_out`` and ``mlp_out`` are the model's own values minus
 their mean over ``d_model``; ``trace(..., stream="model")`` gives the model's own
@@ -34,7 +34,7 @@ from typing import Any, Iterable
 from ...errors import QkovError
 from .address import Address
 
-__all__ = ["Address", "BY_NAME", "Kind", "KINDS", "Sites", "SPLIT_INPUTS"]
+__all__ = ["Address", "BY_NAME", "Kind", "KINDS", "Sites", "HEAD_INPUTS"]
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("logits", "[B, T, V]", None, "unembed.hook_out", "the logits", False),
 )
 BY_NAME: dict[str, Kind] = {k.name: k for k in KINDS}
-SPLIT_INPUTS = ("q_input", "k_input", "v_input")
+HEAD_INPUTS = ("q_input", "k_input", "v_input")
 """Each head's own copy of the stream: ``H`` times a layer's stream in memory, and each head then
 normalises its own copy, so a glob whose kind is a wildcard (``"*"``, ``"*.1"``) leaves them out;
 name them to cache or edit them (``"q_input.1"``, ``"k_input.*"``)."""
@@ -147,11 +147,11 @@ class Sites:
             raise QkovError(f"site {key!r}: give a name such as 'pattern.1' or a tuple such as ('pattern', 1)")
         if any(c in key for c in "*?["):
             kind_part = key.split(".")[0]
-            split = kind_part not in SPLIT_INPUTS  # a wildcard kind never takes the per-head copies
+            skip_copies = kind_part not in HEAD_INPUTS  # a wildcard kind never takes the per-head copies
             found = [
                 Address(*_split(n))
                 for n in self.layer_names
-                if fnmatch.fnmatchcase(n, key) and (not split or n.split(".")[0] not in SPLIT_INPUTS)
+                if fnmatch.fnmatchcase(n, key) and (not skip_copies or n.split(".")[0] not in HEAD_INPUTS)
             ]
             if not found and not any(fnmatch.fnmatchcase(k.name, kind_part) for k in self.kinds if k.per_layer):
                 raise QkovError(f"no site matches {key!r}; sites are {self.summary()}")

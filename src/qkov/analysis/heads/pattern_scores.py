@@ -98,8 +98,8 @@ def positional_fraction(source: WeightSource, r: Trace) -> Tensor:
     ``Var_k(pos-pos term) / Var_k(real score)`` over allowed keys, averaged over queries
     (clipped to [0, 1]), where the pos-pos term is ``p_q W_QK p_k`` with ``p`` the positional
     part of the query/key input (``W_pos`` for shortformer and standard positions, read through
-    the run's frozen normalisation: centred and divided, or only divided in a rotated ``scale``
-    view) and the real score uses the run's actual input. ``r`` must have cached ``qk_in`` (and the
+    the recording's frozen normalisation: centred and divided, or only divided in a rotated ``scale``
+    view) and the real score uses the recording's actual input. ``r`` must have cached ``qk_in`` (and the
     normalisation divisors, ``attn_scale``/``qk_scale``, for a normalised model). 0 for models without
     positions. ``[n_layers, n_heads]``.
     """

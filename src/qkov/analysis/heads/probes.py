@@ -22,7 +22,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...deprecated import renamed_property
 from ...errors import QkovError
 from ...weights.convert import SourceLike, as_source, vocab_and_bos
 from ...model.ops import next_token_nll
@@ -209,8 +208,6 @@ class InductionProbe(Shown):
             return None
         flat = int(self.induction_attention[1:].argmax())
         return 1 + flat // self.induction_attention.shape[1], flat % self.induction_attention.shape[1]
-
-    scores = renamed_property("scores", "induction_attention", "InductionProbe")
 
 
 def induction_probe(

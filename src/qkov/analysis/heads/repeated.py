@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ...deprecated import renamed_property
 from ...errors import QkovError
 from ...weights.convert import SourceLike, as_source
 from ...weights.parts import WeightSource
@@ -18,9 +17,9 @@ from ... import ranks
 from ..forward.tracer import trace
 from .probes import induction_attention
 from ..sampling import seeded_subset
-from ..budget import item, run_bytes
+from ..budget import item, pass_bytes
 
-__all__ = ["COPYING_LOGITS", "copying_queries", "earlier_same", "repeat_bytes", "repeat_scores", "RepeatScores"]
+__all__ = ["COPYING_LOGITS", "copying_queries", "earlier_same", "repeat_bytes", "repeat_scores", "RepeatPass", "RepeatScores"]
 
 COPYING_LOGITS = 2**24  # logits per head the copying scores read at most (beyond: sampled queries)
 
@@ -37,8 +36,6 @@ class RepeatScores:
     copying: Tensor  # [I] copying score in [-1, 1] (share of the raise on attended tokens)
     copying_rank: Tensor  # where the head's logits rank the token it attends to most, in [-1, 1]
     copying_queries: tuple[int, int] = (0, 0)  # (queries the copying scores read, repeated queries in all)
-
-    induction = renamed_property("induction", "induction_attention", "RepeatScores")
 
 
 def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScores:
@@ -71,18 +68,18 @@ def repeat_scores(source: SourceLike, tokens: Tensor, length: int) -> RepeatScor
     induction head that also lifts hundreds of related tokens a little scores small but positive.
     """
     source = as_source(source, where="qkov.repeat_scores")
-    run = _RepeatRun(source, tokens, length)
+    scoring = RepeatPass(source, tokens, length)
     W_O: dict[int, Tensor] = {}
-    for u in run.units():
+    for u in scoring.units():
         l, h = divmod(u, source.cfg.n_heads)
         if l not in W_O:
             W_O[l] = source.attention(l).W_O  # [H, E, D]
-        run.copying(l, h, W_O[l][h] @ run.W_U)
-    return run.scores()
+        scoring.copying(l, h, W_O[l][h] @ scoring.W_U)
+    return scoring.scores()
 
 
-class _RepeatRun:
-    """One run of :func:`repeat_scores` on repeated tokens: its attention scores at once, its copying
+class RepeatPass:
+    """One pass of :func:`repeat_scores` on repeated tokens: its attention scores at once, its copying
     scores head by head as each head's ``W_O[h] @ W_U`` ``[d_head, d_vocab]`` is handed to
     :meth:`copying` (:func:`head_report` hands it the products the weight-based copying scores form,
     so each is formed once)."""
@@ -102,7 +99,7 @@ class _RepeatRun:
         self.W_U = source.unembed().W_U
         self.read_q = copying_queries(queries, B, self.W_U.shape[-1], COPYING_LOGITS)
         self.counts = (len(self.read_q), len(queries))
-        self.run, self.P, self.shape = r, P, (L, H)
+        self.recording, self.P, self.shape = r, P, (L, H)
         self.parts: dict[int, tuple[float, float]] = {}
         self.work: Tensor | None = None
         self.earlier: Tensor | None = None  # which earlier keys hold the same token, shared by every head
@@ -115,14 +112,14 @@ class _RepeatRun:
 
     def copying(self, l: int, h: int, OU: Tensor) -> None:
         """Head ``l.h``'s copying scores from ``OU = W_O[h] @ W_U`` (``[d_head, d_vocab]``)."""
-        A, z = self.P[l, :, h][:, self.read_q], self.run["z", l][:, self.read_q]  # [B, Q, T], [B, Q, H, E]
+        A, z = self.P[l, :, h][:, self.read_q], self.recording["z", l][:, self.read_q]  # [B, Q, T], [B, Q, H, E]
         if self.work is None:  # the [B, Q, V] logits and two more, reused by every head (no page faults per head)
             self.work = torch.empty(3, *A.shape[:2], OU.shape[-1], dtype=OU.dtype, device=OU.device)
         # the head's output z_h @ W_O[h] read by W_U, as z_h @ (W_O[h] @ W_U): d_head wide, not d_model
         logits = torch.matmul(z[:, :, h], OU, out=self.work[0])  # [B, Q, V]
         if self.earlier is None:
-            self.earlier = earlier_same(self.run.tokens, OU.dtype)
-        parts = _copying_in(A, logits, self.run.tokens, self.work[1], self.work[2], self.earlier)
+            self.earlier = earlier_same(self.recording.tokens, OU.dtype)
+        parts = _copying_in(A, logits, self.recording.tokens, self.work[1], self.work[2], self.earlier)
         self.parts[l * self.shape[1] + h] = parts
 
     def scores(self) -> RepeatScores:
@@ -208,4 +205,4 @@ def repeat_bytes(source: WeightSource, batch: int, seq: int) -> int:
     c, it = source.cfg, item(source)
     outputs = c.n_layers * batch * c.n_heads * seq * c.d_model * it
     logits = min(COPYING_LOGITS, batch * seq * c.d_vocab) * it * 3
-    return run_bytes(source, batch, seq, cached_patterns=True) + outputs + logits
+    return pass_bytes(source, batch, seq, cached_patterns=True) + outputs + logits

@@ -4,13 +4,12 @@ Pattern-based scores take patterns ``[n_layers, batch, n_heads, query, key]`` fr
 text and return ``[n_layers, n_heads]``; [I]'s repeated-token scores (:mod:`qkov.analysis.heads.repeated`)
 run the model on :func:`qkov.analysis.heads.probes.prefix_matching_tokens`; weight-based scores come from
 :mod:`qkov.analysis.circuits`. :func:`head_report` computes all of them for one model and
-assigns roles from :data:`THRESHOLDS`. Every run is :func:`qkov.analysis.forward.tracer.trace` on a
+assigns roles from :data:`THRESHOLDS`. Every pass is :func:`qkov.analysis.forward.tracer.trace` on a
 :class:`~qkov.weights.WeightSource`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,11 +18,12 @@ from torch import Tensor
 
 from ...device import check_fits, memory_budget
 from ...errors import QkovError
+from ...finite import finite
 from ...weights.convert import SourceLike, as_source, source_bos
 from ...weights.parts import WeightSource
 from ..circuits.copying import check_diag_k, copying_scores
 from .probes import NOT_TEXT, ICLScore, icl_left_out, icl_score, prefix_matching_tokens
-from .repeated import _RepeatRun
+from .repeated import RepeatPass
 from ...progress import Progress
 from ..shown import Shown
 from .pattern_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
@@ -117,7 +117,7 @@ class HeadReport(Shown):
         for l in range(L):
             for h in range(H):
                 row: dict[str, object] = {"head": f"{l}.{h}", "layer": l, "index": h}
-                row.update({k: _value(float(v[l, h])) for k, v in self.scores.items()})
+                row.update({k: finite(v[l, h]) for k, v in self.scores.items()})  # a NaN (does not apply): None
                 row["roles"] = self.roles[l][h]
                 out.append(row)
         return out
@@ -144,11 +144,6 @@ def _not_measured(source: WeightSource, icl_on: Tensor, icl: bool) -> dict[str, 
     if source.pos() is None:
         out["positional_fraction"] = POSITIONAL_NA.format(cfg.positional)
     return out
-
-
-def _value(v: float) -> float | None:
-    """A score as rows show it: ``None`` where it does not apply (NaN; its reason is in ``left_out``)."""
-    return None if math.isnan(v) else v
 
 
 def assign_roles(scores: dict[str, Tensor], thresholds: dict[str, float] = THRESHOLDS) -> list[list[list[str]]]:
@@ -231,7 +226,7 @@ def head_report(
     on_text = text_scores(source, text, chunk=chunk, progress=progress)
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(source, length=length, seed=seed, bos=bos, frequencies=frequencies)
-    repeat = _RepeatRun(source, rep, length)  # its copying reads each head's W_O W_U, which the
+    repeat = RepeatPass(source, rep, length)  # its copying reads each head's W_O W_U, which the
     # copying scores below form anyway: handed over, not formed twice (GPT-2 small: 0.7 TFLOP)
     copying = copying_scores(
         source, diag_k=diag_k, diag_sample=diag_sample, seed=seed, progress=progress, on_head=repeat.copying

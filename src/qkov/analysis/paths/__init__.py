@@ -17,7 +17,7 @@ from .expansion import (
     expand,
     Expansion,
     paths_batch,
-    RUN_FLOPS,
+    PASS_FLOPS,
     VIRTUAL_AUTO_MAX,
     virtual_pairs,
 )
@@ -35,7 +35,7 @@ from .effects import (
     TermEffects,
 )
 from .summary import expansion_bytes, paths_text, PathSummary, summarize
-from .qk_side import qk_split, QKSplit
+from .qk_side import expand_qk, QKExpansion
 
 __all__ = [
     "heads_write",
@@ -55,7 +55,7 @@ __all__ = [
     "expand",
     "Expansion",
     "paths_batch",
-    "RUN_FLOPS",
+    "PASS_FLOPS",
     "VIRTUAL_AUTO_MAX",
     "virtual_pairs",
     "EFFECT_LOGITS",
@@ -73,6 +73,6 @@ __all__ = [
     "paths_text",
     "PathSummary",
     "summarize",
-    "qk_split",
-    "QKSplit",
+    "expand_qk",
+    "QKExpansion",
 ]

@@ -20,9 +20,8 @@ them against the term's own logits (:meth:`qkov.analysis.paths.expansion.Expansi
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -64,7 +63,7 @@ def head_unembed(source: WeightSource, layer: int) -> Tensor:
 
 
 def head_values(
-    source: WeightSource, run: Trace, key: tuple[int, ...], x_in: Tensor, b: Tensor, t: Tensor, v: Tensor | None = None
+    source: WeightSource, recording: Trace, key: tuple[int, ...], x_in: Tensor, b: Tensor, t: Tensor, v: Tensor | None = None
 ) -> Tensor:
     """``y / s`` ``[n, E]`` at positions ``(b[i], t[i])``: what head ``layer, head = key[-2:]`` reads
     from ``x_in [B, T, D]`` and mixes by its frozen pattern, over the final divisor (see the module
@@ -72,19 +71,19 @@ def head_values(
     values of ``x_in`` ``[B, T, E]``, if made already. Only the pattern rows at the positions are used."""
     layer, head = key[-2], key[-1]
     if v is None:
-        v = frozen_values(source, run, layer, x_in, heads=[head])[:, 0]
-    pattern = run["pattern", layer]
+        v = frozen_values(source, recording, layer, x_in, heads=[head])[:, 0]
+    pattern = recording["pattern", layer]
     y = v.new_empty(len(b), v.shape[-1])
     for seq in b.unique().tolist():  # [n, T] rows of one sequence's pattern, then its values
         at = (b == seq).nonzero()[:, 0]
         y[at] = pattern[seq, head, t[at]] @ v[seq]
-    scale = run.divisor("final")
+    scale = recording.divisor("final")
     return y if scale is None else y / scale[b, t]
 
 
 def term_logits(
     source: WeightSource,
-    run: Trace,
+    recording: Trace,
     key: tuple[int, ...],
     x_in: Tensor,
     b: Tensor,
@@ -93,10 +92,10 @@ def term_logits(
 ) -> Tensor:
     """Logits ``[n, 1, V]`` (no ``b_U``) at positions ``(b[i], t[i])`` of the term that head
     ``layer, head = key[-2:]`` writes for the stream term ``x_in [B, T, D]`` alone (the term
-    :func:`~qkov.analysis.forward.frozen.head_terms` gives), the run's patterns and divisors frozen.
+    :func:`~qkov.analysis.forward.frozen.head_terms` gives), the recording's patterns and divisors frozen.
     ``unembedded``: :func:`head_unembed` of the layer, if made already (terms ending in one layer share it)."""
     P = head_unembed(source, key[-2]) if unembedded is None else unembedded
-    return (head_values(source, run, key, x_in, b, t) @ P[key[-1]])[:, None]
+    return (head_values(source, recording, key, x_in, b, t) @ P[key[-1]])[:, None]
 
 
 class SampledTerms:
@@ -106,8 +105,8 @@ class SampledTerms:
     instead of from its ``[n, V]`` logits. Give the terms ending in one layer one after another:
     the layer's :func:`head_unembed` is kept until the next layer's is needed."""
 
-    def __init__(self, source: WeightSource, run: Trace, b: Tensor, t: Tensor, full: Tensor) -> None:
-        self.source, self.run, self.b, self.t, self.full = source, run, b, t, full
+    def __init__(self, source: WeightSource, recording: Trace, b: Tensor, t: Tensor, full: Tensor) -> None:
+        self.source, self.recording, self.b, self.t, self.full = source, recording, b, t, full
         self.buffer = torch.empty_like(full)
         self.layer: int | None = None
         self.values: tuple[int, Tensor, Tensor] | None = None  # (layer, x_in, [B, H, T, E]) of the last order-1 term
@@ -121,10 +120,10 @@ class SampledTerms:
             self.gram, self.layer = _gram(self.P), key[-2]  # [H, E, E]
         layer = key[-2]
         if len(key) == 2 and (self.values is None or self.values[0] != layer or self.values[1] is not x_in):
-            v = frozen_values(self.source, self.run, layer, x_in)  # order-1 terms of a layer read one x_in: every head's values at once
+            v = frozen_values(self.source, self.recording, layer, x_in)  # order-1 terms of a layer read one x_in: every head's values at once
             self.values = (layer, x_in, v)
         v = self.values[2][:, key[-1]] if len(key) == 2 else None  # type: ignore[index]
-        y = head_values(self.source, self.run, key, x_in, self.b, self.t, v)
+        y = head_values(self.source, self.recording, key, x_in, self.b, self.t, v)
         z = torch.addmm(self.full, y, self.P[key[-1]], alpha=-1, out=self.buffer)
         yd = y.double()
         square = float(((yd.T @ yd) * self.gram[key[-1]]).sum().clamp_min(0))
@@ -167,16 +166,6 @@ class TermEffects(Shown):
         singles, virtual = [e.to_dict() for e in self.singles], [e.to_dict() for e in self.virtual]
         return {"single_head_terms": singles, "virtual_head_terms": virtual}
 
-    def __iter__(self) -> Iterator[list[TermEffect]]:
-        """``singles, virtual = term_effects(...)``, the pre-1.0 form (deprecated)."""
-        warnings.warn(
-            "unpacking term_effects(...) as a pair is deprecated: read .singles and .virtual "
-            "(the pair is accepted until qkov 1.1)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return iter((self.singles, self.virtual))
-
 
 EFFECT_LOGITS = 2**24  # logits per term effect: above it, effects are measured on a seeded sample of positions
 
@@ -185,30 +174,30 @@ def effect_positions(exp: Expansion, max_logits: int = EFFECT_LOGITS) -> Tensor 
     """The ``(b, t)`` positions term effects are measured on: ``None`` (every position) when their
     logits hold at most ``max_logits`` entries, else a seeded sample of ``max_logits // d_vocab``
     (at least 64) positions that have a next token, as ``[n, 2]``."""
-    B, T = exp.run.tokens.shape
+    B, T = exp.recording.tokens.shape
     V = exp.source.cfg.d_vocab
     n = B * (T - 1)
     if n * V <= max_logits:
         return None
     pick = seeded_subset(n, max(64, max_logits // V))
-    return torch.stack([pick // (T - 1), pick % (T - 1)], 1).to(exp.run.tokens.device)
+    return torch.stack([pick // (T - 1), pick % (T - 1)], 1).to(exp.recording.tokens.device)
 
 
 def term_effects(
     exp: Expansion, *, top_virtual: int = 10, positions: Tensor | None = None, progress: Progress | None = None
 ) -> TermEffects:
     """Loss change from removing each order-1 term, and each of the ``top_virtual`` largest order-2
-    terms: a :class:`TermEffects` (``.singles``, ``.virtual``; it still unpacks as the pre-1.0 pair).
+    terms: a :class:`TermEffects` (``.singles``, ``.virtual``).
 
     Logits are built one term at a time (never ``[B, T, V]`` for all terms at once), at every
     position, or at ``positions [n, 2]`` (``(b, t)`` pairs, :func:`effect_positions`) only.
     """
-    toks = exp.run.tokens
+    toks = exp.recording.tokens
     at: Any = exp.logits_of
     lossf: Any = lambda lg: loss(lg, toks)  # noqa: E731
     if positions is not None:
         b, t = positions[:, 0], positions[:, 1]
-        scale, W_U, target = exp.run.divisor("final"), exp.source.unembed().W_U, toks[b, t + 1]
+        scale, W_U, target = exp.recording.divisor("final"), exp.source.unembed().W_U, toks[b, t + 1]
 
         def at(x: Tensor) -> Tensor:  # [n, 1, V] at the sampled positions
             return read(x[b, t][:, None], exp.source.norm, None if scale is None else scale[b, t][:, None]) @ W_U
@@ -221,7 +210,7 @@ def term_effects(
     keys = list(exp.heads) + [key for key, _ in sized]
     names = [f"{l}.{h}" for l, h in exp.heads] + [f"{l1}.{h1}->{l2}.{h2}" for (l1, h1, l2, h2), _ in sized]
     terms = list(exp.heads.values()) + [term for _, term in sized]
-    through = None if positions is None or exp.direct is None else SampledTerms(exp.source, exp.run, b, t, full[:, 0])
+    through = None if positions is None or exp.direct is None else SampledTerms(exp.source, exp.recording, b, t, full[:, 0])
 
     def without(key: tuple[int, ...], x: Tensor) -> tuple[Tensor, float]:  # the logits less the term's; its size
         x_in = exp.direct if len(key) == 2 else exp.heads.get(key[:2])

@@ -28,9 +28,9 @@ With MLPs, MLP outputs are frozen sources, not expanded.
 
 :func:`term_importance` (:mod:`qkov.analysis.paths.importance`) is the paper's procedure (zero every
 head's output under frozen patterns, then repeatedly let each head add the output it computed on
-the previous run). :func:`qkov.analysis.paths.qk_side.qk_split` expands a head's pre-softmax scores the same way.
+the previous run). :func:`qkov.analysis.paths.qk_side.expand_qk` expands a head's pre-softmax scores the same way.
 
-The recorded run is :func:`qkov.analysis.forward.tracer.trace`; the expansion applies its layer pieces
+The recording is :func:`qkov.analysis.forward.tracer.trace`; the expansion applies its layer pieces
 (:func:`~qkov.analysis.forward.frozen.read`, :func:`~qkov.analysis.forward.tracer.project`,
 :func:`~qkov.analysis.forward.frozen.head_writes`) to single stream terms.
 """
@@ -49,7 +49,7 @@ from ..forward.cache import Trace
 from ..forward.tracer import flops_per_token
 from ..forward.frozen import head_terms, read
 from .importance import heads_write
-from ..forward.frozen import frozen_run
+from ..forward.frozen import frozen_recording
 from ...progress import Progress, tick
 from .virtual import materialize, virtual_keys
 
@@ -59,14 +59,14 @@ __all__ = [
     "expand",
     "Expansion",
     "paths_batch",
-    "RUN_FLOPS",
+    "PASS_FLOPS",
     "VIRTUAL_AUTO_MAX",
     "virtual_pairs",
 ]
 
 VIRTUAL_AUTO_MAX = 1024  # virtual heads materialised by default (GPT-2 small has 9,504; 1,024 take ~10 s there)
 BATCH_TOKENS = 2048  # tokens the default batch holds at most (8 sequences of 256, 2 of 1024)
-RUN_FLOPS = 3 * 10**11  # one forward pass over the default paths batch costs at most this (term importance runs L + 1)
+PASS_FLOPS = 3 * 10**11  # one forward pass over the default paths batch costs at most this (term importance runs L + 1)
 
 
 def default_batch(n_ctx: int, most: int = 8) -> int:
@@ -77,9 +77,9 @@ def default_batch(n_ctx: int, most: int = 8) -> int:
 
 def paths_batch(cfg: Any, most: int = 8) -> int:
     """Sequences of ``n_ctx`` tokens the path analysis takes by default: :func:`default_batch`, or
-    fewer so that one forward pass costs at most :data:`RUN_FLOPS` (but at least one sequence):
+    fewer so that one forward pass costs at most :data:`PASS_FLOPS` (but at least one sequence):
     8 of 256 tokens for the default models, 1 of 1024 for GPT-2 small."""
-    tokens = min(BATCH_TOKENS, max(cfg.n_ctx, RUN_FLOPS // flops_per_token(cfg)))
+    tokens = min(BATCH_TOKENS, max(cfg.n_ctx, PASS_FLOPS // flops_per_token(cfg)))
     return max(1, min(most, tokens // cfg.n_ctx))
 
 
@@ -100,7 +100,7 @@ class Expansion:
     ``direct``: the direct path the heads read (from :func:`expand`; :func:`~qkov.analysis.paths.effects.term_logits`).
     """
 
-    run: Trace
+    recording: Trace
     source: WeightSource
     orders: list[Tensor]
     bias: Tensor
@@ -111,7 +111,7 @@ class Expansion:
 
     def logits_of(self, resid: Tensor) -> Tensor:
         """``[B, T, V]`` logits of one stream term (the final LN scale frozen; no b_U)."""
-        return read(resid, self.source.norm, self.run.divisor("final")) @ self.source.unembed().W_U
+        return read(resid, self.source.norm, self.recording.divisor("final")) @ self.source.unembed().W_U
 
     def order_logits(self) -> list[Tensor]:
         return [self.logits_of(t) for t in self.orders]
@@ -125,7 +125,7 @@ class Expansion:
         return self.logits_of(total) + self.source.unembed().b_U
 
     def reconstruction_error(self) -> float:
-        return float((self.total_logits() - self.run.logits).abs().max())
+        return float((self.total_logits() - self.recording.logits).abs().max())
 
 
 def expand(
@@ -137,7 +137,7 @@ def expand(
     virtual_heads: bool = False,
     keep_virtual: int | None = None,
     progress: Progress | None = None,
-    run: Trace | None = None,
+    recording: Trace | None = None,
 ) -> Expansion:
     """Split the logits of ``tokens [B, T]`` by path order (see the module docstring).
 
@@ -149,11 +149,11 @@ def expand(
             with ``keep_virtual`` only that many of the largest (by mean square in the
             residual stream), never holding more than those at once.
         progress: ticked once per layer.
-        run: the :func:`frozen_run` of ``tokens``, if made already.
+        recording: the :func:`frozen_recording` of ``tokens``, if made already.
     """
     source = as_source(source, where="qkov.expand")
     cfg = source.cfg
-    r = frozen_run(source, tokens) if run is None else run
+    r = frozen_recording(source, tokens) if recording is None else recording
     T = r.tokens.shape[1]
     x0 = source.embed()[r.tokens]
     if cfg.positional == "standard":

@@ -9,7 +9,7 @@ once per run on which it can still change (``L (L + 1) / 2`` layer evaluations i
 ``L (L + 1)``), from the same tensors the literal procedure would use. Only each layer's sum
 over heads is kept (``[B, T, D]``, not ``[B, T, H, D]``), and the frozen pieces (embedding, MLP
 outputs, ``b_O``) are read from run 0 instead of recomputed. A test checks it against the literal
-procedure run through :func:`~qkov.analysis.forward.tracer.trace` with the run frozen
+procedure run through :func:`~qkov.analysis.forward.tracer.trace` with the recording frozen
 (:func:`~qkov.analysis.forward.frozen.frozen_edits`) and each head's ``head_out`` written.
 
 :func:`loss` is the mean next-token loss in nats. Term differences are small, so it must not
@@ -33,7 +33,7 @@ from ...weights.convert import SourceLike, as_source
 from ..forward.cache import Trace
 from ..forward.frozen import frozen_values
 from ...progress import Progress, tick
-from ..forward.frozen import frozen_run
+from ..forward.frozen import frozen_recording
 
 __all__ = ["heads_write", "lm_loss", "loss", "rms", "term_importance", "TermImportance"]
 
@@ -87,7 +87,7 @@ class TermImportance:
 
 def heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor, *, value_bias: bool = True) -> Tensor:
     """The sum over heads of what layer ``layer``'s heads write ``[B, T, D]`` (``b_V`` in unless
-    ``value_bias=False``, ``b_O`` out) when they read the stream ``x [B, T, D]``, the run's patterns
+    ``value_bias=False``, ``b_O`` out) when they read the stream ``x [B, T, D]``, the recording's patterns
     and divisors frozen: one product of the concatenated head outputs with ``W_O``."""
     v = frozen_values(source, real, layer, x, value_bias=value_bias)
     return write_heads(real["pattern", layer] @ v, source.attention(layer, expand_kv=False).W_O)
@@ -107,18 +107,18 @@ def _logits(source: WeightSource, real: Trace, x: Tensor, out: Tensor | None) ->
 
 @torch.no_grad()
 def term_importance(
-    source: SourceLike, tokens: Tensor, *, progress: Progress | None = None, run: Trace | None = None
+    source: SourceLike, tokens: Tensor, *, progress: Progress | None = None, recording: Trace | None = None
 ) -> TermImportance:
     """The paper's procedure ([F]; docs/conventions.md, "Term importance"; the module docstring).
 
     Run 0 is the real forward pass, which fixes the patterns, normalisation divisors and MLP
     outputs. Run 1: all of those frozen, every head's output replaced by zeros. Run n: each
     head adds the output it computed on run n-1. After ``n_layers + 1`` runs every order is in
-    and the logits equal the model's. Order n first enters on run n+1. ``run``: run 0 (a
-    :func:`frozen_run` of ``tokens``), if made already.
+    and the logits equal the model's. Order n first enters on run n+1. ``recording``: run 0 (a
+    :func:`frozen_recording` of ``tokens``), if made already.
     """
     source = as_source(source, where="qkov.term_importance")
-    real = frozen_run(source, tokens) if run is None else run
+    real = frozen_recording(source, tokens) if recording is None else recording
     toks, c = real.tokens, source.cfg
     emb, pos = embed(toks, source.embed(), source.pos())
     x0 = stream_start(emb, None if pos is None else pos.expand(*toks.shape, -1), c.positional)

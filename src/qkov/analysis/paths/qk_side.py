@@ -1,7 +1,7 @@
 """The QK side of the path expansion: one head's pre-softmax scores split by where its query
 and key inputs came from ([F], "Two-Layer Attention-Only Transformers").
 
-With the real run's normalisation divisors frozen, a head's query and key inputs are sums
+With the real recording's normalisation divisors frozen, a head's query and key inputs are sums
 of stream components: the direct path (token embedding, plus positions where they enter the
 query/key input), each earlier head's output, and everything else (biases, MLP outputs).
 The bilinear score then splits into direct x direct, Q-composition (query from an earlier
@@ -22,13 +22,13 @@ from ...weights.parts import WeightSource, check_head
 from ...weights.convert import SourceLike, as_source
 from ..forward.cache import Trace
 from ..forward.frozen import read
-from ..forward.frozen import frozen_run
+from ..forward.frozen import frozen_recording
 
-__all__ = ["qk_split", "QKSplit"]
+__all__ = ["expand_qk", "QKExpansion"]
 
 
 @dataclass
-class QKSplit:
+class QKExpansion:
     """Pre-softmax scores of one head split by where its query and key inputs came from.
 
     Components of the stream at the head's layer: ``direct`` (embedding, and positions
@@ -70,9 +70,9 @@ class QKSplit:
 def _components(
     source: WeightSource, tokens: Tensor, layer: int
 ) -> tuple[Tensor, list[Tensor], list[str], Tensor, Trace]:
-    """The stream at ``layer``'s query/key input as direct + per-head outputs + other, and the run."""
+    """The stream at ``layer``'s query/key input as direct + per-head outputs + other, and the recording."""
     cfg = source.cfg
-    r = frozen_run(source, tokens, cache=("head_out.*",))
+    r = frozen_recording(source, tokens, cache=("head_out.*",))
     T = r.tokens.shape[1]
     direct = source.embed()[r.tokens]
     if cfg.positional in ("standard", "shortformer"):
@@ -82,7 +82,7 @@ def _components(
     labels: list[str] = []
     for l in range(layer):
         att = source.attention(l)
-        # each head's output on the real run; b_V moves to `other` (patterns are row-stochastic,
+        # each head's output on the real recording; b_V moves to `other` (patterns are row-stochastic,
         # so a head's b_V contributes exactly b_V @ W_O at every position)
         b_v = torch.einsum("he,hed->hd", att.b_V, att.W_O)  # [H, D]
         for h in range(cfg.n_heads):
@@ -94,9 +94,9 @@ def _components(
     return direct, comps, labels, other, r
 
 
-def qk_split(source: SourceLike, tokens: Tensor, layer: int, head: int) -> QKSplit:
+def expand_qk(source: SourceLike, tokens: Tensor, layer: int, head: int) -> QKExpansion:
     """Expand head ``layer.head``'s attention scores over earlier heads (Q-, K-, Q-and-K-composition)."""
-    source = as_source(source, where="qkov.qk_split")
+    source = as_source(source, where="qkov.expand_qk")
     check_head(source.cfg, layer, head)
     direct, comps, labels, other, r = _components(source, tokens, layer)
     att = source.attention(layer, head)
@@ -121,7 +121,7 @@ def qk_split(source: SourceLike, tokens: Tensor, layer: int, head: int) -> QKSpl
     q_all_heads, k_all_heads = qh.sum(0), kh.sum(0)
     q_real, k_real = qd + q_all_heads + qo, kd + k_all_heads + ko
     empty = qd.new_zeros(0, *s(qd, kd).shape)
-    return QKSplit(
+    return QKExpansion(
         layer=layer,
         head=head,
         earlier=labels,

@@ -12,7 +12,7 @@ from torch import Tensor
 from ...device import check_fits
 from ...weights.parts import WeightSource
 from .importance import TermImportance, term_importance
-from ..forward.frozen import frozen_run
+from ..forward.frozen import frozen_recording
 from ...progress import Progress
 from ..shown import Shown
 from .effects import TermEffect
@@ -89,13 +89,13 @@ def summarize(
     check_fits(
         need, source.device, f"paths: the expansion of {B} x {T} tokens", "analyse fewer sequences", hint="batch"
     )
-    real = frozen_run(source, tokens)  # one recorded run serves term importance and the expansion
-    importance = term_importance(source, tokens, progress=progress, run=real)
-    exp = expand(source, tokens, progress=progress, run=real)
+    real = frozen_recording(source, tokens)  # one recording serves term importance and the expansion
+    importance = term_importance(source, tokens, progress=progress, recording=real)
+    exp = expand(source, tokens, progress=progress, recording=real)
     coverage = None
     if do_virtual:
         exp.virtual, coverage = select_virtual(
-            source, exp.run, exp.heads, exp.orders[2], most=virtual_terms, keep=top_virtual, progress=progress
+            source, exp.recording, exp.heads, exp.orders[2], most=virtual_terms, keep=top_virtual, progress=progress
         )
     positions = effect_positions(exp)
     effects = term_effects(exp, top_virtual=top_virtual, positions=positions, progress=progress)

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
+from ...finite import finite
 from ...model.config import ModelConfig
 from ...weights.parts import WeightSource
 from ..circuits.factored import LowRank
@@ -52,10 +53,10 @@ def virtual_keys(cfg: ModelConfig) -> list[Key]:
 
 
 @torch.no_grad()
-def virtual_bounds(source: WeightSource, run: Trace, first_order: dict[tuple[int, int], Tensor]) -> dict[Key, float]:
+def virtual_bounds(source: WeightSource, recording: Trace, first_order: dict[tuple[int, int], Tensor]) -> dict[Key, float]:
     """The upper bound of the module docstring on ``||term||_F`` of every virtual head.
 
-    ``run``: the frozen run (patterns and normalisation divisors recorded); ``first_order``:
+    ``recording``: the frozen recording (patterns and normalisation divisors recorded); ``first_order``:
     each head's order-1 term ``[B, T, D]``.
     """
     cfg = source.cfg
@@ -64,8 +65,8 @@ def virtual_bounds(source: WeightSource, run: Trace, first_order: dict[tuple[int
     for l2 in range(1, cfg.n_layers):
         att = source.attention(l2)
         sigma = LowRank(att.W_V.double(), att.W_O.double()).svd()[1][:, 0]  # [H] largest singular value of W_OV
-        col = run["pattern", l2].double().sum(-2)  # [B, H, T]: how much attention each key position receives
-        scale = run.divisor("attn_v", l2)
+        col = recording["pattern", l2].double().sum(-2)  # [B, H, T]: how much attention each key position receives
+        scale = recording.divisor("attn_v", l2)
         if scale is not None:
             col = col / scale[..., 0].double().pow(2)[:, None]  # the reader divides each position by its s
         for (l1, h1), norms in y2.items():
@@ -79,7 +80,7 @@ def virtual_bounds(source: WeightSource, run: Trace, first_order: dict[tuple[int
 @torch.no_grad()
 def materialize(
     source: WeightSource,
-    run: Trace,
+    recording: Trace,
     first_order: dict[tuple[int, int], Tensor],
     keys: list[Key],
     *,
@@ -107,11 +108,11 @@ def materialize(
         gram = att.W_O.double() @ att.W_O.double().transpose(1, 2)  # [H, E, E]
         values: dict[int, list[tuple[Key, Tensor]]] = defaultdict(list)  # reader -> its writers' values
         for (l1, h1), readers in writers.items():
-            v = frozen_values(source, run, l2, first_order[(l1, h1)], heads=readers)
+            v = frozen_values(source, recording, l2, first_order[(l1, h1)], heads=readers)
             for h2, vh in zip(readers, v.unbind(1)):
                 values[h2].append(((l1, h1, l2, h2), vh))  # [B, T, E]
         for h2, vals in sorted(values.items()):
-            z = run["pattern", l2][:, h2] @ torch.cat([vh for _, vh in vals], -1)  # [B, T, n E]
+            z = recording["pattern", l2][:, h2] @ torch.cat([vh for _, vh in vals], -1)  # [B, T, n E]
             z = z.view(*z.shape[:2], len(vals), -1)  # [B, T, n, E]
             zd = z.double()
             sq = torch.einsum("btne,ef,btnf->n", zd, gram[h2], zd).clamp_min(0)  # squared Frobenius norms
@@ -171,7 +172,7 @@ class VirtualCoverage:
             "pairs": self.pairs,
             "materialised": self.materialised,
             "explained": self.explained,
-            "left_bound": self.left_bound if math.isfinite(self.left_bound) else None,  # JSON has no inf
+            "left_bound": finite(self.left_bound),  # JSON has no inf
         }
 
     @classmethod
@@ -183,7 +184,7 @@ class VirtualCoverage:
 @torch.no_grad()
 def select_virtual(
     source: WeightSource,
-    run: Trace,
+    recording: Trace,
     first_order: dict[tuple[int, int], Tensor],
     order2: Tensor,
     *,
@@ -199,10 +200,10 @@ def select_virtual(
         raise QkovError(f"virtual heads: the number to materialise must be >= 0 or None, got {most}")
     left: list[float] = []
     if most is not None and most < len(keys):
-        bounds = virtual_bounds(source, run, first_order)
+        bounds = virtual_bounds(source, recording, first_order)
         ranked = sorted(keys, key=lambda k: -bounds[k])
         keys, left = ranked[:most], [bounds[k] for k in ranked[most : most + 1]]
-    terms, total, largest = materialize(source, run, first_order, keys, keep=keep, progress=progress)
+    terms, total, largest = materialize(source, recording, first_order, keys, keep=keep, progress=progress)
     whole = float(order2.double().pow(2).sum())
     explained = 1.0 - float((order2 - total).double().pow(2).sum()) / whole if whole > 0 else 1.0
     ratio = (left[0] / largest if largest > 0 else math.inf) if left else 0.0

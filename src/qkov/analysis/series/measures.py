@@ -1,5 +1,5 @@
 """The measures of a series of snapshots: one model's measures per snapshot, and the series read
-for [I]'s phase change (the app that finds and loads the snapshots is :mod:`qkov.apps.dynamics_study`).
+for [I]'s phase change (the app that finds and loads the snapshots is :mod:`qkov.apps.dynamics`).
 
 :func:`measure` takes one snapshot's weights and a fixed :class:`Sample` (the same tokens for
 every snapshot) and returns a flat record: validation loss and per-token losses, the ICL score,
@@ -21,7 +21,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...deprecated import module_getattr
 from ...device import check_fits, memory_budget
 from ...weights.parts import WeightSource
 from ...weights.view import Weights
@@ -217,5 +216,3 @@ def read_series(records: Sequence[dict[str, Any]], *, until: float | None = None
         together = all(o is not None and o.overlaps(ind) for o in others)
     return SeriesReading(windows, bump, traj, together)
 
-
-__getattr__ = module_getattr(__name__, {"analyse": ("qkov.analysis.series.measures.read_series", lambda: read_series)})

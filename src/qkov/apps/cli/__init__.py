@@ -5,7 +5,7 @@ error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`); a
 :class:`qkov.errors.QkovWarning` prints as one line ``qkov: warning: ...`` and the command goes on. An allocation that
 fails anyway (the analyses plan their memory first; this is the backstop) is one line too. Commands live in
 ``train_cmds`` (train), ``info_cmds`` (info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
-heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics, ablate), ``patch_cmds`` (patch),
+heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics), ``ablate_cmds`` (ablate), ``patch_cmds`` (patch),
 ``interop_cmds`` (import, export) and ``explore_cmds`` (explore: the web server, whose libraries it alone imports).
 """
 
@@ -20,7 +20,8 @@ from ...device import set_memory_budget
 from ...errors import QkovError, QkovWarning
 from ...version import __version__
 from .behaviour_cmds import add_heads, add_paths
-from .dynamics_cmds import add_ablate, add_dynamics
+from .ablate_cmds import add_ablate
+from .dynamics_cmds import add_dynamics
 from .explore_cmds import add_explore
 from .common import EXIT_USAGE, Parser, error_line, out_of_memory_line, show_warning
 from .interop_cmds import add_export, add_import

@@ -33,6 +33,8 @@ from .common import (
     positive_int,
 )
 
+__all__ = ["add_heads", "add_paths", "cmd_heads", "cmd_paths"]
+
 
 def add_paths(sub: Any) -> None:
     p = sub.add_parser(

@@ -17,12 +17,42 @@ from rich.console import Console
 
 from ...analysis.forward.address import as_head
 from ...device import pick_device, set_memory_budget
+from ...finite import json_safe
 from ...errors import QkovError, QkovWarning
 from ...io.hf_families import FAMILIES
 from ...io.sources import hf_model_type, load_any, source_kind
 from ...model.config import ModelConfig
 from ...model.transformer import Transformer
 from ...weights.lazy import AUTO_LAZY_BYTES
+
+__all__ = [
+    "add_device",
+    "add_diag",
+    "add_inputs",
+    "add_lazy",
+    "add_source_args",
+    "BATCH_HELP",
+    "console",
+    "count_or_all",
+    "device",
+    "diag_caption",
+    "dump_json",
+    "error_line",
+    "EXIT_USAGE",
+    "HINT_ADVICE",
+    "ICL_HELP",
+    "int_at_least",
+    "lazy",
+    "load_source",
+    "nonneg_int",
+    "out_of_memory_line",
+    "parse_head",
+    "Parser",
+    "positive_float",
+    "positive_int",
+    "show_warning",
+    "token_count",
+]
 
 EXIT_USAGE = 2
 
@@ -235,7 +265,7 @@ def add_device(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
         return
     p.add_argument(
         "--max-memory",
-        type=memory_size,
+        type=_memory_size,
         metavar="SIZE",
         help="what the analysis may allocate beyond the weights, e.g. 4GiB or 500MiB (default: the memory free on "
         "the device); chunked work is split to fit, and work whose smallest part would not fit is refused before "
@@ -243,7 +273,7 @@ def add_device(p: argparse.ArgumentParser, *, memory: bool = True) -> None:
     )
 
 
-def memory_size(text: str) -> int:
+def _memory_size(text: str) -> int:
     """``4GiB``, ``500MiB``, ``2G``, ``1.5GB`` or a number of bytes -> bytes (K, M, G and T are
     powers of 1024 with or without ``iB``/``B``)."""
     units = {None: 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
@@ -298,5 +328,6 @@ def parse_head(text: str, cfg: ModelConfig) -> tuple[int, int]:
 
 
 def dump_json(data: dict[str, Any]) -> None:
-    """Print ``data`` as indented JSON (the ``--json`` output of every command)."""
-    print(json.dumps(data, indent=2))
+    """Print ``data`` as indented, strict JSON (the ``--json`` output of every command): a NaN or an
+    infinity is ``null`` (:func:`qkov.finite.json_safe`), as in every JSON file qkov writes."""
+    print(json.dumps(json_safe(data), indent=2, allow_nan=False))

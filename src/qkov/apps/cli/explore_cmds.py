@@ -17,6 +17,8 @@ from ..explore.server import bind, is_loopback, make_app, server, url_of
 from ..explore.session import DEFAULT, open_explorer
 from .common import add_device, add_source_args, device, int_at_least
 
+__all__ = ["add_explore", "CACHE_SHARE", "cmd_explore", "DEFAULT_PORT", "serve"]
+
 DEFAULT_PORT = 8765
 CACHE_SHARE = 4
 """The in-memory result cache holds at most 1/CACHE_SHARE of ``--max-memory`` (256 MiB without it)."""

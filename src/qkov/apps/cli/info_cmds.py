@@ -15,6 +15,8 @@ from ...weights.lazy import LazyCheckpoint
 from ..origin import FORMATS, UNKNOWN, describe_origin, parameter_count, source_origin
 from .common import add_lazy, add_source_args, console, dump_json, lazy, load_source
 
+__all__ = ["add_info", "cmd_info", "print_info"]
+
 
 def add_info(sub: Any) -> None:
     p = sub.add_parser(
@@ -33,7 +35,7 @@ def add_info(sub: Any) -> None:
     p.set_defaults(func=cmd_info)
 
 
-def source_info(args: argparse.Namespace) -> dict[str, Any]:
+def _source_info(args: argparse.Namespace) -> dict[str, Any]:
     """What ``qkov info --json`` prints: ``path``, ``kind``, ``model`` (the config), ``parameters`` (for a
     Hugging Face directory, what it stores),
     ``bos_token_id``, ``tokenizer`` (whether it has one), ``imported_from`` (``None`` for a model
@@ -94,11 +96,11 @@ def _print(info: dict[str, Any]) -> None:
 
 def print_info(path: Path) -> None:
     """The table of ``qkov info PATH`` (what ``qkov train`` prints at the end)."""
-    _print(source_info(argparse.Namespace(ckpt=path, config=None, lazy=False)))
+    _print(_source_info(argparse.Namespace(ckpt=path, config=None, lazy=False)))
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    info = source_info(args)
+    info = _source_info(args)
     if args.json:
         dump_json(info)
     else:

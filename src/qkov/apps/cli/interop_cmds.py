@@ -14,6 +14,8 @@ from ...io.sources import hf_model_type, source_kind
 from ...io.tl import save_tl, tl_config_dict
 from .common import add_source_args, load_source
 
+__all__ = ["add_export", "add_import", "cmd_export", "cmd_import", "SOURCES_HELP", "TARGETS"]
+
 TARGETS = ("transformer-lens", "hf")
 SOURCES_HELP = (
     "a qkov checkpoint, a Hugging Face directory (save_pretrained: GPT-2, GPT-NeoX/Pythia, Llama, Mistral, "

@@ -28,6 +28,8 @@ from .common import (
     positive_int,
 )
 
+__all__ = ["add_report", "add_tour", "cmd_report", "cmd_tour"]
+
 
 def add_report(sub: Any) -> None:
     p = sub.add_parser(

@@ -11,16 +11,18 @@ from typing import Any
 from ...errors import QkovError
 from ...model.config import NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
 from ...training.config import SCHEDULES, TrainConfig
-from ...training.distributed import from_env
+from ...ranks import Ranks
 from ...training.loop import saved_configs, train
 from ...training.snapshots import parse_spec
 from ..progress import TrainProgress
 from .info_cmds import print_info
 from .common import nonneg_int, positive_float, positive_int, token_count
 
+__all__ = ["add_train", "cmd_train", "MODEL_FLAGS", "TRAIN_FLAGS"]
+
 
 # --------------------------------------------------------------------------- train
-def snapshot_spec(text: str) -> int | tuple[int, ...]:
+def _snapshot_spec(text: str) -> int | tuple[int, ...]:
     try:
         return parse_spec(text)
     except QkovError as exc:
@@ -109,7 +111,7 @@ def add_train(sub: Any) -> None:
     )
     o.add_argument(
         "--snapshots",
-        type=snapshot_spec,
+        type=_snapshot_spec,
         metavar="N|none|STEP,...",
         help=f"weight-only snapshots for 'qkov dynamics' in OUT/snapshots: a count (default {t.snapshots}, "
         "log-spaced, dense early), 'none', or comma-separated steps",
@@ -137,9 +139,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             batch = train_over.get("batch", TrainConfig().batch)
             train_over["steps"] = max(1, math.ceil(args.tokens / (batch * model_cfg.n_ctx)))
         train_cfg = TrainConfig(**train_over)
-    main_rank = from_env().main  # under torchrun only rank 0 shows progress and the summary
+    main_rank = Ranks.from_env().main  # under torchrun only rank 0 shows progress and the summary
     with TrainProgress(quiet=args.quiet or not main_rank) as progress:
-        train(out, model_cfg, train_cfg, device=args.device, resume=args.resume, callback=progress)
+        train(out, model_cfg, train_cfg, device=args.device, resume=args.resume, callback=progress.event, progress=progress)
     if main_rank:
         print_info(out)
     return 0

@@ -38,6 +38,8 @@ from .common import (
     positive_int,
 )
 
+__all__ = ["add_circuits", "add_trigrams", "cmd_circuits", "cmd_trigrams"]
+
 
 def _source(
     args: argparse.Namespace, dtype: torch.dtype = torch.float32, dev: torch.device | None = None
@@ -72,7 +74,7 @@ def add_circuits(sub: Any) -> None:
     p.add_argument("--top", type=positive_int, default=5, help="composition pairs to show per kind (default 5)")
     p.add_argument(
         "--offsets",
-        type=offset_list,
+        type=_offset_list,
         default=None,
         help="rotary models: query-key offsets Q/K composition is averaged over, e.g. 1,2,3 "
         "(default 0,1,2,4,... up to the context or 1024)",
@@ -178,7 +180,7 @@ def _print_offsets(prof: OffsetProfiles, top: int) -> None:
     console().print(t)
 
 
-def offset_list(text: str) -> list[int]:
+def _offset_list(text: str) -> list[int]:
     """``"0,1,2"`` -> ``[0, 1, 2]`` (argparse type; the range is checked against the model later)."""
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -238,7 +240,7 @@ def _source_token(token: str, tokenizer: Any, decode: Any, vocab: int) -> list[i
         raise QkovError(f"--source {exc}") from None
 
 
-def trigram_data(
+def _trigram_data(
     source: WeightSource, tokenizer: Any, bos: int, head: str, top: int, token: str | None, all_tokens: bool = False
 ) -> dict[str, Any]:
     """Everything ``qkov trigrams`` shows, as JSON-ready data (token strings decoded). ``all_tokens``:
@@ -282,7 +284,7 @@ def cmd_trigrams(args: argparse.Namespace) -> int:
         parse_head(args.head, source.cfg)  # a bad head is every rank's error
         if not split.main:
             return 0
-        found = trigram_data(source, tokenizer, bos, args.head, args.top, args.source, args.all_tokens)
+        found = _trigram_data(source, tokenizer, bos, args.head, args.top, args.source, args.all_tokens)
         data = {"path": str(args.ckpt), **found}
     if args.json:
         dump_json(data)

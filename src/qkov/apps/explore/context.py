@@ -21,6 +21,8 @@ from ...model.tokens import TextCodec
 from ...model.transformer import Transformer
 from ...weights.view import Weights
 
+__all__ = ["BadRequest", "Cancelled", "Explorer"]
+
 
 class BadRequest(QkovError):
     """A request the explorer cannot answer (unknown head, text too long, malformed argument): the

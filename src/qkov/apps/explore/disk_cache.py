@@ -23,6 +23,8 @@ from ...io.atomic import atomic_write_text
 from ...training.data import default_cache_dir as qkov_cache_dir
 from ...version import __version__
 
+__all__ = ["default_cache_dir", "entry_key", "entry_path", "FORMAT", "read_entry", "tensors_fingerprint", "write_entry"]
+
 FORMAT = 1
 """The layout of an entry; a file of another format is recomputed."""
 

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from ...errors import QkovError
-from ..report.render import clean
+from ...finite import to_json
 from .context import BadRequest, Cancelled, Explorer
+
+__all__ = ["Busy", "encode_result", "Job", "JobRunner", "KEEP_S", "one_line", "QUEUE_SIZE", "ResultCache"]
 
 QUEUE_SIZE = 16
 """Jobs that may wait per lane; one more is refused (429)."""
@@ -43,7 +45,7 @@ class Busy(BadRequest):
 
 def encode_result(result: dict[str, Any]) -> bytes:
     """A view's result as strict, compact JSON bytes (NaN/inf as ``null``)."""
-    return json.dumps(clean(result), allow_nan=False, ensure_ascii=False, separators=(",", ":")).encode()
+    return to_json(result, compact=True).encode()
 
 
 @dataclass
@@ -133,7 +135,7 @@ class ResultCache:
                 self.bytes -= len(dropped)
 
 
-def request_key(view: str, args: Mapping[str, Any]) -> str:
+def _request_key(view: str, args: Mapping[str, Any]) -> str:
     return view + "|" + json.dumps(args, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -180,7 +182,7 @@ class JobRunner:
             raise BadRequest(f"no view {view!r}; the views are {', '.join(sorted(self.views))}", status=404)
         if not isinstance(args, dict):
             raise BadRequest("the view's arguments must be a JSON object")
-        key = request_key(view, args)
+        key = _request_key(view, args)
         job = Job(id=secrets.token_hex(8), view=view, args=args, key=key)
         cached = self.cache.get(key)
         with self.lock:

@@ -40,6 +40,30 @@ from .context import BadRequest, Explorer
 from .jobs import Job, JobRunner, one_line
 from .views import QUICK_VIEWS, VIEWS
 
+__all__ = [
+    "Background",
+    "bind",
+    "COOKIE",
+    "csp",
+    "error",
+    "finished",
+    "Guard",
+    "http_error",
+    "internal_error",
+    "is_loopback",
+    "job_response",
+    "LOOPBACK_NAMES",
+    "make_app",
+    "MAX_BODY",
+    "page_html",
+    "read_json",
+    "SECURITY_HEADERS",
+    "server",
+    "start_background",
+    "url_of",
+    "user_error",
+]
+
 MAX_BODY = 1 << 20
 """Bytes a request body may hold (a text of the model's context is far less); more is refused (413)."""
 

@@ -26,6 +26,8 @@ from ..inputs import analysis_inputs
 from .context import Explorer
 from .disk_cache import default_cache_dir, tensors_fingerprint
 
+__all__ = ["DEFAULT", "fingerprint", "open_explorer", "Session"]
+
 DEFAULT = "default"
 """``cache_dir=DEFAULT``: :func:`~qkov.apps.explore.disk_cache.default_cache_dir`."""
 

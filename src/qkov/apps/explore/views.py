@@ -24,9 +24,11 @@ from ..inputs import analysis_inputs
 from .context import BadRequest, Explorer
 from .disk_cache import entry_key, entry_path, read_entry, write_entry
 from .session import fingerprint
-from .views_card import card
+from .views_card import card, r6
 from .views_causal import ablate, patch
 from .views_graph import composition, terms
+
+__all__ = ["QUICK_VIEWS", "TOP_K", "View", "view_attention", "view_heads", "view_model", "view_text", "VIEWS"]
 
 View = Callable[[Explorer, dict[str, Any], Progress], dict[str, Any]]
 
@@ -34,13 +36,7 @@ TOP_K = 5
 """Next-token predictions listed per position by the ``text`` view."""
 
 
-def r6(x: float) -> float | None:
-    """``x`` to 6 significant digits (``None`` when not finite): what the page shows and the JSON carries."""
-    x = float(x)
-    return float(f"{x:.6g}") if math.isfinite(x) else None
-
-
-def head_names(ex: Explorer) -> list[str]:
+def _head_names(ex: Explorer) -> list[str]:
     cfg = ex.model.cfg
     return [f"{l}.{h}" for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
 
@@ -59,14 +55,14 @@ def view_model(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[s
         "n_ctx": cfg.n_ctx,
         "bos": ex.bos,
         "max_tokens": ex.max_tokens,
-        "heads": head_names(ex),
+        "heads": _head_names(ex),
         "rotary": cfg.positional == "rotary",
         "cache_dir": None if ex.cache_dir is None else str(ex.cache_dir),
         "has_tokenizer": ex.codec is not None,
     }
 
 
-def top_tokens(ex: Explorer, logprobs: torch.Tensor, k: int = TOP_K) -> list[list[dict[str, Any]]]:
+def _top_tokens(ex: Explorer, logprobs: torch.Tensor, k: int = TOP_K) -> list[list[dict[str, Any]]]:
     """The ``k`` most likely next tokens at each position of ``logprobs [seq, d_vocab]``."""
     values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     return [
@@ -75,7 +71,7 @@ def top_tokens(ex: Explorer, logprobs: torch.Tensor, k: int = TOP_K) -> list[lis
     ]
 
 
-def token_losses(ex: Explorer, ids: torch.Tensor) -> tuple[list[float | None], torch.Tensor]:
+def _token_losses(ex: Explorer, ids: torch.Tensor) -> tuple[list[float | None], torch.Tensor]:
     """Per-position loss ``-log p(ids[i+1] | ids[..i])`` (the last ``None``) and the log-probabilities
     ``[seq, d_vocab]`` of the model's forward pass on ``ids [1, seq]``."""
     with torch.no_grad():
@@ -89,18 +85,18 @@ def token_losses(ex: Explorer, ids: torch.Tensor) -> tuple[list[float | None], t
 def view_text(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """A text's tokens, loss per token, its mean and the top next-token predictions."""
     ids = ex.tokens(args)
-    loss, logprobs = token_losses(ex, ids)
+    loss, logprobs = _token_losses(ex, ids)
     known = [v for v in loss if v is not None]
     return {
         "ids": ids[0].tolist(),
         "tokens": [ex.decode(i) for i in ids[0].tolist()],
         "loss": loss,
         "mean_loss": r6(sum(known) / len(known)) if known else None,
-        "top": top_tokens(ex, logprobs),
+        "top": _top_tokens(ex, logprobs),
     }
 
 
-def pattern_of(ex: Explorer, ids: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+def _pattern_of(ex: Explorer, ids: torch.Tensor, layer: int, head: int) -> torch.Tensor:
     """Head ``layer.head``'s attention pattern ``[query, key]`` on ``ids [1, seq]`` (:func:`qkov.trace`)."""
     with torch.no_grad():
         out = trace(ex.weights, ids.to(ex.weights.device), cache=[f"pattern.{layer}"])
@@ -111,7 +107,7 @@ def view_attention(ex: Explorer, args: dict[str, Any], progress: Progress) -> di
     """One head's pattern on a text: query rows, key columns (lower triangular) and each row's argmax."""
     layer, head = ex.head(args)
     ids = ex.tokens(args)
-    pattern = pattern_of(ex, ids, layer, head)
+    pattern = _pattern_of(ex, ids, layer, head)
     return {
         "head": f"{layer}.{head}",
         "tokens": [ex.decode(i) for i in ids[0].tolist()],
@@ -120,7 +116,7 @@ def view_attention(ex: Explorer, args: dict[str, Any], progress: Progress) -> di
     }
 
 
-def heads_inputs(ex: Explorer) -> tuple[Any, int, int]:
+def _heads_inputs(ex: Explorer) -> tuple[Any, int, int]:
     """The inputs ``qkov heads SOURCE [--text FILE]`` runs on (:func:`qkov.apps.inputs.analysis_inputs` with its
     default batch and ICL examples: the text ``ex.extra["text"]`` when the explorer was given one, else a qkov
     checkpoint's validation text, else seeded random tokens), the batch and the number of ICL examples; read
@@ -137,11 +133,11 @@ def heads_inputs(ex: Explorer) -> tuple[Any, int, int]:
     return inputs, batch, icl_examples
 
 
-def compute_heads(ex: Explorer, progress: Progress) -> dict[str, Any]:
+def _compute_heads(ex: Explorer, progress: Progress) -> dict[str, Any]:
     """:func:`qkov.head_report` on the default inputs, as the ``heads`` view's dict (without ``cached``)."""
     if ex.model.cfg.n_layers == 0:
         raise BadRequest("heads: the model has no attention layers")
-    inputs, batch, icl_examples = heads_inputs(ex)
+    inputs, batch, icl_examples = _heads_inputs(ex)
     text = inputs.tokens.to(ex.weights.device)
     report = head_report(
         ex.weights,
@@ -166,19 +162,19 @@ def compute_heads(ex: Explorer, progress: Progress) -> dict[str, Any]:
 
 
 def view_heads(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    """The heads table with roles (:func:`compute_heads`), read from the disk cache when this model's entry
+    """The heads table with roles (:func:`_compute_heads`), read from the disk cache when this model's entry
     is there and sound, else computed and written there; ``cached`` is the file (``None``: no cache)."""
     if ex.model.cfg.n_layers == 0:
         raise BadRequest("heads: the model has no attention layers")
     if ex.cache_dir is None:
-        return {**compute_heads(ex, progress), "cached": None, "from_cache": False}
-    inputs, _, _ = heads_inputs(ex)
+        return {**_compute_heads(ex, progress), "cached": None, "from_cache": False}
+    inputs, _, _ = _heads_inputs(ex)
     key = entry_key("heads", fingerprint(ex), inputs.tokens, {"seed": 0, "diag_k": 5})
     path = entry_path(ex.cache_dir, "heads", key)
     stored = read_entry(path, key)
     if stored is not None:
         return {**stored, "cached": str(path), "from_cache": True}
-    result = compute_heads(ex, progress)
+    result = _compute_heads(ex, progress)
     write_entry(path, key, result)
     return {**result, "cached": str(path), "from_cache": False}
 

@@ -38,9 +38,12 @@ from ...analysis.forward.tracer import trace
 from ...progress import tick
 from ...analysis.circuits.rotary import offset_profile, offset_qk, rotations
 from ...analysis.circuits.trigrams import skip_trigrams
+from ...finite import rounded
 from ...model.tokens import left_out_tokens
 from ...progress import Progress
 from .context import BadRequest, Explorer
+
+__all__ = ["card", "int_arg", "MAX_OFFSET", "MAX_TOP", "positional", "r6", "spectrum", "TOP"]
 
 TOP = 20
 """Entries listed per vocabulary-wide table (``top_ov``, ``top_qk``, ``trigrams``) by default."""
@@ -50,9 +53,9 @@ MAX_OFFSET = 64
 
 
 def r6(x: float) -> float | None:
-    """``x`` to 6 significant digits (``None`` when not finite)."""
-    x = float(x)
-    return float(f"{x:.6g}") if math.isfinite(x) else None
+    """``x`` to 6 significant digits, ``None`` when not finite (:func:`qkov.finite.rounded`): what the
+    explorer's pages show and its JSON carries."""
+    return rounded(x, 6)
 
 
 def int_arg(args: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -63,7 +66,7 @@ def int_arg(args: dict[str, Any], key: str, default: int, lo: int, hi: int) -> i
     return value
 
 
-def pattern_result(ex: Explorer, ids: Tensor, layer: int, head: int) -> dict[str, Any]:
+def _pattern_result(ex: Explorer, ids: Tensor, layer: int, head: int) -> dict[str, Any]:
     """Head ``layer.head``'s pattern on ``ids [1, seq]`` (:func:`qkov.trace`), as the ``attention`` view
     gives it: ``{head, tokens, pattern (query rows, key columns, zeros above the diagonal), argmax}``."""
     with torch.no_grad():
@@ -121,7 +124,7 @@ def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> list[LowRank]:
     return out
 
 
-def composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
+def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
     every later head composing with it) of raw composition scores.
     Every earlier layer's writers (and every later layer's readers) go through one batched product."""
@@ -180,9 +183,9 @@ def card(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, An
         "positional": prof,
     }
     tick(progress, what, 1, steps)
-    out["composition"] = composition_of(ex, layer, head)
+    out["composition"] = _composition_of(ex, layer, head)
     tick(progress, what, 2, steps)
-    out["pattern"] = None if ids is None else pattern_result(ex, ids, layer, head)
+    out["pattern"] = None if ids is None else _pattern_result(ex, ids, layer, head)
     tick(progress, what, 3, steps)
     out["top_ov"] = out["top_qk"] = out["trigrams"] = None
     if tables:

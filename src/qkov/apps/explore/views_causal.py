@@ -27,6 +27,7 @@ from ...analysis.causal.registry import study_options
 from ...analysis.causal.studies import patch_study
 from ...analysis.forward.address import Address, parse_heads
 from ...errors import QkovError
+from ...finite import json_safe
 from ...model.ops import next_token_nll
 from ...progress import Progress
 from .context import BadRequest, Explorer
@@ -99,17 +100,6 @@ def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, 
     }
 
 
-def _clean_nan(x: Any) -> Any:
-    """JSON-ready: floats to 6 significant digits, NaN and infinities to ``None``, recursively."""
-    if isinstance(x, float):
-        return r6(x)
-    if isinstance(x, list):
-        return [_clean_nan(v) for v in x]
-    if isinstance(x, dict):
-        return {k: _clean_nan(v) for k, v in x.items()}
-    return x
-
-
 def patch(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """``qkov patch``'s default study of ``clean`` against ``corrupted`` (two texts of the same length)."""
     clean, corrupted = ex.tokens(args, "clean"), ex.tokens(args, "corrupted")
@@ -128,4 +118,4 @@ def patch(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
     except QkovError as exc:
         raise BadRequest(str(exc)) from None
     study = patch_study(ex.weights, clean, corrupted, metric=m, decode=ex.decode, progress=progress, **options)
-    return _clean_nan(study.to_dict())
+    return json_safe(study.to_dict(), digits=6)

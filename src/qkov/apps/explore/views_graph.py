@@ -28,6 +28,8 @@ from ...progress import Progress
 from .context import BadRequest, Explorer
 from .views_card import int_arg, r6
 
+__all__ = ["composition", "default_threshold", "GRAPH_EDGES", "terms", "TOP_VIRTUAL"]
+
 GRAPH_EDGES = 24
 """Edges the composition graph shows at first: the strongest ones above their kind's random baseline (a graph
 of every pair above the baseline is a hairball: hundreds of edges on a model of a few layers)."""
@@ -36,7 +38,7 @@ TOP_VIRTUAL = 10
 """Virtual-head terms listed by ``terms`` by default (the largest over the text, as ``qkov paths``)."""
 
 
-def scores_of(ex: Explorer, progress: Progress) -> Any:
+def _scores_of(ex: Explorer, progress: Progress) -> Any:
     """:func:`qkov.composition_scores` of the model (``"qkv"``), computed once and kept in ``ex.extra``."""
     if "composition" not in ex.extra:
         ex.extra["composition"] = composition_scores(ex.weights, "qkv", progress=progress)
@@ -47,7 +49,7 @@ def composition(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[
     """Every head pair's raw Q/K/V composition score beside its kind's baseline (mean over random weights)."""
     cfg = ex.model.cfg
     L, H = cfg.n_layers, cfg.n_heads
-    scores = scores_of(ex, progress)
+    scores = _scores_of(ex, progress)
     edges, baselines = [], {}
     for kind in KINDS:
         c = scores.kinds[kind]
@@ -100,7 +102,7 @@ def terms(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
         coverage = None
         if virtual_pairs(w) > 0 and top > 0:
             exp.virtual, coverage = select_virtual(
-                w, exp.run, exp.heads, exp.orders[2], most=VIRTUAL_AUTO_MAX, keep=top, progress=progress
+                w, exp.recording, exp.heads, exp.orders[2], most=VIRTUAL_AUTO_MAX, keep=top, progress=progress
             )
         at = torch.tensor([[0, position]], device=w.device)
         effects = term_effects(exp, top_virtual=top, positions=at, progress=progress)
@@ -122,7 +124,7 @@ def terms(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
 def _direct(exp: Any, t: int, ids: torch.Tensor) -> tuple[float, float]:
     """The loss change at position ``t`` from removing the direct path (order 0), and the loss there;
     logits read at ``t`` as :func:`~qkov.analysis.paths.effects.term_effects` reads them."""
-    scale, W_U, b_U = exp.run.divisor("final"), exp.source.unembed().W_U, exp.source.unembed().b_U
+    scale, W_U, b_U = exp.recording.divisor("final"), exp.source.unembed().W_U, exp.source.unembed().b_U
 
     def logits_of(x: torch.Tensor) -> torch.Tensor:  # [1, V]
         return read(x[:, t][:, None], exp.source.norm, None if scale is None else scale[:, t][:, None])[:, 0] @ W_U

@@ -13,10 +13,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from ...finite import to_json
 from ...progress import Progress
 from ..outputs import output_folder, replace_pair
 from .collect import collect
-from .render import render_html, to_json
+from .render import render_html
 from .sections import SCHEMA_VERSION, Report
 
 REPORT_FILES = ("index.html", "report.json")

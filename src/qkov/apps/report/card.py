@@ -8,6 +8,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+__all__ = ["Card", "Curve", "TrainingRecord"]
+
 T = TypeVar("T")
 
 

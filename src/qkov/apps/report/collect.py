@@ -7,7 +7,6 @@ sections and their JSON are defined in :mod:`qkov.apps.report.sections`.
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,11 +28,12 @@ from ...analysis.paths.effects import TermEffect
 from ...analysis.heads.probes import NOT_TEXT, InductionProbe, default_icl_examples, icl_left_out, icl_score, induction_probe
 from ...device import pick_device
 from ...errors import QkovError
+from ...finite import rounded
 from ...io.checkpoint import checkpoint_info, read_metrics
 from ...io.sources import load_any, source_kind
 from ...model.tokens import token_decoder
 from ...model.transformer import Transformer
-from ...progress import Progress, as_progress
+from ...progress import Progress
 from ...weights.view import Weights
 from ..inputs import AnalysisInput, analysis_inputs
 from ..origin import UNKNOWN, parameter_count, source_origin
@@ -59,28 +59,37 @@ from .sections import (
     TrigramsSection,
 )
 
+__all__ = [
+    "attention_section",
+    "bigram_rows",
+    "collect",
+    "composition_section",
+    "Decode",
+    "DIGITS",
+    "heads_section",
+    "repeat_curves",
+    "TRIGRAM_HEADS",
+    "trigram_rows",
+]
+
 Decode = Callable[[int], str]
 
 TRIGRAM_HEADS = 4  # layer-0 heads with a skip-trigram table above a vocabulary of DIAG_EXACT_MAX
 
 
-def _r(x: float | None, digits: int = 4) -> float | None:
-    """Round to ``digits`` significant digits (keeps report.json small); NaN/inf -> None."""
-    if x is None or not math.isfinite(x):
-        return None
-    return float(f"{x:.{digits}g}")
+DIGITS = 4  # significant digits of report.json's numbers (keeps it small)
 
 
-def _rl(values: Any, digits: int = 4) -> Any:
-    """Round a (nested) list of floats."""
+def _rl(values: Any, digits: int = DIGITS) -> Any:
+    """A (nested) list of numbers as rounded floats (NaN/inf: ``None``)."""
     if isinstance(values, (list, tuple)):
         return [_rl(v, digits) for v in values]
-    return _r(float(values), digits)
+    return rounded(values, digits)
 
 
 def _rd(d: dict[str, Any]) -> dict[str, Any]:
-    """A dict with its float values rounded (see :func:`_r`)."""
-    return {k: (_r(v) if isinstance(v, float) else v) for k, v in d.items()}
+    """A dict with its float values rounded to :data:`DIGITS`."""
+    return {k: (rounded(v, DIGITS) if isinstance(v, float) else v) for k, v in d.items()}
 
 
 @contextmanager
@@ -155,7 +164,7 @@ def _eigenvalues(w: Weights) -> EigenSection:
             e = ev[l, h]
             scale = float(e.abs().max()) or 1.0
             re, im = _rl((e.real / scale).tolist(), 3), _rl((e.imag / scale).tolist(), 3)
-            out.append(EigenHead(f"{l}.{h}", _r(scale), re, im, _r(float(score[l, h]))))
+            out.append(EigenHead(f"{l}.{h}", rounded(scale, DIGITS), re, im, rounded(score[l, h], DIGITS)))
     return EigenSection(out)
 
 
@@ -184,8 +193,8 @@ def composition_section(scores: Mapping[str, Composition]) -> CompositionSection
             readers=readers,
             raw=_rl(rawm.tolist()),
             adjusted=_rl((rawm - c.baseline.mean).tolist()),
-            baseline_mean=_r(c.baseline.mean),
-            baseline_std=_r(c.baseline.std),
+            baseline_mean=rounded(c.baseline.mean, DIGITS),
+            baseline_std=rounded(c.baseline.std, DIGITS),
             top=[Pair(**_rd(p)) for p in c.pairs()[:10]],
             offsets=c.offsets,
         )
@@ -194,8 +203,8 @@ def composition_section(scores: Mapping[str, Composition]) -> CompositionSection
 
 def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
     s = summarize(w, tokens[: paths_batch(w.cfg, len(tokens))], top_virtual=top)
-    rounded = lambda effects: [TermEffect(e.name, _r(e.loss_change), _r(e.size)) for e in effects]  # noqa: E731
-    effects = rounded(s.singles), rounded(s.virtual)
+    kept = lambda effects: [TermEffect(e.name, rounded(e.loss_change, DIGITS), rounded(e.size, DIGITS)) for e in effects]  # noqa: E731
+    effects = kept(s.singles), kept(s.virtual)
     return PathSummary(s.shape, s.reconstruction_error, s.importance, *effects, s.coverage, s.effect_positions)
 
 
@@ -224,8 +233,8 @@ def repeat_curves(probe: InductionProbe) -> RepeatCurves:
 def _icl(w: Weights, bos: int, seed: int, curve: list[float] | None, info: ICLSummary | None) -> ICLSection:
     """The ICL section: the text's loss curve and score (when there is one) and the repeat curves."""
     repeat = _repeat_losses(w, bos, min(100, (w.cfg.n_ctx - 1) // 2), batch=16, seed=seed)
-    rounded = None if curve is None else _rl(curve)
-    return ICLSection(rounded, repeat, *(() if info is None else (info.score, info.early, info.late)))
+    curve_r = None if curve is None else _rl(curve)
+    return ICLSection(curve_r, repeat, *(() if info is None else (info.score, info.early, info.late)))
 
 
 def _trigram_heads(w: Weights) -> tuple[list[int], str | None]:
@@ -330,7 +339,6 @@ def collect(
     dev = pick_device(device)
     timings: dict[str, float] = {}
     t_start = time.perf_counter()
-    progress = as_progress(progress, "qkov.apps.report.collect")
     with _stage(timings, "load", progress):
         model = load_any(ckpt, config=config).to(dev).eval()
         batch = batch or default_batch(model.cfg.n_ctx)

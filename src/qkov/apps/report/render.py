@@ -12,32 +12,17 @@ for code (the page's scripts and the plotly bundle). Every qkov page embeds thro
 from __future__ import annotations
 
 import html
-import json
-import math
 import re
 from functools import lru_cache
 from importlib import resources
 from typing import Any
 
-from ...deprecated import module_getattr
 from ...errors import QkovError
+from ...finite import to_json
 from ...version import __version__
 from .sections import Report
 
-
-def clean(obj: Any) -> Any:
-    """``obj`` with NaN/inf replaced by ``None`` (recursively), ready for strict JSON."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [clean(v) for v in obj]
-    return obj
-
-
-def to_json(data: dict[str, Any], *, indent: int | None = None) -> str:
-    return json.dumps(clean(data), indent=indent, allow_nan=False, ensure_ascii=False)
+__all__ = ["plotly_js", "render_html", "render_template", "script_code", "script_json", "static"]
 
 
 @lru_cache(maxsize=1)
@@ -126,5 +111,3 @@ def render_html(report: Report, *, title: str | None = None) -> str:
     """The report page for ``report`` (one string of HTML, self-contained)."""
     return render_template("template.html", report.to_dict(), ("report.js",), title or f"qkov report: {report.name}")
 
-
-__getattr__ = module_getattr(__name__, {"render_page": ("qkov.apps.report.render.render_template", lambda: render_template)})

@@ -18,6 +18,28 @@ from .card import Card
 from .card import _build, _plain
 from .causal_sections import PatchingSection
 
+__all__ = [
+    "Absent",
+    "AttentionSection",
+    "BigramRow",
+    "CompositionKind",
+    "CompositionSection",
+    "EigenHead",
+    "EigenSection",
+    "HeadRow",
+    "HeadsSection",
+    "HeadTrigrams",
+    "ICLSection",
+    "ICLSummary",
+    "Maybe",
+    "Pair",
+    "RepeatCurves",
+    "Report",
+    "SCHEMA_VERSION",
+    "TrigramRow",
+    "TrigramsSection",
+]
+
 SCHEMA_VERSION = 3  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, heads "columns"; 3: causal, patching
 
 

@@ -18,41 +18,50 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..analysis.causal import ablation as Ab
-from ..analysis.causal.ablation import AblationStudy
-from ..analysis.budget import Planned
-from ..analysis.series.measures import Sample, SeriesReading, measure, measure_budget, read_series
-from ..analysis.heads.report import THRESHOLDS
-from ..analysis.heads.probes import default_icl_examples
-from ..analysis.shown import TEXT, Shown, register
-from ..deprecated import DictAccess
-from ..device import pick_device
-from ..errors import QkovError
-from ..expect import expect_paths
-from ..model.config import ModelConfig
-from ..model.transformer import Transformer
-from ..progress import Progress
-from ..training import distributed
-from ..version import __version__
-from ..weights.view import Weights
-from .dynamics_page import render_dynamics
-from .inputs import analysis_inputs
-from .outputs import output_folder, replace_pair
-from .report.render import to_json
+from ...analysis.causal import ablation as Ab
+from ...analysis.causal.ablation import AblationStudy
+from ...analysis.budget import Planned
+from ...analysis.series.measures import Sample, SeriesReading, measure, measure_budget, read_series
+from ...analysis.heads.report import THRESHOLDS
+from ...analysis.shown import TEXT, Shown, register
+from ...device import pick_device
+from ...errors import QkovError
+from ...finite import to_json
+from ...expect import expect_paths
+from ...model.config import ModelConfig
+from ...model.transformer import Transformer
+from ...progress import Progress
+from ...ranks import Ranks
+from ...training import distributed
+from ...version import __version__
+from ...weights.view import Weights
+from .page import render_dynamics
+from ..inputs import sample_for
+from ..outputs import output_folder, replace_pair
 from .series import Series, series
+
+__all__ = [
+    "dynamics",
+    "DYNAMICS_FILES",
+    "dynamics_text",
+    "DynamicsResult",
+    "induction_heads",
+    "measure_series",
+    "SCHEMA_VERSION",
+    "SHARE_TIMEOUT",
+    "write_dynamics",
+]
 
 SCHEMA_VERSION = 1
 DYNAMICS_FILES = ("index.html", "dynamics.json")
 SHARE_TIMEOUT = timedelta(hours=6)  # how long the other ranks wait for rank 0's reading and ablation
-TEXT_SEQUENCES = 16  # validation sequences for the loss, per-token losses and previous-token scores
 
 
 @dataclass(repr=False)
-class DynamicsResult(DictAccess, Shown):
+class DynamicsResult(Shown):
     """What :func:`dynamics` returns: the series' records and what they say. ``to_dict()`` is the JSON
     (``dynamics.json``, ``qkov dynamics --json``); the result prints as a short summary and draws
-    itself in a notebook (:mod:`qkov.show`). Before qkov 1.0 it was that JSON dict: ``result["key"]``
-    still reads the JSON form, with a ``DeprecationWarning`` naming the attribute, until 1.1."""
+    itself in a notebook (:mod:`qkov.show`)."""
 
     sources: list[str]  # the sources as given (and "revisions: ..." when revisions were named)
     model: ModelConfig  # the architecture every snapshot shares
@@ -112,21 +121,6 @@ def dynamics_text(r: DynamicsResult) -> str:
     return "\n".join(lines)
 
 
-def sample_for(origin: Path, model: Transformer, *, text: Path | None, tokens: Path | None, seed: int) -> Sample:
-    """The fixed tokens ``model`` (loaded from ``origin``) is measured on: the validation text of
-    the corpus ``origin`` records (or a given text / token file); with none, seeded random tokens,
-    on which loss, ICL and previous-token scores are left out. Serves dynamics and ablate."""
-    n_icl = default_icl_examples(model.cfg)
-    inp = analysis_inputs(
-        origin, model, text=text, tokens=tokens, batch=max(TEXT_SEQUENCES, n_icl), want_corpus=True, seed=seed
-    )
-    bos, freqs = model.bos_token_id, inp.frequencies
-    if not inp.natural:
-        return Sample(None, None, bos, seed, inp.source + " (loss, ICL and previous-token left out)", freqs)
-    ids = inp.tokens
-    return Sample(ids[:TEXT_SEQUENCES], ids[:n_icl], bos, seed, inp.source, freqs)
-
-
 def _load(s: Series, i: int, device: torch.device) -> Transformer:
     model = s.load(s.entries[i])
     if model.cfg != s.cfg:
@@ -147,7 +141,7 @@ def _record(s: Series, i: int, sample: Sample, device: torch.device) -> dict[str
 
 
 def measure_series(
-    s: Series, sample: Sample, device: torch.device, info: distributed.DistInfo, progress: Progress | None = None
+    s: Series, sample: Sample, device: torch.device, info: Ranks, progress: Progress | None = None
 ) -> list[dict[str, Any]] | None:
     """Every entry's record, in order, on rank 0 (``None`` on the other ranks)."""
     mine = list(range(info.rank, len(s.entries), info.world))
@@ -205,7 +199,7 @@ def dynamics(
     device: str = "auto",
     progress: Progress | None = None,
 ) -> DynamicsResult:
-    """Measure and read the series ``sources`` name (:func:`qkov.apps.series.series`). ``mode``/``draws``:
+    """Measure and read the series ``sources`` name (:func:`qkov.apps.dynamics.series.series`). ``mode``/``draws``:
     the ablation of the last snapshot's induction heads (``"mean"`` or ``"zero"``; random sets of as
     many heads). Under torchrun every rank returns the same result: rank 0 reads the gathered records,
     ablates, and sends the result to the others."""
@@ -281,7 +275,7 @@ def write_dynamics(
     """Check ``out`` first (as the report does), run :func:`dynamics`, write ``out/dynamics.json`` and
     the page ``out/index.html`` (as one pair, :func:`~qkov.apps.outputs.replace_pair`; rank 0 only).
     Returns the result (on every rank under torchrun)."""
-    if not distributed.from_env().main:
+    if not Ranks.from_env().main:
         return dynamics(sources, **options)
     with output_folder(out, DYNAMICS_FILES, overwrite=overwrite, what="dynamics") as folder:
         result = dynamics(sources, **options)

@@ -20,13 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from ..errors import QkovError
-from ..io.checkpoint import read_config, read_tokenizer
-from ..io.hf import hf_config
-from ..io.sources import fetch_hub, load_any, source_kind
-from ..model.config import ModelConfig
-from ..model.transformer import Transformer
-from ..training import snapshots as snaps
+from ...errors import QkovError
+from ...io.checkpoint import read_config, read_tokenizer
+from ...io.hf import hf_config
+from ...io.manifest import SNAPSHOT_DIR
+from ...io.sources import fetch_hub, load_any, source_kind
+from ...model.config import ModelConfig
+from ...model.transformer import Transformer
+from ...training import snapshots as snaps
+
+__all__ = ["Entry", "Series", "series"]
 
 _STEP = re.compile(r"step[-_]?0*(\d+)", re.I)
 
@@ -103,7 +106,7 @@ def _from_run(run: Path) -> Series:
     found = snaps.listing(run)
     if not found:
         raise QkovError(
-            f"{str(run)!r} holds no snapshots ({snaps.SNAPSHOT_DIR}/): train with snapshots (the default), "
+            f"{str(run)!r} holds no snapshots ({SNAPSHOT_DIR}/): train with snapshots (the default), "
             "or give a list of checkpoints"
         )
     data = read_config(run)

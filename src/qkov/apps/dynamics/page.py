@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .report.render import render_template
+from ..report.render import render_template
+
+__all__ = ["render_dynamics"]
 
 
 def render_dynamics(result: dict[str, Any], *, title: str | None = None) -> str:
-    """The page of a :func:`qkov.apps.dynamics_study.dynamics` result (one string of HTML)."""
+    """The page of a :func:`qkov.apps.dynamics.study.dynamics` result (one string of HTML)."""
     title = title or f"qkov dynamics: {result.get('description', '')}"
     return render_template("dynamics.html", result, ("report.js", "dynamics.js"), title)

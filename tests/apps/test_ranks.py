@@ -2,7 +2,7 @@
 
 One script runs every command in turn (circuits in memory and memory-mapped, trigrams, heads, paths,
 report) in one process and under ``torch.distributed.run`` with 2 and 3 ranks. It records, on each
-rank, which units of work every gather received from that rank (``Split.gather`` wrapped), so the
+rank, which units of work every gather received from that rank (``Ranks.gather`` wrapped), so the
 test sees both that the output is the same and that the work was really shared out.
 """
 
@@ -35,13 +35,13 @@ rank = int(os.environ.get("RANK", "0"))
 if "RANK" in os.environ:  # one process group for every command (a group cannot be joined twice)
     import torch.distributed as dist
     dist.init_process_group("gloo")
-seen, gather = [], S.Split.gather
+seen, gather = [], S.Ranks.gather
 
 def spy(self, parts, n):
     seen.append([n, sorted(parts)])
     return gather(self, parts, n)
 
-S.Split.gather = spy
+S.Ranks.gather = spy
 
 
 def blocks(path):  # composition streamed one writer layer at a time, one pair of layers per product

@@ -8,7 +8,9 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from .claims import Claim
+from ..claims import Claim
+
+__all__ = ["COLORS", "LABELS", "phase_charts", "phase_claims", "RANDOM_REMOVED", "REMOVED", "svg_dynamics"]
 
 REMOVED = 0.5  # ablating the induction heads must remove most (at least half) of the in-context improvement ...
 RANDOM_REMOVED = 0.5  # ... and a typical random set of as many heads (the median over draws) less than half
