@@ -74,19 +74,24 @@ def memory_budget(device: torch.device) -> tuple[int | None, str]:
     return free, "free"
 
 
-def check_fits(need: int, device: torch.device, what: str, advice: str, *, hint: str | None = None) -> None:
-    """Refuse, before the work starts, work that needs more memory than :func:`memory_budget` allows.
+def check_fits(
+    need: int, device: torch.device, what: str, advice: str, *, hint: str | None = None, budget: bool = True
+) -> None:
+    """Refuse, before the work starts, work that needs more memory than :func:`memory_budget` allows
+    (``budget=False``: than free memory alone, for what holds a model rather than an analysis's work).
 
     Raises:
         QkovError: ``need`` bytes exceed free memory or the budget (with ``hint``: what to reduce).
     """
-    have, kind = memory_budget(device)
+    have, kind = memory_budget(device) if budget else (free_memory(device), "free")
     if have is not None and need > have:
         limit = f"the {_size(have)} free" if kind == "free" else f"the {_size(have)} memory budget"
         raise QkovError(f"{what} needs about {_size(need)}, more than {limit}: {advice}", hint=hint)
 
 
 def _size(n: int) -> str:
+    if n >= 2**40:
+        return f"{n / 2**40:.1f} TiB"
     if n >= 2**30:
         return f"{n / 2**30:.1f} GiB"
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"

@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..analysis.heads.probes import induction_probe
 from ..device import flush_denormals, pick_device, reproducible_blas, tune_cpu_allocator
 from ..errors import QkovError
+from ..expect import describe, expect_path
 from ..io.atomic import atomic_write_text
 from ..io import manifest
 from ..io.checkpoint import METRICS_FILE, STATE_FILE, checkpoint_files, read_config, read_metrics, save_checkpoint
@@ -37,6 +38,7 @@ from ..weights.view import Weights
 from . import distributed
 from .config import TrainConfig, lr_at
 from .corpus_size import check_examples
+from .footprint import check_training_fits
 from .data import Batches, Corpus, load_corpus, val_batches
 from .losses import LossModule
 from . import rundir, snapshots
@@ -47,7 +49,6 @@ BLAS_NOT_REPRODUCIBLE = (
     "MKL computed in this process before qkov was imported, so its reproducible mode is off: a resume "
     "of this run may not be bit-exact (import qkov before computing with torch, or start Python with MKL_CBWR=AUTO)"
 )
-
 
 @torch.no_grad()
 def evaluate(model: Transformer, examples: np.ndarray, device: torch.device, batch: int = 16) -> float:
@@ -142,6 +143,7 @@ def prepare(
     dist_info, dev = distributed.setup(pick_device(device))
     if tc.batch % dist_info.world:
         raise QkovError(f"train: the global batch ({tc.batch}) must divide evenly over {dist_info.world} ranks")
+    check_training_fits(model_cfg, tc.batch // dist_info.world, dev, tc.precision)  # before the model or corpus
     if dev.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_info.local_world))
         tune_cpu_allocator()
@@ -369,6 +371,10 @@ def train(
             ...}`` (``step`` after every step, with its ``seconds``).
         stop_after: stop (after checkpointing) once this step is reached; for tests and tools.
     """
+    expect_path("qkov.train", out, "out")
+    for name, value, kind in (("model_cfg", model_cfg, ModelConfig), ("train_cfg", train_cfg, TrainConfig)):
+        if value is not None and not isinstance(value, kind):
+            raise QkovError(f"qkov.train: {name} must be a qkov.{kind.__name__}; got {describe(value)}")
     plan = prepare(Path(out), model_cfg, train_cfg, device=device, resume=resume, corpus=corpus, callback=callback)
     if not plan.dist.main:
         return _train(plan, stop_after)

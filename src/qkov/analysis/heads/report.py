@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ...device import check_fits, memory_budget
 from ...errors import QkovError
+from ...expect import token_ids
 from ...weights.convert import SourceLike, as_source, source_bos
 from ...weights.parts import WeightSource
 from ..circuits.copying import check_diag_k, copying_scores
@@ -216,6 +217,9 @@ def head_report(
     source = as_source(source, where="qkov.head_report")
     bos = source_bos("qkov.head_report", source, bos)
     cfg = source.cfg
+    text = token_ids("qkov.head_report", text, cfg, "text").to(source.device)
+    if icl_text is not None:
+        icl_text = token_ids("qkov.head_report", icl_text, cfg, "icl_text").to(source.device)
     if cfg.n_layers == 0:
         raise QkovError("heads: the model has no attention layers")
     if diag_k:
