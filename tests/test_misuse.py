@@ -139,3 +139,84 @@ def test_dynamics_refuses_what_is_not_a_list_of_paths(bad: Any, expected: str) -
 def test_run_refuses_tokens_that_are_not_ids(bad: Any) -> None:
     with pytest.raises(QkovError, match=r"^qkov\.trace: tokens must be token ids .*; got "):
         qkov.trace(VIEW, bad)
+
+
+# issue 40: calls that ended in an AttributeError, TypeError, RuntimeError or AssertionError
+LIBRARY_MISTAKES: dict[str, tuple[Callable[[], Any], str]] = {
+    "head_report(m, None)": (
+        lambda: qkov.head_report(MODEL, None),
+        r"^qkov\.head_report: text must be token ids .*got None$",
+    ),
+    "head_report(m, 'text')": (
+        lambda: qkov.head_report(MODEL, "text"),
+        r"^qkov\.head_report: text must be token ids .*got a str",
+    ),
+    "icl_score(m, 'abc')": (
+        lambda: qkov.icl_score(MODEL, "abc"),
+        r"^qkov\.icl_score: examples must be token ids .*got a str",
+    ),
+    "icl_score(m, None)": (
+        lambda: qkov.icl_score(MODEL, None),
+        r"^qkov\.icl_score: examples must be token ids .*got None$",
+    ),
+    "icl_score(m, [[1, 2, 3]])": (
+        lambda: qkov.icl_score(MODEL, [[1, 2, 3]]),
+        r"^qkov\.icl_score: examples of 3 tokens are too short",
+    ),
+    "text_scores(m, 'abc')": (lambda: qkov.text_scores(MODEL, "abc"), r"^qkov\.text_scores: text must be token ids"),
+    "text_scores(m, [[99]])": (
+        lambda: qkov.text_scores(MODEL, [[99]]),
+        r"^qkov\.text_scores: text: id 99 out of range \[0, 32\)$",
+    ),
+    "induction_probe(m, length=-5)": (
+        lambda: qkov.induction_probe(MODEL, length=-5),
+        r"^qkov\.induction_probe: length must be a positive integer, got -5$",
+    ),
+    "induction_probe(m, batch=0)": (
+        lambda: qkov.induction_probe(MODEL, batch=0),
+        r"^qkov\.induction_probe: batch must be a positive integer, got 0$",
+    ),
+    "Transformer(None)": (
+        lambda: Transformer(None),  # type: ignore[arg-type]
+        r"^qkov\.Transformer expects a config, qkov\.ModelConfig\(\.\.\.\); got None$",
+    ),
+    "Transformer(ModelConfig)": (
+        lambda: Transformer(ModelConfig),  # type: ignore[arg-type]
+        r"got the class ModelConfig itself \(call it",
+    ),
+    "Transformer(huge)": (
+        lambda: Transformer(ModelConfig(n_layers=10**5, d_model=10**4, n_heads=4, d_head=2500)),
+        r"^qkov\.Transformer: a model of 40,000,023,040,000 parameters needs about .* TiB, more than the .* free",
+    ),
+    "from_model(dtype='float99')": (
+        lambda: Weights.from_model(MODEL, dtype="float99"),  # type: ignore[arg-type]
+        r"^qkov\.Weights\.from_model: dtype must be a floating-point torch dtype .*got 'float99'$",
+    ),
+    "train(None)": (
+        lambda: qkov.train(None),  # type: ignore[arg-type]
+        r"^qkov\.train: out must be a path \(str or pathlib\.Path\); got None$",
+    ),
+    "train(path, dict)": (
+        lambda: qkov.train("x", {"n_layers": 1}),  # type: ignore[arg-type]
+        r"^qkov\.train: model_cfg must be a qkov\.ModelConfig; got a dict$",
+    ),
+}
+
+
+@pytest.mark.parametrize("call", LIBRARY_MISTAKES)
+def test_library_mistakes_are_one_line_errors_naming_what_was_expected(call: str) -> None:
+    run, expected = LIBRARY_MISTAKES[call]
+    with pytest.raises(QkovError, match=expected) as err:
+        run()
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is here: the device exists")
+def test_a_view_on_a_device_this_machine_lacks_is_one_line() -> None:
+    with pytest.raises(QkovError, match=r"^qkov\.Weights\.from_model: device: cuda requested but no CUDA GPU"):
+        Weights.from_model(MODEL, device="cuda")
+
+
+def test_a_dtype_by_name_is_the_dtype() -> None:
+    assert Weights.from_model(MODEL, dtype="float64").W_E.dtype == torch.float64  # type: ignore[arg-type]
+    assert Weights.from_model(MODEL, dtype="torch.bfloat16").W_E.dtype == torch.bfloat16  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """Where to compute: the one place a device name becomes a ``torch.device``; and the process-wide
-settings that make CPU results reproducible: :func:`reproducible_blas` (applied when qkov is
-imported) and :func:`flush_denormals` (in every thread, when training starts)."""
+settings that make CPU results reproducible: :func:`reproducible_blas` and :func:`settle_vector_math`
+(applied when qkov is imported) and :func:`flush_denormals` (in every thread, when training starts)."""
 
 from __future__ import annotations
 
@@ -85,19 +85,24 @@ def memory_budget(device: torch.device) -> tuple[int | None, str]:
     return free, "free"
 
 
-def check_fits(need: int, device: torch.device, what: str, advice: str, *, hint: str | None = None) -> None:
-    """Refuse, before the work starts, work that needs more memory than :func:`memory_budget` allows.
+def check_fits(
+    need: int, device: torch.device, what: str, advice: str, *, hint: str | None = None, budget: bool = True
+) -> None:
+    """Refuse, before the work starts, work that needs more memory than :func:`memory_budget` allows
+    (``budget=False``: than free memory alone, for what holds a model rather than an analysis's work).
 
     Raises:
         QkovError: ``need`` bytes exceed free memory or the budget (with ``hint``: what to reduce).
     """
-    have, kind = memory_budget(device)
+    have, kind = memory_budget(device) if budget else (free_memory(device), "free")
     if have is not None and need > have:
         limit = f"the {_size(have)} free" if kind == "free" else f"the {_size(have)} memory budget"
         raise QkovError(f"{what} needs about {_size(need)}, more than {limit}: {advice}", hint=hint)
 
 
 def _size(n: int) -> str:
+    if n >= 2**40:
+        return f"{n / 2**40:.1f} TiB"
     if n >= 2**30:
         return f"{n / 2**30:.1f} GiB"
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
@@ -166,6 +171,40 @@ def reproducible_blas() -> bool | None:
     return set_(_CBWR_AUTO) == 0  # MKL refuses a change once it has computed
 
 
+VECTOR_MATH = (
+    "abs", "acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "expm1", "log", "log10", "log1p", "log2",
+    "sin", "sqrt", "tan", "tanh", "trunc",
+)  # fmt: skip
+"""The float unary operations torch computes with MKL's vector math (VML) on an x86 CPU."""
+
+
+def settle_vector_math() -> bool:
+    """Call each of MKL's vector-math functions torch uses (:data:`VECTOR_MATH`, float32 and float64)
+    once, on one element, on this thread; qkov calls this when it is imported, and training again.
+
+    MKL picks the kernel of each vector-math function (instruction set, accuracy) on that function's
+    first call. torch computes ``exp``, ``log``, ``sqrt``... of a large tensor by splitting it between
+    its threads, each calling MKL on its part; when that first call comes from two threads at once,
+    MKL 2024.2 (the one torch 2.x wheels carry) can run one thread's part with its low-accuracy AVX2
+    kernel, ``VML_EP``, although ``VML_HA`` is asked for (errors up to ~2000 units in the last place).
+    Measured here: the first ``exp`` of a training process, in the first step's loss, now and then
+    took that kernel for the second thread's half, and the whole run then differed from the others
+    in its last bits; a resumed process's first step the same. A first call on one element, on one
+    thread, settles every kernel before anything runs in parallel; later calls are unchanged.
+
+    Returns:
+        ``True`` when the calls were made; ``False`` without MKL (nothing to settle).
+    """
+    if not torch.backends.mkl.is_available():
+        return False
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.float64):
+            x = torch.full((1,), 0.5, dtype=dtype)
+            for name in VECTOR_MATH:
+                getattr(torch, name)(x)
+    return True
+
+
 _SET_IN_THREAD = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
@@ -214,3 +253,4 @@ def flush_denormals() -> None:
 
 
 reproducible_blas()  # when qkov is imported: before the process computes, if qkov comes first
+settle_vector_math()  # before anything computes in parallel

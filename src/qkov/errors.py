@@ -15,11 +15,12 @@ from typing import Any, Iterable
 
 __all__ = ["check_choice", "check_int", "HINTS", "QkovError", "QkovWarning"]
 
-HINTS: tuple[str, ...] = ("text", "resume", "out", "config", "overwrite", "batch", "memory")
+HINTS: tuple[str, ...] = ("text", "resume", "out", "config", "overwrite", "batch", "memory", "size")
 """What a hint may name: ``text`` (something to analyse), ``resume`` (continue the run that
 is there), ``out`` (another output location), ``config`` (a config for a weights file that carries
 none), ``overwrite`` (permission to replace a file qkov did not write), ``batch`` (fewer sequences at once),
-``memory`` (a larger memory budget, where more is free)."""
+``memory`` (a larger memory budget, where more is free), ``size`` (a smaller model, context or batch to
+train)."""
 
 
 class QkovError(Exception):

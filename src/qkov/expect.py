@@ -12,6 +12,7 @@ function, what it expected, what it got, and what to pass instead, rather than a
   model, a weights source or a path and convert it once (:func:`qkov.weights.as_source`); anything
   else is a :class:`SourceTypeError` listing what can be passed;
 * :func:`expect_tokens` — token ids (a tensor, array or nested list of integers);
+  :func:`token_ids` also checks them against the model and returns them as ``[batch, seq]``;
 * :func:`expect_path` / :func:`expect_paths` — a path (``str`` or ``os.PathLike``), or a list of them.
 
 The checks here only refuse; the one conversion (model or path to the default view) is
@@ -29,6 +30,7 @@ import torch
 
 from .errors import QkovError
 from .model.config import ModelConfig
+from .model.tokens import check_tokens
 from .model.transformer import Transformer
 
 __all__ = [
@@ -38,10 +40,12 @@ __all__ = [
     "expect_paths",
     "expect_source",
     "expect_tokens",
+    "float_dtype",
     "is_source",
     "refuse_source",
     "SOURCE_KINDS",
     "SourceTypeError",
+    "token_ids",
 ]
 
 _SOURCE_PARTS = ("attention", "embed", "unembed", "pos", "mlp", "norm", "device", "dtype")
@@ -146,6 +150,38 @@ def expect_tokens(where: str, value: Any, name: str = "tokens") -> None:
     raise QkovError(
         f"{where}: {name} must be token ids (a tensor [batch, seq] or [seq], an array or a list of integers); "
         f"got {describe(value)}"
+    )
+
+
+def token_ids(
+    where: str, value: Any, cfg: ModelConfig, name: str = "tokens", *, keep: int | None = None
+) -> torch.Tensor:
+    """``value`` as ``[batch, seq]`` token ids of a model with config ``cfg`` (a ``[seq]`` tensor or list
+    gains its batch axis), checked (:func:`~qkov.model.tokens.check_tokens`): refused in one line naming
+    ``where`` and ``name`` when it is not ids, not one or two axes, empty, longer than the context or out
+    of the vocabulary. ``keep``: only the first ``keep`` positions are used (and checked)."""
+    expect_tokens(where, value, name)
+    try:
+        ids = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError):
+        raise QkovError(f"{where}: {name} must be token ids of equal-length sequences; got {describe(value)}") from None
+    if keep is not None and ids.ndim == 2:
+        ids = ids[:, :keep]
+    try:
+        return check_tokens(ids, cfg)
+    except QkovError as exc:
+        raise QkovError(f"{where}: {name}{str(exc).removeprefix('tokens')}") from None
+
+
+def float_dtype(where: str, value: Any, name: str = "dtype") -> torch.dtype:
+    """``value`` as a floating-point ``torch.dtype`` (a dtype, or its name: ``"float32"``,
+    ``"torch.bfloat16"``); anything else is refused in one line."""
+    found = getattr(torch, value.removeprefix("torch."), None) if isinstance(value, str) else value
+    if isinstance(found, torch.dtype) and found.is_floating_point:
+        return found
+    raise QkovError(
+        f"{where}: {name} must be a floating-point torch dtype (torch.float32, torch.float64, torch.bfloat16 or "
+        f"torch.float16); got {value!r}"
     )
 
 

@@ -51,6 +51,21 @@ def test_a_port_in_use_is_one_line_and_exit_2(ckpt: Path, capsys) -> None:
     assert err.startswith("qkov: error: cannot serve at 127.0.0.1:") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("token", ["", " ", "too-short"])
+def test_an_empty_or_short_token_is_one_line_before_anything_is_served(ckpt: Path, token: str, capsys) -> None:
+    with socket.socket() as probe:  # a port that is free now: the command must refuse before binding it
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    rc, out, err = run_main(capsys, "explore", ckpt, "--host", "0.0.0.0", "--port", port, "--token", token)
+    assert rc == 2 and out == "" and "Traceback" not in err
+    assert err.startswith("qkov: error: --token: a token must be at least 16 characters") and err.count("\n") == 1
+
+
+def test_allow_host_needs_a_token(ckpt: Path, capsys) -> None:
+    rc, _, err = run_main(capsys, "explore", ckpt, "--port", "0", "--allow-host", "box.lan", "--no-cache")
+    assert rc == 2 and "--allow-host applies with a token" in err and err.count("\n") == 1
+
+
 def start(ckpt: Path, *flags: str, cache: Path) -> tuple[subprocess.Popen[str], str]:
     """``python -m qkov explore CKPT --port 0 FLAGS`` in a subprocess, and the URL it printed."""
     env = {**os.environ, "PYTHONPATH": str(SRC), "QKOV_CACHE": str(cache)}

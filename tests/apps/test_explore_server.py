@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from pathlib import Path
@@ -23,7 +24,7 @@ from qkov.apps.explore import session as session_module, views as views_module
 from qkov.apps.explore.context import BadRequest, Explorer
 from qkov.apps.explore.disk_cache import entry_key, entry_path, read_entry, write_entry
 from qkov.apps.explore.jobs import QUEUE_SIZE, JobRunner, ResultCache
-from qkov.apps.explore.server import make_app, start_background
+from qkov.apps.explore.server import MIN_TOKEN, make_app, start_background
 from qkov.apps.explore.session import open_explorer
 from qkov.apps.explore.views import VIEWS
 from qkov.apps.report.render import render_template
@@ -346,26 +347,77 @@ def test_loopback_only_without_a_token(served, ckpt: Path) -> None:
     assert status == 403
 
 
+TOKEN = "s3cret-token-0123456789"
+
+
 def test_a_token_is_required_when_given(ckpt: Path) -> None:
     ex = open_explorer(ckpt, cache_dir=None)
-    bg = start_background(make_app(ex, token="s3cret-token"), host="0.0.0.0")
+    bg = start_background(make_app(ex, token=TOKEN), host="0.0.0.0")
     url = f"http://127.0.0.1:{bg.port}/"
     try:
         assert bg.url.startswith("http://0.0.0.0:")
         assert error_of(url, "GET", "/api/views/model")[0] == 403
         assert error_of(url, "GET", "/?token=wrong")[0] == 403
-        assert error_of(url, "GET", "/", headers={"Authorization": "token s3cret-tokeX"})[0] == 403
-        status, headers, _ = call(url, "GET", "/?token=s3cret-token")
+        assert error_of(url, "GET", "/", headers={"Authorization": f"token {TOKEN[:-1]}X"})[0] == 403
+        status, headers, _ = call(url, "GET", f"/?token={TOKEN}")
         assert status == 200
         cookie = headers["set-cookie"]
         assert "httponly" in cookie.lower() and "samesite=strict" in cookie.lower()
         jar = cookie.split(";")[0]
         assert call(url, "GET", "/api/views/model", headers={"Cookie": jar})[0] == 200
-        assert call(url, "GET", "/api/views/model", headers={"Authorization": "token s3cret-token"})[0] == 200
-        host = {"Host": "evil.example", "Authorization": "token s3cret-token"}
-        assert call(url, "GET", "/api/views/model", headers=host)[0] == 200  # the token, not the name, decides
+        assert call(url, "GET", "/api/views/model", headers={"Authorization": f"token {TOKEN}"})[0] == 200
     finally:
         bg.stop()
+
+
+@pytest.mark.parametrize("bad", ["", " ", "\t\n", "short-token", "sixteen chars ok", "x" * 15])
+def test_an_empty_blank_or_short_token_is_refused_before_serving(ckpt: Path, bad: str) -> None:
+    ex = open_explorer(ckpt, cache_dir=None)
+    with pytest.raises(qkov.QkovError, match=f"a token must be at least {MIN_TOKEN} characters"):
+        make_app(ex, token=bad)
+
+
+@pytest.fixture(scope="module")
+def guarded(ckpt: Path):
+    """A server with a token on every interface, and one name it was told to accept."""
+    app = make_app(open_explorer(ckpt, cache_dir=None), token=TOKEN, hosts=("box.lan",))
+    bg = start_background(app, host="0.0.0.0")
+    yield f"http://127.0.0.1:{bg.port}/", bg.port
+    bg.stop()
+
+
+AUTH = {"Authorization": f"token {TOKEN}"}
+JOB = {"view": "model"}
+
+
+@pytest.mark.parametrize(
+    "method, path, headers, why",
+    [
+        ("GET", "/api/views/model", {}, "token"),  # no token
+        ("POST", "/api/jobs", {}, "token"),  # no token and no Origin (a script, not a page)
+        ("GET", "/api/views/model", {"Authorization": "token " + "y" * len(TOKEN)}, "token"),  # a wrong one
+        ("GET", "/api/views/model?token=", {}, "token"),  # empty, in each place a token is read
+        ("GET", "/api/views/model", {"Authorization": "token "}, "token"),
+        ("GET", "/api/views/model", {"Cookie": "qkov_explore_token="}, "token"),
+        ("GET", "/api/views/model", {**AUTH, "Host": "evil.example:8797"}, "host"),  # the token at a foreign name
+        ("POST", "/api/jobs", {**AUTH, "Host": "evil.example"}, "host"),
+        ("GET", "/api/views/model", {**AUTH, "Host": "10.9.8.7"}, "host"),  # an address it was not reached at
+        ("POST", "/api/jobs", {**AUTH, "Origin": "http://evil.example"}, "origin"),  # the token from another page
+    ],
+)
+def test_token_mode_refuses(guarded, method: str, path: str, headers: dict[str, str], why: str) -> None:
+    url, _ = guarded
+    status, msg = error_of(url, method, path, JOB if method == "POST" else None, headers=headers)
+    assert status == 403 and why in msg, msg
+
+
+def test_token_mode_answers_the_token_at_this_servers_names(guarded) -> None:
+    url, port = guarded
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"{socket.gethostname()}:{port}", "BOX.lan:80"):
+        assert call(url, "GET", "/api/views/model", headers={**AUTH, "Host": host})[0] == 200, host
+    # a script (no Origin) with the token may start jobs; the page's own origin too
+    assert call(url, "POST", "/api/jobs", JOB, headers=AUTH)[0] == 200
+    assert call(url, "POST", "/api/jobs", JOB, headers={**AUTH, "Origin": f"http://127.0.0.1:{port}"})[0] == 200
 
 
 def test_render_template_puts_the_nonce_on_the_templates_tags_only() -> None:

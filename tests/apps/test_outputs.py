@@ -449,6 +449,67 @@ def test_a_full_disk_during_a_pair_write_replaces_nothing_and_leaves_no_temporar
     assert _listing(folder) == sorted(REPORT) and _version(folder) == "old" and O.pair_id(folder, REPORT)
 
 
+@pytest.mark.parametrize("failing", [".index.html.", ".report.json."])
+def test_a_disk_that_fills_while_a_temporary_is_written_leaves_no_part_of_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """A full disk part way through a temporary (as a 2 MB tmpfs refuses the page after 368 KB of
+    it): the part written is removed, nothing is replaced."""
+    import qkov.apps.outputs as O
+
+    folder = tmp_path / "site"
+    folder.mkdir()
+    O.replace_pair(folder, {"index.html": _page("old"), "report.json": '{"schema_version": 3, "v": "old"}'},
+                   overwrite=False, what="report")  # fmt: skip
+    real = os.fsync
+
+    def full(fd: int) -> None:  # the disk filled part way through the temporary: half of it is there
+        if failing in os.readlink(f"/proc/self/fd/{fd}"):
+            os.ftruncate(fd, os.fstat(fd).st_size // 2)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    new = {"index.html": _page("new" + "x" * 300_000), "report.json": '{"schema_version": 3, "v": "new"}'}
+    with pytest.raises(QkovError, match=r"No space left on device.*nothing was replaced"):
+        O.replace_pair(folder, new, overwrite=False, what="report")
+    assert _listing(folder) == sorted(REPORT) and _version(folder) == "old"
+
+
+def test_a_reader_finishes_a_pair_killed_between_its_swaps_and_refuses_a_mixed_one(tmp_path: Path) -> None:
+    import qkov.apps.outputs as O
+    import qkov.io.dirfd as fs
+
+    def files(v: str) -> dict[str, str]:
+        return {"index.html": _page(v), "report.json": json.dumps({"schema_version": 3, "v": v})}
+
+    folder = tmp_path / "site"
+    folder.mkdir()
+    O.replace_pair(folder, files("old"), overwrite=False, what="report")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child: killed after the page's swap, before the JSON's
+        swaps = []
+
+        def killed(dfd: int, a: str, b: str) -> bool:
+            if swaps:
+                os._exit(0)
+            swaps.append(b)
+            return real(dfd, a, b)
+
+        real = fs.exchange
+        fs.exchange = killed
+        O.replace_pair(folder, files("new"), overwrite=False, what="report")
+        os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert O.pair_id(folder, REPORT) is None and _version(folder) is None  # mixed, as the kill left it
+    assert O.read_pair(folder, REPORT, "report.json")["v"] == "new"  # the reader finished the write
+    assert _version(folder) == "new" and O.pair_id(folder, REPORT) and _listing(folder) == sorted(REPORT)
+    (folder / "index.html").write_text(_page("old").replace("qkov test", "qkov test") + " ")  # a hand edit
+    with pytest.raises(QkovError, match="page and report.json are from different writes"):
+        O.read_pair(folder, REPORT, "report.json")
+
+
 def test_a_refused_pair_write_killed_at_any_step_of_its_undo_still_keeps_the_users_page(tmp_path: Path) -> None:
     """The user's page appears in the instant before the swap, so the write is undone; a kill at
     any step after that, in the swaps or in the undo, is settled into the same end: the user's

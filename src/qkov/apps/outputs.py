@@ -98,7 +98,7 @@ def _ours(name: str, data: bytes | None) -> bool:
     if name.endswith(".json"):
         try:
             obj = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, UnicodeDecodeError, RecursionError):
             return False
         return isinstance(obj, dict) and any(k in obj for k in JSON_MARKS)
     return False
@@ -345,6 +345,30 @@ def pair_id(folder: Path | str, names: tuple[str, ...]) -> str | None:
     return wid
 
 
+def read_pair(folder: Path | str, names: tuple[str, ...], name: str) -> Any:
+    """The JSON file ``name`` of the pair ``names`` in ``folder``, read as qkov's readers read it: a
+    write killed between its swaps is finished first (:func:`settle`), and a page and JSON of
+    different writes that nothing can settle (a hand edit, a copy) are refused.
+
+    Raises:
+        QkovError: the folder cannot be settled, the file cannot be read or is not JSON, or the
+            pair is mixed.
+    """
+    folder = Path(folder)
+    settle(folder, names)
+    path = folder / name
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise QkovError(f"cannot read {str(path)!r} ({type(exc).__name__}: {exc})") from None
+    if pair_id(folder, names) is None:
+        raise QkovError(
+            f"{str(folder)!r}: the page and {name} are from different writes (a file was edited or copied "
+            "in): write them again"
+        )
+    return data
+
+
 def replace_pair(folder: Path | str, files: dict[str, str], *, overwrite: bool, what: str) -> str:
     """Replace the files ``{name: text}`` in ``folder`` as one write (see the module docstring);
     return its write id.
@@ -380,7 +404,7 @@ def replace_pair(folder: Path | str, files: dict[str, str], *, overwrite: bool, 
             with contextlib.suppress(OSError, QkovError):
                 if saved and fs.kind(dfd, JOURNAL) != "absent":
                     _undo(folder, dfd, journal)
-            _drop(dfd, journal)
+            _drop(dfd, journal, swapped=saved)
             if isinstance(exc, (OSError, QkovError)):
                 raise QkovError(f"{what}: cannot write to {str(folder)!r} ({_reason(exc)}); nothing was replaced") from None
             raise
@@ -393,12 +417,14 @@ def _reason(exc: BaseException) -> str:
     return getattr(cause, "strerror", None) or str(exc)
 
 
-def _drop(dfd: int, journal: dict[str, Any]) -> None:
+def _drop(dfd: int, journal: dict[str, Any], *, swapped: bool = True) -> None:
     """Delete a failed write's temporaries, unless its journal is still in place (then its files
-    are complete and the next writer rolls it forward)."""
+    are complete and the next writer rolls it forward). Before any swap (``swapped=False``) every
+    temporary is this write's own, complete or cut short by the failure (a full disk): all go. After
+    one, a temporary may hold what a swap displaced, and only this write's own content is deleted."""
     if fs.kind(dfd, JOURNAL) != "absent":
         return
     for entry in journal["files"].values():
         with contextlib.suppress(OSError):
-            if fs.sha256(fs.read(dfd, entry["temp"])) in (None, entry["sha256"]):
+            if not swapped or fs.sha256(fs.read(dfd, entry["temp"])) in (None, entry["sha256"]):
                 fs.unlink(dfd, entry["temp"])

@@ -10,7 +10,6 @@ checked on any set of reports.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -22,7 +21,7 @@ from ..model.config import ModelConfig
 from ..training.config import TrainConfig
 from ..training import rundir, snapshots
 from ..training.loop import train
-from .outputs import output_folder, replace_pair, settle
+from .outputs import output_folder, read_pair, replace_pair
 from .progress import TrainProgress
 from .report import write_report
 from ..finite import to_json
@@ -112,8 +111,8 @@ def _state(ckpt: Path) -> str:
 def _earlier_dynamics(ckpt: Path) -> dict[str, Any] | None:
     """The dynamics a previous tour wrote for exactly the snapshots ``ckpt`` holds now, if any."""
     try:
-        settle(ckpt / "dynamics", DYNAMICS_FILES)  # a write killed between its two files is finished first
-        data = json.loads((ckpt / "dynamics" / "dynamics.json").read_text())
+        # a write killed between its two files is finished first; a mixed pair is not read
+        data = read_pair(ckpt / "dynamics", DYNAMICS_FILES, "dynamics.json")
         labels = [s["label"] for s in data["snapshots"]]
     except (OSError, ValueError, KeyError, TypeError, QkovError):
         return None

@@ -69,6 +69,8 @@ def read_config(path: Path | str) -> dict[str, Any]:
         data = json.loads(cfg_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise QkovError(f"checkpoint {str(path)!r}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise QkovError(f"checkpoint {str(path)!r}: {CONFIG_FILE} is nested too deeply to be a config") from None
     if isinstance(data, dict) and "model" not in data and "model_type" in data:
         raise QkovError(
             f"{str(path)!r} is a Hugging Face model directory (model_type {data['model_type']!r}), not a qkov "
@@ -182,6 +184,9 @@ def load_state(model: Transformer, state: dict[str, torch.Tensor], *, where: str
             f"{where}: unexpected weight(s) {', '.join(unexpected[:4])}{' ...' if len(unexpected) > 4 else ''}"
         )
     for name, tensor in state.items():
+        if not tensor.is_floating_point():
+            kind = str(tensor.dtype).removeprefix("torch.")
+            raise QkovError(f"{where}: {name} holds {kind} values; weights are floating point")
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise QkovError(
                 f"{where}: {name} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[name].shape)}"
@@ -210,7 +215,7 @@ def read_metrics(path: Path | str) -> list[dict[str, Any]]:
     for line in p.read_text().splitlines():
         try:
             rows.append(json.loads(line))
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
     return rows
 

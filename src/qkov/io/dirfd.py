@@ -86,10 +86,14 @@ def sha256(data: bytes | None) -> str | None:
 def create(dfd: int, name: str, data: bytes) -> None:
     """Write a new file ``name`` (never an existing one, never through a link) and ``fsync`` it."""
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=dfd)
-    with os.fdopen(fd, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:  # a full disk, an interrupt: the part written is removed, not left to fill it
+        unlink(dfd, name)
+        raise
 
 
 def unlink(dfd: int, name: str) -> None:

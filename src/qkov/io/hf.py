@@ -214,6 +214,10 @@ def load_hf(path: Path | str, *, dtype: torch.dtype = torch.float32) -> Transfor
         raise QkovError(f"Hugging Face model {str(path)!r} has no {CONFIG_FILE}") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise QkovError(f"Hugging Face model {str(path)!r}: {CONFIG_FILE} is not valid JSON ({exc})") from None
+    except RecursionError:
+        raise QkovError(
+            f"Hugging Face model {str(path)!r}: {CONFIG_FILE} is nested too deeply to be a config"
+        ) from None
     if not isinstance(hf_cfg, dict):
         raise QkovError(f"Hugging Face model {str(path)!r}: {CONFIG_FILE} is not a JSON object")
     hf_config(hf_cfg)  # refuse an unsupported model before reading its weights

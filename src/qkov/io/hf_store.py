@@ -57,8 +57,8 @@ class HFStore:
         if hf_config is None:
             try:
                 hf_config = json.loads((self.path / "config.json").read_text())
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise QkovError(f"{where}: config.json is unreadable ({exc})") from None
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+                raise QkovError(f"{where}: config.json is unreadable ({type(exc).__name__}: {exc})") from None
         assert hf_config is not None
         if hf_config.get("model_type") not in FAMILIES:
             raise QkovError(

@@ -74,8 +74,8 @@ def recorded(folder: Path) -> set[str] | None:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise QkovError(f"{str(path)!r} is not a qkov manifest ({exc}): move it away") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise QkovError(f"{str(path)!r} is not a qkov manifest ({type(exc).__name__}): move it away") from None
     files = data.get("files") if isinstance(data, dict) and data.get("format") == _FORMAT else None
     if not isinstance(files, list) or not all(isinstance(f, str) and writable_name(f) for f in files):
         raise QkovError(f"{str(path)!r} is not a qkov manifest: move it away")

@@ -43,6 +43,8 @@ def source_kind(source: Path | str) -> str:
             ) from None
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise QkovError(f"{str(path)!r}: config.json is not valid JSON ({exc})") from None
+        except RecursionError:  # brackets nested deeper than Python's parser follows
+            raise QkovError(f"{str(path)!r}: config.json is nested too deeply to be a config") from None
         if isinstance(data, dict) and "model" in data:
             return "qkov"
         if isinstance(data, dict) and "model_type" in data:
@@ -64,7 +66,7 @@ def hf_model_type(path: Path | str) -> str | None:
     """The ``model_type`` of a Hugging Face directory's ``config.json`` (``None`` if it has none)."""
     try:
         data = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     kind = data.get("model_type") if isinstance(data, dict) else None
     return kind if isinstance(kind, str) else None

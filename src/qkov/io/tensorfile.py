@@ -55,8 +55,8 @@ class TensorFile:
                 self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as exc:
             raise QkovError(f"cannot read {where} ({exc.strerror})") from None
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise QkovError(f"{where} is not a safetensors file (header: {exc})") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            raise QkovError(f"{where} is not a safetensors file (header: {type(exc).__name__}: {exc})") from None
         if not isinstance(header, dict):
             raise QkovError(f"{where} is not a safetensors file (header is not an object)")
         header.pop("__metadata__", None)

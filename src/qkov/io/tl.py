@@ -329,8 +329,8 @@ def load_tl(
 def _parse_json(text: str, where: str) -> Any:
     try:
         return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise QkovError(f"{where} is not valid JSON ({exc})") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise QkovError(f"{where} is not valid JSON ({type(exc).__name__}: {exc})") from None
 
 
 def tl_config_dict(cfg: ModelConfig) -> dict[str, Any]:

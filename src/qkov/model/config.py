@@ -152,6 +152,20 @@ class ModelConfig:
             + (", attention and MLP in parallel" if self.parallel else "")
         )
 
+    def parameter_count(self) -> int:
+        """Parameters of a :class:`~qkov.Transformer` with this config, counted from the shapes
+        alone (nothing allocated): what ``Transformer(cfg).num_parameters()`` returns."""
+        D, H, E, KV, M = self.d_model, self.n_heads, self.d_head, self.kv_heads, self.d_mlp or 0
+        norm = {"none": 0, "layernorm": 2 * D, "rmsnorm": D}[self.normalization]
+        attn = (H + 2 * KV) * D * E + H * E * D + (((H + 2 * KV) * E + D) if self.bias else 0)
+        mlp = 0
+        if self.d_mlp is not None:
+            mlp = (3 if self.gated_mlp else 2) * D * M + norm
+            mlp += (M + D + (M if self.gated_mlp else 0)) if self.bias else 0
+        pos = self.n_ctx * D if self.positional in ("standard", "shortformer") else 0
+        unembed = D * self.d_vocab + (self.d_vocab if self.bias else 0)
+        return self.d_vocab * D + pos + self.n_layers * (norm + attn + mlp) + norm + unembed
+
     @property
     def kv_heads(self) -> int:
         """Key/value heads per layer (``n_heads`` unless grouped-query)."""

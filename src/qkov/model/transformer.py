@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..device import check_fits
 from ..errors import QkovError
 from .config import ModelConfig
 from . import rotary
@@ -209,6 +210,27 @@ class ModelPass(BlockPass):
         return None if m is None else m(self, l, x)
 
 
+def check_config(cfg: Any, *, size: bool = True) -> None:
+    """Refuse what is not a :class:`ModelConfig`, and (``size``) a model whose parameters (with the random
+    init's temporary copies of its largest matrix) would not fit in the CPU memory free now. Loaders
+    (``init=False``) skip the size: their parameters stay untouched until the file's tensors, checked
+    against the config first, fill them, and a config that lies is refused naming the tensor."""
+    if not isinstance(cfg, ModelConfig):
+        got = "None" if cfg is None else f"a {type(cfg).__name__}"
+        if cfg is ModelConfig:
+            got = "the class ModelConfig itself (call it: qkov.ModelConfig() or qkov.ModelConfig(n_layers=...))"
+        raise QkovError(f"qkov.Transformer expects a config, qkov.ModelConfig(...); got {got}")
+    if not size:
+        return
+    D, V = cfg.d_model, cfg.d_vocab
+    largest = max(V * D, cfg.n_ctx * D, (cfg.d_mlp or 0) * D, cfg.n_heads * D * cfg.d_head)
+    n = cfg.parameter_count()
+    check_fits(
+        4 * (n + 2 * largest), torch.device("cpu"), f"qkov.Transformer: a model of {n:,} parameters",
+        "choose a smaller config", budget=False,
+    )  # fmt: skip
+
+
 class Transformer(nn.Module):
     """A decoder-only transformer (attention-only by default, as the paper's models).
 
@@ -219,7 +241,13 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, *, seed: int | None = None, init: bool = True) -> None:
         """``init=False`` leaves the parameters uninitialised, for a caller that loads every one of
         them next (checkpoint and import loaders: :func:`qkov.io.checkpoint.load_state` refuses a
-        state that misses any); it saves the random init, ~3 s at GPT-2 size."""
+        state that misses any); it saves the random init, ~3 s at GPT-2 size.
+
+        Raises:
+            QkovError: ``cfg`` is not a :class:`ModelConfig`, or (``init``) its parameters would not fit
+                in the memory free now (checked before any is allocated).
+        """
+        check_config(cfg, size=init)
         super().__init__()
         self.cfg = cfg
         self.tokenizer: Tokenizer | None = None

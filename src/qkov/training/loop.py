@@ -18,6 +18,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -27,8 +28,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ..analysis.heads.probes import induction_probe
-from ..device import flush_denormals, pick_device, reproducible_blas, tune_cpu_allocator
-from ..errors import QkovError
+from ..device import flush_denormals, pick_device, reproducible_blas, settle_vector_math, tune_cpu_allocator
+from ..errors import QkovError, QkovWarning
+from ..expect import describe, expect_path
 from ..io.atomic import atomic_write_text
 from ..io import manifest
 from ..io.checkpoint import METRICS_FILE, STATE_FILE, checkpoint_files, read_config, read_metrics, save_checkpoint
@@ -41,9 +43,10 @@ from ..weights.view import Weights
 from . import distributed
 from .config import TrainConfig, lr_at
 from .corpus_size import check_examples
+from .footprint import check_training_fits
 from .data import Batches, Corpus, load_corpus, val_batches
 from .losses import LossModule
-from . import rundir, snapshots
+from . import environment, rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state
 
 __all__ = ["BLAS_NOT_REPRODUCIBLE", "Callback", "evaluate", "Plan", "prepare", "saved_configs", "Session", "train"]
@@ -52,6 +55,11 @@ Callback = Callable[[dict[str, Any]], None]
 BLAS_NOT_REPRODUCIBLE = (
     "MKL computed in this process before qkov was imported, so its reproducible mode is off: a resume "
     "of this run may not be bit-exact (import qkov before computing with torch, or start Python with MKL_CBWR=AUTO)"
+)
+
+RESUME_NOT_EXACT = (
+    "resume: this process computes differently from the one that wrote the state ({changes}): the run "
+    "continues correctly, but its weights will not be the uninterrupted run's bit for bit"
 )
 
 
@@ -151,10 +159,12 @@ def prepare(
     dist_info, dev = distributed.setup(pick_device(device))
     if tc.batch % dist_info.world:
         raise QkovError(f"train: the global batch ({tc.batch}) must divide evenly over {dist_info.world} ranks")
+    check_training_fits(model_cfg, tc.batch // dist_info.world, dev, tc.precision)  # before the model or corpus
     if dev.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_info.local_world))
         tune_cpu_allocator()
         flush_denormals()  # in every thread: overconfident softmaxes produce denormals, ~20x slower on x86
+        settle_vector_math()  # MKL's vector-math kernels chosen on one thread, before any step (qkov.device)
         if reproducible_blas() is False:
             emit({"event": "message", "text": BLAS_NOT_REPRODUCIBLE})
     sync_cache = corpus is None and dist_info.enabled
@@ -193,6 +203,7 @@ class Session:
     loss_acc: float = 0.0  # the open log window: summed losses of the steps since the last log row
     n_acc: int = 0
     snapshot_steps: frozenset[int] = frozenset()  # steps whose weights are kept (training.snapshots)
+    environment: dict[str, Any] = field(default_factory=dict)  # what a bit-exact resume depends on (kept in the state)
 
     @classmethod
     def build(cls, plan: Plan) -> "Session":
@@ -210,8 +221,12 @@ class Session:
             step_model = DistributedDataParallel(step_model, device_ids=[dev.index] if dev.type == "cuda" else None)
         snaps = frozenset(snapshots.schedule(tc.steps, tc.snapshots))
         session = cls(plan, model, opt, step_model, batches, val_examples, snapshot_steps=snaps)
+        session.environment = environment.record(dev, plan.dist.world, tc.precision)
         if plan.resume:
             session.step, extra = load_state(plan.out / STATE_FILE, model, opt)
+            changed = environment.differences(extra.get("environment", {}), session.environment)
+            if changed:
+                warnings.warn(RESUME_NOT_EXACT.format(changes="; ".join(changed)), QkovWarning, stacklevel=2)
             session.wall = float(extra.get("wall_s", 0.0))
             session.loss_acc, session.n_acc = float(extra.get("loss_acc", 0.0)), int(extra.get("n_acc", 0))
             if "metrics" in extra:  # the log as of the state: rows written after it are redone
@@ -265,6 +280,7 @@ class Session:
             "model_config": p.model_cfg.to_dict(),
             "train_config": p.train_cfg.to_dict(),
             "metrics": self.metrics,
+            "environment": self.environment,
         }
         save_state(out / STATE_FILE, self.model, self.opt, self.step, extra)
         atomic_write_text(out / METRICS_FILE, "".join(json.dumps(r) + "\n" for r in self.metrics))
@@ -381,6 +397,10 @@ def train(
             when training starts and after every step. Under torchrun, rank 0 alone reports (both).
         stop_after: stop (after checkpointing) once this step is reached; for tests and tools.
     """
+    expect_path("qkov.train", out, "out")
+    for name, value, kind in (("model_cfg", model_cfg, ModelConfig), ("train_cfg", train_cfg, TrainConfig)):
+        if value is not None and not isinstance(value, kind):
+            raise QkovError(f"qkov.train: {name} must be a qkov.{kind.__name__}; got {describe(value)}")
     plan = prepare(
         Path(out), model_cfg, train_cfg, device=device, resume=resume, corpus=corpus, callback=callback, progress=progress
     )

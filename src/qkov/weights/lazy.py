@@ -45,7 +45,7 @@ def _config_json(path: Path) -> dict:  # type: ignore[type-arg]
     """A qkov checkpoint's config (checked), or a Hugging Face directory's ``config.json``."""
     try:
         raw = json.loads((path / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raw = None
     if isinstance(raw, dict) and "model_type" in raw and "model" not in raw:
         return raw

@@ -40,8 +40,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from ..device import pick_device
 from ..errors import QkovError
-from ..expect import expect_model, expect_source
+from ..expect import expect_model, expect_source, float_dtype
 from ..model.config import ModelConfig
 from ..model.ops import expand_kv as expand
 from ..model.transformer import Transformer
@@ -123,7 +124,11 @@ class Weights:
         expect_model("qkov.Weights.from_model", model)
         cfg = model.cfg
         center_writing = writer_centring(cfg, center_writing)
-        dev = torch.device(device) if device is not None else model.W_E.device
+        dtype = float_dtype("qkov.Weights.from_model", dtype)
+        try:
+            dev = pick_device(device) if device is not None else model.W_E.device
+        except QkovError as exc:
+            raise QkovError(f"qkov.Weights.from_model: {exc}") from None
         L, H, D, E = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
 
         def t(x: Tensor | None) -> Tensor | None:  # a row-major copy, whatever x's strides

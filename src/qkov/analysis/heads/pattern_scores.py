@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ...expect import token_ids
 from ...model.ops import causal_mask, expand_kv
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source
@@ -213,6 +214,7 @@ def text_scores(
     on ``text [B, T]`` (natural text), ``[n_layers, n_heads]`` each (float64), streamed: ``chunk``
     sequences at a time (default :func:`chunk_size`), one layer's attention at a time."""
     source = as_source(source, where="qkov.text_scores")
+    text = token_ids("qkov.text_scores", text, source.cfg, "text").to(source.device)
     B, T = text.shape
     chunk = chunk or chunk_size(source, T)
     sums = _Sums(source)

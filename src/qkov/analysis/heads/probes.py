@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...errors import QkovError
+from ...errors import QkovError, check_int
+from ...expect import token_ids
 from ...weights.convert import SourceLike, as_source, vocab_and_bos
 from ...model.ops import next_token_nll
 from ...model.tokens import left_out_tokens
@@ -227,7 +228,13 @@ def induction_probe(
     its start token."""
     source = as_source(source, where="qkov.induction_probe")
     cfg = source.cfg
+    for name, value in (("length", length), ("repeats", repeats), ("batch", batch)):
+        check_int("qkov.induction_probe", name, value)
     length = min(length, (cfg.n_ctx - 1) // repeats)
+    if length < 2:
+        raise QkovError(
+            f"qkov.induction_probe: a context of {cfg.n_ctx} tokens holds no {repeats} copies of 2 or more tokens"
+        )
     tokens = induction_probe_tokens(source, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
     r = trace(source, tokens, cache="pattern.*", edits=edits)
     scores = induction_attention(r.stack("pattern"), length)
@@ -328,9 +335,15 @@ def icl_score(
     resample ablation holds a single sequence.
     """
     source = as_source(source, where="qkov.icl_score")
-    examples = examples[:, : late + 2]  # nothing after the late position enters the score
+    # nothing after the late position enters the score
+    examples = token_ids("qkov.icl_score", examples, source.cfg, "examples", keep=late + 2).to(source.device)
     T = examples.shape[1]
     early, late, early_at, late_at = icl_windows(T, early, late, window)
+    if late <= early:
+        raise QkovError(
+            f"qkov.icl_score: examples of {T} tokens are too short: the score compares the loss at an early and a "
+            f"late position, here both {late}"
+        )
     at = None if curve else torch.cat([early_at, late_at]).unique()  # sorted
     width = T if at is None else len(at)
     if chunk is None:

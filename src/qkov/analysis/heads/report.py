@@ -18,6 +18,7 @@ from torch import Tensor
 
 from ...device import check_fits, memory_budget
 from ...errors import QkovError
+from ...expect import token_ids
 from ...finite import finite
 from ...weights.convert import SourceLike, as_source, source_bos
 from ...weights.parts import WeightSource
@@ -211,6 +212,9 @@ def head_report(
     source = as_source(source, where="qkov.head_report")
     bos = source_bos("qkov.head_report", source, bos)
     cfg = source.cfg
+    text = token_ids("qkov.head_report", text, cfg, "text").to(source.device)
+    if icl_text is not None:
+        icl_text = token_ids("qkov.head_report", icl_text, cfg, "icl_text").to(source.device)
     if cfg.n_layers == 0:
         raise QkovError("heads: the model has no attention layers")
     if diag_k:

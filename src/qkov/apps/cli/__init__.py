@@ -12,6 +12,7 @@ heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics), ``ablate_c
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from typing import Sequence
@@ -52,6 +53,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_BROKEN_PIPE = 141
+"""The status of a command whose output's reader closed it: what a shell reports for a process ended by SIGPIPE."""
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so the interpreter's last flush at exit does not fail on the
+    closed pipe again (and print a traceback)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a real file (a test's capture): nothing to flush
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -62,12 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with warnings.catch_warnings():  # qkov's warnings print as one line each (restored on return)
             warnings.simplefilter("always", QkovWarning)
             warnings.showwarning = show_warning
-            return int(args.func(args) or 0)
+            rc = int(args.func(args) or 0)
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+            return rc
     except QkovError as exc:
         sys.stderr.write(error_line(exc))
         return EXIT_USAGE
     except (MemoryError, RuntimeError) as exc:  # the backstop: work is planned to fit before it starts
-        line = out_of_memory_line(exc)
+        line = out_of_memory_line(exc, args.command)
         if line is None:
             raise  # any other RuntimeError is a bug: it keeps its traceback
         sys.stderr.write(line)
@@ -75,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("qkov: interrupted (a run continues from its last checkpoint with --resume)\n")
         return 130
+    except BrokenPipeError:  # the reader of the output went away (`qkov heads --json | head -1`): end quietly
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     finally:
         set_memory_budget(None)  # --max-memory is one command's: it never outlives it in this process
 

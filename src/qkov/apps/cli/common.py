@@ -64,12 +64,14 @@ HINT_ADVICE = {
     "overwrite": "pass --force to replace it, or choose another output directory",
     "batch": "pass a smaller --batch, or a larger --max-memory if more is free",
     "memory": "or pass a larger --max-memory if more is free",
+    "size": "pass fewer --layers, a smaller --d-model, --mlp, --vocab or --ctx, or a smaller --batch",
 }
 """What the command line adds to a :class:`QkovError` carrying each hint."""
 
 
-def out_of_memory_line(exc: BaseException) -> str | None:
-    """The one line for an allocation that failed (CPU allocator, CUDA, Python), ``None`` for any other error."""
+def out_of_memory_line(exc: BaseException, command: str | None = None) -> str | None:
+    """The one line for an allocation that failed (CPU allocator, CUDA, Python) in ``command``, ``None`` for
+    any other error. Its advice names the flags of that command (``train`` takes no ``--max-memory``)."""
     text = str(exc)
     oom = isinstance(exc, (MemoryError, torch.OutOfMemoryError))
     if not (oom or "DefaultCPUAllocator" in text or "out of memory" in text.lower()):
@@ -78,10 +80,14 @@ def out_of_memory_line(exc: BaseException) -> str | None:
     size = ""
     if m:
         size = f" {m.group(1)} {m.group(2)}" if m.group(2) != "bytes" else f" {_size(int(m.group(1)))}"
-    return (
-        f"qkov: error: out of memory: an allocation of{size or ' memory'} failed (pass --max-memory to have the "
-        "analyses refuse work that would not fit before they start, analyse less at once, or use another --device)\n"
-    )
+    if command == "train":
+        advice = f"{HINT_ADVICE['size']}, or use another --device"
+    else:
+        advice = (
+            "pass --max-memory to have the analyses refuse work that would not fit before they start, analyse less "
+            "at once, or use another --device"
+        )
+    return f"qkov: error: out of memory: an allocation of{size or ' memory'} failed ({advice})\n"
 
 
 def _size(n: int) -> str:
@@ -321,9 +327,10 @@ def lazy(args: argparse.Namespace) -> bool:
     return bool(args.lazy) or size > AUTO_LAZY_BYTES
 
 
-def parse_head(text: str, cfg: ModelConfig) -> tuple[int, int]:
-    """``--head L.H`` -> ``(layer, head)``, checked against the model (the one head parser)."""
-    head = as_head(text, cfg, "--head")
+def parse_head(text: str, cfg: ModelConfig, flag: str = "--head") -> tuple[int, int]:
+    """``--head L.H`` -> ``(layer, head)``, checked against the model (the one head parser); errors name
+    ``flag``, the option the user typed."""
+    head = as_head(text, cfg, flag)
     return head.layer, head.head  # type: ignore[return-value]
 
 

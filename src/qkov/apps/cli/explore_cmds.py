@@ -13,7 +13,7 @@ from typing import Any
 
 from ...device import memory_budget
 from ...errors import QkovError
-from ..explore.server import bind, is_loopback, make_app, server, url_of
+from ..explore.server import MIN_TOKEN, bind, check_token, is_loopback, make_app, server, url_of
 from ..explore.session import DEFAULT, open_explorer
 from .common import add_device, add_source_args, device, int_at_least
 
@@ -48,7 +48,16 @@ def add_explore(sub: Any) -> None:
         help=f"port (default {DEFAULT_PORT}; 0 = any free port)",
     )
     p.add_argument("--open", action="store_true", help="open the page in the default browser")
-    p.add_argument("--token", help="require this token on every request (default: none on loopback, else generated)")
+    p.add_argument(
+        "--token",
+        help=f"require this token on every request, at least {MIN_TOKEN} characters (default: none on loopback, "
+        "else generated)",
+    )
+    p.add_argument(
+        "--allow-host", action="append", default=[], metavar="NAME",
+        help="with a token: also answer requests addressed to NAME (a DNS name of this machine; loopback, the "
+        "address connected to and this machine's hostname are always answered)",
+    )
     g = p.add_mutually_exclusive_group()
     g.add_argument(
         "--cache-dir", type=Path,
@@ -64,17 +73,24 @@ def add_explore(sub: Any) -> None:
 def cmd_explore(args: argparse.Namespace) -> int:
     if args.port > 65535:
         raise QkovError(f"--port {args.port}: a port is at most 65535")
+    try:
+        check_token(args.token)
+    except QkovError as exc:
+        raise QkovError(f"--token: {exc}") from None
     dev = device(args)
     token = args.token
     if token is None and not is_loopback(args.host):
         token = secrets.token_urlsafe(24)  # a non-loopback address is never served without one
+    if args.allow_host and token is None:
+        raise QkovError("--allow-host applies with a token (pass --token, or serve on another --host)")
     cache_dir = None if args.no_cache else (args.cache_dir or DEFAULT)
     sock = bind(args.host, args.port)  # first: a port in use is refused before the model is read
     try:
         ex = open_explorer(args.ckpt, device=dev, cache_dir=cache_dir, config=args.config, text=args.text)
         budget, _ = memory_budget(dev) if args.max_memory else (None, "")
         cache_bytes = 256 * 2**20 if budget is None else max(2**20, budget // CACHE_SHARE)
-        app = make_app(ex, token=token, cache_bytes=cache_bytes)
+        hosts = (*args.allow_host, args.host)  # a --host given as a name is one of the server's names
+        app = make_app(ex, token=token, hosts=hosts, cache_bytes=cache_bytes)
         url = url_of(sock, token)
         print(f"qkov explore: serving {ex.name} at {url}", flush=True)
         where = "nowhere (--no-cache)" if ex.cache_dir is None else str(ex.cache_dir)

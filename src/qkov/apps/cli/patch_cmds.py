@@ -48,7 +48,7 @@ def add_patch(sub: Any) -> None:
         "--metric",
         default="loss",
         help="loss (default: the loss on the clean tokens), logit-diff:A,B (last position) or prob:T; tokens "
-        "as ids or as strings of one token, spaces included ('logit-diff: Mary, John')",
+        "as ids or as words of one token, with or without their leading space ('logit-diff:Tim,Lily')",
     )
     for opt in study_options().values():
         _add_option(p, opt)

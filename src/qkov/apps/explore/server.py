@@ -7,7 +7,10 @@ Routes: ``GET /`` the page; ``POST /api/jobs``, ``GET``/``DELETE /api/jobs/{id}`
 many jobs, 403 refused, 500 a bug, whose traceback goes to the server's stderr). With a token every request
 must carry it (``?token=``, ``Authorization: token ...`` or the cookie the page sets); without one, only
 requests whose ``Host`` is a loopback name are answered (no DNS rebinding), and a request that changes
-state must come from the page's own origin. The page is sent with a strict Content-Security-Policy (a
+state must come from the page's own origin. With a token the ``Host`` is checked too: a loopback name,
+the address the request arrived at, this machine's name or a name the server was told to accept
+(:func:`check_token`: a token is at least :data:`MIN_TOKEN` visible characters).
+The page is sent with a strict Content-Security-Policy (a
 fresh nonce per response for its inline scripts, ``connect-src 'self'``).
 """
 
@@ -24,7 +27,7 @@ from dataclasses import dataclass
 from html import escape
 from importlib import resources
 from typing import Any, Mapping
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import uvicorn
 from starlette.applications import Starlette
@@ -69,6 +72,44 @@ MAX_BODY = 1 << 20
 
 COOKIE = "qkov_explore_token"
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1"}
+MIN_TOKEN = 16
+"""Characters a token must have at least (a generated one has 32): an empty or short one is refused."""
+
+
+def check_token(token: str | None) -> None:
+    """Refuse a token that would not protect anything: empty, blank, shorter than :data:`MIN_TOKEN`
+    characters, or holding spaces or characters a URL cannot carry as they are (``None``: no token).
+
+    Raises:
+        QkovError: the token is not a string of at least :data:`MIN_TOKEN` visible ASCII characters.
+    """
+    if token is None:
+        return
+    if not isinstance(token, str):
+        raise QkovError(f"a token must be a string, got {type(token).__name__}")
+    if len(token) < MIN_TOKEN or not all(c.isascii() and c.isprintable() and not c.isspace() for c in token):
+        raise QkovError(
+            f"a token must be at least {MIN_TOKEN} characters, visible ASCII without spaces "
+            f"(got {len(token)} characters{'' if token.strip() else ', all blank'})"
+        )
+
+
+def host_name(host_header: str) -> str:
+    """The name in a ``Host`` header, without its port, lower-case (``""`` when it has none)."""
+    try:
+        return (urlsplit(f"//{host_header}").hostname or "").lower()
+    except ValueError:  # a malformed port or bracket
+        return ""
+
+
+def machine_names() -> set[str]:
+    """This machine's own names (``hostname``, its fully qualified form), lower-case."""
+    names = {socket.gethostname().lower()}
+    try:
+        names.add(socket.getfqdn().lower())
+    except OSError:
+        pass
+    return {n for n in names if n}
 
 
 def is_loopback(host: str) -> bool:
@@ -98,11 +139,18 @@ SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-
 
 
 class Guard:
-    """ASGI middleware: the token, the ``Host`` (without a token) and the ``Origin`` of state-changing
-    requests are checked before any route runs; refusals are 403 with one-line JSON."""
+    """ASGI middleware: the token, the ``Host`` and the ``Origin`` of state-changing requests are checked
+    before any route runs; refusals are 403 with one-line JSON.
 
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
+    Without a token only loopback names are answered. With one, the request must carry it, and its
+    ``Host`` must be a loopback name, the address the request arrived at, this machine's name or one of
+    ``hosts`` (a DNS name pointed at this machine by someone else, the rebinding of a page the user
+    visits, is refused even with the token)."""
+
+    def __init__(self, app: ASGIApp, token: str | None, hosts: tuple[str, ...] = ()) -> None:
+        check_token(token)
         self.app, self.token = app, token
+        self.hosts = {h.strip("[]").lower() for h in hosts} | (machine_names() if token is not None else set())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -116,8 +164,8 @@ class Guard:
 
     def refusal(self, request: Request) -> str | None:
         host = request.headers.get("host", "")
+        name = host_name(host)
         if self.token is None:
-            name = urlsplit(f"//{host}").hostname or ""
             if not is_loopback(name):
                 return f"refused: host {host!r} is not this machine's loopback (serve with --token to allow it)"
         else:
@@ -127,8 +175,11 @@ class Guard:
                 or request.cookies.get(COOKIE)
                 or ""
             )
-            if not hmac.compare_digest(given.encode(), self.token.encode()):
+            if not given or not hmac.compare_digest(given.encode(), self.token.encode()):
                 return "refused: a token is required (open the URL the server printed, with its ?token=...)"
+            arrived = (request.scope.get("server") or ("",))[0] or ""
+            if not (is_loopback(name) or name in self.hosts or (name and name == arrived.lower())):
+                return f"refused: host {host!r} is not a name of this server (serve with --allow-host to accept it)"
         origin = request.headers.get("origin")
         if request.method not in ("GET", "HEAD") and origin is not None and urlsplit(origin).netloc != host:
             return f"refused: a request from another origin ({origin})"
@@ -197,6 +248,7 @@ def make_app(
     ex: Explorer,
     *,
     token: str | None = None,
+    hosts: tuple[str, ...] = (),
     views: Mapping[str, Any] | None = None,
     runner: JobRunner | None = None,
     cache_bytes: int = 256 * 2**20,
@@ -204,7 +256,14 @@ def make_app(
 ) -> Starlette:
     """The starlette app serving ``ex``: ``views`` (default :data:`~qkov.apps.explore.views.VIEWS`) run by
     ``runner`` (default: a :class:`JobRunner` with a result cache of ``cache_bytes``); ``token``: required
-    on every request when given. ``app.state.runner`` is the runner (``runner.close()`` stops it)."""
+    on every request when given (:func:`check_token`); ``hosts``: the names a request's ``Host`` may give
+    besides loopback, the address it arrived at and this machine's name (token mode).
+    ``app.state.runner`` is the runner (``runner.close()`` stops it).
+
+    Raises:
+        QkovError: the token is empty, blank or too short (:func:`check_token`).
+    """
+    check_token(token)
     views = VIEWS if views is None else views
     runner = runner or JobRunner(ex, views, quick=QUICK_VIEWS, cache_bytes=cache_bytes)
 
@@ -254,7 +313,7 @@ def make_app(
         ],
         exception_handlers={HTTPException: http_error, QkovError: user_error, Exception: internal_error},
     )
-    app.add_middleware(Guard, token=token)
+    app.add_middleware(Guard, token=token, hosts=tuple(hosts))
     app.state.runner = runner
     app.state.explorer = ex
     return app
@@ -299,7 +358,7 @@ def bind(host: str, port: int) -> socket.socket:
 def url_of(sock: socket.socket, token: str | None = None) -> str:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    return f"http://{shown}:{port}/" + (f"?token={quote(token, safe='')}" if token else "")
 
 
 def server(app: ASGIApp, *, access_log: bool = False) -> uvicorn.Server:
