@@ -342,12 +342,14 @@ def test_dynamics_and_ablation_show_their_numbers(tmp_path: Path) -> None:
     assert "<td>intact</td><td>2.5000</td><td>-0.2000</td><td>5.000</td><td>1.250</td>" in html_
 
 
-@pytest.mark.parametrize("length", [64, 40])
+@pytest.mark.parametrize("length", [64, 56])
 def test_icl_score_read_at_its_window_positions_equals_the_full_curve(length: int) -> None:
     from qkov.analysis.heads.probes import icl_score
 
     w = qkov.Weights.from_model(qkov.Transformer(TINY.replace(n_ctx=64), seed=3))
     ex = torch.from_numpy(_structured_text(12, seed=1)[:, :length] % TINY.d_vocab)
+    with pytest.raises(qkov.QkovError, match="too short"):  # 40 tokens: the early and late positions meet
+        icl_score(w, ex[:, :40], curve=False)
     full, fast = icl_score(w, ex), icl_score(w, ex, curve=False, chunk=5)
     assert fast.score == pytest.approx(full.score, abs=1e-6) and fast.loss_by_position == []
     assert (fast.early, fast.late) == (full.early, full.late) and len(full.loss_by_position) == length - 1
