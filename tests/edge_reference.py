@@ -24,7 +24,10 @@ import math
 import torch
 from torch import Tensor
 
+from qkov import ModelConfig, Transformer
+from qkov.analysis.discovery import Task
 from qkov.weights import Weights
+from helpers import LN_MLP, MODERN, perturb_non_matrices
 from reference import _act, _gain_bias, _norm, _rotate
 
 
@@ -143,3 +146,32 @@ def reference_circuit(w: Weights, clean: Tensor, patch: dict[str, Tensor], answe
     with torch.no_grad():
         logits, _ = edge_forward(w, clean, {e: one for e in ablated}, patch)
     return float(logit_diff(logits, answers, wrong))
+
+
+CONFIGS = {
+    "gpt2-like": LN_MLP.replace(positional="standard", act_fn="gelu_new"),
+    "ln-mlp-shortformer": LN_MLP,
+    "llama-like": MODERN,
+    "neox-parallel": MODERN.replace(
+        normalization="layernorm", gated_mlp=False, act_fn="gelu", parallel=True, n_kv_heads=None
+    ),
+    "attention-only": ModelConfig(
+        n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=30, n_ctx=12, positional="standard", normalization="none"
+    ),
+}
+
+
+def random_case(name: str, n: int = 4, T: int = 7, seed: int = 0) -> tuple[Weights, Task]:
+    """A random model of kind ``name`` (biases and gains perturbed; float64) and ``n`` prompt pairs of ``T``
+    tokens whose corrupted twins differ at two positions, the last one included."""
+    cfg = CONFIGS[name]
+    m = perturb_non_matrices(Transformer(cfg, seed=seed + 1).double().eval(), 0.2)
+    w = Weights.from_model(m, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    clean = torch.randint(0, cfg.d_vocab, (n, T), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = torch.randint(0, cfg.d_vocab, (n,), generator=g)
+    corrupted[:, -1] = torch.randint(0, cfg.d_vocab, (n,), generator=g)
+    answers = torch.randint(0, cfg.d_vocab, (n, 2), generator=g)
+    wrong = torch.randint(0, cfg.d_vocab, (n, 1), generator=g)
+    return w, Task(name, clean, corrupted, answers, wrong)

@@ -13,37 +13,10 @@ from qkov.analysis.discovery.ablations import make_ablation, sender_deltas, send
 from qkov.analysis.discovery.grads import accumulate, fast_grads, fast_sites, split_grads, split_sites
 from qkov.analysis.discovery.graph import edge_count, graph_of
 from qkov.analysis.discovery.score import edge_scores
-from qkov.analysis.discovery.task import Task
 
+from edge_reference import CONFIGS, reference_circuit, reference_eap, senders_of
 from edge_reference import graph as reference_graph
-from edge_reference import reference_circuit, reference_eap, senders_of
-from helpers import LN_MLP, MODERN, perturb_non_matrices
-
-CONFIGS = {
-    "gpt2-like": LN_MLP.replace(positional="standard", act_fn="gelu_new"),
-    "ln-mlp-shortformer": LN_MLP,
-    "llama-like": MODERN,
-    "neox-parallel": MODERN.replace(
-        normalization="layernorm", gated_mlp=False, act_fn="gelu", parallel=True, n_kv_heads=None
-    ),
-    "attention-only": ModelConfig(
-        n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=30, n_ctx=12, positional="standard", normalization="none"
-    ),
-}
-
-
-def setup(name: str, n: int = 4, T: int = 7, seed: int = 0):  # type: ignore[no-untyped-def]
-    cfg = CONFIGS[name]
-    m = perturb_non_matrices(Transformer(cfg, seed=seed + 1).double().eval(), 0.2)
-    w = Weights.from_model(m, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    clean = torch.randint(0, cfg.d_vocab, (n, T), generator=g)
-    corrupted = clean.clone()
-    corrupted[:, 2] = torch.randint(0, cfg.d_vocab, (n,), generator=g)
-    corrupted[:, -1] = torch.randint(0, cfg.d_vocab, (n,), generator=g)
-    answers = torch.randint(0, cfg.d_vocab, (n, 2), generator=g)
-    wrong = torch.randint(0, cfg.d_vocab, (n, 1), generator=g)
-    return w, Task(name, clean, corrupted, answers, wrong)
+from edge_reference import random_case as setup
 
 
 def close(ours: dict[str, float], ref: dict[str, float], tol: float = 1e-9) -> float:

@@ -41,7 +41,7 @@ from .ablations import Ablation, sender_sites, sender_values
 from .graph import Graph
 from .task import AnswerMetric, Task, TaskBatch
 
-__all__ = ["circuit_metrics", "edge_weights", "masked_pass", "ready_metric", "VARIANTS"]
+__all__ = ["circuit_metrics", "edge_weights", "Evaluator", "masked_pass", "ready_metric", "VARIANTS"]
 
 VARIANTS = ("ablate-complement", "ablate-circuit", "patch-in")
 WHERE = "circuit evaluation"
@@ -137,6 +137,81 @@ def copy_bytes(source: WeightSource, graph: Graph, B: int, T: int) -> int:
     return B * T * per_token * torch.empty(0, dtype=source.dtype).element_size()
 
 
+class Evaluator:
+    """A task's prompts made ready to run circuits on, batch by batch (each batch's two runs and
+    replacement values computed once): :meth:`metrics` runs any number of circuits. ``variant``: one of
+    :data:`VARIANTS`; ``clean`` and ``corrupted``: the metric on the clean and corrupted runs (prompt means)."""
+
+    def __init__(
+        self,
+        source: WeightSource,
+        graph: Graph,
+        task: Task,
+        ablation: Ablation,
+        *,
+        variant: str = "ablate-complement",
+        batch: int = 32,
+        max_bytes: int = 1 << 30,
+    ) -> None:
+        if variant not in VARIANTS:
+            raise QkovError(f"{WHERE}: the variant is one of {', '.join(VARIANTS)}, got {variant!r}")
+        if variant == "patch-in" and ablation.kind != "corrupted":
+            raise QkovError(
+                f"{WHERE}: patch-in restores the circuit on the corrupted run; it needs the corrupted ablation"
+            )
+        self.source, self.graph, self.task, self.ablation, self.variant = source, graph, task, ablation, variant
+        self.max_bytes = max_bytes
+        self.parts: list[tuple[float, Contrast, Tensor]] = []
+        self.clean = self.corrupted = 0.0
+        for b in task.batches(batch):
+            weight = len(b.rows) / len(task)
+            direction = "denoise" if variant == "patch-in" else "noise"
+            c = Contrast.of(
+                source, b.clean, b.corrupted, metric=ready_metric(source, b), direction=direction, where=WHERE
+            )
+            c.run(sender_sites(graph) if ablation.kind == "corrupted" else ())
+            self.clean += weight * c.clean_value
+            self.corrupted += weight * c.corrupted_value
+            self.parts.append((weight, c, _replacement(c, graph, ablation)))
+            c.base_run = c.source_run = None  # the replacement is all a masked pass reads of them
+
+    def metrics(self, circuits: Tensor, progress: Progress | None = None) -> Tensor:
+        """``[K]`` the metric (prompt mean) with each circuit of ``circuits`` (``[K, E]`` booleans, or
+        ``[K, T, E]`` per position) run as the variant says."""
+        if circuits.ndim == 3:
+            self.task.single_length("a per-position circuit")
+        keep = circuits.to(torch.float64)
+        flat = keep if self.variant != "ablate-complement" else 1.0 - keep
+        total = torch.zeros(circuits.shape[0], dtype=torch.float64)
+        done, work = 0, len(self.parts) * circuits.shape[0]
+        for weight, c, rep in self.parts:
+            B, T = c.base.shape
+            K_max = max(1, self.max_bytes // copy_bytes(self.source, self.graph, B, T))
+            for lo in range(0, circuits.shape[0], K_max):
+                W = edge_weights(self.graph, flat[lo : lo + K_max])
+                total[lo : lo + K_max] += weight * masked_pass(c, self.graph, rep, W).double().cpu()
+                done += W.shape[0]
+                tick(progress, WHERE, done, work)
+        return total
+
+    @property
+    def full(self) -> float:
+        """The metric with every edge as in the clean run (``patch-in``: every edge patched in): the clean run."""
+        return self.clean
+
+    def nothing_kept(self) -> float:
+        """The metric with every edge ablated (``m(empty)``): one more pass (the corrupted run for patch-in)."""
+        E = self.graph.n_edges
+        if self.variant == "patch-in":
+            return self.corrupted
+        none = (
+            torch.zeros(1, E, dtype=torch.bool)
+            if self.variant == "ablate-complement"
+            else torch.ones(1, E, dtype=torch.bool)
+        )
+        return float(self.metrics(none)[0])
+
+
 def circuit_metrics(
     source: WeightSource,
     graph: Graph,
@@ -152,41 +227,8 @@ def circuit_metrics(
     """The task's metric with each circuit of ``circuits`` (``[K, E]`` booleans, or ``[K, T, E]`` per
     position) run as ``variant`` says (:data:`VARIANTS`), averaged over the prompts: ``(values [K],
     m(clean), m(corrupted run))``."""
-    if variant not in VARIANTS:
-        raise QkovError(f"{WHERE}: the variant is one of {', '.join(VARIANTS)}, got {variant!r}")
-    if variant == "patch-in" and ablation.kind != "corrupted":
-        raise QkovError(f"{WHERE}: patch-in restores the circuit on the corrupted run; it needs the corrupted ablation")
-    if circuits.ndim == 3:
-        task.single_length("a per-position circuit")
-    keep = circuits.to(torch.float64)
-    flat = keep if variant != "ablate-complement" else 1.0 - keep
-    total = torch.zeros(circuits.shape[0], dtype=torch.float64)
-    clean = corrupted = 0.0
-    batches = list(task.batches(batch))
-    done, work = 0, len(batches) * circuits.shape[0]
-    for b in batches:
-        weight = len(b.rows) / len(task)
-        metric = ready_metric(source, b)
-        c = Contrast.of(
-            source,
-            b.clean,
-            b.corrupted,
-            metric=metric,
-            direction="denoise" if variant == "patch-in" else "noise",
-            where=WHERE,
-        )
-        c.run(sender_sites(graph) if ablation.kind == "corrupted" else ())
-        clean += weight * c.clean_value
-        corrupted += weight * c.corrupted_value
-        rep = _replacement(c, graph, ablation)
-        B, T = b.clean.shape
-        K_max = max(1, max_bytes // copy_bytes(source, graph, B, T))
-        for lo in range(0, circuits.shape[0], K_max):
-            W = edge_weights(graph, flat[lo : lo + K_max])
-            total[lo : lo + K_max] += weight * masked_pass(c, graph, rep, W).double().cpu()
-            done += W.shape[0]
-            tick(progress, WHERE, done, work)
-    return total, clean, corrupted
+    ev = Evaluator(source, graph, task, ablation, variant=variant, batch=batch, max_bytes=max_bytes)
+    return ev.metrics(circuits, progress), ev.clean, ev.corrupted
 
 
 def _replacement(c: Contrast, graph: Graph, ablation: Ablation) -> Tensor:
