@@ -75,33 +75,60 @@ def norm_vjp(x: Tensor, s: Tensor | None, g: Tensor, kind: str, w: Tensor | None
 
 def fast_grads(run: Trace, source: WeightSource, graph: Graph) -> Grads:
     """``grads(l)``: the metric's gradient ``[r, B, T, D]`` at layer ``l``'s receivers (its query, key,
-    value inputs and MLP; ``l = n_layers``: the logits), from a run that cached :func:`fast_sites`."""
+    value inputs and MLP; ``l = n_layers``: the logits), from a run that cached :func:`fast_sites`.
+
+    A head's input gradient is ``J^T (g W^T)`` (:func:`norm_vjp`), written without forming ``J``: with
+    ``g`` divided by the divisor ``s`` and the gain folded into ``W``, it is ``g W^T - (g . mean_d W) 1 -
+    (g . u) n / D`` where ``n`` is the normalised input and ``u = n W`` the head's pre-bias projection,
+    which the forward already computed (the cached query, key or value minus its biases)."""
     cfg, kind = graph.cfg, source.norm
+    rms, normed = kind in ("scale", "rmsnorm"), kind != "none"
 
     def grads(l: int) -> Tensor:
         if l == cfg.n_layers:
             return _grad(run, "resid_post", l - 1)[None]
         att = source.attention(l, expand_kv=False)
         x = run["resid_pre", l].detach()
-        T = x.shape[1]
-        s_v = None if kind == "none" else run["attn_scale", l].detach()
+        B, T, D = x.shape
+        out = x.new_empty(len(graph.attention_receivers(l)) + int(graph.mlp), B, T, D)
+        s_v = run["attn_scale", l].detach() if normed else None
         x_qk, s_qk = x, s_v
         if cfg.positional == "shortformer":
             x_qk = x + source.pos()[:T]  # type: ignore[index]
-            s_qk = None if kind == "none" else run["qk_scale", l].detach()
-        g = {k: _grad(run, k, l) for k in "qkv"}  # [B, T, n, E]
-        if cfg.positional == "rotary":
-            cos, sin = rotary.tables(cfg, T, x.device, x.dtype)
-            for k in "qk":  # back through the rotation: rotate by minus the angle
-                g[k] = rotary.rotate(g[k].transpose(1, 2), cos, -sin).transpose(1, 2)
-        parts = []
-        for k, W, xin, s in (("q", att.W_Q, x_qk, s_qk), ("k", att.W_K, x_qk, s_qk), ("v", att.W_V, x, s_v)):
-            gy = torch.einsum("bthe,hde->bthd", g[k], W)
-            parts.append(norm_vjp(xin[:, :, None], None if s is None else s[:, :, None], gy, kind, att.ln_w))
-        out = torch.cat(parts, dim=2).permute(2, 0, 1, 3)
-        return torch.cat([out, _grad(run, "mlp_input", l)[None]]) if graph.mlp else out
+            s_qk = run["qk_scale", l].detach() if normed else None
+        turn = rotary.tables(cfg, T, x.device, x.dtype) if cfg.positional == "rotary" else None
+        off = 0
+        for k, W, b, xin, s in (("q", att.W_Q, att.b_Q, x_qk, s_qk), ("k", att.W_K, att.b_K, x_qk, s_qk), ("v", att.W_V, att.b_V, x, s_v)):
+            g, val = _grad(run, k, l), run[k, l].detach()  # [B, T, n, E]
+            if turn is not None and k != "v":  # back through the rotation R: R^T for the gradient, R^-1 for the value
+                g, val = (rotary.rotate(t.transpose(1, 2), turn[0], -turn[1]).transpose(1, 2) for t in (g, val))
+                val = val / _turn_norm(turn, val.shape[-1])[None, :, None]
+            n = W.shape[0]
+            Wg = W if att.ln_w is None or kind not in ("layernorm", "rmsnorm") else W * att.ln_w[None, :, None]
+            if s is not None:
+                g = g / s[:, :, :, None]
+            dst = out[off : off + n]
+            torch.bmm(g.permute(2, 0, 1, 3).reshape(n, B * T, -1), Wg.transpose(1, 2), out=dst.view(n, B * T, D))
+            if normed:
+                u = val - b[None, None] - (att.ln_b @ W if kind == "layernorm" and att.ln_b is not None else 0)
+                nrm = (xin if rms else centre(xin)) / s  # type: ignore[operator]
+                dst.addcmul_(((g * u).sum(-1) / D).permute(2, 0, 1)[..., None], nrm[None], value=-1)
+                if not rms:
+                    dst.sub_(torch.einsum("bthe,he->hbt", g, Wg.mean(1))[..., None])
+            off += n
+        if graph.mlp:
+            out[off] = _grad(run, "mlp_input", l)
+        return out
 
     return grads
+
+
+def _turn_norm(turn: tuple[Tensor, Tensor], E: int) -> Tensor:
+    """``[T, E]``: ``cos^2 + sin^2`` of the rotary tables on the rotated dimensions, 1 on the others: the
+    tables are rounded, so ``R^-1 = R^T / (cos^2 + sin^2)``, not ``R^T`` (about 1e-7 apart)."""
+    cos, sin = turn
+    f = cos * cos + sin * sin
+    return torch.cat([f, f.new_ones(f.shape[0], E - f.shape[1])], dim=-1)
 
 
 def split_grads(run: Trace, graph: Graph) -> Grads:

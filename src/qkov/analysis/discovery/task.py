@@ -186,12 +186,12 @@ class Task:
         return AnswerMetric(kind=self.metric, answers=self.answers[rows], wrong=self.wrong[rows])
 
     def batches(self, size: int) -> Iterator[TaskBatch]:
-        """The prompts in batches of at most ``size``, each of one length (in order of first appearance)."""
+        """The prompts in batches of at most ``size``, each of one length (in order of first appearance),
+        the prompts of a length shared evenly between its batches."""
         lengths = self.lengths  # type: ignore[union-attr]
         for T in dict.fromkeys(lengths.tolist()):
             rows = (lengths == T).nonzero()[:, 0]
-            for lo in range(0, len(rows), max(1, size)):
-                r = rows[lo : lo + size]
+            for r in rows.tensor_split(-(-len(rows) // max(1, size))):
                 yield TaskBatch(self.clean[r, :T], self.corrupted[r, :T], r, self.answer_metric(r))
 
     def take(self, n: int) -> Task:
