@@ -125,17 +125,20 @@ def senders_of(w: Weights, tokens: Tensor) -> dict[str, Tensor]:
 
 
 def reference_eap(w: Weights, clean: Tensor, patch: dict[str, Tensor], answers: Tensor, wrong: Tensor,
-                  alphas: list[float] = [0.0]) -> dict[str, float]:  # fmt: skip
+                  alphas: list[float] = [0.0], *, mode: str = "current",
+                  embeds: list[Tensor] | None = None) -> dict[str, float]:  # fmt: skip
     """``sum_k d metric / d alpha`` at ``alpha = alphas[k]`` on every edge (``[0]``: EAP), divided by the
-    number of points, with ``patch`` the senders' replacements."""
+    number of points, with ``patch`` the senders' replacements (``mode="fixed"``: their changes); with
+    ``embeds``, at ``alpha = 0`` with the input stream replaced by each of them in turn."""
     _, _, edges = graph(w)
     total = {e: 0.0 for e in edges}
-    for a in alphas:
+    points = [(a, None) for a in alphas] if embeds is None else [(0.0, e) for e in embeds]
+    for a, embed in points:
         alpha = {e: torch.tensor(a, dtype=w.W_E.dtype, requires_grad=True) for e in edges}
-        logits, _ = edge_forward(w, clean, alpha, patch)
+        logits, _ = edge_forward(w, clean, alpha, patch, mode=mode, embed=embed)
         g = torch.autograd.grad(logit_diff(logits, answers, wrong), list(alpha.values()), allow_unused=True)
         for e, gi in zip(edges, g):
-            total[e] += 0.0 if gi is None else float(gi) / len(alphas)
+            total[e] += 0.0 if gi is None else float(gi) / len(points)
     return total
 
 

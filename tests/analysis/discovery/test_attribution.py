@@ -86,6 +86,18 @@ def test_integrated_edge_gradients_equal_the_reference_at_every_point(name: str)
     assert ours.steps == 3
 
 
+@pytest.mark.parametrize("name", ["gpt2-like", "llama-like"])
+def test_eap_ig_over_the_inputs_equals_the_reference(name: str) -> None:
+    """The gradient at every receiver averaged over inputs moved k/m of the way from the corrupted
+    prompt's to the clean one's (k = 0 .. m-1), times the change of the plain runs."""
+    w, task = setup(name, n=3, T=5)
+    ours = edge_scores(w, task, method="eap-ig", steps=3)
+    clean, corrupted = senders_of(w, task.clean), senders_of(w, task.corrupted)
+    change = {s: corrupted[s] - clean[s] for s in clean}
+    embeds = [corrupted["embed"] + k / 3 * (clean["embed"] - corrupted["embed"]) for k in range(3)]
+    close(by_name(ours), reference_eap(w, task.clean, change, task.answers, task.wrong, mode="fixed", embeds=embeds))
+
+
 @pytest.mark.parametrize("name", ["gpt2-like", "neox-parallel"])
 def test_exact_patching_equals_the_reference_edge_by_edge(name: str) -> None:
     w, task = setup(name, n=3, T=5)

@@ -50,7 +50,7 @@ def load_task(spec: Any, source: Any, *, metric: str | None = None, n: int | Non
     else:
         path = Path(spec)
         if not path.is_file():
-            raise QkovError(f"task: {spec!r} is neither a file nor a built-in task ({', '.join(BUILT_IN_TASKS)})")
+            raise QkovError(f"task: {str(spec)!r} is neither a file nor a built-in task ({', '.join(BUILT_IN_TASKS)})")
         rows = _csv_rows(path) if path.suffix.lower() == ".csv" else _json_rows(path)
         task = task_from_rows(rows[:n] if n else rows, source, name=path.name)
     if metric is not None:
