@@ -98,7 +98,8 @@ def fast_grads(run: Trace, source: WeightSource, graph: Graph) -> Grads:
             s_qk = run["qk_scale", l].detach() if normed else None
         turn = rotary.tables(cfg, T, x.device, x.dtype) if cfg.positional == "rotary" else None
         off = 0
-        kinds = (("q", att.W_Q, att.b_Q, x_qk, s_qk), ("k", att.W_K, att.b_K, x_qk, s_qk), ("v", att.W_V, att.b_V, x, s_v))
+        qk, v_in = (x_qk, s_qk), (x, s_v)
+        kinds = (("q", att.W_Q, att.b_Q, *qk), ("k", att.W_K, att.b_K, *qk), ("v", att.W_V, att.b_V, *v_in))
         for k, W, b, xin, s in kinds:
             g, val = _grad(run, k, l), run[k, l].detach()  # [B, T, n, E]
             if turn is not None and k != "v":  # back through the rotation R: R^T for the gradient, R^-1 for the value
