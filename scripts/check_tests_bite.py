@@ -606,6 +606,12 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "tests/analysis/discovery/test_tasks.py::test_the_induction_task_repeats_random_tokens_and_breaks_the_match "
         "tests/analysis/discovery/test_known_circuits.py::test_the_induction_circuit_ranks_first_on_the_hand_built_model",
     ),
+    "discovery: the patching study's edge scores measured from the clean value whatever the direction": (
+        "analysis/discovery/sweep.py",
+        "    values = c.base_value + scores[g.src, g.dst].cpu()",
+        "    values = c.clean_value + scores[g.src, g.dst].cpu()",
+        "tests/analysis/discovery/test_attribution.py::test_edge_attribution_is_a_sweep_of_the_patching_study[denoise]",
+    ),
     "discovery: ACDC keeps every edge (the criterion's sign flipped)": (
         "analysis/discovery/acdc.py",
         "        hit = next((j for j, v in enumerate(got) if v - kl < tau), None)",

@@ -194,3 +194,23 @@ def test_eap_ig_activations_and_inputs_run_and_refuse_what_they_cannot_do() -> N
         edge_scores(w, task, method="acdc")
     with pytest.raises(QkovError, match="steps must be a positive integer"):
         edge_scores(w, task, method="ieg", steps=0)
+
+
+@pytest.mark.parametrize("direction", ["noise", "denoise"])
+def test_edge_attribution_is_a_sweep_of_the_patching_study(direction: str) -> None:
+    """``patch_study(..., edge_attribution=True)`` scores every edge on the study's own contrast, in its
+    direction: the base run's gradient times the change to the source run's senders."""
+    from qkov import patch_study
+
+    w, task = setup("gpt2-like", n=3, T=6)
+    metric = task.answer_metric(torch.arange(3))
+    study = patch_study(
+        w, task.clean, task.corrupted, metric=metric, direction=direction, sites=(), edge_attribution=True
+    )
+    (r,) = study.results
+    assert r.method == "eap" and r.axes == ("edge",) and r.direction == direction
+    base, source = (task.clean, task.corrupted) if direction == "noise" else (task.corrupted, task.clean)
+    ref = reference_eap(w, base, senders_of(w, source), task.answers, task.wrong)
+    close(by_name(r), ref)
+    if direction == "noise":
+        assert (r.scores - edge_scores(w, task).scores).abs().max() < 1e-12

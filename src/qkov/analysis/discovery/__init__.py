@@ -8,7 +8,8 @@ sender changes; :mod:`.attribution` EAP, EAP-IG and integrated edge gradients; :
 patching; :mod:`.score` every edge's score by one method and :mod:`.scores` the result; :mod:`.circuit`
 circuits and how to choose them; :mod:`.evaluate` circuits run with the rest ablated;
 :mod:`.faithfulness` faithfulness and its curve (CPR, CMD); :mod:`.roc` ROC AUC against a known circuit;
-:mod:`.acdc` an ACDC-style pruning pass; :mod:`.discover` all of it in one call. docs/discovery.md has
+:mod:`.acdc` an ACDC-style pruning pass; :mod:`.discover` all of it in one call; :mod:`.sweep` edge
+attribution as a sweep of the patching study. docs/discovery.md has
 the definitions and their sources.
 """
 
@@ -28,6 +29,7 @@ from .roc import auc, circuit_roc, Roc, roc_points
 from .acdc import acdc_prune, AcdcResult
 from .formats import load_task, mib_graph, read_ground_truth
 from .discover import CircuitDiscovery, evaluate_circuit, find_circuit, TARGET
+from .sweep import contrast_edge_scores, EDGE_SWEEP  # registers edge attribution as a sweep of the patching study
 
 __all__ = [
     "edge_count",
@@ -76,4 +78,6 @@ __all__ = [
     "evaluate_circuit",
     "find_circuit",
     "TARGET",
+    "contrast_edge_scores",
+    "EDGE_SWEEP",
 ]

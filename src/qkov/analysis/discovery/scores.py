@@ -46,14 +46,15 @@ class EdgeScores(PatchResult):
 
     @property
     def scores(self) -> Tensor:
-        """``[E]`` (``[T, E]`` per position): ``m(edge ablated) - m(clean)``."""
-        return self.values - self.clean
+        """``[E]`` (``[T, E]`` per position): ``m(edge ablated) - m(clean)`` (when denoising, from a
+        patching study: ``m(edge patched) - m(corrupted)``)."""
+        return self.values - self.base
 
     @property
     def importance(self) -> Tensor:
         """The scores signed so that positive carries the clean behaviour: ``scores`` times the sign of
         ``m(empty) - m(clean)`` (when that is 0, by the metric's direction)."""
-        gap = self.corrupted - self.clean
+        gap = self.target - self.base
         sign = (1.0 if gap > 0 else -1.0) if gap == gap and gap != 0 else (-1.0 if self.higher_is_better else 1.0)
         return self.scores * sign
 
@@ -99,6 +100,7 @@ class EdgeScores(PatchResult):
             "prompts": self.prompts,
             "clean": self.clean,
             "ablated": self.corrupted,
+            "direction": self.direction,
             "per_position": self.per_position,
             "graph": None if self.graph is None else self.graph.summary(),
             "scores": "m(edge ablated) - m(clean)",
