@@ -109,6 +109,8 @@ def _choose(ev: Evaluator, scores: EdgeScores, edges: int | None, target: float 
         raise QkovError(f"{WHERE}: give a circuit size, a faithfulness to reach or a threshold, not several")
     if how not in ("top", "greedy"):
         raise QkovError(f"{WHERE}: circuits are chosen top or greedy, got {how!r}")
+    if how == "greedy" and edges is None:
+        raise QkovError(f"{WHERE}: a circuit grown greedily needs its size (edges=N)")
     if target is not None or not any(given):
         target = TARGET if target is None else target
         if not 0 < target <= 1.5:
@@ -160,6 +162,8 @@ def find_circuit(
     nodes as written, for ROC AUC. ``acdc_tau``: refine the circuit by an ACDC pass (``acdc_seconds``
     bounds it)."""
     w = as_source(source, where="qkov.find_circuit")
+    if acdc_tau is not None and per_position:
+        raise QkovError("ACDC pruning: per-position circuits are not supported")
     t = task if isinstance(task, Task) else load_task(task, w)
     g = graph_of(w.cfg)
     abl = as_ablation(w, g, t.check(w.cfg), ablation, progress=progress)
