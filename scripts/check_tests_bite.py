@@ -558,7 +558,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "tests/analysis/discovery/test_attribution.py::test_eap_under_zero_and_mean_ablation_equals_the_reference[zero]",
     ),
     "discovery: exact patching recomputes a query or key without its bias": (
-        "analysis/discovery/exact.py",
+        "analysis/discovery/head_inputs.py",
         '    out = torch.einsum("nbtd,nde->nbte", normed, W[idx]) + bias[idx][:, None, None]',
         '    out = torch.einsum("nbtd,nde->nbte", normed, W[idx])',
         "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[gpt2-like]",

@@ -39,9 +39,10 @@ from ..forward.address import Address
 from ..forward.tracer import trace
 from .ablations import Ablation, sender_sites, sender_values
 from .graph import Graph
+from .head_inputs import project_all_heads, project_heads_of
 from .task import AnswerMetric, Task, TaskBatch
 
-__all__ = ["circuit_metrics", "edge_weights", "Evaluator", "masked_pass", "ready_metric", "VARIANTS"]
+__all__ = ["circuit_metrics", "edge_weights", "Evaluator", "fully_ablated", "masked_pass", "ready_metric", "VARIANTS"]
 
 VARIANTS = ("ablate-complement", "ablate-circuit", "patch-in")
 WHERE = "circuit evaluation"
@@ -68,72 +69,137 @@ def edge_weights(graph: Graph, flat: Tensor) -> Tensor:
     return W
 
 
-def masked_pass(contrast: Contrast, graph: Graph, replacement: Tensor, W: Tensor) -> Tensor:
-    """The metric ``[K]`` of ``K`` copies of the contrast's base prompts, in copy ``k`` every edge ``e``
-    carrying ``W[k, e]`` of the way from its sender's current output to ``replacement`` (``[S, B, T, D]``,
-    or broadcasting to it): ``x_r -> x_r + sum_s W[k, s, r] (replacement_s - a_s(current))``. ``W`` is
-    dense (:func:`edge_weights`)."""
-    w = contrast.weights
-    K = W.shape[0]
-    B, T = contrast.base.shape
-    cfg, H = graph.cfg, graph.cfg.n_heads
-    pos = W.ndim == 4
-    diff = torch.empty(K, len(graph.senders), B, T, cfg.d_model, dtype=w.dtype, device=w.device)
-    W = W.to(device=w.device, dtype=w.dtype)
+def fully_ablated(contrast: Contrast, graph: Graph, replacement: Tensor) -> dict[tuple[int, str], Tensor]:
+    """``{(layer, kind): [B, T, n, E]}``: every head's query, key and value with every edge into it ablated,
+    from its input ``x_base + sum_{s -> r} (replacement_s - a_s(base))`` (the base run cached the senders
+    and ``resid_pre``): what a head outside the circuit reads, whatever the circuit, computed once."""
+    w, run = contrast.weights, contrast.base_run
     rep = replacement.to(device=w.device, dtype=w.dtype)
-    added: dict[int, Tensor] = {}
+    delta = rep - sender_values(run, w, graph)  # type: ignore[arg-type]
+    out: dict[tuple[int, str], Tensor] = {}
+    for l in range(graph.cfg.n_layers):
+        x = run["resid_pre", l] + delta[: graph.before(graph.attention_receivers(l).start)].sum(0)  # type: ignore[index]
+        for kind in "qkv":
+            out[l, kind] = project_all_heads(w, l, kind, x)
+    return out
 
-    def sum_into(r0: int, r: int) -> Tensor:  # [K, B, T, r, D]: the change of receivers r0 .. r0+r
-        n = graph.before(r0)
-        if pos:
-            return torch.einsum("ksbtd,ksrt->kbtrd", diff[:, :n], W[:, :n, r0 : r0 + r])
-        return torch.einsum("ksbtd,ksr->kbtrd", diff[:, :n], W[:, :n, r0 : r0 + r])
 
-    def observe(lo: int, n: int):  # type: ignore[no-untyped-def]
+class _MaskedPass:
+    """One masked pass (see :func:`masked_pass`): the edits, and what they record as the pass runs."""
+
+    def __init__(self, contrast: Contrast, graph: Graph, replacement: Tensor, W: Tensor, ablated: dict) -> None:
+        w = contrast.weights
+        self.c, self.g, self.ablated = contrast, graph, ablated
+        self.K, (self.B, self.T) = W.shape[0], contrast.base.shape
+        self.W = W.to(device=w.device, dtype=w.dtype)
+        self.rep = replacement.to(device=w.device, dtype=w.dtype)
+        self.pos = W.ndim == 4
+        self.diff = torch.empty(
+            self.K, len(graph.senders), self.B, self.T, graph.cfg.d_model, dtype=w.dtype, device=w.device
+        )
+        self.cur: dict[int, Tensor] = {}
+
+    def weights(self, r0: int, r: int) -> Tensor:
+        """``[K, n, r]`` (``[K, n, r, T]``): the weights of receivers ``r0 .. r0+r`` over their senders."""
+        return self.W[:, : self.g.before(r0), r0 : r0 + r]
+
+    def change(self, k: int, r0: int, r: int, which: Tensor | None = None) -> Tensor:
+        """``[r, B, T, D]``: copy ``k``'s change into receivers ``r0 .. r0+r`` (all with the same senders),
+        or into those of them ``which`` picks."""
+        n = self.g.before(r0)
+        Wk = self.W[k, :n, r0 : r0 + r]
+        Wk = Wk if which is None else Wk[:, which]
+        return torch.einsum("sbtd,srt->rbtd" if self.pos else "sbtd,sr->rbtd", self.diff[k, :n], Wk)
+
+    def observe(self, lo: int, n: int, layer: int | None = None):  # type: ignore[no-untyped-def]
         def fn(value: Tensor, site: Address) -> Tensor:
-            v = value.view(K, B, T, n, cfg.d_model)  # [K, B, T, n, D]: n senders (a layer's heads, or one)
-            diff[:, lo : lo + n] = rep[lo : lo + n].unsqueeze(0) - v.permute(0, 3, 1, 2, 4)
+            if site.kind == "resid_pre":
+                self.cur[site.layer] = value.view(self.K, self.B, self.T, -1)  # type: ignore[index]
+                if site.layer != 0:
+                    return value
+            v = value.view(self.K, self.B, self.T, n, -1)  # n senders: a layer's heads, or one
+            self.diff[:, lo : lo + n] = self.rep[lo : lo + n].unsqueeze(0) - v.permute(0, 3, 1, 2, 4)
             return value
 
         return fn
 
-    def receive(l: int, kind: str):  # type: ignore[no-untyped-def]
-        rs = graph.attention_receivers(l)
-        off = {"q": 0, "k": H, "v": H + cfg.kv_heads}[kind]
-        n = H if kind == "q" else cfg.kv_heads
+    def head_kind(self, l: int, kind: str, start: int, n: int):  # type: ignore[no-untyped-def]
+        """The edit of ``kind.l`` (``[K*B, T, n, E]``): heads with every edge in ablated read their fully
+        ablated value, heads with some computed from their own input, the rest untouched."""
+        Wl = self.weights(start, n).flatten(3) if self.pos else self.weights(start, n)[..., None]
+        one = (Wl == 1).all(1).all(-1)  # [K, n]
+        some = ~one & (Wl != 0).any(1).any(-1)
+        if not bool((one | some).any()):
+            return None
 
         def fn(value: Tensor, site: Address) -> Tensor:
-            if l not in added:
-                added[l] = sum_into(rs.start, len(rs))
-            v = value.view(K, B, T, n, cfg.d_model) + added[l][:, :, :, off : off + n]
-            if kind == "v":
-                del added[l]
-            return v.view(value.shape)
+            out = value.clone(memory_format=torch.contiguous_format)
+            view = out.view(self.K, self.B, self.T, n, -1)
+            for k in range(self.K):
+                full, part = one[k].nonzero()[:, 0], some[k].nonzero()[:, 0]
+                if len(full):
+                    view[k][:, :, full] = self.ablated[l, kind][:, :, full].to(view)
+                if len(part):
+                    x = self.cur[l][k][None] + self.change(k, start, n, part)
+                    view[k][:, :, part] = project_heads_of(self.c.weights, l, kind, part.tolist(), x).permute(
+                        1, 2, 0, 3
+                    )
+            return out
 
         return fn
 
-    def stream(r: int):  # type: ignore[no-untyped-def]
+    def stream(self, r: int):  # type: ignore[no-untyped-def]
+        """The edit of an MLP's input copy or of the final stream (receiver ``r``), or ``None``."""
+        if not bool((self.weights(r, 1) != 0).any()):
+            return None
+
         def fn(value: Tensor, site: Address) -> Tensor:
-            return (value.view(K, B, T, cfg.d_model) + sum_into(r, 1)[:, :, :, 0]).view(value.shape)
+            add = torch.stack([self.change(k, r, 1)[0] for k in range(self.K)])
+            return (value.view(self.K, self.B, self.T, -1) + add).view(value.shape)
 
         return fn
 
-    edits: dict[Any, Any] = {"resid_pre.0": observe(0, 1)}
-    for l in range(cfg.n_layers):
-        edits[f"head_out.{l}"] = observe(graph.head_sender(l), H)
-        for kind in "qkv":
-            edits[f"{kind}_input.{l}"] = receive(l, kind)
-        if graph.mlp:
-            edits[f"mlp_out.{l}"] = observe(graph.mlp_sender(l), 1)
-            edits[f"mlp_input.{l}"] = stream(graph.mlp_receiver(l))
-    edits[f"resid_post.{cfg.n_layers - 1}"] = stream(graph.logits_receiver)
-    return contrast.measure(K, edits)
+    def edits(self) -> dict[str, Any]:
+        g, cfg, H = self.g, self.g.cfg, self.g.cfg.n_heads
+        edits: dict[str, Any] = {"resid_pre.0": self.observe(0, 1)}
+        for l in range(cfg.n_layers):
+            if l:
+                edits[f"resid_pre.{l}"] = self.observe(0, 0)
+            edits[f"head_out.{l}"] = self.observe(g.head_sender(l), H)
+            r0 = g.attention_receivers(l).start
+            for kind, off, n in (("q", 0, H), ("k", H, cfg.kv_heads), ("v", H + cfg.kv_heads, cfg.kv_heads)):
+                fn = self.head_kind(l, kind, r0 + off, n)
+                if fn is not None:
+                    edits[f"{kind}.{l}"] = fn
+            if g.mlp:
+                edits[f"mlp_out.{l}"] = self.observe(g.mlp_sender(l), 1)
+                fn = self.stream(g.mlp_receiver(l))
+                if fn is not None:
+                    edits[f"mlp_input.{l}"] = fn
+        fn = self.stream(g.logits_receiver)
+        if fn is not None:
+            edits[f"resid_post.{cfg.n_layers - 1}"] = fn
+        return edits
+
+
+def masked_pass(
+    contrast: Contrast, graph: Graph, replacement: Tensor, W: Tensor, ablated: dict | None = None
+) -> Tensor:
+    """The metric ``[K]`` of ``K`` copies of the contrast's base prompts, in copy ``k`` every edge ``e``
+    carrying ``W[k, e]`` of the way from its sender's current output to ``replacement`` (``[S, B, T, D]``,
+    or broadcasting to it): ``x_r -> x_r + sum_s W[k, s, r] (replacement_s - a_s(current))``. ``W`` is
+    dense (:func:`edge_weights`). A head whose every edge in carries weight 1 reads ``ablated`` (its
+    fully ablated query, key or value, :func:`fully_ablated`; computed when not given); a head with some
+    weight its own input; a head with none the stream as it is."""
+    if ablated is None:
+        ablated = fully_ablated(contrast, graph, replacement)
+    return contrast.measure(W.shape[0], _MaskedPass(contrast, graph, replacement, W, ablated).edits())
 
 
 def copy_bytes(source: WeightSource, graph: Graph, B: int, T: int) -> int:
-    """Memory one copy of a masked pass takes: every sender's change and the per-head input copies."""
+    """Memory one copy of a masked pass takes: every sender's change and the inputs of heads computed apart."""
     c = source.cfg
-    per_token = c.d_model * (len(graph.senders) + 4 * (c.n_heads + 2 * c.kv_heads) + 16) + 4 * c.n_heads * T
+    per_token = c.d_model * (len(graph.senders) + 3 * (c.n_heads + 2 * c.kv_heads) + 16) + 4 * c.n_heads * T
     return B * T * per_token * torch.empty(0, dtype=source.dtype).element_size()
 
 
@@ -161,7 +227,7 @@ class Evaluator:
             )
         self.source, self.graph, self.task, self.ablation, self.variant = source, graph, task, ablation, variant
         self.max_bytes = max_bytes
-        self.parts: list[tuple[float, Contrast, Tensor]] = []
+        self.parts: list[tuple[float, Contrast, Tensor, dict]] = []
         self.clean = self.corrupted = 0.0
         for b in task.batches(batch):
             weight = len(b.rows) / len(task)
@@ -169,11 +235,12 @@ class Evaluator:
             c = Contrast.of(
                 source, b.clean, b.corrupted, metric=ready_metric(source, b), direction=direction, where=WHERE
             )
-            c.run(sender_sites(graph) if ablation.kind == "corrupted" else ())
+            c.run([*sender_sites(graph), "resid_pre.*"])
             self.clean += weight * c.clean_value
             self.corrupted += weight * c.corrupted_value
-            self.parts.append((weight, c, _replacement(c, graph, ablation)))
-            c.base_run = c.source_run = None  # the replacement is all a masked pass reads of them
+            rep = _replacement(c, graph, ablation)
+            self.parts.append((weight, c, rep, fully_ablated(c, graph, rep)))
+            c.base_run = c.source_run = None  # what a masked pass reads of them is kept
 
     def metrics(self, circuits: Tensor, progress: Progress | None = None) -> Tensor:
         """``[K]`` the metric (prompt mean) with each circuit of ``circuits`` (``[K, E]`` booleans, or
@@ -187,12 +254,12 @@ class Evaluator:
         flat = keep if self.variant != "ablate-complement" else 1.0 - keep
         total = torch.zeros(circuits.shape[0], dtype=torch.float64)
         done, work = 0, len(self.parts) * circuits.shape[0]
-        for weight, c, rep in self.parts:
+        for weight, c, rep, ablated in self.parts:
             B, T = c.base.shape
             K_max = max(1, self.max_bytes // copy_bytes(self.source, self.graph, B, T))
             for lo in range(0, circuits.shape[0], K_max):
                 W = edge_weights(self.graph, flat[lo : lo + K_max])
-                total[lo : lo + K_max] += weight * masked_pass(c, self.graph, rep, W).double().cpu()
+                total[lo : lo + K_max] += weight * masked_pass(c, self.graph, rep, W, ablated).double().cpu()
                 done += W.shape[0]
                 tick(progress, WHERE, done, work)
         return total

@@ -22,8 +22,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...model import rotary
-from ...model.ops import normalize, query_key_stream
 from ...progress import Progress, tick
 from ...weights.parts import WeightSource
 from ..causal.contrast import Contrast
@@ -31,6 +29,7 @@ from ..forward.address import HEAD, MLP, Address
 from ..forward.cache import final_stream
 from .ablations import Ablation, sender_deltas, sender_sites
 from .graph import Graph
+from .head_inputs import project_heads_of
 from .task import AnswerMetric, TaskBatch
 
 __all__ = ["exact_batch"]
@@ -109,29 +108,12 @@ def _measure(c: Contrast, graph: Graph, delta: Tensor, chunk: list[tuple[int, in
         ks = [k for k, r in enumerate(receivers) if r.kind == HEAD and r.input == kind]
         if ks:
             slots = [r.input_site(graph.cfg).head for r in (receivers[k] for k in ks)]
-            new = _project(c.weights, l, kind, slots, x[None] + d[ks])
+            new = project_heads_of(c.weights, l, kind, slots, x[None] + d[ks])
             edits[f"{kind}.{l}"] = _write(K, B, ks, slots, new)
     ms = [k for k, r in enumerate(receivers) if r.kind == MLP]
     if ms:
         edits[f"mlp_input.{l}"] = _add(K, B, ms, d[ms])
     return c.measure(K, edits, start=min(l, c.reads_from))
-
-
-def _project(source: WeightSource, l: int, kind: str, slots: list[int], xs: Tensor) -> Tensor:
-    """``[n, B, T, E]``: head ``slots[i]``'s ``kind`` (``q``, ``k``, ``v``) computed from its own input ``xs[i]``."""
-    cfg, att = source.cfg, source.attention(l, expand_kv=False)
-    T = xs.shape[2]
-    if kind != "v":
-        pos = source.pos()
-        xs = query_key_stream(xs, None if pos is None else pos[:T], cfg.positional)
-    normed = normalize(xs, source.norm, cfg.ln_eps, w=att.ln_w, b=att.ln_b)[0]
-    idx = torch.tensor(slots, device=xs.device)
-    W, bias = {"q": (att.W_Q, att.b_Q), "k": (att.W_K, att.b_K), "v": (att.W_V, att.b_V)}[kind]
-    out = torch.einsum("nbtd,nde->nbte", normed, W[idx]) + bias[idx][:, None, None]
-    if kind != "v" and cfg.positional == "rotary":
-        cos, sin = rotary.tables(cfg, T, xs.device, xs.dtype)
-        out = rotary.rotate(out, cos, sin)
-    return out
 
 
 def _write(K: int, B: int, ks: list[int], slots: list[int], new: Tensor):  # type: ignore[no-untyped-def]

@@ -150,6 +150,7 @@ def faithfulness_curve(
     pick = [_circuit(scores, int(p * total), absolute, pruned) for absolute in (False, True) for p in fr]
     both = evaluate(ev, pick, progress)
     k = len(fr)
+
     def half(lo: int) -> CircuitFaithfulness:
         e, v = both.edges[lo : lo + k], both.values[lo : lo + k]
         return CircuitFaithfulness(e, v, both.full, both.empty, both.variant, both.ablation, both.metric)
