@@ -571,8 +571,14 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: an ablated edge carries the current value minus its replacement (sign)": (
         "analysis/discovery/evaluate.py",
-        "            diff[:, lo : lo + n] = rep[lo : lo + n].unsqueeze(0) - v.permute(0, 3, 1, 2, 4)",
-        "            diff[:, lo : lo + n] = v.permute(0, 3, 1, 2, 4) - rep[lo : lo + n].unsqueeze(0)",
+        "            self.diff[:, lo : lo + n] = self.rep[lo : lo + n].unsqueeze(0) - v.permute(0, 3, 1, 2, 4)",
+        "            self.diff[:, lo : lo + n] = v.permute(0, 3, 1, 2, 4) - self.rep[lo : lo + n].unsqueeze(0)",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
+    ),
+    "discovery: a head with every edge in ablated reads the stream as it is, not its ablated input": (
+        "analysis/discovery/evaluate.py",
+        "                    view[k][:, :, full] = self.ablated[l, kind][:, :, full].to(view)",
+        "                    pass",
         "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
     ),
     "discovery: dead-end pruning forgets that the input needs no edge in": (
