@@ -71,6 +71,7 @@ def build(root: Path, size: str, seed: int) -> None:
     s = SIZES[size]
     cfg = qkov.ModelConfig(**s["shape"], normalization="layernorm", positional="standard", act_fn="gelu_new", bias=True)
     model = qkov.Transformer(cfg, seed=seed)
+    torch.manual_seed(seed)  # the perturbations below draw from the global generator
     with torch.no_grad():  # biases and gains matter; a larger stream so attention is not uniform
         for name, p in model.named_parameters():
             if not name.rsplit(".", 1)[-1].startswith("W_"):
