@@ -559,8 +559,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: exact patching recomputes a query or key without its bias": (
         "analysis/discovery/head_inputs.py",
-        '    out = torch.einsum("nbtd,nde->nbte", normed, W[idx]) + bias[idx][:, None, None]',
-        '    out = torch.einsum("nbtd,nde->nbte", normed, W[idx])',
+        '    out = torch.einsum(f"{shared},nde->nbte", normed, W[idx]) + bias[idx][:, None, None]',
+        '    out = torch.einsum(f"{shared},nde->nbte", normed, W[idx])',
         "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[gpt2-like]",
     ),
     "block: the MLP's input copy is made but its edit never reaches the MLP": (

@@ -39,7 +39,7 @@ from ..forward.address import Address
 from ..forward.tracer import trace
 from .ablations import Ablation, sender_sites, sender_values
 from .graph import Graph
-from .head_inputs import project_all_heads, project_heads_of
+from .head_inputs import project_heads_of
 from .task import AnswerMetric, Task, TaskBatch
 
 __all__ = ["circuit_metrics", "edge_weights", "Evaluator", "fully_ablated", "masked_pass", "ready_metric", "VARIANTS"]
@@ -80,7 +80,8 @@ def fully_ablated(contrast: Contrast, graph: Graph, replacement: Tensor) -> dict
     for l in range(graph.cfg.n_layers):
         x = run["resid_pre", l] + delta[: graph.before(graph.attention_receivers(l).start)].sum(0)  # type: ignore[index]
         for kind in "qkv":
-            out[l, kind] = project_all_heads(w, l, kind, x)
+            n = graph.cfg.n_heads if kind == "q" else graph.cfg.kv_heads
+            out[l, kind] = project_heads_of(w, l, kind, range(n), x).permute(1, 2, 0, 3)
     return out
 
 

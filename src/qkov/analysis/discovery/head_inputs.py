@@ -19,39 +19,24 @@ from ...model import rotary
 from ...model.ops import normalize, query_key_stream
 from ...weights.parts import WeightSource
 
-__all__ = ["project_all_heads", "project_heads_of"]
+__all__ = ["project_heads_of"]
 
 
 def project_heads_of(source: WeightSource, layer: int, kind: str, slots: Sequence[int], xs: Tensor) -> Tensor:
     """``[n, B, T, E]``: the ``kind`` (``q``, ``k`` or ``v``) of head ``slots[i]`` of ``layer`` (a key/value
-    head for ``k``, ``v``) computed from its own input ``xs[i]`` (``xs [n, B, T, D]``)."""
+    head for ``k``, ``v``) computed from its own input ``xs[i]`` (``xs [n, B, T, D]``), or from one input
+    ``xs [B, T, D]`` they all read (normalised once)."""
     cfg, att = source.cfg, source.attention(layer, expand_kv=False)
-    T = xs.shape[2]
+    T = xs.shape[-2]
     if kind != "v":
         pos = source.pos()
         xs = query_key_stream(xs, None if pos is None else pos[:T], cfg.positional)
     normed = normalize(xs, source.norm, cfg.ln_eps, w=att.ln_w, b=att.ln_b)[0]
     idx = torch.as_tensor(list(slots), device=xs.device, dtype=torch.long)
     W, bias = {"q": (att.W_Q, att.b_Q), "k": (att.W_K, att.b_K), "v": (att.W_V, att.b_V)}[kind]
-    out = torch.einsum("nbtd,nde->nbte", normed, W[idx]) + bias[idx][:, None, None]
+    shared = "btd" if normed.ndim == 3 else "nbtd"
+    out = torch.einsum(f"{shared},nde->nbte", normed, W[idx]) + bias[idx][:, None, None]
     if kind != "v" and cfg.positional == "rotary":
         cos, sin = rotary.tables(cfg, T, xs.device, xs.dtype)
         out = rotary.rotate(out, cos, sin)
     return out
-
-
-def project_all_heads(source: WeightSource, layer: int, kind: str, x: Tensor) -> Tensor:
-    """``[B, T, n, E]``: every head's ``kind`` (``q``, ``k`` or ``v``; ``n`` heads, or key/value heads) of
-    ``layer`` computed from the one input ``x [B, T, D]``, normalised once."""
-    cfg, att = source.cfg, source.attention(layer, expand_kv=False)
-    T = x.shape[1]
-    if kind != "v":
-        pos = source.pos()
-        x = query_key_stream(x, None if pos is None else pos[:T], cfg.positional)
-    normed = normalize(x, source.norm, cfg.ln_eps, w=att.ln_w, b=att.ln_b)[0]
-    W, bias = {"q": (att.W_Q, att.b_Q), "k": (att.W_K, att.b_K), "v": (att.W_V, att.b_V)}[kind]
-    out = torch.einsum("btd,nde->bnte", normed, W) + bias[None, :, None]
-    if kind != "v" and cfg.positional == "rotary":
-        cos, sin = rotary.tables(cfg, T, x.device, x.dtype)
-        out = rotary.rotate(out, cos, sin)
-    return out.transpose(1, 2)
