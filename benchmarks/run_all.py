@@ -41,6 +41,7 @@ BENCHES = (
     Bench("paths", ("bench_paths.py",), "path expansion + term importance + term effects"),
     Bench("real-size", ("bench_real_size.py", "--floor"), "every command at GPT-2-small size vs TL, FLOP floors"),
     Bench("patching", ("bench_patching.py", "--repeat", "3"), "activation patching at GPT-2-small shape vs TL"),
+    Bench("circuit", ("bench_circuit.py", "--size", "gpt2"), "circuit discovery at GPT-2-small shape vs AutoCircuit 1.0.1"),
     Bench("interop", ("bench_interop.py",), "import and export at GPT-2-small shape: time, logit agreement"),
     Bench("pythia", ("bench_modern.py", "pythia"), "Pythia-160M shape: copying + composition vs TransformerLens"),
     Bench("llama8b", ("bench_modern.py", "llama8b"), "Llama-3-8B shape (15 GiB bfloat16 under /tmp) memory-mapped"),

@@ -563,6 +563,121 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "changed = []",
         "tests/training/test_determinism.py::test_a_state_records_what_its_bits_depend_on_and_a_resume_elsewhere_says_so",
     ),
+    "discovery: a head sends to its own layer's heads (the edge rule)": (
+        "analysis/discovery/graph.py",
+        "        n = sum(1 for o in s_order if o < order)  # type: ignore[operator]",
+        "        n = sum(1 for o in s_order if o <= order)  # type: ignore[operator]",
+        "tests/analysis/discovery/test_attribution.py::test_the_graph_counts_every_sender_into_every_later_receiver",
+    ),
+    "discovery: the sign of a sender's change flipped in the contraction": (
+        "analysis/discovery/grads.py",
+        "        scores[:n, r0 : r0 + r] += weight * prod.to(scores.dtype)",
+        "        scores[:n, r0 : r0 + r] -= weight * prod.to(scores.dtype)",
+        "tests/analysis/discovery/test_attribution.py::test_eap_equals_the_gradient_of_every_edge_coefficient[gpt2-like]",
+    ),
+    "discovery: the MLP receiver's gradient read from the attention's input, not the MLP's own copy": (
+        "analysis/discovery/grads.py",
+        '            out[off] = _grad(run, "mlp_input", l)',
+        '            out[off] = _grad(run, "resid_pre", l)',
+        "tests/analysis/discovery/test_attribution.py::test_eap_equals_the_gradient_of_every_edge_coefficient[gpt2-like]",
+    ),
+    "discovery: a head's input gradient through a frozen norm divisor (its n.g term dropped)": (
+        "analysis/discovery/grads.py",
+        "                dst.addcmul_(((g * u).sum(-1) / D).permute(2, 0, 1)[..., None], nrm[None], value=-1)",
+        "                pass",
+        "tests/analysis/discovery/test_attribution.py::test_the_fast_and_split_receiver_gradients_agree[gpt2-like]",
+    ),
+    "discovery: the rotary value un-rotated by R^T instead of R^-1": (
+        "analysis/discovery/grads.py",
+        "                val = val / _turn_norm(turn, val.shape[-1])[None, :, None]",
+        "                pass",
+        "tests/analysis/discovery/test_attribution.py::test_the_fast_and_split_receiver_gradients_agree[llama-like]",
+    ),
+    "discovery: integrated edge gradients divided by m instead of m + 1 points": (
+        "analysis/discovery/attribution.py",
+        "        accumulate(scores, delta, split_grads(run, graph), graph, weight / (steps + 1))",
+        "        accumulate(scores, delta, split_grads(run, graph), graph, weight / steps)",
+        "tests/analysis/discovery/test_attribution.py::test_integrated_edge_gradients_equal_the_reference_at_every_point[gpt2-like]",
+    ),
+    "discovery: EAP-IG's input points include the clean end instead of the corrupted one": (
+        "analysis/discovery/attribution.py",
+        "        x = e_corr + (k / steps) * (e_clean - e_corr)",
+        "        x = e_corr + ((k + 1) / steps) * (e_clean - e_corr)",
+        "tests/analysis/discovery/test_attribution.py::test_eap_ig_over_the_inputs_equals_the_reference[gpt2-like]",
+    ),
+    "discovery: m(empty) taken as the corrupted run under zero ablation": (
+        "analysis/discovery/score.py",
+        '    empty = corrupted if abl.kind == "corrupted" else _empty(w, graph, task, abl, size)',
+        "    empty = corrupted",
+        "tests/analysis/discovery/test_attribution.py::test_eap_under_zero_and_mean_ablation_equals_the_reference[zero]",
+    ),
+    "discovery: exact patching recomputes a query or key without its bias": (
+        "analysis/discovery/head_inputs.py",
+        '    out = torch.einsum(f"{shared},nde->nbte", normed, W[idx]) + bias[idx][:, None, None]',
+        '    out = torch.einsum(f"{shared},nde->nbte", normed, W[idx])',
+        "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[gpt2-like]",
+    ),
+    "block: the MLP's input copy is made but its edit never reaches the MLP": (
+        "model/block.py",
+        '                x = self.at("mlp_input", l, x.clone())',
+        '                self.at("mlp_input", l, x.clone())',
+        "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[gpt2-like]",
+    ),
+    "discovery: an ablated edge carries the current value minus its replacement (sign)": (
+        "analysis/discovery/evaluate.py",
+        "            self.diff[:, lo : lo + n] = self.rep[lo : lo + n].unsqueeze(0) - v.permute(0, 3, 1, 2, 4)",
+        "            self.diff[:, lo : lo + n] = v.permute(0, 3, 1, 2, 4) - self.rep[lo : lo + n].unsqueeze(0)",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
+    ),
+    "discovery: a head with every edge in ablated reads the stream as it is, not its ablated input": (
+        "analysis/discovery/evaluate.py",
+        "                    view[k][:, :, full] = self.ablated[l, kind][:, :, full].to(view)",
+        "                    pass",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
+    ),
+    "discovery: dead-end pruning forgets that the input needs no edge in": (
+        "analysis/discovery/circuit.py",
+        "        has_in[0] = True  # the input needs no edge in",
+        "        pass",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_pruning_removes_dead_ends_and_under_resampling_changes_nothing",
+    ),
+    "discovery: ROC points inside tie groups (ties not counted half)": (
+        "analysis/discovery/roc.py",
+        "(sr[1:] != sr[:-1]).nonzero()[:, 0]",
+        "torch.arange(len(sr) - 1)",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_roc_auc_is_the_chance_a_true_edge_outranks_a_false_one",
+    ),
+    "discovery: the area under the faithfulness curve takes the left points only": (
+        "analysis/discovery/faithfulness.py",
+        "    return float(sum((x[i + 1] - x[i]) * (y[i] + y[i + 1]) / 2 for i in range(len(x) - 1)))",
+        "    return float(sum((x[i + 1] - x[i]) * y[i] for i in range(len(x) - 1)))",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_the_faithfulness_curve_is_its_circuits_faithfulness_and_its_areas",
+    ),
+    "discovery: the logit difference sums the answers instead of averaging them": (
+        "analysis/discovery/task.py",
+        "            pick = lambda ids: logits.gather(-1, ids.to(dev)).mean(-1)  # noqa: E731",
+        "            pick = lambda ids: logits.gather(-1, ids.to(dev)).sum(-1)  # noqa: E731",
+        "tests/analysis/discovery/test_tasks.py::test_metrics_measure_what_they_say",
+    ),
+    "discovery: the induction task's corruption leaves the prefix match intact": (
+        "analysis/discovery/builtin.py",
+        "        corrupted.append(start + r[:-2] + [x, r[-1]] + r[:-1])",
+        "        corrupted.append(start + r[:-1] + [x] + r[:-1])",
+        "tests/analysis/discovery/test_tasks.py::test_the_induction_task_repeats_random_tokens_and_breaks_the_match "
+        "tests/analysis/discovery/test_known_circuits.py::test_the_induction_circuit_ranks_first_on_the_hand_built_model",
+    ),
+    "discovery: the patching study's edge scores measured from the clean value whatever the direction": (
+        "analysis/discovery/sweep.py",
+        "    values = c.base_value + scores[g.src, g.dst].cpu()",
+        "    values = c.clean_value + scores[g.src, g.dst].cpu()",
+        "tests/analysis/discovery/test_attribution.py::test_edge_attribution_is_a_sweep_of_the_patching_study[denoise]",
+    ),
+    "discovery: ACDC keeps every edge (the criterion's sign flipped)": (
+        "analysis/discovery/acdc.py",
+        "        hit = next((j for j, v in enumerate(got) if v - kl < tau), None)",
+        "        hit = next((j for j, v in enumerate(got) if kl - v > tau), None)",
+        "tests/analysis/discovery/test_known_circuits.py::test_acdc_prunes_the_relay_model_down_to_its_path",
+    ),
 }
 
 

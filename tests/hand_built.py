@@ -74,3 +74,53 @@ def natural_text(n: int = 4, seed: int = 0) -> torch.Tensor:
     t = torch.randint(1, V, (n, CTX), generator=g)
     t[:, 0] = 0
     return t
+
+
+RELAY_V, RELAY_CTX, RELAY_NOISE = 12, 8, 8
+
+
+def relay_model(seed: int = 0) -> Transformer:
+    """2 layers x 2 heads, standard positions, attention only, no normalisation: one named path carries
+    the token at position 1 to the logits at every later position, and the rest is noise.
+
+    0.0 every query attends to position 1; its OV copies the token into subspace B;
+    1.0 every query attends to itself; its OV moves subspace B into subspace C, which the unembedding reads;
+    0.1, 1.1 random heads that read the tokens, positions and the noise subspace and write only into the
+        noise subspace, which nothing on the path reads.
+
+    So the answer's path is ``embed -> 0.0<v>``, ``0.0 -> 1.0<v>``, ``1.0 -> logits``; every other edge changes
+    no logit, and the model is linear in every edge (the patterns read positions only)."""
+    V, P, N = RELAY_V, RELAY_CTX, RELAY_NOISE
+    A, Ps, B = slice(0, V), slice(V, V + P), slice(V + P, 2 * V + P)
+    C, Ns = slice(2 * V + P, 3 * V + P), slice(3 * V + P, 3 * V + P + N)
+    D = 3 * V + P + N
+    cfg = ModelConfig(
+        n_layers=2, n_heads=2, d_model=D, d_head=V, d_vocab=V, n_ctx=P, positional="standard", normalization="none"
+    )
+    m = Transformer(cfg, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.zero_()
+        m.W_E[:, A] = torch.eye(V)
+        m.W_pos[:, Ps] = torch.eye(P)
+        m.W_U[C, :] = torch.eye(V)
+        a0, a1 = m.blocks[0].attn, m.blocks[1].attn
+        scale = C_SHARP * V**0.5
+        a0.W_Q[0, Ps, 0] = scale  # every position queries the same direction
+        a0.W_K[0, V + 1, 0] = 1.0  # only position 1 answers
+        a0.W_V[0, A, :] = torch.eye(V)
+        a0.W_O[0, :, B] = torch.eye(V)
+        a1.W_Q[0, Ps, :P] = torch.eye(P) * scale  # each position attends to itself
+        a1.W_K[0, Ps, :P] = torch.eye(P)
+        a1.W_V[0, B, :] = torch.eye(V)
+        a1.W_O[0, :, C] = torch.eye(V)
+        for a in (a0, a1):  # the noise heads: read anything but B and C, write the noise subspace only
+            reads = torch.cat([torch.arange(0, V + P), torch.arange(3 * V + P, D)])
+            for W in (a.W_Q, a.W_K, a.W_V):
+                W[1, reads] = torch.randn(len(reads), V, generator=g)
+            a.W_O[1, :, Ns] = torch.randn(V, N, generator=g)
+    return m.eval()
+
+
+C_SHARP = 20.0

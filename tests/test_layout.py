@@ -16,7 +16,7 @@ ORDER = ["errors", "finite", "progress", "version", "device", "ranks", "model", 
 # inside analysis/: the support modules at its top level, then one sub-package per concept; a
 # sub-package imports only itself and those of a lower rank (paths and heads share one: neither
 # imports the other)
-ANALYSIS_RANK = {"": 0, "forward": 1, "circuits": 2, "paths": 3, "heads": 3, "causal": 4, "series": 5}
+ANALYSIS_RANK = {"": 0, "forward": 1, "circuits": 2, "paths": 3, "heads": 3, "causal": 4, "discovery": 5, "series": 6}
 OPTIONAL = {"transformers", "transformer_lens", "huggingface_hub", "plotly"}  # imported only where used
 # one idea per file: a concept is not split to meet a cap, and no file grows past this ceiling
 MAX_FILE_LINES = 600

@@ -9,7 +9,8 @@ The flow, one package per step (each imports only the ones before it):
   :class:`Weights` view and the memory-mapped :class:`LazyCheckpoint`.
 * :mod:`qkov.analysis` — circuits, composition, paths, heads, probes, trigrams, and the one
   analysis forward :func:`trace` (a recorded forward pass, :class:`Trace`), which reads and writes
-  every activation by name (ablation, activation, path and attribution patching are built on it).
+  every activation by name (ablation, activation, path and attribution patching are built on it,
+  and circuit discovery: :func:`find_circuit`, :func:`edge_scores`).
 * :mod:`qkov.training` — corpora, tokenizer, the training loop (which tracks the induction probe).
 * :mod:`qkov.apps` — the report, the tour, the dynamics study and the command line.
 * :mod:`qkov.show` — notebooks: rich displays of analysis results, the inline attention viewer.
@@ -36,6 +37,9 @@ from .analysis.heads.report import head_report
 from .analysis.causal.studies import patch_study
 from .analysis.causal.patching import activation_patching, attribution_patching
 from .analysis.causal.path_patch import path_patching
+from .analysis.discovery.discover import evaluate_circuit, find_circuit
+from .analysis.discovery.formats import load_task
+from .analysis.discovery.score import edge_scores
 from .analysis.paths.expansion import expand
 from .analysis.paths.effects import term_effects
 from .analysis.paths.importance import term_importance
@@ -108,7 +112,10 @@ __all__ = [
     "composition_scores",
     "copying_scores",
     "dynamics",
+    "edge_scores",
+    "evaluate_circuit",
     "expand",
+    "find_circuit",
     "full_ov",
     "full_qk",
     "head_report",
@@ -118,6 +125,7 @@ __all__ = [
     "load",
     "load_any",
     "load_corpus",
+    "load_task",
     "ov",
     "ov_eigenvalues",
     "patch_study",

@@ -135,6 +135,7 @@ def test_public_api_is_what_the_package_docs_list() -> None:
     from qkov.analysis.causal import studies as patch_study
     from qkov.analysis.causal import patching
     from qkov.analysis.causal import path_patch as path_patching
+    from qkov.analysis import discovery
     from qkov.analysis.heads import probes
     from qkov import progress
     from qkov.analysis.causal import composition as causal_composition
@@ -196,6 +197,11 @@ def test_public_api_is_what_the_package_docs_list() -> None:
         "term_effects": paths,
         "text_scores": text_scores,
         "icl_score": probes,
+        # circuit discovery (issue 37)
+        "find_circuit": discovery,
+        "edge_scores": discovery,
+        "evaluate_circuit": discovery,
+        "load_task": discovery,
     }
     for name, module in homes.items():
         assert getattr(qkov, name) is getattr(module, name), name

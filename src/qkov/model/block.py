@@ -10,7 +10,7 @@ positions enter the query/key input only, never the values or the stream.
 :class:`BlockPass` is that body. Every intermediate value passes through a **hook point**, named as
 the analysis forward's sites (:mod:`qkov.analysis.forward.sites`: ``resid_pre``, ``attn_in``, ``qk_in``,
 ``q``, ``k``, ``v``, ``scores``, ``pattern``, ``z``, ``head_out``, ``attn_out``, ``resid_mid``,
-``mlp_in``, ``mlp_pre``, ``mlp_hidden``, ``mlp_out``, ``resid_post`` ...): :meth:`BlockPass.at`
+``mlp_input``, ``mlp_in``, ``mlp_pre``, ``mlp_hidden``, ``mlp_out``, ``resid_post`` ...): :meth:`BlockPass.at`
 passes a value through one, :meth:`BlockPass.active` says whether anything reads or writes it,
 :meth:`BlockPass.fixed` gives a value that replaces it outright. Here they do nothing, so the
 training model (:class:`qkov.Transformer`) runs this body as plain fused code: attention by
@@ -199,10 +199,12 @@ class BlockPass:
         """Layer ``l``'s MLP output for the stream ``x`` it reads (``None`` without an MLP)."""
         if self.cfg.d_mlp is None:
             return None
-        inside = ("mlp_scale", "mlp_in", "mlp_pre", "mlp_linear", "mlp_hidden")
+        inside = ("mlp_input", "mlp_scale", "mlp_in", "mlp_pre", "mlp_linear", "mlp_hidden")
         out = self.fixed("mlp_out", l)
         if out is None or any(self.active(k, l) for k in inside):
             mlp = self.mlp_weights(l)
+            if self.active("mlp_input", l):  # the MLP's own copy: an edit of it leaves the stream alone
+                x = self.at("mlp_input", l, x.clone())
             m_in = self.normed("mlp", l, x, mlp.ln_w, mlp.ln_b)[0]
             pre, linear = mlp_preactivation(m_in, mlp.W_in, live_bias(mlp.b_in), mlp.W_gate, live_bias(mlp.b_gate))
             pre = self.at("mlp_pre", l, pre)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from . import displays as displays  # registers the results' HTML forms
 from . import study_displays as study_displays  # ... and those of the studies (dynamics, ablation)
+from . import discovery_displays as discovery_displays  # ... and circuit discovery's
 from .page import take_assets
 from .viewer import AttentionView, attention
 

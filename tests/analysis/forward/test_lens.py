@@ -179,7 +179,7 @@ def test_run_with_hooks_equals_transformerlens(pair: dict[str, Any]) -> None:
 
 def test_run_with_hooks_refuses_hook_points_qkov_lacks_in_one_line(pair: dict[str, Any]) -> None:
     m, toks = pair["m"], pair["toks"]
-    for name in ("blocks.0.hook_attn_in", "blocks.1.hook_mlp_in", "blocks.0.attn.hook_nothing"):
+    for name in ("blocks.0.hook_attn_in", "blocks.0.attn.hook_nothing"):
         with pytest.raises(QkovError, match=rf"run_with_hooks: no site '{re.escape(name)}': not the TransformerLens hook") as e:
             m.run_with_hooks(toks, fwd_hooks=[(name, lambda x, hook: x)])
         assert "\n" not in str(e.value)

@@ -45,7 +45,8 @@ def _norm(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("name", CONFIGS)
 def test_every_site_is_cached_in_its_layout_and_equals_its_definition(name: str) -> None:
     cfg, m, w, toks = _setup(name)
-    out = trace(w, toks, cache=["*", "q_input.*", "k_input.*", "v_input.*"])  # a wildcard kind leaves the copies out
+    copies = ["q_input.*", "k_input.*", "v_input.*"] + (["mlp_input.*"] if cfg.d_mlp else [])
+    out = trace(w, toks, cache=["*", *copies])  # a wildcard kind leaves the copies out
     assert not any(k.split(".")[0].endswith("_input") for k in trace(w, toks, cache="*").keys())
     sites = Sites(cfg, w.norm)
     B, T = toks.shape
@@ -82,6 +83,7 @@ def test_every_site_is_cached_in_its_layout_and_equals_its_definition(name: str)
             read = x if cfg.parallel else out["resid_mid", l]
             if not cfg.parallel:
                 assert (out["resid_mid", l] - after).abs().max() < 1e-12
+            assert torch.equal(out["mlp_input", l], read)  # the MLP's own copy of what it reads
             assert (out["mlp_in", l] - _norm(read, w.norm)[0]).abs().max() < 1e-12
             assert (out["mlp_out", l] - (out["mlp_hidden", l] @ mlp.W_out + mlp.b_out)).abs().max() < 1e-12
             after = after + out["mlp_out", l]

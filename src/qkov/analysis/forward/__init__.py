@@ -12,7 +12,7 @@ another's patterns, divisors and MLP outputs: what the path expansion freezes) a
 from __future__ import annotations
 
 from .address import Address, as_head, HEAD, HeadLike, INPUTS, no_head, not_a_head, parse_heads
-from .sites import BY_NAME, Kind, KINDS, Sites, HEAD_INPUTS
+from .sites import BY_NAME, COPIES, Kind, KINDS, Sites, HEAD_INPUTS
 from .edits import Edit, EditFn, Edits, PER_POSITION, per_position, Site
 from .cache import accumulated, by_component, by_head, final_stream, Stack, Trace
 from .tracer import flops_per_token, trace
@@ -44,6 +44,7 @@ __all__ = [
     "KINDS",
     "Sites",
     "HEAD_INPUTS",
+    "COPIES",
     "Edit",
     "EditFn",
     "Edits",

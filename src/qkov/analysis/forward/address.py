@@ -10,7 +10,10 @@ An :class:`Address` is a small named tuple ``(kind, layer, head, input, sender)`
 * a head's **input**: ``Address("head", 1, 0, "k")``, written ``1.0<k>`` (its query, key or value input);
 * an **edge**: what a sender writes into a receiver, written ``0.1 -> 1.0<k>`` (head 0.1's output into
   head 1.0's key input), ``0.1 -> logits`` (into the logits directly). It is the receiver's address
-  with its ``sender`` set, so a graph's edges and nodes are one type.
+  with its ``sender`` set, so a graph's edges and nodes are one type. A model's graph
+  (:mod:`qkov.analysis.discovery.graph`) has four kinds of node: the input ``embed`` (the stream
+  entering block 0), each head, each MLP ``mlp.1`` (:data:`MLP`: its output as a sender, its own input
+  copy ``mlp_input.1`` as a receiver) and ``logits``; :func:`node_order` orders them.
 
 Every written form is read by :meth:`Address.parse` and every head by :func:`as_head` /
 :func:`parse_heads` (the command line's ``--heads``/``--receivers``, the library, the explorer): one
@@ -24,10 +27,13 @@ from typing import Any, Iterable, NamedTuple, Sequence, Union
 
 from ...errors import QkovError
 
-__all__ = ["Address", "as_head", "HEAD", "HeadLike", "INPUTS", "no_head", "not_a_head", "parse_heads"]
+__all__ = ["Address", "as_head", "HEAD", "HeadLike", "INPUTS", "MLP", "no_head", "node_order", "not_a_head", "parse_heads"]
 
 HEAD = "head"
 """The kind of a head's address (not a site: a head's output is the site ``head_out.L.H``)."""
+MLP = "mlp"
+"""The kind of an MLP's node in a graph, written ``mlp.1`` (not a site: its output is ``mlp_out.1``, its
+input ``mlp_input.1``)."""
 INPUTS = ("q", "k", "v")
 """A head's inputs an edge may enter: its query, key and value input (the sites ``{q,k,v}_input``)."""
 
@@ -52,6 +58,11 @@ class Address(NamedTuple):
     def of_head(cls, layer: int, head: int) -> Address:
         """Head ``layer.head``."""
         return cls(HEAD, int(layer), int(head))
+
+    @classmethod
+    def of_mlp(cls, layer: int) -> Address:
+        """The MLP of layer ``layer`` as a node of a graph: ``mlp.1``."""
+        return cls(MLP, int(layer))
 
     @classmethod
     def edge(cls, sender: Address, receiver: Address, input: str | None = None) -> Address:
@@ -109,6 +120,8 @@ class Address(NamedTuple):
     def input_site(self, cfg: Any) -> Address:
         """The site a head's ``input`` is read from: ``Address("k_input", layer, slot)``, the slot
         of a key or value input the head's key/value group (grouped-query attention)."""
+        if self.kind == MLP:
+            return Address("mlp_input", self.layer)
         if self.kind != HEAD or self.input not in INPUTS:
             raise QkovError(f"{self.name} is not a head's query, key or value input")
         group = cfg.n_heads // cfg.kv_heads if self.input in ("k", "v") else 1
@@ -121,12 +134,31 @@ class Address(NamedTuple):
         for a in (self.sender, self.receiver):
             if a is not None and a.kind == HEAD and not (0 <= a.layer < cfg.n_layers and 0 <= a.head < cfg.n_heads):  # type: ignore[operator]
                 raise QkovError(no_head(what, a, cfg))
+            if a is not None and a.kind == MLP and (cfg.d_mlp is None or not 0 <= a.layer < cfg.n_layers):  # type: ignore[operator]
+                has = "no MLPs" if cfg.d_mlp is None else f"MLPs in layers 0..{cfg.n_layers - 1}"
+                raise QkovError(f"{what}: the model has no {a.name} ({has})")
         s = self.sender
         if s is not None and s.kind == HEAD and self.kind == HEAD and not s.layer < self.layer:  # type: ignore[operator]
             raise QkovError(
                 f"{what}: in {self.name} the sender {s.name} must come before the receiver's layer {self.layer}"
             )
+        ends = (node_order(s, cfg), node_order(self.receiver, cfg)) if s is not None else (0, 1)
+        if None not in ends and not ends[0] < ends[1]:  # type: ignore[operator]
+            raise QkovError(f"{what}: in {self.name} the sender {s.name} must come before the receiver")
         return self
+
+
+def node_order(a: Address, cfg: Any) -> int | None:
+    """Where a graph node sits in the forward pass: ``embed`` 0, layer ``l``'s heads ``2l + 1``, its MLP
+    ``2l + 2`` (``2l + 1`` in a parallel block, which reads the block's input), ``logits`` ``2L + 1``;
+    ``None`` for any other site. An edge of a graph runs from a lower order to a higher one."""
+    if a.kind == HEAD:
+        return 2 * a.layer + 1  # type: ignore[operator]
+    if a.kind == MLP:
+        return 2 * a.layer + (1 if getattr(cfg, "parallel", False) else 2)  # type: ignore[operator]
+    if a.kind == "logits":
+        return 2 * cfg.n_layers + 1
+    return 0 if a.kind == "embed" else None
 
 
 def not_a_head(what: str, given: Any) -> str:

@@ -19,9 +19,9 @@ of equal token counts (each with one start token, :class:`~qkov.model.tokens.Tex
   ``hook_embed``, ``hook_pos_embed``, ``blocks.L.hook_resid_pre/mid/post``, ``ln1/ln2/ln_final.hook_scale``
   and ``hook_normalized``, ``hook_q/k/v_input``, ``attn.hook_q/k/v`` (``hook_rot_q/k`` in a rotary
   model), ``attn.hook_attn_scores/pattern/z/result``, ``hook_attn_out``, ``mlp.hook_pre/pre_linear/post``,
-  ``hook_mlp_out``, ``unembed.hook_in/hook_out``); refused in one line: ``blocks.L.hook_attn_in`` and
-  ``blocks.L.hook_mlp_in`` (TransformerLens' optional input copies, which qkov has no site for; use
-  ``q_input``/``k_input``/``v_input``, or ``resid_mid``) and, in a rotary model, ``attn.hook_q/hook_k``
+  ``hook_mlp_in`` (the MLP's input copy ``mlp_input``), ``hook_mlp_out``, ``unembed.hook_in/hook_out``);
+  refused in one line: ``blocks.L.hook_attn_in`` (TransformerLens' optional per-head input copy, which
+  qkov has no site for; use ``q_input``/``k_input``/``v_input``) and, in a rotary model, ``attn.hook_q/hook_k``
   (before rotation). Backward hooks are refused: ``trace(..., grad=True)`` then ``.backward()``.
 
 ``return_type`` is TransformerLens': ``"logits"``, ``"loss"`` (the mean next-token loss), ``"both"``

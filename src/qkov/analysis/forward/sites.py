@@ -34,7 +34,7 @@ from typing import Any, Iterable
 from ...errors import QkovError
 from .address import Address
 
-__all__ = ["Address", "BY_NAME", "Kind", "KINDS", "Sites", "HEAD_INPUTS"]
+__all__ = ["Address", "BY_NAME", "COPIES", "Kind", "KINDS", "Sites", "HEAD_INPUTS"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("head_out", "[B, T, H, D]", 2, "blocks.{l}.attn.hook_result", "what each head writes, z @ W_O (no b_O)"),
     Kind("attn_out", "[B, T, D]", None, "blocks.{l}.hook_attn_out", "the attention's output: heads + b_O"),
     Kind("resid_mid", "[B, T, D]", None, "blocks.{l}.hook_resid_mid", "the stream between attention and MLP"),
+    Kind("mlp_input", "[B, T, D]", None, "blocks.{l}.hook_mlp_in", "the MLP's own copy of the stream it reads (before its norm)"),
     Kind("mlp_scale", "[B, T, 1]", None, "blocks.{l}.ln2.hook_scale", "the MLP input's normalisation divisor"),
     Kind("mlp_in", "[B, T, D]", None, "blocks.{l}.ln2.hook_normalized", "the MLP's normalised input"),
     Kind("mlp_pre", "[B, T, M]", None, "blocks.{l}.mlp.hook_pre", "pre-activations (a gated MLP: the gate's)"),
@@ -86,6 +87,10 @@ HEAD_INPUTS = ("q_input", "k_input", "v_input")
 """Each head's own copy of the stream: ``H`` times a layer's stream in memory, and each head then
 normalises its own copy, so a glob whose kind is a wildcard (``"*"``, ``"*.1"``) leaves them out;
 name them to cache or edit them (``"q_input.1"``, ``"k_input.*"``)."""
+COPIES = (*HEAD_INPUTS, "mlp_input")
+"""The readers' own copies of the stream (:data:`HEAD_INPUTS` and the MLP's ``mlp_input``): an edit
+of one changes what that reader sees and nothing else (the residual stream and the other readers
+keep their value). A wildcard kind leaves them out; name them."""
 
 _TL_EXTRA = {"unembed.hook_in": "final", "blocks.{l}.attn.hook_q": "q", "blocks.{l}.attn.hook_k": "k"}
 _TL_SHORT = {
@@ -121,6 +126,7 @@ class Sites:
             "final_scale": normed,
             "qk_scale": normed and c.positional == "shortformer",
             "mlp_scale": normed and mlp,
+            "mlp_input": mlp,
             "resid_mid": mlp and not c.parallel,
             "mlp_in": mlp,
             "mlp_pre": mlp,
@@ -147,11 +153,11 @@ class Sites:
             raise QkovError(f"site {key!r}: give a name such as 'pattern.1' or a tuple such as ('pattern', 1)")
         if any(c in key for c in "*?["):
             kind_part = key.split(".")[0]
-            skip_copies = kind_part not in HEAD_INPUTS  # a wildcard kind never takes the per-head copies
+            skip_copies = kind_part not in COPIES  # a wildcard kind never takes the readers' copies
             found = [
                 Address(*_split(n))
                 for n in self.layer_names
-                if fnmatch.fnmatchcase(n, key) and (not skip_copies or n.split(".")[0] not in HEAD_INPUTS)
+                if fnmatch.fnmatchcase(n, key) and (not skip_copies or n.split(".")[0] not in COPIES)
             ]
             if not found and not any(fnmatch.fnmatchcase(k.name, kind_part) for k in self.kinds if k.per_layer):
                 raise QkovError(f"no site matches {key!r}; sites are {self.summary()}")
@@ -162,7 +168,7 @@ class Sites:
         if key.startswith("blocks."):
             raise QkovError(
                 f"no site {key!r}: not the TransformerLens hook of a qkov site (docs/conventions.md lists them; "
-                "TransformerLens' optional copies hook_attn_in and hook_mlp_in have none)"
+                "TransformerLens' optional per-head copy hook_attn_in has none: use q_input, k_input, v_input)"
             )
         return self._every_layer(self._from_parts(tuple(_split(key)), repr(key), bare=True))
 

@@ -6,7 +6,8 @@ error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`); a
 fails anyway (the analyses plan their memory first; this is the backstop) is one line too. Commands live in
 ``train_cmds`` (train), ``info_cmds`` (info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
 heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics), ``ablate_cmds`` (ablate), ``patch_cmds`` (patch),
-``interop_cmds`` (import, export) and ``explore_cmds`` (explore: the web server, whose libraries it alone imports).
+``circuit_cmds`` (circuit), ``interop_cmds`` (import, export) and ``explore_cmds`` (explore: the web server,
+whose libraries it alone imports).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ...version import __version__
 from .behaviour_cmds import add_heads, add_paths
 from .ablate_cmds import add_ablate
 from .dynamics_cmds import add_dynamics
+from .circuit_cmds import add_circuit
 from .explore_cmds import add_explore
 from .common import EXIT_USAGE, Parser, error_line, out_of_memory_line, show_warning
 from .interop_cmds import add_export, add_import
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for add in (add_train, add_info, add_circuits, add_paths, add_heads, add_trigrams, add_report, add_tour):
         add(sub)
-    for add in (add_dynamics, add_ablate, add_patch):
+    for add in (add_dynamics, add_ablate, add_patch, add_circuit):
         add(sub)
     add_import(sub)
     add_export(sub)
