@@ -1,12 +1,17 @@
-"""Atomic file writes: write to a temporary file in the same folder, fsync, rename.
+"""Atomic file writes: write to a temporary file in a private folder beside the target, fsync, rename.
 
 A reader (or a process killed mid-write) sees either the old file or the new one, never half
 of one. A write that fails (a full disk, a read-only folder) removes its temporary file, leaves
 the old file as it was (or no file, when there was none), and raises a one-line
 :class:`~qkov.QkovError` that says which.
 
-Temporary files are named ``.<name>.<random>.tmp`` beside their target; a process killed
-mid-write leaves one behind, which :func:`remove_stale_temporaries` cleans up.
+Each write gets a private temporary folder ``.<name>.<random>.tmp/`` beside its target and the
+writer fills ``<that folder>/<name>``, which is renamed onto the target; the folder is then
+removed. The folder, not a bare file, because a writer may make temporaries of its own beside the
+file it is given (safetensors' ``save_file`` writes ``.tmpXXXXXX`` and renames it): inside the
+folder they are ours to clean. A process killed mid-write leaves the folder behind, which
+:func:`remove_stale_temporaries` removes (a bare ``.<name>.<random>.tmp`` file, left by qkov
+before 1.1, is removed as well).
 
 Fault injection, for tests only: ``QKOV_FAULT=kill:N`` ends the process (``os._exit(137)``, as
 abruptly as SIGKILL) when the N-th atomic write of the process has filled its temporary file,
@@ -18,13 +23,21 @@ from __future__ import annotations
 import errno
 import glob
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterable
 
 from ..errors import QkovError
 
-__all__ = ["atomic_write", "atomic_write_bytes", "atomic_write_text", "remove_stale_temporaries", "temporaries"]
+__all__ = [
+    "atomic_write",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "remove_stale_temporaries",
+    "remove_temporary",
+    "temporaries",
+]
 
 _writes = 0  # atomic writes in this process (the fault-injection counter)
 
@@ -65,8 +78,25 @@ def _disk_error(path: Path, exc: BaseException) -> QkovError | None:
     return QkovError(f"cannot write {str(path)!r}: {reason} ({kept})")
 
 
+def remove_temporary(tmp: Path | str) -> bool:
+    """Delete one temporary a killed write left (its folder and all in it, or a bare file); return
+    whether there was one."""
+    tmp = Path(tmp)
+    try:
+        if tmp.is_dir() and not tmp.is_symlink():
+            shutil.rmtree(tmp)
+        else:
+            tmp.unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def atomic_write(path: Path | str, writer: Callable[[str], None]) -> None:
     """Call ``writer(tmp_path)`` to fill a temporary file, then rename it onto ``path``.
+
+    ``tmp_path`` lies in a folder of its own (see the module docstring), so whatever else the
+    writer puts beside it is removed with the folder, also when the write fails.
 
     Raises:
         QkovError: the file system refused the write (full disk, no permission); nothing changed.
@@ -74,26 +104,24 @@ def atomic_write(path: Path | str, writer: Callable[[str], None]) -> None:
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        folder = tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise QkovError(f"cannot write {str(path)!r}: {exc.strerror}") from None
-    os.close(fd)
+    tmp = os.path.join(folder, path.name)
     try:
         writer(tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; give the mode a plain open() would
+        os.chmod(tmp, 0o666 & ~_umask())  # give the mode a plain open() would
         _fault()
         os.replace(tmp, path)
     except BaseException as exc:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        shutil.rmtree(folder, ignore_errors=True)
         error = _disk_error(path, exc) if isinstance(exc, Exception) else None
         if error is not None:
             raise error from None
         raise
+    shutil.rmtree(folder, ignore_errors=True)  # empty now, unless the writer left something of its own
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
@@ -109,21 +137,14 @@ def atomic_write_text(path: Path | str, text: str) -> None:
 
 
 def temporaries(path: Path) -> list[Path]:
-    """The temporary files that killed writes of ``path`` left beside it."""
+    """The temporaries (folders, or bare files from before 1.1) that killed writes of ``path`` left
+    beside it."""
     if not path.parent.is_dir():
         return []
     return sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp"))
 
 
 def remove_stale_temporaries(folder: Path, names: Iterable[str]) -> list[Path]:
-    """Delete the temporary files killed writes of ``names`` (paths relative to ``folder``, such as
+    """Delete the temporaries killed writes of ``names`` (paths relative to ``folder``, such as
     ``snapshots/step-00000000.safetensors``) left in ``folder``; return them."""
-    gone = []
-    for name in names:
-        for tmp in temporaries(folder / name):
-            try:
-                tmp.unlink()
-                gone.append(tmp)
-            except FileNotFoundError:
-                pass
-    return gone
+    return [tmp for name in names for tmp in temporaries(folder / name) if remove_temporary(tmp)]

@@ -43,7 +43,7 @@ from safetensors import SafetensorError, safe_open
 from tokenizers import Tokenizer
 
 from ..errors import QkovError
-from .atomic import atomic_write_text, remove_stale_temporaries
+from .atomic import atomic_write_text, remove_stale_temporaries, remove_temporary
 
 MANIFEST_FILE = ".qkov-manifest.json"
 LOCK_FILE = ".qkov.lock"
@@ -152,7 +152,7 @@ def record(folder: Path, names: Iterable[str]) -> None:
 def remove_temporaries(folder: Path) -> None:
     """Delete the temporaries killed writes of ``folder``'s manifest and recorded files left."""
     for tmp in folder.glob(f".{MANIFEST_FILE}.*.tmp"):
-        tmp.unlink(missing_ok=True)
+        remove_temporary(tmp)
     files = recorded(folder)
     if files:  # not through a folder turned into a link: what it points to is not the run's
         remove_stale_temporaries(folder, [n for n in files if not (folder / n).parent.is_symlink()])
@@ -246,7 +246,7 @@ def adopt(folder: Path) -> set[str]:
     remove_stale_temporaries(folder, RUN_FILES)
     snaps = folder / SNAPSHOT_DIR
     for tmp in snaps.glob(".step-*.safetensors.*.tmp") if snaps.is_dir() else ():
-        tmp.unlink(missing_ok=True)
+        remove_temporary(tmp)
     return files
 
 
