@@ -79,7 +79,7 @@ def circuit_layout(g: Graph, on: list[int], score: list[float]) -> CircuitLayout
     for i in sorted(used):
         a, (x, y) = g.nodes[i], pos[i]
         nodes.append({"node": a.name, "label": a.name if a.kind in (HEAD, MLP) else a.kind, "x": round(x, 1), "y": round(y, 1)})
-    height = 2 * _PAD + (2 * g.cfg.n_layers + 1) * _ROW
+    height = 2 * _PAD + (2 * g.cfg.n_layers + 1) * _ROW + 16  # the legend in a line of its own, under the input
     legend = [[INPUT_NAMES[k], COLOURS[k]] for k in ("q", "k", "v", None)]
     return CircuitLayout(_W, height, nodes, edges, legend)
 
