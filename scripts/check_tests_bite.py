@@ -384,6 +384,43 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         'p["k"] >= K_PATH_MOST and p["q"] <= OTHER_PATH_LITTLE',
         "tests/apps/test_report.py::test_claims_verdicts_follow_the_numbers",
     ),
+    "circuit claim: the key edge's rank read from the logits edge": (
+        "apps/claims.py",
+        "            ranks = [rank.get(key), rank.get(out)]",
+        "            ranks = [rank.get(out), rank.get(out)]",
+        "tests/apps/test_report.py::test_report_on_a_hand_built_model_names_its_circuit "
+        "tests/apps/test_report.py::test_circuit_claim_follows_its_rule",
+    ),
+    "circuit claim: the circuit found not consulted": (
+        "apps/claims.py",
+        "for r in ranks) and key in kept and out in kept",
+        "for r in ranks)",
+        "tests/apps/test_report.py::test_circuit_claim_follows_its_rule",
+    ),
+    "report circuit: the largest circuit reaching the target instead of the smallest": (
+        "apps/report/discovery.py",
+        "    i = reach[0] if reach else len(f) - 1",
+        "    i = reach[-1] if reach else len(f) - 1",
+        "tests/apps/test_report.py::test_report_circuit_section_finds_the_induction_circuit_and_is_the_librarys",
+    ),
+    "report circuit: the exact column copies EAP's": (
+        "apps/report/discovery.py",
+        "rounded(exact.at_edge(name), DIGITS)",
+        "rounded(scores.at_edge(name), DIGITS)",
+        "tests/apps/test_report.py::test_report_circuit_section_finds_the_induction_circuit_and_is_the_librarys",
+    ),
+    "circuit layout: edge width by the signed score": (
+        "analysis/discovery/layout.py",
+        '"width": round(0.5 + 4.5 * abs(sc) / top, 2)',
+        '"width": round(0.5 + 4.5 * sc / top, 2)',
+        "tests/apps/test_report.py::test_report_circuit_section_finds_the_induction_circuit_and_is_the_librarys",
+    ),
+    "explorer circuit_edge: the edge's neighbour patched": (
+        "apps/explore/views_circuit.py",
+        'exact = edge_scores(ex.weights, task, method="exact", edges=[number], progress=progress)',
+        'exact = edge_scores(ex.weights, task, method="exact", edges=[max(0, number - 1)], progress=progress)',
+        "tests/apps/test_explore_views.py::test_circuit_views_are_the_report_section_and_exact_patching",
+    ),
     "patch CLI: the corrupted input read as the clean one": (
         "apps/inputs.py",
         "    a, b = read_sequences(clean, model), read_sequences(corrupted, model)",

@@ -418,6 +418,35 @@ def test_patching_between_two_texts_shows_the_librarys_results(page: Chrome, bui
         assert f"clean {r.clean:.4f}, corrupted {r.corrupted:.4f}" in text, (text, r.clean, r.corrupted)
 
 
+def test_circuit_is_drawn_and_a_clicked_edge_is_patched_exactly(page: Chrome, built: Any) -> None:
+    """The circuit view draws the report's circuit section (one line per circuit edge, q/k/v coloured as the
+    layout says, the faithfulness curve beside it); clicking an edge shows its exact patching effect, the
+    library's on the same task."""
+    from qkov.analysis.discovery import edge_scores
+    from qkov.apps.report.discovery import circuit_section, section_task
+
+    w = qkov.Weights.from_model(qkov.load(built[0]))  # as the explorer reads it (its tokenizer's special tokens)
+    want = circuit_section(w)
+    page.click("#circuit-run")
+    drawn(page, "circuit", timeout=120)
+    lines = page.eval(
+        "[...document.querySelectorAll('#circuit svg.circuit-graph g.edge')].map((g) => "
+        "[g.dataset.name, g.querySelector('line').getAttribute('stroke')])"
+    )
+    assert sorted(lines) == sorted([e["name"], e["colour"]] for e in want.layout.edges)
+    assert page.eval("document.querySelectorAll('#circuit .circuit-curve .main-svg').length") >= 1
+    assert f"CPR {want.curve['cpr']:.3f}" in page.eval("document.querySelector('#circuit .out').textContent")
+    name = want.layout.edges[0]["name"]
+    page.click(f"#circuit svg.circuit-graph g.edge[data-edge='{want.layout.edges[0]['edge']}']")
+    box = "document.querySelector('#circuit .circuit-edge')"
+    page.wait(f"['ok', 'error'].includes({box}.dataset.rendered)", 60)
+    text, value = page.eval(f"[{box}.textContent, +{box}.querySelector('[data-field=exact]').dataset.value]")
+    clicked = text.split(" ablated alone")[0].strip()  # the topmost edge at that point (lines may cross)
+    assert clicked in {e["name"] for e in want.layout.edges}, (text, name)
+    exact = edge_scores(w, section_task(w), method="exact", edges=[clicked]).at_edge(clicked)
+    assert value == pytest.approx(exact, rel=1e-4, abs=1e-6)
+
+
 def test_server_errors_show_in_the_page(page: Chrome) -> None:
     long = "|".join(["cat"] * 40)  # more tokens than the context (32)
     page.type_into("#text-input", long)

@@ -1,5 +1,5 @@
 """The views of ``qkov explore`` that compute circuits and interventions (card, composition, terms,
-ablate, patch), on tiny models built here: each view's numbers equal the library function it wraps,
+ablate, patch, circuit, circuit_edge), on tiny models built here: each view's numbers equal the library function it wraps,
 called directly, and something independent of it (a dense product in plain torch, the model's own
 forward with a head's weights zeroed, the all-pairs composition scores), and bad arguments are refused
 with :class:`BadRequest` (404 for a head the model lacks, 400 otherwise)."""
@@ -29,6 +29,10 @@ from qkov.analysis.forward.sites import Address
 from qkov.analysis.circuits.trigrams import skip_trigrams
 from qkov.apps.explore.context import BadRequest, Explorer
 from qkov.apps.explore.views import VIEWS
+from qkov.apps.report.discovery import circuit_section, section_task
+from qkov.analysis.discovery import Circuit, edge_scores, evaluate_circuit, graph_of
+from qkov.finite import json_safe
+from hand_built import hand_built
 
 CONFIGS = {"attn-only": TINY, "rotary-gqa": MODERN, "layernorm-mlp": LN_MLP}
 TEXT = [0, 5, 6, 7, 8, 5, 6, 7, 9, 5]
@@ -329,3 +333,47 @@ def test_patch_bad_args(args: dict) -> None:
     with pytest.raises(BadRequest) as err:
         VIEWS["patch"](explorer(TINY), args, NOOP)
     assert err.value.status == 400
+
+
+@pytest.mark.parametrize("name", ["hand-built", *CONFIGS])
+def test_circuit_views_are_the_report_section_and_exact_patching(name: str) -> None:
+    """``circuit`` is the report's circuit section on the explorer's weights (on the hand-built induction model,
+    attention softened so EAP sees the key edge: the induction circuit); ``circuit_edge`` patches one edge on the
+    same task, equal to exact edge patching and to circuit evaluation with every other edge kept."""
+    if name == "hand-built":
+        model = hand_built()
+        with torch.no_grad():
+            model.blocks[1].attn.W_Q[0] *= 0.1
+        w = Weights.from_model(model)
+        ex = Explorer(model=model, weights=w, name="hand", decode=decode, codec=None, bos=0, max_tokens=model.cfg.n_ctx)
+    else:
+        ex = explorer(CONFIGS[name])
+    c = VIEWS["circuit"](ex, {}, NOOP)
+    assert c == json_safe(circuit_section(ex.weights).to_dict())
+    if name == "hand-built":
+        assert {"embed -> 0.0<v>", "0.0 -> 1.0<k>", "1.0 -> logits"} <= set(c["circuit"])
+    g, task = graph_of(ex.weights.cfg), section_task(ex.weights)
+    picks = [c["top"][0]["edge"], next(n for n in g.names if n.endswith("<k>") and not n.startswith("embed"))]
+    picks += [n for n in g.names if "mlp" in n][:1]
+    kept = evaluate_circuit(ex.weights, task, [Circuit.of(g, [n for n in g.names if n != p]) for p in picks])
+    for p, other in zip(picks, kept.values):
+        r = VIEWS["circuit_edge"](ex, {"edge": p}, NOOP)
+        want = edge_scores(ex.weights, task, method="exact", edges=[p]).at_edge(p)
+        assert r["edge"] == p and close(r["exact"], want) and close(r["exact"], other - r["clean"], abs_=1e-5), p
+        assert close(r["ablated"], other, abs_=1e-5)
+    by_number = VIEWS["circuit_edge"](ex, {"edge": g.index(picks[0])}, NOOP)
+    assert by_number["edge"] == picks[0] and close(by_number["eap"], c["top"][0]["score"])
+    if name == "hand-built":  # EAP is first order: through the softmax it misses most of the key edge
+        key = VIEWS["circuit_edge"](ex, {"edge": "0.0 -> 1.0<k>"}, NOOP)
+        assert abs(key["exact"] - key["eap"]) > 1.0
+
+
+@pytest.mark.parametrize(
+    "args,status",
+    [({}, 400), ({"edge": ""}, 400), ({"edge": True}, 400), ({"edge": "1.0 -> 0.0<k>"}, 404), ({"edge": 10**6}, 404),
+     ({"edge": "9.0 -> logits"}, 404), ({"edge": "0.0 -> 1.0"}, 404)],
+)  # fmt: skip
+def test_circuit_edge_bad_args(args: dict, status: int) -> None:
+    with pytest.raises(BadRequest) as e:
+        VIEWS["circuit_edge"](explorer(TINY), args, NOOP)
+    assert e.value.status == status

@@ -31,9 +31,11 @@ from browser import LAYOUT_PROBE, at_width, chromium, console_lines, layout, nee
 from helpers import ROOT, tiny_train
 
 ROOT = ROOT
-REPORT_SECTIONS = ("card", "heads", "composition", "paths", "attention", "icl", "trigrams", "causal", "patching")
+REPORT_SECTIONS = (
+    "card", "heads", "composition", "paths", "attention", "icl", "trigrams", "causal", "patching", "circuit"
+)
 DYNAMICS_SECTIONS = ("summary", "curves", "loss", "heads", "trajectory", "ablation", "table")
-TOUR_SECTIONS = ("models", "curves", "phase", "claims")
+TOUR_SECTIONS = ("models", "curves", "phase", "circuit", "claims")
 MARKUP = "<!-- a comment --> <script>alert(1)</script> \u2028 & </SCRIPT > <!--<script> -->"
 
 
@@ -100,7 +102,7 @@ def tour_page(rep: Any, dyn: dict) -> str:
     models = [tour._model_row(n, rep) for n in (0, 1, 2)]
     meta = {"device": "cpu", "corpus": "python-stdlib (built in) <!-- </script>", "seconds": 3725.4}
     curves = {f"{n}-layer": rep.icl.loss_by_position or [] for n in (0, 1, 2)}
-    return tour.render_tour(models, table, meta, curves, phase_charts({2: two, 1: dyn}))
+    return tour.render_tour(models, table, meta, curves, phase_charts({2: two, 1: dyn}), rep.circuit.to_dict())
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,10 @@ from qkov.apps.report import card as Cd
 from qkov.apps.report import sections as S
 from qkov.analysis.causal.composition import CompositionPaths
 from qkov.analysis.causal.patching import activation_patching
-from qkov.apps.claims import claims
+from qkov.apps.claims import CIRCUIT_TOP, circuit_claim, claims
+from qkov.apps.report.causal_sections import CircuitEdge, CircuitSection
+from qkov.apps.report.discovery import section_task
+from qkov.analysis.discovery import Circuit, CircuitLayout, edge_scores, evaluate_circuit, graph_of
 from qkov.io.checkpoint import load, save_checkpoint
 from qkov.training.loop import train
 
@@ -33,7 +36,9 @@ from reference import reference_forward
 from hand_built import CTX, V, hand_built
 
 ARTIFACTS = Path(os.environ.get("QKOV_TEST_ARTIFACTS", ROOT / "test-artifacts"))
-SECTIONS = ("card", "heads", "composition", "paths", "attention", "icl", "trigrams", "causal", "patching")
+SECTIONS = (
+    "card", "heads", "composition", "paths", "attention", "icl", "trigrams", "causal", "patching", "circuit"
+)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +157,9 @@ def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
     assert c.prefix_removed["k"] >= 0.9 and max(abs(c.prefix_removed["q"]), abs(c.prefix_removed["v"])) < 0.01
     (causal,) = [c for c in claims({2: report}) if "K-composition with the previous-token head" in c.claim]
     assert causal.holds is True and "K 99%" in causal.measured and "Q 0%" in causal.measured
+    # found from behaviour: EAP is blind to the key edge here (the attention is saturated: its gradient is 0)
+    (found,) = [c for c in claims({2: report}) if "finds the induction circuit" in c.claim]
+    assert found.holds is False and "0.0 -> 1.0<k> is not in the top" in found.measured
     # an untrained model of the same shape has no induction head: the claim does not hold
     from qkov import Transformer
 
@@ -159,6 +167,80 @@ def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
     rnd = collect(tmp_path / "random", tokens=toks, batch=4)
     (c,) = [c for c in claims({2: rnd}) if c.claim.startswith("2-layer: induction")]  # type: ignore[dict-item]
     assert c.holds is False
+
+
+def test_report_circuit_section_finds_the_induction_circuit_and_is_the_librarys(tmp_path: Path) -> None:
+    """The hand-built induction model with the induction head's attention ten times softer (so the key
+    edge has a gradient): the circuit section finds input -> 0.0<v>, 0.0 -> 1.0<k>, 1.0 -> logits and the
+    tour's claim holds; every number of the section is the library's, and exact patching of each top edge
+    equals that edge ablated alone by circuit evaluation (the other edges all kept: another code path)."""
+    model = hand_built()
+    with torch.no_grad():
+        model.blocks[1].attn.W_Q[0] *= 0.1
+    save_checkpoint(model, tmp_path / "soft")
+    g = torch.Generator().manual_seed(0)
+    toks = torch.randint(1, V, (8, CTX), generator=g)
+    toks[:, 0] = 0
+    report = collect(tmp_path / "soft", tokens=toks, batch=4)
+    c = report.circuit
+    assert isinstance(c, CircuitSection)
+    assert {"embed -> 0.0<v>", "0.0 -> 1.0<k>", "1.0 -> logits"} <= set(c.circuit) and len(c.circuit) <= 4
+    (claim,) = [x for x in claims({2: report}) if "finds the induction circuit" in x.claim]
+    assert claim.holds is True and claim.values["pairs"][0]["writer"] == "0.0"
+    assert "0.0 -> 1.0<k> ranks 3rd and 1.0 -> logits ranks 1st of 29 edges" in claim.measured
+    # the numbers against the library, on the same view and task
+    w = Weights.from_model(load(tmp_path / "soft"))
+    task = section_task(w)
+    assert (c.pairs, c.tokens, c.task) == (len(task), 12, task.describe())
+    eap = edge_scores(w, task, method="eap")
+    assert [e.edge for e in c.top] == [n for n, _ in eap.top(len(c.top))]
+    assert c.clean == pytest.approx(eap.clean, rel=1e-3) and c.ablated == pytest.approx(eap.corrupted, rel=1e-3)
+    graph = graph_of(w.cfg)
+    alone = [Circuit.of(graph, [n for n in graph.names if n != e.edge]) for e in c.top]
+    got = evaluate_circuit(w, task, alone)
+    for e, v in zip(c.top, got.values):
+        assert e.score == pytest.approx(eap.at_edge(e.edge), rel=1e-3, abs=1e-6)
+        assert e.exact == pytest.approx(v - eap.clean, rel=1e-3, abs=1e-5), e.edge
+    key = next(e for e in c.top if e.edge == "0.0 -> 1.0<k>")
+    assert abs(key.exact - key.score) > 1.0  # EAP is first order: it underestimates the key edge here
+    run = evaluate_circuit(w, task, c.circuit)
+    assert c.faithfulness == pytest.approx(run.faithfulness[0], rel=1e-3)
+    # the circuit is the smallest of the curve's circuits (by |score|) reaching the target
+    f, n = c.curve["absolute"]["faithfulness"], c.curve["absolute"]["edges"]
+    first = next(i for i, v in enumerate(f) if v >= c.target)
+    assert len(c.circuit) == n[first] and all(v < c.target for v in f[:first])
+    drawn = {e["name"]: e for e in c.layout.edges}
+    assert set(drawn) == set(c.circuit) and max(e["width"] for e in drawn.values()) == 5.0
+    assert drawn["0.0 -> 1.0<k>"]["input"] == "k" and drawn["1.0 -> logits"]["input"] is None
+    assert CircuitSection.from_dict(c.to_dict()).to_dict() == c.to_dict()
+
+
+def _circuit_report(top: list[tuple[str, float]], circuit: list[str], roles: dict[str, list[str]]) -> Report:
+    rows = [S.HeadRow(h, int(h[0]), int(h[2]), {"prefix_matching": 0.0, "induction": 0.0}, r) for h, r in roles.items()]
+    rep = _fake_report(rows, [], 0.0, [1.0])
+    lay = CircuitLayout(10, 10)
+    curve = {"cpr": 0.9, "cmd": 0.1}
+    edges = [CircuitEdge(name, v, v, name in circuit) for name, v in top]
+    rep.circuit = CircuitSection("t", 4, 12, "eap", "corrupted", "g", 81, "m", 1.0, 0.0, 0.8, circuit, 0.9, curve, edges, lay)
+    return rep
+
+
+def test_circuit_claim_follows_its_rule() -> None:
+    """The claim holds when a previous-token head's edge into an induction head's key and that head's edge into
+    the logits rank in the top CIRCUIT_TOP and are in the circuit; each condition alone flips it."""
+    roles = {"0.1": ["previous-token"], "1.0": ["induction"], "1.1": []}
+    top = [("embed -> 0.1<v>", -5.0), ("0.1 -> 1.0<k>", -4.0), ("1.0 -> logits", -3.0)]
+    top += [(f"embed -> 1.1<{k}>", -1.0) for k in "qkv"] + [("1.1 -> logits", -0.5)]
+    circuit = ["embed -> 0.1<v>", "0.1 -> 1.0<k>", "1.0 -> logits"]
+    assert circuit_claim(_circuit_report(top, circuit, roles)).holds is True
+    assert f"top {CIRCUIT_TOP} edges by |score|" in circuit_claim(_circuit_report(top, circuit, roles)).rule
+    assert circuit_claim(_circuit_report(top, circuit[:2], roles)).holds is False  # not in the circuit
+    late = top[:1] + top[3:] + top[1:3]  # the two edges ranked 6th and 7th
+    assert CIRCUIT_TOP == 5 and circuit_claim(_circuit_report(late, circuit, roles)).holds is False
+    assert circuit_claim(_circuit_report(top, circuit, {**roles, "0.1": []})).holds is False  # no previous-token head
+    assert circuit_claim(_circuit_report(top, circuit, {**roles, "1.0": []})).holds is False  # no induction head
+    swapped = [("embed -> 0.1<v>", -5.0), ("0.1 -> 1.0<q>", -4.0), ("1.0 -> logits", -3.0)] + top[3:]
+    assert circuit_claim(_circuit_report(swapped, [n for n, _ in swapped[:3]], roles)).holds is False  # query, not key
 
 
 def test_report_page_is_self_contained(tiny2_report: tuple[Path, dict]) -> None:
@@ -321,8 +403,8 @@ def test_claims_verdicts_follow_the_numbers() -> None:
     assert two.paths.importance.marginal_by_order == pytest.approx([1.8, 5.2, 0.3])
     by = {c.claim.split(":")[0] + c.claim[:12]: c for c in claims({1: one, 2: two})}
     verdicts = [c.holds for c in claims({1: one, 2: two})]
-    assert verdicts == [True, True, True, False, False, None, True]  # no induction head: nothing patched
-    assert "3 of 4 heads copying" in claims({1: one})[0].measured and len(by) == 7
+    assert verdicts == [True, True, True, False, False, False, None, True]  # no induction head: nothing patched
+    assert "3 of 4 heads copying" in claims({1: one})[0].measured and len(by) == 8
     (importance,) = [c for c in claims({2: two}) if "term importance" in c.claim]
     assert importance.measured.startswith("1.80 / 5.20 / 0.30 nats")
     # every verdict states its rule beside the paper's number, and says when it is looser
@@ -335,7 +417,7 @@ def test_claims_verdicts_follow_the_numbers() -> None:
     one.heads.rows = rows(0.6, [0.1, 0.1, 0.1, 0.9])  # type: ignore[union-attr]
     two.icl.score = 0.0
     two.causal = CompositionPaths("0.1", "1.0", 0.8, 0.05, {"q": 0.1, "k": 0.7, "v": 0.2}, -0.2, {"q": 0.0, "k": 0.5, "v": 0.1})
-    assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, True, None, False]
+    assert [c.holds for c in claims({1: one, 2: two})] == [False, True, False, False, True, False, None, False]
     assert "K 70% (in-context improvement 50%), Q 10%" in claims({2: two})[1].measured
     for flip in ({"k": 0.49}, {"q": 0.21}, {"v": 0.25}):
         two.causal.prefix_removed = {"q": 0.1, "k": 0.7, "v": 0.2, **flip}

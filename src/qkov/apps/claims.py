@@ -11,14 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..analysis.discovery.discover import TARGET
 from ..analysis.heads.report import THRESHOLDS
 from .report.sections import Absent, CompositionSection, HeadRow, Report, TrigramRow
 
-__all__ = ["Claim", "claims", "head_rows", "ICL_GAP", "K_PATH_MOST", "OTHER_PATH_LITTLE"]
+__all__ = ["CIRCUIT_TOP", "Claim", "circuit_claim", "claims", "head_rows", "ICL_GAP", "K_PATH_MOST", "OTHER_PATH_LITTLE"]
 
 ICL_GAP = 0.1  # nats: the 2-layer ICL score must be this far below the 1-layer one
 K_PATH_MOST = 0.5  # the key path must remove at least this share of the induction head's prefix matching ...
 OTHER_PATH_LITTLE = 0.2  # ... and the query and value paths at most this share each
+CIRCUIT_TOP = 5  # the found induction circuit's key and logit edges must rank among this many edges by |EAP score|
 
 
 @dataclass
@@ -152,6 +154,70 @@ def _causal_claim(two: Report) -> Claim:
     )
 
 
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def circuit_claim(two: Report) -> Claim:
+    """The induction circuit found automatically (the report's circuit section: EAP on the built-in induction
+    task): a previous-token head into an induction head's key input, and that head into the logits, among the
+    top :data:`CIRCUIT_TOP` edges by ``|score|`` and in the circuit found; CPR and CMD shown, not judged."""
+    claim = (
+        "2-layer: circuit discovery finds the induction circuit automatically: previous-token head -> the induction "
+        "head's key input -> logits among the top edges"
+    )
+    rule = (
+        f"on the built-in induction task (EAP, corrupted ablation, logit difference) some previous-token head P and "
+        f"induction head I (the heads table's roles) have P -> I<k> and I -> logits both among the top {CIRCUIT_TOP} "
+        f"edges by |score| and both in the circuit found (the smallest of the faithfulness curve's circuits reaching "
+        f"faithfulness {TARGET:g}); the curve's CPR (higher is better) and CMD (lower is better) are shown, not judged"
+    )
+    c = two.circuit
+    if isinstance(c, Absent):
+        return Claim(claim, f"not measured: {c.absent}", False, {}, rule)
+    rows = head_rows(two)
+    prev = sorted(r.head for r in rows if "previous-token" in r.roles)
+    ind = sorted(r.head for r in rows if "induction" in r.roles)
+    rank = {e.edge: i + 1 for i, e in enumerate(c.top)}
+    kept = set(c.circuit)
+    pairs = []
+    for i in ind:
+        for p in prev:
+            key, out = f"{p} -> {i}<k>", f"{i} -> logits"
+            ranks = [rank.get(key), rank.get(out)]
+            ok = all(r is not None and r <= CIRCUIT_TOP for r in ranks) and key in kept and out in kept
+            pairs.append({"writer": p, "reader": i, "key_rank": ranks[0], "logits_rank": ranks[1], "holds": ok})
+    pairs.sort(key=lambda f: (not f["holds"], sum(r or len(c.top) + 1 for r in (f["key_rank"], f["logits_rank"]))))
+    curve = c.curve
+    said = []
+    if pairs:
+        f = pairs[0]
+        at = lambda r: f"ranks {_ordinal(r)}" if r else f"is not in the top {len(c.top)}"  # noqa: E731
+        said.append(
+            f"{f['writer']} -> {f['reader']}<k> {at(f['key_rank'])} and {f['reader']} -> logits {at(f['logits_rank'])} "
+            f"of {c.n_edges:,} edges"
+        )
+    else:
+        said.append(f"no previous-token and induction head pair (previous-token: {', '.join(prev) or 'none'}; "
+                    f"induction: {', '.join(ind) or 'none'})")  # fmt: skip
+    said.append("top edges " + ", ".join(f"{e.edge} {e.score:+.3g}" for e in c.top[:CIRCUIT_TOP] if e.score is not None))
+    shown = ", ".join(c.circuit[:6]) + (f", ... {len(c.circuit) - 6} more" if len(c.circuit) > 6 else "")
+    faith = "-" if c.faithfulness is None else f"{c.faithfulness:.2f}"
+    said.append(f"the circuit found: {len(c.circuit)} edges ({shown}), faithfulness {faith}")
+    said.append(f"faithfulness curve CPR {_num(curve.get('cpr'))}, CMD {_num(curve.get('cmd'))} ({c.pairs} prompt pairs "
+                f"of {c.tokens} tokens)")  # fmt: skip
+    values = {
+        "pairs": pairs, "previous_token_heads": prev, "induction_heads": ind, "circuit": c.circuit,
+        "faithfulness": c.faithfulness, "cpr": curve.get("cpr"), "cmd": curve.get("cmd"),
+        "top": [vars(e).copy() for e in c.top], "task": c.task,
+    }  # fmt: skip
+    return Claim(claim, "; ".join(said), any(f["holds"] for f in pairs), values, rule)
+
+
+def _num(v: Any) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def claims(reports: dict[int, Report]) -> list[Claim]:
     """The paper's claims beside the measurements, from reports keyed by layer count.
 
@@ -162,7 +228,7 @@ def claims(reports: dict[int, Report]) -> list[Claim]:
     if one is not None:
         out += _one_layer_claims(one)
     if two is not None:
-        out += [_induction_claim(two), _causal_claim(two)]
+        out += [_induction_claim(two), _causal_claim(two), circuit_claim(two)]
         ti = two.paths.importance.marginal_by_order
         names = ("direct", "heads", "virtual heads")
         out.append(

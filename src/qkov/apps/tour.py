@@ -30,7 +30,7 @@ from .claims import Claim, claims, head_rows
 from .dynamics.study import DYNAMICS_FILES, SCHEMA_VERSION as DYNAMICS_SCHEMA, write_dynamics
 from .dynamics.phase import phase_charts, phase_claims
 from .report.card import TrainingRecord
-from .report.sections import Report
+from .report.sections import Absent, Report
 
 __all__ = ["LAYERS", "render_tour", "run_tour", "TITLE"]
 
@@ -66,16 +66,19 @@ def _page_data(
     meta: dict[str, Any],
     curves: dict[str, list[float]] | None = None,
     phase: dict[str, Any] | None = None,
+    circuit: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the comparison page shows (its embedded JSON): the model rows, the claims (without
-    their values: those are in ``tour.json``), the run's facts, the loss-by-position curves and the
-    phase-change charts (:func:`~qkov.apps.dynamics.phase.phase_charts`)."""
+    their values: those are in ``tour.json``), the run's facts, the loss-by-position curves, the
+    phase-change charts (:func:`~qkov.apps.dynamics.phase.phase_charts`) and the 2-layer report's circuit
+    section (``None``: no 2-layer model)."""
     return {
         "models": models,
         "claims": [{"claim": c.claim, "measured": c.measured, "holds": c.holds, "rule": c.rule} for c in table],
         "meta": meta,
         "curves": curves or {},
         "phase": phase or {"icl_top": 0.2, "runs": []},
+        "circuit": circuit,
     }
 
 
@@ -85,12 +88,15 @@ def render_tour(
     meta: dict[str, Any],
     curves: dict[str, list[float]] | None = None,
     phase: dict[str, Any] | None = None,
+    circuit: dict[str, Any] | None = None,
 ) -> str:
     """The comparison page: the models side by side (each linking to its report), the models' loss
-    by token position, the phase-change charts (linking to the dynamics pages) and the claims table.
+    by token position, the phase-change charts (linking to the dynamics pages), the 2-layer model's induction
+    circuit found from behaviour (its graph, faithfulness curve, CPR and CMD) and the claims table.
     Drawn as the report is (:func:`~qkov.apps.report.render.render_template`): its stylesheet, its
     script library and plotly.js, the data of :func:`_page_data` embedded; opens with no network."""
-    return render_template("tour.html", _page_data(models, table, meta, curves, phase), ("report.js", "tour.js"), TITLE)
+    data = _page_data(models, table, meta, curves, phase, circuit)
+    return render_template("tour.html", data, ("report.js", "tour.js"), TITLE)
 
 
 # --------------------------------------------------------------------------- run
@@ -192,7 +198,9 @@ def run_tour(
     curves = {f"{n}-layer": reports[n].icl.loss_by_position or [] for n in layers}
     summary = {n: {"reading": d["reading"], "ablation": d["ablation"]} for n, d in dyn.items()}
     body = {"models": models, "claims": [c.to_dict() for c in table], "dynamics": summary, **meta}
-    page = render_tour(models, table, meta, curves, phase_charts(dyn))
+    two = reports[2].circuit if 2 in reports else None
+    circuit = None if two is None or isinstance(two, Absent) else two.to_dict()
+    page = render_tour(models, table, meta, curves, phase_charts(dyn), circuit)
     replace_pair(out, {"index.html": page, "tour.json": to_json(body, indent=1)}, overwrite=False, what="tour")
     return table, models
 

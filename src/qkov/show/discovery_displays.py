@@ -2,10 +2,9 @@
 drawn as a graph, its faithfulness curve, its edges), :class:`~qkov.analysis.discovery.EdgeScores` (the top
 edges) and a :class:`~qkov.analysis.discovery.FaithfulnessCurve`. Static HTML and SVG: nothing to run.
 
-The drawing lays nodes out by where they sit in the forward pass: the input at the bottom, each layer's
-heads in a row above the previous layer, its MLP in a row of its own, the logits at the top. An edge's
-width grows with ``|score|``; its colour says which input it enters: a query (blue), a key (green), a
-value (orange), an MLP or the logits (grey). Hovering an edge shows its name and score.
+The drawing is the circuit's layout (:mod:`qkov.analysis.discovery.layout`: nodes by where they sit in the
+forward pass, the input at the bottom and the logits at the top; edge width by ``|score|``; queries blue,
+keys green, values orange, MLPs and the logits grey). Hovering an edge shows its name and score.
 """
 
 from __future__ import annotations
@@ -16,15 +15,12 @@ import math
 from ..analysis.discovery.discover import CircuitDiscovery
 from ..analysis.discovery.faithfulness import FaithfulnessCurve
 from ..analysis.discovery.graph import Graph
+from ..analysis.discovery.layout import CircuitLayout, circuit_layout, drawn_edges
 from ..analysis.discovery.scores import EdgeScores
-from ..analysis.forward.address import HEAD, MLP, node_order
 from ..analysis.shown import HTML, register
 from .page import page
 
-__all__ = ["circuit_svg", "COLOURS", "curve_html", "curve_svg", "discovery_html", "edge_scores_html"]
-
-COLOURS = {"q": "#1f77b4", "k": "#2ca02c", "v": "#ff7f0e", None: "#7f7f7f"}
-_W, _ROW, _PAD = 640, 44, 24
+__all__ = ["circuit_svg", "curve_html", "curve_svg", "discovery_html", "edge_scores_html", "layout_svg"]
 
 
 def _table(head: list[str], rows: list[list[str]]) -> str:
@@ -33,51 +29,33 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
     return f"<table><tr>{th}</tr>{body}</table>"
 
 
-def _positions(g: Graph) -> dict[int, tuple[float, float]]:
-    """Node index -> (x, y): rows by forward order (the input at the bottom), heads spread across a row."""
-    rows: dict[int, list[int]] = {}
-    for i, a in enumerate(g.nodes):
-        rows.setdefault(node_order(a, g.cfg) or 0, []).append(i)  # type: ignore[arg-type]
-    top = max(rows)
-    out = {}
-    for order, members in rows.items():
-        y = _PAD + (top - order) * _ROW
-        for j, i in enumerate(members):
-            out[i] = (_PAD + (j + 0.5) * (_W - 2 * _PAD) / len(members), y)
-    return out
+def layout_svg(lay: CircuitLayout) -> str:
+    """An SVG of a circuit's layout (:func:`~qkov.analysis.discovery.layout.circuit_layout`); each edge's
+    line carries its edge number (``data-edge``)."""
+    parts = []
+    for e in lay.edges:
+        title = html.escape(f"{e['name']}: {e['score']:+.4g}")
+        parts.append(
+            f'<line x1="{e["x1"]}" y1="{e["y1"]}" x2="{e["x2"]}" y2="{e["y2"]}" stroke="{e["colour"]}" '
+            f'stroke-width="{e["width"]}" stroke-opacity="0.8" data-edge="{e["edge"]}"><title>{title}</title></line>'
+        )
+    for n in lay.nodes:
+        x, y = n["x"], n["y"]
+        parts.append(
+            f'<circle cx="{x}" cy="{y}" r="9" fill="white" stroke="#333"/>'
+            f'<text x="{x}" y="{y + 3:.1f}" font-size="8" text-anchor="middle">{html.escape(n["label"])}</text>'
+        )
+    legend = "".join(
+        f'<text x="{24 + 90 * k}" y="{lay.height - 6}" font-size="10" fill="{c}">{html.escape(name)}</text>'
+        for k, (name, c) in enumerate(lay.legend)
+    )
+    body = "".join(parts) + legend
+    return f'<svg width="{lay.width}" height="{lay.height}" xmlns="http://www.w3.org/2000/svg">{body}</svg>'
 
 
 def circuit_svg(g: Graph, on: list[int], score: list[float]) -> str:
     """An SVG of the edges ``on`` of ``g`` (edge numbers), each with its ``score``."""
-    pos = _positions(g)
-    top = max(abs(s) for s in score) if score else 1.0
-    s_node, r_node = g.edge_nodes
-    used = {int(s_node[e]) for e in on} | {int(r_node[e]) for e in on}
-    parts = []
-    for e, sc in zip(on, score):
-        (x1, y1), (x2, y2) = pos[int(s_node[e])], pos[int(r_node[e])]
-        inp = g.receivers[int(g.dst[e])].input
-        width = 0.5 + 4.5 * abs(sc) / (top or 1.0)
-        title = html.escape(f"{g.names[e]}: {sc:+.4g}")
-        parts.append(
-            f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="{COLOURS[inp]}" '
-            f'stroke-width="{width:.2f}" stroke-opacity="0.8"><title>{title}</title></line>'
-        )
-    for i in sorted(used):
-        a, (x, y) = g.nodes[i], pos[i]
-        label = a.name if a.kind in (HEAD, MLP) else a.kind
-        parts.append(
-            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="9" fill="white" stroke="#333"/>'
-            f'<text x="{x:.1f}" y="{y + 3:.1f}" font-size="8" text-anchor="middle">{html.escape(label)}</text>'
-        )
-    height = 2 * _PAD + (2 * g.cfg.n_layers + 1) * _ROW
-    legend = "".join(
-        f'<text x="{_PAD + 90 * k}" y="{height - 6}" font-size="10" fill="{c}">{html.escape(n)}</text>'
-        for k, (n, c) in enumerate(
-            [("query", COLOURS["q"]), ("key", COLOURS["k"]), ("value", COLOURS["v"]), ("MLP / logits", COLOURS[None])]
-        )
-    )
-    return f'<svg width="{_W}" height="{height}" xmlns="http://www.w3.org/2000/svg">{"".join(parts)}{legend}</svg>'
+    return layout_svg(circuit_layout(g, on, score))
 
 
 def curve_svg(c: FaithfulnessCurve) -> str:
@@ -132,9 +110,7 @@ def edge_scores_html(s: EdgeScores, k: int = 20) -> str:
 def discovery_html(d: CircuitDiscovery, k: int = 24) -> str:
     f, s, g = d.faithfulness, d.scores, d.scores.graph
     assert g is not None
-    rank = s.scores.abs().amax(0) if s.per_position else s.scores.abs()
-    on = sorted(d.circuit.union.nonzero()[:, 0].tolist(), key=lambda i: -float(rank[i].nan_to_num(0)))
-    score = [float(s.scores[..., i].sum()) for i in on]
+    on, score = drawn_edges(s, d.circuit)
     parts = [
         f"<h3>{html.escape(d.task)}</h3>",
         f"<p>{html.escape(g.summary())}</p>",

@@ -7,7 +7,8 @@ spellings other tools use; :mod:`.task` prompt pairs, answers and metrics, :mod:
 sender changes; :mod:`.attribution` EAP, EAP-IG and integrated edge gradients; :mod:`.exact` exact edge
 patching; :mod:`.score` every edge's score by one method and :mod:`.scores` the result; :mod:`.circuit`
 circuits and how to choose them; :mod:`.evaluate` circuits run with the rest ablated;
-:mod:`.faithfulness` faithfulness and its curve (CPR, CMD); :mod:`.roc` ROC AUC against a known circuit;
+:mod:`.faithfulness` faithfulness and its curve (CPR, CMD); :mod:`.layout` where a circuit's nodes and edges sit
+when drawn; :mod:`.roc` ROC AUC against a known circuit;
 :mod:`.acdc` an ACDC-style pruning pass; :mod:`.discover` all of it in one call; :mod:`.sweep` edge
 attribution as a sweep of the patching study. docs/discovery.md has
 the definitions and their sources.
@@ -22,6 +23,7 @@ from .builtin import BUILT_IN_TASKS, induction_task, ioi_task
 from .ablations import Ablation, ABLATIONS, make_ablation
 from .scores import EdgeScores
 from .circuit import Circuit, greedy, prune, threshold, top_n
+from .layout import circuit_layout, CircuitLayout, COLOURS, drawn_edges, INPUT_NAMES
 from .evaluate import circuit_metrics, Evaluator, VARIANTS
 from .score import edge_scores, METHODS, STEPS
 from .faithfulness import area, CircuitFaithfulness, FaithfulnessCurve, faithfulness_curve, MIB_FRACTIONS
@@ -54,6 +56,11 @@ __all__ = [
     "prune",
     "threshold",
     "top_n",
+    "circuit_layout",
+    "CircuitLayout",
+    "COLOURS",
+    "drawn_edges",
+    "INPUT_NAMES",
     "circuit_metrics",
     "Evaluator",
     "VARIANTS",

@@ -32,6 +32,7 @@ from .faithfulness import (
 )
 from .formats import load_task
 from .graph import graph_of
+from .layout import drawn_edges
 from .roc import Roc, circuit_roc
 from .score import edge_scores
 from .scores import EdgeScores
@@ -91,11 +92,9 @@ def discovery_text(d: CircuitDiscovery, k: int = 12) -> str:
     if d.acdc is not None:
         lines.append(TEXT[type(d.acdc)](d.acdc))
     lines.append("edges of the circuit, by |score|:")
-    rank = d.scores.scores.abs()
-    rank = rank.amax(0) if d.scores.per_position else rank
-    chosen = sorted(d.circuit.union.nonzero()[:, 0].tolist(), key=lambda i: -float(rank[i].nan_to_num(0)))
-    for i in chosen[:k]:
-        lines.append(f"  {g.names[i]:32s} {float(d.scores.scores[..., i].sum()):+10.4g}")  # type: ignore[union-attr]
+    chosen, score = drawn_edges(d.scores, d.circuit)
+    for i, v in zip(chosen[:k], score):
+        lines.append(f"  {g.names[i]:32s} {v:+10.4g}")  # type: ignore[union-attr]
     if len(chosen) > k:
         lines.append(f"  ... {len(chosen) - k} more")
     return "\n".join(line for line in lines if line)

@@ -42,7 +42,9 @@ from .graph import Graph
 from .head_inputs import project_heads_of
 from .task import AnswerMetric, Task, TaskBatch
 
-__all__ = ["circuit_metrics", "edge_weights", "Evaluator", "fully_ablated", "masked_pass", "ready_metric", "VARIANTS"]
+__all__ = [
+    "circuit_metrics", "copy_bytes", "edge_weights", "Evaluator", "fully_ablated", "masked_pass", "ready_metric", "VARIANTS"
+]
 
 VARIANTS = ("ablate-complement", "ablate-circuit", "patch-in")
 WHERE = "circuit evaluation"

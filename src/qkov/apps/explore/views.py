@@ -26,6 +26,7 @@ from .disk_cache import entry_key, entry_path, read_entry, write_entry
 from .session import fingerprint
 from .views_card import card, r6
 from .views_causal import ablate, patch
+from .views_circuit import circuit, circuit_edge
 from .views_graph import composition, terms
 
 __all__ = ["QUICK_VIEWS", "TOP_K", "View", "view_attention", "view_heads", "view_model", "view_text", "VIEWS"]
@@ -189,6 +190,8 @@ VIEWS: dict[str, View] = {
     "terms": terms,
     "ablate": ablate,
     "patch": patch,
+    "circuit": circuit,
+    "circuit_edge": circuit_edge,
 }
 """Every view the server answers, by name (the other view modules add theirs)."""
 

@@ -37,6 +37,7 @@ from ...progress import Progress
 from ...weights.view import Weights
 from ..inputs import AnalysisInput, analysis_inputs
 from ..origin import UNKNOWN, parameter_count, source_origin
+from .discovery import circuit_section
 from .interventions import causal_section, patching_section, read_patching
 from .card import Card, Curve, TrainingRecord
 from .sections import (
@@ -404,7 +405,9 @@ def _sections(
         causal = causal_section(w, heads, composition, icl_text, bos, seed)
     with _stage(timings, "patching", progress):
         patching = patching_section(w, pair)
+    with _stage(timings, "circuit (found by EAP)", progress):
+        circuit = circuit_section(w, seed=seed)
     return dict(
         heads=heads, eigenvalues=eigen, composition=composition, paths=paths, attention=attention, icl=icl_section,
-        trigrams=tri, causal=causal, patching=patching, left_out=left_out,
+        trigrams=tri, causal=causal, patching=patching, circuit=circuit, left_out=left_out,
     )  # fmt: skip

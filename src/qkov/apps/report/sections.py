@@ -16,7 +16,7 @@ from ...analysis.paths.summary import PathSummary
 from ...errors import QkovError
 from .card import Card
 from .card import _build, _plain
-from .causal_sections import PatchingSection
+from .causal_sections import CircuitSection, PatchingSection
 
 __all__ = [
     "Absent",
@@ -40,7 +40,7 @@ __all__ = [
     "TrigramsSection",
 ]
 
-SCHEMA_VERSION = 3  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, heads "columns"; 3: causal, patching
+SCHEMA_VERSION = 4  # 1: qkov 0.1 ("qkov_report": 1); 2: typed sections, heads "columns"; 3: causal, patching; 4: circuit
 
 
 @dataclass
@@ -307,6 +307,7 @@ class Report:
     inputs: str = ""  # the tokens the behavioural sections ran on
     causal: Maybe[CompositionPaths] = field(default_factory=lambda: Absent("not computed"))
     patching: Maybe[PatchingSection] = field(default_factory=lambda: Absent("no clean/corrupted pair given"))
+    circuit: Maybe[CircuitSection] = field(default_factory=lambda: Absent("not computed"))
     left_out: dict[str, str] = field(default_factory=dict)  # score ("icl") -> why the text does not give it
     schema_version: int = SCHEMA_VERSION
 
@@ -325,7 +326,7 @@ class Report:
             "attention": self.attention.to_dict(),
             "icl": self.icl.to_dict(),
             "trigrams": self.trigrams.to_dict(),
-            **{k: getattr(self, k).to_dict() for k in ("causal", "patching")},
+            **{k: getattr(self, k).to_dict() for k in ("causal", "patching", "circuit")},
             "timings": self.timings,
         }
 
@@ -350,5 +351,6 @@ class Report:
             inputs=d["inputs"],
             causal=_maybe(d["causal"], CompositionPaths.from_dict),
             patching=_maybe(d["patching"], PatchingSection.from_dict),
+            circuit=_maybe(d["circuit"], CircuitSection.from_dict),
             left_out=d.get("left_out", {}),
         )

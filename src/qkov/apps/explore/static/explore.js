@@ -450,6 +450,31 @@
     }
   }
 
+  // ------------------------------------------------------------------ circuit discovery
+  // the report's circuit section (graph, faithfulness curve, top edges); clicking an edge of the graph patches
+  // that edge alone on the same task (the circuit_edge view), shown in the box under the graph
+  function drawCircuit(out, c) {
+    R.sections.circuit(out, c, patchEdge);
+    const box = el("div", { class: "circuit-edge" }, el("div", { class: "job" }),
+      el("div", { class: "out" }, el("p", { class: "note", text: "Click an edge of the graph: it is ablated alone " +
+        "on the task's prompts and the change of the metric measured (exact edge patching)." })));
+    const row = out.querySelector(".cols");
+    if (row) row.after(box); else out.append(box);
+    if (S.circuitEdge) S.circuitEdge.stop();
+    S.circuitEdge = new Panel(box);
+  }
+  function patchEdge(e) {
+    if (!S.circuitEdge) return;
+    for (const g of document.querySelectorAll("svg.circuit-graph g.edge")) g.classList.toggle("chosen", g.dataset.edge === String(e.edge));
+    S.circuitEdge.run("circuit_edge", { edge: e.edge }, (out, r) => {
+      out.append(el("p", { class: "edge-effect" }, `${r.edge} ablated alone: ${r.metric} ${fmt(r.clean, 4)} → ` +
+        `${fmt(r.ablated, 4)}, exact patching `,
+        el("span", { "data-field": "exact", "data-value": String(r.exact), text: signed(r.exact, 4) }),
+        r.eap == null ? " (not among the edges EAP scored here)." : ` (EAP's estimate ${signed(r.eap, 4)}).`));
+      note(out, r.task);
+    }, `patching ${e.name}`);
+  }
+
   // ------------------------------------------------------------------ wiring
   P.model.draw(drawModel, M);
   for (const h of M.heads) $("#attention-head").append(el("option", { value: h, text: h }));
@@ -471,6 +496,7 @@
     if ($("#patch-metric").value.trim()) args.metric = $("#patch-metric").value.trim();
     P.patch.run("patch", args, drawPatch);
   });
+  $("#circuit-run").addEventListener("click", () => P.circuit.run("circuit", {}, drawCircuit));
   P.heads.run("heads", {}, drawHeads);
   document.documentElement.dataset.ready = "1";
 })();

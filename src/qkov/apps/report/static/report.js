@@ -425,6 +425,78 @@
         c.icl_removed ? pct(c.icl_removed[i]) : "–"]), [0]);
   }
 
+  // a circuit's layout (qkov.analysis.discovery.layout: nodes by layer, edge width by |score|, colour by the
+  // input an edge enters) as an SVG scaled to fit its card; onEdge(edge) when an edge is clicked
+  const SVG_NS = "http://www.w3.org/2000/svg";
+  function svgEl(tag, attrs, text) {
+    const n = document.createElementNS(SVG_NS, tag);
+    for (const [k, v] of Object.entries(attrs)) n.setAttribute(k, v);
+    if (text != null) n.textContent = text;
+    return n;
+  }
+  function circuitGraph(parent, lay, onEdge) {
+    const s = svgEl("svg", { width: lay.width, height: lay.height, viewBox: `0 0 ${lay.width} ${lay.height}`,
+      class: "circuit-graph" });
+    s.style.maxWidth = "100%";
+    s.style.height = "auto";
+    for (const e of lay.edges) {
+      const g = svgEl("g", { class: "edge", "data-edge": e.edge, "data-name": e.name });
+      g.append(svgEl("line", { x1: e.x1, y1: e.y1, x2: e.x2, y2: e.y2, stroke: e.colour, "stroke-width": e.width,
+        "stroke-opacity": 0.8 }));
+      if (onEdge) {  // a wide transparent line over it: thin edges are easy to click
+        g.append(svgEl("line", { x1: e.x1, y1: e.y1, x2: e.x2, y2: e.y2, stroke: "transparent", "stroke-width": 10 }));
+        g.addEventListener("click", () => onEdge(e));
+      }
+      g.append(svgEl("title", {}, `${e.name}: ${signed(e.score, 4)}`));
+      s.append(g);
+    }
+    for (const n of lay.nodes) {
+      s.append(svgEl("circle", { cx: n.x, cy: n.y, r: 9, fill: "#fff", stroke: "#333" }));
+      s.append(svgEl("text", { x: n.x, y: n.y + 3, "font-size": 8, "text-anchor": "middle" }, n.label));
+    }
+    lay.legend.forEach(([name, colour], k) =>
+      s.append(svgEl("text", { x: 24 + 90 * k, y: lay.height - 6, "font-size": 10, fill: colour }, name)));
+    parent.append(el("div", { class: "graph" }, s));
+    return s;
+  }
+  // a faithfulness curve (FaithfulnessCurve.to_dict): by importance (CPR) and by |score| (CMD), over the edge fraction
+  function circuitCurve(parent, curve) {
+    const x = curve.fractions.map((p) => 100 * p);
+    const traces = [["signed", "by importance (CPR)", "#1f77b4"], ["absolute", "by |score| (CMD)", "#d62728"]]
+      .map(([k, name, color]) => ({ x, y: curve[k].faithfulness, customdata: curve[k].edges, name,
+        mode: "lines+markers", line: { color }, marker: { size: 5 },
+        hovertemplate: "%{x}% of the edges: %{customdata} after pruning<br>faithfulness %{y:.3f}<extra></extra>" }));
+    return plot(parent, traces, {
+      title: { text: `faithfulness curve: CPR ${fmt(curve.cpr)}, CMD ${fmt(curve.cmd)}` }, height: 340, width: 440,
+      xaxis: { type: "log", title: { text: "edges kept (% of the graph)" } }, yaxis: { title: { text: "faithfulness" } },
+      shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { dash: "dot", color: "#999", width: 1 } }],
+      legend: { orientation: "h", y: -0.32 }, margin: { l: 60, r: 20, t: 40, b: 60 },
+    }, "plot circuit-curve");
+  }
+  function circuitText(c) {
+    return `${c.task}. Every edge of the model's graph (${c.graph}) scored by EAP (${c.ablation} ablation; ` +
+      `${c.metric}: clean ${sig(c.clean, 4)}, every edge ablated ${sig(c.ablated, 4)}). The circuit drawn is the ` +
+      `smallest of the faithfulness curve's circuits (by |score|) reaching faithfulness ${c.target}: ` +
+      `${c.circuit.length} edges, faithfulness ${fmt(c.faithfulness)}. Nodes by layer (the input at the bottom, the ` +
+      "logits at the top); edge width by |score|; queries blue, keys green, values orange. Faithfulness: the circuit " +
+      "run with every other edge ablated, 0 = no better than everything ablated, 1 = the full model.";
+  }
+  function circuit(sec, c, onEdge) {
+    if (absent(sec, c)) return;
+    note(sec, circuitText(c));
+    const row = el("div", { class: "cols" });
+    sec.append(row);
+    const a = el("div"), b = el("div");
+    row.append(a, b);
+    circuitGraph(a, c.layout, onEdge);
+    circuitCurve(b, c.curve);
+    sec.append(el("h3", { text: `the ${c.top.length} edges with the largest |EAP score|` }));
+    note(sec, "Scores are m(edge ablated) − m(clean): EAP's first-order estimate, and the edge ablated alone and " +
+      "measured (exact patching). They agree where the model is linear in the edge.");
+    table(sec, ["edge", "EAP score", "exact patching", "in the circuit"],
+      c.top.map((e) => [e.edge, signed(e.score, 4), signed(e.exact, 4), e.in_circuit ? "yes" : ""]), [0]);
+  }
+
   // one patching result as a heatmap: rows the first axis, columns the last (named axes of any kind:
   // layer, head, pos, edge, ...); three axes: rows "first · second"; one axis: a single row
   function patchResult(sec, r, agreement) {
@@ -494,6 +566,7 @@
     trigrams: (s, D) => trigrams(s, D.trigrams),
     causal: (s, D) => causal(s, D.causal),
     patching: (s, D) => patching(s, D.patching),
+    circuit: (s, D) => circuit(s, D.circuit),
     copying: (s, D) => copying(s, D.copying),
     topk: (s, D) => topk(s, D.topk),
     probe: (s, D) => probe(s, D.probe),
@@ -567,8 +640,8 @@
   }
   // the helpers serve the other qkov pages drawn with this library (the dynamics and tour pages)
   // sections: the section renderers themselves, for pages that draw them from their own data (qkov explore)
-  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot, tok, runningText, leftOut },
-    sections: { heads, composition, attention, trigrams, patching, patchResult, topk } };
+  window.qkovReport = { draw, drawPage, mount, helpers: { el, fmt, signed, note, table, plot, tok, runningText, leftOut,
+    circuitGraph, circuitCurve }, sections: { heads, composition, attention, trigrams, patching, patchResult, topk, circuit } };
 
   // the report page: every section from #qkov-data
   if (document.getElementById("qkov-data")) drawPage("qkov-data", RENDER, { hash: location.hash });

@@ -58,6 +58,11 @@
     }
   }
 
+  function circuit(sec, D) {
+    if (!D.circuit) { note(sec, "No 2-layer model in this tour: no circuit."); return; }
+    window.qkovReport.sections.circuit(sec, D.circuit);
+  }
+
   const VERDICT = (holds) => (holds === true ? "agrees" : holds === false ? "differs" : "compare");
   function claims(sec, D) {
     const verdict = (c) => el("span", { class: "verdict " + VERDICT(c.holds), text: VERDICT(c.holds) });
@@ -67,5 +72,5 @@
     ["30%", "34%", "5.5em", ""].forEach((w, i) => { t.rows[0].cells[i].style.width = w; });
   }
 
-  window.qkovReport.drawPage("qkov-tour", { models, curves, phase, claims });
+  window.qkovReport.drawPage("qkov-tour", { models, curves, phase, circuit, claims });
 })();
