@@ -85,9 +85,17 @@ def _commands(tmp: Path, report: Path) -> list[list[str]]:
     ]
 
 
-def _run(tmp: Path, ranks: int, env: dict[str, str]) -> tuple[Path, list[list[str]]]:
-    out = tmp / f"ranks{ranks}"
+def threads_of_a_rank(ranks: int) -> int:
+    """The threads qkov gives each of ``ranks`` local ranks (``qkov.apps.ranks``: the cores shared out)."""
+    return max(1, (os.cpu_count() or 1) // ranks)
+
+
+def _run(tmp: Path, ranks: int, env: dict[str, str], threads: int | None = None) -> tuple[Path, list[list[str]]]:
+    """The commands on ``ranks`` ranks; one process (``ranks == 1``) on ``threads`` threads."""
+    out = tmp / (f"ranks{ranks}" if threads is None else f"ranks1-threads{threads}")
     out.mkdir()
+    if threads is not None:
+        env = {**env, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
     commands = _commands(tmp, out / "report")
     args = [str(tmp / "script.py"), str(out), json.dumps(commands)]
     if ranks == 1:
@@ -115,7 +123,7 @@ def _output(out: Path, i: int, command: str) -> object:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, list[list[str]]]]:
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[object, tuple[Path, list[list[str]]]]:
     tmp = tmp_path_factory.mktemp("split")
     torch.manual_seed(0)
     qkov.save_checkpoint(qkov.Transformer(LN), tmp / "ln")
@@ -125,12 +133,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, list
     (tmp / "tokens.txt").write_text(" ".join(map(str, torch.randint(0, 40, (64 * 6,), generator=g).tolist())))
     (tmp / "script.py").write_text(SCRIPT)
     env = {**os.environ, "QKOV_CACHE": str(tmp / "cache")}
-    return {n: _run(tmp, n, env) for n in (1, 2, 3)}
+    # the one-process reference runs on as many threads as a rank gets: a product whose long inner dimension is
+    # split over threads (the circuit section's score contractions) sums in another order on another thread
+    # count, and the point here is the split over ranks, not over threads
+    runs = {n: _run(tmp, n, env) for n in (2, 3)}
+    for t in sorted({threads_of_a_rank(n) for n in (2, 3)}):
+        runs[("one", t)] = _run(tmp, 1, env, threads=t)
+    return runs
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_any_rank_count_gives_one_process_output(runs: dict, ranks: int) -> None:  # type: ignore[type-arg]
-    one, commands = runs[1]
+    one, commands = runs[("one", threads_of_a_rank(ranks))]
     many, _ = runs[ranks]
     for i, argv in enumerate(commands):
         assert _result(many, i)["rc"] == 0
@@ -142,7 +156,7 @@ def test_any_rank_count_gives_one_process_output(runs: dict, ranks: int) -> None
 
 @pytest.mark.parametrize("ranks", [2, 3])
 def test_every_unit_is_computed_once_by_its_rank(runs: dict, ranks: int) -> None:  # type: ignore[type-arg]
-    one, commands = runs[1]
+    one, commands = runs[("one", threads_of_a_rank(ranks))]
     many, _ = runs[ranks]
     shared = set()
     for i, argv in enumerate(commands):
