@@ -40,10 +40,10 @@ def layout_svg(lay: CircuitLayout) -> str:
             f'stroke-width="{e["width"]}" stroke-opacity="0.8" data-edge="{e["edge"]}"><title>{title}</title></line>'
         )
     for n in lay.nodes:
-        x, y = n["x"], n["y"]
+        x, y, label, half = n["x"], n["y"], n["label"], n["half"]
         parts.append(
-            f'<circle cx="{x}" cy="{y}" r="9" fill="white" stroke="#333"/>'
-            f'<text x="{x}" y="{y + 3:.1f}" font-size="8" text-anchor="middle">{html.escape(n["label"])}</text>'
+            f'<rect x="{x - half:.1f}" y="{y - 9}" width="{2 * half:.1f}" height="18" rx="9" fill="white" stroke="#333"/>'
+            f'<text x="{x}" y="{y + 3:.1f}" font-size="8" text-anchor="middle">{html.escape(label)}</text>'
         )
     legend = "".join(
         f'<text x="{24 + 90 * k}" y="{lay.height - 6}" font-size="10" fill="{c}">{html.escape(name)}</text>'

@@ -18,16 +18,23 @@ from .circuit import Circuit
 from .graph import Graph
 from .scores import EdgeScores
 
-__all__ = ["circuit_layout", "CircuitLayout", "COLOURS", "drawn_edges", "INPUT_NAMES"]
+__all__ = ["circuit_layout", "CircuitLayout", "COLOURS", "drawn_edges", "INPUT_NAMES", "node_half"]
 
 COLOURS: dict[str | None, str] = {"q": "#1f77b4", "k": "#2ca02c", "v": "#ff7f0e", None: "#7f7f7f"}
 INPUT_NAMES: dict[str | None, str] = {"q": "query", "k": "key", "v": "value", None: "MLP / logits"}
 _W, _ROW, _PAD = 640, 44, 24
 
 
+
+def node_half(label: str) -> float:
+    """Half the width of a node's pill: a circle (radius 9) for a head's ``L.H``, wide enough for the label at
+    8 px otherwise."""
+    return round(max(9.0, 2.6 * len(label) + 4), 1)
+
 @dataclass
 class CircuitLayout:
-    """A drawing's ``width`` and ``height``, its ``nodes`` (``node``, ``label``, ``x``, ``y``), its ``edges``
+    """A drawing's ``width`` and ``height``, its ``nodes`` (``node``, ``label``, ``x``, ``y``, ``half``: half the width
+    of the node's pill, 9 = a circle, wider for ``embed``, ``logits``), its ``edges``
     (``edge``: the edge number, ``name``, ``input``: ``q``/``k``/``v``/``None``, ``score``, ``x1 y1 x2 y2``
     from sender to receiver, ``width``, ``colour``) and the ``legend`` (``[name, colour]`` per input kind)."""
 
@@ -78,7 +85,8 @@ def circuit_layout(g: Graph, on: list[int], score: list[float]) -> CircuitLayout
     nodes = []
     for i in sorted(used):
         a, (x, y) = g.nodes[i], pos[i]
-        nodes.append({"node": a.name, "label": a.name if a.kind in (HEAD, MLP) else a.kind, "x": round(x, 1), "y": round(y, 1)})
+        label = a.name if a.kind in (HEAD, MLP) else a.kind
+        nodes.append({"node": a.name, "label": label, "x": round(x, 1), "y": round(y, 1), "half": node_half(label)})
     height = 2 * _PAD + (2 * g.cfg.n_layers + 1) * _ROW + 16  # the legend in a line of its own, under the input
     legend = [[INPUT_NAMES[k], COLOURS[k]] for k in ("q", "k", "v", None)]
     return CircuitLayout(_W, height, nodes, edges, legend)

@@ -451,7 +451,8 @@
       s.append(g);
     }
     for (const n of lay.nodes) {
-      s.append(svgEl("circle", { cx: n.x, cy: n.y, r: 9, fill: "#fff", stroke: "#333" }));
+      s.append(svgEl("rect", { x: n.x - n.half, y: n.y - 9, width: 2 * n.half, height: 18, rx: 9, fill: "#fff",
+        stroke: "#333" }));
       s.append(svgEl("text", { x: n.x, y: n.y + 3, "font-size": 8, "text-anchor": "middle" }, n.label));
     }
     lay.legend.forEach(([name, colour], k) =>
