@@ -63,6 +63,12 @@ class Ranks:
         """Rank 0: the one that prints and writes."""
         return self.rank == 0
 
+    @property
+    def threads(self) -> int:
+        """The CPU threads each rank on this machine computes on: its cores shared out over the
+        ``local_world`` ranks (one process: every core)."""
+        return max(1, (os.cpu_count() or 1) // self.local_world)
+
     def mine(self, unit: int, n: int) -> bool:
         """Whether unit number ``unit`` of ``n`` (counted from 0, the same on every rank) is this rank's:
         rank ``r`` takes the ``r``-th of ``world`` contiguous runs of units, as even as they can be

@@ -20,6 +20,7 @@ import torch
 
 import qkov
 from qkov import ModelConfig
+from qkov.ranks import Ranks
 
 from helpers import torchrun
 
@@ -86,8 +87,8 @@ def _commands(tmp: Path, report: Path) -> list[list[str]]:
 
 
 def threads_of_a_rank(ranks: int) -> int:
-    """The threads qkov gives each of ``ranks`` local ranks (``qkov.apps.ranks``: the cores shared out)."""
-    return max(1, (os.cpu_count() or 1) // ranks)
+    """The threads qkov gives each of ``ranks`` local ranks (the cores shared out)."""
+    return Ranks(world=ranks, local_world=ranks).threads
 
 
 def _run(tmp: Path, ranks: int, env: dict[str, str], threads: int | None = None) -> tuple[Path, list[list[str]]]:

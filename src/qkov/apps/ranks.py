@@ -12,7 +12,6 @@ runs several commands: ``qkov.apps.cli.main``) is used as it is and left joined.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
 import torch
@@ -39,7 +38,7 @@ def ranks(device: torch.device) -> Iterator[tuple[Ranks, torch.device]]:
         return
     joined = not dist.is_initialized()  # a script that joined the group itself keeps it
     env, device = distributed.setup(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world))
+    torch.set_num_threads(env.threads)
     try:
         with over(Ranks.from_group()) as these:
             yield these, device

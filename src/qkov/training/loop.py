@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -161,7 +160,7 @@ def prepare(
         raise QkovError(f"train: the global batch ({tc.batch}) must divide evenly over {dist_info.world} ranks")
     check_training_fits(model_cfg, tc.batch // dist_info.world, dev, tc.precision)  # before the model or corpus
     if dev.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // dist_info.local_world))
+        torch.set_num_threads(dist_info.threads)
         tune_cpu_allocator()
         flush_denormals()  # in every thread: overconfident softmaxes produce denormals, ~20x slower on x86
         settle_vector_math()  # MKL's vector-math kernels chosen on one thread, before any step (qkov.device)

@@ -26,7 +26,7 @@ from ...analysis.discovery.builtin import induction_task
 from ...analysis.discovery.circuit import prune, top_n
 from ...analysis.discovery.discover import TARGET
 from ...analysis.discovery.evaluate import Evaluator, copy_bytes
-from ...analysis.discovery.faithfulness import faithfulness_curve
+from ...analysis.discovery.faithfulness import MIB_FRACTIONS, faithfulness_curve
 from ...analysis.discovery.graph import graph_of
 from ...analysis.discovery.layout import circuit_layout, drawn_edges
 from ...analysis.discovery.score import edge_scores
@@ -39,13 +39,14 @@ from ...weights.parts import WeightSource
 from .causal_sections import CircuitEdge, CircuitSection
 from .sections import Absent
 
-__all__ = ["circuit_section", "CURVE_BYTES", "HALF", "MIN_PAIRS", "PAIRS", "section_task", "TOP_EDGES"]
+__all__ = ["circuit_section", "CURVE_BYTES", "CURVE_CIRCUITS", "HALF", "MIN_PAIRS", "PAIRS", "section_task", "TOP_EDGES"]
 
 PAIRS = 32  # prompt pairs at most
 MIN_PAIRS = 2  # ... and at least
 HALF = 6  # random tokens before the repeat (prompts of 2 * HALF tokens with the start token)
 TOP_EDGES = 10  # edges in the section's table, each patched exactly
-CURVE_BYTES = 384 << 20  # the curve's 20 masked copies of the prompts fit this
+CURVE_CIRCUITS = 2 * len(MIB_FRACTIONS)  # the curve's circuits: top-n by importance and by |score| at each fraction
+CURVE_BYTES = 384 << 20  # the curve's CURVE_CIRCUITS masked copies of the prompts fit this
 DIGITS = 4
 WHERE = "the report's circuit section"
 
@@ -55,7 +56,7 @@ def section_task(source: WeightSource, *, pairs: int | None = None, half: int = 
     rule of the module docstring allows) of ``half`` random tokens and their repeat."""
     if pairs is None:
         T = 2 * half + 1  # the longest a prompt can be (with a start token)
-        one = 20 * copy_bytes(source, graph_of(source.cfg), 1, T)
+        one = CURVE_CIRCUITS * copy_bytes(source, graph_of(source.cfg), 1, T)
         pairs = max(MIN_PAIRS, min(PAIRS, CURVE_BYTES // one))
     return induction_task(source, pairs, half=half, seed=seed)
 
