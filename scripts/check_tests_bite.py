@@ -669,15 +669,33 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: an ablated edge carries the current value minus its replacement (sign)": (
         "analysis/discovery/evaluate.py",
-        "            self.diff[:, lo : lo + n] = self.rep[lo : lo + n].unsqueeze(0) - v.permute(0, 3, 1, 2, 4)",
-        "            self.diff[:, lo : lo + n] = v.permute(0, 3, 1, 2, 4) - self.rep[lo : lo + n].unsqueeze(0)",
+        "            out[j:stop] -= self.heads[l].view(self.K, B, T, H, D)[k][:, :, hs].permute(2, 0, 1, 3)",
+        "            out[j:stop] += self.heads[l].view(self.K, B, T, H, D)[k][:, :, hs].permute(2, 0, 1, 3)",
         "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
     ),
     "discovery: a head with every edge in ablated reads the stream as it is, not its ablated input": (
         "analysis/discovery/evaluate.py",
-        "                    view[k][:, :, full] = self.ablated[l, kind][:, :, full].to(view)",
+        "                    out[kind].append((k, f, self.ablated[l, kind][:, :, f].permute(2, 0, 1, 3)))",
         "                    pass",
-        "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them[gpt2-like]",
+    ),
+    "forward: the last layer's few-positions block skips an edit of its keys": (
+        "model/block.py",
+        '        k = self.at_heads("k", l, k)',
+        "        k = k",
+        "tests/analysis/forward/test_forward.py::test_positions_with_the_last_layer_read_run_it_whole[llama-like]",
+    ),
+    "discovery: a receiver read from its fully ablated input weighs its senders by W, not W - 1": (
+        "analysis/discovery/evaluate.py",
+        "        return torch.where(self.ii[k, rs][:, None] if self.pos else self.ii[k, rs], C - 1, C)",
+        "        return torch.where(self.ii[k, rs][:, None] if self.pos else self.ii[k, rs], C, C)",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them[llama-like]",
+    ),
+    "discovery: a per-position circuit's coefficients ignore the position": (
+        "analysis/discovery/evaluate.py",
+        '            add = torch.einsum("ubtd,urt->rbtd", D, C)',
+        '            add = torch.einsum("ubtd,urt->rbd", D, C)[:, :, None] / D.shape[2]',
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them[gpt2-like]",
     ),
     "discovery: dead-end pruning forgets that the input needs no edge in": (
         "analysis/discovery/circuit.py",

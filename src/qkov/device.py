@@ -111,9 +111,11 @@ def _size(n: int) -> str:
 def tune_cpu_allocator() -> None:
     """Keep freed memory in the process (glibc) instead of returning it to the OS.
 
-    Training allocates the same large buffers every step; with glibc's defaults each
-    one is a fresh mmap whose pages fault in again (measured: ~20% of a CPU step).
-    A no-op off glibc.
+    Training allocates the same large buffers every step, and circuit discovery every pass;
+    with glibc's defaults each one is a fresh mmap whose pages fault in again (measured:
+    ~20% of a CPU training step; edge attribution on 64 GPT-2-small prompt pairs went from
+    1.6 million page faults a call to 0.19 million). Training, edge scoring and circuit
+    evaluation call it; it changes the whole process's allocator, once. A no-op off glibc.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

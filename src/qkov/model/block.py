@@ -177,18 +177,19 @@ class BlockPass:
 
     def attention_at(self, l: int, x: Tensor, rows: Tensor) -> Tensor:
         """Layer ``l``'s attention output at the query positions ``rows [P]`` only, ``[B, P, D]``: keys
-        and values at every position, queries, scores and outputs at those (the same values as
-        :meth:`attention`'s rows). Only ``z`` may be read there (by per-position edits)."""
+        and values at every position (through their sites: they may be edited), queries, scores and outputs
+        at those (the same values as :meth:`attention`'s rows). ``z`` may be read there by per-position edits."""
         att = self.attention_weights(l)
         v_in = self.normed("attn", l, x, att.ln_w, att.ln_b)[0]
         qk_src = query_key_stream(x, self.pos, self.cfg.positional)
         qk_in = v_in if qk_src is x else self.normed("qk", l, qk_src, att.ln_w, att.ln_b)[0]
-        v = expand_kv(project_heads(v_in, att.W_V, live_bias(att.b_V)), self.group, dim=1)
         k = project_heads(qk_in, att.W_K, live_bias(att.b_K))
         q = project_heads(qk_in[:, rows], att.W_Q, live_bias(att.b_Q))
         if self.turn is not None:
             cos, sin = self.turn
             q, k = rotary.rotate(q, cos[rows], sin[rows]), rotary.rotate(k, cos, sin)
+        k = self.at_heads("k", l, k)
+        v = expand_kv(self.at_heads("v", l, project_heads(v_in, att.W_V, live_bias(att.b_V))), self.group, dim=1)
         sees = torch.arange(x.shape[1], device=x.device)[None, :] <= rows[:, None]  # [P, T]: keys at or before
         scale = 1.0 / ops.score_divisor(q.shape[-1])
         z = F.scaled_dot_product_attention(q, expand_kv(k, self.group, dim=1), v, attn_mask=sees, scale=scale)

@@ -58,6 +58,29 @@ def test_circuits_run_as_the_reference_runs_them(name: str, ablation: str) -> No
             Evaluator(w, g, task, abl, variant="patch-in")
 
 
+@pytest.mark.parametrize("name", ["gpt2-like", "llama-like"])
+def test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them(name: str) -> None:
+    """Receivers with every edge in kept, every edge ablated, one kept or one ablated (each receiver reads
+    whichever form has fewer senders), and circuits per position, against the reference forward."""
+    w, task = random_case(name, n=3, T=6)
+    g = graph_of(w.cfg)
+    names = g.names
+    patch = senders_of(w, task.corrupted)
+    ev = Evaluator(w, g, task, make_ablation(w, g, task, "corrupted"), max_bytes=1 << 18)
+    gen = torch.Generator().manual_seed(3)
+    edges = torch.stack([torch.rand(g.n_edges, generator=gen) < d for d in (0.01, 0.04, 0.96, 0.99)])
+    for k, got in enumerate(ev.metrics(edges).tolist()):
+        ablated = {names[i] for i in (~edges[k]).nonzero()[:, 0].tolist()}
+        assert abs(got - reference_circuit(w, task.clean, patch, task.answers, task.wrong, ablated)) < 1e-10
+    T = task.clean.shape[1]
+    per = torch.stack([torch.rand(T, g.n_edges, generator=gen) < d for d in (0.05, 0.5, 0.95)])
+    for k, got in enumerate(ev.metrics(per).tolist()):
+        alpha = {n: (~per[k, :, i]).to(torch.float64)[:, None] for i, n in enumerate(names) if not per[k, :, i].all()}
+        with torch.no_grad():
+            logits, _ = edge_forward(w, task.clean, alpha, patch)
+        assert abs(got - float(logit_diff(logits, task.answers, task.wrong))) < 1e-10
+
+
 def test_the_empty_and_full_circuits_are_the_corrupted_and_clean_runs() -> None:
     w, task = random_case("neox-parallel", n=3, T=6)
     g = graph_of(w.cfg)

@@ -226,26 +226,33 @@ def test_logits_at_positions_equal_the_full_pass(name: str, fold: bool, monkeypa
 
 @pytest.mark.parametrize("name", ["ln-mlp-shortformer", "llama-like"])
 def test_positions_with_the_last_layer_read_run_it_whole(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Anything that reads or writes the last layer (a cached or edited site there, an observing edit,
-    a gradient, a start inside the pass) runs it at every position: same logits, full-size sites. An
-    edit of an earlier layer keeps the few-positions block, and its effect."""
+    """Anything that reads or writes the last layer's queries or what follows them (a cached or edited
+    site there, an observing edit, a gradient) runs it at every position: same logits, full-size sites.
+    An edit of an earlier layer, of the last layer's keys or values, or a start inside the pass keeps
+    the few-positions block, and its effect."""
     cfg = CONFIGS[name]
     w = Weights.from_model(_model(cfg), dtype=torch.float64)
     toks, at, last = _tokens(cfg), torch.tensor([2, 7, cfg.n_ctx - 1]), cfg.n_layers - 1
     calls = _counting_last_block(monkeypatch)
     zero = {f"z.{last}.1": lambda z, site: torch.zeros_like(z)}
     for kw in (dict(cache=[f"pattern.{last}"]), dict(edits=zero), dict(edits={f"pattern.{last}": lambda p, site: None}), dict(grad=True),
-               dict(start_at=(last, trace(w, toks, cache=[f"resid_pre.{last}"])[f"resid_pre.{last}"]))):
+               dict(edits={f"q.{last}": lambda q, site: 2 * q})):
         got = trace(w, toks, positions=at, **kw)  # type: ignore[arg-type]
         full = trace(w, toks, **{k: v for k, v in kw.items() if k != "cache"})  # type: ignore[arg-type]
         assert calls == [], kw
         assert (got.logits - full.logits[:, at]).abs().max() < 1e-12, kw
     assert got.logits.shape == (3, 3, cfg.d_vocab)
     assert trace(w, toks, positions=at, cache=[f"pattern.{last}"])["pattern", last].shape[-2:] == (cfg.n_ctx, cfg.n_ctx)
-    early = {"z.0.1": lambda z, site: torch.zeros_like(z)}
-    got, full = trace(w, toks, positions=at, edits=early).logits, trace(w, toks, edits=early).logits
-    assert calls == [last] and (got - full[:, at]).abs().max() < 1e-12
-    assert (got - trace(w, toks, positions=at).logits).abs().max() > 1e-6  # the edit did change the logits
+    plain = trace(w, toks, positions=at).logits
+    x_last = trace(w, toks, cache=[f"resid_pre.{last}"])[f"resid_pre.{last}"]
+    for kw in (dict(edits={"z.0.1": lambda z, site: torch.zeros_like(z)}),
+               dict(edits={f"k.{last}": lambda k, site: 2 * k}), dict(edits={f"v.{last}": lambda v, site: -v}),
+               dict(start_at=(last, x_last)), dict(start_at=(0, trace(w, toks, cache=["resid_pre.0"])["resid_pre.0"]))):  # fmt: skip
+        calls.clear()
+        got, full = trace(w, toks, positions=at, **kw).logits, trace(w, toks, **kw).logits  # type: ignore[arg-type]
+        assert calls == [last] and (got - full[:, at]).abs().max() < 1e-12, kw
+        if "edits" in kw:
+            assert (got - plain).abs().max() > 1e-6, kw  # the edit did change the logits
 
 
 def test_zero_biases_are_skipped_and_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,7 @@ from .graph import Graph
 from .task import Task
 
 __all__ = [
+    "ablated_inputs",
     "Ablation",
     "ABLATIONS",
     "as_ablation",
@@ -42,6 +43,7 @@ __all__ = [
     "sender_deltas",
     "sender_sites",
     "sender_values",
+    "stream_sites",
 ]
 
 ABLATIONS = ("corrupted", "zero", "mean", "mean-position")
@@ -52,6 +54,29 @@ NO_LOGITS = torch.zeros(0, dtype=torch.long)  # a run for its activations only: 
 def sender_sites(graph: Graph) -> list[str]:
     """The sites a run caches to give every sender's output."""
     return ["resid_pre.0", "z.*", *(["mlp_out.*"] if graph.mlp else [])]
+
+
+def stream_sites(graph: Graph) -> list[str]:
+    """The streams a run caches to give every receiver group's input (:func:`ablated_inputs`)."""
+    L = graph.cfg.n_layers
+    mid = ["resid_mid.*"] if graph.mlp and not graph.cfg.parallel else []
+    return ["resid_pre.*", *mid, f"resid_post.{L - 1}"]
+
+
+def ablated_inputs(recording: Trace, graph: Graph, delta: Tensor) -> dict[str, Tensor]:
+    """Each receiver group's input with every edge into it ablated, ``x_r + sum_{s -> r} delta_s``
+    (``{"attn.l", "mlp.l", "logits"}: [B, T, D]``; ``x_r`` the recorded run's, cached by
+    :func:`stream_sites`: the senders' sum plus the ``b_O`` no edge carries; ``delta [S, B, T, D]``)."""
+    L = graph.cfg.n_layers
+    out: dict[str, Tensor] = {}
+    for l in range(L):
+        n = graph.before(graph.attention_receivers(l).start)
+        out[f"attn.{l}"] = recording["resid_pre", l] + delta[:n].sum(0)
+        if graph.mlp:
+            x = recording["resid_pre", l] if graph.cfg.parallel else recording["resid_mid", l]
+            out[f"mlp.{l}"] = x + delta[: graph.before(graph.mlp_receiver(l))].sum(0)
+    out["logits"] = recording["resid_post", L - 1] + delta.sum(0)
+    return out
 
 
 def sender_values(recording: Trace, source: WeightSource, graph: Graph) -> Tensor:

@@ -40,7 +40,7 @@ from ...errors import QkovError
 from ...weights.parts import WeightSource
 from ..causal.contrast import Contrast
 from ..forward.tracer import trace
-from .ablations import Ablation, sender_deltas, sender_sites, sender_values
+from .ablations import Ablation, ablated_inputs, sender_deltas, sender_sites, sender_values, stream_sites
 from .grads import accumulate, fast_grads, fast_sites, split_grads, split_sites
 from .graph import Graph
 from .task import AnswerMetric, TaskBatch
@@ -152,14 +152,10 @@ def _eap_ig_activations(source, graph, b, metric, ablation, scores, *, weight, s
 
 
 def _ieg(source, graph, b, metric, ablation, scores, *, weight, steps) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    L = graph.cfg.n_layers
-    streams = ["resid_pre.*", f"resid_post.{L - 1}"] + (
-        ["resid_mid.*" if not graph.cfg.parallel else "resid_pre.*"] if graph.mlp else []
-    )
-    c = _plain(source, graph, b, metric, streams)
+    c = _plain(source, graph, b, metric, stream_sites(graph))
     clean = sender_values(c.base_recording, source, graph)  # type: ignore[arg-type]
     ablated = ablation.values(clean, sender_values(c.source_recording, source, graph) if ablation.needs_corrupted else None)  # type: ignore[arg-type]
-    target = _ablated_inputs(c, graph, ablated - clean)
+    target = ablated_inputs(c.base_recording, graph, ablated - clean)  # type: ignore[arg-type]
     for k in range(steps + 1):
         a = k / steps if steps else 0.0
         edits = _interpolate(graph, target, a)
@@ -167,21 +163,6 @@ def _ieg(source, graph, b, metric, ablation, scores, *, weight, steps) -> tuple[
         delta = ablated - sender_values(recording, source, graph)
         accumulate(scores, delta, split_grads(recording, graph), graph, weight / (steps + 1))
     return c.clean_value, c.corrupted_value
-
-
-def _ablated_inputs(c: Contrast, graph: Graph, delta: Tensor) -> dict[str, Tensor]:
-    """Each receiver layer's input with every edge into it ablated, ``x_r + sum_{s -> r} delta_s``
-    (``x_r`` the clean run's: the senders' sum plus the ``b_O`` no edge carries)."""
-    recording, L = c.base_recording, graph.cfg.n_layers
-    out: dict[str, Tensor] = {}
-    for l in range(L):
-        n = graph.before(graph.attention_receivers(l).start)
-        out[f"attn.{l}"] = recording["resid_pre", l] + delta[:n].sum(0)  # type: ignore[index]
-        if graph.mlp:
-            x = recording["resid_pre", l] if graph.cfg.parallel else recording["resid_mid", l]  # type: ignore[index]
-            out[f"mlp.{l}"] = x + delta[: graph.before(graph.mlp_receiver(l))].sum(0)
-    out["logits"] = recording["resid_post", L - 1] + delta.sum(0)  # type: ignore[index]
-    return out
 
 
 def _interpolate(graph: Graph, target: dict[str, Tensor], a: float) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ...model import rotary
@@ -22,16 +23,20 @@ from ...weights.parts import WeightSource
 __all__ = ["project_heads_of"]
 
 
-def project_heads_of(source: WeightSource, layer: int, kind: str, slots: Sequence[int], xs: Tensor) -> Tensor:
+def project_heads_of(
+    source: WeightSource, layer: int, kind: str, slots: Sequence[int], xs: Tensor, *, fused: bool = False
+) -> Tensor:
     """``[n, B, T, E]``: the ``kind`` (``q``, ``k`` or ``v``) of head ``slots[i]`` of ``layer`` (a key/value
     head for ``k``, ``v``) computed from its own input ``xs[i]`` (``xs [n, B, T, D]``), or from one input
-    ``xs [B, T, D]`` they all read (normalised once)."""
+    ``xs [B, T, D]`` they all read (normalised once). ``fused``: normalise with torch's fused kernels."""
     cfg, att = source.cfg, source.attention(layer, expand_kv=False)
     T = xs.shape[-2]
     if kind != "v":
         pos = source.pos()
         xs = query_key_stream(xs, None if pos is None else pos[:T], cfg.positional)
-    normed = normalize(xs, source.norm, cfg.ln_eps, w=att.ln_w, b=att.ln_b)[0]
+    normed = _fused(xs, source.norm, cfg.ln_eps, att.ln_w, att.ln_b) if fused else normalize(
+        xs, source.norm, cfg.ln_eps, w=att.ln_w, b=att.ln_b
+    )[0]
     idx = torch.as_tensor(list(slots), device=xs.device, dtype=torch.long)
     W, bias = {"q": (att.W_Q, att.b_Q), "k": (att.W_K, att.b_K), "v": (att.W_V, att.b_V)}[kind]
     shared = "btd" if normed.ndim == 3 else "nbtd"
@@ -40,3 +45,13 @@ def project_heads_of(source: WeightSource, layer: int, kind: str, slots: Sequenc
         cos, sin = rotary.tables(cfg, T, xs.device, xs.dtype)
         out = rotary.rotate(out, cos, sin)
     return out
+
+
+def _fused(x: Tensor, kind: str, eps: float, w: Tensor | None, b: Tensor | None) -> Tensor:
+    """:func:`~qkov.model.ops.normalize` of ``x [..., D]`` by torch's fused kernels."""
+    D = (x.shape[-1],)
+    if kind == "none":
+        return x
+    if kind in ("layernorm", "folded"):
+        return F.layer_norm(x, D, w if kind == "layernorm" else None, b if kind == "layernorm" else None, eps)
+    return F.rms_norm(x, D, w if kind == "rmsnorm" else None, eps)

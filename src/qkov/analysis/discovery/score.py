@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ...device import tune_cpu_allocator
 from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.convert import SourceLike, as_source
@@ -53,6 +54,7 @@ def edge_scores(
     to patch (numbers or written forms; the others are NaN). ``batch``: prompt pairs per pass (default:
     what fits ``max_bytes``)."""
     w = as_source(source, where="qkov.edge_scores")
+    tune_cpu_allocator()  # its large buffers reused, not faulted in afresh each pass
     graph = graph_of(w.cfg)
     if not isinstance(task, Task):
         raise QkovError(f"edge scores: expected a qkov Task, got {type(task).__name__} (load one with load_task)")

@@ -15,9 +15,9 @@ two passes against each other and against an independent reference). What a site
 computed: with nothing asked of a layer's scores, patterns or per-head outputs, attention runs fused; a
 pattern replaced by a tensor skips the queries and keys; an MLP output replaced by a tensor skips the
 MLP. With logits asked at a few ``positions`` and nothing reading the last layer (no cached site there,
-no gradient, no start inside the pass, and no edit there but of ``z`` by functions marked
-:func:`~qkov.analysis.forward.edits.per_position`), that layer's keys and values still run at every position
-but its queries, attention, output, MLP and stream only at those positions; the scores that read a few
+no gradient, no start at the final stream, and no edit there but of its keys and values and of ``z`` by
+functions marked :func:`~qkov.analysis.forward.edits.per_position`), that layer's keys and values still
+run at every position but its queries, attention, output, MLP and stream only at those positions; the scores that read a few
 positions (the ICL score) then skip most of it, with the same values (tested). A bias of zeros (what
 a weights view holds for a model without one) is not added (:func:`qkov.model.ops.live_bias`).
 
@@ -153,14 +153,16 @@ class _Pass(BlockPass):
         """The positions ``[P]`` (in ``0 .. T-1``) where the last layer needs its queries, or ``None``
         when the whole last layer must run (see the module docstring)."""
         L = self.cfg.n_layers
-        if positions is None or L == 0 or self.grad or start_at is not None:
+        if positions is None or L == 0 or self.grad or (start_at is not None and start_at[0] >= L):
             return None
         if positions.dim() != 1 or not 0 < len(positions) < T or positions.is_floating_point() or positions.dtype == torch.bool:
             return None
         if any(layer == L - 1 for _, layer in self.store.wanted):
             return None
-        for (kind, layer), edits in self.edits.by_site.items():  # at the last layer: only per-position z edits
-            if layer == L - 1 and (kind != "z" or not all(getattr(e, PER_POSITION, False) for _, e in edits)):
+        for (kind, layer), edits in self.edits.by_site.items():  # at the last layer: keys, values, per-position z
+            if layer != L - 1 or kind in ("k", "v"):
+                continue
+            if kind != "z" or not all(getattr(e, PER_POSITION, False) for _, e in edits):
                 return None
         return positions.to(self.source.device).remainder(T)
 
