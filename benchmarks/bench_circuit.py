@@ -22,11 +22,15 @@ the integrated gradients; the batch sums of the gradient of ``-metric``), so the
 process, its time and its peak memory above the loaded model printed side by side.
 
 ``--size gpt2`` (12 x 12, d_model 768, vocab 50257; 32,491 edges) also measures qkov's goals: EAP on
-``--goal-prompts`` pairs against its FLOP floor (two forward passes and one backward) and memory, EAP-IG
-(m = 5) against EAP, a 10-point faithfulness curve, exact patching of 1,000 edges.
+``--goal-prompts`` pairs, EAP-IG (m = 5), a 10-point faithfulness curve and exact patching of 1,000 edges,
+each against its FLOP floor (the matrix products the work cannot avoid: two forward passes and one backward
+for EAP; one pass per distinct circuit for the curve; each edge's pass from its receiver's layer on for
+exact patching) and its memory. ``--size pythia`` (Pythia-160M's shape: parallel blocks, rotary) measures
+the same goals with qkov alone.
 
     python benchmarks/bench_circuit.py                      # the small case: parity, seconds
     python benchmarks/bench_circuit.py --size gpt2          # GPT-2-small shape: minutes to hours on a CPU
+    python benchmarks/bench_circuit.py --size pythia        # Pythia-160M shape: qkov's goals
     python benchmarks/bench_circuit.py --venv /path/to/venv --skip-autocircuit
 """
 
@@ -50,7 +54,13 @@ SIZES = {
                   prompts=8, tokens=6, batch=4, exact=True, counts=[0, 1, 5, 10, 20, 55, 110]),
     "gpt2": dict(shape=dict(n_layers=12, n_heads=12, d_model=768, d_head=64, d_mlp=3072, d_vocab=50257, n_ctx=64),
                  prompts=16, tokens=24, batch=16, exact=False, counts=[0, 10, 100, 1000, 10000, 32491]),
+    # Pythia-160M's shape (GPT-NeoX: parallel attention and MLP, rotary on a quarter of each head): qkov's goals
+    # only (AutoCircuit's side is written for the GPT-2-like case)
+    "pythia": dict(shape=dict(n_layers=12, n_heads=12, d_model=768, d_head=64, d_mlp=3072, d_vocab=50304, n_ctx=64,
+                              positional="rotary", rotary_dim=16, parallel=True, act_fn="gelu"),
+                   prompts=16, tokens=24, batch=16, exact=False, counts=[]),
 }  # fmt: skip
+GPT2_LIKE = dict(normalization="layernorm", positional="standard", act_fn="gelu_new", bias=True)
 VARIANTS = {"TREE_PATCH": "ablate-complement", "EDGE_PATCH": "patch-in"}
 ABLATIONS = {"RESAMPLE": "corrupted", "ZERO": "zero", "TOKENWISE_MEAN_CORRUPT": "mean-position"}
 
@@ -69,7 +79,7 @@ def build(root: Path, size: str, seed: int) -> None:
     from qkov.io import save_tl
 
     s = SIZES[size]
-    cfg = qkov.ModelConfig(**s["shape"], normalization="layernorm", positional="standard", act_fn="gelu_new", bias=True)
+    cfg = qkov.ModelConfig(**{**GPT2_LIKE, **s["shape"]})
     model = qkov.Transformer(cfg, seed=seed)
     torch.manual_seed(seed)  # the perturbations below draw from the global generator
     with torch.no_grad():  # biases and gains matter; a larger stream so attention is not uniform
@@ -77,8 +87,14 @@ def build(root: Path, size: str, seed: int) -> None:
             if not name.rsplit(".", 1)[-1].startswith("W_"):
                 p.add_(torch.randn_like(p) * 0.1)
         model.W_E.mul_(4.0)
-        model.W_pos.mul_(4.0)
-    save_tl(model, root / "model.pt")
+        if model.W_pos is not None:
+            model.W_pos.mul_(4.0)
+    if size == "pythia":  # outside the family a TransformerLens file holds: a qkov checkpoint
+        from qkov.io import save_checkpoint
+
+        save_checkpoint(model, root / "model")
+    else:
+        save_tl(model, root / "model.pt")
     g = torch.Generator().manual_seed(seed + 1)
     N, T = 2 * s["prompts"], s["tokens"]
     clean = torch.randint(0, cfg.d_vocab, (N, T), generator=g)
@@ -269,7 +285,7 @@ def goal(root: Path, what: str, prompts: int, tokens: int) -> dict:
     from qkov.analysis.discovery import Evaluator, Task, edge_scores, graph_of, make_ablation
     from qkov.analysis.discovery.faithfulness import faithfulness_curve
 
-    w = qkov.as_source(qkov.load_any(root / "model.pt"))
+    w = qkov.as_source(qkov.load_any(root / "model" if (root / "model").exists() else root / "model.pt"))
     V = w.cfg.d_vocab
     g = torch.Generator().manual_seed(5)
     clean = torch.randint(0, V, (prompts, tokens), generator=g)
@@ -283,6 +299,7 @@ def goal(root: Path, what: str, prompts: int, tokens: int) -> dict:
         torch.randint(0, V, (prompts, 1), generator=g),
     )
     edge_scores(w, task.take(2))  # warm up
+    gr = graph_of(w.cfg)
     base = vm_rss_mib()
     t0 = time.perf_counter()
     if what == "eap":
@@ -290,22 +307,29 @@ def goal(root: Path, what: str, prompts: int, tokens: int) -> dict:
     elif what == "eap-ig":
         edge_scores(w, task, method="eap-ig", steps=5)
     elif what == "curve":
-        gr = graph_of(w.cfg)
         ev = Evaluator(w, gr, task, make_ablation(w, gr, task, "corrupted"))
-        faithfulness_curve(ev, edge_scores(w, task))
+        curve = faithfulness_curve(ev, edge_scores(w, task))
     elif what == "exact-1000":
-        edge_scores(
-            w, task, method="exact", edges=torch.randperm(graph_of(w.cfg).n_edges, generator=g)[:1000], batch=prompts
-        )
+        edges = torch.randperm(gr.n_edges, generator=g)[:1000]
+        edge_scores(w, task, method="exact", edges=edges, batch=prompts)
     dt = time.perf_counter() - t0
     cfg = w.cfg
     per_token = (
         2 * cfg.n_layers * (4 * cfg.d_model**2 + 2 * cfg.d_model * cfg.d_mlp) + 2 * cfg.n_layers * tokens * cfg.d_model
     )
-    floor = 4 * per_token * prompts * tokens  # two forward passes and one backward (twice a forward)
+    forward = per_token * prompts * tokens  # one forward pass's matrix products, no unembedding
+    if what == "eap":  # two forward passes and one backward (twice a forward)
+        floor = 4 * forward
+    elif what == "eap-ig":  # the two runs, then a forward and a backward per step
+        floor = (2 + 3 * 5) * forward
+    elif what == "curve":  # EAP's scores, the two runs, one pass per distinct circuit
+        floor = (4 + 2 + len(set(curve.signed.edges)) + len(set(curve.absolute.edges))) * forward
+    else:  # the two runs, then each edge's pass from its receiver's layer on
+        layers = [cfg.n_layers if r.kind == "logits" else r.layer for r in (gr.receivers[int(gr.dst[e])] for e in edges)]
+        floor = 2 * forward + sum((cfg.n_layers - l) / cfg.n_layers for l in layers) * forward
     rate = matmul_rate([(1, prompts * tokens, cfg.d_model, cfg.d_mlp), (1, prompts * tokens, cfg.d_mlp, cfg.d_model)])
     return {"what": what, "seconds": dt, "peak_gib": (peak_mib() - base) / 1024, "floor_gflop": floor / 1e9,
-            "floor_seconds": floor / rate}  # fmt: skip
+            "floor_seconds": floor / rate, "model_gib": base / 1024}  # fmt: skip
 
 
 # ------------------------------------------------------------------ the driver
@@ -410,12 +434,14 @@ def main() -> int:
     _worker(sys.executable, "build", root, "--size", args.size)
     print(f"case ({args.size}): {root} ({time.perf_counter() - t0:.1f} s)", flush=True)
     ok = True
-    if not args.skip_autocircuit:
+    if args.size == "pythia" and not args.skip_autocircuit:
+        print("AutoCircuit's side runs on the GPT-2-like cases (small, gpt2); at pythia shape qkov's goals only")
+    if not args.skip_autocircuit and args.size != "pythia":
         ac = _worker(venv_python(args.venv), "autocircuit", root, "--steps", str(args.steps))
         (root / "autocircuit.json").write_text(json.dumps(ac))
         q = _worker(sys.executable, "qkov", root, "--steps", str(args.steps), "--ac", str(root / "autocircuit.json"))
         ok = report(q, ac, args.steps)
-    if args.size == "gpt2" or args.goals:
+    if args.size in ("gpt2", "pythia") or args.goals:
         print(f"\nqkov's goals ({args.size}), {args.goal_prompts} prompt pairs of {SIZES[args.size]['tokens']} tokens:")
         flags = ("--goal-prompts", str(args.goal_prompts), "--size", args.size)
         got = {
@@ -423,15 +449,13 @@ def main() -> int:
             for w in ("eap", "eap-ig", "curve", "exact-1000")
         }
         e = got["eap"]
-        print(
-            f"  EAP: {e['seconds']:.1f} s, {e['peak_gib']:.2f} GiB above the model; FLOP floor {e['floor_gflop']:.0f} "
-            f"GFLOP, {e['floor_seconds']:.1f} s at this machine's matmul rate: "
-            f"{e['seconds'] / e['floor_seconds']:.2f}x the floor"
-        )
-        for w in ("eap-ig", "curve", "exact-1000"):
+        print(f"  (the process holds {e['model_gib']:.2f} GiB with the model loaded; peaks below are above that)")
+        for w in ("eap", "eap-ig", "curve", "exact-1000"):
+            r = got[w]
             print(
-                f"  {w}: {got[w]['seconds']:.1f} s ({got[w]['seconds'] / e['seconds']:.1f}x EAP), "
-                f"{got[w]['peak_gib']:.2f} GiB"
+                f"  {w}: {r['seconds']:.1f} s ({r['seconds'] / e['seconds']:.1f}x EAP), {r['peak_gib']:.2f} GiB; "
+                f"FLOP floor {r['floor_gflop']:.0f} GFLOP, {r['floor_seconds']:.1f} s at this machine's matmul rate: "
+                f"{r['seconds'] / r['floor_seconds']:.2f}x the floor"
             )
     print("\nparity:", "ok" if ok else "NOT within 1e-4")
     return 0 if ok else 1

@@ -191,6 +191,25 @@ def test_import_refuses_what_qkov_cannot_compute(kw: dict, match: str) -> None:
         from_hooked(_tl_model(**kw))
 
 
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(positional="rotary"), "rotary positions"),
+        (dict(normalization="rmsnorm"), "rmsnorm normalisation"),
+        (dict(parallel=True), "parallel attention and MLP"),
+        (dict(n_kv_heads=1), "grouped-query attention"),
+        (dict(gated_mlp=True, act_fn="silu"), "a gated MLP"),
+    ],
+)
+def test_export_refuses_what_transformer_lens_would_compute_differently(kw: dict, match: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A model outside the family qkov writes for TransformerLens is refused, not written without its
+    rotary positions, parallel blocks, grouped heads or gate (the file would compute another model)."""
+    cfg = LN_MLP.replace(**{"positional": "standard", **kw})
+    with pytest.raises(QkovError, match=f"cannot export this model to TransformerLens: .*{match}"):
+        save_tl(Transformer(cfg, seed=0), tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_export_refuses_shortformer_with_layernorm_and_non_models() -> None:
     with pytest.raises(QkovError, match="shortformer positions with LayerNorm"):
         to_hooked(Transformer(LN_MLP, seed=0))

@@ -334,11 +334,31 @@ def _parse_json(text: str, where: str) -> Any:
 
 
 def tl_config_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """``HookedTransformerConfig`` fields (JSON-ready) for a qkov config; refuses LayerNorm + shortformer."""
+    """``HookedTransformerConfig`` fields (JSON-ready) for a qkov config of the family qkov writes for
+    TransformerLens (standard or shortformer positions, LayerNorm or none, sequential blocks, a plain MLP,
+    one key/value head per head: the family :func:`load_tl` reads back); refuses anything else, and
+    LayerNorm + shortformer, rather than write a file that computes something else."""
     if cfg.normalization == "layernorm" and cfg.positional == "shortformer":
         raise QkovError(
             "cannot export shortformer positions with LayerNorm to TransformerLens "
             "(TransformerLens: ln1(x) + pos, qkov: ln1(x + pos))"
+        )
+    other = [
+        what
+        for what, has in (
+            ("rotary positions", cfg.positional == "rotary"),
+            (f"{cfg.normalization} normalisation", cfg.normalization not in ("layernorm", "none")),
+            ("parallel attention and MLP", cfg.parallel),
+            ("grouped-query attention", cfg.n_kv_heads not in (None, cfg.n_heads)),
+            ("a gated MLP", cfg.gated_mlp),
+        )
+        if has
+    ]
+    if other:
+        raise QkovError(
+            "cannot export this model to TransformerLens: qkov writes the GPT-2 family there (standard or "
+            f"shortformer positions, LayerNorm or none, a plain MLP); it has {', '.join(other)} "
+            "(save it as a qkov checkpoint or a Hugging Face directory instead)"
         )
     return {
         "n_layers": cfg.n_layers,
