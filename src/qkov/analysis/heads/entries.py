@@ -34,11 +34,20 @@ def attention_entries(q: Tensor, k: Tensor, lse: Tensor, queries: Tensor, keys: 
     ``lse``'s precision (float32 or wider)."""
     group = q.shape[2] // k.shape[2]
     wide = lse.dtype
-    qs = q[:, queries].to(wide)  # [B, N, H, E]
-    ks = expand_kv(k[:, keys], group, dim=2).to(wide)  # [B, N, H, E]
+    qs = _at(q, 1, queries).to(wide)  # [B, N, H, E]
+    ks = expand_kv(_at(k, 1, keys), group, dim=2).to(wide)  # [B, N, H, E]
     scores = (qs * ks).sum(-1) / score_divisor(q.shape[-1])  # [B, N, H]
-    out = (scores.transpose(1, 2) - lse[:, :, queries]).exp()  # [B, H, N]
+    out = (scores.transpose(1, 2) - _at(lse, 2, queries)).exp()  # [B, H, N]
     return out.masked_fill((keys > queries).to(out.device), 0.0)
+
+
+def _at(x: Tensor, dim: int, positions: Tensor) -> Tensor:
+    """``x`` at ``positions`` along ``dim``: a view when they are consecutive (the previous-token
+    entries' ``1 .. T-1`` and ``0 .. T-2``), else a gathered copy."""
+    n = len(positions)
+    if n > 1 and bool((positions.diff() == 1).all()):
+        return x.narrow(dim, int(positions[0]), n)
+    return x.index_select(dim, positions.to(x.device))
 
 
 class EntryWatch:
