@@ -6,8 +6,11 @@ RUN (default ``runs/tour/qkov-2l``, the tour's 2-layer run; ~40 snapshots) must 
 1. ``qkov dynamics RUN`` in its own process: wall time and peak RSS (goal: <= 60 s, 40 snapshots).
 2. The core per-snapshot work both libraries can do, on the same snapshots and tokens: load the
    weights, run the validation text and the repeated random tokens, and compute the loss, every
-   head's previous-token and induction attention scores. qkov: ``qkov.trace``; TransformerLens:
-   ``HookedTransformer`` (built once, weights loaded per snapshot) + ``run_with_cache``. Ratio.
+   head's previous-token and induction attention scores. qkov: what ``qkov dynamics`` runs (one text
+   pass for the losses and the previous-token entries, one pass over the repeated tokens for the
+   induction entries, both read from the attention kernel's log-sum-exp, no pattern formed);
+   TransformerLens: ``HookedTransformer`` (built once, weights loaded per snapshot) +
+   ``run_with_cache`` (its patterns). Ratio, and the largest difference of their numbers.
 3. Snapshot overhead: the time to write the run's snapshots (measured here, same model and
    count) as a share of the run's recorded training time (goal <= 3%).
 
@@ -32,8 +35,9 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
 
     torch.set_grad_enabled(False)
     import qkov
-    from qkov.analysis.series.measures import PER_TOKEN_SEQUENCES
-    from qkov.analysis.heads.probes import induction_attention, induction_probe_tokens
+    from qkov.analysis.series.measures import PER_TOKEN_SEQUENCES, text_pass
+    from qkov.analysis.heads.entries import EntryWatch
+    from qkov.analysis.heads.probes import induction_attention, induction_entries, induction_probe_tokens
     from qkov.apps.inputs import analysis_inputs
     from qkov.model.ops import next_token_loss
     from qkov.training import snapshots as snaps
@@ -43,6 +47,7 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
     length = min(50, (final.cfg.n_ctx - 1) // 2)
     rep = induction_probe_tokens(final, length=length, batch=8, seed=0)
     found = snaps.listing(Path(run))
+    none = torch.zeros(0, dtype=torch.long)
     out = []
     if lib == "tl":
         from qkov.io import to_hooked
@@ -55,10 +60,12 @@ def core_worker(lib: str, run: str) -> dict[str, float]:
         model.load_state_dict(tensors, assign=lib == "qkov")  # qkov: the snapshot's tensors, not copies
         if lib == "qkov":
             w = qkov.Weights.from_model(model)
-            r = qkov.trace(w, text, cache="pattern.*")
-            loss = float(next_token_loss(r.logits, text))
-            prev = r.stack("pattern").diagonal(offset=-1, dim1=-2, dim2=-1).mean(dim=(1, 3))
-            ind = induction_attention(qkov.trace(w, rep, cache="pattern.*").stack("pattern"), length)
+            nll, prev = text_pass(w, text)  # the losses and every head's A[i, i-1], one pass, no pattern
+            loss = float(nll.mean())
+            ind = torch.zeros(final.cfg.n_layers, final.cfg.n_heads)
+            take = lambda layer, entries: ind.__setitem__(layer, entries.mean(dim=(0, 2)))  # noqa: E731
+            watch = EntryWatch(final.cfg.n_layers, *induction_entries(rep.shape[1], length), take)
+            qkov.trace(w, rep, edits=watch.edits(), positions=none)  # no logits read: nothing unembedded
         else:
             hooked.load_state_dict(to_hooked(model, dtype=torch.float32).state_dict())
             logits, cache = hooked.run_with_cache(text)

@@ -5,6 +5,8 @@ models on the built-in corpus and writes their reports on the GPU, then prints t
 wall time, each run's training tokens/s, validation loss and induction score, and the
 claims. With ``--ddp N`` it also runs the 2-layer model under ``torchrun --nproc_per_node N``
 (N GPUs on this node) and prints the same figures, so scaling can be read off directly.
+First, in seconds: the attention entries ``dynamics`` reads from the ``lse`` site (on the GPU the
+log-sum-exp of the scores, on the CPU the flash kernel's) against the GPU's own patterns and the CPU's.
 
     python benchmarks/gpu_check.py --out /tmp/qkov-gpu [--ddp 2]
 """
@@ -40,6 +42,31 @@ def summary(path: Path) -> dict[str, object]:
     }
 
 
+def entries_check() -> float:
+    """The largest difference between the attention entries read from ``q``, ``k`` and ``lse`` on the GPU
+    and the GPU's recorded pattern, and the CPU's entries (float32; the tests bound it by 1e-5)."""
+    import torch
+
+    import qkov
+    from qkov.analysis.heads.entries import attention_entries
+
+    cfg = qkov.ModelConfig(n_layers=2, n_heads=4, d_model=128, d_head=32, d_vocab=1024, n_ctx=256)
+    model = qkov.Transformer(cfg, seed=0).eval()
+    toks = torch.randint(1, cfg.d_vocab, (4, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
+    queries, keys = torch.tril_indices(cfg.n_ctx, cfg.n_ctx)
+    got = {}
+    for dev in ("cuda", "cpu"):
+        w = qkov.Weights.from_model(model.to(dev))
+        r = qkov.trace(w, toks, cache=["q", "k", "lse", "pattern"] if dev == "cuda" else ["q", "k", "lse"])
+        got[dev] = [attention_entries(r["q", l], r["k", l], r["lse", l], queries, keys).cpu() for l in range(cfg.n_layers)]
+        if dev == "cuda":
+            patterns = [r["pattern", l][:, :, queries.cuda(), keys.cuda()].cpu() for l in range(cfg.n_layers)]
+    return max(
+        max(float((a - b).abs().max()), float((a - c).abs().max()))
+        for a, b, c in zip(got["cuda"], patterns, got["cpu"])
+    )
+
+
 def main() -> int:
     import torch
 
@@ -51,6 +78,7 @@ def main() -> int:
         print("no CUDA GPU here: this check is for a GPU machine", file=sys.stderr)
         return 2
     print(f"GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
+    print(f"attention entries from lse (dynamics): largest difference {entries_check():.1e} (tests: <= 1e-5)")
     # the main job on the GPU: trains the 0/1/2-layer models and writes every report there
     wall = run([sys.executable, "-m", "qkov", "tour", "--device", "cuda", "--out", str(args.out), "--quiet"])
     for layers in (0, 1, 2):

@@ -453,8 +453,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "induction score: the repeated block read as starting at position 0 (no start token)": (
         "analysis/heads/probes.py",
-        "def induction_attention(patterns: Tensor, period: int, *, first: int = 1) -> Tensor:",
-        "def induction_attention(patterns: Tensor, period: int, *, first: int = 0) -> Tensor:",
+        "def induction_entries(seq: int, period: int, *, first: int = 1) -> tuple[Tensor, Tensor]:",
+        "def induction_entries(seq: int, period: int, *, first: int = 0) -> tuple[Tensor, Tensor]:",
         "tests/apps/test_dynamics.py::test_the_window_is_where_the_circuit_was_built_and_a_flat_series_has_none",
     ),
     "composition: K-composition reads the key side through the key's own Gram matrix": (
@@ -739,6 +739,37 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "        hit = next((j for j, v in enumerate(got) if v - kl < tau), None)",
         "        hit = next((j for j, v in enumerate(got) if kl - v > tau), None)",
         "tests/analysis/discovery/test_known_circuits.py::test_acdc_prunes_the_relay_model_down_to_its_path",
+    ),
+    "entries: an attention entry divided by its key's log-sum-exp, not its query's": (
+        "analysis/heads/entries.py",
+        "    out = (scores.transpose(1, 2) - lse[:, :, queries]).exp()  # [B, H, N]",
+        "    out = (scores.transpose(1, 2) - lse[:, :, keys]).exp()  # [B, H, N]",
+        "tests/analysis/heads/test_entries.py::test_entries_from_the_kernels_lse_are_the_patterns_own "
+        "tests/analysis/series/test_measures.py::test_one_text_pass_gives_the_forwards_losses_and_the_patterns_previous_token_scores",
+    ),
+    "lse: the fused kernel's log-sum-exp taken over the wrong scale (the scores before dividing by sqrt(d_head))": (
+        "model/ops.py",
+        "    scale = 1.0 / score_divisor(q.shape[-1])\n    if lse and",
+        "    scale = 1.0\n    if lse and",
+        "tests/analysis/heads/test_entries.py::test_entries_from_the_kernels_lse_are_the_patterns_own",
+    ),
+    "text pass: every sequence of a chunk scored for the previous token, not only the first ones asked": (
+        "analysis/series/measures.py",
+        "        total[layer] += entries[:rows].double().sum((0, 2))",
+        "        total[layer] += entries.double().sum((0, 2))",
+        "tests/analysis/series/test_measures.py::test_one_text_pass_gives_the_forwards_losses_and_the_patterns_previous_token_scores",
+    ),
+    "induction probe: a written pattern ignored (the entries read from q, k and the unedited log-sum-exp)": (
+        "analysis/heads/entries.py",
+        '    return any(a.kind in ("scores", "lse", "pattern") for key in (edits or {}) for a in sites.resolve(key))',
+        "    return False",
+        "tests/analysis/heads/test_entries.py::test_the_probe_reads_entries_and_an_edited_pattern_where_one_is_written",
+    ),
+    "ICL score: the default passes hold every example at once again (fresh pages each pass)": (
+        "analysis/heads/probes.py",
+        "    return max(1, min(LOGIT_BYTES // (width * cfg.d_vocab * item), PASS_BYTES // (T * widest * item)))",
+        "    return max(1, LOGIT_BYTES // (width * cfg.d_vocab * item))",
+        "tests/analysis/heads/test_icl.py::test_default_icl_passes_hold_small_activations_and_give_one_passs_score",
     ),
 }
 

@@ -387,19 +387,3 @@ def test_phase_claims_follow_the_numbers() -> None:
     no_heads["ablation"] = None
     assert phase_claims(no_heads, None)[1].holds is False
 
-
-@pytest.mark.parametrize("chunk", [None, 3])
-def test_previous_token_alone_equals_the_text_scores_and_the_patterns(chunk: int | None) -> None:
-    """The previous-token scores dynamics reads (one observed pass, no other text score) are the
-    text scores' own numbers, and the recorded patterns' mean ``A[i, i-1]``."""
-    from qkov.analysis.series.measures import previous_token_on_text
-    from qkov.analysis.heads.pattern_scores import previous_token_scores, text_scores
-
-    w = qkov.Weights.from_model(hand_built())  # a previous-token head in layer 0
-    text = torch.from_numpy(_structured_text(8, seed=2))
-    got = previous_token_on_text(w, text, chunk=chunk)
-    assert got.dtype == torch.float64 and got.shape == (w.cfg.n_layers, w.cfg.n_heads)
-    assert torch.equal(got, text_scores(w, text, chunk=chunk)["previous_token"])
-    patterns = qkov.trace(w, text, cache=["pattern"]).stack("pattern")
-    assert (got - previous_token_scores(patterns.double())).abs().max() < 1e-6
-    assert got.max() > 0.9 and got.min() < 0.5  # heads differ: the comparison is not between constants

@@ -9,7 +9,7 @@ positions enter the query/key input only, never the values or the stream.
 
 :class:`BlockPass` is that body. Every intermediate value passes through a **hook point**, named as
 the analysis forward's sites (:mod:`qkov.analysis.forward.sites`: ``resid_pre``, ``attn_in``, ``qk_in``,
-``q``, ``k``, ``v``, ``scores``, ``pattern``, ``z``, ``head_out``, ``attn_out``, ``resid_mid``,
+``q``, ``k``, ``v``, ``scores``, ``lse``, ``pattern``, ``z``, ``head_out``, ``attn_out``, ``resid_mid``,
 ``mlp_input``, ``mlp_in``, ``mlp_pre``, ``mlp_hidden``, ``mlp_out``, ``resid_post`` ...): :meth:`BlockPass.at`
 passes a value through one, :meth:`BlockPass.active` says whether anything reads or writes it,
 :meth:`BlockPass.fixed` gives a value that replaces it outright. Here they do nothing, so the
@@ -37,6 +37,7 @@ from . import ops, rotary
 from .config import ModelConfig
 from .ops import (
     attention_scores,
+    causal_attention,
     expand_kv,
     live_bias,
     masked_scores,
@@ -132,7 +133,7 @@ class BlockPass:
     def queries_keys(self, l: int, att: Any, x: Tensor, qk_in: Tensor) -> tuple[Tensor | None, Tensor | None]:
         """Queries ``[B, H, T, E]`` and keys ``[B, K, T, E]`` (rotated); ``None`` when the pattern is
         given as a value and nothing asks for them."""
-        needs = ("q_input", "k_input", "q", "k", "scores")
+        needs = ("q_input", "k_input", "q", "k", "scores", "lse")
         if self.fixed("pattern", l) is not None and not any(self.active(k, l) for k in needs):
             return None, None
         ln = (att.ln_w, att.ln_b)
@@ -143,17 +144,24 @@ class BlockPass:
         return self.at_heads("q", l, q), self.at_heads("k", l, k)
 
     def attend(self, l: int, q: Tensor | None, k: Tensor | None, v: Tensor) -> Tensor:
-        """``z [B, H, T, E]``: fused attention, unless a hook point asks for the scores or the pattern."""
+        """``z [B, H, T, E]``: fused attention, unless a hook point asks for the scores or the pattern.
+        The hook point ``lse`` (each query's log-sum-exp of its scores) is the fused kernel's own when
+        the attention runs fused, else the log-sum-exp of the scores; nothing reads it back."""
         v = expand_kv(v, self.group, dim=1)
         if not (self.active("scores", l) or self.active("pattern", l)):
-            scale = 1.0 / ops.score_divisor(q.shape[-1])  # type: ignore[union-attr]
-            return F.scaled_dot_product_attention(q, expand_kv(k, self.group, dim=1), v, is_causal=True, scale=scale)  # type: ignore[arg-type]
+            z, lse = causal_attention(q, expand_kv(k, self.group, dim=1), v, lse=self.active("lse", l))  # type: ignore[arg-type]
+            if lse is not None:
+                self.at("lse", l, lse)
+            return z
         if q is None:
             B, H, T = v.shape[0], self.cfg.n_heads, v.shape[2]
             pattern = self.fixed("pattern", l).expand(B, H, T, T)  # type: ignore[union-attr]
         else:
             fresh = attention_scores(q, expand_kv(k, self.group, dim=1))  # type: ignore[arg-type]  # nothing else holds it
-            pattern = torch.softmax(self.at("scores", l, masked_scores(fresh, inplace=True)), dim=-1)
+            scores = self.at("scores", l, masked_scores(fresh, inplace=True))
+            if self.active("lse", l):
+                self.at("lse", l, torch.logsumexp(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1))
+            pattern = torch.softmax(scores, dim=-1)
         return self.at("pattern", l, pattern) @ v
 
     def attention(self, l: int, x: Tensor) -> Tensor:

@@ -63,6 +63,7 @@ def test_every_site_is_cached_in_its_layout_and_equals_its_definition(name: str)
         att, x = w.attention(l, expand_kv=False), out["resid_pre", l]
         assert (out["pattern", l] - ref_patterns[l]).abs().max() < 1e-12
         assert (out["scores", l].softmax(-1) - out["pattern", l]).abs().max() < 1e-12
+        assert ((out["scores", l] - out["lse", l][..., None]).exp() - ref_patterns[l]).abs().max() < 1e-12
         assert bool(torch.isinf(out["scores", l].triu(1)[..., 0, 1:]).all())  # masked after the query
         v_in, s = _norm(x, w.norm)
         assert (out["attn_in", l] - v_in).abs().max() < 1e-12

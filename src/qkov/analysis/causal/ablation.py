@@ -35,7 +35,7 @@ from ..forward.edits import per_position
 from ..forward.tracer import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
 from ...progress import Progress, tick
-from ..heads.probes import ICL_LATE, LOGIT_BYTES, icl_left_out, icl_score, icl_windows, induction_probe, induction_probe_tokens
+from ..heads.probes import ICL_LATE, icl_chunk, icl_left_out, icl_score, icl_windows, induction_probe, induction_probe_tokens
 from ..shown import TEXT, Shown, register
 from ..forward.address import Address, HeadLike, parse_heads
 
@@ -150,7 +150,7 @@ def ablation_budget(
     if icl_text is not None and icl_left_out(icl_text.shape[1], c.n_ctx) is None:
         T = min(icl_text.shape[1], ICL_LATE + 2)
         width = len(torch.cat(icl_windows(T)[2:]).unique())  # the positions the score unembeds
-        own = max(1, LOGIT_BYTES // (width * c.d_vocab * it))  # icl_score's own chunk
+        own = icl_chunk(c, T, width, it)  # icl_score's own chunk
         least = 2 if mode == "resample" else 1
         one = pass_bytes(source, 1, T, logits=width, loss=True)
         icl = split(icl_text[:own], one, f"{least} {T}-token ICL example(s)", least)

@@ -56,6 +56,8 @@ def default_axes(kind: str) -> tuple[str, ...]:
 def _dims(kind: str, axes: Sequence[str]) -> dict[str, int]:
     """Where each swept axis sits in the site's layout (batch first)."""
     k = BY_NAME[kind]
+    if kind == "lse":
+        raise QkovError("patching: lse is the log-sum-exp the attention divided by, and nothing reads it back: patch scores or pattern")
     where = {"head": k.head_dim, "pos": 2 if kind in ("pattern", "scores") else 1}
     if axes[0] != "layer" or len(set(axes)) != len(axes) or not set(axes[1:]) <= {"pos", "head"}:
         raise QkovError(f"patching: axes must be 'layer' then any of 'pos', 'head', got {', '.join(axes)}")

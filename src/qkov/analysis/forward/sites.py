@@ -65,6 +65,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("k", "[B, T, K, E]", 2, "blocks.{l}.attn.hook_rot_k", "keys (after rotary)"),
     Kind("v", "[B, T, K, E]", 2, "blocks.{l}.attn.hook_v", "values (b_V included)"),
     Kind("scores", "[B, H, T, T]", 1, "blocks.{l}.attn.hook_attn_scores", "q k^T / sqrt(E), -inf after the query"),
+    Kind("lse", "[B, H, T]", 1, "", "log-sum-exp of each query's scores, pattern = exp(scores - lse); nothing reads it back"),
     Kind("pattern", "[B, H, T, T]", 1, "blocks.{l}.attn.hook_pattern", "attention pattern [query, key]"),
     Kind("z", "[B, T, H, E]", 2, "blocks.{l}.attn.hook_z", "pattern @ values, per head"),
     Kind("head_out", "[B, T, H, D]", 2, "blocks.{l}.attn.hook_result", "what each head writes, z @ W_O (no b_O)"),

@@ -3,15 +3,18 @@
 :mod:`.probes` the repeated-random-token probe and the in-context-learning score; :mod:`.repeated`
 the scores on repeated tokens (prefix matching, induction, copying); :mod:`.pattern_scores` the
 scores read from attention patterns on text (previous token, sinks, positional fraction), streamed;
-:mod:`.report` the head report: detectors, thresholds and roles.
+:mod:`.report` the head report: detectors, thresholds and roles; :mod:`.entries` attention at a few
+(query, key) entries from the attention kernel's log-sum-exp, without the pattern.
 """
 
 from __future__ import annotations
 
+from .entries import attention_entries, edits_attention, EntryWatch
 from .probes import (
     default_icl_examples,
     ICL_FLOPS,
     ICL_LATE,
+    icl_chunk,
     icl_left_out,
     icl_score,
     ICL_SHORTEST,
@@ -19,11 +22,13 @@ from .probes import (
     icl_windows,
     ICLScore,
     induction_attention,
+    induction_entries,
     induction_probe,
     induction_probe_tokens,
     InductionProbe,
     LOGIT_BYTES,
     NOT_TEXT,
+    PASS_BYTES,
     prefix_matching_tokens,
     probe_text,
     random_ids,
@@ -56,9 +61,13 @@ from .report import (
 )
 
 __all__ = [
+    "attention_entries",
+    "edits_attention",
+    "EntryWatch",
     "default_icl_examples",
     "ICL_FLOPS",
     "ICL_LATE",
+    "icl_chunk",
     "icl_left_out",
     "icl_score",
     "ICL_SHORTEST",
@@ -66,11 +75,13 @@ __all__ = [
     "icl_windows",
     "ICLScore",
     "induction_attention",
+    "induction_entries",
     "induction_probe",
     "induction_probe_tokens",
     "InductionProbe",
     "LOGIT_BYTES",
     "NOT_TEXT",
+    "PASS_BYTES",
     "prefix_matching_tokens",
     "probe_text",
     "random_ids",

@@ -30,7 +30,10 @@ from ...model.tokens import left_out_tokens
 from ...model.transformer import Transformer
 from ... import ranks
 from ...progress import Progress, tick
+from ..forward.cache import Trace
+from ..forward.sites import Sites
 from ..forward.tracer import flops_per_token, trace
+from .entries import EntryWatch, edits_attention
 from ..shown import Shown
 from ..shown import TEXT, num, register, table
 
@@ -38,6 +41,7 @@ __all__ = [
     "default_icl_examples",
     "ICL_FLOPS",
     "ICL_LATE",
+    "icl_chunk",
     "icl_left_out",
     "icl_score",
     "ICL_SHORTEST",
@@ -45,11 +49,13 @@ __all__ = [
     "icl_windows",
     "ICLScore",
     "induction_attention",
+    "induction_entries",
     "induction_probe",
     "induction_probe_tokens",
     "InductionProbe",
     "LOGIT_BYTES",
     "NOT_TEXT",
+    "PASS_BYTES",
     "prefix_matching_tokens",
     "probe_text",
     "random_ids",
@@ -166,6 +172,16 @@ def prefix_matching_tokens(
     return torch.from_numpy(out).long()
 
 
+def induction_entries(seq: int, period: int, *, first: int = 1) -> tuple[Tensor, Tensor]:
+    """The (query, key) entries the induction score reads in sequences of ``seq`` tokens whose
+    repeated block starts at position ``first`` and repeats every ``period`` positions: every query
+    ``q >= first + period`` and the key ``q - period + 1`` after the query token's previous occurrence,
+    ``([N], [N])``."""
+    q = torch.arange(first + period, seq)
+    k = q - period + 1
+    return q, k
+
+
 def induction_attention(patterns: Tensor, period: int, *, first: int = 1) -> Tensor:
     """Mean attention from each repeated token to the token after its previous occurrence.
 
@@ -174,11 +190,9 @@ def induction_attention(patterns: Tensor, period: int, *, first: int = 1) -> Ten
             starting at position ``first`` and repeating every ``period`` positions.
     Returns:
         ``[n_layers, n_heads]``: for every query ``q >= first + period``, the attention
-        paid to key ``q - period + 1``, averaged over queries and batch.
+        paid to key ``q - period + 1`` (:func:`induction_entries`), averaged over queries and batch.
     """
-    seq = patterns.shape[-1]
-    q = torch.arange(first + period, seq, device=patterns.device)
-    k = q - period + 1
+    q, k = (x.to(patterns.device) for x in induction_entries(patterns.shape[-1], period, first=first))
     return patterns[..., q, k].mean(dim=(1, 3))  # [layers, batch, heads, n_queries] -> [layers, heads]
 
 
@@ -236,8 +250,7 @@ def induction_probe(
             f"qkov.induction_probe: a context of {cfg.n_ctx} tokens holds no {repeats} copies of 2 or more tokens"
         )
     tokens = induction_probe_tokens(source, length=length, repeats=repeats, batch=batch, seed=seed, bos=bos)
-    r = trace(source, tokens, cache="pattern.*", edits=edits)
-    scores = induction_attention(r.stack("pattern"), length)
+    r, scores = _induction_pass(source, tokens, length, edits)
     nll = next_token_nll(r.logits, r.tokens)  # [batch, seq-1]; position i predicts token i+1
     losses = []
     for copy in range(repeats):
@@ -246,6 +259,26 @@ def induction_probe(
         losses.append(float(nll[:, lo : lo + length - 1].mean()))
     curve = nll.mean(0).cpu().tolist()
     return InductionProbe(induction_attention=scores.float().cpu(), loss_by_copy=losses, loss_by_position=curve, length=length)
+
+
+def _induction_pass(
+    source: Any, tokens: Tensor, length: int, edits: Mapping[Any, Any] | None
+) -> tuple[Trace, Tensor]:
+    """One pass over repeated tokens (copies of ``length`` after a start token) and
+    :func:`induction_attention` of every head, ``[n_layers, n_heads]``: read at its entries alone from
+    the attention kernel's log-sum-exp (:class:`~qkov.analysis.heads.entries.EntryWatch`, no pattern
+    formed), or from the recorded patterns when ``edits`` write the scores or the pattern."""
+    cfg = source.cfg
+    found = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=source.dtype, device=source.device)
+
+    def take(layer: int, entries: Tensor) -> None:  # [B, H, N]
+        found[layer] = entries.mean(dim=(0, 2))
+
+    watch = EntryWatch(cfg.n_layers, *induction_entries(tokens.shape[1], length), take).edits()
+    if edits_attention(Sites(cfg, source.norm), edits) or set(edits or {}) & set(watch):
+        r = trace(source, tokens, cache="pattern.*", edits=edits)
+        return r, induction_attention(r.stack("pattern"), length)
+    return trace(source, tokens, edits={**(edits or {}), **watch}), found
 
 
 @dataclass
@@ -262,6 +295,21 @@ ICL_TOKENS = 65536  # tokens the default ICL examples hold at most (256 of 256)
 ICL_FLOPS = 2 * 10**12  # ... and what their forward passes cost at most (16 examples for GPT-2 small)
 ICL_LATE = 500  # [I]'s late position: an example is read up to it, no further
 LOGIT_BYTES = 256 * 2**20  # logits held at once while the ICL curve is computed
+PASS_BYTES = 4 * 2**20
+"""What one activation of a default ICL chunk takes at most (``[chunk, T, widest]``): blocks this small
+are reused by the C allocator from one pass to the next, where larger ones (above its 32 MiB ceiling)
+are mapped afresh and page-faulted in every pass (measured: 1.5x the time of the whole score on 256
+examples of 256 tokens of a 2-layer model, the same numbers either way)."""
+
+
+def icl_chunk(cfg: Any, T: int, width: int, item: int) -> int:
+    """Examples of ``T`` tokens one ICL pass runs by default when it unembeds ``width`` positions each
+    with ``item``-byte numbers: as many as keep their ``[chunk, width, d_vocab]`` logits within
+    :data:`LOGIT_BYTES` and their widest activation (``d_model``, ``n_heads x d_head`` or ``d_mlp`` per
+    position) within :data:`PASS_BYTES`; at least one. Chunking changes no number: every example's
+    losses are its own."""
+    widest = max(cfg.d_model, cfg.n_heads * cfg.d_head, cfg.d_mlp or 0)
+    return max(1, min(LOGIT_BYTES // (width * cfg.d_vocab * item), PASS_BYTES // (T * widest * item)))
 
 
 def default_icl_examples(cfg: Any, most: int = 256) -> int:
@@ -327,8 +375,9 @@ def icl_score(
     ``early - window // 2 ..``). [I] uses 512-token examples (late = 500); a shorter context
     uses its last predicted position (``T - 2``); positions after ``late`` are not run, and the
     returned curve ends there. Negative = later tokens are predicted
-    better (the model learns in context). Examples run ``chunk`` at a time (default: as many as
-    keep their ``[chunk, T, d_vocab]`` logits within :data:`LOGIT_BYTES`). ``curve=False``
+    better (the model learns in context). Examples run ``chunk`` at a time (default
+    :func:`icl_chunk`: their logits within :data:`LOGIT_BYTES`, each activation within
+    :data:`PASS_BYTES`). ``curve=False``
     unembeds only the positions of the two windows (the same score, ~T/20 times less unembedding;
     ``loss_by_position`` is then empty). ``edits`` apply to every forward pass
     (:func:`~qkov.analysis.forward.tracer.trace`); chunks are as even as they can be, so no chunk of a
@@ -347,7 +396,7 @@ def icl_score(
     at = None if curve else torch.cat([early_at, late_at]).unique()  # sorted
     width = T if at is None else len(at)
     if chunk is None:
-        chunk = max(1, LOGIT_BYTES // (width * source.cfg.d_vocab * torch.finfo(source.dtype).bits // 8))
+        chunk = icl_chunk(source.cfg, T, width, torch.finfo(source.dtype).bits // 8)
     parts: dict[int, Tensor] = {}
     N = examples.shape[0]
     bounds = torch.linspace(0, N, -(-N // chunk) + 1).round().long().tolist()

@@ -14,6 +14,7 @@ from .measures import (
     read_series,
     Sample,
     SeriesReading,
+    text_pass,
 )
 
 __all__ = [
@@ -34,4 +35,5 @@ __all__ = [
     "read_series",
     "Sample",
     "SeriesReading",
+    "text_pass",
 ]

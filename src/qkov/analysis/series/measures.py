@@ -21,21 +21,22 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...device import check_fits, memory_budget
+from ...device import check_fits
 from ...weights.parts import WeightSource
 from ...weights.view import Weights
 from . import phase
-from ..causal.ablation import Chunks, ablation_budget, sequence_losses
+from ..causal.ablation import Chunks, ablation_budget
 from ..circuits.composition import composition_bytes
 from ..circuits.copying import copying_bytes
 from ..heads.repeated import repeat_bytes
 from ..circuits.copying import copying_scores
 from ..circuits.composition import DEFAULT_WRITER_BYTES, composition_scores
 from ..forward.tracer import trace
+from ..heads.entries import EntryWatch
 from ..heads.repeated import repeat_scores
 from ..heads.probes import icl_left_out, icl_score, induction_probe, prefix_matching_tokens
 from ..circuits.rotary import resolve_offsets
-from ..heads.pattern_scores import TEXT_CHUNK_BYTES, LayerView, LayerWatch, chunk_size, sequence_bytes
+from ...model.ops import next_token_nll
 
 __all__ = [
     "measure",
@@ -46,6 +47,7 @@ __all__ = [
     "read_series",
     "Sample",
     "SeriesReading",
+    "text_pass",
 ]
 
 PER_TOKEN_SEQUENCES = 8  # sequences whose per-token losses each record keeps (the trajectory's sample)
@@ -77,17 +79,17 @@ def _grid(t: Tensor) -> list[list[float]]:
     return [[_r(v, 4) for v in row] for row in t.tolist()]
 
 
-def measure_budget(w: Weights, sample: Sample) -> tuple[Chunks, int | None]:
+def measure_budget(w: Weights, sample: Sample) -> Chunks:
     """How :func:`measure` splits its forward passes to fit the memory budget
-    (:func:`qkov.device.memory_budget`): the loss and ICL passes as an ablation's
-    (:func:`~qkov.analysis.causal.ablation.ablation_budget`), and the sequences of the previous-token
-    scores at once. Refuses (one line, before any work) what cannot be split and does not fit: the
-    probes of repeated tokens, the copying and K-composition scores."""
+    (:func:`qkov.device.memory_budget`): the text pass (losses and previous-token scores) and the ICL
+    passes as an ablation's (:func:`~qkov.analysis.causal.ablation.ablation_budget`). Refuses (one
+    line, before any work) what cannot be split and does not fit: the probes of repeated tokens, the
+    copying and K-composition scores."""
     cfg = w.cfg
     text, icl = sample.text, sample.icl_text
     chunks = ablation_budget(w, text, icl, "zero", bos=sample.bos, seed=sample.seed, where="dynamics")
     if cfg.n_layers == 0:
-        return chunks, None
+        return chunks
     length = min(25, (cfg.n_ctx - 1) // 4)
     offsets = resolve_offsets(cfg, None)
     need = max(
@@ -97,14 +99,7 @@ def measure_budget(w: Weights, sample: Sample) -> tuple[Chunks, int | None]:
     )
     what = "dynamics: the repeated-token, copying and composition scores of one snapshot"
     check_fits(need, w.device, what, "analyse a smaller model", hint="memory")
-    if sample.text is None:
-        return chunks, None
-    T = sample.text.shape[1]
-    have, _ = memory_budget(w.device)
-    text_chunk = chunk_size(w, T, TEXT_CHUNK_BYTES if have is None else min(TEXT_CHUNK_BYTES, have))
-    what = f"dynamics: scoring one layer's attention on {T}-token text"
-    check_fits(text_chunk * sequence_bytes(w, T), w.device, what, "analyse shorter sequences", hint="memory")
-    return chunks, text_chunk
+    return chunks
 
 
 @torch.no_grad()
@@ -112,10 +107,11 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     """Every measure of one snapshot (see the module docstring) as a JSON-ready dict; its forward
     passes split to fit the memory budget (:func:`measure_budget`, checked before any work)."""
     cfg = w.cfg
-    chunks, text_chunk = measure_budget(w, sample)
+    chunks = measure_budget(w, sample)
     rec: dict[str, Any] = {"val_loss": None, "per_token_loss": None, "icl": None, "icl_improvement": None}
-    if sample.text is not None:
-        nll = sequence_losses(w, sample.text, chunk=chunks.text)  # [B, T-1]
+    previous = None
+    if sample.text is not None:  # one pass: the losses, and the previous-token scores of the first sequences
+        nll, previous = text_pass(w, sample.text, scored=PER_TOKEN_SEQUENCES, chunk=chunks.text)  # [B, T-1]
         rec["val_loss"] = _r(nll.mean())
         rec["per_token_loss"] = [_r(v, 3) for v in nll[:PER_TOKEN_SEQUENCES].flatten().tolist()]
     if sample.icl_text is not None and icl_left_out(sample.icl_text.shape[1], cfg.n_ctx) is None:
@@ -139,8 +135,8 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     )
     rs = repeat_scores(w, rep, length)
     heads = {"prefix_matching": rs.prefix_matching, "induction": rs.induction_attention, "copying_rank": rs.copying_rank}
-    if sample.text is not None:
-        heads["previous_token"] = previous_token_on_text(w, sample.text[:PER_TOKEN_SEQUENCES], chunk=text_chunk)
+    if previous is not None:
+        heads["previous_token"] = previous
     copying = copying_scores(w, diag_k=None).heads
     heads["eigen_copying"] = torch.tensor([c.eigen_score for c in copying]).reshape(cfg.n_layers, cfg.n_heads)
     rec["heads"] = {k: _grid(v.float()) for k, v in heads.items()}
@@ -149,23 +145,48 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     return rec
 
 
+def text_pass(
+    w: WeightSource, text: Tensor, *, scored: int | None = None, chunk: int | None = None, losses: bool = True
+) -> tuple[Tensor | None, Tensor]:
+    """One forward over ``text [B, T]``, ``chunk`` sequences at a time (default all): the next-token
+    losses ``[B, T-1]`` (``None`` with ``losses=False``: nothing is unembedded) and each head's
+    previous-token score on the first ``scored`` sequences (default all), ``[n_layers, n_heads]``
+    (float64): the mean over those sequences and queries ``i >= 1`` of ``A[i, i-1]``, read at those
+    entries alone from the attention kernel's log-sum-exp
+    (:class:`~qkov.analysis.heads.entries.EntryWatch`): no ``[T, T]`` pattern is formed, and the
+    attention runs fused. Equal to the recorded patterns' mean to float rounding (tested)."""
+    B, T = text.shape
+    scored = B if scored is None else min(scored, B)
+    chunk = chunk or B
+    total = torch.zeros(w.cfg.n_layers, w.cfg.n_heads, dtype=torch.float64, device=w.device)
+    queries = torch.arange(1, T)
+    rows = 0  # sequences of this chunk that are scored
+
+    def diagonal(layer: int, entries: Tensor) -> None:  # entries [b, H, T-1]
+        total[layer] += entries[:rows].double().sum((0, 2))
+
+    watch = EntryWatch(w.cfg.n_layers, queries, queries - 1, diagonal).edits()
+    none = torch.zeros(0, dtype=torch.long)  # no logits read: nothing is unembedded
+    parts = []
+    for start in range(0, B, chunk):
+        part = text[start : start + chunk]
+        rows = max(0, min(len(part), scored - start))
+        edits = watch if rows else None
+        if not losses and not rows:
+            continue
+        r = trace(w, part, edits=edits, positions=None if losses else none)
+        if losses:
+            parts.append(next_token_nll(r.logits, part))
+    nll = (parts[0] if len(parts) == 1 else torch.cat(parts)) if losses else None
+    return nll, total / (scored * (T - 1))
+
+
 def previous_token_on_text(w: WeightSource, text: Tensor, *, chunk: int | None = None) -> Tensor:
     """Each head's previous-token score on ``text [B, T]``, ``[n_layers, n_heads]`` (float64): the
-    ``previous_token`` of :func:`~qkov.analysis.heads.pattern_scores.text_scores` (the same sums in the same
-    order, so the same numbers) without its other scores, which dynamics does not read."""
-    B, T = text.shape
-    chunk = chunk or chunk_size(w, T)
-    total = torch.zeros(w.cfg.n_layers, w.cfg.n_heads, dtype=torch.float64, device=w.device)
-    none = torch.zeros(0, dtype=torch.long)  # no logits read: nothing is unembedded
-    for start in range(0, B, chunk):
-        part = torch.zeros_like(total)
-
-        def diagonal(view: LayerView) -> None:
-            part[view.layer] += view.pattern.diagonal(offset=-1, dim1=-2, dim2=-1).sum((0, 2)).double()
-
-        trace(w, text[start : start + chunk], edits=LayerWatch(w, diagonal, full=False).edits(), positions=none)
-        total += part
-    return total / (B * (T - 1))
+    ``previous_token`` of :func:`~qkov.analysis.heads.pattern_scores.text_scores` (to float rounding)
+    without its other scores, which dynamics does not read, and without any pattern
+    (:func:`text_pass` without its losses)."""
+    return text_pass(w, text, chunk=chunk, losses=False)[1]
 
 
 def _strongest_k(w: Weights) -> dict[str, Any]:
