@@ -253,7 +253,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "sites: a wildcard glob takes the per-head input copies": (
         "analysis/forward/sites.py",
-        '            skip_copies = kind_part not in HEAD_INPUTS  # a wildcard kind never takes the per-head copies',
+        '            skip_copies = kind_part not in COPIES  # a wildcard kind never takes the readers\' copies',
         '            skip_copies = False',
         "tests/analysis/forward/test_sites.py::test_every_site_is_cached_in_its_layout_and_equals_its_definition",
     ),
@@ -621,8 +621,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: the MLP receiver's gradient read from the attention's input, not the MLP's own copy": (
         "analysis/discovery/grads.py",
-        '            out[off] = _grad(run, "mlp_input", l)',
-        '            out[off] = _grad(run, "resid_pre", l)',
+        '            out[off] = _grad(recording, "mlp_input", l)',
+        '            out[off] = _grad(recording, "resid_pre", l)',
         "tests/analysis/discovery/test_attribution.py::test_eap_equals_the_gradient_of_every_edge_coefficient[gpt2-like]",
     ),
     "discovery: a head's input gradient through a frozen norm divisor (its n.g term dropped)": (
@@ -639,8 +639,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: integrated edge gradients divided by m instead of m + 1 points": (
         "analysis/discovery/attribution.py",
-        "        accumulate(scores, delta, split_grads(run, graph), graph, weight / (steps + 1))",
-        "        accumulate(scores, delta, split_grads(run, graph), graph, weight / steps)",
+        "        accumulate(scores, delta, split_grads(recording, graph), graph, weight / (steps + 1))",
+        "        accumulate(scores, delta, split_grads(recording, graph), graph, weight / steps)",
         "tests/analysis/discovery/test_attribution.py::test_integrated_edge_gradients_equal_the_reference_at_every_point[gpt2-like]",
     ),
     "discovery: EAP-IG's input points include the clean end instead of the corrupted one": (
@@ -669,8 +669,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: an ablated edge carries the current value minus its replacement (sign)": (
         "analysis/discovery/evaluate.py",
-        "            out[j:stop] -= self.heads[l].view(self.K, B, T, H, D)[k][:, :, hs].permute(2, 0, 1, 3)",
-        "            out[j:stop] += self.heads[l].view(self.K, B, T, H, D)[k][:, :, hs].permute(2, 0, 1, 3)",
+        "                torch.sub(self.rep[lo + idx].unsqueeze(0), v, out=self.diff[:, rows[0] : rows[-1] + 1])",
+        "                torch.sub(v, self.rep[lo + idx].unsqueeze(0), out=self.diff[:, rows[0] : rows[-1] + 1])",
         "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
     ),
     "discovery: a head with every edge in ablated reads the stream as it is, not its ablated input": (
@@ -687,14 +687,14 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: a receiver read from its fully ablated input weighs its senders by W, not W - 1": (
         "analysis/discovery/evaluate.py",
-        "        return torch.where(self.ii[k, rs][:, None] if self.pos else self.ii[k, rs], C - 1, C)",
-        "        return torch.where(self.ii[k, rs][:, None] if self.pos else self.ii[k, rs], C, C)",
+        "        C = torch.where(ii[:, None] if self.pos else ii, C - 1, C)",
+        "        C = torch.where(ii[:, None] if self.pos else ii, C, C)",
         "tests/analysis/discovery/test_circuit_evaluation.py::test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them[llama-like]",
     ),
     "discovery: a per-position circuit's coefficients ignore the position": (
         "analysis/discovery/evaluate.py",
-        '            add = torch.einsum("ubtd,urt->rbtd", D, C)',
-        '            add = torch.einsum("ubtd,urt->rbd", D, C)[:, :, None] / D.shape[2]',
+        '                    out[lo:hi] = torch.einsum("ubtd,urt->rbtd", D, C[:, lo:hi]) + base[mode]',
+        '                    out[lo:hi] = torch.einsum("ubtd,urt->rbd", D, C[:, lo:hi])[:, :, None] / D.shape[2] + base[mode]',
         "tests/analysis/discovery/test_circuit_evaluation.py::test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them[gpt2-like]",
     ),
     "discovery: dead-end pruning forgets that the input needs no edge in": (
@@ -742,8 +742,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "entries: an attention entry divided by its key's log-sum-exp, not its query's": (
         "analysis/heads/entries.py",
-        "    out = (scores.transpose(1, 2) - lse[:, :, queries]).exp()  # [B, H, N]",
-        "    out = (scores.transpose(1, 2) - lse[:, :, keys]).exp()  # [B, H, N]",
+        "    out = (scores.transpose(1, 2) - _at(lse, 2, queries)).exp()  # [B, H, N]",
+        "    out = (scores.transpose(1, 2) - _at(lse, 2, keys)).exp()  # [B, H, N]",
         "tests/analysis/heads/test_entries.py::test_entries_from_the_kernels_lse_are_the_patterns_own "
         "tests/analysis/series/test_measures.py::test_one_text_pass_gives_the_forwards_losses_and_the_patterns_previous_token_scores",
     ),
