@@ -89,7 +89,8 @@ def _delta(r: int, dtype: torch.dtype, screen: torch.dtype, device: torch.device
     exact = _evaluation_error(r, 2.0**-8 if lowered else 0.0, u, u)
     if screen == dtype:
         return 2 * exact * (1 + 2.0**-40)
-    fast = _evaluation_error(r, _unit(screen), min(u, 2.0**-24), _unit(screen))
+    us = _unit(screen)  # a half-precision screen accumulates in float32
+    fast = _evaluation_error(r, us, min(us, 2.0**-24), us)
     return (exact + fast) * (1 + 2.0**-40)
 
 

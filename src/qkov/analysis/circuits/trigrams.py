@@ -52,7 +52,7 @@ from ...weights.convert import SourceLike, as_source
 from .rotary import rotations
 from .vocab import embed_product, unembed_product
 from ..budget import item, rows_per_chunk
-from .bounded import SCREEN_ROWS, stable_topk
+from .bounded import SCREEN_ROWS, screen_bytes, screen_dtype, stable_topk
 from .factored import DEFAULT_MAX_BYTES, LowRank
 from ..shown import TEXT, Shown, decoder, num, register, table, token
 from .vocab import VOCAB_BLOCK
@@ -393,18 +393,21 @@ def trigram_table_bytes(source: WeightSource) -> int:
 
 def trigram_search_bytes(source: WeightSource, *, batch: int, chunk_rows: int) -> int:
     """Peak of :meth:`~qkov.analysis.circuits.trigrams.TrigramTable.top` beyond the table: the bounds
-    (float64), a screen's low-precision copies of a circuit's factors and its block of ``chunk_rows``
-    rows (:func:`~qkov.analysis.circuits.bounded.row_bounds`; counted at the source's element size), and
-    ``batch`` sources' rows of both circuits with their top-k indices and masks."""
+    (float64), a screen of one circuit (its low-precision copies of the factors and a block of at most
+    ``chunk_rows`` rows' bytes: :func:`~qkov.analysis.circuits.bounded.screen_bytes`), and ``batch``
+    sources' rows of both circuits with their top-k indices and masks."""
     c, it = source.cfg, item(source)
     V, E = c.d_vocab, c.d_head
-    screen = (2 * V * E + chunk_rows * (V + E)) * it
+    screen = screen_bytes(V, V, E, chunk_rows * V * it, screen_dtype(source.device, source.dtype))
     return 32 * V + screen + 2 * batch * V * it + 2 * batch * V * 9
 
 
 def bigram_bytes(source: WeightSource, *, chunk_rows: int) -> int:
     """Peak of :func:`~qkov.analysis.circuits.trigrams.bigrams`: the copied embedding and the centred
-    unembedding (both read first from a streamed source) and a chunk of their product."""
-    c = source.cfg
+    unembedding (both read first from a streamed source), the top-k's screen of their product (its
+    low-precision copies of both and a block: :func:`~qkov.analysis.circuits.bounded.screen_bytes`) and a
+    chunk of ``chunk_rows`` exact rows."""
+    c, it = source.cfg, item(source)
     V, D = c.d_vocab, c.d_model
-    return ((2 if source.in_memory else 4) * V * D + chunk_rows * V) * item(source)
+    screen = screen_bytes(V, V, D, chunk_rows * V * it, screen_dtype(source.device, source.dtype))
+    return ((2 if source.in_memory else 4) * V * D + chunk_rows * V) * it + screen
