@@ -148,11 +148,14 @@ def stable_topk(x: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest entries along the last dimension, largest first, equal values in index order
     (and an equal value straddling the k-th place taken from the lowest indices): ``values, indices
     [..., k]``. (``torch.topk`` leaves both unspecified among equal values.)"""
-    flat = x.reshape(-1, x.shape[-1])
-    v, i = torch.topk(flat, k, dim=-1)
+    n = x.shape[-1]
+    flat = x.reshape(-1, n)
+    v, i = torch.topk(flat, min(k + 1, n), dim=-1)
+    # a row whose (k+1)-th value equals its k-th has an equal value straddling the k-th place
+    cut = torch.nonzero(v[:, k] == v[:, k - 1]).squeeze(-1) if k < n else v.new_empty(0, dtype=torch.long)
+    v, i = v[:, :k], i[:, :k]
     kth = v[:, -1:]
-    cut = torch.nonzero(torch.count_nonzero(flat == kth, -1) > torch.count_nonzero(v == kth, -1)).squeeze(-1)
-    if cut.numel():  # rows whose entries equal to the k-th value did not all fit: the first ones
+    if cut.numel():  # there, of the entries equal to the k-th value, the first ones
         rows, t = flat[cut], kth[cut]
         above, tied = rows > t, rows == t
         need = k - torch.count_nonzero(above, -1)[:, None]
