@@ -231,7 +231,7 @@ class LowRank:
         Exact, by bound and refine (:mod:`~qkov.analysis.circuits.bounded`): a fast screen bounds
         every row's largest entry, then only the rows whose bound reaches the k-th best exact value
         are computed, in row chunks of at most ``max_bytes`` and 8 MiB (the values are those of the
-        float32 product computed in row chunks). The screen holds a low-precision copy of both
+        product in the factors' dtype computed in row chunks). The screen holds a low-precision copy of both
         factors and blocks of at most ``max_bytes``; nothing ``m x n`` is held. Ties: largest first
         (smallest first with ``largest=False``), equal values in row-major order (of ``rows`` and
         ``cols`` as given), an equal value straddling the k-th place taken from the first.
