@@ -9,6 +9,7 @@ import torch
 
 from qkov import ModelConfig, QkovError, Transformer
 from qkov.analysis.circuits import trigrams as T
+from qkov.analysis.circuits.factored import LowRank
 from qkov.weights import Weights
 
 
@@ -88,3 +89,29 @@ def test_bigrams_fill_the_table_when_the_start_token_dominates() -> None:
     full[0] = float("-inf")
     full[:, 0] = float("-inf")
     assert [b.logit for b in got] == pytest.approx(torch.topk(full.flatten(), 10).values.tolist())
+
+
+def test_tied_trigrams_come_by_source_destination_output_whatever_the_visit() -> None:
+    """Integer-valued circuits (scores tie everywhere): the table is the brute-force top under the order
+    (-score, source, destination, output), the same for every batch size (every order of the visit)."""
+    g = torch.Generator().manual_seed(0)
+    V = 13
+    table = T.TrigramTable(weights(), 0, 0)
+    table.d_vocab = V
+    qk = torch.randint(-2, 3, (V, 2), generator=g).double(), torch.randint(-2, 3, (2, V), generator=g).double()
+    ov = torch.randint(-2, 3, (V, 2), generator=g).double(), torch.randint(-2, 3, (2, V), generator=g).double()
+    table.qk, table.ov = LowRank(*qk), LowRank(*ov)
+    q, o = qk[0] @ qk[1], ov[0] @ ov[1]  # [source, destination], [source, output]
+    for exclude in ((), (0, 4)):
+        keep = [t for t in range(V) if t not in exclude]
+        ref = sorted(
+            (-float(q[s, d] * o[s, x]), s, d, x)
+            for s in keep
+            for d in keep
+            for x in keep
+            if q[s, d] > 0 and o[s, x] > 0
+        )
+        for top in (1, 6, 25):
+            for batch in (1, 2, 5, 256):
+                got = table.top(top, exclude=exclude, batch=batch)
+                assert [(-t.score, t.source, t.destination, t.output) for t in got] == ref[:top], (exclude, top, batch)

@@ -1,7 +1,8 @@
 """Circuits read off the weights alone [F]: no forward pass.
 
-:mod:`.factored` (:class:`LowRank`: products kept factored) and :mod:`.vocab` (products with the
-embedding and unembedding in blocks) carry the algebra; :mod:`.qk_ov` the QK and OV circuits and
+:mod:`.factored` (:class:`LowRank`: products kept factored), :mod:`.bounded` (a product's largest
+entries, exact, by bound and refine) and :mod:`.vocab` (products with the embedding and unembedding in
+blocks) carry the algebra; :mod:`.qk_ov` the QK and OV circuits and
 virtual weights; :mod:`.copying` the copying scores; :mod:`.composition` Q/K/V composition and its
 random baseline; :mod:`.rotary` QK circuits of rotary heads by offset; :mod:`.trigrams` the
 one-layer skip-trigram and bigram tables; :mod:`.report` the whole weights-only report
@@ -10,6 +11,7 @@ one-layer skip-trigram and bigram tables; :mod:`.report` the whole weights-only 
 
 from __future__ import annotations
 
+from .bounded import row_bounds, screen_bytes, screen_dtype, SCREEN_ROWS, stable_topk, top_entries
 from .factored import CACHE_BYTES, DEFAULT_MAX_BYTES, eigenvalues, gram_sqrt, LowRank, serial_linalg, TopK, topk_text
 from .vocab import embed_product, unembed_product, VOCAB_BLOCK
 from .qk_ov import (
@@ -96,6 +98,12 @@ from .report import (
 )
 
 __all__ = [
+    "row_bounds",
+    "screen_bytes",
+    "screen_dtype",
+    "SCREEN_ROWS",
+    "stable_topk",
+    "top_entries",
     "CACHE_BYTES",
     "DEFAULT_MAX_BYTES",
     "eigenvalues",

@@ -11,7 +11,8 @@ operation works through the factors ``A [..., m, r]`` and ``B [..., r, n]``:
   norms under multiplication, so norms of products of many pairs (composition scores) need
   only ``r``-sized products;
 * rows, columns, diagonal, top-k entries (whole matrix or per row) and diagonal
-  ranks in row chunks whose size obeys a caller-set memory bound (``max_bytes``).
+  ranks in row chunks whose size obeys a caller-set memory bound (``max_bytes``); the whole
+  matrix's top-k and bounds on its rows' maxima by bound and refine (:mod:`.bounded`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from ...errors import QkovError
 from ..shown import Shown
+from .bounded import row_bounds, top_entries
 from ..shown import TEXT, decoder, num, register, table, token
 
 __all__ = [
@@ -224,12 +226,15 @@ class LowRank:
     ) -> TopK:
         """The ``k`` largest (or smallest) entries of the whole matrix, per batch element; with
         ``rows`` / ``cols`` (1-D index tensors), of the entries in those rows and columns only
-        (indices in the result are still the whole matrix's).
+        (indices in the result are still the whole matrix's). ``values/rows/cols [..., k]``.
 
-        Computed in small row chunks (at most ``max_bytes``, and at most 8 MiB so a chunk
-        stays in cache). A running threshold (the k-th best value so far) lets a chunk's
-        row maxima rule out almost every row, so the cost is about one matrix product.
-        ``values/rows/cols [..., k]``.
+        Exact, by bound and refine (:mod:`~qkov.analysis.circuits.bounded`): a fast screen bounds
+        every row's largest entry, then only the rows whose bound reaches the k-th best exact value
+        are computed, in row chunks of at most ``max_bytes`` and 8 MiB (the values are those of the
+        product in the factors' dtype computed in row chunks). The screen holds a low-precision copy of both
+        factors and blocks of at most ``max_bytes``; nothing ``m x n`` is held. Ties: largest first
+        (smallest first with ``largest=False``), equal values in row-major order (of ``rows`` and
+        ``cols`` as given), an equal value straddling the k-th place taken from the first.
         """
         if rows is not None or cols is not None:
             r = torch.arange(self.shape[-2], device=self.A.device) if rows is None else rows.to(self.A.device)
@@ -238,43 +243,15 @@ class LowRank:
             return TopK(sub.values, r[sub.rows], c[sub.cols])
         m, n = self.shape[-2], self.shape[-1]
         k = _check_k(k, m * n)
-        batch = self.batch_shape
         flat_A = self.A.reshape(-1, m, self.rdim)
         flat_B = self.B.reshape(-1, self.rdim, n)
-        if not largest:  # smallest entries of AB are the largest of (-A)B
+        if not largest:  # smallest entries of AB are the largest of (-A)B, exactly (rounding is symmetric)
             flat_A = -flat_A
         chunk = max(1, min(m, min(max_bytes, CACHE_BYTES) // max(1, n * self.A.element_size())))
-        values, rows, cols = [], [], []
-        buf = flat_A.new_empty(chunk, n)
-        for b in range(flat_A.shape[0]):
-            best_v = flat_A.new_empty(0)
-            best_i = torch.empty(0, dtype=torch.long, device=flat_A.device)
-            for lo in range(0, m, chunk):
-                hi = min(m, lo + chunk)
-                block = torch.matmul(flat_A[b, lo:hi], flat_B[b], out=buf[: hi - lo])
-                row_max = block.amax(dim=-1)
-                if best_v.numel() >= k:
-                    live = torch.nonzero(row_max > best_v[-1]).squeeze(-1)
-                    if live.numel() == 0:
-                        continue
-                    sub = block[live]
-                else:
-                    live = torch.arange(hi - lo, device=block.device)
-                    sub = block
-                kk = min(k, n)
-                v, c = torch.topk(sub, kk, dim=-1)  # [rows, kk]
-                idx = (live[:, None] + lo) * n + c
-                cat_v = torch.cat([best_v, v.reshape(-1)])
-                cat_i = torch.cat([best_i, idx.reshape(-1)])
-                v, pos = torch.topk(cat_v, min(k, cat_v.numel()))
-                best_v, best_i = v, cat_i[pos]
-            values.append(best_v if largest else -best_v)
-            rows.append(best_i // n)
-            cols.append(best_i % n)
-        shape = (*batch, k)
-        return TopK(
-            torch.stack(values).reshape(shape), torch.stack(rows).reshape(shape), torch.stack(cols).reshape(shape)
-        )
+        found = [top_entries(a, b, k, max_bytes=max_bytes, chunk_rows=chunk) for a, b in zip(flat_A, flat_B)]
+        values = torch.stack([v if largest else -v for v, _ in found]).reshape(*self.batch_shape, k)
+        flat = torch.stack([i for _, i in found]).reshape(*self.batch_shape, k)
+        return TopK(values, flat // n, flat % n)
 
     def topk_rows(self, k: int, *, largest: bool = True, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[Tensor, Tensor]:
         """Per row: the ``k`` largest entries ``values [..., m, k]`` and their columns ``[..., m, k]``."""
@@ -299,6 +276,16 @@ class LowRank:
             hi = min(m, lo + chunk)
             torch.amax(torch.matmul(self.A[lo:hi], self.B, out=buf[: hi - lo]), dim=-1, out=out[lo:hi])
         return out
+
+    def row_max_bound(self, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tensor:
+        """An upper bound ``[..., m]`` (float64) on the largest entry of every row, from a fast
+        low-precision screen (:func:`~qkov.analysis.circuits.bounded.row_bounds`): at least the
+        row's largest entry however it is computed, above it by at most about 1.2 % of
+        ``||A_i|| max_j ||B_:j||``. For a search that needs a bound, not the maximum itself."""
+        m = self.shape[-2]
+        flat_A, flat_B = self.A.reshape(-1, m, self.rdim), self.B.reshape(-1, self.rdim, self.shape[-1])
+        out = [row_bounds(a, b, max_bytes=max_bytes) for a, b in zip(flat_A, flat_B)]
+        return torch.stack(out).reshape(self.shape[:-1])
 
     def diag_rank(self, *, max_bytes: int = DEFAULT_MAX_BYTES, cols: Tensor | None = None) -> Tensor:
         """For each row ``i``, how many other entries of row ``i`` are at least its diagonal entry:

@@ -42,6 +42,7 @@ from typing import Callable, ClassVar
 from dataclasses import field
 
 import torch
+from torch import Tensor
 
 from ...device import check_fits, memory_budget
 from ...errors import QkovError
@@ -51,7 +52,8 @@ from ...weights.convert import SourceLike, as_source
 from .rotary import rotations
 from .vocab import embed_product, unembed_product
 from ..budget import item, rows_per_chunk
-from .factored import CACHE_BYTES, DEFAULT_MAX_BYTES, LowRank
+from .bounded import SCREEN_ROWS, screen_bytes, screen_dtype, stable_topk
+from .factored import DEFAULT_MAX_BYTES, LowRank
 from ..shown import TEXT, Shown, decoder, num, register, table, token
 from .vocab import VOCAB_BLOCK
 from ..shown import Items
@@ -140,12 +142,15 @@ class TrigramTable:
     ) -> list[SkipTrigram]:
         """The ``top`` skip-trigrams over the whole vocabulary, strongest first (exact).
 
-        Branch and bound: a source's best trigram scores at most ``max_d qk[d, s] * max_o ov[s, o]``
-        (one cheap row-maximum pass over each factored circuit). Sources are visited from the
-        largest bound down, ``batch`` at a time; each visited source contributes its best
-        ``top`` destinations x ``top`` outputs; the search stops once the ``top``-th best score
-        found beats every remaining bound. ``max_bytes`` and ``batch`` default to the planned ones
-        (at most :data:`~qkov.analysis.circuits.factored.DEFAULT_MAX_BYTES` and :data:`SEARCH_BATCH`).
+        Branch and bound: a source's best trigram scores at most ``max_d qk[d, s] * max_o ov[s, o]``,
+        bounded from above by one fast screen of each factored circuit
+        (:meth:`~qkov.analysis.circuits.factored.LowRank.row_max_bound`). Sources are visited from the
+        largest bound down, ``batch`` at a time; each visited source contributes its best ``top``
+        destinations x ``top`` outputs; the search stops once the ``top``-th best score found beats
+        every remaining bound. Scores are ``qk * ov`` of the float32 values, in float64 (exact); equal
+        scores come by source, then destination, then output, so the result does not depend on the
+        order of the visit. ``max_bytes`` and ``batch`` default to the planned ones (at most
+        :data:`~qkov.analysis.circuits.factored.DEFAULT_MAX_BYTES` and :data:`SEARCH_BATCH`).
         """
         V, qk, ov = self.d_vocab, self.qk, self.ov
         exclude = self.excluded(exclude)
@@ -154,34 +159,19 @@ class TrigramTable:
         k = min(top, V - len(exclude))
         if k < 1:
             raise QkovError("skip_trigrams: vocabulary too small")
-        bound = qk.row_max(max_bytes=max_bytes).clamp_min(0) * ov.row_max(max_bytes=max_bytes).clamp_min(0)
+        bound = qk.row_max_bound(max_bytes=max_bytes).clamp_min(0) * ov.row_max_bound(max_bytes=max_bytes).clamp_min(0)
         bound[list(exclude)] = 0
         order = torch.argsort(bound, descending=True)
-        best: list[tuple[float, int, int, int, float, float]] = []
+        best: list[tuple[float, int, int, int, float, float]] = []  # (-score, s, d, o, qk, ov)
         excl = torch.tensor(list(exclude), dtype=torch.long, device=bound.device)
         for lo in range(0, V, batch):
             srcs = order[lo : lo + batch]
-            if len(best) >= top and best[top - 1][0] >= float(bound[srcs[0]]):
-                break
+            if len(best) >= top and -best[top - 1][0] > float(bound[srcs[0]]):
+                break  # an equal bound may still hold an equal score that comes first
             srcs = srcs[bound[srcs] > 0]
             if srcs.numel() == 0:
                 break
-            q_rows, o_rows = qk.rows(srcs), ov.rows(srcs)  # [b, V]
-            if excl.numel():
-                q_rows[:, excl] = float("-inf")
-                o_rows[:, excl] = float("-inf")
-            qv, qi = torch.topk(q_rows, k, dim=-1)
-            ovv, oi = torch.topk(o_rows, k, dim=-1)
-            prod = qv[:, :, None].clamp_min(0) * ovv[:, None, :].clamp_min(0)  # [b, k, k]
-            vals, flat = torch.topk(prod.reshape(-1), min(top, prod.numel()))
-            for val, f in zip(vals.tolist(), flat.tolist()):
-                if val <= 0:
-                    break
-                r, rem = divmod(f, k * k)
-                a, b = divmod(rem, k)
-                best.append((val, int(srcs[r]), int(qi[r, a]), int(oi[r, b]), float(qv[r, a]), float(ovv[r, b])))
-            best.sort(key=lambda t: -t[0])
-            best = best[:top]
+            best = sorted(best + _source_best(qk.rows(srcs), ov.rows(srcs), srcs, excl, k, top))[:top]
         return [SkipTrigram(s, d, o, q, v) for _, s, d, o, q, v in best]
 
     def source_view(self, source: int, *, top: int = 10, exclude: tuple[int, ...] | None = None) -> "SourceView":
@@ -224,24 +214,46 @@ class TrigramTable:
         ]
 
 
+def _source_best(
+    q_rows: Tensor, o_rows: Tensor, srcs: Tensor, excl: Tensor, k: int, top: int
+) -> list[tuple[float, int, int, int, float, float]]:
+    """Each source's candidates ``(-score, source, destination, output, qk, ov)`` from its QK and OV rows
+    ``[b, V]``: its ``k`` best destinations x ``k`` best outputs (:func:`~qkov.analysis.circuits.bounded.stable_topk`:
+    equal values by id), the positive scores down to its ``top``-th (every equal one kept). Any trigram
+    of the source left out has ``k`` others before it in the order (-score, destination, output)."""
+    if excl.numel():
+        q_rows[:, excl] = float("-inf")
+        o_rows[:, excl] = float("-inf")
+    qv, qi = stable_topk(q_rows, k)
+    ovv, oi = stable_topk(o_rows, k)
+    prod = qv.double()[:, :, None].clamp_min(0) * ovv.double()[:, None, :].clamp_min(0)  # [b, k, k], exact
+    flat = prod.reshape(prod.shape[0], -1)
+    floor = torch.topk(flat, min(top, flat.shape[1]), dim=-1).values[:, -1:]
+    out = []
+    for r, f in torch.nonzero((flat >= floor) & (flat > 0)).tolist():
+        a, b = divmod(f, k)
+        out.append((-float(flat[r, f]), int(srcs[r]), int(qi[r, a]), int(oi[r, b]), float(qv[r, a]), float(ovv[r, b])))
+    return out
+
+
 SEARCH_BATCH = 256  # sources whose rows the search of the top trigrams reads at once
 
 
 def _search_budget(source: WeightSource, layer: int, head: int) -> tuple[int, int]:
     """``(batch, max_bytes)`` of :meth:`TrigramTable.top` under the memory budget, refusing a table
-    whose search of one source at a time, in one-row chunks, would not fit."""
+    whose search of one source at a time, with one-row screen blocks, would not fit."""
     V, row = source.cfg.d_vocab, source.cfg.d_vocab * item(source)
     table = trigram_table_bytes(source)
     least = table + trigram_search_bytes(source, batch=1, chunk_rows=1)
     what = f"trigrams: the skip-trigram table of head {layer}.{head}"
     check_fits(least, source.device, what, "analyse a model with a smaller vocabulary", hint="memory")
     have, _ = memory_budget(source.device)
-    chunk = min(DEFAULT_MAX_BYTES, CACHE_BYTES)
+    chunk = min(DEFAULT_MAX_BYTES, SCREEN_ROWS * row)  # the screens' blocks
     full = table + trigram_search_bytes(source, batch=SEARCH_BATCH, chunk_rows=rows_per_chunk(source, V, V, chunk))
     if have is None or full <= have:
         return SEARCH_BATCH, DEFAULT_MAX_BYTES
-    spare = have - least  # shared between the batch's rows (two circuits, values and indices) and the row chunk
-    per_source = 2 * row + 16 * V
+    spare = have - least  # shared between the batch's rows (two circuits, values, indices, masks) and the block
+    per_source = 2 * row + 18 * V
     batch = min(SEARCH_BATCH, 1 + spare // (2 * per_source))
     return batch, min(chunk, row * (1 + (spare - (batch - 1) * per_source) // row))
 
@@ -380,15 +392,22 @@ def trigram_table_bytes(source: WeightSource) -> int:
 
 
 def trigram_search_bytes(source: WeightSource, *, batch: int, chunk_rows: int) -> int:
-    """Peak of :meth:`~qkov.analysis.circuits.trigrams.TrigramTable.top` beyond the table: the bounds, a
-    chunk of ``chunk_rows`` rows of a circuit, and ``batch`` sources' rows of both circuits."""
-    V = source.cfg.d_vocab
-    return (4 * V + chunk_rows * V + 2 * batch * V) * item(source) + 2 * batch * V * 8  # top-k indices
+    """Peak of :meth:`~qkov.analysis.circuits.trigrams.TrigramTable.top` beyond the table: the bounds
+    (float64), a screen of one circuit (its low-precision copies of the factors and a block of at most
+    ``chunk_rows`` rows' bytes: :func:`~qkov.analysis.circuits.bounded.screen_bytes`), and ``batch``
+    sources' rows of both circuits with their top-k indices and masks."""
+    c, it = source.cfg, item(source)
+    V, E = c.d_vocab, c.d_head
+    screen = screen_bytes(V, V, E, chunk_rows * V * it, screen_dtype(source.device, source.dtype))
+    return 32 * V + screen + 2 * batch * V * it + 2 * batch * V * 9
 
 
 def bigram_bytes(source: WeightSource, *, chunk_rows: int) -> int:
     """Peak of :func:`~qkov.analysis.circuits.trigrams.bigrams`: the copied embedding and the centred
-    unembedding (both read first from a streamed source) and a chunk of their product."""
-    c = source.cfg
+    unembedding (both read first from a streamed source), the top-k's screen of their product (its
+    low-precision copies of both and a block: :func:`~qkov.analysis.circuits.bounded.screen_bytes`) and a
+    chunk of ``chunk_rows`` exact rows."""
+    c, it = source.cfg, item(source)
     V, D = c.d_vocab, c.d_model
-    return ((2 if source.in_memory else 4) * V * D + chunk_rows * V) * item(source)
+    screen = screen_bytes(V, V, D, chunk_rows * V * it, screen_dtype(source.device, source.dtype))
+    return ((2 if source.in_memory else 4) * V * D + chunk_rows * V) * it + screen

@@ -7,9 +7,12 @@ the library function that computes it, for this head only.
 * ``qk_eigenvalues`` / ``top_qk``: the full QK circuit ``W_E W_QK W_E^T`` (:func:`qkov.analysis.circuits.qk_ov.full_qk`);
   a rotary head has one per offset, so its card reads the direct-path table at the offset its profile
   prefers (:func:`~qkov.analysis.circuits.rotary.offset_qk`, ``qk_offset`` says which);
-* ``top_ov`` / ``top_qk``: the largest entries over the whole vocabulary, exact, in row chunks
-  (:meth:`LowRank.topk <qkov.analysis.circuits.factored.LowRank.topk>`; nothing ``d_vocab x d_vocab`` is held);
-* ``trigrams``: :func:`~qkov.analysis.circuits.trigrams.skip_trigrams` (exact branch and bound, start token excluded);
+* ``top_ov`` / ``top_qk``: the largest entries over the whole vocabulary, exact, by bound and refine
+  (:meth:`LowRank.topk <qkov.analysis.circuits.factored.LowRank.topk>`: a fast screen bounds every row, only
+  the rows that can reach the top are computed; nothing ``d_vocab x d_vocab`` is held; equal values in
+  row-major order);
+* ``trigrams``: :func:`~qkov.analysis.circuits.trigrams.skip_trigrams` (exact branch and bound on the same
+  screen's bounds, start token excluded);
 * ``positional``: a learned-position head's ``W_pos W_QK W_pos^T`` (:func:`qkov.positional_qk`)
   averaged along each offset ``query - key``; a rotary head's weights-only offset profile
   (:func:`~qkov.analysis.circuits.rotary.offset_profile`);
@@ -17,8 +20,9 @@ the library function that computes it, for this head only.
   only with the scores of :func:`qkov.composition_scores` (tested equal to the all-pairs result);
 * ``pattern``: the head's attention pattern on ``text`` when given (the ``attention`` view's form).
 
-At GPT-2's vocabulary each vocabulary-wide table costs about one ``d_vocab x d_vocab x d_head``
-product (seconds each on a laptop CPU): ``"tables": false`` leaves ``top_ov``, ``top_qk`` and
+At GPT-2's vocabulary each vocabulary-wide table costs about one screen of a ``d_vocab x d_vocab``
+product of inner dimension ``d_head`` (the trigrams two; about half a second each on a 2-core CPU with
+bfloat16 matrix units, a float32 scan elsewhere): ``"tables": false`` leaves ``top_ov``, ``top_qk`` and
 ``trigrams`` out (``null``): the rest of the card costs a few ``d_vocab x d_model x d_head`` products.
 """
 
