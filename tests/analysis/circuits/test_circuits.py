@@ -36,6 +36,19 @@ def test_copying_score_hand_built() -> None:
     assert max(abs(s) for s in scores) < 0.9
 
 
+def test_diag_rank_counts_ties_against_the_diagonal_in_both_paths() -> None:
+    """``diag_rank``: how many other entries of a row are at least its diagonal one (ties count against
+    it), by brute force on integer-valued factors full of ties, through the one-matrix path and the
+    batched one."""
+    g = torch.Generator().manual_seed(0)
+    A, B = torch.randint(-1, 2, (2, 9, 2), generator=g).double(), torch.randint(-1, 2, (2, 9), generator=g).double()
+    M = A @ B  # [2, 9, 9]
+    want = torch.stack([(M[b] >= M[b].diagonal()[:, None]).sum(-1) - 1 for b in range(2)])
+    assert torch.equal(LowRank(A[0], B).diag_rank(), want[0])
+    assert torch.equal(LowRank(A, B).diag_rank(), want)
+    assert int((want > 0).sum()) > 3 and bool((M == M.diagonal(dim1=1, dim2=2)[..., None]).sum(-1).gt(1).any())
+
+
 def test_full_circuits_match_materialised_products() -> None:
     _, w = weights()
     E, U, P = w.W_E, w.W_U, w.W_pos
