@@ -179,11 +179,15 @@ class Contrast:
         start: int | None = None,
         stream: Tensor | None = None,
         tokens: Tensor | None = None,
+        since: int = 0,
     ) -> Tensor:
         """The metric on ``K`` copies of the base tokens in one forward pass: ``[K]``. ``edits``
         patch each copy its own way (copy ``k`` is rows ``k*B .. (k+1)*B`` of the batch); ``start``:
         begin at that layer from the base recording's stream (nothing before it changes), or from
-        ``stream [K*B, T, D]``; ``tokens [K*B, T]``: run these instead of the copies (from the start)."""
+        ``stream [K*B, T, D]``; ``tokens [K*B, T]``: run these instead of the copies (from the start).
+        ``since``: no copy differs from the base run before this position (attention is causal: a patch
+        changes nothing before the first position it writes), so the logits there are the base
+        recording's and only the later positions are unembedded."""
         B, T = self.base.shape
         tokens = self.base.repeat(K, 1) if tokens is None else tokens
         start_at = None
@@ -196,10 +200,28 @@ class Contrast:
                 here = base[("resid_pre", start)] if start < self.weights.cfg.n_layers else final_stream(base)
                 stream = here.detach().repeat(K, 1, 1)  # (a base recording made for a gradient keeps its graph)
             start_at = (start, stream)
-        out = trace(
-            self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads, positions=self.positions
-        )
-        return torch.stack([self.metric(out.select(slice(k * B, (k + 1) * B))).detach() for k in range(K)])
+        every = self.positions if self.positions is not None or since <= 0 else torch.arange(T)
+        later = every if every is None else every[every >= since]
+        out = trace(self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads, positions=later)
+        early = None
+        if every is not None and len(later) < len(every):  # the earlier logits: the base recording's
+            early = self.base_recording.logits[:, : len(every) - len(later)].detach()  # type: ignore[union-attr]
+        values = []
+        for k in range(K):  # one copy at a time: its logits whole only while its metric is read
+            copy = out.select(slice(k * B, (k + 1) * B))
+            if early is not None:
+                copy = Trace(copy.tokens, torch.cat([early, copy.logits], 1), copy.cache, copy.source, self.positions)
+            values.append(self.metric(copy).detach())
+        return torch.stack(values)
+
+    def passes(self, firsts: Sequence[int], K: int) -> list[tuple[int, list[int]]]:
+        """The patched passes of copies whose changes begin at positions ``firsts`` (the sequence length: the
+        copy changes nothing, and its metric is the base run's): ``(since, copies)`` each, at most ``K`` copies
+        a pass, those whose changes begin near each other together, ``since`` the earliest change among them
+        (:meth:`measure`'s ``since``)."""
+        T = self.base.shape[1]
+        order = sorted((i for i, f in enumerate(firsts) if f < T), key=lambda i: (firsts[i], i))
+        return [(firsts[order[lo]], order[lo : lo + K]) for lo in range(0, len(order), K)]
 
     def result(
         self, method: str, site: str, axes: Sequence[str], values: Tensor, labels: dict[str, list[str]] | None = None

@@ -143,21 +143,41 @@ def patch_activations(
     kind, axes, dims, sizes = _swept(c, site, axes)
     c.ensure(activation_sites(kind))
     L = c.weights.cfg.n_layers
-    values = torch.full((L, *(sizes[a] for a in axes[1:])), float("nan"), dtype=torch.float64)
+    values = torch.full((L, *(sizes[a] for a in axes[1:])), c.base_value, dtype=torch.float64)  # a patch changing nothing
     K_max = c.copies(max_bytes)
     cells = list(itertools.product(*(range(sizes[a]) for a in axes[1:])))
     total, done = L * len(cells), 0
     for l in range(L):
         start = min(l, c.reads_from)
-        for lo in range(0, len(cells), K_max):
-            chunk = cells[lo : lo + K_max]
-            edit = _setter(c.source_recording[(kind, l)].detach(), dims, chunk, len(chunk))  # type: ignore[index]
-            got = c.measure(len(chunk), {(kind, l): edit}, start=start)
+        patched = c.source_recording[(kind, l)].detach()  # type: ignore[index]
+        firsts = _first_changes(patched != c.base_recording[(kind, l)].detach(), kind, dims, cells)  # type: ignore[index]
+        for since, picked in c.passes(firsts, K_max):
+            chunk = [cells[i] for i in picked]
+            edit = _setter(patched, dims, chunk, len(chunk))
+            got = c.measure(len(chunk), {(kind, l): edit}, start=start, since=since)
             for cell, v in zip(chunk, got.tolist()):
                 values[(l, *cell)] = v
             done += len(chunk)
             tick(progress, f"patching: {kind}", done, total)
     return c.result("activation", kind, axes, values, _labels(L, axes, sizes))
+
+
+def _first_changes(changed: Tensor, kind: str, dims: dict[str, int], cells: list[tuple[int, ...]]) -> list[int]:
+    """Where each cell's patch first changes the site (``changed``: booleans, the site's layout): the position
+    itself for a cell at one position (the sequence length when the values there are equal: no change), else
+    the first position where any of the cell's values differ. A value at a position reaches only that position
+    and later ones (for the scores and the pattern, the query's)."""
+    pos = 2 if kind in ("pattern", "scores") else 1
+    T = changed.shape[pos]
+    keep = sorted({*dims.values(), pos})
+    folded = changed.any(dim=[d for d in range(changed.ndim) if d not in keep]) if len(keep) < changed.ndim else changed
+    order = [keep.index(dims[a]) for a in dims] + ([] if pos in dims.values() else [keep.index(pos)])
+    by_cell = folded.permute(order).cpu()  # [*swept sizes] (position swept) or [*swept sizes, T]
+    if pos in dims.values():
+        at = list(dims).index("pos")
+        return [cell[at] if bool(by_cell[cell]) else T for cell in cells]
+    first = torch.where(by_cell.any(-1), by_cell.int().argmax(-1), T)
+    return [int(first[cell]) for cell in cells]
 
 
 # ------------------------------------------------------------------ attribution patching

@@ -142,13 +142,18 @@ def patch_paths(
     split = 2 * c.base.numel() * H * cfg.d_model * c.base_recording.logits.element_size() * len(layers)  # type: ignore[union-attr]
     K_max = c.copies(max_bytes or PATCH_BYTES, split)
     values = torch.full((L, H), float("nan"), dtype=torch.float64)
-    for lo in range(0, len(sent), K_max):
-        chunk = sent[lo : lo + K_max]
+    for s in sent:
+        values[s.layer, s.head] = c.base_value  # a sender whose output does not change: the base run's metric
+    passes = c.passes([_first_change(c, s) for s in sent], K_max)
+    done = len(sent) - sum(len(picked) for _, picked in passes)
+    for since, picked in passes:
+        chunk = [sent[i] for i in picked]
         delta = torch.stack([_change(c, s, W_O[s.layer]) for s in chunk])  # type: ignore[index]
-        got = _run_chunk(c, heads, input, chunk, delta, start)
+        got = _run_chunk(c, heads, input, chunk, delta, start, since)
         for s, v in zip(chunk, got.tolist()):
             values[s.layer, s.head] = v
-        tick(progress, WHERE, lo + len(chunk), len(sent))
+        done += len(chunk)
+        tick(progress, WHERE, done, len(sent))
     into = "logits" if not heads else f"{','.join(h.name for h in heads)} {input}"
     labels = {"layer": [str(l) for l in range(L)], "head": [str(h) for h in range(H)]}
     return c.result("path", f"sender -> {into}", ("layer", "head"), values, labels)
@@ -161,20 +166,31 @@ def _change(c: Contrast, sender: Address, W_O: Tensor) -> Tensor:
     return z @ W_O[h]
 
 
-def _run_chunk(c: Contrast, heads: list[Address], kind: str, chunk: list[Address], delta: Tensor, start: int) -> Tensor:
-    """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes."""
+def _first_change(c: Contrast, sender: Address) -> int:
+    """The first position where ``sender``'s ``z`` differs between the two recordings (its output, ``z @ W_O``,
+    cannot differ earlier); the sequence length when it never does."""
+    l, h = sender.layer, sender.head
+    differs = (c.source_recording[("z", l)][:, :, h] != c.base_recording[("z", l)][:, :, h]).any(0).any(-1)  # type: ignore[index]
+    return int(differs.int().argmax()) if bool(differs.any()) else len(differs)
+
+
+def _run_chunk(
+    c: Contrast, heads: list[Address], kind: str, chunk: list[Address], delta: Tensor, start: int, since: int = 0
+) -> Tensor:
+    """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes, none
+    before position ``since``."""
     K = delta.shape[0]
     if not heads:  # -> logits: the final stream of each copy is the base one plus the sender's change
         final = final_stream(c.base_recording).detach()  # type: ignore[arg-type]
         stream = (final[None] + delta).reshape(K * delta.shape[1], *delta.shape[2:])
-        return c.measure(K, start=c.weights.cfg.n_layers, stream=stream)
+        return c.measure(K, start=c.weights.cfg.n_layers, stream=stream, since=since)
     edits: dict[Any, Any] = {}
     for l2 in sorted({h.layer for h in heads}):
         slots = sorted({h._replace(input=kind).input_site(c.weights.cfg).head for h in heads if h.layer == l2})
         before = torch.tensor([s.layer < l2 for s in chunk], device=delta.device)  # type: ignore[operator]
         d = delta * before[:, None, None, None].to(delta)
         edits[Address(f"{kind}_input", l2)] = _receive(_base_stream(c, l2), slots, d)
-    return c.measure(K, edits, start=start)
+    return c.measure(K, edits, start=start, since=since)
 
 
 def _base_stream(c: Contrast, layer: int) -> Tensor:

@@ -167,7 +167,9 @@ class _Pass(BlockPass):
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
         logits = final @ unemb.W_U
         b_U = live_bias(unemb.b_U)
-        return self.at("logits", None, logits if b_U is None else logits + b_U)
+        if b_U is not None:  # in place on the fresh product (the same bits): the logits are the largest tensor
+            logits = logits + b_U if self.grad else logits.add_(b_U)
+        return self.at("logits", None, logits)
 
     def query_rows(self, positions: Tensor | None, T: int, *, start_at: Any) -> Tensor | None:
         """The positions ``[P]`` (in ``0 .. T-1``) where the last layer needs its queries, or ``None``
