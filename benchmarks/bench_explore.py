@@ -51,6 +51,8 @@ to the first page (``GET /``), then a head card and a 256-token attention throug
 and the server's peak RSS. Timings on a shared machine are noisy: compare within one run.
 
     python benchmarks/bench_explore.py [--dir /tmp/qkov-explore-bench] [--skip heads,terms] [--only text,patch]
+"""
+
 from __future__ import annotations
 
 import argparse
