@@ -180,3 +180,19 @@ def test_a_study_shares_one_base_and_one_source_run_and_changes_no_number(direct
             assert torch.allclose(got.values, want.values, atol=1e-10, equal_nan=True), (got.method, got.site)
             assert got.clean == pytest.approx(want.clean, abs=1e-12) and got.corrupted == pytest.approx(want.corrupted, abs=1e-12)
         assert (study.results[-1].values.nan_to_num() - study.results[-1].base).abs().max() > 1e-6  # the paths move it
+
+
+def test_gradients_are_taken_whatever_the_callers_grad_mode() -> None:
+    """``trace(grad=True)`` and attribution patching run differentiably inside ``torch.no_grad()`` too (a script
+    that switches gradients off, as inference code does, still gets attribution patching)."""
+    from qkov.analysis.causal import patching as Pt
+
+    _, w, clean, corrupted = _setup()
+    want = Pt.attribution_patching(w, clean, corrupted)
+    with torch.no_grad():
+        got = Pt.attribution_patching(w, clean, corrupted)
+        study = patch_study(w, clean, corrupted)
+        r = trace(w, clean, cache=["embed"], grad=True)
+    r.logits[0, -1, 3].backward()  # the recording made under no_grad kept its graph
+    assert torch.equal(got.values, want.values) and torch.equal(study.result("attribution", "head_out").values, want.values)
+    assert r["embed"].grad is not None and r["embed"].grad.abs().max() > 0

@@ -154,7 +154,8 @@ class Contrast:
         pass through a base recording made with ``grad``; later calls do nothing (the gradients are there)."""
         assert self.base_recording is not None, "Contrast.backward needs a base recording made with grad=True"
         if not self.backed:
-            self.metric(self.base_recording).backward()
+            with torch.enable_grad():  # whatever the caller's mode: the recording kept its graph
+                self.metric(self.base_recording).backward()
             self.backed = True
 
     @property

@@ -30,7 +30,6 @@ Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, 
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -246,7 +245,7 @@ def trace(
         positions = torch.zeros(0, dtype=torch.long)
     store = _Store({a.site for a in asked}, _whole_kinds(asked, cfg.n_layers), cfg.n_layers, grad)
     state = _Pass(source, ed, store, grad)
-    with contextlib.nullcontext() if grad else torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():  # grad=True whatever the caller's mode
         out = _run(state, tokens, positions, start_at)
     return Trace(tokens, out, store.items, source, positions, dict(store.buffers))
 

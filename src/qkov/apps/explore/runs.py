@@ -22,11 +22,10 @@ import torch
 from torch import Tensor
 
 from ...analysis.forward.tracer import trace
-from ...model.ops import next_token_nll
 from .context import Explorer
 from .views_card import r6
 
-__all__ = ["CleanRun", "clean_run", "KEEP", "kept_run", "Runs", "STREAM_BYTES", "TOP_K", "top_tokens"]
+__all__ = ["CleanRun", "clean_run", "KEEP", "kept_run", "Runs", "scored", "STREAM_BYTES", "TOP_K", "top_tokens"]
 
 TOP_K = 5
 """Next-token predictions listed per position."""
@@ -36,13 +35,21 @@ STREAM_BYTES = 64 * 2**20
 """The most a kept run's streams may take (GPT-2 small at 1024 tokens: 36 MiB); a longer run keeps none."""
 
 
-def top_tokens(ex: Explorer, logits: Tensor, k: int = TOP_K) -> list[list[dict[str, Any]]]:
-    """The ``k`` most likely next tokens at each position of ``logits [seq, d_vocab]``, with their probabilities."""
-    values, ids = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), dim=-1)
+def top_tokens(ex: Explorer, logprobs: Tensor, k: int = TOP_K) -> list[list[dict[str, Any]]]:
+    """The ``k`` most likely next tokens at each position of ``logprobs [seq, d_vocab]``, with their probabilities."""
+    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
     return [
         [{"token": ex.decode(int(i)), "id": int(i), "p": r6(math.exp(float(v)))} for v, i in zip(vs, row)]
         for vs, row in zip(values.tolist(), ids.tolist())
     ]
+
+
+def scored(ex: Explorer, logits: Tensor, ids: Tensor) -> tuple[Tensor, list[list[dict[str, Any]]]]:
+    """The next-token loss ``[seq - 1]`` of ``ids [1, seq]`` and the top predictions at each position, from
+    ``logits [1, seq, d_vocab]`` through one log-softmax (float32; the loss as :func:`qkov.model.ops.next_token_nll`)."""
+    logprobs = torch.log_softmax(logits[0].float(), dim=-1)
+    nll = -logprobs[:-1].gather(-1, ids[0, 1:, None].to(logprobs.device))[:, 0]
+    return nll.cpu(), top_tokens(ex, logprobs)
 
 
 @dataclass(frozen=True)
@@ -105,10 +112,7 @@ def clean_run(ex: Explorer, ids: Tensor) -> CleanRun:
     keep = cfg.n_layers * T * cfg.d_model * torch.empty(0, dtype=w.dtype).element_size() <= STREAM_BYTES
     ids = ids.to(w.device)
     out = trace(w, ids, cache=["resid_pre.*"] if keep and cfg.n_layers else [])
-    run = CleanRun(
-        nll=next_token_nll(out.logits, ids)[0].cpu(),
-        top=top_tokens(ex, out.logits[0]),
-        streams=out.stack("resid_pre") if keep and cfg.n_layers else None,
-    )
+    nll, top = scored(ex, out.logits, ids)
+    run = CleanRun(nll=nll, top=top, streams=out.stack("resid_pre") if keep and cfg.n_layers else None)
     _runs(ex).put(key, run)
     return run

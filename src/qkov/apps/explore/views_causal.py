@@ -28,10 +28,9 @@ from ...analysis.causal.studies import patch_study
 from ...analysis.forward.address import Address, parse_heads
 from ...errors import QkovError
 from ...finite import json_safe
-from ...model.ops import next_token_nll
 from ...progress import Progress
 from .context import BadRequest, Explorer
-from .runs import TOP_K, clean_run, top_tokens
+from .runs import TOP_K, clean_run, scored
 from .views_card import r6
 
 __all__ = ["ablate", "MODES", "patch", "TOP_K"]
@@ -73,7 +72,8 @@ def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, 
     start = run.stream(min(h.layer for h in heads))  # type: ignore[type-var]
     with torch.no_grad():
         logits = trace(ex.weights, ids, edits=ablation_edits(heads, mode, means=means), start_at=start).logits
-    before, after = run.nll.tolist(), next_token_nll(logits, ids)[0].tolist()
+    after_nll, top_after = scored(ex, logits, ids)
+    before, after = run.nll.tolist(), after_nll.tolist()
     progress("ablate", 2, 2)
     return {
         "heads": [h.name for h in heads],
@@ -84,7 +84,7 @@ def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, 
         "mean_before": r6(sum(before) / len(before)),
         "mean_after": r6(sum(after) / len(after)),
         "top_before": run.top,
-        "top_after": top_tokens(ex, logits[0]),
+        "top_after": top_after,
     }
 
 
