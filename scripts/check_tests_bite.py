@@ -370,8 +370,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "path patching: the sender's change subtracted": (
         "analysis/causal/path_patch.py",
-        "            out[:, :, :, s] = base_input[None, :, :, s] + delta",
-        "            out[:, :, :, s] = base_input[None, :, :, s] - delta",
+        "            out[:, :, :, s] = base[None] + delta",
+        "            out[:, :, :, s] = base[None] - delta",
         "tests/analysis/causal/test_patching.py::test_path_patching_into_keys_and_logits_equals_a_hand_computation",
     ),
     "path patching: the change reaches the receiver's every input": (
@@ -808,6 +808,66 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "    return max(1, min(LOGIT_BYTES // (width * cfg.d_vocab * item), PASS_BYTES // (T * widest * item)))",
         "    return max(1, LOGIT_BYTES // (width * cfg.d_vocab * item))",
         "tests/analysis/heads/test_icl.py::test_default_icl_passes_hold_small_activations_and_give_one_passs_score",
+    ),
+    "trace: a recording without logits stops before the edits it was given": (
+        "analysis/forward/tracer.py",
+        "        sites = set(self.store.wanted) | set(self.edits.by_site)",
+        "        sites = set(self.store.wanted)",
+        "tests/analysis/forward/test_early_stop.py::test_edits_are_waited_for_and_start_at_and_grad_hold",
+    ),
+    "trace: a recording without logits waits for a site before its start (and runs to the end)": (
+        "analysis/forward/tracer.py",
+        ' and not (k == "embed" and start_at)}',
+        "}",
+        "tests/analysis/forward/test_early_stop.py::test_edits_are_waited_for_and_start_at_and_grad_hold",
+    ),
+    "explore: the ablated pass starts at the last ablated layer": (
+        "apps/explore/views_causal.py",
+        "    start = run.stream(min(h.layer for h in heads))",
+        "    start = run.stream(max(h.layer for h in heads))",
+        "tests/apps/test_explore_runs.py::test_views_are_equal_with_and_without_the_kept_run",
+    ),
+    "explore: the session drops its most recent text's run": (
+        "apps/explore/runs.py",
+        "                self._runs.popitem(last=False)",
+        "                self._runs.popitem(last=True)",
+        "tests/apps/test_explore_runs.py::test_a_session_keeps_a_few_texts_and_long_runs_without_streams",
+    ),
+    "patching: a study's shared recording leaves out the path sweep's receiver streams": (
+        "analysis/causal/path_patch.py",
+        '    return Needs(z, stream + (into if heads else (f"resid_post.{L - 1}",)))',
+        '    return Needs(z, stream if heads else (f"resid_post.{L - 1}",))',
+        "tests/analysis/causal/test_toolkit.py::test_a_study_shares_one_base_and_one_source_run_and_changes_no_number",
+    ),
+    "patching: the metric's gradient accumulates twice in a shared recording": (
+        "analysis/causal/contrast.py",
+        "                self.metric(self.base_recording).backward()\n            self.backed = True",
+        "                self.metric(self.base_recording).backward(retain_graph=True)\n            self.backed = False",
+        "tests/analysis/causal/test_toolkit.py::test_a_study_shares_one_base_and_one_source_run_and_changes_no_number",
+    ),
+    "patching: the logits at a patch's first changed position are taken from the base run": (
+        "analysis/causal/contrast.py",
+        "        later = every if every is None else every[every >= since]",
+        "        later = every if every is None else every[every > since]",
+        "tests/analysis/causal/test_patching_since.py::test_sweeps_with_a_metric_over_every_position_equal_one_patch_at_a_time",
+    ),
+    "patching: a head's patch taken to change nothing until one position after it does": (
+        "analysis/causal/patching.py",
+        "    first = torch.where(by_cell.any(-1), by_cell.int().argmax(-1), T)",
+        "    first = torch.where(by_cell.any(-1), by_cell.int().argmax(-1) + 1, T)",
+        "tests/analysis/causal/test_patching_since.py::test_sweeps_with_a_metric_over_every_position_equal_one_patch_at_a_time",
+    ),
+    "patching: a sender's path taken to begin one position late": (
+        "analysis/causal/path_patch.py",
+        "    return int(differs.int().argmax()) if bool(differs.any()) else len(differs)",
+        "    return int(differs.int().argmax()) + 1 if bool(differs.any()) else len(differs)",
+        "tests/analysis/causal/test_patching_since.py::test_the_work_saved_changes_no_number",
+    ),
+    "qkov patch: a qkov checkpoint loaded whole before its view": (
+        "apps/cli/common.py",
+        "    if streamable(args.ckpt):\n        w = Weights.from_source",
+        "    if False:\n        w = Weights.from_source",
+        "tests/apps/test_patch_cli.py::test_patch_reads_the_view_straight_from_a_checkpoint",
     ),
 }
 

@@ -16,6 +16,7 @@ from qkov.analysis.causal import ablation as Ab
 from qkov.analysis.causal.metrics import LogitDiff, Loss
 from qkov.analysis.causal.patching import activation_patching
 from qkov.analysis.causal.path_patch import path_patching
+from qkov.analysis.causal.studies import patch_study
 from qkov.apps.inputs import sample_for
 from qkov.io import save_tl
 
@@ -72,6 +73,29 @@ def test_patch_prints_the_librarys_numbers_for_texts_and_token_ids(tiny: Path, t
     assert r["site"] == "attn_out" and np.allclose(r["values"], want.values.numpy(), atol=1e-6)
     code, out, _ = run_main(capsys, "patch", tiny, "--clean", c, "--corrupted", x)
     assert code == 0 and "activation patching of head_out by layer x head" in out and "head 1" in out
+
+
+def test_patch_reads_the_view_straight_from_a_checkpoint(tiny: Path, tmp_path: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a qkov checkpoint ``qkov patch`` never loads the model (the folded view is read layer by layer from the
+    memory map): every result is the study's on the loaded model's view."""
+    from qkov.apps.cli import common
+
+    model = qkov.load(tiny)
+    c, x, clean, corrupted = _texts(tmp_path, model)
+    want = patch_study(Weights.from_model(model), clean, corrupted, receivers="1.1").results
+
+    def refuse(*a, **k):  # type: ignore[no-untyped-def]
+        raise AssertionError("qkov patch loaded the model")
+
+    monkeypatch.setattr(common, "load_any", refuse)
+    code, out, err = run_main(capsys, "patch", tiny, "--clean", c, "--corrupted", x, "--receivers", "1.1", "--json")
+    assert code == 0, err
+    got = json.loads(out)["results"]
+    assert [(r["method"], r["site"]) for r in got] == [(r.method, r.site) for r in want]
+    for g, w in zip(got, want):
+        values = np.array(g["values"], dtype=float)  # JSON null: NaN
+        assert np.allclose(values, w.values.numpy(), atol=1e-5, equal_nan=True), g["site"]
+        assert abs(g["clean"] - w.clean) < 1e-5 and abs(g["corrupted"] - w.corrupted) < 1e-5
 
 
 def test_patch_and_ablate_user_mistakes_are_one_line_errors(tiny: Path, tmp_path: Path, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -24,6 +24,7 @@ from ..analysis.series.measures import Sample
 from ..errors import QkovError
 from ..io.checkpoint import read_config
 from ..io.sources import source_kind
+from ..model.tokens import source_codec
 from ..model.transformer import Transformer
 from ..training.data import Corpus, load_corpus, val_batches
 
@@ -230,12 +231,13 @@ def sample_for(origin: Path, model: Transformer, *, text: Path | None, tokens: P
     return Sample(ids[:TEXT_SEQUENCES], ids[:n_icl], bos, seed, inp.source, freqs)
 
 
-def read_sequences(path: Path, model: Transformer) -> torch.Tensor:
+def read_sequences(path: Path, model: Any) -> torch.Tensor:
     """The sequences of a patching input ``path``: a token file as :func:`read_token_file` reads it
     (``.npy``, ``.bin``, or text made only of integers; a 1-D stream is one sequence, ids as given),
-    else text with one sequence per non-empty line, each encoded with the model's tokenizer and
-    started with its start token. ``[sequences, tokens]``; one-line errors for lines of different
-    lengths or sequences longer than the context."""
+    else text with one sequence per non-empty line, each encoded with the tokenizer of ``model`` (a model
+    or a weights view: anything with ``cfg``, ``tokenizer`` and ``bos_token_id``) and started with its
+    start token. ``[sequences, tokens]``; one-line errors for lines of different lengths or sequences
+    longer than the context."""
     where = f"{str(path)!r}"
     try:
         raw = path.read_bytes() if path.suffix not in (".npy", ".bin") else b""
@@ -251,7 +253,8 @@ def read_sequences(path: Path, model: Transformer) -> torch.Tensor:
     elif model.tokenizer is None:
         raise QkovError(f"{where} is text, and the model has no tokenizer: give token ids (.npy, .bin or integers)")
     else:
-        seqs = [np.asarray(model.codec.encode(ln), dtype=np.int64) for ln in lines]
+        codec = source_codec(model)
+        seqs = [np.asarray(codec.encode(ln), dtype=np.int64) for ln in lines]
     lengths = sorted({len(s) for s in seqs})
     if len(lengths) > 1:
         raise QkovError(f"{where}: every sequence must have the same number of tokens; got lengths {lengths}")
@@ -260,14 +263,14 @@ def read_sequences(path: Path, model: Transformer) -> torch.Tensor:
     return torch.from_numpy(np.stack(seqs))
 
 
-def patching_pair(clean: Path, corrupted: Path, model: Transformer) -> tuple[torch.Tensor, torch.Tensor]:
-    """The clean and corrupted sequences of ``qkov patch`` (:func:`read_sequences`), checked to have
-    the same shape."""
+def patching_pair(clean: Path, corrupted: Path, model: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clean and corrupted sequences of ``qkov patch`` (:func:`read_sequences`; ``model``: a model or a
+    weights view), checked to have the same shape."""
     a, b = read_sequences(clean, model), read_sequences(corrupted, model)
     if a.shape != b.shape:
         shown = ""
         if a.shape[0] == b.shape[0] and model.tokenizer is not None:  # say how the first sequences split
-            words = [model.to_str_tokens(x[0])[1:] for x in (a, b)]
+            words = [source_codec(model).str_tokens(x[0])[1:] for x in (a, b)]
             shown = "; they split as " + " vs ".join(repr("|".join(w)) for w in words)
         raise QkovError(
             f"the clean and corrupted inputs must have the same number of sequences and tokens: "
@@ -287,11 +290,12 @@ class PatchingInputs:
     names: tuple[str, str]
 
 
-def patching_inputs(model: Transformer, clean: Path, corrupted: Path, metric: str | None, device: Any) -> PatchingInputs:
+def patching_inputs(model: Any, clean: Path, corrupted: Path, metric: str | None, device: Any) -> PatchingInputs:
     """The pair (:func:`patching_pair`) on ``device``, its metric parsed (token strings through the
-    model's tokenizer) and a decoder for position labels: what ``qkov patch`` and the report read."""
+    tokenizer of ``model``, a model or a weights view) and a decoder for position labels: what ``qkov patch``
+    and the report read."""
     c, x = patching_pair(clean, corrupted, model)
-    codec = None if model.tokenizer is None else model.codec
+    codec = None if model.tokenizer is None else source_codec(model)
     m = parse_metric(metric, c.to(device), codec, model.cfg.d_vocab)
     decode = None if codec is None else codec.token_str
     return PatchingInputs(c.to(device), x.to(device), m, decode, (str(clean), str(corrupted)))

@@ -31,7 +31,7 @@ class AttentionView:
     def __init__(self, source: WeightSource, ids: Tensor, decode: Callable[[int], str], where: tuple[int, ...]) -> None:
         self.ids, self.tokens = ids.cpu(), [decode(int(i)) for i in ids]
         self.layer, self.head, self.query = where
-        self.patterns = trace(source, ids[None], cache="pattern.*").stack("pattern")[:, 0].float().cpu()
+        self.patterns = trace(source, ids[None], cache="pattern.*", logits=False).stack("pattern")[:, 0].float().cpu()
         self._section = attention_section(source, ids, decode)  # type: ignore[arg-type]
 
     def argmax(self, layer: int, head: int, query: int) -> int:

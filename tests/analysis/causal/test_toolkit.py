@@ -145,3 +145,54 @@ def test_path_patching_into_a_grouped_key_equals_an_edit_by_hand(direction: str)
     assert got.at(layer=0, head=1) == pytest.approx(want, abs=1e-10)
     assert abs(want - got.base) > 1e-6  # the path moves the metric: the test can tell
     assert got.site == "sender -> 1.3 k" and bool(got.values[0, 0].isnan())
+
+
+@pytest.mark.parametrize("direction", ["denoise", "noise"])
+def test_a_study_shares_one_base_and_one_source_run_and_changes_no_number(direction: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The default sweeps (activation of resid_pre and head_out, attribution, path patching) read one base and
+    one source recording, made once with every site they read and the base's graph; each result equals the
+    function run on its own (its own recordings), as does a study on a GPT-2-like model with the loss metric."""
+    from qkov.analysis.causal import patching as Pt
+
+    for cfg, metric in ((LN_MLP, LogitDiff(correct=3, incorrect=5)), (LN_MLP.replace(positional="standard"), None)):
+        _, w, clean, corrupted = _setup(cfg)
+        recorded: list[bool] = []
+        real = Contrast.record
+
+        def counted(self, *a, **k):  # type: ignore[no-untyped-def]
+            recorded.append(k.get("grad", False))
+            return real(self, *a, **k)
+
+        monkeypatch.setattr(Contrast, "record", counted)
+        study = patch_study(w, clean, corrupted, metric=metric, direction=direction, receivers="1.0")
+        assert recorded == [True]  # one recording of each run, the base's with its graph
+        monkeypatch.setattr(Contrast, "record", real)
+        kw = dict(metric=metric, direction=direction)
+        alone = [
+            Pt.activation_patching(w, clean, corrupted, site="resid_pre", **kw),
+            Pt.activation_patching(w, clean, corrupted, site="head_out", **kw),
+            Pt.attribution_patching(w, clean, corrupted, site="head_out", **kw),
+            path_patching(w, clean, corrupted, receivers="1.0", **kw),
+        ]
+        assert [(r.method, r.site) for r in study.results] == [(r.method, r.site) for r in alone]
+        for got, want in zip(study.results, alone):
+            assert got.values.shape == want.values.shape
+            assert torch.allclose(got.values, want.values, atol=1e-10, equal_nan=True), (got.method, got.site)
+            assert got.clean == pytest.approx(want.clean, abs=1e-12) and got.corrupted == pytest.approx(want.corrupted, abs=1e-12)
+        assert (study.results[-1].values.nan_to_num() - study.results[-1].base).abs().max() > 1e-6  # the paths move it
+
+
+def test_gradients_are_taken_whatever_the_callers_grad_mode() -> None:
+    """``trace(grad=True)`` and attribution patching run differentiably inside ``torch.no_grad()`` too (a script
+    that switches gradients off, as inference code does, still gets attribution patching)."""
+    from qkov.analysis.causal import patching as Pt
+
+    _, w, clean, corrupted = _setup()
+    want = Pt.attribution_patching(w, clean, corrupted)
+    with torch.no_grad():
+        got = Pt.attribution_patching(w, clean, corrupted)
+        study = patch_study(w, clean, corrupted)
+        r = trace(w, clean, cache=["embed"], grad=True)
+    r.logits[0, -1, 3].backward()  # the recording made under no_grad kept its graph
+    assert torch.equal(got.values, want.values) and torch.equal(study.result("attribution", "head_out").values, want.values)
+    assert r["embed"].grad is not None and r["embed"].grad.abs().max() > 0

@@ -72,11 +72,11 @@ def z_means(source: SourceLike, tokens: Tensor, heads: Sequence[HeadLike], *, ch
     layers = sorted({l for l, _ in heads})
     chunk = chunk or tokens.shape[0]
     if chunk >= tokens.shape[0]:
-        r = trace(source, tokens, cache=[("z", l) for l in layers])
+        r = trace(source, tokens, cache=[("z", l) for l in layers], logits=False)
         return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])
     total = None
     for lo in range(0, tokens.shape[0], chunk):
-        r = trace(source, tokens[lo : lo + chunk], cache=[("z", l) for l in layers])
+        r = trace(source, tokens[lo : lo + chunk], cache=[("z", l) for l in layers], logits=False)
         part = torch.stack([r["z", l][:, :, h].double().sum(dim=(0, 1)) for l, h in heads])
         total = part if total is None else total + part
     assert total is not None

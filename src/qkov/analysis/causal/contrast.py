@@ -4,7 +4,9 @@ Every causal method here compares two runs. :class:`Contrast` holds them once: t
 corrupted tokens (checked: valid ids, the same shape), the ``direction`` (``"denoise"``: the
 corrupted tokens are the *base* run, patched with values from the clean *source* run;
 ``"noise"``: the other way round), the metric, both runs (each caching what the method asks and
-what the metric reads) and the metric's value on each. It also runs the patched passes
+what the metric reads) and the metric's value on each (:meth:`Contrast.ensure` records only when the
+recordings lack a site asked: the sweeps of one study share one base and one source run; and
+:meth:`Contrast.backward` takes the metric's gradient once for every method that reads it). It also runs the patched passes
 (:meth:`Contrast.measure`): many patched copies of the base tokens in one forward pass, started at a
 layer from the base recording's stream, one metric value per copy, and wraps the values in a
 :class:`~qkov.analysis.causal.result.PatchResult` (:meth:`Contrast.result`).
@@ -17,7 +19,7 @@ The swap between (clean, corrupted) and (base, source) is written once
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -63,6 +65,8 @@ class Contrast:
     source_recording: Trace | None = None
     clean_value: float = math.nan
     corrupted_value: float = math.nan
+    held: tuple[frozenset[Any], frozenset[Any], bool] | None = field(default=None, repr=False)  # what record() kept
+    backed: bool = field(default=False, repr=False)  # the metric's gradient is in the base recording
 
     @classmethod
     def of(
@@ -128,7 +132,31 @@ class Contrast:
         self.source_recording = trace(self.weights, self.source, cache=[*cache, *reads], positions=self.positions)
         base, src = (float(self.metric(r).detach()) for r in (self.base_recording, self.source_recording))
         self.clean_value, self.corrupted_value = self.swap(base, src)
+        self.held, self.backed = (self._names([*cache, *reads]), self._names(base_only), grad), False
         return self
+
+    def _names(self, keys: Sequence[Any]) -> frozenset[Any]:
+        """The sites ``(kind, layer)`` that ``keys`` name."""
+        return frozenset(a.site for a in Sites(self.weights.cfg, self.weights.norm).resolve_all(list(keys)))
+
+    def ensure(self, cache: Sequence[Any] = (), *, base_only: Sequence[Any] = (), grad: bool = False) -> Contrast:
+        """:meth:`record` unless the recordings hold every site asked already (and the base recording keeps its
+        graph, when ``grad`` is asked): how the sweeps of one study share one base and one source run. The sites
+        a recording holds beyond those asked change no value in it. Returns ``self``."""
+        if self.held is not None:
+            both, base, graph = self.held
+            if self._names(cache) <= both and self._names(base_only) <= both | base and (graph or not grad):
+                return self
+        return self.record(cache, base_only=base_only, grad=grad)
+
+    def backward(self) -> None:
+        """The metric's gradient at every site the base recording cached (their ``.grad``), from one backward
+        pass through a base recording made with ``grad``; later calls do nothing (the gradients are there)."""
+        assert self.base_recording is not None, "Contrast.backward needs a base recording made with grad=True"
+        if not self.backed:
+            with torch.enable_grad():  # whatever the caller's mode: the recording kept its graph
+                self.metric(self.base_recording).backward()
+            self.backed = True
 
     @property
     def reads_from(self) -> int:
@@ -152,11 +180,15 @@ class Contrast:
         start: int | None = None,
         stream: Tensor | None = None,
         tokens: Tensor | None = None,
+        since: int = 0,
     ) -> Tensor:
         """The metric on ``K`` copies of the base tokens in one forward pass: ``[K]``. ``edits``
         patch each copy its own way (copy ``k`` is rows ``k*B .. (k+1)*B`` of the batch); ``start``:
         begin at that layer from the base recording's stream (nothing before it changes), or from
-        ``stream [K*B, T, D]``; ``tokens [K*B, T]``: run these instead of the copies (from the start)."""
+        ``stream [K*B, T, D]``; ``tokens [K*B, T]``: run these instead of the copies (from the start).
+        ``since``: no copy differs from the base run before this position (attention is causal: a patch
+        changes nothing before the first position it writes), so the logits there are the base
+        recording's and only the later positions are unembedded."""
         B, T = self.base.shape
         tokens = self.base.repeat(K, 1) if tokens is None else tokens
         start_at = None
@@ -167,12 +199,30 @@ class Contrast:
                 base = self.base_recording
                 assert base is not None, "Contrast.measure(start=...) needs the base recording: call record() first"
                 here = base[("resid_pre", start)] if start < self.weights.cfg.n_layers else final_stream(base)
-                stream = here.repeat(K, 1, 1)
+                stream = here.detach().repeat(K, 1, 1)  # (a base recording made for a gradient keeps its graph)
             start_at = (start, stream)
-        out = trace(
-            self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads, positions=self.positions
-        )
-        return torch.stack([self.metric(out.select(slice(k * B, (k + 1) * B))).detach() for k in range(K)])
+        every = self.positions if self.positions is not None or since <= 0 else torch.arange(T)
+        later = every if every is None else every[every >= since]
+        out = trace(self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads, positions=later)
+        early = None
+        if every is not None and len(later) < len(every):  # the earlier logits: the base recording's
+            early = self.base_recording.logits[:, : len(every) - len(later)].detach()  # type: ignore[union-attr]
+        values = []
+        for k in range(K):  # one copy at a time: its logits whole only while its metric is read
+            copy = out.select(slice(k * B, (k + 1) * B))
+            if early is not None:
+                copy = Trace(copy.tokens, torch.cat([early, copy.logits], 1), copy.cache, copy.source, self.positions)
+            values.append(self.metric(copy).detach())
+        return torch.stack(values)
+
+    def passes(self, firsts: Sequence[int], K: int) -> list[tuple[int, list[int]]]:
+        """The patched passes of copies whose changes begin at positions ``firsts`` (the sequence length: the
+        copy changes nothing, and its metric is the base run's): ``(since, copies)`` each, at most ``K`` copies
+        a pass, those whose changes begin near each other together, ``since`` the earliest change among them
+        (:meth:`measure`'s ``since``)."""
+        T = self.base.shape[1]
+        order = sorted((i for i, f in enumerate(firsts) if f < T), key=lambda i: (firsts[i], i))
+        return [(firsts[order[lo]], order[lo : lo + K]) for lo in range(0, len(order), K)]
 
     def result(
         self, method: str, site: str, axes: Sequence[str], values: Tensor, labels: dict[str, list[str]] | None = None

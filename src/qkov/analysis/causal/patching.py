@@ -34,7 +34,7 @@ from ...progress import Progress, tick
 from ...weights.convert import SourceLike, as_source
 from ..forward.sites import BY_NAME, Address, Sites
 from .contrast import PATCH_BYTES, Contrast
-from .registry import Option, StudyRun, Sweep
+from .registry import Needs, Option, StudyRun, Sweep
 from .result import PatchResult, agreement
 
 __all__ = [
@@ -42,7 +42,10 @@ __all__ = [
     "ACTIVATION_SWEEP",
     "attribution_patching",
     "ATTRIBUTION_SWEEP",
+    "activation_sites",
     "default_axes",
+    "patch_activations",
+    "patch_attribution",
     "study_axes",
 ]
 
@@ -121,24 +124,62 @@ def activation_patching(
     ``clean``/``corrupted`` ``[B, T]``: the same shape. See the module docstring."""
     source = as_source(source, where="qkov.activation_patching")
     c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
+    return patch_activations(c, site=site, axes=axes, max_bytes=max_bytes, progress=progress)
+
+
+def activation_sites(kind: str) -> list[str]:
+    """What activation patching of ``kind`` reads from the two recordings: the site at every layer, and the
+    base stream where each patched pass starts."""
+    return [f"{kind}.*", "resid_pre.*"]
+
+
+def patch_activations(
+    c: Contrast,
+    *,
+    site: str = "resid_pre",
+    axes: Sequence[str] | None = None,
+    max_bytes: int = PATCH_BYTES,
+    progress: Progress | None = None,
+) -> PatchResult:
+    """:func:`activation_patching` on the contrast ``c`` (recorded here unless its recordings hold what this reads)."""
     kind, axes, dims, sizes = _swept(c, site, axes)
-    c.record([f"{kind}.*", "resid_pre.*"])
-    L = source.cfg.n_layers
-    values = torch.full((L, *(sizes[a] for a in axes[1:])), float("nan"), dtype=torch.float64)
+    c.ensure(activation_sites(kind))
+    L = c.weights.cfg.n_layers
+    values = torch.full((L, *(sizes[a] for a in axes[1:])), c.base_value, dtype=torch.float64)  # a patch changing nothing
     K_max = c.copies(max_bytes)
     cells = list(itertools.product(*(range(sizes[a]) for a in axes[1:])))
     total, done = L * len(cells), 0
     for l in range(L):
         start = min(l, c.reads_from)
-        for lo in range(0, len(cells), K_max):
-            chunk = cells[lo : lo + K_max]
-            edit = _setter(c.source_recording[(kind, l)], dims, chunk, len(chunk))  # type: ignore[index]
-            got = c.measure(len(chunk), {(kind, l): edit}, start=start)
+        patched = c.source_recording[(kind, l)].detach()  # type: ignore[index]
+        firsts = _first_changes(patched != c.base_recording[(kind, l)].detach(), kind, dims, cells)  # type: ignore[index]
+        for since, picked in c.passes(firsts, K_max):
+            chunk = [cells[i] for i in picked]
+            edit = _setter(patched, dims, chunk, len(chunk))
+            got = c.measure(len(chunk), {(kind, l): edit}, start=start, since=since)
             for cell, v in zip(chunk, got.tolist()):
                 values[(l, *cell)] = v
             done += len(chunk)
             tick(progress, f"patching: {kind}", done, total)
     return c.result("activation", kind, axes, values, _labels(L, axes, sizes))
+
+
+def _first_changes(changed: Tensor, kind: str, dims: dict[str, int], cells: list[tuple[int, ...]]) -> list[int]:
+    """Where each cell's patch first changes the site (``changed``: booleans, the site's layout): the position
+    itself for a cell at one position (the sequence length when the values there are equal: no change), else
+    the first position where any of the cell's values differ. A value at a position reaches only that position
+    and later ones (for the scores and the pattern, the query's)."""
+    pos = 2 if kind in ("pattern", "scores") else 1
+    T = changed.shape[pos]
+    keep = sorted({*dims.values(), pos})
+    folded = changed.any(dim=[d for d in range(changed.ndim) if d not in keep]) if len(keep) < changed.ndim else changed
+    order = [keep.index(dims[a]) for a in dims] + ([] if pos in dims.values() else [keep.index(pos)])
+    by_cell = folded.permute(order).cpu()  # [*swept sizes] (position swept) or [*swept sizes, T]
+    if pos in dims.values():
+        at = list(dims).index("pos")
+        return [cell[at] if bool(by_cell[cell]) else T for cell in cells]
+    first = torch.where(by_cell.any(-1), by_cell.int().argmax(-1), T)
+    return [int(first[cell]) for cell in cells]
 
 
 # ------------------------------------------------------------------ attribution patching
@@ -157,12 +198,18 @@ def attribution_patching(
     dimensions not in ``axes``."""
     source = as_source(source, where="qkov.attribution_patching")
     c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
+    return patch_attribution(c, site=site, axes=axes)
+
+
+def patch_attribution(c: Contrast, *, site: str = "head_out", axes: Sequence[str] | None = None) -> PatchResult:
+    """:func:`attribution_patching` on the contrast ``c`` (recorded here, with its graph, unless its recordings
+    hold the site already; the metric's gradient taken once, :meth:`~qkov.analysis.causal.contrast.Contrast.backward`)."""
     kind, axes, dims, sizes = _swept(c, site, axes)
-    c.record([f"{kind}.*"], grad=True)
+    c.ensure([f"{kind}.*"], grad=True)
+    c.backward()
     base_recording, src_recording = c.base_recording, c.source_recording
     assert base_recording is not None and src_recording is not None
-    c.metric(base_recording).backward()
-    L = source.cfg.n_layers
+    L = c.weights.cfg.n_layers
     keep = sorted(dims.values())
     rows = []
     for l in range(L):
@@ -204,18 +251,23 @@ def _sites(value: Any) -> tuple[str, ...]:
 
 
 def _activation_sweep(study: StudyRun) -> list[PatchResult]:
-    return [
-        activation_patching(**study.inputs(), site=kind, axes=axes, progress=study.progress)
-        for kind, axes in study_axes(study)
-    ]
+    c = study.contrast
+    return [patch_activations(c, site=kind, axes=axes, progress=study.progress) for kind, axes in study_axes(study)]
+
+
+def _activation_needs(study: StudyRun) -> Needs:
+    return Needs(tuple(s for kind, _ in study_axes(study) for s in activation_sites(kind)))
+
+
+def _attributed(study: StudyRun) -> list[tuple[str, tuple[str, ...]]]:
+    """The head sites attribution patching estimates (those swept by head)."""
+    return [(kind, axes) for kind, axes in study_axes(study) if "head" in axes]
 
 
 def _attribution_sweep(study: StudyRun) -> list[PatchResult]:
     out = []
-    for kind, axes in study_axes(study):
-        if "head" not in axes:
-            continue
-        att = attribution_patching(**study.inputs(), site=kind, axes=axes)
+    for kind, axes in _attributed(study):
+        att = patch_attribution(study.contrast, site=kind, axes=axes)
         act = next((r for r in study.results if r.method == "activation" and r.site == kind and r.axes == axes), None)
         if act is not None:
             study.agreement[kind] = agreement(act, att)
@@ -236,6 +288,7 @@ ACTIVATION_SWEEP = Sweep(
         Option("by_pos", False, "sweep head sites by position too (layer x pos x head)"),
     ),
     when=lambda o: bool(o["sites"]),
+    needs=_activation_needs,
 )
 ATTRIBUTION_SWEEP = Sweep(
     "attribution",
@@ -243,4 +296,5 @@ ATTRIBUTION_SWEEP = Sweep(
     _attribution_sweep,
     options=(Option("attribution", True, "skip attribution patching"),),
     when=lambda o: bool(o["attribution"] and o["sites"]),
+    needs=lambda study: Needs(tuple(f"{kind}.*" for kind, _ in _attributed(study)), grad=bool(_attributed(study))),
 )

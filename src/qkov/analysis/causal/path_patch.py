@@ -17,7 +17,8 @@ adds the change to the final stream only (the direct path to the logits).
 ``"noise"``: base = clean, source = corrupted (how much the path's corruption removes).
 One forward pass carries many senders (one patched copy of the base tokens each), started at the
 first receiver's layer from the base recording's stream; the recordings keep only what the paths need (the
-senders' ``z``, the receivers' inputs, the stream where the patched passes start).
+senders' ``z``, the stream entering each receiver's layer, which is what its own input copy holds on the base
+run, and the stream where the patched passes start).
 
 A path is an edge of the model's graph: ``0.1 -> 1.0<k>`` (:class:`~qkov.analysis.forward.address.Address`);
 senders and receivers are heads, given as ``(layer, head)``, ``"L.H"`` or addresses.
@@ -37,10 +38,10 @@ from ...weights.parts import WeightSource
 from ..forward.address import INPUTS, Address, HeadLike, as_head, parse_heads
 from ..forward.cache import final_stream
 from .contrast import PATCH_BYTES, Contrast
-from .registry import Option, StudyRun, Sweep
+from .registry import Needs, Option, StudyRun, Sweep
 from .result import PatchResult
 
-__all__ = ["input_paths", "path_patching", "PATH_SWEEP", "receivers_of"]
+__all__ = ["input_paths", "patch_paths", "path_patching", "path_sites", "PATH_SWEEP", "receivers_of"]
 
 WHERE = "path patching"
 
@@ -84,34 +85,75 @@ def path_patching(
     (heads: ``(layer, head)``, ``"L.H"``, or ``"1.0,1.3"``), one sender at a time; see the module
     docstring. Returns the metric per sender, ``values [L, H]`` (NaN for heads that are not senders)."""
     source = as_source(source, where="qkov.path_patching")
+    _paths(source, receivers, input, senders)  # every argument checked before any work
+    c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
+    return patch_paths(c, receivers=receivers, input=input, senders=senders, max_bytes=max_bytes, progress=progress)
+
+
+def _paths(
+    source: WeightSource, receivers: Sequence[HeadLike] | str, input: str, senders: Sequence[HeadLike] | None
+) -> tuple[list[Address], list[Address], int]:
+    """The receivers (none: the logits), the senders and the first receiver's layer, checked."""
     heads = _check(source, receivers, input)
-    cfg = source.cfg
-    L, H = cfg.n_layers, cfg.n_heads
+    L, H = source.cfg.n_layers, source.cfg.n_heads
     first = min((h.layer for h in heads), default=L)
     given = [(l, h) for l in range(first) for h in range(H)] if senders is None else senders
     sent = [as_head(s, what=WHERE) for s in given]
     bad = [s.name for s in sent if not (0 <= s.layer < first and 0 <= s.head < H)]  # type: ignore[operator]
     if bad or not sent:
         raise QkovError(f"{WHERE}: senders must be heads before layer {first} (got {', '.join(bad) or 'none'})")
-    c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
-    layers, sender_layers = sorted({h.layer for h in heads}), sorted({s.layer for s in sent})
+    return heads, sent, first
+
+
+def path_sites(
+    c: Contrast, receivers: Sequence[HeadLike] | str, input: str = "k", senders: Sequence[HeadLike] | None = None
+) -> Needs:
+    """What :func:`patch_paths` reads from the contrast's recordings: the senders' ``z`` (a head's output is
+    ``z @ W_O``: the changes come from it, ``d_head`` wide) from both, and from the base one the stream
+    where the patched passes start and the stream entering each receiver's layer (a receiver's input is a
+    copy of it), or the final stream for the logits."""
+    heads, sent, first = _paths(c.weights, receivers, input, senders)
+    L, start = c.weights.cfg.n_layers, min(first, c.reads_from)
+    z = tuple(f"z.{l}" for l in sorted({s.layer for s in sent}))  # type: ignore[type-var]
+    stream = (f"resid_pre.{start}",) if start < L else ()
+    into = tuple(f"resid_pre.{l}" for l in sorted({h.layer for h in heads}))  # type: ignore[type-var]
+    return Needs(z, stream + (into if heads else (f"resid_post.{L - 1}",)))
+
+
+def patch_paths(
+    c: Contrast,
+    *,
+    receivers: Sequence[HeadLike] | str,
+    input: str = "k",
+    senders: Sequence[HeadLike] | None = None,
+    max_bytes: int | None = None,
+    progress: Progress | None = None,
+) -> PatchResult:
+    """:func:`path_patching` on the contrast ``c`` (recorded here unless its recordings hold :func:`path_sites`)."""
+    heads, sent, first = _paths(c.weights, receivers, input, senders)
+    cfg = c.weights.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    needs = path_sites(c, receivers, input, senders)
+    c.ensure(needs.cache, base_only=needs.base_only)
     start = min(first, c.reads_from)
-    z = [f"z.{l}" for l in sender_layers]  # a head's output is z @ W_O: the changes come from z, d_head wide
-    stream = [f"resid_pre.{start}"] if start < L else []
-    inputs = [f"{input}_input.{l}" for l in layers] + ([] if heads else [f"resid_post.{L - 1}"])
-    c.record(z, base_only=[*stream, *inputs])
-    W_O = {l: source.attention(l).W_O for l in sender_layers}
+    W_O = {l: c.weights.attention(l).W_O for l in {s.layer for s in sent}}
     # each patched copy also holds the receivers' per-head inputs, edited and normalised
-    split = 2 * c.base.numel() * cfg.n_heads * cfg.d_model * c.base_recording.logits.element_size() * len(layers)  # type: ignore[union-attr]
+    layers = {h.layer for h in heads}
+    split = 2 * c.base.numel() * H * cfg.d_model * c.base_recording.logits.element_size() * len(layers)  # type: ignore[union-attr]
     K_max = c.copies(max_bytes or PATCH_BYTES, split)
     values = torch.full((L, H), float("nan"), dtype=torch.float64)
-    for lo in range(0, len(sent), K_max):
-        chunk = sent[lo : lo + K_max]
+    for s in sent:
+        values[s.layer, s.head] = c.base_value  # a sender whose output does not change: the base run's metric
+    passes = c.passes([_first_change(c, s) for s in sent], K_max)
+    done = len(sent) - sum(len(picked) for _, picked in passes)
+    for since, picked in passes:
+        chunk = [sent[i] for i in picked]
         delta = torch.stack([_change(c, s, W_O[s.layer]) for s in chunk])  # type: ignore[index]
-        got = _run_chunk(c, heads, input, chunk, delta, start)
+        got = _run_chunk(c, heads, input, chunk, delta, start, since)
         for s, v in zip(chunk, got.tolist()):
             values[s.layer, s.head] = v
-        tick(progress, WHERE, lo + len(chunk), len(sent))
+        done += len(chunk)
+        tick(progress, WHERE, done, len(sent))
     into = "logits" if not heads else f"{','.join(h.name for h in heads)} {input}"
     labels = {"layer": [str(l) for l in range(L)], "head": [str(h) for h in range(H)]}
     return c.result("path", f"sender -> {into}", ("layer", "head"), values, labels)
@@ -120,33 +162,52 @@ def path_patching(
 def _change(c: Contrast, sender: Address, W_O: Tensor) -> Tensor:
     """What ``sender`` writes on the source recording minus what it writes on the base recording ``[B, T, D]``."""
     l, h = sender.layer, sender.head
-    return (c.source_recording[("z", l)][:, :, h] - c.base_recording[("z", l)][:, :, h]) @ W_O[h]  # type: ignore[index]
+    z = (c.source_recording[("z", l)][:, :, h] - c.base_recording[("z", l)][:, :, h]).detach()  # type: ignore[index]
+    return z @ W_O[h]
 
 
-def _run_chunk(c: Contrast, heads: list[Address], kind: str, chunk: list[Address], delta: Tensor, start: int) -> Tensor:
-    """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes."""
+def _first_change(c: Contrast, sender: Address) -> int:
+    """The first position where ``sender``'s ``z`` differs between the two recordings (its output, ``z @ W_O``,
+    cannot differ earlier); the sequence length when it never does."""
+    l, h = sender.layer, sender.head
+    differs = (c.source_recording[("z", l)][:, :, h] != c.base_recording[("z", l)][:, :, h]).any(0).any(-1)  # type: ignore[index]
+    return int(differs.int().argmax()) if bool(differs.any()) else len(differs)
+
+
+def _run_chunk(
+    c: Contrast, heads: list[Address], kind: str, chunk: list[Address], delta: Tensor, start: int, since: int = 0
+) -> Tensor:
+    """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes, none
+    before position ``since``."""
     K = delta.shape[0]
     if not heads:  # -> logits: the final stream of each copy is the base one plus the sender's change
-        stream = (final_stream(c.base_recording)[None] + delta).reshape(K * delta.shape[1], *delta.shape[2:])  # type: ignore[arg-type]
-        return c.measure(K, start=c.weights.cfg.n_layers, stream=stream)
+        final = final_stream(c.base_recording).detach()  # type: ignore[arg-type]
+        stream = (final[None] + delta).reshape(K * delta.shape[1], *delta.shape[2:])
+        return c.measure(K, start=c.weights.cfg.n_layers, stream=stream, since=since)
     edits: dict[Any, Any] = {}
     for l2 in sorted({h.layer for h in heads}):
         slots = sorted({h._replace(input=kind).input_site(c.weights.cfg).head for h in heads if h.layer == l2})
         before = torch.tensor([s.layer < l2 for s in chunk], device=delta.device)  # type: ignore[operator]
         d = delta * before[:, None, None, None].to(delta)
-        edits[Address(f"{kind}_input", l2)] = _receive(c.base_recording[(f"{kind}_input", l2)], slots, d)  # type: ignore[index]
-    return c.measure(K, edits, start=start)
+        edits[Address(f"{kind}_input", l2)] = _receive(_base_stream(c, l2), slots, d)
+    return c.measure(K, edits, start=start, since=since)
 
 
-def _receive(base_input: Tensor, slots: list[int], delta: Tensor):  # type: ignore[no-untyped-def]
-    """An edit of a per-head input ``[K*B, T, n, D]``: receiver slots get the base input plus each
-    copy's sender change ``delta [K, B, T, D]``; other slots keep the live value."""
+def _base_stream(c: Contrast, layer: int) -> Tensor:
+    """The base run's stream entering ``layer`` ``[B, T, D]``: what each head's own input copy
+    (``q_input``, ``k_input``, ``v_input``) holds on a run that edits none."""
+    return c.base_recording[("resid_pre", layer)].detach()  # type: ignore[index]
+
+
+def _receive(base: Tensor, slots: list[int], delta: Tensor):  # type: ignore[no-untyped-def]
+    """An edit of a per-head input ``[K*B, T, n, D]``: receiver slots get the base stream ``base [B, T, D]``
+    plus each copy's sender change ``delta [K, B, T, D]``; other slots keep the live value."""
     K, B = delta.shape[:2]
 
     def receive(value: Tensor, site: Address) -> Tensor:
         out = value.clone().view(K, B, *value.shape[1:])
         for s in slots:
-            out[:, :, :, s] = base_input[None, :, :, s] + delta
+            out[:, :, :, s] = base[None] + delta
         return out.view(value.shape)
 
     return receive
@@ -172,14 +233,14 @@ def input_paths(
     c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
     l1, l2 = s.layer, r.layer
     start = min(l2, c.reads_from)  # type: ignore[type-var]
-    c.record([f"z.{l1}"], base_only=[f"resid_pre.{start}", *(f"{i}_input.{l2}" for i in inputs)])
+    c.record([f"z.{l1}"], base_only=[f"resid_pre.{start}", f"resid_pre.{l2}"])
     change = _change(c, s, source.attention(l1).W_O)  # type: ignore[arg-type]
     K, edits = len(inputs), {}
     for k, inp in enumerate(inputs):
         only = torch.zeros(K, 1, 1, 1, dtype=change.dtype, device=change.device)
         only[k] = 1  # copy k carries the change into this input; the others keep the base input
         site = Address.edge(s, r, inp).input_site(source.cfg)
-        edits[site._replace(head=None)] = _receive(c.base_recording[site.site], [site.head], change[None] * only)  # type: ignore[index,list-item]
+        edits[site._replace(head=None)] = _receive(_base_stream(c, l2), [site.head], change[None] * only)  # type: ignore[arg-type,list-item]
     got = c.measure(K, edits, start=start).tolist()
     return dict(zip(inputs, got)), c.clean_value, c.corrupted_value
 
@@ -187,7 +248,7 @@ def input_paths(
 # ------------------------------------------------------------------ as a sweep of the patching study
 def _path_sweep(study: StudyRun) -> list[PatchResult]:
     o = study.options
-    return [path_patching(**study.inputs(), receivers=o["receivers"], input=o["input"], progress=study.progress)]
+    return [patch_paths(study.contrast, receivers=o["receivers"], input=o["input"], progress=study.progress)]
 
 
 PATH_SWEEP = Sweep(
@@ -202,4 +263,5 @@ PATH_SWEEP = Sweep(
         Option("input", "k", "the receivers' input the paths enter (default k)", read=str, choices=INPUTS),
     ),
     when=lambda o: o["receivers"] is not None,
+    needs=lambda study: path_sites(study.contrast, study.options["receivers"], study.options["input"]),
 )

@@ -4,7 +4,9 @@ A :class:`Sweep` names one causal method as a study runs it: its ``name`` (the `
 results carry), a one-line ``summary``, the :class:`Option` s it reads (each a keyword of
 :func:`~qkov.analysis.causal.studies.patch_study`, a flag of ``qkov patch`` and an argument of the
 explorer's ``patch`` view, all made from the one declaration), ``when`` it runs (a function of the
-options), and ``run`` (the results it adds to the study). :func:`register_sweep` adds one to
+options), ``run`` (the results it adds to the study) and, optionally, ``needs`` (the sites its run reads
+from the study's two recordings, :class:`Needs`: the study then records the base and source runs once, with
+every sweep's sites, and the sweeps share them). :func:`register_sweep` adds one to
 :data:`SWEEPS`; the study, ``qkov patch``, the report, the explorer and the notebook iterate it, so
 adding a causal method is one module and one registration (docs/dev/plugging-in.md).
 """
@@ -19,7 +21,7 @@ from ...progress import Progress
 from .contrast import Contrast
 from .result import PatchResult
 
-__all__ = ["Option", "register_sweep", "study_options", "StudyRun", "Sweep", "SWEEPS"]
+__all__ = ["Needs", "Option", "register_sweep", "study_options", "StudyRun", "Sweep", "SWEEPS"]
 
 
 @dataclass(frozen=True)
@@ -83,15 +85,33 @@ class StudyRun:
 
 
 @dataclass(frozen=True)
+class Needs:
+    """What a sweep reads from the study's recordings (:meth:`~qkov.analysis.causal.contrast.Contrast.record`'s
+    arguments): ``cache`` (sites both recordings keep), ``base_only`` (sites the base recording alone keeps),
+    ``grad`` (the base recording keeps its graph, for the metric's gradient)."""
+
+    cache: tuple[str, ...] = ()
+    base_only: tuple[str, ...] = ()
+    grad: bool = False
+
+    def __or__(self, other: "Needs") -> "Needs":
+        """Both sweeps' needs, as one recording."""
+        seen = lambda *parts: tuple(dict.fromkeys(x for p in parts for x in p))  # noqa: E731
+        return Needs(seen(self.cache, other.cache), seen(self.base_only, other.base_only), self.grad or other.grad)
+
+
+@dataclass(frozen=True)
 class Sweep:
     """One method as a study runs it: see the module docstring. ``run(study)`` returns the results
-    it adds (in the order they show); ``when(options)``: whether the study runs it."""
+    it adds (in the order they show); ``when(options)``: whether the study runs it; ``needs(study)``: the
+    sites ``run`` reads from ``study.contrast``'s recordings (``None``: it records what it needs itself)."""
 
     name: str
     summary: str
     run: Callable[[StudyRun], list[PatchResult]]
     options: tuple[Option, ...] = ()
     when: Callable[[Mapping[str, Any]], bool] = lambda options: True
+    needs: Callable[[StudyRun], Needs] | None = None
 
 
 SWEEPS: dict[str, Sweep] = {}

@@ -4,12 +4,16 @@
 whose options ask for it, in registration order. The built-in ones: activation patching of the
 residual stream by (layer, position) and of every head's output by (layer, head) (or the sites asked
 for), attribution patching of the same head outputs with its agreement to the actual patching, and
-path patching when receivers are given. ``qkov patch``, the report's patching section, the
+path patching when receivers are given. The sweeps that say what they read (:class:`~qkov.analysis.causal.registry.Needs`)
+share one recording of the base run and one of the source run, made before the first sweep with every site
+they read. ``qkov patch``, the report's patching section, the
 explorer's ``patch`` view and the notebook display all show a :class:`PatchStudy`.
 """
 
 from __future__ import annotations
 
+import functools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,6 +83,10 @@ def patch_study(
     if not asked:
         raise QkovError(f"patch study: nothing to patch: none of the sweeps ({', '.join(SWEEPS)}) is asked for")
     study = StudyRun(contrast, values, progress=progress)
+    needs = [s.needs(study) for s in asked if s.needs is not None]
+    if needs:  # one base and one source run for every sweep that reads them
+        union = functools.reduce(operator.or_, needs)
+        contrast.record(union.cache, base_only=union.base_only, grad=union.grad)
     for sweep in asked:
         study.results += sweep.run(study)
     out = PatchStudy(study.results, study.agreement)

@@ -17,16 +17,19 @@ pattern replaced by a tensor skips the queries and keys; an MLP output replaced 
 MLP. With logits asked at a few ``positions`` and nothing reading the last layer (no cached site there,
 no gradient, no start at the final stream, and no edit there but of its keys and values and of ``z`` by
 functions marked :func:`~qkov.analysis.forward.edits.per_position`), that layer's keys and values still
-run at every position but its queries, attention, output, MLP and stream only at those positions; the scores that read a few
-positions (the ICL score) then skip most of it, with the same values (tested). A bias of zeros (what
-a weights view holds for a model without one) is not added (:func:`qkov.model.ops.live_bias`).
+run at every position but its queries, attention, output, MLP and stream only at those positions; the
+scores that read a few positions (the ICL score) then skip most of it, with the same values (tested).
+With no logits asked (``logits=False``, or ``positions`` empty) the pass stops as soon as every site
+cached or edited has been computed: a recording of layer 5's pattern runs layers 0-4 and layer 5's
+attention up to its pattern, no MLP after it, no final normalisation, no unembedding (the values are
+the full pass's; tested). A bias of zeros (what a weights view holds for a model without one) is not
+added (:func:`qkov.model.ops.live_bias`).
 
 Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head, ``V`` d_vocab.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any, Iterable, Mapping
 
 import torch
@@ -55,6 +58,10 @@ def flops_per_token(cfg: Any) -> int:
 
 
 # ------------------------------------------------------------------ the pass
+class _Enough(Exception):
+    """Raised inside a pass that needs no logits once its last cached or edited site is computed."""
+
+
 class _Store:
     """The cache being filled: every site asked for, kinds asked at every layer kept in one
     ``[L, ...]`` buffer (so stacking them later copies nothing) unless gradients are wanted."""
@@ -84,6 +91,14 @@ class _Pass(BlockPass):
     def __init__(self, source: WeightSource, edits: Edits, store: _Store, grad: bool) -> None:
         super().__init__(source.cfg, source.norm)
         self.source, self.edits, self.store, self.grad = source, edits, store, grad
+        self.pending: set[tuple[str, int | None]] | None = None  # with no logits: the sites still to compute
+
+    def stop_when_done(self, start_at: tuple[int, Tensor] | None) -> None:
+        """Stop the pass (:class:`_Enough`) once every site cached or edited has been computed (none: after
+        the embedding); sites before ``start_at``'s layer are never computed, so they are not waited for."""
+        first = 0 if start_at is None else start_at[0]
+        sites = set(self.store.wanted) | set(self.edits.by_site)
+        self.pending = {(k, l) for k, l in sites if (l is None or l >= first) and not (k == "embed" and start_at)}
 
     # ------------------------------------------------------------------ the hook points: sites
     def active(self, kind: str, layer: int | None) -> bool:
@@ -102,6 +117,10 @@ class _Pass(BlockPass):
             value = self.edits.apply(site, value)
         if site in self.store.wanted:
             self.store.put(kind, layer, value)
+        if self.pending is not None:
+            self.pending.discard(site)
+            if not self.pending:
+                raise _Enough
         return value
 
     def normed(self, prefix: str, layer: int | None, x: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor | None]:
@@ -147,7 +166,9 @@ class _Pass(BlockPass):
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
         logits = final @ unemb.W_U
         b_U = live_bias(unemb.b_U)
-        return self.at("logits", None, logits if b_U is None else logits + b_U)
+        if b_U is not None:  # in place on the fresh product (the same bits): the logits are the largest tensor
+            logits = logits + b_U if self.grad else logits.add_(b_U)
+        return self.at("logits", None, logits)
 
     def query_rows(self, positions: Tensor | None, T: int, *, start_at: Any) -> Tensor | None:
         """The positions ``[P]`` (in ``0 .. T-1``) where the last layer needs its queries, or ``None``
@@ -177,6 +198,7 @@ def trace(
     positions: Tensor | None = None,
     start_at: tuple[int, Tensor] | None = None,
     stream: str | None = None,
+    logits: bool = True,
 ) -> Trace:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
 
@@ -204,6 +226,9 @@ def trace(
         stream: ``None`` (the source as given; a model or path in the default view) or ``"model"``:
             a model or path read with its writers uncentred (``Weights.from_model(m,
             center_writing=False)``); a weights view given must then be uncentred already.
+        logits: ``False``: compute no logits (``Trace.logits`` is ``[B, 0, V]``; ``positions`` empty
+            means the same) and stop the pass as soon as every site cached or edited has been
+            computed (nothing after the last of them runs).
     Returns:
         :class:`~qkov.analysis.forward.cache.Trace`.
     """
@@ -218,15 +243,32 @@ def trace(
     _check_start(start_at, tokens, cfg, source)
     if positions is not None and len(positions) and not bool(((positions >= -tokens.shape[1]) & (positions < tokens.shape[1])).all()):
         raise QkovError(f"positions: every position must be in -{tokens.shape[1]}..{tokens.shape[1] - 1}")
+    if not logits or (positions is not None and len(positions) == 0):
+        positions = torch.zeros(0, dtype=torch.long)
     store = _Store({a.site for a in asked}, _whole_kinds(asked, cfg.n_layers), cfg.n_layers, grad)
     state = _Pass(source, ed, store, grad)
-    with contextlib.nullcontext() if grad else torch.no_grad():
+    with torch.enable_grad() if grad else torch.no_grad():  # grad=True whatever the caller's mode
+        out = _run(state, tokens, positions, start_at)
+    return Trace(tokens, out, store.items, source, positions, dict(store.buffers))
+
+
+def _run(state: _Pass, tokens: Tensor, positions: Tensor | None, start_at: tuple[int, Tensor] | None) -> Tensor:
+    """The pass itself: the logits ``[B, P, V]`` (``[B, 0, V]`` when ``positions`` is empty: then it stops
+    once every site cached or edited is computed)."""
+    L = state.cfg.n_layers
+    none = torch.zeros(tokens.shape[0], 0, state.cfg.d_vocab, dtype=state.source.dtype, device=state.source.device)
+    if positions is not None and len(positions) == 0:
+        state.stop_when_done(start_at)
+        if not state.pending:
+            return none
+    try:
         first, x = state.start(tokens, start_at)
         rows = state.query_rows(positions, tokens.shape[1], start_at=start_at)
-        for l in range(first, cfg.n_layers):  # the last layer at the positions alone when nothing reads it
-            x = state.block(l, x, rows if l == cfg.n_layers - 1 else None)
-        logits = state.logits(x, positions if rows is None else None)  # type: ignore[arg-type]
-    return Trace(tokens, logits, store.items, source, positions, dict(store.buffers))
+        for l in range(first, L):  # the last layer at the positions alone when nothing reads it
+            x = state.block(l, x, rows if l == L - 1 else None)
+        return state.logits(x, positions if rows is None else None)  # type: ignore[arg-type]
+    except _Enough:  # every site asked for is there: nothing after it is read
+        return none
 
 
 def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:

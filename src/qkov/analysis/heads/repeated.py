@@ -85,7 +85,7 @@ class RepeatPass:
     so each is formed once)."""
 
     def __init__(self, source: WeightSource, tokens: Tensor, length: int) -> None:
-        r = trace(source, tokens, cache=["pattern.*", "z.*"])
+        r = trace(source, tokens, cache=["pattern.*", "z.*"], logits=False)
         P = r.stack("pattern")  # [L, B, H, T, T]
         L, B, H, T, _ = P.shape
         queries = torch.arange(1 + length, T, device=P.device)

@@ -23,7 +23,8 @@ from ...io.hf_families import FAMILIES
 from ...io.sources import hf_model_type, load_any, source_kind
 from ...model.config import ModelConfig
 from ...model.transformer import Transformer
-from ...weights.lazy import AUTO_LAZY_BYTES
+from ...weights.lazy import AUTO_LAZY_BYTES, LazyCheckpoint
+from ...weights.view import Weights
 
 __all__ = [
     "add_device",
@@ -44,6 +45,7 @@ __all__ = [
     "int_at_least",
     "lazy",
     "load_source",
+    "load_view",
     "nonneg_int",
     "out_of_memory_line",
     "parse_head",
@@ -51,6 +53,7 @@ __all__ = [
     "positive_float",
     "positive_int",
     "show_warning",
+    "streamable",
     "token_count",
 ]
 
@@ -201,6 +204,22 @@ def load_source(args: argparse.Namespace, command: str | None = None, why: str =
     return model
 
 
+def load_view(args: argparse.Namespace, command: str, why: str, dev: torch.device) -> Weights:
+    """The folded weights view of ``args.ckpt`` on ``dev``, read once: a qkov checkpoint or a Hugging Face
+    directory of a family qkov streams (:func:`streamable`) is read layer by layer from its memory map straight
+    into the view, no model beside it; any other source is loaded and its view made, the model then dropped.
+    A one-line error for a model without attention layers (``command`` and ``why`` in it)."""
+    if streamable(args.ckpt):
+        w = Weights.from_source(LazyCheckpoint(args.ckpt, device=dev))
+    else:
+        model = load_source(args)
+        w = Weights.from_model(model, device=dev)
+        del model  # the view holds what the analysis reads
+    if w.cfg.n_layers == 0:
+        raise QkovError(f"{command}: the model has no attention layers{why}")
+    return w
+
+
 def add_inputs(p: argparse.ArgumentParser) -> None:
     """``--text FILE`` or ``--tokens FILE``: what an analysis that runs the model reads."""
     g = p.add_mutually_exclusive_group()
@@ -307,20 +326,24 @@ def add_lazy(p: argparse.ArgumentParser) -> None:
     )
 
 
+def streamable(path: Path) -> bool:
+    """Whether :class:`~qkov.weights.lazy.LazyCheckpoint` reads ``path``: a qkov checkpoint, or a Hugging Face
+    directory of one of :data:`~qkov.io.hf_families.FAMILIES` (GPT-2's is loaded whole)."""
+    kind = source_kind(path)
+    return kind == "qkov" or (kind == "hf" and hf_model_type(path) in FAMILIES)
+
+
 def lazy(args: argparse.Namespace) -> bool:
     """``--lazy``, or automatically when the weights (``model.safetensors``, or a Hugging Face
     directory's shards) are larger than ``AUTO_LAZY_BYTES``."""
-    kind = source_kind(args.ckpt)
-    if kind not in ("qkov", "hf"):
+    if not streamable(args.ckpt):
+        if args.lazy and source_kind(args.ckpt) == "hf":
+            raise QkovError(
+                f"--lazy reads {', '.join(FAMILIES)} Hugging Face directories; import GPT-2 first (qkov import)"
+            )
         if args.lazy:
             raise QkovError(
                 "--lazy reads qkov checkpoints and Hugging Face directories: convert the model first with qkov import"
-            )
-        return False
-    if kind == "hf" and hf_model_type(args.ckpt) not in FAMILIES:  # GPT-2: loaded whole (it is small)
-        if args.lazy:
-            raise QkovError(
-                f"--lazy reads {', '.join(FAMILIES)} Hugging Face directories; import GPT-2 first (qkov import)"
             )
         return False
     size = sum(f.stat().st_size for f in Path(args.ckpt).glob("*.safetensors"))

@@ -14,10 +14,9 @@ from ...analysis.causal.contrast import DIRECTIONS
 from ...analysis.causal.registry import SWEEPS, Option, study_options
 from ...analysis.causal.result import PatchResult, largest
 from ...analysis.causal.studies import patch_study
-from ...weights.view import Weights
 from ..inputs import patching_inputs
 from ..progress import StageProgress
-from .common import add_device, add_source_args, console, device, dump_json, load_source
+from .common import add_device, add_source_args, console, device, dump_json, load_view
 
 __all__ = ["add_patch", "cmd_patch", "GRID_COLUMNS", "GRID_LABEL"]
 
@@ -71,10 +70,9 @@ def _add_option(p: argparse.ArgumentParser, opt: Option) -> None:
 
 def cmd_patch(args: argparse.Namespace) -> int:
     dev = device(args)
-    model = load_source(args, "patch", ": nothing to patch")
-    given = patching_inputs(model, args.clean, args.corrupted, args.metric, dev)
+    w = load_view(args, "patch", ": nothing to patch", dev)  # read once: the view, no model beside it
+    given = patching_inputs(w, args.clean, args.corrupted, args.metric, dev)
     options = {name: _flag_value(opt, getattr(args, f"opt_{name}")) for name, opt in study_options().items()}
-    w = Weights.from_model(model.to(dev))
     clean = given.clean
     with StageProgress() as progress:
         study = patch_study(

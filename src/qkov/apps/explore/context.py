@@ -41,8 +41,8 @@ class Cancelled(Exception):
 class Explorer:
     """The model being explored and what every view needs about it.
 
-    ``model`` runs texts (loss, attention, ablation, patching); ``weights`` is its folded weights view
-    (the weight-only circuits read it); ``decode(id) -> str`` is one token's string; ``codec`` the
+    ``model`` is the model (its shape, its parameters' fingerprint); ``weights`` is its folded weights view,
+    which every view reads (texts run on it: :func:`qkov.trace`); ``decode(id) -> str`` is one token's string; ``codec`` the
     model's :class:`~qkov.model.tokens.TextCodec` (texts to ids with one start token, words to tokens;
     ``None``: the model has no tokenizer, only token ids are accepted); ``bos`` the start token; ``max_tokens`` the longest text accepted (the model's context);
     ``cache_dir`` where results computed once per model are kept on disk (``None``: nowhere)."""

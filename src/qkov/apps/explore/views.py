@@ -4,12 +4,12 @@ This module holds the model's summary (``model``), a text's tokens, loss and pre
 head's attention pattern on a text (``attention``) and the heads table (``heads``, cached on disk per
 model); the head card, composition graph, term effects, ablation and patching live in ``views_card``,
 ``views_graph`` and ``views_causal`` and register here. Every number is the library's: the model's
-forward pass, :func:`qkov.trace`'s patterns, :func:`qkov.head_report`.
+forward pass (:func:`qkov.trace`, one run per text shared by the views, :mod:`~qkov.apps.explore.runs`),
+:func:`qkov.head_report`.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,6 +23,7 @@ from ...progress import Progress
 from ..inputs import analysis_inputs
 from .context import BadRequest, Explorer
 from .disk_cache import entry_key, entry_path, read_entry, write_entry
+from .runs import TOP_K, clean_run, kept_run
 from .session import fingerprint
 from .views_card import card, r6
 from .views_causal import ablate, patch
@@ -32,9 +33,6 @@ from .views_graph import composition, terms
 __all__ = ["QUICK_VIEWS", "TOP_K", "View", "view_attention", "view_heads", "view_model", "view_text", "VIEWS"]
 
 View = Callable[[Explorer, dict[str, Any], Progress], dict[str, Any]]
-
-TOP_K = 5
-"""Next-token predictions listed per position by the ``text`` view."""
 
 
 def _head_names(ex: Explorer) -> list[str]:
@@ -63,44 +61,31 @@ def view_model(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[s
     }
 
 
-def _top_tokens(ex: Explorer, logprobs: torch.Tensor, k: int = TOP_K) -> list[list[dict[str, Any]]]:
-    """The ``k`` most likely next tokens at each position of ``logprobs [seq, d_vocab]``."""
-    values, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
-    return [
-        [{"token": ex.decode(int(i)), "id": int(i), "p": r6(math.exp(float(v)))} for v, i in zip(vs, row)]
-        for vs, row in zip(values.tolist(), ids.tolist())
-    ]
-
-
-def _token_losses(ex: Explorer, ids: torch.Tensor) -> tuple[list[float | None], torch.Tensor]:
-    """Per-position loss ``-log p(ids[i+1] | ids[..i])`` (the last ``None``) and the log-probabilities
-    ``[seq, d_vocab]`` of the model's forward pass on ``ids [1, seq]``."""
-    with torch.no_grad():
-        logits = ex.model(ids.to(ex.model.W_E.device))[0].float()
-    logprobs = torch.log_softmax(logits, dim=-1).cpu()
-    ids0 = ids[0]
-    nll = -logprobs[:-1].gather(-1, ids0[1:, None])[:, 0]
-    return [r6(v) for v in nll.tolist()] + [None], logprobs
-
-
 def view_text(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    """A text's tokens, loss per token, its mean and the top next-token predictions."""
+    """A text's tokens, loss per token, its mean and the top next-token predictions (its clean run,
+    :func:`~qkov.apps.explore.runs.clean_run`, kept for the other views of the same text)."""
     ids = ex.tokens(args)
-    loss, logprobs = _token_losses(ex, ids)
+    run = clean_run(ex, ids)
+    loss = [r6(v) for v in run.nll.tolist()] + [None]
     known = [v for v in loss if v is not None]
     return {
         "ids": ids[0].tolist(),
         "tokens": [ex.decode(i) for i in ids[0].tolist()],
         "loss": loss,
         "mean_loss": r6(sum(known) / len(known)) if known else None,
-        "top": _top_tokens(ex, logprobs),
+        "top": run.top,
     }
 
 
 def _pattern_of(ex: Explorer, ids: torch.Tensor, layer: int, head: int) -> torch.Tensor:
-    """Head ``layer.head``'s attention pattern ``[query, key]`` on ``ids [1, seq]`` (:func:`qkov.trace`)."""
+    """Head ``layer.head``'s attention pattern ``[query, key]`` on ``ids [1, seq]`` (:func:`qkov.trace`): from
+    the stream entering ``layer`` when the session keeps the text's run, else from the first token; the
+    pass stops at the pattern (no later layer, no unembedding)."""
+    w = ex.weights
+    run = kept_run(ex, ids)
+    start = None if run is None else run.stream(layer)
     with torch.no_grad():
-        out = trace(ex.weights, ids.to(ex.weights.device), cache=[f"pattern.{layer}"])
+        out = trace(w, ids.to(w.device), cache=[f"pattern.{layer}"], start_at=start, logits=False)
     return out["pattern", layer][0, head].float().cpu()
 
 

@@ -3,8 +3,9 @@
 * ``ablate`` {text, heads, mode} — the edits of :func:`qkov.analysis.causal.ablation.ablation_edits` (``zero``: the
   heads write nothing; ``mean``: each writes its mean output over every position of this text,
   :func:`~qkov.analysis.causal.ablation.z_means`), run by :func:`qkov.trace`: the loss per token and the top
-  predictions before and after. The mean loss is what ``qkov ablate SOURCE --heads ... --mode ...`` reports
-  for this text as its validation sample (:func:`qkov.ablation_study`'s ``intact`` / ``ablated`` loss; tested).
+  predictions before (the text's clean run, shared with the text view) and after (a pass started at the
+  first ablated layer from the clean run's stream there). The mean loss is what ``qkov ablate SOURCE
+  --heads ... --mode ...`` reports for this text as its validation sample (:func:`qkov.ablation_study`'s ``intact`` / ``ablated`` loss; tested).
 * ``patch`` {clean, corrupted, metric?, ...} — :func:`qkov.analysis.causal.studies.patch_study` with ``qkov
   patch``'s defaults: activation patching of the residual stream by (layer, position) and of every head's
   output by (layer, head), attribution patching of the head outputs and its agreement; ``metric`` as ``qkov
@@ -15,7 +16,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -28,16 +28,14 @@ from ...analysis.causal.studies import patch_study
 from ...analysis.forward.address import Address, parse_heads
 from ...errors import QkovError
 from ...finite import json_safe
-from ...model.ops import next_token_nll
 from ...progress import Progress
 from .context import BadRequest, Explorer
+from .runs import TOP_K, clean_run, scored
 from .views_card import r6
 
 __all__ = ["ablate", "MODES", "patch", "TOP_K"]
 
 MODES = ("zero", "mean")
-TOP_K = 5
-"""Next-token predictions listed per position before and after the ablation."""
 
 
 def _heads(ex: Explorer, args: dict[str, Any]) -> list[Address]:
@@ -56,24 +54,10 @@ def _heads(ex: Explorer, args: dict[str, Any]) -> list[Address]:
         raise BadRequest(str(exc), status=404) from None
 
 
-def _top(ex: Explorer, logits: torch.Tensor) -> list[list[dict[str, Any]]]:
-    """The ``TOP_K`` most likely next tokens at each position of ``logits [seq, d_vocab]``."""
-    values, ids = torch.log_softmax(logits.float(), -1).topk(min(TOP_K, logits.shape[-1]), dim=-1)
-    return [
-        [{"token": ex.decode(int(i)), "id": int(i), "p": r6(math.exp(float(v)))} for v, i in zip(vs, row)]
-        for vs, row in zip(values.tolist(), ids.tolist())
-    ]
-
-
-def _run(ex: Explorer, ids: torch.Tensor, edits: dict[Any, Any] | None) -> tuple[list[float], list[Any]]:
-    """Per-token losses ``[seq - 1]`` and top predictions of a forward pass on ``ids [1, seq]`` with ``edits``."""
-    with torch.no_grad():
-        logits = trace(ex.weights, ids, edits=edits).logits
-    return next_token_nll(logits, ids)[0].tolist(), _top(ex, logits[0].cpu())
-
-
 def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    """The text's loss per token and top predictions, intact and with ``heads`` ablated (``mode``)."""
+    """The text's loss per token and top predictions, intact and with ``heads`` ablated (``mode``). The intact
+    ones are the text's clean run (:func:`~qkov.apps.explore.runs.clean_run`, the session's when the text view
+    made it); the ablated pass starts at the first ablated layer from the run's stream there."""
     ids = ex.tokens(args).to(ex.weights.device)
     heads = _heads(ex, args)
     mode = args.get("mode", "zero")
@@ -82,10 +66,14 @@ def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, 
     if ids.shape[1] < 2:
         raise BadRequest("'text' needs at least 2 tokens to have a loss")
     progress("ablate", 0, 2)
-    before, top_before = _run(ex, ids, None)
+    run = clean_run(ex, ids)
     progress("ablate", 1, 2)
     means = z_means(ex.weights, ids, heads) if mode == "mean" else None
-    after, top_after = _run(ex, ids, ablation_edits(heads, mode, means=means))
+    start = run.stream(min(h.layer for h in heads))  # type: ignore[type-var]
+    with torch.no_grad():
+        logits = trace(ex.weights, ids, edits=ablation_edits(heads, mode, means=means), start_at=start).logits
+    after_nll, top_after = scored(ex, logits, ids)
+    before, after = run.nll.tolist(), after_nll.tolist()
     progress("ablate", 2, 2)
     return {
         "heads": [h.name for h in heads],
@@ -95,7 +83,7 @@ def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, 
         "loss_after": [r6(v) for v in after] + [None],
         "mean_before": r6(sum(before) / len(before)),
         "mean_after": r6(sum(after) / len(after)),
-        "top_before": top_before,
+        "top_before": run.top,
         "top_after": top_after,
     }
 

@@ -211,7 +211,7 @@ def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
 
 def attention_section(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
     """The viewer's section: every head's pattern on ``tokens [seq]`` (one sequence)."""
-    pat = trace(w, tokens[None], cache="pattern.*").stack("pattern")[:, 0].float().cpu()  # [L, H, T, T]
+    pat = trace(w, tokens[None], cache="pattern.*", logits=False).stack("pattern")[:, 0].float().cpu()  # [L, H, T, T]
     T, (L, H) = tokens.shape[0], pat.shape[:2]
     # lower triangle only, row by row: row q has q+1 entries
     rows = [[[_rl(pat[l, h, q, : q + 1].tolist(), 3) for q in range(T)] for h in range(H)] for l in range(L)]
