@@ -833,10 +833,10 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "                self._runs.popitem(last=True)",
         "tests/apps/test_explore_runs.py::test_a_session_keeps_a_few_texts_and_long_runs_without_streams",
     ),
-    "patching: a study's shared recording leaves out the path sweep's receiver streams": (
-        "analysis/causal/path_patch.py",
-        '    return Needs(z, stream + (into if heads else (f"resid_post.{L - 1}",)))',
-        '    return Needs(z, stream if heads else (f"resid_post.{L - 1}",))',
+    "patching: a study records its runs without the graph attribution reads (and records them again)": (
+        "analysis/causal/studies.py",
+        "        contrast.record(union.cache, base_only=union.base_only, grad=union.grad)",
+        "        contrast.record(union.cache, base_only=union.base_only, grad=False)",
         "tests/analysis/causal/test_toolkit.py::test_a_study_shares_one_base_and_one_source_run_and_changes_no_number",
     ),
     "patching: the metric's gradient accumulates twice in a shared recording": (

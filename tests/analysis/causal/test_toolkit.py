@@ -149,7 +149,7 @@ def test_path_patching_into_a_grouped_key_equals_an_edit_by_hand(direction: str)
 
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
 def test_a_study_shares_one_base_and_one_source_run_and_changes_no_number(direction: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The default sweeps (activation of resid_pre and head_out, attribution, path patching) read one base and
+    """The sweeps (activation of resid_pre, head_out and z, attribution of both head sites, path patching) read one base and
     one source recording, made once with every site they read and the base's graph; each result equals the
     function run on its own (its own recordings), as does a study on a GPT-2-like model with the loss metric."""
     from qkov.analysis.causal import patching as Pt
@@ -164,14 +164,17 @@ def test_a_study_shares_one_base_and_one_source_run_and_changes_no_number(direct
             return real(self, *a, **k)
 
         monkeypatch.setattr(Contrast, "record", counted)
-        study = patch_study(w, clean, corrupted, metric=metric, direction=direction, receivers="1.0")
+        sites = "resid_pre,head_out,z"  # two head sites: the metric's gradient taken once for both
+        study = patch_study(w, clean, corrupted, metric=metric, direction=direction, receivers="1.0", sites=sites)
         assert recorded == [True]  # one recording of each run, the base's with its graph
         monkeypatch.setattr(Contrast, "record", real)
         kw = dict(metric=metric, direction=direction)
         alone = [
             Pt.activation_patching(w, clean, corrupted, site="resid_pre", **kw),
             Pt.activation_patching(w, clean, corrupted, site="head_out", **kw),
+            Pt.activation_patching(w, clean, corrupted, site="z", **kw),
             Pt.attribution_patching(w, clean, corrupted, site="head_out", **kw),
+            Pt.attribution_patching(w, clean, corrupted, site="z", **kw),
             path_patching(w, clean, corrupted, receivers="1.0", **kw),
         ]
         assert [(r.method, r.site) for r in study.results] == [(r.method, r.site) for r in alone]

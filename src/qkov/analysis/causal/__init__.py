@@ -35,9 +35,17 @@ from .ablation import (
 )
 from .result import agreement, by_direction, largest, PatchResult, result_text
 from .contrast import Contrast, copy_bytes, DIRECTIONS, PATCH_BYTES
-from .registry import Option, register_sweep, study_options, StudyRun, Sweep, SWEEPS
-from .patching import activation_patching, attribution_patching, default_axes, study_axes
-from .path_patch import input_paths, path_patching, receivers_of
+from .registry import Needs, Option, register_sweep, study_options, StudyRun, Sweep, SWEEPS
+from .patching import (
+    activation_patching,
+    activation_sites,
+    attribution_patching,
+    default_axes,
+    patch_activations,
+    patch_attribution,
+    study_axes,
+)
+from .path_patch import input_paths, patch_paths, path_patching, path_sites, receivers_of
 from .composition import composition_paths, composition_paths_text, CompositionPaths, ICL_CHUNK
 from .studies import patch_study, PatchStudy, patch_study_text
 
@@ -82,6 +90,7 @@ __all__ = [
     "copy_bytes",
     "DIRECTIONS",
     "PATCH_BYTES",
+    "Needs",
     "Option",
     "register_sweep",
     "study_options",
@@ -89,11 +98,16 @@ __all__ = [
     "Sweep",
     "SWEEPS",
     "activation_patching",
+    "activation_sites",
     "attribution_patching",
     "default_axes",
+    "patch_activations",
+    "patch_attribution",
     "study_axes",
     "input_paths",
+    "patch_paths",
     "path_patching",
+    "path_sites",
     "receivers_of",
     "composition_paths",
     "composition_paths_text",
