@@ -723,6 +723,12 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "        k = k",
         "tests/analysis/forward/test_forward.py::test_positions_with_the_last_layer_read_run_it_whole[llama-like]",
     ),
+    "discovery: an integrated-gradient step's backward under the caller's no_grad (no graph)": (
+        "analysis/discovery/attribution.py",
+        "    with torch.enable_grad():  # whatever the caller's mode: the recording kept its graph\n        metric(recording).backward()",
+        "    if True:\n        metric(recording).backward()",
+        "tests/analysis/discovery/test_attribution.py::test_scores_are_the_same_inside_torch_no_grad",
+    ),
     "discovery: a receiver read from its fully ablated input weighs its senders by W, not W - 1": (
         "analysis/discovery/evaluate.py",
         "        C = torch.where(ii[:, None] if self.pos else ii, C - 1, C)",

@@ -214,3 +214,17 @@ def test_edge_attribution_is_a_sweep_of_the_patching_study(direction: str) -> No
     close(by_name(r), ref)
     if direction == "noise":
         assert (r.scores - edge_scores(w, task).scores).abs().max() < 1e-12
+
+
+def test_scores_are_the_same_inside_torch_no_grad() -> None:
+    """A caller that switched gradients off (a script under ``torch.no_grad()``) gets the same scores: the
+    gradient passes enable gradients themselves (the backward failed: no graph)."""
+    from qkov.analysis.discovery import contrast_edge_scores
+
+    w, task = setup("gpt2-like", n=2, T=5)
+    want = {m: edge_scores(w, task, method=m, steps=2).values for m in ("eap", "eap-ig", "ieg")}
+    want_c = contrast_edge_scores(w, task.clean[:1], task.corrupted[:1]).values
+    with torch.no_grad():
+        for m, v in want.items():
+            assert torch.equal(edge_scores(w, task, method=m, steps=2).values, v), m
+        assert torch.equal(contrast_edge_scores(w, task.clean[:1], task.corrupted[:1]).values, want_c)

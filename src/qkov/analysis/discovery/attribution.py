@@ -88,14 +88,15 @@ def _grad_recording(
 ) -> Any:
     """A differentiable run of ``tokens`` with ``edits``, after the backward pass of its metric."""
     recording = trace(source, tokens, cache=cache, edits=edits, grad=True, positions=metric.logit_positions(tokens.shape[1]))
-    metric(recording).backward()
+    with torch.enable_grad():  # whatever the caller's mode: the recording kept its graph
+        metric(recording).backward()
     return recording
 
 
 def _eap(source, graph, b, metric, ablation, scores, *, weight, steps) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     c = _contrast(source, b, metric)
     c.record(sender_sites(graph), base_only=fast_sites(graph, source.norm), grad=True)  # base: the clean prompts
-    c.metric(c.base_recording).backward()  # type: ignore[arg-type]
+    c.backward()
     delta = sender_deltas(ablation, c.base_recording, c.source_recording, source, graph)  # type: ignore[arg-type]
     accumulate(scores, delta, fast_grads(c.base_recording, source, graph), graph, weight)  # type: ignore[arg-type]
     return c.clean_value, c.corrupted_value

@@ -37,7 +37,7 @@ def contrast_edge_scores(
     g = graph_of(w.cfg)
     c = Contrast.of(w, clean, corrupted, metric=metric, direction=direction, where="edge attribution")
     c.record(sender_sites(g), base_only=fast_sites(g, w.norm), grad=True)
-    c.metric(c.base_recording).backward()  # type: ignore[arg-type]
+    c.backward()
     scores = torch.zeros(len(g.senders), len(g.receivers), dtype=torch.float64, device=w.device)
     delta = sender_deltas(Ablation("corrupted"), c.base_recording, c.source_recording, w, g)  # type: ignore[arg-type]
     accumulate(scores, delta, fast_grads(c.base_recording, w, g), g)  # type: ignore[arg-type]
