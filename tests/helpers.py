@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from qkov import ModelConfig, TrainConfig, Transformer
+from qkov import ModelConfig, TrainConfig, Transformer, trace
 from qkov.apps.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
@@ -140,3 +140,17 @@ def own_patterns(model: Transformer, ids: torch.Tensor) -> list[torch.Tensor]:
         for h in hooks:
             h.remove()
     return got
+
+
+def one_patch(w: Any, base: torch.Tensor, src: torch.Tensor, kind: str, layer: int, index: tuple, metric: Any) -> float:
+    """One patch, written out (the reference the batched sweeps are checked against): the base run with
+    the site's value at ``index`` (an indexing tuple after the batch) taken from the source run, every
+    position unembedded."""
+    source = trace(w, src, cache=[(kind, layer)])[kind, layer]
+
+    def edit(v: torch.Tensor, site: Any) -> torch.Tensor:
+        v = v.clone()
+        v[(slice(None), *index)] = source[(slice(None), *index)]
+        return v
+
+    return float(metric(trace(w, base, edits={(kind, layer): edit})))

@@ -20,7 +20,7 @@ from qkov.analysis.heads.probes import induction_probe_tokens
 from qkov.model.tokens import TextCodec
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from helpers import LN_MLP, perturb_non_matrices
+from helpers import LN_MLP, perturb_non_matrices, one_patch
 from hand_built import V, hand_built
 
 D = torch.float64
@@ -35,19 +35,6 @@ def _setup():  # type: ignore[no-untyped-def]
     corrupted = clean.clone()
     corrupted[:, 3:6] = torch.randint(1, GPT2_LIKE.d_vocab, (2, 3), generator=g)
     return w, clean, corrupted
-
-
-def _one_patch(w, base, src, kind, layer, index, metric):  # type: ignore[no-untyped-def]
-    """One patch, written out: the base run with the site's value at ``index`` (an indexing tuple
-    after the batch) taken from the source run."""
-    source = trace(w, src, cache=[(kind, layer)])[kind, layer]
-
-    def edit(v, site):  # type: ignore[no-untyped-def]
-        v = v.clone()
-        v[(slice(None), *index)] = source[(slice(None), *index)]
-        return v
-
-    return float(metric(trace(w, base, edits={(kind, layer): edit})))
 
 
 @pytest.mark.parametrize("direction", ["denoise", "noise"])
@@ -68,7 +55,7 @@ def test_batched_sweeps_equal_one_patch_at_a_time(direction: str) -> None:
             w, clean, corrupted, site=kind, axes=axes, metric=metric, direction=direction, max_bytes=budget
         )  # batches of three patched copies (the last one shorter)
         for cell in itertools.product(*(range(n) for n in got.values.shape)):  # every patch
-            want = _one_patch(w, base, src, kind, cell[0], index(*cell[1:]), lambda r: metric(r))
+            want = one_patch(w, base, src, kind, cell[0], index(*cell[1:]), lambda r: metric(r))
             assert got.values[cell] == pytest.approx(want, abs=1e-10), (kind, cell)
     assert got.base == pytest.approx(float(metric(trace(w, base)))) and got.target == pytest.approx(float(metric(trace(w, src))))
     n = got.normalized()

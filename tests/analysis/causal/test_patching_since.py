@@ -11,13 +11,13 @@ import itertools
 import pytest
 import torch
 
-from qkov import Transformer, Weights, trace
+from qkov import Transformer, Weights
 from qkov.analysis.causal import patching as Pt
 from qkov.analysis.causal.contrast import Contrast, copy_bytes
 from qkov.analysis.causal.metrics import Loss
 from qkov.analysis.causal.path_patch import path_patching
 
-from helpers import LN_MLP, perturb_non_matrices
+from helpers import LN_MLP, perturb_non_matrices, one_patch
 
 GPT2_LIKE = LN_MLP.replace(positional="standard", act_fn="gelu_new")
 
@@ -30,18 +30,6 @@ def _setup():  # type: ignore[no-untyped-def]
     corrupted = clean.clone()
     corrupted[:, 4:6] = torch.randint(1, GPT2_LIKE.d_vocab, (2, 2), generator=g)  # positions 0-3 the same
     return w, clean, corrupted
-
-
-def _one_patch(w, base, src, kind, layer, index, metric):  # type: ignore[no-untyped-def]
-    """One patch, written out, every position unembedded."""
-    source = trace(w, src, cache=[(kind, layer)])[kind, layer]
-
-    def edit(v, site):  # type: ignore[no-untyped-def]
-        v = v.clone()
-        v[(slice(None), *index)] = source[(slice(None), *index)]
-        return v
-
-    return float(metric(trace(w, base, edits={(kind, layer): edit})))
 
 
 @pytest.fixture
@@ -69,7 +57,7 @@ def test_sweeps_with_a_metric_over_every_position_equal_one_patch_at_a_time(dire
         budget = 3 * copy_bytes(w, clean, None)  # three copies a pass
         got = Pt.activation_patching(w, clean, corrupted, site=kind, axes=axes, metric=metric, direction=direction, max_bytes=budget)
         for cell in itertools.product(*(range(n) for n in got.values.shape)):
-            want = _one_patch(w, base, src, kind, cell[0], index(*cell[1:]), metric)
+            want = one_patch(w, base, src, kind, cell[0], index(*cell[1:]), metric)
             assert got.values[cell] == pytest.approx(want, abs=1e-10), (kind, cell)
         assert (got.values - got.base).abs().max() > 1e-6
 
