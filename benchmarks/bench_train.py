@@ -17,8 +17,13 @@ products, and for training each one's two backward products) and on a 2048-squar
 float32 and in bfloat16; the peak is the fastest of them (the step's products back to back, the
 "mix", are printed beside it: its small attention products run far below the peak).
 
-    python benchmarks/bench_train.py            # both libraries, 3 repeats, medians
+Then the variants of ``qkov architectures`` (Attention Residuals, hyper-connections, mHC, gated
+attention, looped depth; docs/architectures.md) on the same model and batches: each one's training
+throughput in float32 beside the standard model's, and the ratio (the cost of its extra).
+
+    python benchmarks/bench_train.py            # both libraries, 3 repeats, medians, then the variants
     python benchmarks/bench_train.py --repeats 5 --json results.json
+    python benchmarks/bench_train.py --variants-only   # the variants' table alone
 """
 
 from __future__ import annotations
@@ -54,7 +59,12 @@ def _build(lib: str):
 
         tune_cpu_allocator()  # part of qkov's training path on CPU (so is flushing denormals)
         torch.set_flush_denormal(True)
-        model = qkov.Transformer(qkov.ModelConfig(**CFG), seed=0)
+        cfg = qkov.ModelConfig(**CFG)
+        if lib.startswith("qkov-variant:"):  # a variant of the architectures study, float32
+            from qkov.apps.architectures import variant_config
+
+            cfg = variant_config(lib.split(":", 1)[1], cfg)
+        model = qkov.Transformer(cfg, seed=0)
         bf16 = lib == "qkov-bf16"
 
         def loss(toks):
@@ -183,17 +193,45 @@ def _report(results: dict[str, dict[str, dict[str, float]]], repeats: int) -> No
             )
 
 
+def variants_table(repeats: int, steps: int) -> dict[str, dict[str, float]]:
+    """Training throughput of every variant of ``qkov architectures`` beside the standard model's."""
+    from qkov.apps.architectures import VARIANTS
+
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    for _ in range(repeats):  # interleaved, as above
+        for name in runs:
+            runs[name].append(measure(f"qkov-variant:{name}", "train", steps))
+    out = {name: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                  "peak_rss_mib": max(r["peak_rss_mib"] for r in rs)} for name, rs in runs.items()}  # fmt: skip
+    base = out["standard"]["tokens_per_s"]
+    print(f"\nqkov architectures variants: training, float32, model {CFG}, batch {BATCH}, medians of {repeats}")
+    print(f"{'variant':<15} {'config':<48} {'tok/s':>9} {'vs standard':>12} {'MiB':>6}")
+    for name, r in out.items():
+        r["vs_standard"] = r["tokens_per_s"] / base
+        conf = ", ".join(f"{k}={v}" for k, v in VARIANTS[name].items()) or "-"
+        print(f"{name:<15} {conf:<48} {r['tokens_per_s']:>9,.0f} {r['vs_standard']:>11.2f}x {r['peak_rss_mib']:>6.0f}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--train-steps", type=int, default=15)
     ap.add_argument("--forward-steps", type=int, default=30)
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--variants-only", action="store_true", help="only the architectures variants' table")
+    ap.add_argument("--no-variants", action="store_true", help="skip the architectures variants' table")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         lib, task, steps = args.worker
         print(json.dumps(worker(lib, task, int(steps))))
+        return 0
+    if args.variants_only:
+        variants = variants_table(args.repeats, args.train_steps)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"variants": variants}, fh, indent=2)
         return 0
     try:
         import transformer_lens  # noqa: F401
@@ -212,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             pick = {k: max if k == "peak_rss_mib" else statistics.median for k in rs[0]}
             results[task][lib] = {k: f(r[k] for r in rs) for k, f in pick.items()}
     _report(results, args.repeats)
+    if not args.no_variants:
+        results["variants"] = variants_table(args.repeats, args.train_steps)  # type: ignore[assignment]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

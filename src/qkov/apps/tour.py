@@ -32,7 +32,7 @@ from .dynamics.phase import phase_charts, phase_claims
 from .report.card import TrainingRecord
 from .report.sections import Absent, Report
 
-__all__ = ["LAYERS", "render_tour", "run_tour", "TITLE"]
+__all__ = ["earlier_dynamics", "LAYERS", "render_tour", "run_state", "run_tour", "TITLE"]
 
 LAYERS: tuple[int, ...] = (0, 1, 2)
 
@@ -100,8 +100,8 @@ def render_tour(
 
 
 # --------------------------------------------------------------------------- run
-def _state(ckpt: Path) -> str:
-    """``done``, ``partial`` (resumable) or ``new`` (nothing there, or a start that never wrote a state)."""
+def run_state(ckpt: Path, what: str = "tour") -> str:
+    """Where the run in ``ckpt`` stands: ``done``, ``partial`` (resumable) or ``new`` (nothing there, or a start that never wrote a state)."""
     kind = rundir.inspect(ckpt)
     if kind in ("resumable", "checkpoint") and (ckpt / "config.json").is_file():
         tr = read_config(ckpt).get("training", {})
@@ -111,10 +111,10 @@ def _state(ckpt: Path) -> str:
         return "partial"
     if kind in ("free", "restartable"):
         return "new"
-    raise QkovError(f"tour: {str(ckpt)!r} holds neither a finished nor a resumable qkov run; move it away", hint="out")
+    raise QkovError(f"{what}: {str(ckpt)!r} holds neither a finished nor a resumable qkov run; move it away", hint="out")
 
 
-def _earlier_dynamics(ckpt: Path) -> dict[str, Any] | None:
+def earlier_dynamics(ckpt: Path) -> dict[str, Any] | None:
     """The dynamics a previous tour wrote for exactly the snapshots ``ckpt`` holds now, if any."""
     try:
         # a write killed between its two files is finished first; a mixed pair is not read
@@ -134,7 +134,7 @@ def _dynamics(out: Path, layers: list[int], dev: Any, say: Callable[[str], None]
         if not (ckpt / "snapshots").is_dir():
             say(f"[{n}-layer] no snapshots (a run trained before qkov kept them): no dynamics")
             continue
-        earlier = _earlier_dynamics(ckpt)
+        earlier = earlier_dynamics(ckpt)
         if earlier is not None:
             say(f"[{n}-layer] reusing the dynamics of these snapshots in {ckpt / 'dynamics'}")
             found[n] = earlier
@@ -170,7 +170,7 @@ def run_tour(
         train_over["corpus"] = corpus
     for n in layers:
         ckpt = out / f"qkov-{n}l"
-        state = _state(ckpt)
+        state = run_state(ckpt)
         if state == "done":
             say(f"[{n}-layer] reusing the finished run in {ckpt}")
         else:

@@ -5,7 +5,8 @@ error's hint becomes the command line's advice (:data:`common.HINT_ADVICE`); a
 :class:`qkov.errors.QkovWarning` prints as one line ``qkov: warning: ...`` and the command goes on. An allocation that
 fails anyway (the analyses plan their memory first; this is the backstop) is one line too. Commands live in
 ``train_cmds`` (train), ``info_cmds`` (info), ``weights_cmds`` (circuits, trigrams), ``behaviour_cmds`` (paths,
-heads), ``report_cmds`` (report, tour), ``dynamics_cmds`` (dynamics), ``ablate_cmds`` (ablate), ``patch_cmds`` (patch),
+heads), ``report_cmds`` (report, tour), ``architecture_cmds``
+(architectures), ``dynamics_cmds`` (dynamics), ``ablate_cmds`` (ablate), ``patch_cmds`` (patch),
 ``circuit_cmds`` (circuit), ``interop_cmds`` (import, export) and ``explore_cmds`` (explore: the web server,
 whose libraries it alone imports).
 """
@@ -23,6 +24,7 @@ from ...errors import QkovError, QkovWarning
 from ...version import __version__
 from .behaviour_cmds import add_heads, add_paths
 from .ablate_cmds import add_ablate
+from .architecture_cmds import add_architectures
 from .dynamics_cmds import add_dynamics
 from .circuit_cmds import add_circuit
 from .explore_cmds import add_explore
@@ -45,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"qkov {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
-    for add in (add_train, add_info, add_circuits, add_paths, add_heads, add_trigrams, add_report, add_tour):
+    for add in (add_train, add_info, add_circuits, add_paths, add_heads, add_trigrams, add_report, add_tour, add_architectures):
         add(sub)
     for add in (add_dynamics, add_ablate, add_patch, add_circuit):
         add(sub)

@@ -1,0 +1,72 @@
+/* qkov architectures page: the variants of the 2-layer model compared, drawn from the JSON embedded in
+ * the page (no network) with the report library (report.js, loaded first): qkovReport.drawPage runs
+ * each section's renderer on its own and marks its section data-rendered="ok" or "error". */
+"use strict";
+(function () {
+  const { el, fmt, signed, note, table, plot } = window.qkovReport.helpers;
+  const big = (v) => (v == null ? "–" : Number(v).toLocaleString("en-US", { maximumFractionDigits: 0 }));
+  const span = (w) => (w ? `${big(w.start)} – ${big(w.end)} (fastest ${big(w.peak)})` : "no window");
+  const kc = (k) => (k ? `${k.writer} → ${k.reader}: ${fmt(k.adjusted, 2)}` : "–");
+
+  function variants(sec, D) {
+    sec.append(el("p", { class: "note" },
+      `${D.variants.length} variants, ${big(D.steps)} steps each, on ${D.corpus || "the built-in corpus"} ` +
+      `(${D.device || "–"}); this run of the study took ${big(D.seconds)} s (finished runs in its directory are ` +
+      "reused). Tokens/s is the training throughput of each variant on this machine, the cost of its extra."));
+    table(sec, ["variant", "model", "parameters", "tokens/s", "validation loss", "ICL score (nats)",
+      "induction score", "phase change (tokens)", "strongest K-composition", "max sink mass"],
+    D.variants.map((r) => [el("a", { href: r.dynamics, text: r.variant }), r.model, big(r.parameters),
+      big(r.tokens_per_s), fmt(r.val_loss, 4), signed(r.icl), fmt(r.induction), span(r.phase_change),
+      kc(r.k_composition), fmt(r.max_sink)]), [0, 1], [1]);
+  }
+
+  function phase(sec, D) {
+    const row = el("div", { class: "cols" });
+    sec.append(row);
+    for (const [key, title, axis] of [["induction", "induction score", "attention"],
+      ["icl_improvement", "in-context improvement", "nats"]]) {
+      const box = el("div");
+      row.append(box);
+      plot(box, D.variants.map((r) => ({ x: r.curves.tokens, y: r.curves[key], name: r.variant,
+        mode: "lines+markers", marker: { size: 3 } })), {
+        title: { text: title }, width: 560, height: 360, xaxis: { title: { text: "tokens seen" } },
+        yaxis: { title: { text: axis } }, legend: { orientation: "h", y: -0.3 }, margin: { l: 60, r: 20, t: 40, b: 50 },
+      });
+    }
+  }
+
+  function loss(sec, D) {
+    const runs = D.variants.filter((r) => r.loss_curve && r.loss_curve.tokens.length);
+    if (!runs.length) { note(sec, "No evaluations were logged."); return; }
+    plot(sec, runs.map((r) => ({ x: r.loss_curve.tokens, y: r.loss_curve.val_loss, name: r.variant, mode: "lines" })), {
+      title: { text: "validation loss" }, height: 380, xaxis: { title: { text: "tokens seen" } },
+      yaxis: { title: { text: "loss (nats)" } }, legend: { orientation: "h", y: -0.25 },
+    });
+  }
+
+  function sinks(sec, D) {
+    const L = Math.max(...D.variants.map((r) => r.sink_mass.length));
+    const H = Math.max(...D.variants.map((r) => Math.max(...r.sink_mass.map((h) => h.length))));
+    const head = ["variant"];
+    for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) head.push(`${l}.${h}`);
+    table(sec, head, D.variants.map((r) => {
+      const cells = [r.variant];
+      for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) {
+        const v = (r.sink_mass[l] || [])[h];
+        cells.push(v == null ? "–" : fmt(v, 2));
+      }
+      return cells;
+    }), [0]);
+  }
+
+  function orders(sec, D) {
+    plot(sec, D.variants.map((r) => ({ x: r.paths_by_order.map((_, k) => k), y: r.paths_by_order, name: r.variant,
+      mode: "lines+markers" })), {
+      title: { text: "loss of the paths through at most k heads" }, height: 380,
+      xaxis: { title: { text: "k (heads on the path)" }, dtick: 1 }, yaxis: { title: { text: "loss (nats)" } },
+      legend: { orientation: "h", y: -0.25 },
+    });
+  }
+
+  window.qkovReport.drawPage("qkov-architectures", { variants, phase, loss, sinks, orders });
+})();
