@@ -36,6 +36,7 @@ REPORT_SECTIONS = (
 )
 DYNAMICS_SECTIONS = ("summary", "curves", "loss", "heads", "trajectory", "ablation", "table")
 TOUR_SECTIONS = ("models", "curves", "phase", "circuit", "claims")
+ARCH_SECTIONS = ("variants", "phase", "loss", "sinks", "orders")
 MARKUP = "<!-- a comment --> <script>alert(1)</script> \u2028 & </SCRIPT > <!--<script> -->"
 
 
@@ -72,6 +73,25 @@ def report(hostile: Path) -> tuple[Path, Any]:
         corrupted=hostile / "corrupted.npy",
     )
     return out / "index.html", rep
+
+
+@pytest.fixture(scope="module")
+def architectures_file(small_corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The architectures study's page from real tiny runs of two variants, trained on a corpus whose
+    folder name holds markup (the page shows it)."""
+    from qkov.apps.architectures import run_architectures
+
+    root = tmp_path_factory.mktemp("arch") / "cmt<!--dir"
+    corpus = root / "corpus<!--<script>"
+    corpus.mkdir(parents=True)
+    for f in small_corpus.iterdir():
+        (corpus / f.name).write_bytes(f.read_bytes())
+    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=48)
+    tc = {k: v for k, v in vars(tiny_train(corpus, steps=12, snapshots=4)).items() if k not in ("steps", "corpus")}
+    names = [n for n in ("standard", "gate", "loop") if n == "standard" or hasattr(cfg, "gate")]
+    run_architectures(root / "out", variants=names, steps=12, corpus=str(corpus), base=cfg, train_options=tc,
+                      device="cpu", quiet=True, say=lambda s: None)  # fmt: skip
+    return root / "out" / "index.html"
 
 
 @pytest.fixture(scope="module")
@@ -271,16 +291,17 @@ def _break_data(page: str, element: str) -> str:
     return new
 
 
-@pytest.mark.parametrize("which", ["report", "dynamics", "tour"])
+@pytest.mark.parametrize("which", ["report", "dynamics", "tour", "architectures"])
 def test_a_page_whose_data_cannot_be_read_says_so_in_every_section(
-    which: str, report: tuple[Path, Any], dynamics_page: tuple[Path, Any], tour_file: Path, tmp_path: Path
+    which: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     need_browser()
     index, element, sections = {
-        "report": (report[0], "qkov-data", REPORT_SECTIONS),
-        "dynamics": (dynamics_page[0], "qkov-dynamics", DYNAMICS_SECTIONS),
-        "tour": (tour_file, "qkov-tour", TOUR_SECTIONS),
-    }[which]
+        "report": lambda: (request.getfixturevalue("report")[0], "qkov-data", REPORT_SECTIONS),
+        "dynamics": lambda: (request.getfixturevalue("dynamics_page")[0], "qkov-dynamics", DYNAMICS_SECTIONS),
+        "tour": lambda: (request.getfixturevalue("tour_file"), "qkov-tour", TOUR_SECTIONS),
+        "architectures": lambda: (request.getfixturevalue("architectures_file"), "qkov-architectures", ARCH_SECTIONS),
+    }[which]()
     broken = tmp_path / "broken.html"
     broken.write_text(_break_data(index.read_text(), element))
     dom = _open(broken, tmp_path / "profile")
@@ -308,7 +329,7 @@ def test_a_notebook_display_whose_data_cannot_be_read_says_so(report: tuple[Path
 
 # ------------------------------------------------------------------------- layout
 @pytest.mark.parametrize("width", [1400, 900])
-@pytest.mark.parametrize("which", ["report", "dynamics", "tour", "notebook"])
+@pytest.mark.parametrize("which", ["report", "dynamics", "tour", "notebook", "architectures"])
 def test_no_text_overlaps_and_nothing_scrolls_sideways(
     which: str, width: int, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
@@ -320,6 +341,7 @@ def test_no_text_overlaps_and_nothing_scrolls_sideways(
         "dynamics": lambda: request.getfixturevalue("dynamics_page")[0],
         "tour": lambda: request.getfixturevalue("tour_file"),
         "notebook": lambda: request.getfixturevalue("notebook_file"),
+        "architectures": lambda: request.getfixturevalue("architectures_file"),
     }[which]()
     probed = tmp_path / "probed.html"
     probed.write_text(index.read_text().replace("</body>", LAYOUT_PROBE + "</body>"))
@@ -328,9 +350,10 @@ def test_no_text_overlaps_and_nothing_scrolls_sideways(
         roots = re.findall(r'<div class="qkov-nb" id="qkov-[0-9a-f]{12}"([^>]*)>', dom)
         assert len(roots) >= 10 and all('data-rendered="ok"' in r for r in roots), roots
     else:
-        _rendered(dom, {"report": REPORT_SECTIONS, "dynamics": DYNAMICS_SECTIONS, "tour": TOUR_SECTIONS}[which])
+        sections = {"report": REPORT_SECTIONS, "dynamics": DYNAMICS_SECTIONS, "tour": TOUR_SECTIONS}
+        _rendered(dom, {**sections, "architectures": ARCH_SECTIONS}[which])
     got = layout(dom)
-    assert got["width"] == width and got["boxes"] > 100, got
+    assert got["width"] == width and got["boxes"] > (40 if which == "architectures" else 100), got
     assert got["n_overlaps"] == 0, f"{got['n_overlaps']} overlapping pairs, the first: " + "\n".join(
         f"{a}  x  {b}" for a, b in got["overlaps"]
     )
