@@ -121,10 +121,8 @@ class Weights:
         """Copy ``model``'s weights into a view; see the module docstring for the options.
 
         ``center_writing=None`` centres the writers of a LayerNorm model (where it is exact) and
-        leaves a model without LayerNorm alone; ``True`` on a model without LayerNorm is refused.
-        A looped model (``cfg.loop > 1``) gives the view of its unrolled model (``cfg.unrolled()``):
-        layer ``l`` holds a copy of stored block ``l % n_layers``.
-        """
+        leaves a model without LayerNorm alone; ``True`` on a model without LayerNorm is refused. A looped
+        model gives its unrolled view (``cfg.unrolled()``: layer ``l`` a copy of block ``l % n_layers``)."""
         expect_model("qkov.Weights.from_model", model)
         cfg = model.cfg.unrolled()
         center_writing = writer_centring(cfg, center_writing)
@@ -149,8 +147,7 @@ class Weights:
         M, KV = cfg.d_mlp or 0, cfg.kv_heads
         norm = cfg.normalization  # "none", "layernorm" or "rmsnorm": the view starts unfolded
         affine = norm == "layernorm"
-        gated = mlp and cfg.gated_mlp
-        G = cfg.gate_width
+        gated, G = mlp and cfg.gated_mlp, cfg.gate_width
         w = cls(
             cfg=cfg,
             W_E=t(model.W_E),  # type: ignore[arg-type]
