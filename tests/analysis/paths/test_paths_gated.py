@@ -14,6 +14,7 @@ import qkov
 from qkov import ModelConfig, Transformer, Weights, trace
 from qkov.analysis import paths as P
 from qkov.analysis.forward.frozen import frozen_edits, frozen_recording, frozen_sites
+from qkov.analysis.paths.effects import term_logits
 from qkov.analysis.paths.importance import loss
 
 from helpers import TINY, perturb_non_matrices, run_main, tiny_train
@@ -144,3 +145,20 @@ def test_trained_gated_model_reconstructs_and_the_commands_run(trained_gated: Pa
         assert "the weight-only OV circuits" in " ".join(out.split()), command
     rc, out, err = run_main(capsys, "circuits", trained_gated, "--json")
     assert rc == 0 and "gate_note" in out
+
+
+@pytest.mark.parametrize("gate", ["elementwise", "headwise"])
+def test_sampled_term_logits_through_a_gated_head(gate: str) -> None:
+    """At sampled positions a term's logits are read through its last head, d_head wide
+    (qkov.analysis.paths.effects): with the head's gate there they equal the term's own logits."""
+    m = make(gate, "ln", layers=3)
+    w, tokens = Weights.from_model(m, dtype=torch.float64), toks((6, 16), seed=5)
+    exp = P.expand(w, tokens, virtual_heads=True)
+    pos = P.effect_positions(exp, max_logits=20 * w.cfg.d_vocab)
+    assert pos is not None
+    b, t = pos[:, 0], pos[:, 1]
+    for key in [(0, 1), (2, 0), (0, 2, 1, 1), (1, 0, 2, 2)]:
+        x_in = exp.direct if len(key) == 2 else exp.heads[key[:2]]
+        term = exp.heads[key] if len(key) == 2 else exp.virtual[key]
+        want = exp.logits_of(term)[b, t][:, None]
+        assert (term_logits(w, exp.recording, key, x_in, b, t) - want).abs().max() <= 1e-10 * want.abs().max()
