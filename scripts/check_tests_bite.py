@@ -875,6 +875,84 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "    if False:\n        w = Weights.from_source",
         "tests/apps/test_patch_cli.py::test_patch_reads_the_view_straight_from_a_checkpoint",
     ),
+    'gated attention: the gate is computed but not multiplied into z': (
+        'model/block.py',
+        '        return z * (self.at_heads("gate", l, gate) if site else gate)',
+        '        return z + 0 * (self.at_heads("gate", l, gate) if site else gate)',
+        'tests/model/test_gate_loop.py::test_gated_attention_matches_a_hand_computation',
+    ),
+    'gated attention: the last layer at a few positions forgets its gate': (
+        'model/block.py',
+        "        z = self.gated(l, att, qk_in[:, rows], z, site=False)  # nothing reads the last layer's gate here",
+        '        z = z',
+        'tests/model/test_gate_loop.py::test_gated_passes_agree',
+    ),
+    'gated attention: the normalisation not folded into W_G': (
+        'weights/view.py',
+        '                ch["W_G"], ch["b_G"] = fold_reader(self.W_G, self.b_G, self.ln1_w, self.ln1_b, 2, inplace)  # type: ignore[arg-type]',
+        '                ch["W_G"], ch["b_G"] = self.W_G, self.b_G',
+        'tests/model/test_gate_loop.py::test_gated_passes_agree',
+    ),
+    'looped depth: effective layer l runs block l // loop instead of l % n_layers': (
+        'model/transformer.py',
+        '        return [self.blocks[l % n] for l in range(n * self.cfg.loop)]',
+        '        return [self.blocks[l // self.cfg.loop] for l in range(n * self.cfg.loop)]',
+        'tests/model/test_gate_loop.py::test_looped_model_is_its_unrolled_model',
+    ),
+    'looped depth: a looped checkpoint read lazily serves block l, not l % n_layers': (
+        'weights/lazy.py',
+        "        block = layer % self.stored_layers  # a looped model's effective layer runs this stored block",
+        '        block = min(layer, self.stored_layers - 1)',
+        'tests/model/test_gate_loop.py::test_looped_gated_checkpoint_round_trip',
+    ),
+    "paths: a head's order-1 term ignores its frozen gate": (
+        'analysis/forward/frozen.py',
+        '    return head_writes(pattern, v, W_O, frozen_gate(recording, layer, heads)).transpose(0, 1)',
+        '    return head_writes(pattern, v, W_O).transpose(0, 1)',
+        'tests/analysis/paths/test_paths_gated.py::test_gated_and_looped_paths_sum_to_the_logits tests/analysis/paths/test_paths_gated.py::test_order_one_terms_are_the_heads_own_outputs',
+    ),
+    'paths: the frozen recording does not record the gates': (
+        'analysis/forward/frozen.py',
+        'FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out", "gate")',
+        'FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out")',
+        'tests/analysis/paths/test_paths_gated.py::test_term_importance_is_the_literal_procedure_with_the_gates_frozen',
+    ),
+    "term importance: the heads' summed write ignores the frozen gate": (
+        'analysis/paths/importance.py',
+        '    return write_heads(gated(real, layer, real["pattern", layer] @ v), source.attention(layer, expand_kv=False).W_O)',
+        '    return write_heads(real["pattern", layer] @ v, source.attention(layer, expand_kv=False).W_O)',
+        'tests/analysis/paths/test_paths_gated.py::test_term_importance_is_the_literal_procedure_with_the_gates_frozen',
+    ),
+    "paths: b_V's term ignores the gate of the query": (
+        'analysis/paths/expansion.py',
+        '            new_bias = torch.einsum("bhte,hed->btd", att.b_V[None, :, None] * g, att.W_O) + att.b_O',
+        '            new_bias = torch.einsum("bhte,hed->btd", att.b_V[None, :, None] + 0 * g, att.W_O) + att.b_O',
+        'tests/analysis/paths/test_paths_gated.py::test_gated_and_looped_paths_sum_to_the_logits',
+    ),
+    "virtual heads: the reader's frozen gate left out": (
+        'analysis/paths/virtual.py',
+        '                z = z * g[:, 0, :, None]',
+        '                z = z',
+        'tests/analysis/paths/test_paths_gated.py::test_gated_and_looped_paths_sum_to_the_logits',
+    ),
+    'term effects: a sampled term read through its gated head without the gate': (
+        'analysis/paths/effects.py',
+        '        y = y * g[b, 0, t]',
+        '        y = y',
+        'tests/analysis/paths/test_paths_gated.py::test_sampled_term_logits_through_a_gated_head',
+    ),
+    'gate stats: the token dependence unweighted by how often each token occurs': (
+        'analysis/heads/gates.py',
+        '    between = (counts * (sums / counts - mean).pow(2)).sum(0)',
+        '    between = ((sums / counts - mean).pow(2)).sum(0) * len(v) / len(ids)',
+        'tests/analysis/heads/test_gates.py::test_gate_stats_by_hand',
+    ),
+    'gate tools: the effective OV ignores the gate': (
+        'analysis/heads/gates.py',
+        '    return LowRank(W_V * g, W_O)',
+        '    return LowRank(W_V, W_O)',
+        'tests/analysis/heads/test_gates.py::test_effective_ov_is_what_the_head_writes',
+    ),
 }
 
 

@@ -45,6 +45,7 @@ from .analysis.paths.effects import term_effects
 from .analysis.paths.importance import term_importance
 from .analysis.heads.probes import InductionProbe, icl_score, induction_probe, induction_probe_tokens, prefix_matching_tokens
 from .analysis.heads.pattern_scores import text_scores
+from .analysis.heads.gates import GateStats, effective_ov, gate_stats
 from .analysis.circuits.trigrams import bigrams, skip_trigrams
 from .errors import QkovError
 from .io.checkpoint import save_checkpoint
@@ -92,6 +93,7 @@ _shown.LOADERS.append(lambda: importlib.import_module(".show", __name__))
 __all__ = [
     "Corpus",
     "InductionProbe",
+    "GateStats",
     "LazyCheckpoint",
     "LowRank",
     "ModelConfig",
@@ -114,10 +116,12 @@ __all__ = [
     "dynamics",
     "edge_scores",
     "evaluate_circuit",
+    "effective_ov",
     "expand",
     "find_circuit",
     "full_ov",
     "full_qk",
+    "gate_stats",
     "head_report",
     "icl_score",
     "induction_probe",

@@ -202,6 +202,10 @@ def test_public_api_is_what_the_package_docs_list() -> None:
         "edge_scores": discovery,
         "evaluate_circuit": discovery,
         "load_task": discovery,
+        # gated attention (issue 38)
+        "gate_stats": heads,
+        "GateStats": heads,
+        "effective_ov": heads,
     }
     for name, module in homes.items():
         assert getattr(qkov, name) is getattr(module, name), name

@@ -266,6 +266,10 @@ def gpt2_export(model: Transformer) -> tuple[dict[str, Any], dict[str, torch.Ten
         why.append(f"n_heads * d_head = {c.n_heads * c.d_head} differs from d_model = {c.d_model}")
     if model.b_U is not None and bool(model.b_U.detach().abs().max() > 0):
         why.append("its unembedding has a bias")
+    if c.gate != "none":
+        why.append("it has gated attention")
+    if c.loop != 1:
+        why.append("its blocks are looped")
     if why:
         raise QkovError("cannot export to GPT-2 format: " + "; ".join(why))
     ours = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}

@@ -351,6 +351,8 @@ def tl_config_dict(cfg: ModelConfig) -> dict[str, Any]:
             ("parallel attention and MLP", cfg.parallel),
             ("grouped-query attention", cfg.n_kv_heads not in (None, cfg.n_heads)),
             ("a gated MLP", cfg.gated_mlp),
+            ("gated attention", cfg.gate != "none"),
+            ("looped depth", cfg.loop != 1),
         )
         if has
     ]

@@ -9,7 +9,7 @@ positions enter the query/key input only, never the values or the stream.
 
 :class:`BlockPass` is that body. Every intermediate value passes through a **hook point**, named as
 the analysis forward's sites (:mod:`qkov.analysis.forward.sites`: ``resid_pre``, ``attn_in``, ``qk_in``,
-``q``, ``k``, ``v``, ``scores``, ``lse``, ``pattern``, ``z``, ``head_out``, ``attn_out``, ``resid_mid``,
+``q``, ``k``, ``v``, ``scores``, ``lse``, ``pattern``, ``gate``, ``z``, ``head_out``, ``attn_out``, ``resid_mid``,
 ``mlp_input``, ``mlp_in``, ``mlp_pre``, ``mlp_hidden``, ``mlp_out``, ``resid_post`` ...): :meth:`BlockPass.at`
 passes a value through one, :meth:`BlockPass.active` says whether anything reads or writes it,
 :meth:`BlockPass.fixed` gives a value that replaces it outright. Here they do nothing, so the
@@ -164,6 +164,17 @@ class BlockPass:
             pattern = torch.softmax(scores, dim=-1)
         return self.at("pattern", l, pattern) @ v
 
+    def gated(self, l: int, att: Any, qk_in: Tensor, z: Tensor, site: bool = True) -> Tensor:
+        """``z [B, H, P, E]`` times the attention gate of its query positions (gated attention, Qiu et al.
+        2025): ``sigmoid(qk_in @ W_G[h] + b_G[h])`` ``[B, H, P, G]`` (``G = E`` elementwise, 1 headwise)
+        of the stream the queries read, ``qk_in [B, P, D]``, through the hook point ``gate`` (with
+        ``site``); ``z`` itself for an ungated model."""
+        W_G = getattr(att, "W_G", None)
+        if W_G is None:
+            return z
+        gate = torch.sigmoid(project_heads(qk_in, W_G, live_bias(getattr(att, "b_G", None))))
+        return z * (self.at_heads("gate", l, gate) if site else gate)
+
     def attention(self, l: int, x: Tensor) -> Tensor:
         """Layer ``l``'s attention output ``[B, T, D]`` (``b_O`` included) for the stream ``x``."""
         att = self.attention_weights(l)
@@ -175,7 +186,7 @@ class BlockPass:
             qk_in = self.normed("qk", l, qk_src, att.ln_w, att.ln_b)[0]
         q, k = self.queries_keys(l, att, x, qk_in)  # before v: a shared input's gradient sums in the same order
         v = self.at_heads("v", l, self.head_input("v", l, x, v_in, att.W_V, att.b_V, (att.ln_w, att.ln_b)))
-        z = self.at_heads("z", l, self.attend(l, q, k, v))
+        z = self.at_heads("z", l, self.gated(l, att, qk_in, self.attend(l, q, k, v)))
         if self.active("head_out", l):
             per_head = self.at("head_out", l, torch.einsum("bhte,hed->bthd", z, att.W_O))
             out = per_head.sum(2) if att.b_O is None else per_head.sum(2) + att.b_O
@@ -201,6 +212,7 @@ class BlockPass:
         sees = torch.arange(x.shape[1], device=x.device)[None, :] <= rows[:, None]  # [P, T]: keys at or before
         scale = 1.0 / ops.score_divisor(q.shape[-1])
         z = F.scaled_dot_product_attention(q, expand_kv(k, self.group, dim=1), v, attn_mask=sees, scale=scale)
+        z = self.gated(l, att, qk_in[:, rows], z, site=False)  # nothing reads the last layer's gate here
         return write_heads(self.at_heads("z", l, z), att.W_O, live_bias(att.b_O))
 
     # ------------------------------------------------------------------ MLP and the block

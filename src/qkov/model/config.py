@@ -14,6 +14,7 @@ from ..errors import QkovError, check_choice, check_int
 
 __all__ = [
     "ACTIVATION_CHOICES",
+    "GATE_CHOICES",
     "ModelConfig",
     "Normalization",
     "NORMALIZATION_CHOICES",
@@ -28,6 +29,8 @@ Normalization = Literal["none", "layernorm", "rmsnorm"]
 POSITIONAL_CHOICES: tuple[str, ...] = ("shortformer", "standard", "rotary", "none")
 NORMALIZATION_CHOICES: tuple[str, ...] = ("none", "layernorm", "rmsnorm")
 ACTIVATION_CHOICES: tuple[str, ...] = ("gelu", "gelu_new", "relu", "silu")
+GATE_CHOICES: tuple[str, ...] = ("none", "elementwise", "headwise")
+"""Gated attention (Qiu et al. 2025): none, one sigmoid gate per head and channel, or one per head."""
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3")
 """The rotary frequency rescalings qkov implements exactly (see :mod:`qkov.model.rotary`); the
 others some checkpoints ship (dynamic, yarn, longrope) are refused on import, never ignored."""
@@ -71,6 +74,12 @@ class ModelConfig:
         rope_scaling: ``None`` or a rescaling of the rotary frequencies, ``{"rope_type":
             "linear", "factor": f}`` or ``{"rope_type": "llama3", "factor", "low_freq_factor",
             "high_freq_factor", "original_max_position_embeddings"}`` (Llama 3.1).
+        gate: gated attention (Qiu et al. 2025, arXiv 2505.06708): ``none``, ``elementwise`` or
+            ``headwise``; each head's output ``z`` is multiplied, before ``W_O``, by
+            ``sigmoid(qk_in @ W_G[h] + b_G[h])`` of its query position (``[d_head]`` values per
+            head elementwise, one headwise); docs/architectures.md.
+        loop: looped depth: the ``n_layers`` stored blocks are applied ``loop`` times (effective
+            layer ``l`` runs block ``l % n_layers``); :meth:`unrolled` is the model every analysis sees.
     """
 
     n_layers: int = 2
@@ -91,6 +100,8 @@ class ModelConfig:
     rotary_dim: int | None = None
     rotary_base: float = 10000.0
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    gate: Literal["none", "elementwise", "headwise"] = "none"
+    loop: int = 1
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "d_model", "d_head", "d_vocab"):
@@ -113,6 +124,8 @@ class ModelConfig:
         if self.parallel and self.d_mlp is None:
             raise QkovError("config: parallel attention and MLP needs an MLP (d_mlp)")
         self._check_rotary()
+        check_choice("config", "gate", self.gate, GATE_CHOICES)
+        check_int("config", "loop", self.loop)
 
     def _check_rotary(self) -> None:
         rotary = self.positional == "rotary"
@@ -150,6 +163,8 @@ class ModelConfig:
             f"{self.n_layers} layers x {self.n_heads} heads{kv}, d_model {self.d_model}, d_head {self.d_head}, "
             f"vocab {self.d_vocab}, ctx {self.n_ctx}, positions {pos}, norm {self.normalization}, mlp {mlp}"
             + (", attention and MLP in parallel" if self.parallel else "")
+            + (f", {self.gate} attention gate" if self.gate != "none" else "")
+            + (f", looped x{self.loop} ({self.n_layers * self.loop} effective layers)" if self.loop != 1 else "")
         )
 
     def parameter_count(self) -> int:
@@ -158,6 +173,7 @@ class ModelConfig:
         D, H, E, KV, M = self.d_model, self.n_heads, self.d_head, self.kv_heads, self.d_mlp or 0
         norm = {"none": 0, "layernorm": 2 * D, "rmsnorm": D}[self.normalization]
         attn = (H + 2 * KV) * D * E + H * E * D + (((H + 2 * KV) * E + D) if self.bias else 0)
+        attn += H * self.gate_width * (D + (1 if self.bias else 0))
         mlp = 0
         if self.d_mlp is not None:
             mlp = (3 if self.gated_mlp else 2) * D * M + norm
@@ -170,6 +186,16 @@ class ModelConfig:
     def kv_heads(self) -> int:
         """Key/value heads per layer (``n_heads`` unless grouped-query)."""
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def gate_width(self) -> int:
+        """Gate values per head: ``d_head`` (elementwise), 1 (headwise), 0 (no gate)."""
+        return {"none": 0, "elementwise": self.d_head, "headwise": 1}[self.gate]
+
+    def unrolled(self) -> "ModelConfig":
+        """The same model with its loop written out: ``n_layers * loop`` layers, ``loop=1`` (the
+        config every analysis sees; effective layer ``l`` holds stored block ``l % n_layers``)."""
+        return self if self.loop == 1 else self.replace(n_layers=self.n_layers * self.loop, loop=1)
 
     @property
     def rotary_width(self) -> int:

@@ -84,7 +84,9 @@ class Attention(nn.Module):
     """``n_heads`` independent heads; each writes ``pattern @ (x @ W_V) @ W_O``.
 
     Grouped-query attention (``n_kv_heads < n_heads``) stores ``W_K, W_V [n_kv_heads, d_model,
-    d_head]``: query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``.
+    d_head]``: query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)``. Gated attention
+    (``cfg.gate``) adds ``W_G [n_heads, d_model, G]`` (and ``b_G [n_heads, G]`` with biases), ``G = d_head``
+    elementwise or 1 headwise: head ``h`` writes ``(z_h * sigmoid(qk_in @ W_G[h] + b_G[h])) @ W_O[h]``.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -105,6 +107,14 @@ class Attention(nn.Module):
             self.register_parameter("b_K", None)
             self.register_parameter("b_V", None)
             self.register_parameter("b_O", None)
+        if cfg.gate != "none":  # gated attention: the gate's projection of the query position's stream
+            self.W_G = nn.Parameter(torch.empty(h, d, cfg.gate_width))
+        else:
+            self.register_parameter("W_G", None)
+        if cfg.gate != "none" and cfg.bias:
+            self.b_G = nn.Parameter(torch.zeros(h, cfg.gate_width))
+        else:
+            self.register_parameter("b_G", None)
 
     def qkv(self, qk_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``[batch, heads, seq, d_head]``, keys and values ``[batch, kv_heads, seq, d_head]``
@@ -169,7 +179,7 @@ class Block(nn.Module):
         ln1, ln2, a, m = self.ln1, self.ln2, self.attn, self.mlp
         att = SimpleNamespace(
             W_Q=a.W_Q, W_K=a.W_K, W_V=a.W_V, W_O=a.W_O, b_Q=a.b_Q, b_K=a.b_K, b_V=a.b_V, b_O=a.b_O,
-            ln_w=None if ln1 is None else ln1.w, ln_b=getattr(ln1, "b", None),
+            ln_w=None if ln1 is None else ln1.w, ln_b=getattr(ln1, "b", None), W_G=a.W_G, b_G=a.b_G,
         )  # fmt: skip
         if m is None:
             return att, None
@@ -426,11 +436,17 @@ class Transformer(nn.Module):
         return new if return_type == "tokens" or (return_type == "input" and not as_text) else texts_of(self, new, skip)
 
     # ------------------------------------------------------------- forward
+    def effective_blocks(self) -> list[Block]:
+        """The blocks in the order the forward runs them: effective layer ``l`` is stored block
+        ``l % n_layers``, ``n_layers * loop`` of them (the stored blocks themselves when ``loop == 1``)."""
+        n = len(self.blocks)
+        return [self.blocks[l % n] for l in range(n * self.cfg.loop)]
+
     def stream(self, tokens: Tensor) -> Tensor:
         """The final residual stream ``[batch, seq, d_model]`` (before the final LayerNorm) of checked ids."""
         x, pos = embed(tokens, self.W_E, self.W_pos)
         x = stream_start(x, pos, self.cfg.positional)
-        for block in self.blocks:  # each through its module call: torch hooks on a block still apply
+        for block in self.effective_blocks():  # each through its module call: torch hooks on a block still apply
             x = block(x, pos)
         return x
 

@@ -20,11 +20,11 @@ def activation_floats(cfg: ModelConfig, batch: int) -> int:
     final stream and the loss's input gradient, and the loss's ``[d_model, d_vocab]`` gradient."""
     D, H, E, KV, M = cfg.d_model, cfg.n_heads, cfg.d_head, cfg.kv_heads, cfg.d_mlp or 0
     norms = 0 if cfg.normalization == "none" else 2 * D
-    layer = 4 * D + (3 * H + 2 * KV) * E + H + norms
+    layer = 4 * D + (3 * H + 2 * KV) * E + H + norms + 2 * H * cfg.gate_width  # a gate's logits and values
     if cfg.d_mlp is not None:
         layer += D + M * (5 if cfg.gated_mlp else 2) + norms
     tokens = batch * cfg.n_ctx
-    return tokens * (cfg.n_layers * layer + 2 * D + norms // 2) + D * cfg.d_vocab
+    return tokens * (cfg.n_layers * cfg.loop * layer + 2 * D + norms // 2) + D * cfg.d_vocab  # effective layers
 
 
 def loss_floats(cfg: ModelConfig, batch: int, precision: str = "fp32") -> int:

@@ -300,7 +300,7 @@ class Session:
             "tokens": self.step * self.tokens_per_step,
             "val_loss": evaluate(self.model, self.val_examples, dev),
         }
-        if self.plan.model_cfg.n_layers >= 2:  # induction heads need two layers
+        if self.plan.model_cfg.unrolled().n_layers >= 2:  # induction heads need two (effective) layers
             probe = induction_probe(
                 Weights.from_model(self.model), bos=self.model.bos_token_id, seed=self.plan.train_cfg.seed
             )

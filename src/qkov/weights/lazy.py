@@ -101,6 +101,8 @@ class LazyCheckpoint:
         self.centered_unembed = center_unembed
         self._unembed_mean: tuple[Tensor, Tensor] | None = None
         self._check_header(where)
+        self.stored_layers = self.cfg.n_layers  # a looped model's blocks as stored; the view is unrolled
+        self.cfg = self.cfg.unrolled()
 
     in_memory: ClassVar[bool] = False
 
@@ -193,7 +195,8 @@ class LazyCheckpoint:
         c = self.cfg
         h = c.n_heads if head is None else 1
         group = c.n_heads // c.kv_heads
-        pre = f"blocks.{layer}.attn."
+        block = layer % self.stored_layers  # a looped model's effective layer runs this stored block
+        pre = f"blocks.{block}.attn."
 
         def get(name: str, shape: tuple[int, ...]) -> Tensor:
             if pre + name not in self.file.entries:
@@ -208,13 +211,18 @@ class LazyCheckpoint:
         kv = c.kv_heads if head is None and not expand_kv else h
         W = {n: get(f"W_{n}", (h if n == "Q" else kv, D, E)) for n in "QKV"}
         b = {n: get(f"b_{n}", (h if n == "Q" else kv, E)) for n in "QKV"}
+        G = c.gate_width
+        gate = ("G",) if G else ()  # the gate reads what W_Q reads: read and folded as W_Q is
+        for n in gate:
+            W[n], b[n] = get("W_G", (h, D, G)), get("b_G", (h, G))
         if self.layernorm:
-            g, beta = self._ln(f"blocks.{layer}.ln1")
-            for n in "QKV":
+            g, beta = self._ln(f"blocks.{block}.ln1")
+            for n in ("Q", "K", "V", *gate):
                 W[n], b[n] = fold_reader(W[n], b[n], g, beta, read_dim=1)
         b_O = self._writer(self._get_or_zeros(pre + "b_O", (D,)))
         W_O = self._writer(get("W_O", (h, E, D)))
-        return AttentionWeights(W["Q"], W["K"], W["V"], W_O, b["Q"], b["K"], b["V"], b_O)
+        extra = {"W_G": W["G"], "b_G": b["G"]} if G else {}
+        return AttentionWeights(W["Q"], W["K"], W["V"], W_O, b["Q"], b["K"], b["V"], b_O, **extra)
 
     def mlp(self, layer: int) -> MLPWeights | None:
         """Layer ``layer``'s MLP, ln2 folded into ``W_in``/``b_in``; ``None`` for an attention-only model."""
@@ -222,13 +230,14 @@ class LazyCheckpoint:
         M, D = self.cfg.d_mlp, self.cfg.d_model
         if M is None:
             return None
-        pre = f"blocks.{layer}.mlp."
+        block = layer % self.stored_layers
+        pre = f"blocks.{block}.mlp."
         W_in, b_in = self._get(pre + "W_in"), self._get_or_zeros(pre + "b_in", (M,))
         gated = self.cfg.gated_mlp
         W_gate = self._get(pre + "W_gate") if gated else None
         b_gate = self._get_or_zeros(pre + "b_gate", (M,)) if gated else None
         if self.layernorm:
-            g, beta = self._ln(f"blocks.{layer}.ln2")
+            g, beta = self._ln(f"blocks.{block}.ln2")
             W_in, b_in = fold_reader(W_in, b_in, g, beta, read_dim=0)
             if W_gate is not None:
                 W_gate, b_gate = fold_reader(W_gate, b_gate, g, beta, read_dim=0)  # type: ignore[arg-type]

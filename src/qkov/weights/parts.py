@@ -56,7 +56,9 @@ class AttentionWeights:
     (``ln_w`` alone in an ``rmsnorm`` view; folded into ``W_Q/W_K/W_V`` and their biases otherwise).
     ``W_K/W_V`` are per query head: under grouped-query attention the heads of a group read
     the same key/value weights (views of one tensor for one head; one layer's read of every head
-    expands them, for that read only).
+    expands them, for that read only). ``W_G [h, d_model, G]``, ``b_G [h, G]``: a gated model's
+    attention gate (``G = d_head`` elementwise, 1 headwise; it reads what ``W_Q`` reads, so the
+    normalisation folds into it as into ``W_Q``); ``None`` without a gate.
     """
 
     W_Q: Tensor
@@ -69,6 +71,8 @@ class AttentionWeights:
     b_O: Tensor
     ln_w: Tensor | None = None
     ln_b: Tensor | None = None
+    W_G: Tensor | None = None
+    b_G: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,8 @@ class Weights:
     b_out: Tensor | None = None
     W_gate: Tensor | None = None  # [n_layers, d_model, d_mlp] (gated MLPs only)
     b_gate: Tensor | None = None
+    W_G: Tensor | None = None  # [n_layers, n_heads, d_model, G] (gated attention only; G = d_head or 1)
+    b_G: Tensor | None = None  # [n_layers, n_heads, G] (zeros where the model has no bias)
     # Normalisation as it stands in this view: "none", "layernorm" (affine w/b below), "rmsnorm"
     # (gain w below), "folded" (centre + scale, affine folded away) or "scale" (divide by the RMS only).
     norm: str = "none"
@@ -119,10 +121,10 @@ class Weights:
         """Copy ``model``'s weights into a view; see the module docstring for the options.
 
         ``center_writing=None`` centres the writers of a LayerNorm model (where it is exact) and
-        leaves a model without LayerNorm alone; ``True`` on a model without LayerNorm is refused.
-        """
+        leaves a model without LayerNorm alone; ``True`` on a model without LayerNorm is refused. A looped
+        model gives its unrolled view (``cfg.unrolled()``: layer ``l`` a copy of block ``l % n_layers``)."""
         expect_model("qkov.Weights.from_model", model)
-        cfg = model.cfg
+        cfg = model.cfg.unrolled()
         center_writing = writer_centring(cfg, center_writing)
         dtype = float_dtype("qkov.Weights.from_model", dtype)
         try:
@@ -137,7 +139,7 @@ class Weights:
         def stack(get, shape: tuple[int, ...]) -> Tensor:  # type: ignore[no-untyped-def]
             if L == 0:
                 return torch.zeros(0, *shape, dtype=dtype, device=dev)
-            parts = [get(b) for b in model.blocks]
+            parts = [get(b) for b in model.effective_blocks()]
             zeros = torch.zeros(shape, dtype=dtype, device=dev)
             return torch.stack([zeros if p is None else p.detach().to(device=dev, dtype=dtype) for p in parts])  # one copy
 
@@ -145,7 +147,7 @@ class Weights:
         M, KV = cfg.d_mlp or 0, cfg.kv_heads
         norm = cfg.normalization  # "none", "layernorm" or "rmsnorm": the view starts unfolded
         affine = norm == "layernorm"
-        gated = mlp and cfg.gated_mlp
+        gated, G = mlp and cfg.gated_mlp, cfg.gate_width
         w = cls(
             cfg=cfg,
             W_E=t(model.W_E),  # type: ignore[arg-type]
@@ -166,6 +168,8 @@ class Weights:
             b_out=stack(lambda b: b.mlp.b_out, (D,)) if mlp else None,
             W_gate=stack(lambda b: b.mlp.W_gate, (D, M)) if gated else None,
             b_gate=stack(lambda b: b.mlp.b_gate, (M,)) if gated else None,
+            W_G=stack(lambda b: b.attn.W_G, (H, D, G)) if G else None,
+            b_G=stack(lambda b: b.attn.b_G, (H, G)) if G else None,
             norm=norm,
             ln1_w=stack(lambda b: b.ln1.w, (D,)) if norm != "none" else None,
             ln1_b=stack(lambda b: b.ln1.b, (D,)) if affine else None,
@@ -200,6 +204,8 @@ class Weights:
         if cfg.d_mlp is not None:
             shapes |= {"W_in": (D, M), "b_in": (M,), "W_out": (M, D), "b_out": (D,), "ln2_w": (D,), "ln2_b": (D,)}
             shapes |= {"W_gate": (D, M), "b_gate": (M,)} if cfg.gated_mlp else {}
+        if cfg.gate_width:
+            shapes |= {"W_G": (H, D, cfg.gate_width), "b_G": (H, cfg.gate_width)}
         out: dict[str, Any] = {k: torch.empty(L, *v, **opts) for k, v in shapes.items()}
         for l in range(L):
             att, mlp = source.attention(l, expand_kv=False), source.mlp(l)
@@ -277,8 +283,9 @@ class Weights:
             W_K, W_V, b_K, b_V = W_K[kv], W_V[kv], b_K[kv], b_V[kv]
         elif expand_kv:  # every query head's key/value weights, for this read only
             W_K, W_V, b_K, b_V = (expand(x, group) for x in (W_K, W_V, b_K, b_V))
+        gate = {} if self.W_G is None else {"W_G": self.W_G[layer, hs], "b_G": self.b_G[layer, hs]}  # type: ignore[index]
         return AttentionWeights(
-            self.W_Q[layer, hs], W_K, W_V, self.W_O[layer, hs], self.b_Q[layer, hs], b_K, b_V, self.b_O[layer], *ln
+            self.W_Q[layer, hs], W_K, W_V, self.W_O[layer, hs], self.b_Q[layer, hs], b_K, b_V, self.b_O[layer], *ln, **gate
         )
 
     def _ln(self, w: Tensor | None, b: Tensor | None, layer: int) -> tuple[Tensor | None, Tensor | None]:
@@ -313,6 +320,8 @@ class Weights:
             for name in ("Q", "K", "V"):
                 W, b = getattr(self, f"W_{name}"), getattr(self, f"b_{name}")
                 ch[f"W_{name}"], ch[f"b_{name}"] = fold_reader(W, b, self.ln1_w, self.ln1_b, 2, inplace)
+            if self.W_G is not None:  # the gate reads what W_Q reads: folded as W_Q is
+                ch["W_G"], ch["b_G"] = fold_reader(self.W_G, self.b_G, self.ln1_w, self.ln1_b, 2, inplace)  # type: ignore[arg-type]
             if self.W_in is not None:
                 assert self.ln2_w is not None and self.b_in is not None
                 ch["W_in"], ch["b_in"] = fold_reader(self.W_in, self.b_in, self.ln2_w, self.ln2_b, 1, inplace)
@@ -389,6 +398,8 @@ class Weights:
             ch.update(W_in=R.T @ self.W_in, W_out=self.W_out @ R, b_out=self.b_out @ R)
         if self.W_gate is not None:
             ch["W_gate"] = R.T @ self.W_gate
+        if self.W_G is not None:
+            ch["W_G"] = R.T @ self.W_G
         if self.norm == "folded":
             ch["norm"] = "scale"
         return self.replace(**ch)

@@ -9,6 +9,12 @@ d_head). Full circuits are indexed ``[query or source token, key or output token
 * positional QK ``W_pos @ W_QK @ W_pos^T`` — ``[query position, key position]``, and
   the two cross terms ``[query token, key position]`` / ``[query position, key token]``.
 
+Gated attention (``cfg.gate``; docs/architectures.md): a head's write at a query is scaled by its
+input-dependent gate ``g`` in ``(0, 1)``, so the OV circuits here are the ungated ``W_V W_O``, exact
+only with the gate frozen at 1; the OV circuit a query applies is ``g W_OV`` (headwise) or
+``W_V diag(g) W_O`` (elementwise): :func:`qkov.analysis.heads.gates.effective_ov`. The QK circuits are
+unaffected (the gate acts after the softmax).
+
 Every function reads a :class:`~qkov.weights.WeightSource`, so the same code serves the
 in-memory view and a memory-mapped checkpoint: per-layer work reads one layer at a time,
 and nothing ``d_vocab x d_vocab`` is built (:class:`~qkov.analysis.circuits.factored.LowRank`).

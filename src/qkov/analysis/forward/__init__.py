@@ -16,7 +16,7 @@ from .sites import BY_NAME, COPIES, Kind, KINDS, Sites, HEAD_INPUTS
 from .edits import Edit, EditFn, Edits, PER_POSITION, per_position, Site
 from .cache import accumulated, by_component, by_head, final_stream, Stack, Trace
 from .tracer import flops_per_token, trace
-from .frozen import check_linear, frozen_edits, frozen_sites, frozen_values, head_terms, head_writes, read
+from .frozen import check_linear, frozen_edits, frozen_gate, frozen_sites, frozen_values, gated, head_terms, head_writes, read
 from .lens import (
     cached_sites,
     hook_edits,
@@ -61,8 +61,10 @@ __all__ = [
     "trace",
     "check_linear",
     "frozen_edits",
+    "frozen_gate",
     "frozen_sites",
     "frozen_values",
+    "gated",
     "head_terms",
     "head_writes",
     "read",

@@ -6,12 +6,16 @@ linear in each stream term. Three pieces serve every analysis that does so (path
 term effects, virtual heads, the QK split):
 
 * :func:`frozen_sites` — the sites a recording must cache to be frozen (``pattern``, the normalisation
-  divisors ``attn_scale``/``qk_scale``/``mlp_scale``/``final_scale``, ``mlp_out``), and
+  divisors ``attn_scale``/``qk_scale``/``mlp_scale``/``final_scale``, ``mlp_out``, and a gated model's
+  attention ``gate``), and
   :func:`frozen_edits` — the edits that hold another pass of the same tokens at those values;
 * :func:`read` — a reader's linear view of a stream term with the divisor frozen;
 * :func:`frozen_values` — what a layer's heads read as values from one stream term, ``[B, h, T, E]``:
   written once here (the expansion's head terms, term importance's head writes, term effects' head
-  logits and virtual heads all read it).
+  logits and virtual heads all read it);
+* :func:`frozen_gate` — a gated model's recorded gates ``[B, h, T, G]``: with them frozen a head's
+  write at query ``t`` is ``(z_t * g_t) @ W_O``, still linear in the stream term it reads (every
+  analysis that mixes values by a frozen pattern multiplies by them: :func:`gated`).
 
 Shapes: ``B`` batch, ``T`` positions, ``H`` heads, ``D`` d_model, ``E`` d_head.
 """
@@ -30,9 +34,20 @@ from .cache import Trace
 from .sites import Sites
 from .tracer import trace
 
-__all__ = ["check_linear", "frozen_edits", "frozen_recording", "frozen_sites", "frozen_values", "head_terms", "head_writes", "read"]
+__all__ = [
+    "check_linear",
+    "frozen_edits",
+    "frozen_gate",
+    "frozen_recording",
+    "frozen_sites",
+    "frozen_values",
+    "gated",
+    "head_terms",
+    "head_writes",
+    "read",
+]
 
-FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out")
+FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out", "gate")
 """The site kinds a frozen recording holds (those the model has)."""
 
 
@@ -50,7 +65,7 @@ def frozen_sites(source: WeightSource) -> list[str]:
 
 
 def frozen_edits(recording: Trace) -> dict[str, Tensor]:
-    """Edits that hold a pass of ``recording``'s tokens at ``recording``'s patterns, divisors and MLP outputs.
+    """Edits that hold a pass of ``recording``'s tokens at ``recording``'s patterns, divisors, MLP outputs (and gates).
 
     Raises:
         QkovError: ``recording`` did not cache them (:func:`frozen_sites`).
@@ -97,22 +112,41 @@ def frozen_values(
     return project_heads(x, att.W_V[kv], att.b_V[kv] if value_bias else None)
 
 
-def head_writes(pattern: Tensor, v: Tensor, W_O: Tensor) -> Tensor:
-    """Each head's output ``[B, H, T, D]``: ``pattern [B, H, T, T] @ v [B, H, T, E] @ W_O [H, E, D]``."""
-    return torch.einsum("bhte,hed->bhtd", pattern @ v, W_O)
+def frozen_gate(recording: Trace, layer: int, heads: Sequence[int] | None = None) -> Tensor | None:
+    """The recorded attention gates of ``layer`` (all heads, or ``heads``) as ``[B, h, T, G]`` (``G``
+    = ``d_head`` elementwise, 1 headwise), or ``None`` for a model without gated attention."""
+    if getattr(recording.source.cfg, "gate", "none") == "none":
+        return None
+    g = recording["gate", layer].transpose(1, 2)
+    return g if heads is None else g[:, list(heads)]
+
+
+def gated(recording: Trace, layer: int, z: Tensor, heads: Sequence[int] | None = None) -> Tensor:
+    """``z [B, h, T, E]`` (a pattern's mix of values) times the recording's frozen gates of ``layer``
+    (:func:`frozen_gate`): what ``W_O`` reads; ``z`` itself for an ungated model."""
+    g = frozen_gate(recording, layer, heads)
+    return z if g is None else z * g
+
+
+def head_writes(pattern: Tensor, v: Tensor, W_O: Tensor, gate: Tensor | None = None) -> Tensor:
+    """Each head's output ``[B, H, T, D]``: ``pattern [B, H, T, T] @ v [B, H, T, E]``, times the frozen
+    ``gate [B, H, T, G]`` of a gated model, ``@ W_O [H, E, D]``."""
+    z = pattern @ v
+    return torch.einsum("bhte,hed->bhtd", z if gate is None else z * gate, W_O)
 
 
 def head_terms(source: WeightSource, recording: Trace, layer: int, x: Tensor, heads: list[int] | None = None) -> Tensor:
     """What each head of ``layer`` (or only ``heads``) writes for one stream term ``x [B, T, D]``
-    alone, with the recording's patterns and normalisation divisors frozen, no biases: ``[h, B, T, D]``."""
+    alone, with the recording's patterns, normalisation divisors (and gates) frozen, no biases: ``[h, B, T, D]``."""
     pattern, W_O = recording["pattern", layer], source.attention(layer, expand_kv=False).W_O
     if heads is not None:
         pattern, W_O = pattern[:, heads], W_O[heads]
-    return head_writes(pattern, frozen_values(source, recording, layer, x, heads=heads), W_O).transpose(0, 1)
+    v = frozen_values(source, recording, layer, x, heads=heads)
+    return head_writes(pattern, v, W_O, frozen_gate(recording, layer, heads)).transpose(0, 1)
 
 
 def frozen_recording(source: WeightSource, tokens: Tensor, *, cache: tuple[str, ...] = ()) -> Trace:
     """A real forward pass caching what the expansion freezes (:func:`~qkov.analysis.forward.frozen.frozen_sites`:
-    patterns, normalisation divisors, MLP outputs), plus ``cache``."""
+    patterns, normalisation divisors, MLP outputs, gates), plus ``cache``."""
     check_linear(source)
     return trace(source, tokens, cache=[*frozen_sites(source), *cache])

@@ -20,7 +20,8 @@ their mean over ``d_model``; ``trace(..., stream="model")`` gives the model's ow
 (:func:`~qkov.analysis.forward.tracer.trace`).
 
 Shapes: ``B`` batch, ``T`` positions, ``D`` d_model, ``H`` heads, ``K`` key/value heads (``H``
-unless grouped-query), ``E`` d_head, ``M`` d_mlp, ``V`` d_vocab.
+unless grouped-query), ``E`` d_head, ``M`` d_mlp, ``V`` d_vocab, ``G`` gate values per head (``E`` for an
+elementwise gate, 1 headwise).
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ KINDS: tuple[Kind, ...] = (
     Kind("scores", "[B, H, T, T]", 1, "blocks.{l}.attn.hook_attn_scores", "q k^T / sqrt(E), -inf after the query"),
     Kind("lse", "[B, H, T]", 1, "", "log-sum-exp of each query's scores, pattern = exp(scores - lse); nothing reads it back"),
     Kind("pattern", "[B, H, T, T]", 1, "blocks.{l}.attn.hook_pattern", "attention pattern [query, key]"),
-    Kind("z", "[B, T, H, E]", 2, "blocks.{l}.attn.hook_z", "pattern @ values, per head"),
+    Kind("gate", "[B, T, H, G]", 2, "", "gated attention: sigmoid(qk_in @ W_G + b_G) per head (G = E or 1)"),
+    Kind("z", "[B, T, H, E]", 2, "blocks.{l}.attn.hook_z", "pattern @ values, per head (times the gate: what W_O reads)"),
     Kind("head_out", "[B, T, H, D]", 2, "blocks.{l}.attn.hook_result", "what each head writes, z @ W_O (no b_O)"),
     Kind("attn_out", "[B, T, D]", None, "blocks.{l}.hook_attn_out", "the attention's output: heads + b_O"),
     Kind("resid_mid", "[B, T, D]", None, "blocks.{l}.hook_resid_mid", "the stream between attention and MLP"),
@@ -134,6 +136,7 @@ class Sites:
             "mlp_linear": mlp and c.gated_mlp,
             "mlp_hidden": mlp,
             "mlp_out": mlp,
+            "gate": getattr(c, "gate", "none") != "none",
         }.get(kind, True)
 
     def _forward_order(self) -> list[str]:
@@ -257,7 +260,7 @@ class Sites:
         """The shape of a ``kind`` site on ``batch`` sequences of ``seq`` tokens."""
         c = self.cfg
         dims = {"B": batch, "T": seq, "D": c.d_model, "H": c.n_heads, "K": c.kv_heads, "E": c.d_head}
-        dims |= {"M": c.d_mlp or 0, "V": c.d_vocab, "1": 1}
+        dims |= {"M": c.d_mlp or 0, "V": c.d_vocab, "1": 1, "G": getattr(c, "gate_width", 0)}
         return tuple(dims[d] for d in BY_NAME[kind].shape.strip("[]").split(", "))
 
     def summary(self) -> str:

@@ -4,12 +4,14 @@
 the scores on repeated tokens (prefix matching, induction, copying); :mod:`.pattern_scores` the
 scores read from attention patterns on text (previous token, sinks, positional fraction), streamed;
 :mod:`.report` the head report: detectors, thresholds and roles; :mod:`.entries` attention at a few
-(query, key) entries from the attention kernel's log-sum-exp, without the pattern.
+(query, key) entries from the attention kernel's log-sum-exp, without the pattern; :mod:`.gates` gated
+attention's gate statistics, effective OV per query and attention-sink mass.
 """
 
 from __future__ import annotations
 
 from .entries import attention_entries, edits_attention, EntryWatch
+from .gates import effective_ov, gate_caveat, gate_stats, gate_stats_text, GateStats, head_gate_stats, SPARSE_BELOW, token_dependence
 from .probes import (
     default_icl_examples,
     ICL_FLOPS,
@@ -64,6 +66,14 @@ __all__ = [
     "attention_entries",
     "edits_attention",
     "EntryWatch",
+    "effective_ov",
+    "gate_caveat",
+    "gate_stats",
+    "gate_stats_text",
+    "GateStats",
+    "head_gate_stats",
+    "SPARSE_BELOW",
+    "token_dependence",
     "default_icl_examples",
     "ICL_FLOPS",
     "ICL_LATE",

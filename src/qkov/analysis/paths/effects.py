@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ...weights.parts import WeightSource
 from ..forward.cache import Trace
-from ..forward.frozen import frozen_values, read
+from ..forward.frozen import frozen_gate, frozen_values, read
 from ..shown import Shown
 from ... import ranks
 from .importance import lm_loss, loss, rms
@@ -77,6 +77,9 @@ def head_values(
     for seq in b.unique().tolist():  # [n, T] rows of one sequence's pattern, then its values
         at = (b == seq).nonzero()[:, 0]
         y[at] = pattern[seq, head, t[at]] @ v[seq]
+    g = frozen_gate(recording, layer, [head])  # [B, 1, T, G]: a gated head's write is scaled by its query's gate
+    if g is not None:
+        y = y * g[b, 0, t]
     scale = recording.divisor("final")
     return y if scale is None else y / scale[b, t]
 

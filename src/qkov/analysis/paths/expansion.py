@@ -14,6 +14,9 @@ those frozen, the residual stream is linear in its sources and splits exactly in
   logits);
 * ``mlp`` — everything that starts at an MLP's (frozen) output, through any later heads.
 
+A gated model's attention gates are frozen too (each head's write at query ``t`` is its mixed values
+times the recorded gate, then ``W_O``): the sum stays exact (docs/architectures.md).
+
 The stream is carried order by order (each layer maps order k to order k+1), so cost
 grows linearly with depth instead of enumerating ``(heads+1)^layers`` paths.
 
@@ -47,7 +50,7 @@ from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source
 from ..forward.cache import Trace
 from ..forward.tracer import flops_per_token
-from ..forward.frozen import head_terms, read
+from ..forward.frozen import frozen_gate, head_terms, read
 from .importance import heads_write
 from ..forward.frozen import frozen_recording
 from ...progress import Progress, tick
@@ -165,8 +168,12 @@ def expand(
     heads: dict[tuple[int, int], Tensor] = {}
     for l in range(L):
         att = source.attention(l)
-        # bias of this layer: b_V through the (row-stochastic) pattern, plus b_O
-        new_bias = torch.einsum("he,hed->d", att.b_V, att.W_O) + att.b_O
+        # bias of this layer: b_V through the (row-stochastic) pattern, plus b_O; gated: times each query's gate
+        g = frozen_gate(r, l)
+        if g is None:
+            new_bias = torch.einsum("he,hed->d", att.b_V, att.W_O) + att.b_O
+        else:
+            new_bias = torch.einsum("bhte,hed->btd", att.b_V[None, :, None] * g, att.W_O) + att.b_O
         bias_through = heads_write(source, r, l, bias, value_bias=False)  # each sum: no [H, B, T, D]
         mlp_through = heads_write(source, r, l, mlp, value_bias=False)
         # carry the stream order by order, highest first so each order is read before it grows

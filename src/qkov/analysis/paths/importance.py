@@ -31,7 +31,7 @@ from ...model.ops import embed, normalize, stream_start, write_heads
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source
 from ..forward.cache import Trace
-from ..forward.frozen import frozen_values
+from ..forward.frozen import frozen_values, gated
 from ...progress import Progress, tick
 from ..forward.frozen import frozen_recording
 
@@ -88,9 +88,9 @@ class TermImportance:
 def heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor, *, value_bias: bool = True) -> Tensor:
     """The sum over heads of what layer ``layer``'s heads write ``[B, T, D]`` (``b_V`` in unless
     ``value_bias=False``, ``b_O`` out) when they read the stream ``x [B, T, D]``, the recording's patterns
-    and divisors frozen: one product of the concatenated head outputs with ``W_O``."""
+    and divisors (and a gated model's gates) frozen: one product of the concatenated head outputs with ``W_O``."""
     v = frozen_values(source, real, layer, x, value_bias=value_bias)
-    return write_heads(real["pattern", layer] @ v, source.attention(layer, expand_kv=False).W_O)
+    return write_heads(gated(real, layer, real["pattern", layer] @ v), source.attention(layer, expand_kv=False).W_O)
 
 
 def _logits(source: WeightSource, real: Trace, x: Tensor, out: Tensor | None) -> Tensor:

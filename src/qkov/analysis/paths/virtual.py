@@ -15,7 +15,10 @@ only shrinks)
 
     ||term||_F^2  <=  sigma_max(W_V2 W_O2)^2 * sum_j c_j ||y_j||^2 / s_j^2
 
-summed over sequences. It costs one ``[positions]`` product per pair. What was left out is then
+summed over sequences. It costs one ``[positions]`` product per pair. A gated reader multiplies each
+row by its frozen gate, in ``(0, 1)``: a headwise gate only shrinks the term, so the bound holds as it
+is; an elementwise one makes the reader's OV ``W_V2 diag(g) W_O2``, bounded by
+``sigma_max(W_V2) sigma_max(W_O2)``, which replaces ``sigma_max(W_V2 W_O2)`` there. What was left out is then
 stated exactly, not guessed: :class:`VirtualCoverage` holds the share of the order-2 term (the sum
 of *all* virtual heads, which the expansion carries exactly) that the materialised ones explain,
 and the largest bound among those left out, so no term that was not materialised can be larger.
@@ -38,7 +41,7 @@ from ...model.config import ModelConfig
 from ...weights.parts import WeightSource
 from ..circuits.factored import LowRank
 from ..forward.cache import Trace
-from ..forward.frozen import frozen_values
+from ..forward.frozen import frozen_gate, frozen_values
 from ...progress import Progress, tick
 
 __all__ = ["Key", "materialize", "select_virtual", "virtual_bounds", "virtual_keys", "VirtualCoverage"]
@@ -65,6 +68,8 @@ def virtual_bounds(source: WeightSource, recording: Trace, first_order: dict[tup
     for l2 in range(1, cfg.n_layers):
         att = source.attention(l2)
         sigma = LowRank(att.W_V.double(), att.W_O.double()).svd()[1][:, 0]  # [H] largest singular value of W_OV
+        if getattr(cfg, "gate", "none") == "elementwise":  # W_V diag(g) W_O, 0 < g < 1: bounded by |W_V| |W_O|
+            sigma = torch.linalg.matrix_norm(att.W_V.double(), 2) * torch.linalg.matrix_norm(att.W_O.double(), 2)
         col = recording["pattern", l2].double().sum(-2)  # [B, H, T]: how much attention each key position receives
         scale = recording.divisor("attn_v", l2)
         if scale is not None:
@@ -114,6 +119,9 @@ def materialize(
         for h2, vals in sorted(values.items()):
             z = recording["pattern", l2][:, h2] @ torch.cat([vh for _, vh in vals], -1)  # [B, T, n E]
             z = z.view(*z.shape[:2], len(vals), -1)  # [B, T, n, E]
+            g = frozen_gate(recording, l2, [h2])  # a gated reader: [B, 1, T, G], the gate of its query
+            if g is not None:
+                z = z * g[:, 0, :, None]
             zd = z.double()
             sq = torch.einsum("btne,ef,btnf->n", zd, gram[h2], zd).clamp_min(0)  # squared Frobenius norms
             total += z.sum(2) @ att.W_O[h2]

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from ...analysis.heads.gates import gate_caveat
 from ...analysis.heads.report import SCORE_COLUMNS, THRESHOLDS, head_report
 from ...analysis.paths.expansion import VIRTUAL_AUTO_MAX, default_batch, paths_batch
 from ...analysis.paths.summary import summarize
@@ -193,8 +194,9 @@ def cmd_heads(args: argparse.Namespace) -> int:
         )
     if not split.main:
         return 0
+    note = gate_caveat(w.cfg)  # the copying and eigenvalue scores read the weight-only OV circuit
     if args.json:
-        dump_json({"path": str(args.ckpt), "inputs": inputs.source, **report.to_dict()})
+        dump_json({"path": str(args.ckpt), "inputs": inputs.source, **report.to_dict(), **({"gate_note": note} if note else {})})
         return 0
     con = console()
     con.print(f"inputs: {inputs.source}", highlight=False)
@@ -226,4 +228,6 @@ def cmd_heads(args: argparse.Namespace) -> int:
     if report.memory_neurons:
         con.print(f"memory-management neurons (cos(W_in, W_out) < -0.5): {len(report.memory_neurons)}")
     con.print("thresholds: " + ", ".join(f"{k} {v:g}" for k, v in THRESHOLDS.items()))
+    if note:
+        con.print(note, highlight=False)
     return 0

@@ -9,7 +9,7 @@ from typing import Any
 
 
 from ...errors import QkovError
-from ...model.config import NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
+from ...model.config import GATE_CHOICES, NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
 from ...training.config import SCHEDULES, TrainConfig
 from ...ranks import Ranks
 from ...training.loop import saved_configs, train
@@ -39,6 +39,8 @@ MODEL_FLAGS = {  # flag dest -> ModelConfig field
     "positional": "positional",
     "norm": "normalization",
     "mlp": "d_mlp",
+    "gate": "gate",
+    "loop": "loop",
 }
 TRAIN_FLAGS = {  # flag dest -> TrainConfig field
     "batch": "batch",
@@ -83,6 +85,15 @@ def add_train(sub: Any) -> None:
     a.add_argument("--positional", choices=POSITIONAL_CHOICES, help="shortformer (default): positions enter Q/K only")
     a.add_argument("--norm", choices=NORMALIZATION_CHOICES, help="normalization (default none)")
     a.add_argument("--mlp", type=positive_int, metavar="WIDTH", help="add an MLP of this width to every layer")
+    a.add_argument(
+        "--gate", choices=GATE_CHOICES,
+        help="gated attention (Qiu et al. 2025): a sigmoid gate of the query position on each head's output, "
+        "one per channel (elementwise) or per head (headwise); default none (docs/architectures.md)",
+    )  # fmt: skip
+    a.add_argument(
+        "--loop", type=positive_int, metavar="K",
+        help="looped depth: the --layers blocks applied K times, sharing their weights (default 1)",
+    )  # fmt: skip
     o = p.add_argument_group("training")
     o.add_argument(
         "--batch", type=positive_int, help=f"sequences per step, the global batch under torchrun (default {t.batch})"

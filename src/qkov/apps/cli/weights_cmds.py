@@ -15,6 +15,7 @@ from rich.table import Table
 from ...analysis.circuits import trigrams
 from ...analysis.circuits.rotary import OffsetProfiles
 from ...analysis.circuits.report import CircuitsReport, circuits_report
+from ...analysis.heads.gates import gate_caveat
 from ...errors import QkovError
 from ...io.checkpoint import TOKENIZER_FILE, read_tokenizer
 from ...model.tokens import text_codec, token_decoder
@@ -108,10 +109,13 @@ def cmd_circuits(args: argparse.Namespace) -> int:
         )
     if not split.main:
         return 0
+    note = gate_caveat(source.cfg)  # weight-only OV circuits ignore a gated model's gates
     if args.json:
-        dump_json({"path": str(args.ckpt), **report.to_dict()})
+        dump_json({"path": str(args.ckpt), **report.to_dict(), **({"gate_note": note} if note else {})})
         return 0
     _print_circuits(report, args.diag_k, args.top, source.cfg.d_vocab)
+    if note:
+        console().print(note, highlight=False)
     return 0
 
 
