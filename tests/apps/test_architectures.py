@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import qkov
-from qkov.apps.architectures import VARIANTS, paths_by_order, run_architectures, sink_mass, variant_config
+from qkov.analysis.heads.gates import gate_stats
+from qkov.apps.architectures import VARIANTS, paths_by_order, run_architectures, variant_config
 from qkov.apps.cli import main
 from qkov.errors import QkovError
 
@@ -44,6 +45,7 @@ def test_every_variant_is_trained_measured_and_written(study: tuple[Path, list[d
         assert r["tokens"] == 24 * 4 * TINY.n_ctx and r["tokens_per_s"] > 0
         assert len(r["paths_by_order"]) == cfg.n_layers * getattr(cfg, "loop", 1) + 1
         assert len(r["sink_mass"]) == cfg.n_layers * getattr(cfg, "loop", 1)
+        assert (r["gate_mean"] is None) == (getattr(cfg, "gate", "none") == "none")
         assert r["curves"]["tokens"] == sorted(r["curves"]["tokens"]) and len(r["curves"]["tokens"]) >= 2
         assert (out / r["dynamics"]).is_file()
     page = (out / "index.html").read_text()
@@ -71,7 +73,7 @@ def test_the_last_order_is_the_models_own_loss(study: tuple[Path, list[dict]]) -
         assert by_order[0] != by_order[-1]  # the heads do something: the orders differ
 
 
-def test_sink_mass_of_layer_0_equals_the_hand_computed_attention_on_the_first_token(study: tuple[Path, list[dict]]) -> None:
+def test_the_studys_sink_mass_of_layer_0_equals_the_hand_computed_attention_on_the_first_token(study: tuple[Path, list[dict]]) -> None:
     model = qkov.load(study[0] / "standard")
     tokens = torch.randint(1, TINY.d_vocab, (2, TINY.n_ctx), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -82,8 +84,8 @@ def test_sink_mass_of_layer_0_equals_the_hand_computed_attention_on_the_first_to
         scores = q @ k.transpose(-1, -2) / math.sqrt(TINY.d_head)
         scores = scores.masked_fill(torch.ones(TINY.n_ctx, TINY.n_ctx).triu(1).bool(), float("-inf"))
         hand = scores.softmax(-1)[:, :, 1:, 0].mean(dim=(0, 2))
-    got = sink_mass(qkov.Weights.from_model(model), tokens)
-    assert torch.allclose(got[0], hand, atol=1e-5)
+    got = gate_stats(qkov.Weights.from_model(model), tokens).sink
+    assert torch.allclose(got[0], hand.double(), atol=1e-5)
 
 
 def test_bad_variants_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

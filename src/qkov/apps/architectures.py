@@ -7,7 +7,8 @@ missing one trained) with its snapshots and its dynamics (``OUT/<variant>/dynami
 ``qkov dynamics``). Beside the training record and the dynamics' reading, each final model gets:
 
 * the **attention-sink mass** of every head (mean attention on the first token, the "memory
-  management" heads [F] predicted; gated attention is reported to remove them);
+  management" heads [F] predicted; gated attention is reported to remove them) and, for gated
+  variants, each head's mean gate and gate sparsity (:func:`~qkov.analysis.heads.gates.gate_stats`);
 * **paths by order**: the validation loss of the logits made of the paths through at most ``k``
   heads (the exact path expansion, with patterns, routing and gates frozen), ``k = 0 .. depth``;
 * the variant's own measurements: gate statistics for gated attention, routing weights for the
@@ -26,7 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..analysis.forward.tracer import trace
+from ..analysis.heads.gates import gate_stats
 from ..analysis.paths.expansion import expand
 from ..device import pick_device
 from ..errors import QkovError
@@ -49,7 +50,6 @@ __all__ = [
     "paths_by_order",
     "run_architectures",
     "SCHEMA_VERSION",
-    "sink_mass",
     "STUDY_STEPS",
     "VARIANTS",
     "variant_config",
@@ -92,14 +92,6 @@ def variant_config(name: str, base: ModelConfig | None = None) -> ModelConfig:
 
 # ------------------------------------------------------------------ measures of one final model
 @torch.no_grad()
-def sink_mass(source: Any, tokens: torch.Tensor) -> torch.Tensor:
-    """``[L, H]``: each head's mean attention on position 0 over the queries ``1 .. T-1`` of ``tokens [B, T]``
-    (position 0 attends only to itself and is left out)."""
-    rec = trace(source, tokens, cache="pattern", logits=False)
-    return torch.stack([rec["pattern", l][:, :, 1:, 0].mean(dim=(0, 2)) for l in range(rec.source.cfg.n_layers)])
-
-
-@torch.no_grad()
 def paths_by_order(source: Any, tokens: torch.Tensor) -> list[float]:
     """The next-token loss of ``tokens [B, T]`` from the logits of the paths through at most ``k`` heads
     (``k = 0 .. depth``; biases and frozen MLP outputs always in), the exact path expansion with
@@ -124,11 +116,17 @@ def _final_measures(ckpt: Path, dev: torch.device) -> dict[str, Any]:
         raise QkovError(f"architectures: no validation text for {ckpt} (the corpus it recorded cannot be read)")
     text = sample.text[:SINK_SEQUENCES].to(dev)
     w = Weights.from_model(model)
-    sinks = sink_mass(w, text)
+    stats = gate_stats(w, text)
+
+    def grid(t: torch.Tensor | None) -> list[list[float]] | None:
+        return None if t is None else [[round(float(v), 4) for v in row] for row in t]
+
     return {
         "parameters": model.num_parameters(),
-        "sink_mass": [[round(float(v), 4) for v in row] for row in sinks],
-        "max_sink": round(float(sinks.max()), 4),
+        "sink_mass": grid(stats.sink),
+        "max_sink": round(float(stats.sink.max()), 4),
+        "gate_mean": grid(stats.mean),
+        "gate_sparsity": grid(stats.sparsity),
         "paths_by_order": paths_by_order(w, text),
     }
 

@@ -44,19 +44,29 @@
     });
   }
 
-  function sinks(sec, D) {
-    const L = Math.max(...D.variants.map((r) => r.sink_mass.length));
-    const H = Math.max(...D.variants.map((r) => Math.max(...r.sink_mass.map((h) => h.length))));
+  function grid(sec, D, key, runs) {
+    const L = Math.max(...runs.map((r) => r[key].length));
+    const H = Math.max(...runs.map((r) => Math.max(...r[key].map((h) => h.length))));
     const head = ["variant"];
     for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) head.push(`${l}.${h}`);
-    table(sec, head, D.variants.map((r) => {
+    table(sec, head, runs.map((r) => {
       const cells = [r.variant];
       for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) {
-        const v = (r.sink_mass[l] || [])[h];
+        const v = (r[key][l] || [])[h];
         cells.push(v == null ? "–" : fmt(v, 2));
       }
       return cells;
     }), [0]);
+  }
+
+  function sinks(sec, D) {
+    grid(sec, D, "sink_mass", D.variants);
+    const gated = D.variants.filter((r) => r.gate_mean);
+    if (!gated.length) return;
+    sec.append(el("p", { class: "note" }, "Gated variants: each head's mean gate (the share of its output the " +
+      "gate lets through, averaged over positions and channels), then the fraction of gate values below 0.1."));
+    grid(sec, D, "gate_mean", gated);
+    grid(sec, D, "gate_sparsity", gated);
   }
 
   function orders(sec, D) {
