@@ -351,6 +351,7 @@ def tl_config_dict(cfg: ModelConfig) -> dict[str, Any]:
             ("parallel attention and MLP", cfg.parallel),
             ("grouped-query attention", cfg.n_kv_heads not in (None, cfg.n_heads)),
             ("a gated MLP", cfg.gated_mlp),
+            (f"residual {cfg.residual!r}", cfg.residual != "sum"),
         )
         if has
     ]

@@ -101,6 +101,9 @@ class LazyCheckpoint:
         self.centered_unembed = center_unembed
         self._unembed_mean: tuple[Tensor, Tensor] | None = None
         self._check_header(where)
+        # a routed model's residual-bus parameters (small: read once), None for the plain sum
+        bus = {name[4:]: self._get(name) for name in self.file.entries if name.startswith("bus.")}
+        self.bus = bus or None
 
     in_memory: ClassVar[bool] = False
 

@@ -9,7 +9,7 @@ from typing import Any
 
 
 from ...errors import QkovError
-from ...model.config import NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
+from ...model.config import NORMALIZATION_CHOICES, POSITIONAL_CHOICES, RESIDUAL_CHOICES, ModelConfig
 from ...training.config import SCHEDULES, TrainConfig
 from ...ranks import Ranks
 from ...training.loop import saved_configs, train
@@ -39,6 +39,11 @@ MODEL_FLAGS = {  # flag dest -> ModelConfig field
     "positional": "positional",
     "norm": "normalization",
     "mlp": "d_mlp",
+    "residual": "residual",
+    "streams": "n_streams",
+    "attnres_block": "attnres_block",
+    "hyper_dynamic": "hyper_dynamic",
+    "sinkhorn_iters": "sinkhorn_iters",
 }
 TRAIN_FLAGS = {  # flag dest -> TrainConfig field
     "batch": "batch",
@@ -83,6 +88,16 @@ def add_train(sub: Any) -> None:
     a.add_argument("--positional", choices=POSITIONAL_CHOICES, help="shortformer (default): positions enter Q/K only")
     a.add_argument("--norm", choices=NORMALIZATION_CHOICES, help="normalization (default none)")
     a.add_argument("--mlp", type=positive_int, metavar="WIDTH", help="add an MLP of this width to every layer")
+    a.add_argument(
+        "--residual", choices=RESIDUAL_CHOICES,
+        help="how sublayers read and write the stream (docs/architectures.md; default sum)",
+    )  # fmt: skip
+    a.add_argument("--streams", type=positive_int, metavar="N", help="streams of --residual hyper or mhc (default 1)")
+    a.add_argument("--attnres-block", type=positive_int, metavar="S", help="sublayers per block of --residual attnres-block")
+    a.add_argument(
+        "--hyper-dynamic", action="store_const", const=True, help="--residual hyper: add the dynamic hyper-connection terms"
+    )
+    a.add_argument("--sinkhorn-iters", type=positive_int, metavar="K", help="--residual mhc: Sinkhorn iterations (default 20)")
     o = p.add_argument_group("training")
     o.add_argument(
         "--batch", type=positive_int, help=f"sequences per step, the global batch under torchrun (default {t.batch})"
