@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import QkovError
 from .config import ModelConfig
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "bus_shapes",
     "make_pass",
     "point_site",
+    "require_sum_residual",
     "sinkhorn",
     "source_count",
 ]
@@ -268,3 +270,13 @@ def make_pass(cfg: ModelConfig, params: Mapping[str, Tensor], hook: Hook) -> Bus
     """The bus of a routed model (``cfg.residual`` other than ``sum``) for one forward pass."""
     kind = {"attnres": AttnResPass, "attnres-block": AttnResPass, "hyper": HyperPass, "mhc": MHCPass}[cfg.residual]
     return kind(cfg, params, hook)
+
+
+def require_sum_residual(cfg: ModelConfig, what: str) -> None:
+    """Refuse (one line) ``what``, an analysis written for the additive stream ``x_{l+1} = x_l + out_l``,
+    on a routed model (``residual`` other than ``sum``)."""
+    if cfg.residual != "sum":
+        raise QkovError(
+            f"{what} assumes the additive residual stream (x + out); this model routes it ({cfg.residual_text}): "
+            "docs/architectures.md lists what works on routed models"
+        )
