@@ -49,6 +49,10 @@ __all__ = [
     "make_pass",
     "point_site",
     "require_sum_residual",
+    "route_coefficients",
+    "route_name",
+    "source_slot",
+    "static_routes",
     "sinkhorn",
     "source_count",
 ]
@@ -270,6 +274,64 @@ def make_pass(cfg: ModelConfig, params: Mapping[str, Tensor], hook: Hook) -> Bus
     """The bus of a routed model (``cfg.residual`` other than ``sum``) for one forward pass."""
     kind = {"attnres": AttnResPass, "attnres-block": AttnResPass, "hyper": HyperPass, "mhc": MHCPass}[cfg.residual]
     return kind(cfg, params, hook)
+
+
+def source_slot(cfg: ModelConfig, j: int, p: int) -> int:
+    """The AttnRes source that carries source ``j`` (0 the embedding, ``1 + s`` sublayer ``s``'s output) at
+    aggregation point ``p``: ``j`` itself (``attnres``), or the completed block holding it / the partial block
+    (``attnres-block``)."""
+    if cfg.residual != "attnres-block" or j == 0:
+        return j
+    size, block = cfg.attnres_block, (j - 1) // cfg.attnres_block  # type: ignore[operator]
+    return 1 + block if (block + 1) * size <= p else 1 + p // size  # type: ignore[operator]
+
+
+def route_name(cfg: ModelConfig, what: str, p: int) -> str:
+    """The site of point ``p``'s ``route`` / ``mix`` / ``write`` coefficients (``route_attn.1``, ``route_final``)."""
+    part, layer = point_site(cfg, p)
+    return f"{what}_{part}" if layer is None else f"{what}_{part}.{layer}"
+
+
+def route_coefficients(cfg: ModelConfig, routes: Mapping[str, Tensor]) -> Tensor:
+    """``C [P, J, B, T]`` (``P = J = S + 1``): how much of source ``j`` (0 the embedding stream, ``1 + s``
+    sublayer ``s``'s output) aggregation point ``p``'s input holds with the routing held at ``routes`` (site
+    name -> value, as recorded: ``route_*`` and for streams ``mix_*``, ``write_*``); zero for ``j > p``.
+    AttnRes: the softmax weight of the source holding ``j``. Streams: each source's weight in each stream,
+    carried through every later mixing ``M`` (``g <- M g``, a new output entering with the write weights)
+    and read with the read weights (``route_final``: the final read). Raises ``KeyError`` naming a missing site."""
+    S = cfg.sublayers
+    first = routes[route_name(cfg, "route", 0)]
+    B, T = first.shape[:2]
+    C = first.new_zeros(S + 1, S + 1, B, T)
+    if cfg.residual in ("attnres", "attnres-block"):
+        for p in range(S + 1):
+            alpha = routes[route_name(cfg, "route", p)]
+            for j in range(p + 1):
+                C[p, j] = alpha[..., source_slot(cfg, j, p)]
+        return C
+    g = [first.new_ones(B, T, cfg.n_streams)]  # per source: its weight in each stream
+    for p in range(S + 1):
+        r = routes[route_name(cfg, "route", p)]
+        for j, gj in enumerate(g):
+            C[p, j] = (r * gj).sum(-1)
+        if p < S:
+            M, w = routes[route_name(cfg, "mix", p)], routes[route_name(cfg, "write", p)]
+            g = [(M @ gj[..., None])[..., 0] for gj in g] + [w]
+    return C
+
+
+def static_routes(cfg: ModelConfig, params: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
+    """The routing of static hyper-connections (the same for every text) as ``[1, 1, ...]`` site values, or
+    ``None`` where the routing depends on the input (AttnRes, dynamic hyper-connections, mHC)."""
+    if cfg.residual != "hyper" or cfg.hyper_dynamic:
+        return None
+    out: dict[str, Tensor] = {}
+    for s in range(cfg.sublayers):
+        out[route_name(cfg, "route", s)] = params["A_m"][s][None, None]
+        out[route_name(cfg, "mix", s)] = params["A_r"][s].transpose(0, 1)[None, None]
+        out[route_name(cfg, "write", s)] = params["B"][s][None, None]
+    out["route_final"] = params["A_m"].new_ones(1, 1, cfg.n_streams)
+    return out
 
 
 def require_sum_residual(cfg: ModelConfig, what: str) -> None:

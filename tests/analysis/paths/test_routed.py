@@ -10,6 +10,7 @@ import torch
 from qkov import ModelConfig, QkovError, Transformer, Weights
 from qkov.analysis.forward.tracer import trace
 from qkov.analysis.paths import expand, summarize, term_importance
+from qkov.analysis.circuits.composition import composition_scores, routing_reach
 from qkov.analysis.paths.routed import routing_coefficients
 
 from hand_built import hand_built, natural_text
@@ -115,3 +116,22 @@ def test_summaries_work_and_virtual_heads_are_refused() -> None:
     assert abs(s.importance.run_losses[-1] - s.importance.full_loss) < 1e-4
     with pytest.raises(QkovError, match="virtual-head terms need the additive"):
         expand(Weights.from_model(m), tokens(), virtual_heads=True)
+
+
+def test_composition_is_weighted_by_what_reaches_the_reader() -> None:
+    m, ids = _hand_built_hyper(), natural_text(2)[:, :20]
+    w, plain = Weights.from_model(m), Weights.from_model(hand_built())
+    assert float(routing_reach(w)[0, 1]) == 0.5  # layer 1 reads half of the stream layer 0 wrote
+    assert torch.allclose(routing_reach(w, ids), routing_reach(w))  # static: the text changes nothing
+    routed_k = composition_scores(w, "k", routing="static").k
+    plain_k = composition_scores(plain, "k").k
+    assert torch.allclose(routed_k.adjusted[0, :, 1], 0.5 * plain_k.adjusted[0, :, 1], equal_nan=True)  # NaN: a zero head
+    assert routed_k.pairs()[0]["writer"] == "0.0" and routed_k.pairs()[0]["reader"] == "1.0"  # K-composition
+    assert routed_k.pairs()[0]["reach"] == 0.5
+    a = routed("attnres", "attn-only")
+    wa = Weights.from_model(a)
+    ids = ids[:, :12] % 40
+    r = trace(wa, ids, cache=["route_attn.2"])
+    assert torch.allclose(routing_reach(wa, ids)[1, 2], r["route_attn", 2][..., 2].mean(), atol=1e-6)
+    with pytest.raises(QkovError, match="depends on the text"):
+        composition_scores(wa, "k", routing="static")

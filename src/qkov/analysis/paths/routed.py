@@ -6,10 +6,8 @@ the embedding stream and the earlier sublayers' outputs, with one scalar per pos
 
     input_p = sum_j C[p, j] v_j,   v_0 = the embedding stream, v_{1+s} = sublayer s's output,
 
-and the final stream is point ``p = S``. :func:`routing_coefficients` computes ``C`` from a recording:
-AttnRes reads it off the softmax weights (a block source spreads its weight over the block's sublayers);
-for streams it carries, per source, its weight in each stream through every later mixing ``M`` and reads it
-with the read weights. The expansion (:func:`expand_routed`, what :func:`qkov.analysis.paths.expand` runs
+and the final stream is point ``p = S``. :func:`routing_coefficients` computes ``C`` from a recording
+(:func:`qkov.model.bus.route_coefficients`). The expansion (:func:`expand_routed`, what :func:`qkov.analysis.paths.expand` runs
 for a routed model) then splits the logits as :class:`~qkov.analysis.paths.expansion.Expansion` does for the
 sum: order ``k`` (paths through ``k`` heads), ``bias``, ``mlp`` (frozen MLP outputs as sources) and each
 head's order-1 term, every path carrying the product of the routing coefficients along it. Virtual-head
@@ -26,14 +24,14 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
-from ...model.bus import point_site
+from ...model.bus import route_coefficients
 from ...progress import Progress, tick
 from ...weights.parts import WeightSource
 from ..forward.cache import Trace
 from ...model.ops import write_heads
 from ..forward.frozen import frozen_values, head_terms
 
-__all__ = ["expand_routed", "heads_write", "routed_runs", "routing_coefficients", "source_slot"]
+__all__ = ["expand_routed", "heads_write", "routed_runs", "routing_coefficients"]
 
 
 def heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor, *, value_bias: bool = True) -> Tensor:
@@ -44,46 +42,14 @@ def heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor, *, val
     return write_heads(real["pattern", layer] @ v, source.attention(layer, expand_kv=False).W_O)
 
 
-def source_slot(cfg: Any, j: int, p: int) -> int:
-    """The AttnRes source that carries source ``j`` (0 the embedding, ``1 + s`` sublayer ``s``'s output) at
-    aggregation point ``p``: ``j`` itself (``attnres``), or the completed block holding it / the partial block
-    (``attnres-block``)."""
-    if cfg.residual != "attnres-block" or j == 0:
-        return j
-    size, block = cfg.attnres_block, (j - 1) // cfg.attnres_block
-    return 1 + block if (block + 1) * size <= p else 1 + p // size
-
-
-def _route(recording: Trace, cfg: Any, what: str, p: int) -> Tensor:
-    part, layer = point_site(cfg, p)
-    name = f"{what}_{part}" if layer is None else f"{what}_{part}.{layer}"
-    if name not in recording.cache:
-        raise QkovError(f"routed paths: the recording must cache the routing ({name} is missing)")
-    return recording.cache[name]
-
-
 def routing_coefficients(cfg: Any, recording: Trace) -> Tensor:
-    """``C [P, J, B, T]``: how much of source ``j`` the input of point ``p`` holds (see the module docstring);
-    zero for a source written at or after ``p``. ``recording`` caches the route (and mix, write) sites."""
-    S = cfg.sublayers
-    first = _route(recording, cfg, "route", 0)
-    B, T = first.shape[:2]
-    C = first.new_zeros(S + 1, S + 1, B, T)
-    if cfg.residual in ("attnres", "attnres-block"):
-        for p in range(S + 1):
-            alpha = _route(recording, cfg, "route", p)
-            for j in range(p + 1):
-                C[p, j] = alpha[..., source_slot(cfg, j, p)]
-        return C
-    g = [first.new_ones(B, T, cfg.n_streams)]  # per source: its weight in each stream
-    for p in range(S + 1):
-        r = _route(recording, cfg, "route", p)
-        for j, gj in enumerate(g):
-            C[p, j] = (r * gj).sum(-1)
-        if p < S:
-            M, w = _route(recording, cfg, "mix", p), _route(recording, cfg, "write", p)
-            g = [(M @ gj[..., None])[..., 0] for gj in g] + [w]
-    return C
+    """``C [P, J, B, T]``: how much of source ``j`` the input of point ``p`` holds (see the module docstring;
+    :func:`qkov.model.bus.route_coefficients`); zero for a source written at or after ``p``.
+    ``recording`` caches the route (and mix, write) sites: a :func:`~qkov.analysis.forward.frozen.frozen_recording`."""
+    try:
+        return route_coefficients(cfg, recording.cache)
+    except KeyError as exc:
+        raise QkovError(f"routed paths: the recording must cache the routing ({exc.args[0]} is missing)") from None
 
 
 def _gather(C: Tensor, p: int, sources: list[dict[Any, Tensor]], bucket: Any, like: Tensor) -> Tensor | None:
