@@ -139,12 +139,13 @@ class BusParameters(nn.Module):
 
 
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
-    """Sinkhorn-Knopp of ``exp(logits)`` over the last two dimensions ``[..., n, n]``: ``iters`` rounds of
-    normalising the rows, then the columns (so the columns sum to 1 exactly, the rows nearly)."""
+    """Sinkhorn-Knopp of ``exp(logits)`` over the last two dimensions ``[..., n, n]`` as mHC writes it
+    (``M_t = T_r(T_c(M_{t-1}))``): ``iters`` rounds of normalising the columns, then the rows (so the rows sum
+    to 1 exactly, the columns nearly). The shift by the largest logit changes nothing but the overflow."""
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
     for _ in range(iters):
-        m = m / m.sum(dim=-1, keepdim=True)
         m = m / m.sum(dim=-2, keepdim=True)
+        m = m / m.sum(dim=-1, keepdim=True)
     return m
 
 
