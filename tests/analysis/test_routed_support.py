@@ -4,6 +4,9 @@ and a patch of a sublayer's input changes what that sublayer reads."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,8 +17,10 @@ from qkov.analysis.causal.patching import activation_patching
 from qkov.analysis.discovery.graph import graph_of
 from qkov.analysis.forward.tracer import trace
 from qkov.analysis.paths.qk_side import expand_qk
+from qkov.io.checkpoint import save_checkpoint
 from qkov.io.hf import gpt2_export
 
+from helpers import run_main
 from model.test_bus import routed, tokens
 
 
@@ -48,3 +53,13 @@ def test_activation_patching_runs_and_a_sublayer_input_patch_is_what_it_reads() 
     last = trace(w, corrupted, edits={"resid_pre.2": c["resid_pre", 2]}, cache=["attn_out.2"])
     assert torch.allclose(last["attn_out", 2], c["attn_out", 2], atol=1e-5)
     assert not torch.allclose(trace(w, corrupted, cache=["attn_out.2"])["attn_out", 2], c["attn_out", 2], atol=1e-3)
+
+
+def test_the_commands_on_a_routed_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    m = routed("mhc", "ln-mlp")
+    save_checkpoint(m, tmp_path / "m")
+    rc, out, err = run_main(capsys, "paths", tmp_path / "m", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["reconstruction_max_abs_error"] < 1e-4
+    rc, _, err = run_main(capsys, "circuit", tmp_path / "m", "--task", "induction")
+    assert rc == 2 and "assumes the additive residual stream" in err and "Traceback" not in err

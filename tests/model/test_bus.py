@@ -5,6 +5,9 @@ the recorded sites, saving and loading, training, and the refusals."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,7 @@ from qkov import ModelConfig, QkovError, Transformer, Weights
 from qkov.analysis.forward.tracer import trace
 from qkov.model.bus import sinkhorn
 
-from helpers import run_main, tiny_train, train_flags
+from helpers import run_main, tiny_train, torchrun, train_flags
 
 VARIANTS = {
     "attnres": dict(residual="attnres"),
@@ -220,3 +223,18 @@ def test_train_flags(tmp_path: Path, small_corpus: Path, capsys: pytest.CaptureF
     assert (cfg.residual, cfg.n_streams, cfg.hyper_dynamic) == ("hyper", 2, True)
     rc, _, err = run_main(capsys, "train", *flags, "--corpus", small_corpus, "--streams", "2", "--out", tmp_path / "bad")
     assert rc == 2 and "n_streams > 1 needs" in err and "Traceback" not in err
+
+
+def test_a_routed_model_trains_the_same_under_torchrun(tmp_path: Path, small_corpus: Path) -> None:
+    """Two ranks (gloo on CPU) reach the single process's losses with the bus's parameters in the gradient
+    reduction (a parameter the ranks did not share would make them drift)."""
+    env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
+    flags = [*train_flags(steps=10, ckpt_interval=5, eval_interval=5), "--corpus", str(small_corpus)]
+    flags += ["--residual", "attnres-block", "--attnres-block", "2", "--mlp", "32"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    subprocess.run([sys.executable, "-m", "qkov", "train", *flags, "--out", str(single)], env=env, check=True, capture_output=True)
+    res = torchrun(["train", *flags, "--out", str(ddp)], env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = qkov.load(single), qkov.load(ddp)
+    assert b.cfg.residual == "attnres-block"
+    assert torch.allclose(a.bus.query, b.bus.query, atol=1e-4) and not torch.equal(b.bus.query, torch.zeros_like(b.bus.query))  # type: ignore[union-attr]

@@ -432,7 +432,9 @@ class Transformer(nn.Module):
 
     # ------------------------------------------------------------- forward
     def stream(self, tokens: Tensor) -> Tensor:
-        """The final residual stream ``[batch, seq, d_model]`` (before the final LayerNorm) of checked ids."""
+        """The final residual stream ``[batch, seq, d_model]`` (before the final LayerNorm) of checked ids; for a
+        routed model (:mod:`qkov.model.bus`) the bus's final read (its blocks run in one body: torch hooks on a
+        ``Block`` module do not apply there, hooks on its ``attn`` and ``mlp`` modules do)."""
         x, pos = embed(tokens, self.W_E, self.W_pos)
         x = stream_start(x, pos, self.cfg.positional)
         if self.bus is not None:  # a routed model: one body over every block, its stream through the bus

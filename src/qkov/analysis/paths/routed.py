@@ -52,7 +52,7 @@ def routing_coefficients(cfg: Any, recording: Trace) -> Tensor:
         raise QkovError(f"routed paths: the recording must cache the routing ({exc.args[0]} is missing)") from None
 
 
-def _gather(C: Tensor, p: int, sources: list[dict[Any, Tensor]], bucket: Any, like: Tensor) -> Tensor | None:
+def _gather(C: Tensor, p: int, sources: list[dict[Any, Tensor]], bucket: Any) -> Tensor | None:
     """The part of point ``p``'s input that comes from ``bucket`` (``None`` when nothing does)."""
     parts = [C[p, j][..., None] * src[bucket] for j, src in enumerate(sources) if bucket in src]
     return None if not parts else sum(parts[1:], parts[0])
@@ -80,7 +80,7 @@ def expand_routed(
         att = source.attention(l)
         out: dict[Any, Tensor] = {"bias": torch.einsum("he,hed->d", att.b_V, att.W_O) + att.b_O + torch.zeros_like(x0)}
         for bucket in [k for k in range(l + 1)] + ["bias", "mlp"]:
-            x = _gather(C, s, sources, bucket, x0)
+            x = _gather(C, s, sources, bucket)
             if x is None:
                 continue
             key = bucket + 1 if isinstance(bucket, int) else bucket
@@ -97,11 +97,11 @@ def expand_routed(
         if sequential:
             sources.append({"mlp": recording["mlp_out", l]})
         tick(progress, "paths: expansion", l + 1, L)
-    finals = {b: _gather(C, S, sources, b, x0) for b in [*range(L + 1), "bias", "mlp"]}
     zero = torch.zeros_like(x0)
-    orders = [zero if finals[k] is None else finals[k] for k in range(L + 1)]  # type: ignore[misc]
+    finals = {b: _gather(C, S, sources, b) for b in [*range(L + 1), "bias", "mlp"]}
+    final = {b: zero if t is None else t for b, t in finals.items()}
     heads = {key: C[S, s + 1][..., None] * term for key, (s, term) in head_outs.items()}
-    return orders, finals["bias"] if finals["bias"] is not None else zero, finals["mlp"] if finals["mlp"] is not None else zero, heads
+    return [final[k] for k in range(L + 1)], final["bias"], final["mlp"], heads
 
 
 def routed_runs(source: WeightSource, real: Trace, x0: Tensor) -> Iterator[Tensor]:
