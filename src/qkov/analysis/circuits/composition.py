@@ -355,9 +355,9 @@ def composition_scores(
     reaches the reader's input (:func:`routing_reach`): ``"static"`` (static hyper-connections: from the
     weights alone) or tokens ``[B, T]`` (the mean coefficient over that text); ``None``: the weights alone."""
     source = as_source(source, where="qkov.composition_scores")
-    reach = None if routing is None else routing_reach(source, None if isinstance(routing, str) else routing)
     if isinstance(routing, str) and routing != "static":
         raise QkovError(f"composition: routing is 'static', tokens or None, got {routing!r}")
+    reach = None if routing is None else routing_reach(source, None if isinstance(routing, str) else routing)
     raw = composition_raw(
         source, kinds, max_bytes=max_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
     )
