@@ -953,6 +953,43 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         '    return LowRank(W_V, W_O)',
         'tests/analysis/heads/test_gates.py::test_effective_ov_is_what_the_head_writes',
     ),
+    "bus: the AttnRes routing softmax at the wrong temperature (the training model and the trace alike)": (
+        "model/bus.py",
+        'return torch.softmax(keys @ self.p["query"][s], dim=-1)',
+        'return torch.softmax(keys @ self.p["query"][s] / 2, dim=-1)',
+        "tests/model/test_bus.py::test_attnres_reads_the_softmax_of_its_pseudo_queries_over_normalised_sources",
+    ),
+    "bus: the AttnRes keys not normalised": (
+        "model/bus.py",
+        'keys = F.rms_norm(torch.stack(sources, -2), (self.cfg.d_model,), self.p["key_w"][s], self.cfg.ln_eps)',
+        'keys = torch.stack(sources, -2) * self.p["key_w"][s]',
+        "tests/model/test_bus.py::test_attnres_reads_the_softmax_of_its_pseudo_queries_over_normalised_sources",
+    ),
+    "bus: Sinkhorn-Knopp normalises rows before columns (not the paper's order)": (
+        "model/bus.py",
+        "        m = m / m.sum(dim=-2, keepdim=True)\n        m = m / m.sum(dim=-1, keepdim=True)",
+        "        m = m / m.sum(dim=-1, keepdim=True)\n        m = m / m.sum(dim=-2, keepdim=True)",
+        "tests/model/test_bus.py::test_sinkhorn_is_doubly_stochastic_and_keeps_what_already_is "
+        "tests/model/test_bus.py::test_streams_read_mix_and_write_as_recorded",
+    ),
+    "bus: the hyper-connection write ignores its weights": (
+        "model/bus.py",
+        "            H = H + w[..., None] * o[:, :, None, :]",
+        "            H = H + o[:, :, None, :]",
+        "tests/model/test_bus.py::test_streams_read_mix_and_write_as_recorded",
+    ),
+    "routed paths: a head's order-1 term reaches the final read with the previous sublayer's coefficient": (
+        "analysis/paths/routed.py",
+        "heads = {key: C[S, s + 1][..., None] * term for key, (s, term) in head_outs.items()}",
+        "heads = {key: C[S, s][..., None] * term for key, (s, term) in head_outs.items()}",
+        "tests/analysis/paths/test_routed.py::test_hand_built_routing_gives_the_known_path_coefficients",
+    ),
+    "routed paths: the streams' coefficients carried through the transposed mixing": (
+        "model/bus.py",
+        "g = [(M @ gj[..., None])[..., 0] for gj in g] + [w]",
+        "g = [(M.transpose(-1, -2) @ gj[..., None])[..., 0] for gj in g] + [w]",
+        "tests/analysis/paths/test_routed.py::test_terms_sum_to_the_logits",
+    ),
 }
 
 

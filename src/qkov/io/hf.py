@@ -262,6 +262,8 @@ def gpt2_export(model: Transformer) -> tuple[dict[str, Any], dict[str, torch.Ten
         why.append("it has no MLP")
     if c.positional != "standard":
         why.append(f"its positions are {c.positional!r}, not 'standard'")
+    if c.residual != "sum":
+        why.append(f"its residual stream is routed ({c.residual!r})")
     if c.n_heads * c.d_head != c.d_model:
         why.append(f"n_heads * d_head = {c.n_heads * c.d_head} differs from d_model = {c.d_model}")
     if model.b_U is not None and bool(model.b_U.detach().abs().max() > 0):

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import QkovError
 from ..model.config import ModelConfig
+from ..model.bus import bus_shapes
 from ..model.transformer import Transformer
 
 __all__ = ["check_shapes", "file_shapes", "model_shapes"]
@@ -41,6 +42,7 @@ def model_shapes(cfg: ModelConfig) -> tuple[dict[str, tuple[int, ...]], dict[str
     for name, t in state.items():
         m = _LAYER.match(name)
         (outside if m is None else block)[name if m is None else m.group(2)] = tuple(t.shape)
+    outside |= {f"bus.{k}": v for k, v in bus_shapes(cfg).items()}  # per sublayer of the whole model
     return outside, block
 
 

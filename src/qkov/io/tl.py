@@ -353,6 +353,7 @@ def tl_config_dict(cfg: ModelConfig) -> dict[str, Any]:
             ("a gated MLP", cfg.gated_mlp),
             ("gated attention", cfg.gate != "none"),
             ("looped depth", cfg.loop != 1),
+            (f"residual {cfg.residual!r}", cfg.residual != "sum"),
         )
         if has
     ]

@@ -69,6 +69,7 @@ class BlockPass:
         self.group = cfg.n_heads // cfg.kv_heads
         self.pos: Tensor | None = None
         self.turn: tuple[Tensor, Tensor] | None = None
+        self.bus: Any = None  # a routed model's residual bus (qkov.model.bus.BusPass); None: the sum
 
     # ------------------------------------------------------------------ hook points (none here)
     def at(self, kind: str, layer: int | None, value: Tensor) -> Tensor:
@@ -236,7 +237,11 @@ class BlockPass:
 
     def block(self, l: int, x: Tensor, rows: Tensor | None = None) -> Tensor:
         """Block ``l`` on the stream ``x [B, T, D]`` -> ``[B, T, D]``; with ``rows [P]``, its output at
-        those positions only, ``[B, P, D]`` (the last layer, when nothing reads it)."""
+        those positions only, ``[B, P, D]`` (the last layer, when nothing reads it). A routed model
+        (``self.bus`` set) reads and writes through its bus instead: ``x`` and ``rows`` are unused and
+        the result is the bus's latest sublayer input (:meth:`routed`)."""
+        if self.bus is not None:
+            return self.routed(l)
         if rows is None:
             x = self.at("resid_pre", l, x)
             a = self.attention(l, x)
@@ -251,3 +256,19 @@ class BlockPass:
                 x = x if rows is not None else self.at("resid_mid", l, x)
                 x = x + self.mlp(l, x)  # type: ignore[operator]
         return x if rows is not None else self.at("resid_post", l, x)
+
+    def routed(self, l: int) -> Tensor:
+        """Block ``l`` of a routed model: each sublayer reads its input from the bus (through ``resid_pre``,
+        ``resid_mid``: the sublayer's input) and writes its output to it; returns the last input read."""
+        bus, parallel = self.bus, self.cfg.parallel or self.cfg.d_mlp is None
+        s = l if parallel else 2 * l
+        x = self.at("resid_pre", l, bus.read(s))
+        a = self.attention(l, x)
+        if parallel:
+            m = self.mlp(l, x)
+            bus.write(s, [a] if m is None else [a, m])
+            return x
+        bus.write(s, [a])
+        x = self.at("resid_mid", l, bus.read(s + 1))
+        bus.write(s + 1, [self.mlp(l, x)])
+        return x

@@ -20,17 +20,22 @@ __all__ = [
     "NORMALIZATION_CHOICES",
     "Positional",
     "POSITIONAL_CHOICES",
+    "RESIDUAL_CHOICES",
     "ROPE_SCALINGS",
 ]
 
 Positional = Literal["shortformer", "standard", "rotary", "none"]
 Normalization = Literal["none", "layernorm", "rmsnorm"]
+Residual = Literal["sum", "attnres", "attnres-block", "hyper", "mhc"]
 
 POSITIONAL_CHOICES: tuple[str, ...] = ("shortformer", "standard", "rotary", "none")
 NORMALIZATION_CHOICES: tuple[str, ...] = ("none", "layernorm", "rmsnorm")
 ACTIVATION_CHOICES: tuple[str, ...] = ("gelu", "gelu_new", "relu", "silu")
 GATE_CHOICES: tuple[str, ...] = ("none", "elementwise", "headwise")
 """Gated attention (Qiu et al. 2025): none, one sigmoid gate per head and channel, or one per head."""
+RESIDUAL_CHOICES: tuple[str, ...] = ("sum", "attnres", "attnres-block", "hyper", "mhc")
+"""How sublayers read and write the residual stream (:mod:`qkov.model.bus`): the fixed sum, Attention
+Residuals (whole or in blocks), hyper-connections, manifold-constrained hyper-connections."""
 ROPE_SCALINGS: tuple[str, ...] = ("linear", "llama3")
 """The rotary frequency rescalings qkov implements exactly (see :mod:`qkov.model.rotary`); the
 others some checkpoints ship (dynamic, yarn, longrope) are refused on import, never ignored."""
@@ -80,6 +85,14 @@ class ModelConfig:
             head elementwise, one headwise); docs/architectures.md.
         loop: looped depth: the ``n_layers`` stored blocks are applied ``loop`` times (effective
             layer ``l`` runs block ``l % n_layers``); :meth:`unrolled` is the model every analysis sees.
+        residual: how sublayers read and write the stream (:data:`RESIDUAL_CHOICES`,
+            :mod:`qkov.model.bus`): ``sum`` (``x + out``, every model before these options),
+            ``attnres`` / ``attnres-block`` (Attention Residuals), ``hyper`` (hyper-connections),
+            ``mhc`` (manifold-constrained hyper-connections).
+        attnres_block: sublayers per block of ``attnres-block`` (required there, refused elsewhere).
+        n_streams: copies of the stream for ``hyper`` / ``mhc`` (1 elsewhere).
+        hyper_dynamic: ``hyper`` only: add the dynamic (input-dependent) hyper-connection terms.
+        sinkhorn_iters: ``mhc``: Sinkhorn-Knopp iterations projecting the mixing matrix.
     """
 
     n_layers: int = 2
@@ -102,6 +115,11 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     gate: Literal["none", "elementwise", "headwise"] = "none"
     loop: int = 1
+    residual: Residual = "sum"
+    attnres_block: int | None = None
+    n_streams: int = 1
+    hyper_dynamic: bool = False
+    sinkhorn_iters: int = 20
 
     def __post_init__(self) -> None:
         for name in ("n_heads", "d_model", "d_head", "d_vocab"):
@@ -126,6 +144,22 @@ class ModelConfig:
         self._check_rotary()
         check_choice("config", "gate", self.gate, GATE_CHOICES)
         check_int("config", "loop", self.loop)
+        self._check_residual()
+
+    def _check_residual(self) -> None:
+        check_choice("config", "residual", self.residual, RESIDUAL_CHOICES)
+        check_int("config", "n_streams", self.n_streams)
+        check_int("config", "sinkhorn_iters", self.sinkhorn_iters)
+        if self.n_streams > 1 and self.residual not in ("hyper", "mhc"):
+            raise QkovError(f"config: n_streams > 1 needs residual 'hyper' or 'mhc', not {self.residual!r}")
+        if not isinstance(self.hyper_dynamic, bool) or (self.hyper_dynamic and self.residual != "hyper"):
+            raise QkovError("config: hyper_dynamic (true or false) applies to residual 'hyper' only")
+        if self.residual == "attnres-block":
+            if self.attnres_block is None:
+                raise QkovError("config: residual 'attnres-block' needs attnres_block (sublayers per block)")
+            check_int("config", "attnres_block", self.attnres_block)
+        elif self.attnres_block is not None:
+            raise QkovError("config: attnres_block applies to residual 'attnres-block' only")
 
     def _check_rotary(self) -> None:
         rotary = self.positional == "rotary"
@@ -165,7 +199,40 @@ class ModelConfig:
             + (", attention and MLP in parallel" if self.parallel else "")
             + (f", {self.gate} attention gate" if self.gate != "none" else "")
             + (f", looped x{self.loop} ({self.n_layers * self.loop} effective layers)" if self.loop != 1 else "")
+            + ("" if self.residual == "sum" else f", residual {self.residual_text}")
         )
+
+    @property
+    def residual_text(self) -> str:
+        """The residual scheme in words (``attnres-block (4 sublayers)``, ``hyper (2 streams, dynamic)``)."""
+        if self.residual == "attnres-block":
+            return f"attnres-block ({self.attnres_block} sublayers)"
+        if self.residual in ("hyper", "mhc"):
+            extra = ", dynamic" if self.hyper_dynamic else ""
+            extra += f", {self.sinkhorn_iters} Sinkhorn iterations" if self.residual == "mhc" else ""
+            return f"{self.residual} ({self.n_streams} streams{extra})"
+        return self.residual
+
+    @property
+    def sublayers(self) -> int:
+        """Sublayers the residual bus connects: attention then MLP per layer (one per layer when
+        attention-only or parallel); the final read is aggregation point ``sublayers``."""
+        layers = self.n_layers * getattr(self, "loop", 1)  # effective layers (a looped model unrolls)
+        return layers * (2 if self.d_mlp is not None and not self.parallel else 1)
+
+    def bus_parameters(self) -> int:
+        """Parameters of the residual bus (0 for ``sum``; :mod:`qkov.model.bus`)."""
+        S, D, n = self.sublayers, self.d_model, self.n_streams
+        if self.residual in ("attnres", "attnres-block"):
+            return 2 * (S + 1) * D  # a pseudo-query and a key RMSNorm gain per aggregation point
+        if self.residual == "hyper":
+            static = n + n * n + n
+            dynamic = (D * (1 + 1 + n) + 2) if self.hyper_dynamic else 0  # W_beta, W_m, W_r, s_alpha, s_beta
+            return S * (static + dynamic)
+        if self.residual == "mhc":
+            # RMSNorm gain [nD], projections [nD, n + n + n*n], three scales, biases n + n + n*n
+            return S * (n * D + n * D * (2 * n + n * n) + 3 + 2 * n + n * n)
+        return 0
 
     def parameter_count(self) -> int:
         """Parameters of a :class:`~qkov.Transformer` with this config, counted from the shapes
@@ -180,7 +247,7 @@ class ModelConfig:
             mlp += (M + D + (M if self.gated_mlp else 0)) if self.bias else 0
         pos = self.n_ctx * D if self.positional in ("standard", "shortformer") else 0
         unembed = D * self.d_vocab + (self.d_vocab if self.bias else 0)
-        return self.d_vocab * D + pos + self.n_layers * (norm + attn + mlp) + norm + unembed
+        return self.d_vocab * D + pos + self.n_layers * (norm + attn + mlp) + norm + unembed + self.bus_parameters()
 
     @property
     def kv_heads(self) -> int:

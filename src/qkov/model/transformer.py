@@ -28,6 +28,7 @@ from ..errors import QkovError
 from .config import ModelConfig
 from . import rotary
 from .block import BlockPass
+from .bus import BusParameters, make_pass
 from .ops import embed, project_heads, stream_start
 from . import registry
 from .generate import (
@@ -272,6 +273,8 @@ class Transformer(nn.Module):
         else:
             self.register_parameter("W_pos", None)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        # the residual bus of a routed model (qkov.model.bus), per effective sublayer; None for the sum
+        self.bus = BusParameters(cfg) if cfg.residual != "sum" else None
         self.ln_final = _norm_layer(cfg)
         self.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
         if cfg.bias:
@@ -299,6 +302,8 @@ class Transformer(nn.Module):
                 p.fill_(1.0)
             else:
                 p.zero_()
+        if self.bus is not None:
+            self.bus.reset_parameters(gen)
 
     # ------------------------------------------------------- stacked views
     def _stack(self, getter: Any) -> Tensor:
@@ -443,10 +448,20 @@ class Transformer(nn.Module):
         return [self.blocks[l % n] for l in range(n * self.cfg.loop)]
 
     def stream(self, tokens: Tensor) -> Tensor:
-        """The final residual stream ``[batch, seq, d_model]`` (before the final LayerNorm) of checked ids."""
+        """The final residual stream ``[batch, seq, d_model]`` (before the final LayerNorm) of checked ids; for a
+        routed model (:mod:`qkov.model.bus`) the bus's final read (its blocks run in one body: torch hooks on a
+        ``Block`` module do not apply there, hooks on its ``attn`` and ``mlp`` modules do)."""
         x, pos = embed(tokens, self.W_E, self.W_pos)
         x = stream_start(x, pos, self.cfg.positional)
-        for block in self.effective_blocks():  # each through its module call: torch hooks on a block still apply
+        blocks = self.effective_blocks()
+        if self.bus is not None:  # a routed model: one body over every effective block, its stream through the bus
+            body = ModelPass(self.cfg, blocks, pos, x)
+            body.bus = make_pass(self.cfg, self.bus.tensors(), body.at)
+            body.bus.start(x)
+            for l in range(len(blocks)):
+                body.block(l, x)
+            return body.bus.final()
+        for block in blocks:  # each through its module call: torch hooks on a block still apply
             x = block(x, pos)
         return x
 

@@ -103,6 +103,9 @@ class LazyCheckpoint:
         self._check_header(where)
         self.stored_layers = self.cfg.n_layers  # a looped model's blocks as stored; the view is unrolled
         self.cfg = self.cfg.unrolled()
+        # a routed model's residual-bus parameters (small: read once), None for the plain sum
+        bus = {name[4:]: self._get(name) for name in self.file.entries if name.startswith("bus.")}
+        self.bus = bus or None
 
     in_memory: ClassVar[bool] = False
 

@@ -174,6 +174,10 @@ def writer_centring(cfg: ModelConfig, center_writing: bool | None) -> bool:
     """Whether to centre the writers: ``None`` -> exactly when the model has LayerNorm (where it
     is exact); ``True`` for a model without LayerNorm is refused (it would change its function)."""
     layernorm = cfg.normalization == "layernorm"
+    if cfg.residual != "sum":  # the bus reads its sources through RMS norms: centring would change the routing
+        if center_writing:
+            raise QkovError(f"center_writing changes the routing of a model with residual {cfg.residual!r}")
+        return False
     if center_writing is None:
         return layernorm
     if center_writing and not layernorm:

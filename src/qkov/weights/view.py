@@ -105,6 +105,9 @@ class Weights:
     bos_token_id: int | None = dataclasses.field(default=None, compare=False)
     tokenizer: Any = dataclasses.field(default=None, compare=False, repr=False)
     default_prepend_bos: bool = dataclasses.field(default=True, compare=False, repr=False)
+    # A routed model's residual-bus parameters (qkov.model.bus: name -> tensor, stacked over effective
+    # sublayers), None for the plain sum; read by the analysis forward, never folded or centred.
+    bus: dict[str, Tensor] | None = dataclasses.field(default=None, compare=False, repr=False)
 
     # ---------------------------------------------------------------- build
     @classmethod
@@ -180,6 +183,7 @@ class Weights:
             bos_token_id=model.bos_token_id,
             tokenizer=model.tokenizer,
             default_prepend_bos=model.default_prepend_bos,
+            bus=None if model.bus is None else {k: t(v) for k, v in model.bus.tensors().items()},  # type: ignore[misc]
         )
         if fold_ln:  # every tensor of w is its own copy: fold and centre in place, no second one
             w = w._fold_ln(inplace=True)
@@ -224,7 +228,7 @@ class Weights:
             lnf_b=unemb.ln_b, norm=source.norm, centered_writing=source.centered_writing,
             centered_unembed=source.centered_unembed, bos_token_id=getattr(source, "bos_token_id", None),
             tokenizer=getattr(source, "tokenizer", None),
-            default_prepend_bos=getattr(source, "default_prepend_bos", True), **out,
+            default_prepend_bos=getattr(source, "default_prepend_bos", True), bus=getattr(source, "bus", None), **out,
         )  # fmt: skip
 
     def replace(self, **changes: object) -> "Weights":
@@ -254,6 +258,8 @@ class Weights:
             v = getattr(self, f.name)
             if isinstance(v, Tensor):
                 changes[f.name] = v.to(*args, **kwargs)
+            elif f.name == "bus" and v is not None:
+                changes[f.name] = {k: t.to(*args, **kwargs) for k, t in v.items()}
         return self.replace(**changes)
 
     # ---------------------------------------------------------------- reading (WeightSource)
@@ -378,6 +384,8 @@ class Weights:
         tol = 1e-4 if R.dtype == torch.float32 else 1e-10
         if (R.T @ R - eye).abs().max() > tol:
             raise QkovError("rotate: R is not orthogonal (R^T R != I)")
+        if self.cfg.residual != "sum":  # the bus's key and stream norms have per-dimension gains
+            raise QkovError(f"rotate: a model with residual {self.cfg.residual!r} has a privileged basis (its bus normalises)")
         if self.norm in ("layernorm", "rmsnorm"):
             raise QkovError("rotate: fold the normalisation first (Weights.from_model(..., fold_ln=True))")
         if self.norm == "folded" and not self.centered_writing:

@@ -194,6 +194,8 @@ class Contrast:
         start_at = None
         if stream is not None and start is None:
             raise QkovError("Contrast.measure: a stream needs the layer it enters at (start=)")
+        if start is not None and stream is None and self.weights.cfg.residual != "sum":
+            start = None  # a routed model has no one stream to start from: the copies run from the start
         if start is not None:
             if stream is None:
                 base = self.base_recording

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ...model.bus import require_sum_residual
 from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.convert import SourceLike, as_source
@@ -57,6 +58,7 @@ def receivers_of(value: Any) -> list[Address] | str:
 
 
 def _check(source: WeightSource, receivers: Sequence[HeadLike] | str, kind: str) -> list[Address]:
+    require_sum_residual(source.cfg, "path patching")
     if isinstance(receivers, str) and receivers.strip() == "logits":
         return []
     if kind not in INPUTS:

@@ -6,7 +6,8 @@ blocks) carry the algebra; :mod:`.qk_ov` the QK and OV circuits and
 virtual weights; :mod:`.copying` the copying scores; :mod:`.composition` Q/K/V composition and its
 random baseline; :mod:`.rotary` QK circuits of rotary heads by offset; :mod:`.trigrams` the
 one-layer skip-trigram and bigram tables; :mod:`.report` the whole weights-only report
-(``qkov circuits``) with the residual stream's bandwidth, sized to the memory budget.
+(``qkov circuits``) with the residual stream's bandwidth, sized to the memory budget;
+:mod:`.bus_bandwidth` the width and per-stream write overlap of a routed residual stream.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from .composition import (
     KINDS,
     PRODUCT_BYTES,
     reader_matrix,
+    routing_reach,
 )
 from .trigrams import (
     Bigram,
@@ -96,6 +98,7 @@ from .report import (
     write_overlap,
     WriteOverlap,
 )
+from .bus_bandwidth import bus_bandwidth, BusBandwidth, stream_overlap
 
 __all__ = [
     "row_bounds",
@@ -162,6 +165,10 @@ __all__ = [
     "KINDS",
     "PRODUCT_BYTES",
     "reader_matrix",
+    "routing_reach",
+    "bus_bandwidth",
+    "BusBandwidth",
+    "stream_overlap",
     "Bigram",
     "bigram_bytes",
     "Bigrams",

@@ -33,7 +33,10 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
+from ...model.bus import route_coefficients, static_routes
 from ...model.ops import expand_kv
+from ..forward.sites import ROUTE_KINDS, Sites
+from ..forward.tracer import trace
 from ...weights.parts import AttentionWeights, WeightSource
 from ...weights.convert import SourceLike, as_source
 from .factored import LowRank, gram_sqrt
@@ -59,6 +62,7 @@ __all__ = [
     "KINDS",
     "PRODUCT_BYTES",
     "reader_matrix",
+    "routing_reach",
 ]
 
 CompositionKind = Literal["q", "k", "v"]
@@ -302,10 +306,13 @@ class Composition(Shown):
     raw: Tensor  # [L, H, L, H]
     baseline: Baseline
     offsets: list[int] | None = None  # rotary Q/K: the offsets the score is averaged over
+    reach: Tensor | None = None  # [L, L] routed models: how much of layer l1's output reaches layer l2's input
 
     @property
     def adjusted(self) -> Tensor:
-        return self.raw - self.baseline.mean
+        """``raw - baseline.mean``; with :attr:`reach`, times the writer layer's reach into the reader's input."""
+        out = self.raw - self.baseline.mean
+        return out if self.reach is None else out * self.reach[:, None, :, None].to(out.dtype)
 
     def pairs(self, *, sort_by: str = "adjusted") -> list[dict[str, Any]]:
         """Every valid (writer, reader) pair as a dict, strongest first."""
@@ -316,14 +323,9 @@ class Composition(Shown):
                 for l2 in range(l1 + 1, L):
                     for h2 in range(H):
                         r = float(self.raw[l1, h1, l2, h2])
-                        rows.append(
-                            {
-                                "writer": f"{l1}.{h1}",
-                                "reader": f"{l2}.{h2}",
-                                "raw": r,
-                                "adjusted": r - self.baseline.mean,
-                            }
-                        )
+                        reach = 1.0 if self.reach is None else float(self.reach[l1, l2])
+                        row = {"writer": f"{l1}.{h1}", "reader": f"{l2}.{h2}", "raw": r, "adjusted": (r - self.baseline.mean) * reach}
+                        rows.append(row if self.reach is None else {**row, "reach": reach})
         rows.sort(key=lambda d: -d[sort_by])
         return rows
 
@@ -344,11 +346,18 @@ def composition_scores(
     progress: Progress | None = None,
     offsets: list[int] | None = None,
     matmul_dtype: torch.dtype | None = None,
+    routing: Tensor | str | None = None,
 ) -> CompositionScores:
     """Raw scores for every pair of heads in increasing layers, plus the random-matrix baseline,
     for each of ``kinds`` (``{kind: Composition}``). ``offsets``: rotary models only, see
-    :func:`composition_raw` (the baseline is unchanged: a rotation leaves Gaussian factors Gaussian)."""
+    :func:`composition_raw` (the baseline is unchanged: a rotation leaves Gaussian factors Gaussian).
+    ``routing`` (a routed model, :mod:`qkov.model.bus`): weight each pair by how much of the writer's layer
+    reaches the reader's input (:func:`routing_reach`): ``"static"`` (static hyper-connections: from the
+    weights alone) or tokens ``[B, T]`` (the mean coefficient over that text); ``None``: the weights alone."""
     source = as_source(source, where="qkov.composition_scores")
+    if isinstance(routing, str) and routing != "static":
+        raise QkovError(f"composition: routing is 'static', tokens or None, got {routing!r}")
+    reach = None if routing is None else routing_reach(source, None if isinstance(routing, str) else routing)
     raw = composition_raw(
         source, kinds, max_bytes=max_bytes, progress=progress, offsets=offsets, matmul_dtype=matmul_dtype
     )
@@ -361,10 +370,35 @@ def composition_scores(
                 r,
                 composition_baseline(d, e, k, samples=baseline_samples, seed=seed),
                 used if k != "v" else None,  # type: ignore[arg-type]
+                reach,
             )
             for k, r in raw.items()
         }
     )
+
+
+def routing_reach(source: WeightSource, tokens: Tensor | None = None) -> Tensor:
+    """``[L, L]``: how much of layer ``l1``'s output (its attention, with its MLP in a parallel block) the input
+    of layer ``l2``'s attention holds, for ``l1 < l2`` (zeros elsewhere), in a routed model: the routing
+    coefficient (:func:`qkov.model.bus.route_coefficients`) averaged over the positions of ``tokens [B, T]``,
+    or, ``tokens=None``, the static hyper-connections' own (the same for every text)."""
+    cfg = source.cfg
+    if cfg.residual == "sum":
+        raise QkovError("composition: routing weights apply to a routed model (residual other than sum)")
+    if tokens is None:
+        routes = static_routes(cfg, source.bus)  # type: ignore[attr-defined]
+        if routes is None:
+            raise QkovError(f"composition: the routing of residual {cfg.residual_text} depends on the text: give tokens")
+    else:
+        routes = trace(source, tokens, cache=[k for k in ROUTE_KINDS if k in {x.name for x in Sites(cfg, source.norm).kinds}]).cache
+    C = route_coefficients(cfg, routes).mean(dim=(-2, -1))  # [P, J]
+    step = 2 if cfg.d_mlp is not None and not cfg.parallel else 1
+    L = cfg.n_layers
+    reach = C.new_zeros(L, L)
+    for l1 in range(L):
+        for l2 in range(l1 + 1, L):
+            reach[l1, l2] = C[step * l2, 1 + step * l1]
+    return reach
 
 
 @dataclass(repr=False, eq=False)

@@ -30,6 +30,7 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from ...model.bus import require_sum_residual
 from ...errors import QkovError
 from ..forward.address import HEAD, INPUTS, MLP, Address, node_order
 
@@ -222,6 +223,7 @@ _GRAPHS: dict[Any, Graph] = {}
 
 def graph_of(cfg: Any) -> Graph:
     """The graph of a model with config ``cfg`` (made once per config)."""
+    require_sum_residual(cfg, "circuit discovery's graph")
     if cfg not in _GRAPHS:
         if len(_GRAPHS) > 16:
             _GRAPHS.clear()

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
+from ...model.bus import require_sum_residual
 from ...model.ops import normalize
 from .sites import BY_NAME, Address, Sites
 
@@ -160,6 +161,7 @@ def _need(recording: "Trace", names: list[str], what: str) -> None:
 def final_stream(recording: "Trace") -> Tensor:
     """The recording's final residual stream (before the final normalisation): ``resid_post`` of the last
     layer, or the embedding (plus standard positions) of a 0-layer model."""
+    require_sum_residual(recording.source.cfg, "the final stream as resid_post")
     L = recording.source.cfg.n_layers
     if L:
         return recording["resid_post", L - 1]
@@ -177,6 +179,7 @@ def _upto(recording: "Trace", layer: int | None) -> int:
 def accumulated(recording: "Trace", layer: int | None, incl_mid: bool) -> Stack:
     """``resid_pre`` of layers ``0 .. layer`` (with ``resid_mid`` of those before it when ``incl_mid``);
     for ``None`` every layer's and then the final stream, labelled ``"0_pre"``, ``"0_mid"``, ``"final"``."""
+    require_sum_residual(recording.source.cfg, "accumulated_resid")
     upto = _upto(recording, layer)
     L = recording.source.cfg.n_layers
     mid = incl_mid and recording.source.cfg.d_mlp is not None and not recording.source.cfg.parallel
@@ -197,6 +200,7 @@ def accumulated(recording: "Trace", layer: int | None, incl_mid: bool) -> Stack:
 
 def by_component(recording: "Trace", layer: int | None, mode: str) -> Stack:
     """The stream entering ``layer`` as embedding, positions and each earlier layer's outputs."""
+    require_sum_residual(recording.source.cfg, "decompose_resid")
     if mode not in ("all", "attn", "mlp"):
         raise QkovError(f"decompose_resid: mode must be all, attn or mlp, got {mode!r}")
     upto, cfg = _upto(recording, layer), recording.source.cfg
@@ -219,6 +223,7 @@ def by_component(recording: "Trace", layer: int | None, mode: str) -> Stack:
 
 def by_head(recording: "Trace", layer: int | None) -> Stack:
     """Every head's output in the layers before ``layer``, one component per head."""
+    require_sum_residual(recording.source.cfg, "stack_head_results")
     upto, cfg = _upto(recording, layer), recording.source.cfg
     if upto == 0:
         raise QkovError("stack_head_results: no heads before layer 0")

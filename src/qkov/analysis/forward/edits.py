@@ -79,7 +79,7 @@ class Edits:
         for address, value in (e for edits in self.by_site.values() for e in edits):
             if not isinstance(value, Tensor):
                 continue
-            shape = list(self.sites.shape(address.kind, batch, seq))
+            shape = list(self.sites.shape(address.kind, batch, seq, address.layer))
             if address.head is not None:
                 del shape[BY_NAME[address.kind].head_dim]  # type: ignore[arg-type]
             if not _broadcasts(value.shape, torch.Size(shape)):

@@ -6,8 +6,8 @@ linear in each stream term. Three pieces serve every analysis that does so (path
 term effects, virtual heads, the QK split):
 
 * :func:`frozen_sites` — the sites a recording must cache to be frozen (``pattern``, the normalisation
-  divisors ``attn_scale``/``qk_scale``/``mlp_scale``/``final_scale``, ``mlp_out``, and a gated model's
-  attention ``gate``), and
+  divisors ``attn_scale``/``qk_scale``/``mlp_scale``/``final_scale``, ``mlp_out``, a gated model's
+  attention ``gate``; a routed model's routing, ``route_*``, ``mix_*``, ``write_*``), and
   :func:`frozen_edits` — the edits that hold another pass of the same tokens at those values;
 * :func:`read` — a reader's linear view of a stream term with the divisor frozen;
 * :func:`frozen_values` — what a layer's heads read as values from one stream term, ``[B, h, T, E]``:
@@ -31,7 +31,7 @@ from ...errors import QkovError
 from ...model.ops import expand_kv, normalize, project_heads
 from ...weights.parts import WeightSource
 from .cache import Trace
-from .sites import Sites
+from .sites import ROUTE_KINDS, Sites
 from .tracer import trace
 
 __all__ = [
@@ -47,7 +47,7 @@ __all__ = [
     "read",
 ]
 
-FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out", "gate")
+FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out", "gate", *ROUTE_KINDS)
 """The site kinds a frozen recording holds (those the model has)."""
 
 

@@ -33,9 +33,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from ...errors import QkovError
+from ...model.bus import source_count
 from .address import Address
 
-__all__ = ["Address", "BY_NAME", "COPIES", "Kind", "KINDS", "Sites", "HEAD_INPUTS"]
+__all__ = ["Address", "BY_NAME", "COPIES", "Kind", "KINDS", "ROUTE_KINDS", "route_width", "Sites", "HEAD_INPUTS"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class Kind:
 KINDS: tuple[Kind, ...] = (
     Kind("embed", "[B, T, D]", None, "hook_embed", "the token embedding W_E[tokens]", False),
     Kind("pos", "[B, T, D]", None, "hook_pos_embed", "the learned positions W_pos[:T] (standard, shortformer)", False),
+    Kind("route_attn", "[B, T, R]", None, "", "a routed model's read weights for the attention's input (AttnRes: per source; hyper, mHC: per stream)"),
+    Kind("mix_attn", "[B, T, N, N]", None, "", "hyper/mHC: the stream mixing M at the attention (H_new = M H + w out)"),
+    Kind("write_attn", "[B, T, N]", None, "", "hyper/mHC: the attention output's weight on each stream"),
     Kind("resid_pre", "[B, T, D]", None, "blocks.{l}.hook_resid_pre", "the residual stream entering the block"),
     Kind("attn_scale", "[B, T, 1]", None, "blocks.{l}.ln1.hook_scale", "the attention input's normalisation divisor"),
     Kind("attn_in", "[B, T, D]", None, "blocks.{l}.ln1.hook_normalized", "the normalised input the values read"),
@@ -72,6 +76,9 @@ KINDS: tuple[Kind, ...] = (
     Kind("z", "[B, T, H, E]", 2, "blocks.{l}.attn.hook_z", "pattern @ values, per head (times the gate: what W_O reads)"),
     Kind("head_out", "[B, T, H, D]", 2, "blocks.{l}.attn.hook_result", "what each head writes, z @ W_O (no b_O)"),
     Kind("attn_out", "[B, T, D]", None, "blocks.{l}.hook_attn_out", "the attention's output: heads + b_O"),
+    Kind("route_mlp", "[B, T, R]", None, "", "a routed model's read weights for the MLP's input"),
+    Kind("mix_mlp", "[B, T, N, N]", None, "", "hyper/mHC: the stream mixing at the MLP"),
+    Kind("write_mlp", "[B, T, N]", None, "", "hyper/mHC: the MLP output's weight on each stream"),
     Kind("resid_mid", "[B, T, D]", None, "blocks.{l}.hook_resid_mid", "the stream between attention and MLP"),
     Kind("mlp_input", "[B, T, D]", None, "blocks.{l}.hook_mlp_in", "the MLP's own copy of the stream it reads (before its norm)"),
     Kind("mlp_scale", "[B, T, 1]", None, "blocks.{l}.ln2.hook_scale", "the MLP input's normalisation divisor"),
@@ -81,6 +88,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("mlp_hidden", "[B, T, M]", None, "blocks.{l}.mlp.hook_post", "hidden activations"),
     Kind("mlp_out", "[B, T, D]", None, "blocks.{l}.hook_mlp_out", "what the MLP writes (b_out included)"),
     Kind("resid_post", "[B, T, D]", None, "blocks.{l}.hook_resid_post", "the residual stream leaving the block"),
+    Kind("route_final", "[B, T, R]", None, "", "a routed model's read weights for the final stream", False),
     Kind("final_scale", "[B, T, 1]", None, "ln_final.hook_scale", "the final normalisation's divisor", False),
     Kind("final", "[B, T, D]", None, "ln_final.hook_normalized", "the normalised final stream", False),
     Kind("logits", "[B, T, V]", None, "unembed.hook_out", "the logits", False),
@@ -94,6 +102,10 @@ COPIES = (*HEAD_INPUTS, "mlp_input")
 """The readers' own copies of the stream (:data:`HEAD_INPUTS` and the MLP's ``mlp_input``): an edit
 of one changes what that reader sees and nothing else (the residual stream and the other readers
 keep their value). A wildcard kind leaves them out; name them."""
+
+ROUTE_KINDS = ("route_attn", "mix_attn", "write_attn", "route_mlp", "mix_mlp", "write_mlp", "route_final")
+"""A routed model's bus coefficients (:mod:`qkov.model.bus`): cached and edited like any site; a tensor
+edit freezes the routing."""
 
 _TL_EXTRA = {"unembed.hook_in": "final", "blocks.{l}.attn.hook_q": "q", "blocks.{l}.attn.hook_k": "k"}
 _TL_SHORT = {
@@ -123,7 +135,17 @@ class Sites:
     def _exists(self, kind: str) -> bool:
         c, normed = self.cfg, self.norm != "none"
         mlp = c.d_mlp is not None
+        routed, streams = c.residual != "sum", c.residual in ("hyper", "mhc")
+        sequential = mlp and not c.parallel
         return {
+            "route_attn": routed,
+            "route_mlp": routed and sequential,
+            "route_final": routed,
+            "mix_attn": streams,
+            "write_attn": streams,
+            "mix_mlp": streams and sequential,
+            "write_mlp": streams and sequential,
+            "resid_post": not routed,  # a routed model has no one stream after a block
             "pos": c.positional in ("standard", "shortformer"),
             "attn_scale": normed,
             "final_scale": normed,
@@ -225,6 +247,11 @@ class Sites:
 
     def _check(self, a: Address, shown: str) -> Address:
         kind = BY_NAME.get(a.kind)
+        if a.kind == "resid_post" and self.cfg.residual != "sum":
+            raise QkovError(
+                f"no site {shown}: a model with residual {self.cfg.residual!r} has no one stream after a block "
+                "(resid_pre and resid_mid are each sublayer's input)"
+            )
         if kind is None or kind.name not in {k.name for k in self.kinds}:
             hint = difflib.get_close_matches(a.kind, [k.name for k in self.kinds], n=1)
             why = "" if kind is None else " in this model"
@@ -256,17 +283,29 @@ class Sites:
         """Heads along a head-indexed kind: key/value heads for ``k, v, k_input, v_input``."""
         return self.cfg.kv_heads if kind in ("k", "v", "k_input", "v_input") else self.cfg.n_heads
 
-    def shape(self, kind: str, batch: int, seq: int) -> tuple[int, ...]:
-        """The shape of a ``kind`` site on ``batch`` sequences of ``seq`` tokens."""
+    def shape(self, kind: str, batch: int, seq: int, layer: int | None = None) -> tuple[int, ...]:
+        """The shape of a ``kind`` site (at ``layer``) on ``batch`` sequences of ``seq`` tokens."""
         c = self.cfg
         dims = {"B": batch, "T": seq, "D": c.d_model, "H": c.n_heads, "K": c.kv_heads, "E": c.d_head}
-        dims |= {"M": c.d_mlp or 0, "V": c.d_vocab, "1": 1, "G": getattr(c, "gate_width", 0)}
+        dims |= {"M": c.d_mlp or 0, "V": c.d_vocab, "1": 1, "G": c.gate_width, "N": c.n_streams, "R": route_width(c, kind, layer)}
         return tuple(dims[d] for d in BY_NAME[kind].shape.strip("[]").split(", "))
 
     def summary(self) -> str:
         per = [k.name for k in self.kinds if k.per_layer]
         glob = [k.name for k in self.kinds if not k.per_layer]
         return f"{', '.join(glob)} and, per layer 0..{self.cfg.n_layers - 1}, {', '.join(per)}"
+
+
+def route_width(cfg: Any, kind: str, layer: int | None) -> int:
+    """The last dimension of a ``route_*`` site: the streams (hyper, mHC) or the sources the AttnRes
+    aggregation point reads (:func:`qkov.model.bus.source_count`); 0 for other kinds."""
+    if not kind.startswith("route_") or cfg.residual == "sum":
+        return 0
+    if cfg.residual in ("hyper", "mhc"):
+        return cfg.n_streams
+    sequential = cfg.d_mlp is not None and not cfg.parallel
+    s = cfg.sublayers if kind == "route_final" else (layer or 0) * (2 if sequential else 1) + (kind == "route_mlp")
+    return source_count(cfg, s)
 
 
 def _split(name: str) -> list[Any]:

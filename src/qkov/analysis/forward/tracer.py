@@ -39,6 +39,7 @@ from ...errors import QkovError
 from ...expect import expect_tokens
 from ...model import rotary
 from ...model.block import BlockPass
+from ...model.bus import make_pass
 from ...model.ops import embed, live_bias, norm_scale, normalize, stream_start
 from ...model.tokens import check_tokens
 from ...weights.parts import WeightSource
@@ -156,7 +157,11 @@ class _Pass(BlockPass):
             return start_at[0], start_at[1]
         if self.grad and not emb.requires_grad:
             emb = emb.requires_grad_()
-        return 0, stream_start(self.at("embed", None, emb), pos, self.cfg.positional)
+        x = stream_start(self.at("embed", None, emb), pos, self.cfg.positional)
+        if self.cfg.residual != "sum":  # a routed model: the stream goes through its bus
+            self.bus = make_pass(self.cfg, self.source.bus, self.at)  # type: ignore[attr-defined]
+            self.bus.start(x)
+        return 0, x
 
     def logits(self, x: Tensor, positions: Tensor | None) -> Tensor:
         if positions is not None and len(positions) == 0:  # a metric that reads no logits: unembed nothing
@@ -174,7 +179,7 @@ class _Pass(BlockPass):
         """The positions ``[P]`` (in ``0 .. T-1``) where the last layer needs its queries, or ``None``
         when the whole last layer must run (see the module docstring)."""
         L = self.cfg.n_layers
-        if positions is None or L == 0 or self.grad or (start_at is not None and start_at[0] >= L):
+        if positions is None or L == 0 or self.grad or self.bus is not None or (start_at is not None and start_at[0] >= L):
             return None
         if positions.dim() != 1 or not 0 < len(positions) < T or positions.is_floating_point() or positions.dtype == torch.bool:
             return None
@@ -266,6 +271,8 @@ def _run(state: _Pass, tokens: Tensor, positions: Tensor | None, start_at: tuple
         rows = state.query_rows(positions, tokens.shape[1], start_at=start_at)
         for l in range(first, L):  # the last layer at the positions alone when nothing reads it
             x = state.block(l, x, rows if l == L - 1 else None)
+        if state.bus is not None:  # a routed model's final stream: the bus's final read
+            x = state.bus.final()
         return state.logits(x, positions if rows is None else None)  # type: ignore[arg-type]
     except _Enough:  # every site asked for is there: nothing after it is read
         return none
@@ -277,12 +284,15 @@ def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
     for a in asked:
         if a.layer is not None:
             by_kind.setdefault(a.kind, set()).add(a.layer)
-    return {k for k, ls in by_kind.items() if len(ls) == n_layers}
+    varying = ("route_attn", "route_mlp")  # AttnRes: one more source per layer, no common buffer shape
+    return {k for k, ls in by_kind.items() if len(ls) == n_layers and k not in varying}
 
 
 def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, source: Any) -> None:
     if start_at is None:
         return
+    if cfg.residual != "sum":
+        raise QkovError(f"start_at: a model with residual {cfg.residual!r} has no single stream to start from")
     (layer, x), (B, T) = start_at, tokens.shape
     if not (isinstance(layer, int) and 0 <= layer <= cfg.n_layers):
         raise QkovError(f"start_at: layer must be in 0..{cfg.n_layers}, got {layer!r}")

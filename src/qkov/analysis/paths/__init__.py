@@ -4,12 +4,14 @@ real pass (:mod:`qkov.analysis.forward.frozen`), the logits are a sum of path te
 :mod:`.importance` the paper's term importance and the loss; :mod:`.virtual` which virtual-head
 (order-2) terms to materialise; :mod:`.expansion` the expansion itself; :mod:`.effects` the loss
 change when one term is removed; :mod:`.summary` the ``qkov paths`` report; :mod:`.qk_side` the
-same expansion of one head's pre-softmax scores.
+same expansion of one head's pre-softmax scores; :mod:`.routed` the expansion through a routed
+residual stream's frozen routes.
 """
 
 from __future__ import annotations
 
 from .importance import heads_write, lm_loss, loss, rms, term_importance, TermImportance
+from .routed import expand_routed, routed_runs, routing_coefficients
 from .virtual import Key, materialize, select_virtual, virtual_bounds, virtual_keys, VirtualCoverage
 from .expansion import (
     BATCH_TOKENS,
@@ -75,4 +77,7 @@ __all__ = [
     "summarize",
     "expand_qk",
     "QKExpansion",
+    "expand_routed",
+    "routed_runs",
+    "routing_coefficients",
 ]

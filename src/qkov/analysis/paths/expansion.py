@@ -33,6 +33,9 @@ With MLPs, MLP outputs are frozen sources, not expanded.
 head's output under frozen patterns, then repeatedly let each head add the output it computed on
 the previous run). :func:`qkov.analysis.paths.qk_side.expand_qk` expands a head's pre-softmax scores the same way.
 
+A routed model (``residual`` other than ``sum``) expands through its frozen routes
+(:mod:`qkov.analysis.paths.routed`): the same terms, each path carrying its routing coefficients.
+
 The recording is :func:`qkov.analysis.forward.tracer.trace`; the expansion applies its layer pieces
 (:func:`~qkov.analysis.forward.frozen.read`, :func:`~qkov.analysis.forward.tracer.project`,
 :func:`~qkov.analysis.forward.frozen.head_writes`) to single stream terms.
@@ -55,6 +58,8 @@ from .importance import heads_write
 from ..forward.frozen import frozen_recording
 from ...progress import Progress, tick
 from .virtual import materialize, virtual_keys
+from .routed import expand_routed
+from ...errors import QkovError
 
 __all__ = [
     "BATCH_TOKENS",
@@ -162,6 +167,11 @@ def expand(
     if cfg.positional == "standard":
         x0 = x0 + source.pos()[:T]  # type: ignore[index]
     L = cfg.n_layers
+    if cfg.residual != "sum":  # the routes frozen: every path carries its routing coefficients
+        if virtual_heads:
+            raise QkovError(f"paths: virtual-head terms need the additive residual stream, not residual {cfg.residual!r}")
+        orders, bias, mlp, heads = expand_routed(source, r, x0, per_head=per_head, progress=progress)
+        return Expansion(r, source, _cap(orders, max_order), bias, mlp, heads, {}, None)
     orders: list[Tensor] = [x0] + [torch.zeros_like(x0) for _ in range(L)]
     bias = torch.zeros_like(x0)
     mlp = torch.zeros_like(x0)
@@ -196,11 +206,17 @@ def expand(
         virtual = materialize(source, r, heads, virtual_keys(cfg), keep=keep_virtual, progress=progress)[0]
     if not per_head:
         heads = {}
-    if max_order is not None and max_order < L:
-        tail = sum(orders[max_order + 1 :], torch.zeros_like(x0))
-        orders = orders[: max_order + 1]
-        orders[-1] = orders[-1] + tail
-    return Expansion(r, source, orders, bias, mlp, heads, virtual, x0)
+    return Expansion(r, source, _cap(orders, max_order), bias, mlp, heads, virtual, x0)
+
+
+def _cap(orders: list[Tensor], max_order: int | None) -> list[Tensor]:
+    """``orders`` with those above ``max_order`` summed into the last one kept."""
+    if max_order is None or max_order >= len(orders) - 1:
+        return orders
+    tail = sum(orders[max_order + 1 :], torch.zeros_like(orders[0]))
+    orders = orders[: max_order + 1]
+    orders[-1] = orders[-1] + tail
+    return orders
 
 
 # ------------------------------------------------------------------ term effects

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...model.ops import embed, normalize, stream_start, write_heads
+from ...model.ops import embed, normalize, stream_start
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source
 from ..forward.cache import Trace
-from ..forward.frozen import frozen_values, gated
+from .routed import heads_write, routed_runs
 from ...progress import Progress, tick
 from ..forward.frozen import frozen_recording
 
@@ -85,14 +85,6 @@ class TermImportance:
         }
 
 
-def heads_write(source: WeightSource, real: Trace, layer: int, x: Tensor, *, value_bias: bool = True) -> Tensor:
-    """The sum over heads of what layer ``layer``'s heads write ``[B, T, D]`` (``b_V`` in unless
-    ``value_bias=False``, ``b_O`` out) when they read the stream ``x [B, T, D]``, the recording's patterns
-    and divisors (and a gated model's gates) frozen: one product of the concatenated head outputs with ``W_O``."""
-    v = frozen_values(source, real, layer, x, value_bias=value_bias)
-    return write_heads(gated(real, layer, real["pattern", layer] @ v), source.attention(layer, expand_kv=False).W_O)
-
-
 def _logits(source: WeightSource, real: Trace, x: Tensor, out: Tensor | None) -> Tensor:
     """``[B, T, V]`` logits of the final stream ``x`` with the final divisor frozen (into ``out``, if given)."""
     unemb = source.unembed()
@@ -122,12 +114,18 @@ def term_importance(
     toks, c = real.tokens, source.cfg
     emb, pos = embed(toks, source.embed(), source.pos())
     x0 = stream_start(emb, None if pos is None else pos.expand(*toks.shape, -1), c.positional)
+    losses, buffer = [], None  # one [B, T, V] buffer serves every run's logits
+    if c.residual != "sum":  # a routed model: the same runs through the frozen routes
+        for i, x in enumerate(routed_runs(source, real, x0)):
+            buffer = _logits(source, real, x, buffer)
+            losses.append(loss(buffer, toks, overwrite=True))
+            tick(progress, "paths: term importance", i + 1, c.n_layers + 1)
+        return TermImportance(losses, loss(real.logits, toks), math.log(c.d_vocab))
     fixed = []  # what each layer adds besides its heads' outputs: b_O and the frozen MLP output
     for l in range(c.n_layers):
         add = source.attention(l, expand_kv=False).b_O
         fixed.append(add if c.d_mlp is None else add + real["mlp_out", l])
     prev = [torch.zeros_like(x0) for _ in range(c.n_layers)]  # each layer's heads' outputs on the last run
-    losses, buffer = [], None  # one [B, T, V] buffer serves every run's logits
     for i in range(c.n_layers + 1):  # run i + 1 reads the outputs of run i
         x, live = x0, list(prev)
         for l in range(c.n_layers):

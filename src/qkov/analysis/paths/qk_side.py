@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...model.bus import require_sum_residual
 from ...model import rotary
 from ...weights.parts import WeightSource, check_head
 from ...weights.convert import SourceLike, as_source
@@ -97,6 +98,7 @@ def _components(
 def expand_qk(source: SourceLike, tokens: Tensor, layer: int, head: int) -> QKExpansion:
     """Expand head ``layer.head``'s attention scores over earlier heads (Q-, K-, Q-and-K-composition)."""
     source = as_source(source, where="qkov.expand_qk")
+    require_sum_residual(source.cfg, "the QK expansion")
     check_head(source.cfg, layer, head)
     direct, comps, labels, other, r = _components(source, tokens, layer)
     att = source.attention(layer, head)

@@ -82,7 +82,7 @@ def summarize(
     Refuses (one-line :class:`QkovError`) a batch whose terms would not fit in free memory
     (:func:`expansion_bytes`), before any work.
     """
-    do_virtual = virtual_pairs(source) > 0 and virtual_terms != 0
+    do_virtual = virtual_pairs(source) > 0 and virtual_terms != 0 and source.cfg.residual == "sum"  # routed: none
     tokens = tokens[None] if tokens.ndim == 1 else tokens
     B, T = tokens.shape
     need = expansion_bytes(source, B, T, virtual=top_virtual + 1 if do_virtual else 0)

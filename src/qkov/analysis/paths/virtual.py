@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...model.bus import require_sum_residual
 from ...errors import QkovError
 from ...finite import finite
 from ...model.config import ModelConfig
@@ -101,6 +102,7 @@ def materialize(
     formed ``d_model`` wide, and the sum of all of them is one ``W_O`` product per reader head.
     The values of each writer are made for all its readers in a layer at once, and each reader's
     pattern is applied to the values of all its writers at once."""
+    require_sum_residual(source.cfg, "virtual-head terms")
     by_layer: dict[int, dict[tuple[int, int], list[int]]] = defaultdict(lambda: defaultdict(list))
     for l1, h1, l2, h2 in keys:
         by_layer[l2][(l1, h1)].append(h2)
@@ -203,6 +205,7 @@ def select_virtual(
     """Materialise every virtual head (``most`` is ``None`` or at least their number) or the
     ``most`` with the largest bounds; keep the ``keep`` largest terms; state the coverage
     against ``order2``, the exact order-2 term of the expansion."""
+    require_sum_residual(source.cfg, "virtual-head terms")
     keys = virtual_keys(source.cfg)
     if most is not None and most < 0:
         raise QkovError(f"virtual heads: the number to materialise must be >= 0 or None, got {most}")

@@ -9,7 +9,7 @@ from typing import Any
 
 
 from ...errors import QkovError
-from ...model.config import GATE_CHOICES, NORMALIZATION_CHOICES, POSITIONAL_CHOICES, ModelConfig
+from ...model.config import GATE_CHOICES, NORMALIZATION_CHOICES, POSITIONAL_CHOICES, RESIDUAL_CHOICES, ModelConfig
 from ...training.config import SCHEDULES, TrainConfig
 from ...ranks import Ranks
 from ...training.loop import saved_configs, train
@@ -41,6 +41,11 @@ MODEL_FLAGS = {  # flag dest -> ModelConfig field
     "mlp": "d_mlp",
     "gate": "gate",
     "loop": "loop",
+    "residual": "residual",
+    "streams": "n_streams",
+    "attnres_block": "attnres_block",
+    "hyper_dynamic": "hyper_dynamic",
+    "sinkhorn_iters": "sinkhorn_iters",
 }
 TRAIN_FLAGS = {  # flag dest -> TrainConfig field
     "batch": "batch",
@@ -94,6 +99,16 @@ def add_train(sub: Any) -> None:
         "--loop", type=positive_int, metavar="K",
         help="looped depth: the --layers blocks applied K times, sharing their weights (default 1)",
     )  # fmt: skip
+    a.add_argument(
+        "--residual", choices=RESIDUAL_CHOICES,
+        help="how sublayers read and write the stream (docs/architectures.md; default sum)",
+    )  # fmt: skip
+    a.add_argument("--streams", type=positive_int, metavar="N", help="streams of --residual hyper or mhc (default 1)")
+    a.add_argument("--attnres-block", type=positive_int, metavar="S", help="sublayers per block of --residual attnres-block")
+    a.add_argument(
+        "--hyper-dynamic", action="store_const", const=True, help="--residual hyper: add the dynamic hyper-connection terms"
+    )
+    a.add_argument("--sinkhorn-iters", type=positive_int, metavar="K", help="--residual mhc: Sinkhorn iterations (default 20)")
     o = p.add_argument_group("training")
     o.add_argument(
         "--batch", type=positive_int, help=f"sequences per step, the global batch under torchrun (default {t.batch})"

@@ -109,7 +109,7 @@ def clean_run(ex: Explorer, ids: Tensor) -> CleanRun:
         return run
     w = ex.weights
     cfg, T = w.cfg, ids.shape[1]
-    keep = cfg.n_layers * T * cfg.d_model * torch.empty(0, dtype=w.dtype).element_size() <= STREAM_BYTES
+    keep = cfg.residual == "sum" and cfg.n_layers * T * cfg.d_model * torch.empty(0, dtype=w.dtype).element_size() <= STREAM_BYTES
     ids = ids.to(w.device)
     out = trace(w, ids, cache=["resid_pre.*"] if keep and cfg.n_layers else [])
     nll, top = scored(ex, out.logits, ids)

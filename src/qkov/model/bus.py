@@ -1,0 +1,345 @@
+"""The residual stream as a bus: how each sublayer reads its input and where its output goes.
+
+The standard transformer sums (``x_{s+1} = x_s + out_s``, ``residual="sum"``: the block body does
+that itself and never builds a bus). The other schemes (:data:`~qkov.model.config.RESIDUAL_CHOICES`;
+docs/architectures.md has the definitions, the papers and where qkov simplifies):
+
+* ``attnres`` (Attention Residuals, Kimi Team 2026): the sources are ``v_0`` (the embedding stream)
+  and every earlier sublayer's output; sublayer ``s`` reads ``sum_i alpha_{i->s} v_i`` with
+  ``alpha_{.->s} = softmax_i(w_s . RMSNorm_s(v_i))``: a pseudo-query ``w_s [D]`` and a key gain per
+  aggregation point (the final read is point ``S``).
+* ``attnres-block``: the same over fewer sources: the embedding, each completed block's summed
+  outputs and the current block's partial sum (when not empty).
+* ``hyper`` (Hyper-Connections, Zhu et al. 2024): ``n`` streams ``H [n, D]``; sublayer ``s`` reads
+  ``A_m^T H`` and writes ``H <- A_r^T H + B^T out``; static ``A_m [n]``, ``A_r [n, n]``, ``B [n]``,
+  plus (``hyper_dynamic``) ``s * tanh`` of projections of the RMS-normalised streams.
+* ``mhc`` (mHC, DeepSeek 2025): ``H <- H_res H + H_post^T F(H_pre H)`` with ``H_pre = sigmoid(.)``,
+  ``H_post = 2 sigmoid(.)``, ``H_res = Sinkhorn-Knopp(exp(.))``, each ``alpha * (RMSNorm(vec H) phi) + b``.
+
+One :class:`BusPass` per forward pass: :meth:`~BusPass.start` with the embedding stream, then per
+sublayer :meth:`~BusPass.read` (its input ``[B, T, D]``) and :meth:`~BusPass.write` (its output),
+and :meth:`~BusPass.final` (the stream the final normalisation reads). Every routing coefficient passes
+through a hook (the analysis forward's sites ``route_attn.l`` / ``route_mlp.l`` / ``route_final``,
+``mix_*`` and ``write_*``), so it can be read and frozen. The mixing matrix at a site is ``M [n, n]`` with
+``H_new = M H + w out`` (``M = A_r^T`` for hyper-connections, ``H_res`` for mHC).
+
+Parameters (:class:`BusParameters`, on :class:`qkov.Transformer` as ``bus.*``), stacked over
+aggregation points ``P = S + 1`` (attnres) or sublayers ``S`` (hyper, mhc):
+``query, key_w [P, D]``; ``A_m [S, n]``, ``A_r [S, n, n]``, ``B [S, n]`` and dynamic ``W_m, W_beta [S, D]``,
+``W_r [S, D, n]``, ``s_alpha, s_beta [S]``; mHC ``norm_w [S, nD]``, ``phi_pre, phi_post [S, nD, n]``,
+``phi_res [S, nD, n*n]``, ``alpha [S, 3]`` (pre, post, res), ``b_pre, b_post [S, n]``, ``b_res [S, n, n]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..errors import QkovError
+from .config import ModelConfig
+
+__all__ = [
+    "BusParameters",
+    "BusPass",
+    "bus_shapes",
+    "make_pass",
+    "point_site",
+    "require_sum_residual",
+    "route_coefficients",
+    "route_name",
+    "source_slot",
+    "static_routes",
+    "sinkhorn",
+    "source_count",
+]
+
+Hook = Callable[[str, "int | None", Tensor], Tensor]
+
+
+def point_site(cfg: ModelConfig, s: int) -> tuple[str, int | None]:
+    """The sublayer of aggregation point ``s``: ``("attn", l)``, ``("mlp", l)`` or ``("final", None)``."""
+    if s >= cfg.sublayers:
+        return "final", None
+    if cfg.d_mlp is not None and not cfg.parallel:
+        return ("attn" if s % 2 == 0 else "mlp"), s // 2
+    return "attn", s
+
+
+def source_count(cfg: ModelConfig, s: int) -> int:
+    """Sources an AttnRes aggregation point ``s`` reads: ``s + 1`` (``attnres``), or the embedding,
+    the completed blocks and a non-empty partial block (``attnres-block``)."""
+    if cfg.residual == "attnres-block":
+        size = cfg.attnres_block
+        return 1 + s // size + (1 if s % size else 0)  # type: ignore[operator]
+    return s + 1
+
+
+def bus_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The bus parameters' shapes (empty for ``residual="sum"``), named as on the model without ``bus.``."""
+    S, D, n = cfg.sublayers, cfg.d_model, cfg.n_streams
+    if cfg.residual in ("attnres", "attnres-block"):
+        return {"query": (S + 1, D), "key_w": (S + 1, D)}
+    if cfg.residual == "hyper":
+        out = {"A_m": (S, n), "A_r": (S, n, n), "B": (S, n)}
+        if cfg.hyper_dynamic:
+            out |= {"W_m": (S, D), "W_beta": (S, D), "W_r": (S, D, n), "s_alpha": (S,), "s_beta": (S,)}
+        return out
+    if cfg.residual == "mhc":
+        return {
+            "norm_w": (S, n * D), "phi_pre": (S, n * D, n), "phi_post": (S, n * D, n), "phi_res": (S, n * D, n * n),
+            "alpha": (S, 3), "b_pre": (S, n), "b_post": (S, n), "b_res": (S, n, n),
+        }  # fmt: skip
+    return {}
+
+
+class BusParameters(nn.Module):
+    """The bus's learned parameters (see the module docstring), per effective sublayer."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        for name, shape in bus_shapes(cfg).items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+
+    @torch.no_grad()
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        """The papers' initialisation: AttnRes pseudo-queries zero (uniform weights) and key gains one;
+        hyper-connections ``A_m = e_{s mod n}``, ``A_r = I``, ``B = 1``, dynamic projections zero and
+        scales 0.01; mHC gains one, projections normal, scales 0.01, biases zero (docs/architectures.md)."""
+        cfg, p = self.cfg, dict(self.named_parameters())
+        n, S = cfg.n_streams, cfg.sublayers
+        if cfg.residual in ("attnres", "attnres-block"):
+            p["query"].zero_()
+            p["key_w"].fill_(1.0)
+        elif cfg.residual == "hyper":
+            p["A_m"].copy_(F.one_hot(torch.arange(S) % n, n).to(p["A_m"].dtype))
+            p["A_r"].copy_(torch.eye(n).expand(S, n, n))
+            p["B"].fill_(1.0)
+            if cfg.hyper_dynamic:
+                for k in ("W_m", "W_beta", "W_r"):
+                    p[k].zero_()
+                p["s_alpha"].fill_(0.01)
+                p["s_beta"].fill_(0.01)
+        elif cfg.residual == "mhc":
+            p["norm_w"].fill_(1.0)
+            std = 0.8 / math.sqrt(n * cfg.d_model)
+            for k in ("phi_pre", "phi_post", "phi_res"):
+                p[k].copy_(torch.randn(p[k].shape, generator=gen) * std)
+            p["alpha"].fill_(0.01)
+            for k in ("b_pre", "b_post", "b_res"):
+                p[k].zero_()
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The parameters by name (no copies): what :func:`make_pass` takes."""
+        return dict(self.named_parameters())
+
+
+def sinkhorn(logits: Tensor, iters: int) -> Tensor:
+    """Sinkhorn-Knopp of ``exp(logits)`` over the last two dimensions ``[..., n, n]`` as mHC writes it
+    (``M_t = T_r(T_c(M_{t-1}))``): ``iters`` rounds of normalising the columns, then the rows (so the rows sum
+    to 1 exactly, the columns nearly). The shift by the largest logit changes nothing but the overflow."""
+    m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+    for _ in range(iters):
+        m = m / m.sum(dim=-2, keepdim=True)
+        m = m / m.sum(dim=-1, keepdim=True)
+    return m
+
+
+class BusPass:
+    """One forward pass through the bus (see the module docstring); ``hook(kind, layer, value)`` passes
+    every routing coefficient through a site."""
+
+    def __init__(self, cfg: ModelConfig, params: Mapping[str, Tensor], hook: Hook) -> None:
+        self.cfg, self.p, self.hook = cfg, params, hook
+
+    def at(self, what: str, s: int, value: Tensor) -> Tensor:
+        """``value`` through the site ``{what}_{attn|mlp}.l`` of sublayer ``s`` (``{what}_final`` at the end)."""
+        part, layer = point_site(self.cfg, s)
+        return self.hook(f"{what}_{part}", layer, value)
+
+    def start(self, x0: Tensor) -> None:
+        raise NotImplementedError
+
+    def read(self, s: int) -> Tensor:
+        raise NotImplementedError
+
+    def write(self, s: int, outs: list[Tensor]) -> None:
+        """Sublayer ``s``'s output: ``outs`` summed in order (a parallel block's attention, then MLP)."""
+        raise NotImplementedError
+
+    def final(self) -> Tensor:
+        """The stream the final normalisation reads, ``[B, T, D]``."""
+        raise NotImplementedError
+
+
+class AttnResPass(BusPass):
+    """Attention Residuals, whole (every output a source) or in blocks."""
+
+    def start(self, x0: Tensor) -> None:
+        self.sources: list[Tensor] = [x0]
+        self.partial: Tensor | None = None
+
+    def current(self) -> list[Tensor]:
+        """The sources the next aggregation point reads."""
+        return self.sources if self.partial is None else [*self.sources, self.partial]
+
+    def weights(self, s: int, sources: list[Tensor]) -> Tensor:
+        """``alpha [B, T, R]``: the softmax over sources of ``w_s . RMSNorm_s(v_i)``."""
+        keys = F.rms_norm(torch.stack(sources, -2), (self.cfg.d_model,), self.p["key_w"][s], self.cfg.ln_eps)
+        return torch.softmax(keys @ self.p["query"][s], dim=-1)
+
+    def read(self, s: int) -> Tensor:
+        sources = self.current()
+        alpha = self.at("route", s, self.weights(s, sources))
+        return torch.einsum("btr,btrd->btd", alpha, torch.stack(sources, -2))
+
+    def write(self, s: int, outs: list[Tensor]) -> None:
+        out = outs[0]
+        for o in outs[1:]:
+            out = out + o
+        if self.cfg.residual == "attnres":
+            self.sources.append(out)
+            return
+        self.partial = out if self.partial is None else self.partial + out
+        if (s + 1) % self.cfg.attnres_block == 0:  # type: ignore[operator]  # the block is complete
+            self.sources.append(self.partial)
+            self.partial = None
+
+    def final(self) -> Tensor:
+        return self.read(self.cfg.sublayers)
+
+
+class StreamsPass(BusPass):
+    """Hyper-connections and mHC: ``n`` streams ``H [B, T, n, D]``, read by weights, mixed, written."""
+
+    def start(self, x0: Tensor) -> None:
+        self.H = x0[:, :, None, :].expand(*x0.shape[:2], self.cfg.n_streams, x0.shape[-1])
+        self.pending: tuple[Tensor, Tensor] | None = None
+
+    def coefficients(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Read weights ``[B, T, n]``, mixing ``M [B, T, n, n]`` (``H_new = M H``) and write weights ``[B, T, n]``."""
+        raise NotImplementedError
+
+    def read(self, s: int) -> Tensor:
+        r, M, w = self.coefficients(s)
+        r = self.at("route", s, r)
+        self.pending = (self.at("mix", s, M), self.at("write", s, w))
+        return torch.einsum("btn,btnd->btd", r, self.H)
+
+    def write(self, s: int, outs: list[Tensor]) -> None:
+        M, w = self.pending  # type: ignore[misc]
+        H = torch.einsum("btij,btjd->btid", M, self.H)
+        for o in outs:
+            H = H + w[..., None] * o[:, :, None, :]
+        self.H, self.pending = H, None
+
+    def final(self) -> Tensor:
+        B, T, n, _ = self.H.shape
+        ones = self.H.new_ones(B, T, n)
+        return torch.einsum("btn,btnd->btd", self.hook("route_final", None, ones), self.H)
+
+
+class HyperPass(StreamsPass):
+    """Hyper-connections (static, or with the dynamic terms)."""
+
+    def coefficients(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
+        p, (B, T, n, D) = self.p, self.H.shape
+        A_m, A_r, Bw = p["A_m"][s], p["A_r"][s], p["B"][s]
+        if not self.cfg.hyper_dynamic:
+            return A_m.expand(B, T, n), A_r.transpose(0, 1).expand(B, T, n, n), Bw.expand(B, T, n)
+        Hn = F.rms_norm(self.H, (D,), None, self.cfg.ln_eps)
+        A_m = A_m + p["s_alpha"][s] * torch.tanh(Hn @ p["W_m"][s])
+        A_r = A_r + p["s_alpha"][s] * torch.tanh(Hn @ p["W_r"][s])  # [B, T, n (from), n (to)]
+        Bw = Bw + p["s_beta"][s] * torch.tanh(Hn @ p["W_beta"][s])
+        return A_m, A_r.transpose(-1, -2), Bw
+
+
+class MHCPass(StreamsPass):
+    """Manifold-constrained hyper-connections."""
+
+    def coefficients(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
+        p, (B, T, n, D) = self.p, self.H.shape
+        flat = F.rms_norm(self.H.reshape(B, T, n * D), (n * D,), p["norm_w"][s], self.cfg.ln_eps)
+        a = p["alpha"][s]
+        pre = torch.sigmoid(a[0] * (flat @ p["phi_pre"][s]) + p["b_pre"][s])
+        post = 2 * torch.sigmoid(a[1] * (flat @ p["phi_post"][s]) + p["b_post"][s])
+        res = a[2] * (flat @ p["phi_res"][s]).view(B, T, n, n) + p["b_res"][s]
+        return pre, sinkhorn(res, self.cfg.sinkhorn_iters), post
+
+
+def make_pass(cfg: ModelConfig, params: Mapping[str, Tensor], hook: Hook) -> BusPass:
+    """The bus of a routed model (``cfg.residual`` other than ``sum``) for one forward pass."""
+    kind = {"attnres": AttnResPass, "attnres-block": AttnResPass, "hyper": HyperPass, "mhc": MHCPass}[cfg.residual]
+    return kind(cfg, params, hook)
+
+
+def source_slot(cfg: ModelConfig, j: int, p: int) -> int:
+    """The AttnRes source that carries source ``j`` (0 the embedding, ``1 + s`` sublayer ``s``'s output) at
+    aggregation point ``p``: ``j`` itself (``attnres``), or the completed block holding it / the partial block
+    (``attnres-block``)."""
+    if cfg.residual != "attnres-block" or j == 0:
+        return j
+    size, block = cfg.attnres_block, (j - 1) // cfg.attnres_block  # type: ignore[operator]
+    return 1 + block if (block + 1) * size <= p else 1 + p // size  # type: ignore[operator]
+
+
+def route_name(cfg: ModelConfig, what: str, p: int) -> str:
+    """The site of point ``p``'s ``route`` / ``mix`` / ``write`` coefficients (``route_attn.1``, ``route_final``)."""
+    part, layer = point_site(cfg, p)
+    return f"{what}_{part}" if layer is None else f"{what}_{part}.{layer}"
+
+
+def route_coefficients(cfg: ModelConfig, routes: Mapping[str, Tensor]) -> Tensor:
+    """``C [P, J, B, T]`` (``P = J = S + 1``): how much of source ``j`` (0 the embedding stream, ``1 + s``
+    sublayer ``s``'s output) aggregation point ``p``'s input holds with the routing held at ``routes`` (site
+    name -> value, as recorded: ``route_*`` and for streams ``mix_*``, ``write_*``); zero for ``j > p``.
+    AttnRes: the softmax weight of the source holding ``j``. Streams: each source's weight in each stream,
+    carried through every later mixing ``M`` (``g <- M g``, a new output entering with the write weights)
+    and read with the read weights (``route_final``: the final read). Raises ``KeyError`` naming a missing site."""
+    S = cfg.sublayers
+    first = routes[route_name(cfg, "route", 0)]
+    B, T = first.shape[:2]
+    C = first.new_zeros(S + 1, S + 1, B, T)
+    if cfg.residual in ("attnres", "attnres-block"):
+        for p in range(S + 1):
+            alpha = routes[route_name(cfg, "route", p)]
+            for j in range(p + 1):
+                C[p, j] = alpha[..., source_slot(cfg, j, p)]
+        return C
+    g = [first.new_ones(B, T, cfg.n_streams)]  # per source: its weight in each stream
+    for p in range(S + 1):
+        r = routes[route_name(cfg, "route", p)]
+        for j, gj in enumerate(g):
+            C[p, j] = (r * gj).sum(-1)
+        if p < S:
+            M, w = routes[route_name(cfg, "mix", p)], routes[route_name(cfg, "write", p)]
+            g = [(M @ gj[..., None])[..., 0] for gj in g] + [w]
+    return C
+
+
+def static_routes(cfg: ModelConfig, params: Mapping[str, Tensor]) -> dict[str, Tensor] | None:
+    """The routing of static hyper-connections (the same for every text) as ``[1, 1, ...]`` site values, or
+    ``None`` where the routing depends on the input (AttnRes, dynamic hyper-connections, mHC)."""
+    if cfg.residual != "hyper" or cfg.hyper_dynamic:
+        return None
+    out: dict[str, Tensor] = {}
+    for s in range(cfg.sublayers):
+        out[route_name(cfg, "route", s)] = params["A_m"][s][None, None]
+        out[route_name(cfg, "mix", s)] = params["A_r"][s].transpose(0, 1)[None, None]
+        out[route_name(cfg, "write", s)] = params["B"][s][None, None]
+    out["route_final"] = params["A_m"].new_ones(1, 1, cfg.n_streams)
+    return out
+
+
+def require_sum_residual(cfg: ModelConfig, what: str) -> None:
+    """Refuse (one line) ``what``, an analysis written for the additive stream ``x_{l+1} = x_l + out_l``,
+    on a routed model (``residual`` other than ``sum``)."""
+    if cfg.residual != "sum":
+        raise QkovError(
+            f"{what} assumes the additive residual stream (x + out); this model routes it ({cfg.residual_text}): "
+            "docs/architectures.md lists what works on routed models"
+        )
