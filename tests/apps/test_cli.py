@@ -148,6 +148,18 @@ def test_resume_with_conflicting_flags_is_refused(tmp_path: Path, small_corpus: 
     _one_line_error(res, "n_heads")
 
 
+def test_resume_of_a_run_saved_before_a_model_option_existed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run whose saved config predates ``gate`` (no such key) has the default, ``none``: ``--gate none``
+    continues it, ``--gate headwise`` is refused."""
+    from qkov.apps.cli import train_cmds
+
+    old = {k: v for k, v in ModelConfig().to_dict().items() if k not in ("gate", "loop", "residual")}
+    monkeypatch.setattr(train_cmds, "saved_configs", lambda out: (old, {}))
+    train_cmds._check_resume_flags(tmp_path, {"gate": "none", "loop": 1}, {})
+    with pytest.raises(qkov.QkovError, match="gate='none', not 'headwise'"):
+        train_cmds._check_resume_flags(tmp_path, {"gate": "headwise"}, {})
+
+
 def test_circuits_command(tmp_path: Path) -> None:
     model = qkov.Transformer(ModelConfig(n_layers=2, n_heads=3, d_model=16, d_head=4, d_vocab=40, n_ctx=8), seed=1)
     with torch.no_grad():  # plant a K-composition: head 1.2's keys read what head 0.1 writes

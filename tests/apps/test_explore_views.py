@@ -377,3 +377,15 @@ def test_circuit_edge_bad_args(args: dict, status: int) -> None:
     with pytest.raises(BadRequest) as e:
         VIEWS["circuit_edge"](explorer(TINY), args, NOOP)
     assert e.value.status == status
+
+
+def test_a_looped_model_shows_its_effective_layers() -> None:
+    """A looped model (2 stored blocks applied twice) is explored as the analyses see it: 4 effective
+    layers, head 3.1 (block 1 on its second pass) has a card and an attention pattern equal to the trace's."""
+    ex = explorer(TINY.replace(loop=2, gate="headwise"))
+    assert ex.weights.cfg.n_layers == 4
+    pattern = VIEWS["attention"](ex, {"head": "3.1", "text": TEXT}, NOOP)
+    want = trace(ex.weights, torch.tensor([TEXT]), cache=["pattern.3"])["pattern", 3][0, 1]
+    got = torch.tensor(pattern["pattern"] if isinstance(pattern, dict) else pattern)
+    assert torch.allclose(got.reshape(want.shape), want, atol=1e-5)
+    assert VIEWS["card"](ex, {"head": "3.1", "tables": False}, NOOP)["head"] in ("3.1", [3, 1], {"layer": 3, "head": 1})

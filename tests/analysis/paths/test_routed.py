@@ -135,3 +135,26 @@ def test_composition_is_weighted_by_what_reaches_the_reader() -> None:
     assert torch.allclose(routing_reach(wa, ids)[1, 2], r["route_attn", 2][..., 2].mean(), atol=1e-6)
     with pytest.raises(QkovError, match="depends on the text"):
         composition_scores(wa, "k", routing="static")
+
+
+@pytest.mark.parametrize("variant", ["attnres", "mhc", "hyper-dynamic"])
+@pytest.mark.parametrize("gate", ["elementwise", "headwise"])
+def test_routing_gates_and_loops_together(variant: str, gate: str) -> None:
+    """A routed, gated, looped model (the three options at once): the training model, the analysis forward
+    and the path expansion agree; the loop unrolls into per-effective-layer routing (one more source per
+    effective sublayer for AttnRes)."""
+    m = routed(variant, "ln-mlp", gate=gate, loop=2)
+    with torch.no_grad():
+        for blk in m.blocks:  # gates off their symmetric start too
+            blk.attn.W_G.add_(torch.randn(blk.attn.W_G.shape, generator=torch.Generator().manual_seed(3)))
+    ids = tokens(6)
+    w = Weights.from_model(m)
+    assert w.cfg.n_layers == 6 and w.cfg.loop == 1
+    with torch.no_grad():
+        own = m(ids)
+    got = trace(w, ids, cache=["gate.5", "route_attn.5"])
+    centred = own - own.mean(-1, keepdim=True)  # the default view centres the unembedding
+    assert torch.allclose(got.logits, centred, atol=5e-5)  # float32 through 6 normalised layers
+    assert got["gate", 5].shape[-1] == (8 if gate == "elementwise" else 1)
+    e = expand(w, ids)
+    assert _relative_error(e) <= 1e-5 and len(e.orders) == 7

@@ -175,6 +175,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _check_resume_flags(out: Path, model_over: dict[str, Any], train_over: dict[str, Any]) -> None:
     saved_model, saved_train = saved_configs(out)
+    # a field the run's config predates has its default (a run saved before gates existed has gate "none")
+    saved_model = {**ModelConfig().to_dict(), **saved_model}
     for field, value in model_over.items():
         if saved_model.get(field) != value:
             raise QkovError(

@@ -77,7 +77,7 @@ class Explorer:
             raise BadRequest(f"{key!r} must be a non-empty string or a list of token ids")
         if len(ids) > self.max_tokens:
             raise BadRequest(f"{key!r} is {len(ids)} tokens; this model reads at most {self.max_tokens}")
-        d_vocab = self.model.cfg.d_vocab
+        d_vocab = self.weights.cfg.d_vocab
         bad = [i for i in ids if not 0 <= i < d_vocab]
         if bad:
             raise BadRequest(f"{key!r}: token id {bad[0]} out of range [0, {d_vocab})")
@@ -94,7 +94,7 @@ class Explorer:
         except QkovError as exc:
             raise BadRequest(str(exc)) from None
         try:
-            head.check(self.model.cfg, repr(key))
+            head.check(self.weights.cfg, repr(key))
         except QkovError as exc:
             raise BadRequest(str(exc), status=404) from None
         return head.layer, head.head  # type: ignore[return-value]
