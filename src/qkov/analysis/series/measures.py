@@ -141,7 +141,7 @@ def measure(w: Weights, sample: Sample) -> dict[str, Any]:
     heads["eigen_copying"] = torch.tensor([c.eigen_score for c in copying]).reshape(cfg.n_layers, cfg.n_heads)
     rec["heads"] = {k: _grid(v.float()) for k, v in heads.items()}
     rec["previous_token"] = _r(heads["previous_token"][0].max()) if "previous_token" in heads else None
-    rec["k_composition"] = _strongest_k(w) if cfg.n_layers >= 2 else None
+    rec["k_composition"] = _strongest_k(w, sample.text) if cfg.n_layers >= 2 else None
     return rec
 
 
@@ -189,8 +189,12 @@ def previous_token_on_text(w: WeightSource, text: Tensor, *, chunk: int | None =
     return text_pass(w, text, chunk=chunk, losses=False)[1]
 
 
-def _strongest_k(w: Weights) -> dict[str, Any]:
-    comp = composition_scores(w, "k").kinds["k"]
+def _strongest_k(w: Weights, text: Tensor | None) -> dict[str, Any]:
+    """The strongest K-composition pair; for a routed model (:mod:`qkov.model.bus`) each pair weighted by how
+    much of the writer reaches the reader's input, the mean coefficient over ``text`` (the weights alone
+    without a text, as for the plain sum)."""
+    routing = text[:PER_TOKEN_SEQUENCES] if w.cfg.residual != "sum" and text is not None else None
+    comp = composition_scores(w, "k", routing=routing).kinds["k"]
     top = comp.pairs()[0]
     return {"writer": top["writer"], "reader": top["reader"], "adjusted": _r(top["adjusted"]), "raw": _r(top["raw"])}
 

@@ -6,18 +6,21 @@
   const { el, fmt, signed, note, table, plot } = window.qkovReport.helpers;
   const big = (v) => (v == null ? "–" : Number(v).toLocaleString("en-US", { maximumFractionDigits: 0 }));
   const span = (w) => (w ? `${big(w.start)} – ${big(w.end)} (fastest ${big(w.peak)})` : "no window");
+  const bus = (b) => (b ? `${b.streams} x ${b.d_model} (${b.overlap.map((o) => fmt(o, 2)).join(", ")})` : "–");
   const kc = (k) => (k ? `${k.writer} → ${k.reader}: ${fmt(k.adjusted, 2)}` : "–");
 
   function variants(sec, D) {
     sec.append(el("p", { class: "note" },
       `${D.variants.length} variants, ${big(D.steps)} steps each, on ${D.corpus || "the built-in corpus"} ` +
       `(${D.device || "–"}); this run of the study took ${big(D.seconds)} s (finished runs in its directory are ` +
-      "reused). Tokens/s is the training throughput of each variant on this machine, the cost of its extra."));
+      "reused). Tokens/s is the training throughput of each variant on this machine, the cost of its extra. " +
+      "Bus width: streams x d_model, with each stream's write overlap (the mean overlap of the writers' subspaces); " +
+      "a routed model's K-composition is weighted by how much of the writer reaches the reader."));
     table(sec, ["variant", "model", "parameters", "tokens/s", "validation loss", "ICL score (nats)",
-      "induction score", "phase change (tokens)", "strongest K-composition", "max sink mass"],
+      "induction score", "phase change (tokens)", "strongest K-composition", "max sink mass", "bus width (overlap)"],
     D.variants.map((r) => [el("a", { href: r.dynamics, text: r.variant }), r.model, big(r.parameters),
       big(r.tokens_per_s), fmt(r.val_loss, 4), signed(r.icl), fmt(r.induction), span(r.phase_change),
-      kc(r.k_composition), fmt(r.max_sink)]), [0, 1], [1]);
+      kc(r.k_composition), fmt(r.max_sink), bus(r.bandwidth)]), [0, 1], [1]);
   }
 
   function phase(sec, D) {
