@@ -249,8 +249,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "text scores: the last chunk is not counted": (
         "analysis/heads/pattern_scores.py",
-        "    for got in sp.gather(parts, len(starts)):",
-        "    for got in sp.gather(parts, len(starts))[: len(starts) - 1]:",
+        "    for got in sp.gather(parts, len(bounds)):",
+        "    for got in sp.gather(parts, len(bounds))[: len(bounds) - 1]:",
         "tests/analysis/heads/test_scale.py::test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definitions",
     ),
     "runs: a directory without a manifest counts as a restartable run": (

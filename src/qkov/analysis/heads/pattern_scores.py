@@ -144,9 +144,12 @@ class LayerWatch:
         self.seen[site.kind] = value
 
     def pattern(self, value: Tensor, site: Address) -> None:
-        self.callback(self.view(site.layer, value, self.seen.pop("v", None), self.seen.pop("qk_in", None), self.seen.pop(self.scale, None)))  # type: ignore[arg-type]
+        seen, layer = self.seen, int(site.layer)  # type: ignore[arg-type]
+        self.callback(self.view(layer, value, seen.pop("v", None), seen.pop("qk_in", None), seen.pop(self.scale, None)))
 
-    def view(self, layer: int, pattern: Tensor, v: Tensor | None, qk_in: Tensor | None, scale: Tensor | None) -> LayerView:
+    def view(
+        self, layer: int, pattern: Tensor, v: Tensor | None, qk_in: Tensor | None, scale: Tensor | None
+    ) -> LayerView:
         """The :class:`LayerView` of one layer from its sites (``v [B, T, kv_heads, E]`` as the pass writes it)."""
         values = None if v is None else expand_kv(v.transpose(1, 2), self.group, dim=1)
         return LayerView(layer, pattern, values, qk_in, scale)

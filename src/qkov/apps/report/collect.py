@@ -225,7 +225,9 @@ def _paths(w: Weights, tokens: torch.Tensor, top: int, recording: Trace | None =
     return PathSummary(s.shape, s.reconstruction_error, s.importance, *effects, s.coverage, s.effect_positions)
 
 
-def attention_section(w: Weights, tokens: torch.Tensor, decode: Decode, recording: Trace | None = None) -> AttentionSection:
+def attention_section(
+    w: Weights, tokens: torch.Tensor, decode: Decode, recording: Trace | None = None
+) -> AttentionSection:
     """The viewer's section: every head's pattern on ``tokens [seq]`` (one sequence).
 
     ``recording``: a pass that cached every layer's pattern and whose first sequence begins with ``tokens``
@@ -416,7 +418,8 @@ def _sections(
     if L >= 1:
         with _stage(timings, "heads", progress):
             recording = text_recording(w, text_ids[:batch])
-            heads, icl_curve, left_out = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], diag, recording)
+            text, icl_text = text_ids[:batch], text_ids[:icl_examples]
+            heads, icl_curve, left_out = _heads(w, bos, text, inputs, icl_text, diag, recording)
             icl_info = heads.icl
         with _stage(timings, "OV eigenvalues", progress):
             eigen = _eigenvalues(w)
@@ -428,7 +431,8 @@ def _sections(
         paths = _paths(w, text_ids[:batch], top, recording)
     with _stage(timings, "attention", progress):
         viewer = text_ids[0, : min(viewer_tokens, w.cfg.n_ctx)]
-        attention: Any = attention_section(w, viewer, decode, recording) if L >= 1 else Absent("a 0-layer model has no attention")
+        no_heads = Absent("a 0-layer model has no attention")
+        attention: Any = attention_section(w, viewer, decode, recording) if L >= 1 else no_heads
         del recording  # the last section that reads it
     with _stage(timings, "in-context learning", progress):
         icl_section = _icl(w, bos, seed, icl_curve, icl_info)
