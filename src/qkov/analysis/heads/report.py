@@ -226,12 +226,8 @@ def head_report(
         check_diag_k(diag_k, cfg.d_vocab)  # before any work
     have, _ = memory_budget(source.device)
     chunk = chunk_size(source, text.shape[1], TEXT_CHUNK_BYTES if have is None else min(TEXT_CHUNK_BYTES, have))
-    check_fits(
-        chunk * sequence_bytes(source, text.shape[1]),
-        source.device,
-        f"heads: scoring one layer's attention on {text.shape[1]}-token text",
-        "analyse shorter sequences",
-    )
+    what = f"heads: scoring one layer's attention on {text.shape[1]}-token text"
+    check_fits(chunk * sequence_bytes(source, text.shape[1]), source.device, what, "analyse shorter sequences")
     on_text = text_scores(source, text, chunk=chunk, progress=progress, recording=recording)
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(source, length=length, seed=seed, bos=bos, frequencies=frequencies)
