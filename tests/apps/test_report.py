@@ -134,9 +134,9 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
 
 
 def test_report_runs_its_text_once_and_each_section_equals_its_own_run(tiny2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The heads' text scores, the path expansion and the attention viewer read one recorded run of the
-    report's text (a section running the text again fails the count), and each of those sections equals its
-    function called alone with its own run, to 1e-6."""
+    """The heads' text scores and the path expansion read one recorded run of the report's text (a section
+    running the text again fails the count; the attention viewer runs its prefix of the first sequence on its
+    own), and each of those sections equals its function called alone with its own run, to 1e-6."""
     from qkov.analysis.forward import tracer
     from qkov.analysis.heads.report import head_report
     from qkov.apps.report.collect import _paths, attention_section, heads_section
@@ -155,7 +155,7 @@ def test_report_runs_its_text_once_and_each_section_equals_its_own_run(tiny2: Pa
     monkeypatch.setattr(tracer, "_run", real_run)
     # a pass over the text the heads, paths and viewer read: its first k <= batch sequences (or a prefix)
     on_text = [t for t in runs if t.shape[0] <= batch and torch.equal(t, text[: t.shape[0], : t.shape[1]])]
-    assert len(on_text) == 1 and on_text[0].shape == (batch, 80), [list(t.shape) for t in on_text]
+    assert [list(t.shape) for t in on_text] == [[batch, 80], [1, viewer]]  # the recording, the viewer's own
     assert any(t.shape[0] == 8 for t in runs)  # the counting sees the report's other passes (the ICL score's)
     model = load(tiny2)
     w = Weights.from_model(model)

@@ -213,8 +213,8 @@ def text_recording(w: Weights, text: torch.Tensor) -> Trace:
     (the first :func:`~qkov.analysis.paths.expansion.paths_batch` of ``text [B, T]``), caching the union of
     what the sections that read them need: the expansion's frozen sites
     (:func:`~qkov.analysis.forward.frozen.frozen_sites`) and the heads' text-score sites
-    (:func:`~qkov.analysis.heads.pattern_scores.text_sites`). The heads' text scores, the paths section and the
-    attention viewer read it instead of running the text again."""
+    (:func:`~qkov.analysis.heads.pattern_scores.text_sites`). The heads' text scores and the paths section read
+    it instead of running the text again."""
     return frozen_recording(w, text[: paths_batch(w.cfg, len(text))], cache=tuple(text_sites(w)))
 
 
@@ -225,30 +225,16 @@ def _paths(w: Weights, tokens: torch.Tensor, top: int, recording: Trace | None =
     return PathSummary(s.shape, s.reconstruction_error, s.importance, *effects, s.coverage, s.effect_positions)
 
 
-def attention_section(
-    w: Weights, tokens: torch.Tensor, decode: Decode, recording: Trace | None = None
-) -> AttentionSection:
+def attention_section(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
     """The viewer's section: every head's pattern on ``tokens [seq]`` (one sequence).
 
-    ``recording``: a pass that cached every layer's pattern and whose first sequence begins with ``tokens``
-    (the report's :func:`text_recording`): the patterns are read from it (attention is causal, so a prefix's
-    patterns are the top-left corner of the whole sequence's) instead of running ``tokens`` again."""
-    T = tokens.shape[0]
-    if recording is not None and _starts_with(recording, tokens):
-        pat = recording.stack("pattern")[:, 0, :, :T, :T].float().cpu()  # [L, H, T, T]
-    else:
-        pat = trace(w, tokens[None], cache="pattern.*", logits=False).stack("pattern")[:, 0].float().cpu()
-    L, H = pat.shape[:2]
+    Its own pass, not a corner of the report's :func:`text_recording` (attention is causal, so the values are
+    the same, but not always to the last bit: at GPT-2-small size a few rounded entries would move)."""
+    pat = trace(w, tokens[None], cache="pattern.*", logits=False).stack("pattern")[:, 0].float().cpu()  # [L, H, T, T]
+    T, (L, H) = tokens.shape[0], pat.shape[:2]
     # lower triangle only, row by row: row q has q+1 entries
     rows = [[[_rl(pat[l, h, q, : q + 1].tolist(), 3) for q in range(T)] for h in range(H)] for l in range(L)]
     return AttentionSection(tokens.tolist(), [decode(int(t)) for t in tokens], rows)
-
-
-def _starts_with(recording: Trace, tokens: torch.Tensor) -> bool:
-    """Whether the recording cached every pattern and its first sequence begins with ``tokens [seq]``."""
-    first = recording.tokens[0]
-    have = all(f"pattern.{l}" in recording.cache for l in range(recording.source.cfg.n_layers))
-    return have and len(tokens) <= len(first) and torch.equal(first[: len(tokens)], tokens.to(first.device))
 
 
 def _repeat_losses(w: Weights, bos: int, length: int, batch: int, seed: int) -> RepeatCurves:
@@ -429,11 +415,10 @@ def _sections(
         composition = _composition(w)
     with _stage(timings, "paths", progress):
         paths = _paths(w, text_ids[:batch], top, recording)
+        del recording  # the last section that reads it
     with _stage(timings, "attention", progress):
         viewer = text_ids[0, : min(viewer_tokens, w.cfg.n_ctx)]
-        no_heads = Absent("a 0-layer model has no attention")
-        attention: Any = attention_section(w, viewer, decode, recording) if L >= 1 else no_heads
-        del recording  # the last section that reads it
+        attention: Any = attention_section(w, viewer, decode) if L >= 1 else Absent("a 0-layer model has no attention")
     with _stage(timings, "in-context learning", progress):
         icl_section = _icl(w, bos, seed, icl_curve, icl_info)
     with _stage(timings, "skip-trigrams", progress):
