@@ -249,9 +249,21 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "text scores: the last chunk is not counted": (
         "analysis/heads/pattern_scores.py",
-        "    for got in sp.gather(parts, len(starts)):",
-        "    for got in sp.gather(parts, len(starts))[: len(starts) - 1]:",
+        "    for got in sp.gather(parts, len(bounds)):",
+        "    for got in sp.gather(parts, len(bounds))[: len(bounds) - 1]:",
         "tests/analysis/heads/test_scale.py::test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definitions",
+    ),
+    "report: the paths section runs the text again instead of reading the report's one recorded run": (
+        "apps/report/collect.py",
+        "        paths = _paths(w, text_ids[:batch], top, recording)",
+        "        paths = _paths(w, text_ids[:batch], top)",
+        "tests/apps/test_report.py::test_report_runs_its_text_once_and_each_section_equals_its_own_run",
+    ),
+    "text scores: a recording's positional score read without the query/key divisor": (
+        "analysis/heads/pattern_scores.py",
+        '            self.callback(self.view(l, recording["pattern", l], got("v"), got("qk_in"), got(self.scale)))',
+        '            self.callback(self.view(l, recording["pattern", l], got("v"), got("qk_in"), None))',
+        "tests/analysis/heads/test_scale.py::test_text_scores_read_the_leading_sequences_from_a_recording",
     ),
     "runs: a directory without a manifest counts as a restartable run": (
         "training/rundir.py",

@@ -133,6 +133,60 @@ def test_report_numbers_match_independent_computations(tiny2: Path, tiny2_report
     assert -1 <= pt["agreement"]["head_out"] <= 1 and data["causal"]["absent"]  # 20 steps: no induction head
 
 
+def test_report_runs_its_text_once_and_each_section_equals_its_own_run(tiny2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The heads' text scores and the path expansion read one recorded run of the report's text (a section
+    running the text again fails the count; the attention viewer runs its prefix of the first sequence on its
+    own), and each of those sections equals its function called alone with its own run, to 1e-6."""
+    from qkov.analysis.forward import tracer
+    from qkov.analysis.heads.report import head_report
+    from qkov.apps.report.collect import _paths, attention_section, heads_section
+
+    text = torch.randint(1, 300, (8, 80), generator=torch.Generator().manual_seed(5))
+    batch, viewer = 4, 40
+    runs: list[torch.Tensor] = []
+    real_run = tracer._run
+
+    def counted(state, tokens, positions, start_at):  # type: ignore[no-untyped-def]
+        runs.append(tokens.detach().cpu())
+        return real_run(state, tokens, positions, start_at)
+
+    monkeypatch.setattr(tracer, "_run", counted)
+    rep = collect(tiny2, tokens=text, batch=batch, icl_examples=8, viewer_tokens=viewer, diag_k=5)
+    monkeypatch.setattr(tracer, "_run", real_run)
+    # a pass over the text the heads, paths and viewer read: its first k <= batch sequences (or a prefix)
+    on_text = [t for t in runs if t.shape[0] <= batch and torch.equal(t, text[: t.shape[0], : t.shape[1]])]
+    assert [list(t.shape) for t in on_text] == [[batch, 80], [1, viewer]]  # the recording, the viewer's own
+    assert any(t.shape[0] == 8 for t in runs)  # the counting sees the report's other passes (the ICL score's)
+    model = load(tiny2)
+    w = Weights.from_model(model)
+    alone = {
+        "heads": heads_section(head_report(w, text[:batch], bos=model.bos_token_id, icl_text=text, diag_k=5)),
+        "paths": _paths(w, text[:batch], 20),
+        "attention": attention_section(w, text[0, :viewer], lambda t: str(t)),
+    }
+    for name, section in alone.items():
+        got, own = getattr(rep, name).to_dict(), section.to_dict()
+        if name == "attention":
+            got, own = got["patterns"], own["patterns"]  # the decoded tokens differ (no decoder here)
+        _close(got, own, name)
+
+
+def _close(a: object, b: object, where: str) -> None:
+    """``a`` and ``b`` (nested JSON-like values) equal, numbers to 1e-6."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            _close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and isinstance(b, float):
+        assert abs(a - b) <= 1e-6, (where, a, b)
+    else:
+        assert a == b, (where, a, b)
+
+
 def test_report_on_a_hand_built_model_names_its_circuit(tmp_path: Path) -> None:
     """The hand-built 2-layer model: previous-token head 0.0, sink 0.1, induction head 1.0
     K-composing with 0.0. The report (and the tour's claims) must say exactly that."""

@@ -148,6 +148,31 @@ def test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definit
     assert n == 1 and n * per_sequence <= Ts.TEXT_CHUNK_BYTES < (n + 1) * per_sequence
 
 
+def test_text_scores_read_the_leading_sequences_from_a_recording() -> None:
+    """A pass already made over the first n sequences (the report's one recorded run of its text) gives the
+    streamed scores: bit for bit where its rows are the streamed first chunk, else to 1e-12 (float64);
+    a recording of other tokens, or without a site the scores read, is refused in one line."""
+    from qkov.analysis.heads import pattern_scores as Ts
+    from qkov.analysis.forward.tracer import trace
+
+    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=4, d_vocab=50, n_ctx=12, normalization="rmsnorm")
+    w = Weights.from_model(Transformer(cfg, seed=5).double(), dtype=torch.float64)
+    text = torch.randint(0, 50, (5, 12), generator=torch.Generator().manual_seed(4))
+    sites = Ts.text_sites(w)
+    assert {"pattern.*", "v.*", "qk_in.*"} <= set(sites) and len(sites) == 4  # and the query/key divisor
+    for n, chunk in ((1, 1), (2, 2), (5, 5), (2, 3), (3, 1)):
+        streamed = Ts.text_scores(w, text, chunk=chunk)
+        read = Ts.text_scores(w, text, chunk=chunk, recording=trace(w, text[:n], cache=sites))
+        for k in streamed:
+            if n == chunk:
+                assert torch.equal(read[k], streamed[k]), (n, chunk, k)
+            assert torch.allclose(read[k], streamed[k], atol=1e-12, rtol=0), (n, chunk, k)
+    with pytest.raises(QkovError, match="leading sequences"):
+        Ts.text_scores(w, text, recording=trace(w, text[1:3], cache=sites))
+    with pytest.raises(QkovError, match="qk_in"):
+        Ts.text_scores(w, text, recording=trace(w, text[:2], cache=["pattern", "v"]))
+
+
 class _Shape:
     cfg = ModelConfig(n_layers=12, n_heads=12, d_model=768, d_head=64, d_vocab=50257, n_ctx=1024)
     dtype = torch.float32

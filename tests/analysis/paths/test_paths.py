@@ -252,3 +252,22 @@ def test_trained_model_reconstructs(tmp_path: Path, small_corpus: Path) -> None:
     with torch.no_grad():
         ref64 = centred(model.double()(tokens))
     assert (P.expand(w64, tokens).total_logits() - ref64).abs().max() <= 1e-9
+
+
+def test_summarize_reads_a_recording_given_and_refuses_one_of_other_tokens() -> None:
+    """``summarize(recording=...)`` (the report's one recorded run of its text, holding more sites than the
+    expansion freezes) gives the summary it computes with its own run, bit for bit; a recording of other
+    tokens or without a frozen site is refused in one line."""
+    from qkov.analysis.forward.frozen import frozen_recording
+    from qkov.analysis.forward.tracer import trace
+
+    cfg = ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=4, d_vocab=40, n_ctx=10, d_mlp=32)
+    w = Weights.from_model(Transformer(cfg, seed=2))
+    tokens = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(1))
+    own = P.summarize(w, tokens, top_virtual=3).to_dict()
+    rec = frozen_recording(w, tokens, cache=("v.*", "qk_in.*"))
+    assert P.summarize(w, tokens, top_virtual=3, recording=rec).to_dict() == own
+    with pytest.raises(qkov.QkovError, match="tokens analysed"):
+        P.summarize(w, tokens, recording=frozen_recording(w, tokens.flip(0)))
+    with pytest.raises(qkov.QkovError, match="mlp_out"):
+        P.summarize(w, tokens, recording=trace(w, tokens, cache=["pattern", "*_scale*"]))

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
+from ...errors import QkovError
 from ...expect import token_ids
 from ...model.ops import causal_mask, expand_kv
 from ...weights.parts import WeightSource
@@ -39,6 +40,7 @@ __all__ = [
     "sink_scores",
     "TEXT_CHUNK_BYTES",
     "text_scores",
+    "text_sites",
     "value_weighted_sink_scores",
 ]
 
@@ -142,10 +144,25 @@ class LayerWatch:
         self.seen[site.kind] = value
 
     def pattern(self, value: Tensor, site: Address) -> None:
-        v = self.seen.pop("v", None)
+        seen, layer = self.seen, int(site.layer)  # type: ignore[arg-type]
+        self.callback(self.view(layer, value, seen.pop("v", None), seen.pop("qk_in", None), seen.pop(self.scale, None)))
+
+    def view(
+        self, layer: int, pattern: Tensor, v: Tensor | None, qk_in: Tensor | None, scale: Tensor | None
+    ) -> LayerView:
+        """The :class:`LayerView` of one layer from its sites (``v [B, T, kv_heads, E]`` as the pass writes it)."""
         values = None if v is None else expand_kv(v.transpose(1, 2), self.group, dim=1)
-        view = LayerView(site.layer, value, values, self.seen.pop("qk_in", None), self.seen.pop(self.scale, None))  # type: ignore[arg-type]
-        self.callback(view)
+        return LayerView(layer, pattern, values, qk_in, scale)
+
+    def sites(self) -> list[str]:
+        """What a recording must cache for :meth:`replay` (``cache=`` names): the sites :meth:`edits` watches."""
+        return [f"{kind}.*" for kind in self.edits()]
+
+    def replay(self, recording: Trace) -> None:
+        """Hand on each layer of a recording that cached :meth:`sites`, as the pass would have."""
+        for l in range(recording.source.cfg.n_layers):
+            got = lambda kind: recording[kind, l] if self.full and kind is not None else None  # noqa: E731
+            self.callback(self.view(l, recording["pattern", l], got("v"), got("qk_in"), got(self.scale)))
 
     def edits(self) -> dict[Any, Any]:
         out: dict[Any, Any] = {"pattern": self.pattern}
@@ -206,30 +223,65 @@ class _Sums:
         }
 
 
+def text_sites(source: WeightSource) -> list[str]:
+    """The sites (``cache=`` names) a recording must keep for :func:`text_scores` to read it instead of
+    running its leading sequences: every layer's ``pattern``, ``v``, ``qk_in`` and the query/key divisor."""
+    return LayerWatch(as_source(source, where="qkov.text_sites"), lambda view: None).sites()
+
+
+def _recorded_rows(recording: Trace, text: Tensor, need: list[str]) -> int:
+    """How many leading sequences of ``text`` the recording ran (it must hold them and ``need``)."""
+    n, T = recording.tokens.shape
+    if T != text.shape[1] or n > text.shape[0] or not torch.equal(recording.tokens.to(text.device), text[:n]):
+        raise QkovError("qkov.text_scores: the recording must be a pass over the leading sequences of the text")
+    missing = [s for s in need if s.removesuffix(".*") + ".0" not in recording]
+    if missing:
+        raise QkovError(f"qkov.text_scores: the recording must have cached {', '.join(need)}; {missing[0]} is missing")
+    return n
+
+
 @torch.no_grad()
 def text_scores(
-    source: SourceLike, text: Tensor, *, chunk: int | None = None, progress: Progress | None = None
+    source: SourceLike,
+    text: Tensor,
+    *,
+    chunk: int | None = None,
+    progress: Progress | None = None,
+    recording: Trace | None = None,
 ) -> dict[str, Tensor]:
     """Previous-token, self-attention, sink, value-weighted sink and positional scores of every head
     on ``text [B, T]`` (natural text), ``[n_layers, n_heads]`` each (float64), streamed: ``chunk``
-    sequences at a time (default :func:`chunk_size`), one layer's attention at a time."""
+    sequences at a time (default :func:`chunk_size`), one layer's attention at a time.
+
+    ``recording``: a pass already made over the first ``n`` sequences of ``text`` (``[n, T]``) that cached
+    :func:`text_sites` (the report's one recorded run of its text, shared with the path expansion): those
+    sequences are read from it, as one chunk, and only the rest run (the same values: tested).
+    Raises:
+        QkovError: the recording is not of the leading sequences of ``text``, or lacks a site.
+    """
     source = as_source(source, where="qkov.text_scores")
     text = token_ids("qkov.text_scores", text, source.cfg, "text").to(source.device)
     B, T = text.shape
     chunk = chunk or chunk_size(source, T)
     sums = _Sums(source)
-    watch = LayerWatch(source, sums).edits()
+    watcher = LayerWatch(source, sums)
+    watch = watcher.edits()
+    done = 0 if recording is None else _recorded_rows(recording, text, watcher.sites())
     none = torch.zeros(0, dtype=torch.long)  # the scores read no logits: nothing is unembedded
-    sp, starts, parts = ranks.current(), range(0, B, chunk), {}  # a unit: one chunk of sequences
-    for u, start in enumerate(starts):
-        if not sp.mine(u, len(starts)):
+    bounds = ([(0, done)] if done else []) + [(i, min(i + chunk, B)) for i in range(done, B, chunk)]
+    sp, parts = ranks.current(), {}  # a unit: one chunk of sequences (the recorded ones: the first)
+    for u, (start, stop) in enumerate(bounds):
+        if not sp.mine(u, len(bounds)):
             continue
         sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}  # this chunk's sums alone
-        trace(source, text[start : start + chunk], edits=watch, positions=none)
+        if recording is not None and start == 0:
+            watcher.replay(recording)
+        else:
+            trace(source, text[start:stop], edits=watch, positions=none)
         parts[u] = sums.sums
-        tick(progress, "heads: attention on text", min(start + chunk, B), B)
+        tick(progress, "heads: attention on text", stop, B)
     sums.sums = {k: torch.zeros_like(v) for k, v in sums.sums.items()}
-    for got in sp.gather(parts, len(starts)):  # added in chunk order, whatever the number of ranks
+    for got in sp.gather(parts, len(bounds)):  # added in chunk order, whatever the number of ranks
         for k, v in got.items():
             sums.sums[k] += v
     sums.sequences, sums.queries = B, B * (T - 1)

@@ -27,6 +27,7 @@ from .probes import NOT_TEXT, ICLScore, icl_left_out, icl_score, prefix_matching
 from .repeated import RepeatPass
 from ...progress import Progress
 from ..shown import Shown
+from ..forward.cache import Trace
 from .pattern_scores import TEXT_CHUNK_BYTES, chunk_size, sequence_bytes, text_scores
 from ..shown import TEXT, num, register, table
 
@@ -192,6 +193,7 @@ def head_report(
     icl_text: Tensor | None = None,
     icl: bool = True,
     progress: Progress | None = None,
+    recording: Trace | None = None,
 ) -> HeadReport:
     """Every detector on one model: ``text [B, T]`` is natural (validation) text.
 
@@ -208,6 +210,9 @@ def head_report(
     The text scores are streamed (:func:`~qkov.analysis.heads.pattern_scores.text_scores`); ``progress``
     is ticked through the text, the ICL examples and the copying scores. ``source``: a model,
     weights source or path (:func:`~qkov.weights.as_source`); ``bos=None``: its start token.
+    ``recording``: a pass already made over the leading sequences of ``text`` that cached
+    :func:`~qkov.analysis.heads.pattern_scores.text_sites` (the report shares its one recorded run of the
+    text with the path expansion): the text scores read those sequences from it instead of running them.
     """
     source = as_source(source, where="qkov.head_report")
     bos = source_bos("qkov.head_report", source, bos)
@@ -221,13 +226,9 @@ def head_report(
         check_diag_k(diag_k, cfg.d_vocab)  # before any work
     have, _ = memory_budget(source.device)
     chunk = chunk_size(source, text.shape[1], TEXT_CHUNK_BYTES if have is None else min(TEXT_CHUNK_BYTES, have))
-    check_fits(
-        chunk * sequence_bytes(source, text.shape[1]),
-        source.device,
-        f"heads: scoring one layer's attention on {text.shape[1]}-token text",
-        "analyse shorter sequences",
-    )
-    on_text = text_scores(source, text, chunk=chunk, progress=progress)
+    what = f"heads: scoring one layer's attention on {text.shape[1]}-token text"
+    check_fits(chunk * sequence_bytes(source, text.shape[1]), source.device, what, "analyse shorter sequences")
+    on_text = text_scores(source, text, chunk=chunk, progress=progress, recording=recording)
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(source, length=length, seed=seed, bos=bos, frequencies=frequencies)
     repeat = RepeatPass(source, rep, length)  # its copying reads each head's W_O W_U, which the

@@ -12,7 +12,9 @@ from torch import Tensor
 from ...device import check_fits
 from ...weights.parts import WeightSource
 from .importance import TermImportance, term_importance
-from ..forward.frozen import frozen_recording
+from ...errors import QkovError
+from ..forward.cache import Trace
+from ..forward.frozen import frozen_edits, frozen_recording
 from ...progress import Progress
 from ..shown import Shown
 from .effects import TermEffect
@@ -68,6 +70,7 @@ def summarize(
     top_virtual: int = 10,
     virtual_terms: int | None = VIRTUAL_AUTO_MAX,
     progress: Progress | None = None,
+    recording: Trace | None = None,
 ) -> PathSummary:
     """Expand ``tokens [B, T]``, run the paper's term importance and measure the effect of each
     single-head and the ``top_virtual`` largest virtual-head terms (on every position, or on a
@@ -81,6 +84,12 @@ def summarize(
     :attr:`PathSummary.coverage`; 0 materialises none. Only the ``top_virtual`` largest are held.
     Refuses (one-line :class:`QkovError`) a batch whose terms would not fit in free memory
     (:func:`expansion_bytes`), before any work.
+
+    ``recording``: a pass over ``tokens`` already made that cached what the expansion freezes
+    (:func:`~qkov.analysis.forward.frozen.frozen_sites`; :func:`~qkov.analysis.forward.frozen.frozen_recording`),
+    used instead of running one (the report records its text once for several sections).
+    Raises:
+        QkovError: the recording is not of ``tokens`` (or lacks a frozen site), or the batch does not fit.
     """
     do_virtual = virtual_pairs(source) > 0 and virtual_terms != 0 and source.cfg.residual == "sum"  # routed: none
     tokens = tokens[None] if tokens.ndim == 1 else tokens
@@ -89,7 +98,11 @@ def summarize(
     check_fits(
         need, source.device, f"paths: the expansion of {B} x {T} tokens", "analyse fewer sequences", hint="batch"
     )
-    real = frozen_recording(source, tokens)  # one recording serves term importance and the expansion
+    if recording is not None:
+        if not torch.equal(recording.tokens.to(tokens.device), tokens):
+            raise QkovError("paths: the recording must be a pass over the tokens analysed")
+        frozen_edits(recording)  # it must hold what the expansion freezes (a one-line error if not)
+    real = recording or frozen_recording(source, tokens)  # one recording serves term importance and the expansion
     importance = term_importance(source, tokens, progress=progress, recording=real)
     exp = expand(source, tokens, progress=progress, recording=real)
     coverage = None

@@ -20,7 +20,10 @@ from ...analysis.circuits.copying import DIAG_EXACT_MAX, check_diag_k, eigen_cop
 from ...analysis.circuits.report import bandwidth
 from ...analysis.circuits.qk_ov import full_ov
 from ...analysis.circuits.composition import Composition, composition_scores
+from ...analysis.forward.cache import Trace
+from ...analysis.forward.frozen import frozen_recording
 from ...analysis.forward.tracer import trace
+from ...analysis.heads.pattern_scores import text_sites
 from ...analysis.heads.report import SCORE_COLUMNS, HeadReport, head_report
 from ...analysis.paths.summary import PathSummary, summarize
 from ...analysis.paths.expansion import default_batch, paths_batch
@@ -69,6 +72,7 @@ __all__ = [
     "DIGITS",
     "heads_section",
     "repeat_curves",
+    "text_recording",
     "TRIGRAM_HEADS",
     "trigram_rows",
 ]
@@ -139,11 +143,13 @@ def _heads(
     inputs: AnalysisInput,
     icl_text: torch.Tensor,
     diag: tuple[int, int | None],
+    recording: Trace | None = None,
 ) -> tuple[HeadsSection, list[float] | None, dict[str, str]]:
     freqs, natural = inputs.frequencies, inputs.natural
     k, sample = diag
     rep = head_report(
-        w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=k or None, diag_sample=sample, icl=natural
+        w, text, bos=bos, frequencies=freqs, icl_text=icl_text, diag_k=k or None, diag_sample=sample, icl=natural,
+        recording=recording,
     )
     return heads_section(rep), None if rep.icl is None else rep.icl.loss_by_position, rep.left_out
 
@@ -202,15 +208,28 @@ def composition_section(scores: Mapping[str, Composition]) -> CompositionSection
     return CompositionSection(kinds)
 
 
-def _paths(w: Weights, tokens: torch.Tensor, top: int) -> PathSummary:
-    s = summarize(w, tokens[: paths_batch(w.cfg, len(tokens))], top_virtual=top)
+def text_recording(w: Weights, text: torch.Tensor) -> Trace:
+    """The report's one recorded run of its text: the pass over the sequences the path expansion reads
+    (the first :func:`~qkov.analysis.paths.expansion.paths_batch` of ``text [B, T]``), caching the union of
+    what the sections that read them need: the expansion's frozen sites
+    (:func:`~qkov.analysis.forward.frozen.frozen_sites`) and the heads' text-score sites
+    (:func:`~qkov.analysis.heads.pattern_scores.text_sites`). The heads' text scores and the paths section read
+    it instead of running the text again."""
+    return frozen_recording(w, text[: paths_batch(w.cfg, len(text))], cache=tuple(text_sites(w)))
+
+
+def _paths(w: Weights, tokens: torch.Tensor, top: int, recording: Trace | None = None) -> PathSummary:
+    s = summarize(w, tokens[: paths_batch(w.cfg, len(tokens))], top_virtual=top, recording=recording)
     kept = lambda effects: [TermEffect(e.name, rounded(e.loss_change, DIGITS), rounded(e.size, DIGITS)) for e in effects]  # noqa: E731
     effects = kept(s.singles), kept(s.virtual)
     return PathSummary(s.shape, s.reconstruction_error, s.importance, *effects, s.coverage, s.effect_positions)
 
 
 def attention_section(w: Weights, tokens: torch.Tensor, decode: Decode) -> AttentionSection:
-    """The viewer's section: every head's pattern on ``tokens [seq]`` (one sequence)."""
+    """The viewer's section: every head's pattern on ``tokens [seq]`` (one sequence).
+
+    Its own pass, not a corner of the report's :func:`text_recording` (attention is causal, so the values are
+    the same, but not always to the last bit: at GPT-2-small size a few rounded entries would move)."""
     pat = trace(w, tokens[None], cache="pattern.*", logits=False).stack("pattern")[:, 0].float().cpu()  # [L, H, T, T]
     T, (L, H) = tokens.shape[0], pat.shape[:2]
     # lower triangle only, row by row: row q has q+1 entries
@@ -381,9 +400,12 @@ def _sections(
     L = w.cfg.n_layers
     heads: Any = Absent("a 0-layer model has no attention heads")
     eigen: Any = heads
+    recording = None  # the one recorded run of the text (text_recording), made by the first section to read it
     if L >= 1:
         with _stage(timings, "heads", progress):
-            heads, icl_curve, left_out = _heads(w, bos, text_ids[:batch], inputs, text_ids[:icl_examples], diag)
+            recording = text_recording(w, text_ids[:batch])
+            text, icl_text = text_ids[:batch], text_ids[:icl_examples]
+            heads, icl_curve, left_out = _heads(w, bos, text, inputs, icl_text, diag, recording)
             icl_info = heads.icl
         with _stage(timings, "OV eigenvalues", progress):
             eigen = _eigenvalues(w)
@@ -392,7 +414,8 @@ def _sections(
     with _stage(timings, "composition", progress):
         composition = _composition(w)
     with _stage(timings, "paths", progress):
-        paths = _paths(w, text_ids[:batch], top)
+        paths = _paths(w, text_ids[:batch], top, recording)
+        del recording  # the last section that reads it
     with _stage(timings, "attention", progress):
         viewer = text_ids[0, : min(viewer_tokens, w.cfg.n_ctx)]
         attention: Any = attention_section(w, viewer, decode) if L >= 1 else Absent("a 0-layer model has no attention")
