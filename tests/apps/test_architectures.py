@@ -94,3 +94,20 @@ def test_bad_variants_are_one_line_errors(tmp_path: Path, capsys: pytest.Capture
     assert "warp" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(QkovError, match="no variant"):
         run_architectures(tmp_path / "b", variants=[])
+
+
+def test_a_diverging_variant_is_a_row_not_the_end_of_the_study(small_corpus: Path, tmp_path: Path) -> None:
+    """At a learning rate that blows the loss up, the run stops (its checkpoint kept) and the study writes a
+    row saying where, with no measures, and still writes its page."""
+    options = {k: v for k, v in vars(tiny_train(small_corpus, steps=30, snapshots=3)).items() if k not in ("steps", "corpus")}
+    options.update(lr=1e4, warmup=1, grad_clip=0.0)
+    said: list[str] = []
+    rows = run_architectures(
+        tmp_path / "a", variants=["standard"], steps=30, corpus=str(small_corpus), base=TINY, train_options=options,
+        device="cpu", quiet=True, say=said.append,
+    )  # fmt: skip
+    assert rows[0]["diverged"] is not None and 1 <= rows[0]["diverged"] <= 30
+    assert rows[0]["paths_by_order"] == [] and rows[0]["val_loss"] is None
+    assert any("diverged at step" in s for s in said)
+    data = json.loads((tmp_path / "a" / "architectures.json").read_text())
+    assert data["variants"][0]["diverged"] == rows[0]["diverged"]

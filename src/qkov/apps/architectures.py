@@ -37,7 +37,7 @@ from ..finite import to_json
 from ..io.checkpoint import load, read_metrics, training_record
 from ..model.config import ModelConfig
 from ..training.config import TrainConfig
-from ..training.loop import train
+from ..training.loop import Diverged, train
 from ..weights.view import Weights
 from .inputs import sample_for
 from .outputs import output_folder, replace_pair
@@ -161,8 +161,30 @@ def _row(name: str, cfg: ModelConfig, ckpt: Path, dyn: dict[str, Any], extra: di
         },
         "loss_curve": _loss_curve(ckpt),
         "dynamics": f"{name}/dynamics/index.html",
+        "diverged": None,
         **extra,
     }
+
+
+def _corpus_of(runs: list[Path]) -> str | None:
+    """The corpus the first run that wrote its config records (a run that diverged before its first
+    checkpoint has none)."""
+    for ckpt in runs:
+        if (ckpt / "config.json").is_file():
+            return training_record(ckpt).get("corpus")
+    return None
+
+
+def _diverged_row(name: str, cfg: ModelConfig, ckpt: Path, exc: Diverged) -> dict[str, Any]:
+    """A variant whose training diverged: what it was and where it stopped; no measures."""
+    return {
+        "variant": name, "model": cfg.describe(), "config": dict(VARIANTS[name]), "diverged": exc.step,
+        "parameters": cfg.parameter_count(), "tokens": None, "wall_s": None, "tokens_per_s": None,
+        "val_loss": None, "icl": None, "induction": None, "previous_token": None, "k_composition": None,
+        "phase_change": None, "curves": {"tokens": []}, "loss_curve": _loss_curve(ckpt), "dynamics": None,
+        "sink_mass": [], "max_sink": None, "gate_mean": None, "gate_sparsity": None, "paths_by_order": [],
+        "bandwidth": None,
+    }  # fmt: skip
 
 
 def run_architectures(
@@ -178,7 +200,9 @@ def run_architectures(
     say: Callable[[str], None] = print,
 ) -> list[dict[str, Any]]:
     """Train (or reuse) the 2-layer attention-only model in each of ``variants`` in ``out``, measure each
-    (see the module docstring), write the comparison page; return one summary row per variant.
+    (see the module docstring), write the comparison page; return one summary row per variant. A variant
+    whose training diverges (:class:`~qkov.training.loop.Diverged`) gets a row saying at which step, and
+    the study goes on (run again, it resumes from that run's last checkpoint and diverges again).
 
     ``base``: the model the variants change (default: the 2-layer attention-only model);
     ``train_options``: further :class:`~qkov.training.config.TrainConfig` fields (batch, lr, snapshots...)."""
@@ -201,11 +225,16 @@ def run_architectures(
             say(f"{tag} reusing the finished run in {ckpt}")
         else:
             say(f"{tag} {'resuming' if state == 'partial' else 'training'} {cfg.describe()} in {ckpt}")
-            with TrainProgress(quiet=quiet) as progress:
-                if state == "partial":
-                    train(ckpt, device=str(dev), resume=True, callback=progress.event, progress=progress)
-                else:
-                    train(ckpt, cfg, TrainConfig(**over), device=str(dev), callback=progress.event, progress=progress)
+            try:
+                with TrainProgress(quiet=quiet) as progress:
+                    if state == "partial":
+                        train(ckpt, device=str(dev), resume=True, callback=progress.event, progress=progress)
+                    else:
+                        train(ckpt, cfg, TrainConfig(**over), device=str(dev), callback=progress.event, progress=progress)
+            except Diverged as exc:  # a result of the study, not the end of it: the other variants go on
+                say(f"{tag} diverged at step {exc.step} ({exc.value} loss); left out of the measures")
+                rows.append(_diverged_row(name, cfg, ckpt, exc))
+                continue
         dyn = earlier_dynamics(ckpt)
         if dyn is None:
             t1 = time.perf_counter()
@@ -213,7 +242,7 @@ def run_architectures(
             say(f"{tag} dynamics -> {ckpt / 'dynamics' / 'index.html'} in {time.perf_counter() - t1:.0f} s")
         rows.append(_row(name, cfg, ckpt, dyn, _final_measures(ckpt, dev)))
     meta = {"device": str(dev), "steps": steps, "seconds": round(time.perf_counter() - t0, 1),
-            "corpus": training_record(out / variants[0]).get("corpus")}  # fmt: skip
+            "corpus": _corpus_of([out / name for name in configs])}  # fmt: skip
     body = {"schema_version": SCHEMA_VERSION, "variants": rows, **meta}
     page = render_template("architectures.html", body, ("report.js", "architectures.js"), "qkov architectures: the bus generalised")
     replace_pair(out, {"index.html": page, "architectures.json": to_json(body, indent=1)}, overwrite=False, what="architectures")

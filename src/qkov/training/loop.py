@@ -48,9 +48,18 @@ from .losses import LossModule
 from . import environment, rundir, snapshots
 from .state import load_state, make_optimizer, read_meta, save_state
 
-__all__ = ["BLAS_NOT_REPRODUCIBLE", "Callback", "evaluate", "Plan", "prepare", "saved_configs", "Session", "train"]
+__all__ = ["BLAS_NOT_REPRODUCIBLE", "Callback", "Diverged", "evaluate", "Plan", "prepare", "saved_configs", "Session", "train"]
 
 Callback = Callable[[dict[str, Any]], None]
+
+
+class Diverged(QkovError):
+    """Training stopped because the loss stopped being finite (``step``: the step it happened at; the run
+    keeps its last checkpoint and training state)."""
+
+    def __init__(self, value: float, step: int) -> None:
+        super().__init__(f"train: loss became {value} at step {step}; lower the learning rate")
+        self.value, self.step = value, step
 BLAS_NOT_REPRODUCIBLE = (
     "MKL computed in this process before qkov was imported, so its reproducible mode is off: a resume "
     "of this run may not be bit-exact (import qkov before computing with torch, or start Python with MKL_CBWR=AUTO)"
@@ -325,7 +334,7 @@ class Session:
         self.step += 1
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise QkovError(f"train: loss became {value} at step {self.step}; lower the learning rate")
+            raise Diverged(value, self.step)
         return value
 
     def train(self, stop_after: int | None = None) -> None:

@@ -63,6 +63,9 @@ def cmd_architectures(args: argparse.Namespace) -> int:
     for col in ("variant", "tokens/s", "val loss", "ICL", "induction", "phase change at", "max sink", "loss by order"):
         t.add_column(col, justify="right")
     for r in rows:
+        if r["diverged"] is not None:
+            t.add_row(r["variant"], "-", f"diverged at step {r['diverged']:,}", *["-"] * 5)
+            continue
         w = r["phase_change"]
         t.add_row(
             r["variant"],

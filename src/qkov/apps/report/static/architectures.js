@@ -5,8 +5,11 @@
 (function () {
   const { el, fmt, signed, note, table, plot } = window.qkovReport.helpers;
   const big = (v) => (v == null ? "–" : Number(v).toLocaleString("en-US", { maximumFractionDigits: 0 }));
-  const span = (w) => (w ? `${big(w.start)} – ${big(w.end)} (fastest ${big(w.peak)})` : "no window");
-  const bus = (b) => (b ? `${b.streams} x ${b.d_model} (${b.overlap.map((o) => fmt(o, 2)).join(", ")})` : "–");
+  const mega = (v) => `${(v / 1e6).toFixed(1)}M`;
+  const span = (w) => (w ? `${mega(w.start)} – ${mega(w.end)} (fastest ${mega(w.peak)})` : "no window");
+  const change = (c) => Object.entries(c).map(([k, v]) => `${k}=${v}`).join(", ") || "–";
+  const bus = (b) => (b ? `${b.streams} x ${b.d_model}` : "–");
+  const overlap = (b) => (b ? b.overlap.map((o) => fmt(o, 2)).join(" ") : "–");
   const kc = (k) => (k ? `${k.writer} → ${k.reader}: ${fmt(k.adjusted, 2)}` : "–");
 
   function variants(sec, D) {
@@ -16,13 +19,18 @@
       "reused). Tokens/s is the training throughput of each variant on this machine, the cost of its extra. " +
       "Bus width: streams x d_model, with each stream's write overlap (the mean overlap of the writers' subspaces); " +
       "a routed model's K-composition is weighted by how much of the writer reaches the reader."));
-    table(sec, ["variant", "model", "parameters", "tokens/s", "validation loss", "ICL score (nats)",
-      "induction score", "phase change (tokens)", "strongest K-composition", "max sink mass", "bus width (overlap)"],
-    D.variants.map((r) => [el("a", { href: r.dynamics, text: r.variant }), r.model, big(r.parameters),
-      big(r.tokens_per_s), fmt(r.val_loss, 4), signed(r.icl), fmt(r.induction), span(r.phase_change),
-      kc(r.k_composition), fmt(r.max_sink), bus(r.bandwidth)]), [0, 1], [1]);
+    const base = D.variants.find((r) => r.variant === "standard");
+    if (base) sec.append(el("p", { class: "note" }, `The model: ${base.model}; each variant changes what its row says.`));
+    table(sec, ["variant", "changes", "parameters", "tokens/s", "validation loss", "ICL score (nats)",
+      "induction score", "phase change (tokens)", "strongest K-composition", "max sink mass", "bus width",
+      "write overlap"],
+    D.variants.map((r) => [r.dynamics ? el("a", { href: r.dynamics, text: r.variant }) : r.variant, change(r.config),
+      big(r.parameters), big(r.tokens_per_s),
+      r.diverged != null ? `diverged at step ${big(r.diverged)}` : fmt(r.val_loss, 4), signed(r.icl), fmt(r.induction), span(r.phase_change),
+      kc(r.k_composition), fmt(r.max_sink), bus(r.bandwidth), overlap(r.bandwidth)]), [0, 1], [1, 7]);
   }
 
+  const done = (D) => D.variants.filter((r) => r.diverged == null);
   function phase(sec, D) {
     const row = el("div", { class: "cols" });
     sec.append(row);
@@ -30,7 +38,7 @@
       ["icl_improvement", "in-context improvement", "nats"]]) {
       const box = el("div");
       row.append(box);
-      plot(box, D.variants.map((r) => ({ x: r.curves.tokens, y: r.curves[key], name: r.variant,
+      plot(box, done(D).map((r) => ({ x: r.curves.tokens, y: r.curves[key], name: r.variant,
         mode: "lines+markers", marker: { size: 3 } })), {
         title: { text: title }, width: 560, height: 360, xaxis: { title: { text: "tokens seen" } },
         yaxis: { title: { text: axis } }, legend: { orientation: "h", y: -0.3 }, margin: { l: 60, r: 20, t: 40, b: 50 },
@@ -63,8 +71,8 @@
   }
 
   function sinks(sec, D) {
-    grid(sec, D, "sink_mass", D.variants);
-    const gated = D.variants.filter((r) => r.gate_mean);
+    grid(sec, D, "sink_mass", done(D));
+    const gated = done(D).filter((r) => r.gate_mean);
     if (!gated.length) return;
     sec.append(el("p", { class: "note" }, "Gated variants: each head's mean gate (the share of its output the " +
       "gate lets through, averaged over positions and channels), then the fraction of gate values below 0.1."));
@@ -73,7 +81,7 @@
   }
 
   function orders(sec, D) {
-    plot(sec, D.variants.map((r) => ({ x: r.paths_by_order.map((_, k) => k), y: r.paths_by_order, name: r.variant,
+    plot(sec, done(D).map((r) => ({ x: r.paths_by_order.map((_, k) => k), y: r.paths_by_order, name: r.variant,
       mode: "lines+markers" })), {
       title: { text: "loss of the paths through at most k heads" }, height: 380,
       xaxis: { title: { text: "k (heads on the path)" }, dtick: 1 }, yaxis: { title: { text: "loss (nats)" } },
