@@ -225,16 +225,28 @@ def test_train_flags(tmp_path: Path, small_corpus: Path, capsys: pytest.CaptureF
     assert rc == 2 and "n_streams > 1 needs" in err and "Traceback" not in err
 
 
-def test_a_routed_model_trains_the_same_under_torchrun(tmp_path: Path, small_corpus: Path) -> None:
-    """Two ranks (gloo on CPU) reach the single process's losses with the bus's parameters in the gradient
-    reduction (a parameter the ranks did not share would make them drift)."""
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--residual", "attnres-block", "--attnres-block", "2", "--mlp", "32"],
+        ["--residual", "mhc", "--streams", "2", "--gate", "elementwise", "--loop", "2"],  # every option at once
+    ],
+    ids=["attnres-block", "mhc-gate-loop"],
+)
+def test_a_routed_model_trains_the_same_under_torchrun(extra: list[str], tmp_path: Path, small_corpus: Path) -> None:
+    """Two ranks (gloo on CPU) reach the single process's weights with the bus's (and the gates') parameters in
+    the gradient reduction (a parameter the ranks did not share would make them drift)."""
     env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
-    flags = [*train_flags(steps=10, ckpt_interval=5, eval_interval=5), "--corpus", str(small_corpus)]
-    flags += ["--residual", "attnres-block", "--attnres-block", "2", "--mlp", "32"]
+    flags = [*train_flags(steps=10, ckpt_interval=5, eval_interval=5), "--corpus", str(small_corpus), *extra]
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     subprocess.run([sys.executable, "-m", "qkov", "train", *flags, "--out", str(single)], env=env, check=True, capture_output=True)
     res = torchrun(["train", *flags, "--out", str(ddp)], env)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = qkov.load(single), qkov.load(ddp)
-    assert b.cfg.residual == "attnres-block"
-    assert torch.allclose(a.bus.query, b.bus.query, atol=1e-4) and not torch.equal(b.bus.query, torch.zeros_like(b.bus.query))  # type: ignore[union-attr]
+    assert b.cfg == a.cfg and b.cfg.residual == extra[1]
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and any(k.startswith("bus.") for k in sb)
+    for k in sa:
+        assert torch.allclose(sa[k], sb[k], atol=1e-4), k
+    moved = b.bus.query.abs().max() > 0 if extra[1] == "attnres-block" else (b.bus.alpha - 0.01).abs().max() > 0  # type: ignore[union-attr]
+    assert moved  # the bus trained: its parameters left their initialisation
