@@ -111,3 +111,11 @@ def test_a_diverging_variant_is_a_row_not_the_end_of_the_study(small_corpus: Pat
     assert any("diverged at step" in s for s in said)
     data = json.loads((tmp_path / "a" / "architectures.json").read_text())
     assert data["variants"][0]["diverged"] == rows[0]["diverged"]
+
+
+def test_a_run_of_another_model_in_the_folder_is_refused_before_any_training(study: tuple[Path, list[dict]], capsys: pytest.CaptureFixture) -> None:
+    out, _ = study
+    with pytest.raises(QkovError, match="another model"):
+        run_architectures(out, variants=["standard"], steps=24, base=TINY.replace(normalization="rmsnorm"), device="cpu")
+    assert main(["architectures", "--out", str(out), "--variants", "standard", "--norm", "rmsnorm", "--steps", "24"]) == 2
+    assert "another model" in capsys.readouterr().err

@@ -34,10 +34,10 @@ from ..analysis.paths.expansion import expand
 from ..device import pick_device
 from ..errors import QkovError
 from ..finite import to_json
-from ..io.checkpoint import load, read_metrics, training_record
+from ..io.checkpoint import load, read_config, read_metrics, training_record
 from ..model.config import ModelConfig
 from ..training.config import TrainConfig
-from ..training.loop import Diverged, train
+from ..training.loop import Diverged, saved_configs, train
 from ..weights.view import Weights
 from .inputs import sample_for
 from .outputs import output_folder, replace_pair
@@ -166,6 +166,20 @@ def _row(name: str, cfg: ModelConfig, ckpt: Path, dyn: dict[str, Any], extra: di
     }
 
 
+def _check_same_model(ckpt: Path, cfg: ModelConfig) -> None:
+    """Refuse to reuse or resume a run in ``ckpt`` of another model than ``cfg`` (another base, or a
+    variant's older definition)."""
+    state = run_state(ckpt, "architectures")
+    if state == "new":
+        return
+    saved = saved_configs(ckpt)[0] if state == "partial" else read_config(ckpt).get("model", {})
+    if ModelConfig.from_dict({**ModelConfig().to_dict(), **saved}) != cfg:
+        raise QkovError(
+            f"architectures: {str(ckpt)!r} holds a run of another model than {cfg.describe()!r}; "
+            "choose another output folder", hint="out",
+        )  # fmt: skip
+
+
 def _corpus_of(runs: list[Path]) -> str | None:
     """The corpus the first run that wrote its config records (a run that diverged before its first
     checkpoint has none)."""
@@ -212,6 +226,8 @@ def run_architectures(
     configs = {name: variant_config(name, base) for name in variants}  # every name checked before any training
     with output_folder(out, ARCHITECTURE_FILES, overwrite=False, what="architectures"):
         pass  # refused now, not after an hour of training
+    for name, cfg in configs.items():  # a run in OUT must be the model asked for: refused now, not after hours
+        _check_same_model(out / name, cfg)
     dev = pick_device(device)
     t0 = time.perf_counter()
     over: dict[str, Any] = {**(train_options or {}), "steps": steps, **({"corpus": corpus} if corpus is not None else {})}

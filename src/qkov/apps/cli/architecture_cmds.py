@@ -11,6 +11,7 @@ from typing import Any
 from rich.table import Table
 
 from ...errors import QkovError
+from ...model.config import NORMALIZATION_CHOICES, ModelConfig
 from ..architectures import DEFAULT_VARIANTS, STUDY_STEPS, VARIANTS, run_architectures
 from .common import console, positive_int
 
@@ -36,6 +37,11 @@ def add_architectures(sub: Any) -> None:
         help=f"comma-separated variants (default {','.join(DEFAULT_VARIANTS)}; known: {', '.join(VARIANTS)})",
     )
     p.add_argument("--steps", type=positive_int, default=STUDY_STEPS, help=f"training steps per variant (default {STUDY_STEPS})")
+    p.add_argument(
+        "--norm", choices=NORMALIZATION_CHOICES, default="none",
+        help="the base model's normalisation (default none, the paper's; rmsnorm / layernorm compare the "
+        "schemes on pre-norm models, as their papers train them). Use a new --out: finished runs are reused",
+    )  # fmt: skip
     p.add_argument("--corpus", help="corpus for new runs (default: the built-in stdlib corpus)")
     p.add_argument("--device", default="auto", help="auto (default: cuda if present), cpu, cuda, cuda:N")
     p.add_argument("--quiet", action="store_true", help="no training progress bars")
@@ -57,6 +63,7 @@ def cmd_architectures(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     rows = run_architectures(
         args.out, variants=names, steps=args.steps, device=args.device, corpus=args.corpus, quiet=args.quiet,
+        base=ModelConfig(n_layers=2, normalization=args.norm),
         say=lambda s: con.print(s, highlight=False),
     )  # fmt: skip
     t = Table(title="the 2-layer attention-only model, by variant")
