@@ -27,7 +27,7 @@ def add_architectures(sub: Any) -> None:
             "hyper-connections, mHC, gated attention, looped depth; docs/architectures.md) on the same corpus and "
             "token budget (runs already finished in --out are reused, interrupted ones resume), run qkov dynamics on "
             "each, measure attention sinks and the loss by path order, and write a comparison page (OUT/index.html, "
-            "every number in OUT/architectures.json)."
+            "every number in OUT/architectures.json). About 32 minutes on a 2-core CPU with the defaults."
         ),
     )
     p.add_argument("--out", type=Path, default=Path("runs/architectures"), help="output directory (default runs/architectures)")
@@ -40,7 +40,7 @@ def add_architectures(sub: Any) -> None:
     p.add_argument(
         "--norm", choices=NORMALIZATION_CHOICES, default="none",
         help="the base model's normalisation (default none, the paper's; rmsnorm / layernorm compare the "
-        "schemes on pre-norm models, as their papers train them). Use a new --out: finished runs are reused",
+        "schemes on pre-norm models, as their papers train them; a run of another model in --out is refused)",
     )  # fmt: skip
     p.add_argument("--corpus", help="corpus for new runs (default: the built-in stdlib corpus)")
     p.add_argument("--device", default="auto", help="auto (default: cuda if present), cpu, cuda, cuda:N")
