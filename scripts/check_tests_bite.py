@@ -996,6 +996,12 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "heads = {key: C[S, s][..., None] * term for key, (s, term) in head_outs.items()}",
         "tests/analysis/paths/test_routed.py::test_hand_built_routing_gives_the_known_path_coefficients",
     ),
+    "path patching on a routed model: the sender's change reaches the receiver unscaled by its routing": (
+        "analysis/causal/path_patch.py",
+        "            d = d * reach[..., None].to(d)",
+        "            d = d",
+        "tests/analysis/causal/test_patching.py::test_path_patching_through_a_routed_stream_equals_the_bus_with_everything_else_frozen",
+    ),
     "routed paths: the streams' coefficients carried through the transposed mixing": (
         "model/bus.py",
         "g = [(M @ gj[..., None])[..., 0] for gj in g] + [w]",

@@ -28,7 +28,7 @@ def test_analyses_of_the_additive_stream_refuse_in_one_line() -> None:
     m = routed("hyper", "ln-mlp")
     w, a, b = Weights.from_model(m), tokens(0, 1), tokens(1, 1)
     calls = [
-        lambda: path_patching(w, a, b, receivers="2.0"),
+        lambda: path_patching(w, a, b, receivers="logits"),
         lambda: graph_of(m.cfg),
         lambda: expand_qk(w, a, 2, 0),
         lambda: composition_paths(w, "0.0", "2.1"),

@@ -177,3 +177,50 @@ def test_study_and_metrics_and_one_line_errors() -> None:
     for call, says in bad:
         with pytest.raises(QkovError, match=says):
             call()
+
+
+@pytest.mark.parametrize("residual", [dict(residual="attnres"), dict(residual="mhc", n_streams=3), dict(residual="hyper", n_streams=2, hyper_dynamic=True)])
+def test_path_patching_through_a_routed_stream_equals_the_bus_with_everything_else_frozen(residual: dict) -> None:
+    """A routed model's path sender -> receiver key: the reference runs the bus itself on the base tokens
+    with its routing and layer 0's MLP output frozen at the base run's values and only the sender's output
+    taken from the source run (layer 0's other heads are unchanged), reads what layer 1 receives, and gives exactly that to the
+    receiver's key input of a plain base run (everything else recomputed). Independent of the coefficients
+    :func:`qkov.model.bus.route_coefficients` computes, which the patching reads."""
+    from qkov.analysis.causal.path_patch import route_sites
+
+    cfg = GPT2_LIKE.replace(**residual)
+    m = perturb_non_matrices(Transformer(cfg, seed=3).double().eval(), 0.2)
+    with torch.no_grad():
+        for p in m.bus.parameters():  # type: ignore[union-attr]
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(4), dtype=p.dtype) * 0.5)
+    w = Weights.from_model(m, dtype=D)
+    g = torch.Generator().manual_seed(1)
+    clean = torch.randint(1, cfg.d_vocab, (2, 10), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 3:6] = torch.randint(1, cfg.d_vocab, (2, 3), generator=g)
+    metric = LogitDiff(correct=clean[:, -1], incorrect=3)
+    sender, receiver = 1, 0
+    got = path_patching(w, clean, corrupted, receivers=[(1, receiver)], input="k", metric=metric)
+    routes = route_sites(w)
+    base = trace(w, corrupted, cache=routes + ["head_out.0", "mlp_out.0"])
+    src = trace(w, clean, cache=["head_out.0"])
+    frozen = {name: t for name, t in base.cache.items() if not name.startswith("head_out")}
+
+    def sender_from_source(v: torch.Tensor, site: object) -> torch.Tensor:
+        v = v.clone()
+        v[:, :, sender] = src["head_out", 0][:, :, sender]
+        return v
+
+    probe = trace(w, corrupted, edits={**frozen, "head_out.0": sender_from_source}, cache=["resid_pre.1"])
+    received = probe["resid_pre", 1]
+
+    def receive(v: torch.Tensor, site: object) -> torch.Tensor:
+        v = v.clone()
+        v[:, :, receiver] = received
+        return v
+
+    want = float(metric(trace(w, corrupted, edits={"k_input.1": receive})))
+    assert got.values[0, sender] == pytest.approx(want, abs=1e-10)
+    assert got.values[0, sender] != pytest.approx(got.base, abs=1e-6)  # the path does something
+    with pytest.raises(QkovError, match="additive"):
+        path_patching(w, clean, corrupted, receivers="logits", metric=metric)

@@ -20,6 +20,12 @@ first receiver's layer from the base recording's stream; the recordings keep onl
 senders' ``z``, the stream entering each receiver's layer, which is what its own input copy holds on the base
 run, and the stream where the patched passes start).
 
+A routed model (:mod:`qkov.model.bus`: Attention Residuals, hyper-connections, mHC) has no single stream:
+a receiver's input is ``sum_j C[p, j] v_j`` over the embedding and earlier outputs, with the coefficients
+``C`` of the base run (:func:`~qkov.model.bus.route_coefficients`). On the path sender -> receiver the receiver's
+input is the base input plus ``C[p, j] * change`` (the routing frozen at the base run's values, as the sum's
+coefficient 1 is), and the patched copies run from the start. Paths into the logits need the additive stream.
+
 A path is an edge of the model's graph: ``0.1 -> 1.0<k>`` (:class:`~qkov.analysis.forward.address.Address`);
 senders and receivers are heads, given as ``(layer, head)``, ``"L.H"`` or addresses.
 """
@@ -31,18 +37,19 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ...model.bus import require_sum_residual
+from ...model.bus import require_sum_residual, route_coefficients
 from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.convert import SourceLike, as_source
 from ...weights.parts import WeightSource
 from ..forward.address import INPUTS, Address, HeadLike, as_head, parse_heads
 from ..forward.cache import final_stream
+from ..forward.sites import ROUTE_KINDS, Sites
 from .contrast import PATCH_BYTES, Contrast
 from .registry import Needs, Option, StudyRun, Sweep
 from .result import PatchResult
 
-__all__ = ["input_paths", "patch_paths", "path_patching", "path_sites", "PATH_SWEEP", "receivers_of"]
+__all__ = ["input_paths", "patch_paths", "path_patching", "path_sites", "PATH_SWEEP", "receivers_of", "route_sites"]
 
 WHERE = "path patching"
 
@@ -58,8 +65,8 @@ def receivers_of(value: Any) -> list[Address] | str:
 
 
 def _check(source: WeightSource, receivers: Sequence[HeadLike] | str, kind: str) -> list[Address]:
-    require_sum_residual(source.cfg, "path patching")
     if isinstance(receivers, str) and receivers.strip() == "logits":
+        require_sum_residual(source.cfg, "path patching into the logits")
         return []
     if kind not in INPUTS:
         raise QkovError(f"{WHERE}: a receiver's input is q, k or v, got {kind!r}")
@@ -115,11 +122,21 @@ def path_sites(
     where the patched passes start and the stream entering each receiver's layer (a receiver's input is a
     copy of it), or the final stream for the logits."""
     heads, sent, first = _paths(c.weights, receivers, input, senders)
-    L, start = c.weights.cfg.n_layers, min(first, c.reads_from)
+    cfg = c.weights.cfg
+    L, start = cfg.n_layers, min(first, c.reads_from)
     z = tuple(f"z.{l}" for l in sorted({s.layer for s in sent}))  # type: ignore[type-var]
-    stream = (f"resid_pre.{start}",) if start < L else ()
     into = tuple(f"resid_pre.{l}" for l in sorted({h.layer for h in heads}))  # type: ignore[type-var]
+    if cfg.residual != "sum":  # no stream to start from; the base run's routing scales each change
+        return Needs(z, into + tuple(route_sites(c.weights)))
+    stream = (f"resid_pre.{start}",) if start < L else ()
     return Needs(z, stream + (into if heads else (f"resid_post.{L - 1}",)))
+
+
+def route_sites(source: WeightSource) -> list[str]:
+    """The routing sites of a routed model (every layer), from which :func:`~qkov.model.bus.route_coefficients`
+    gives each sender's coefficient into each receiver; none for the sum."""
+    have = {k.name: k.per_layer for k in Sites(source.cfg, source.norm).kinds}
+    return [f"{k}.*" if have[k] else k for k in ROUTE_KINDS if k in have]
 
 
 def patch_paths(
@@ -187,12 +204,24 @@ def _run_chunk(
         stream = (final[None] + delta).reshape(K * delta.shape[1], *delta.shape[2:])
         return c.measure(K, start=c.weights.cfg.n_layers, stream=stream, since=since)
     edits: dict[Any, Any] = {}
+    cfg = c.weights.cfg
+    C = None if cfg.residual == "sum" else route_coefficients(cfg, c.base_recording.cache)  # type: ignore[union-attr]
     for l2 in sorted({h.layer for h in heads}):
-        slots = sorted({h._replace(input=kind).input_site(c.weights.cfg).head for h in heads if h.layer == l2})
+        slots = sorted({h._replace(input=kind).input_site(cfg).head for h in heads if h.layer == l2})
         before = torch.tensor([s.layer < l2 for s in chunk], device=delta.device)  # type: ignore[operator]
         d = delta * before[:, None, None, None].to(delta)
+        if C is not None:  # how much of each sender's sublayer reaches the receivers' layer, per position
+            p = _attention_point(cfg, l2)  # type: ignore[arg-type]
+            reach = torch.stack([C[p, 1 + _attention_point(cfg, s.layer)] for s in chunk])  # type: ignore[arg-type]
+            d = d * reach[..., None].to(d)
         edits[Address(f"{kind}_input", l2)] = _receive(_base_stream(c, l2), slots, d)
     return c.measure(K, edits, start=start, since=since)
+
+
+def _attention_point(cfg: Any, layer: int) -> int:
+    """The sublayer index of layer ``layer``'s attention (:mod:`qkov.model.bus`: attention, then MLP, per layer
+    of a sequential model with MLPs)."""
+    return 2 * layer if cfg.d_mlp is not None and not cfg.parallel else layer
 
 
 def _base_stream(c: Contrast, layer: int) -> Tensor:
@@ -229,6 +258,7 @@ def input_paths(
     """One sender's path into each of ``receiver``'s ``inputs``, each patched alone (the definition of
     :func:`path_patching`), from one base recording, one source recording and one pass of ``len(inputs)`` copies:
     ``({input: metric}, metric on clean, metric on corrupted)``."""
+    require_sum_residual(source.cfg, "one sender's paths into each input")
     (r,) = _check(source, [receiver], inputs[0])
     s = as_head(sender, source.cfg, WHERE)
     Address.edge(s, r).check(source.cfg, WHERE)
