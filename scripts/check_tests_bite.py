@@ -925,12 +925,12 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     'paths: the frozen recording does not record the gates': (
         'analysis/forward/frozen.py',
-        'FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out", "gate")',
-        'FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out")',
+        'FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out", "gate", *ROUTE_KINDS)',
+        'FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out", *ROUTE_KINDS)',
         'tests/analysis/paths/test_paths_gated.py::test_term_importance_is_the_literal_procedure_with_the_gates_frozen',
     ),
     "term importance: the heads' summed write ignores the frozen gate": (
-        'analysis/paths/importance.py',
+        'analysis/paths/routed.py',
         '    return write_heads(gated(real, layer, real["pattern", layer] @ v), source.attention(layer, expand_kv=False).W_O)',
         '    return write_heads(real["pattern", layer] @ v, source.attention(layer, expand_kv=False).W_O)',
         'tests/analysis/paths/test_paths_gated.py::test_term_importance_is_the_literal_procedure_with_the_gates_frozen',
