@@ -173,7 +173,7 @@ def test_case4_dynamics_and_tour_repeat_the_check_too(
         (tour / "index.html").write_text(user)
         return hand_report
 
-    monkeypatch.setattr(tour_app, "_state", lambda ckpt: "done")
+    monkeypatch.setattr(tour_app, "run_state", lambda ckpt: "done")
     monkeypatch.setattr(tour_app, "write_report", reported)
     monkeypatch.setattr(tour_app, "_dynamics", lambda *a: {})
     with pytest.raises(QkovError, match=r"tour: .*index\.html.*not written by qkov"):

@@ -146,8 +146,7 @@ class Weights:
             zeros = torch.zeros(shape, dtype=dtype, device=dev)
             return torch.stack([zeros if p is None else p.detach().to(device=dev, dtype=dtype) for p in parts])  # one copy
 
-        mlp = cfg.d_mlp is not None
-        M, KV = cfg.d_mlp or 0, cfg.kv_heads
+        mlp, M, KV = cfg.d_mlp is not None, cfg.d_mlp or 0, cfg.kv_heads
         norm = cfg.normalization  # "none", "layernorm" or "rmsnorm": the view starts unfolded
         affine = norm == "layernorm"
         gated, G = mlp and cfg.gated_mlp, cfg.gate_width

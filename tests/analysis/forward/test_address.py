@@ -95,7 +95,7 @@ def test_the_library_the_command_line_and_the_explorer_say_it_alike() -> None:
     """One parser: the same mistake reads the same everywhere, only the prefix names the caller (a
     command-line flag, an explorer argument, an analysis); the explorer answers 400 for a malformed
     head and 404 for one the model lacks."""
-    explorer = SimpleNamespace(model=SimpleNamespace(cfg=GQA))
+    explorer = SimpleNamespace(model=SimpleNamespace(cfg=GQA), cfg=GQA)
     for text, says, status in [("1x", "'1x' is not a head; write LAYER.HEAD, e.g. 1.0", 400),
                                ("3.0", "the model has no head 3.0 (2 layers of 4 heads)", 404)]:  # fmt: skip
         with pytest.raises(QkovError) as lib:

@@ -63,6 +63,29 @@ TRAIN_FLAGS = {  # flag dest -> TrainConfig field
 }
 
 
+def _add_bus_flags(a: Any) -> None:
+    """The flags of the bus generalised (docs/architectures.md): gates, loops, residual schemes."""
+    a.add_argument(
+        "--gate", choices=GATE_CHOICES,
+        help="gated attention (Qiu et al. 2025): a sigmoid gate of the query position on each head's output, "
+        "one per channel (elementwise) or per head (headwise); default none (docs/architectures.md)",
+    )  # fmt: skip
+    a.add_argument(
+        "--loop", type=positive_int, metavar="K",
+        help="looped depth: the --layers blocks applied K times, sharing their weights (default 1)",
+    )  # fmt: skip
+    a.add_argument(
+        "--residual", choices=RESIDUAL_CHOICES,
+        help="how sublayers read and write the stream (docs/architectures.md; default sum)",
+    )  # fmt: skip
+    a.add_argument("--streams", type=positive_int, metavar="N", help="streams of --residual hyper or mhc (default 1)")
+    a.add_argument("--attnres-block", type=positive_int, metavar="S", help="sublayers per block of --residual attnres-block")
+    a.add_argument(
+        "--hyper-dynamic", action="store_const", const=True, help="--residual hyper: add the dynamic hyper-connection terms"
+    )
+    a.add_argument("--sinkhorn-iters", type=positive_int, metavar="K", help="--residual mhc: Sinkhorn iterations (default 20)")
+
+
 def add_train(sub: Any) -> None:
     d, t = ModelConfig(), TrainConfig()
     p = sub.add_parser(
@@ -90,25 +113,7 @@ def add_train(sub: Any) -> None:
     a.add_argument("--positional", choices=POSITIONAL_CHOICES, help="shortformer (default): positions enter Q/K only")
     a.add_argument("--norm", choices=NORMALIZATION_CHOICES, help="normalization (default none)")
     a.add_argument("--mlp", type=positive_int, metavar="WIDTH", help="add an MLP of this width to every layer")
-    a.add_argument(
-        "--gate", choices=GATE_CHOICES,
-        help="gated attention (Qiu et al. 2025): a sigmoid gate of the query position on each head's output, "
-        "one per channel (elementwise) or per head (headwise); default none (docs/architectures.md)",
-    )  # fmt: skip
-    a.add_argument(
-        "--loop", type=positive_int, metavar="K",
-        help="looped depth: the --layers blocks applied K times, sharing their weights (default 1)",
-    )  # fmt: skip
-    a.add_argument(
-        "--residual", choices=RESIDUAL_CHOICES,
-        help="how sublayers read and write the stream (docs/architectures.md; default sum)",
-    )  # fmt: skip
-    a.add_argument("--streams", type=positive_int, metavar="N", help="streams of --residual hyper or mhc (default 1)")
-    a.add_argument("--attnres-block", type=positive_int, metavar="S", help="sublayers per block of --residual attnres-block")
-    a.add_argument(
-        "--hyper-dynamic", action="store_const", const=True, help="--residual hyper: add the dynamic hyper-connection terms"
-    )
-    a.add_argument("--sinkhorn-iters", type=positive_int, metavar="K", help="--residual mhc: Sinkhorn iterations (default 20)")
+    _add_bus_flags(a)
     o = p.add_argument_group("training")
     o.add_argument(
         "--batch", type=positive_int, help=f"sequences per step, the global batch under torchrun (default {t.batch})"

@@ -19,6 +19,7 @@ from ...analysis.forward.address import as_head
 from ...errors import QkovError
 from ...model.tokens import TextCodec
 from ...model.transformer import Transformer
+from ...model.config import ModelConfig
 from ...weights.view import Weights
 
 __all__ = ["BadRequest", "Cancelled", "Explorer"]
@@ -57,6 +58,12 @@ class Explorer:
     cache_dir: Path | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def cfg(self) -> ModelConfig:
+        """The model's shape as every analysis (and the weights view) sees it: a looped model unrolled into
+        its effective layers. Read from the model, so it needs no weights view (built in the background)."""
+        return self.model.cfg.unrolled()
+
     def tokens(self, args: dict[str, Any], key: str = "text") -> torch.Tensor:
         """The request's text (``args[key]``: a string, encoded by :attr:`codec` with its one start
         token; or a list of token ids, taken as given) as ``[1, seq]`` ids, checked against the vocabulary and ``max_tokens``.
@@ -77,7 +84,7 @@ class Explorer:
             raise BadRequest(f"{key!r} must be a non-empty string or a list of token ids")
         if len(ids) > self.max_tokens:
             raise BadRequest(f"{key!r} is {len(ids)} tokens; this model reads at most {self.max_tokens}")
-        d_vocab = self.weights.cfg.d_vocab
+        d_vocab = self.cfg.d_vocab
         bad = [i for i in ids if not 0 <= i < d_vocab]
         if bad:
             raise BadRequest(f"{key!r}: token id {bad[0]} out of range [0, {d_vocab})")
@@ -94,7 +101,7 @@ class Explorer:
         except QkovError as exc:
             raise BadRequest(str(exc)) from None
         try:
-            head.check(self.weights.cfg, repr(key))
+            head.check(self.cfg, repr(key))
         except QkovError as exc:
             raise BadRequest(str(exc), status=404) from None
         return head.layer, head.head  # type: ignore[return-value]

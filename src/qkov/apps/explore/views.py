@@ -36,13 +36,13 @@ View = Callable[[Explorer, dict[str, Any], Progress], dict[str, Any]]
 
 
 def _head_names(ex: Explorer) -> list[str]:
-    cfg = ex.weights.cfg
+    cfg = ex.cfg
     return [f"{l}.{h}" for l in range(cfg.n_layers) for h in range(cfg.n_heads)]
 
 
 def view_model(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """The model's shape and what the page needs first (no computation)."""
-    cfg = ex.weights.cfg
+    cfg = ex.cfg
     return {
         "name": ex.name,
         "source": str(ex.extra.get("source", ex.name)),
@@ -109,7 +109,7 @@ def _heads_inputs(ex: Explorer) -> tuple[Any, int, int]:
     once, kept in ``ex.extra``."""
     if "heads_inputs" in ex.extra:
         return ex.extra["heads_inputs"]
-    cfg = ex.weights.cfg
+    cfg = ex.cfg
     batch, icl_examples = default_batch(cfg.n_ctx), default_icl_examples(cfg)
     source = Path(str(ex.extra.get("source", ex.name)))
     text = ex.extra.get("text")
@@ -121,7 +121,7 @@ def _heads_inputs(ex: Explorer) -> tuple[Any, int, int]:
 
 def _compute_heads(ex: Explorer, progress: Progress) -> dict[str, Any]:
     """:func:`qkov.head_report` on the default inputs, as the ``heads`` view's dict (without ``cached``)."""
-    if ex.weights.cfg.n_layers == 0:
+    if ex.cfg.n_layers == 0:
         raise BadRequest("heads: the model has no attention layers")
     inputs, batch, icl_examples = _heads_inputs(ex)
     text = inputs.tokens.to(ex.weights.device)
@@ -150,7 +150,7 @@ def _compute_heads(ex: Explorer, progress: Progress) -> dict[str, Any]:
 def view_heads(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """The heads table with roles (:func:`_compute_heads`), read from the disk cache when this model's entry
     is there and sound, else computed and written there; ``cached`` is the file (``None``: no cache)."""
-    if ex.weights.cfg.n_layers == 0:
+    if ex.cfg.n_layers == 0:
         raise BadRequest("heads: the model has no attention layers")
     if ex.cache_dir is None:
         return {**_compute_heads(ex, progress), "cached": None, "from_cache": False}

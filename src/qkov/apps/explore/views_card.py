@@ -92,7 +92,7 @@ def spectrum(eigs: Tensor) -> list[dict[str, float | None]]:
 
 def positional(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     """The head's score by offset ``query - key`` from its weights alone (``kind`` says how)."""
-    w, cfg = ex.weights, ex.weights.cfg
+    w, cfg = ex.weights, ex.cfg
     offsets = list(range(min(cfg.n_ctx, MAX_OFFSET + 1)))
     if cfg.positional == "rotary":
         values = offset_profile(w, layer, head, offsets).tolist()
@@ -132,7 +132,7 @@ def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
     every later head composing with it) of raw composition scores.
     Every earlier layer's writers (and every later layer's readers) go through one batched product."""
-    w, cfg = ex.weights, ex.weights.cfg
+    w, cfg = ex.weights, ex.cfg
     H = cfg.n_heads
     Rs = rotations(w, None)
     mine = w.attention(layer)
@@ -156,7 +156,7 @@ def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
 
 def _qk_circuit(ex: Explorer, layer: int, head: int, prof: dict[str, Any]) -> tuple[LowRank, int | None]:
     """The head's token-token QK table and, for a rotary head, the offset it is read at (the profile's peak)."""
-    if ex.weights.cfg.positional != "rotary":
+    if ex.cfg.positional != "rotary":
         return full_qk(ex.weights, layer, head), None
     values = [v if v is not None else -math.inf for v in prof["values"]]
     delta = prof["offsets"][max(range(len(values)), key=values.__getitem__)]
@@ -193,8 +193,8 @@ def card(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, An
     tick(progress, what, 3, steps)
     out["top_ov"] = out["top_qk"] = out["trigrams"] = None
     if tables:
-        left_out, out["left_out"] = left_out_tokens(ex.weights, ex.weights.cfg.d_vocab)  # as the trigram search's
-        keep = torch.ones(ex.weights.cfg.d_vocab, dtype=torch.bool)
+        left_out, out["left_out"] = left_out_tokens(ex.weights, ex.cfg.d_vocab)  # as the trigram search's
+        keep = torch.ones(ex.cfg.d_vocab, dtype=torch.bool)
         keep[list(left_out)] = False
         ids = keep.nonzero().squeeze(-1)
         k = min(top, ids.numel() ** 2)

@@ -49,7 +49,7 @@ def _heads(ex: Explorer, args: dict[str, Any]) -> list[Address]:
     except QkovError as exc:
         raise BadRequest(str(exc)) from None
     try:
-        return [h.check(ex.weights.cfg, "'heads'") for h in heads]
+        return [h.check(ex.cfg, "'heads'") for h in heads]
     except QkovError as exc:
         raise BadRequest(str(exc), status=404) from None
 
@@ -101,7 +101,7 @@ def patch(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, A
     dev = ex.weights.device
     clean, corrupted = clean.to(dev), corrupted.to(dev)
     try:
-        m = parse_metric(metric, clean, ex.codec, ex.weights.cfg.d_vocab)
+        m = parse_metric(metric, clean, ex.codec, ex.cfg.d_vocab)
         options = {name: opt.value(args[name]) for name, opt in study_options().items() if args.get(name) is not None}
     except QkovError as exc:
         raise BadRequest(str(exc)) from None

@@ -48,7 +48,7 @@ def _task(ex: Explorer) -> Task:
 
 def circuit(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """The induction circuit found by EAP, its layout, faithfulness curve and top edges."""
-    if ex.weights.cfg.n_layers == 0:
+    if ex.cfg.n_layers == 0:
         raise BadRequest("circuit: a 0-layer model has no heads")
     return json_safe(_section(ex, progress).to_dict())  # type: ignore[no-any-return]
 
@@ -56,9 +56,9 @@ def circuit(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str,
 def circuit_edge(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """Exact patching of the one edge ``args["edge"]`` on the circuit view's task: 400 when malformed, 404 for
     an edge the model's graph lacks."""
-    if ex.weights.cfg.n_layers == 0:
+    if ex.cfg.n_layers == 0:
         raise BadRequest("circuit: a 0-layer model has no heads")
-    g = graph_of(ex.weights.cfg)
+    g = graph_of(ex.cfg)
     value = args.get("edge")
     if isinstance(value, int) and not isinstance(value, bool):
         if not 0 <= value < g.n_edges:

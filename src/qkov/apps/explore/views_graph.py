@@ -47,7 +47,7 @@ def _scores_of(ex: Explorer, progress: Progress) -> Any:
 
 def composition(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """Every head pair's raw Q/K/V composition score beside its kind's baseline (mean over random weights)."""
-    cfg = ex.weights.cfg
+    cfg = ex.cfg
     L, H = cfg.n_layers, cfg.n_heads
     scores = _scores_of(ex, progress)
     edges, baselines = [], {}
