@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import ops, rotary
+from .bus import attention_point
 from .config import ModelConfig
 from .ops import (
     attention_scores,
@@ -261,7 +262,7 @@ class BlockPass:
         """Block ``l`` of a routed model: each sublayer reads its input from the bus (through ``resid_pre``,
         ``resid_mid``: the sublayer's input) and writes its output to it; returns the last input read."""
         bus, parallel = self.bus, self.cfg.parallel or self.cfg.d_mlp is None
-        s = l if parallel else 2 * l
+        s = attention_point(self.cfg, l)
         x = self.at("resid_pre", l, bus.read(s))
         a = self.attention(l, x)
         if parallel:

@@ -43,6 +43,7 @@ from ..errors import QkovError
 from .config import ModelConfig
 
 __all__ = [
+    "attention_point",
     "BusParameters",
     "BusPass",
     "bus_shapes",
@@ -67,6 +68,12 @@ def point_site(cfg: ModelConfig, s: int) -> tuple[str, int | None]:
     if cfg.d_mlp is not None and not cfg.parallel:
         return ("attn" if s % 2 == 0 else "mlp"), s // 2
     return "attn", s
+
+
+def attention_point(cfg: ModelConfig, layer: int) -> int:
+    """The sublayer (aggregation point) index of layer ``layer``'s attention: ``2 * layer`` in a sequential
+    model with MLPs (attention, then MLP), ``layer`` otherwise; its output is source ``1 +`` that."""
+    return 2 * layer if cfg.d_mlp is not None and not cfg.parallel else layer
 
 
 def source_count(cfg: ModelConfig, s: int) -> int:

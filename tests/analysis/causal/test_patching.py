@@ -186,7 +186,8 @@ def test_path_patching_through_a_routed_stream_equals_the_bus_with_everything_el
     taken from the source run (layer 0's other heads are unchanged), reads what layer 1 receives, and gives exactly that to the
     receiver's key input of a plain base run (everything else recomputed). Independent of the coefficients
     :func:`qkov.model.bus.route_coefficients` computes, which the patching reads."""
-    from qkov.analysis.causal.path_patch import route_sites
+    from qkov.analysis.forward.frozen import sites_of
+    from qkov.analysis.forward.sites import ROUTE_KINDS
 
     cfg = GPT2_LIKE.replace(**residual)
     m = perturb_non_matrices(Transformer(cfg, seed=3).double().eval(), 0.2)
@@ -201,7 +202,7 @@ def test_path_patching_through_a_routed_stream_equals_the_bus_with_everything_el
     metric = LogitDiff(correct=clean[:, -1], incorrect=3)
     sender, receiver = 1, 0
     got = path_patching(w, clean, corrupted, receivers=[(1, receiver)], input="k", metric=metric)
-    routes = route_sites(w)
+    routes = sites_of(w, ROUTE_KINDS)
     base = trace(w, corrupted, cache=routes + ["head_out.0", "mlp_out.0"])
     src = trace(w, clean, cache=["head_out.0"])
     frozen = {name: t for name, t in base.cache.items() if not name.startswith("head_out")}

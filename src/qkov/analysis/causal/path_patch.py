@@ -37,19 +37,20 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ...model.bus import require_sum_residual, route_coefficients
+from ...model.bus import attention_point, require_sum_residual, route_coefficients
 from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.convert import SourceLike, as_source
 from ...weights.parts import WeightSource
 from ..forward.address import INPUTS, Address, HeadLike, as_head, parse_heads
 from ..forward.cache import final_stream
-from ..forward.sites import ROUTE_KINDS, Sites
+from ..forward.frozen import sites_of
+from ..forward.sites import ROUTE_KINDS
 from .contrast import PATCH_BYTES, Contrast
 from .registry import Needs, Option, StudyRun, Sweep
 from .result import PatchResult
 
-__all__ = ["input_paths", "patch_paths", "path_patching", "path_sites", "PATH_SWEEP", "receivers_of", "route_sites"]
+__all__ = ["input_paths", "patch_paths", "path_patching", "path_sites", "PATH_SWEEP", "receivers_of"]
 
 WHERE = "path patching"
 
@@ -127,16 +128,10 @@ def path_sites(
     z = tuple(f"z.{l}" for l in sorted({s.layer for s in sent}))  # type: ignore[type-var]
     into = tuple(f"resid_pre.{l}" for l in sorted({h.layer for h in heads}))  # type: ignore[type-var]
     if cfg.residual != "sum":  # no stream to start from; the base run's routing scales each change
-        return Needs(z, into + tuple(route_sites(c.weights)))
+        return Needs(z, into + tuple(sites_of(c.weights, ROUTE_KINDS)))
     stream = (f"resid_pre.{start}",) if start < L else ()
     return Needs(z, stream + (into if heads else (f"resid_post.{L - 1}",)))
 
-
-def route_sites(source: WeightSource) -> list[str]:
-    """The routing sites of a routed model (every layer), from which :func:`~qkov.model.bus.route_coefficients`
-    gives each sender's coefficient into each receiver; none for the sum."""
-    have = {k.name: k.per_layer for k in Sites(source.cfg, source.norm).kinds}
-    return [f"{k}.*" if have[k] else k for k in ROUTE_KINDS if k in have]
 
 
 def patch_paths(
@@ -211,17 +206,11 @@ def _run_chunk(
         before = torch.tensor([s.layer < l2 for s in chunk], device=delta.device)  # type: ignore[operator]
         d = delta * before[:, None, None, None].to(delta)
         if C is not None:  # how much of each sender's sublayer reaches the receivers' layer, per position
-            p = _attention_point(cfg, l2)  # type: ignore[arg-type]
-            reach = torch.stack([C[p, 1 + _attention_point(cfg, s.layer)] for s in chunk])  # type: ignore[arg-type]
+            p = attention_point(cfg, l2)  # type: ignore[arg-type]
+            reach = torch.stack([C[p, 1 + attention_point(cfg, s.layer)] for s in chunk])  # type: ignore[arg-type]
             d = d * reach[..., None].to(d)
         edits[Address(f"{kind}_input", l2)] = _receive(_base_stream(c, l2), slots, d)
     return c.measure(K, edits, start=start, since=since)
-
-
-def _attention_point(cfg: Any, layer: int) -> int:
-    """The sublayer index of layer ``layer``'s attention (:mod:`qkov.model.bus`: attention, then MLP, per layer
-    of a sequential model with MLPs)."""
-    return 2 * layer if cfg.d_mlp is not None and not cfg.parallel else layer
 
 
 def _base_stream(c: Contrast, layer: int) -> Tensor:

@@ -33,9 +33,10 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
-from ...model.bus import route_coefficients, static_routes
+from ...model.bus import attention_point, route_coefficients, static_routes
 from ...model.ops import expand_kv
-from ..forward.sites import ROUTE_KINDS, Sites
+from ..forward.frozen import sites_of
+from ..forward.sites import ROUTE_KINDS
 from ..forward.tracer import trace
 from ...weights.parts import AttentionWeights, WeightSource
 from ...weights.convert import SourceLike, as_source
@@ -390,14 +391,13 @@ def routing_reach(source: WeightSource, tokens: Tensor | None = None) -> Tensor:
         if routes is None:
             raise QkovError(f"composition: the routing of residual {cfg.residual_text} depends on the text: give tokens")
     else:
-        routes = trace(source, tokens, cache=[k for k in ROUTE_KINDS if k in {x.name for x in Sites(cfg, source.norm).kinds}]).cache
+        routes = trace(source, tokens, cache=sites_of(source, ROUTE_KINDS)).cache
     C = route_coefficients(cfg, routes).mean(dim=(-2, -1))  # [P, J]
-    step = 2 if cfg.d_mlp is not None and not cfg.parallel else 1
     L = cfg.n_layers
     reach = C.new_zeros(L, L)
     for l1 in range(L):
         for l2 in range(l1 + 1, L):
-            reach[l1, l2] = C[step * l2, 1 + step * l1]
+            reach[l1, l2] = C[attention_point(cfg, l2), 1 + attention_point(cfg, l1)]
     return reach
 
 

@@ -16,7 +16,7 @@ from .sites import BY_NAME, COPIES, Kind, KINDS, Sites, HEAD_INPUTS
 from .edits import Edit, EditFn, Edits, PER_POSITION, per_position, Site
 from .cache import accumulated, by_component, by_head, final_stream, Stack, Trace
 from .tracer import flops_per_token, trace
-from .frozen import check_linear, frozen_edits, frozen_gate, frozen_sites, frozen_values, gated, head_terms, head_writes, read
+from .frozen import check_linear, frozen_edits, frozen_gate, frozen_sites, frozen_values, gated, head_terms, head_writes, read, sites_of
 from .lens import (
     cached_sites,
     hook_edits,
@@ -68,6 +68,7 @@ __all__ = [
     "head_terms",
     "head_writes",
     "read",
+    "sites_of",
     "cached_sites",
     "hook_edits",
     "HookFn",

@@ -45,6 +45,7 @@ __all__ = [
     "head_terms",
     "head_writes",
     "read",
+    "sites_of",
 ]
 
 FROZEN_KINDS = ("pattern", "attn_scale", "qk_scale", "mlp_scale", "final_scale", "mlp_out", "gate", *ROUTE_KINDS)
@@ -57,11 +58,17 @@ def check_linear(source: WeightSource) -> None:
         raise QkovError("paths: use a weights view with LayerNorm folded (fold_ln=True)")
 
 
+def sites_of(source: WeightSource, kinds: tuple[str, ...]) -> list[str]:
+    """The ``cache=`` names of those of ``kinds`` the model of ``source`` has, at every layer (``"pattern.*"``,
+    ``"route_final"``)."""
+    have = {k.name: k.per_layer for k in Sites(source.cfg, source.norm).kinds}
+    return [f"{k}.*" if have[k] else k for k in kinds if k in have]
+
+
 def frozen_sites(source: WeightSource) -> list[str]:
     """The sites (``cache=`` names) a recording must keep to be frozen: every one of :data:`FROZEN_KINDS`
     the model has, at every layer."""
-    have = {k.name: k.per_layer for k in Sites(source.cfg, source.norm).kinds}
-    return [f"{k}.*" if have[k] else k for k in FROZEN_KINDS if k in have]
+    return sites_of(source, FROZEN_KINDS)
 
 
 def frozen_edits(recording: Trace) -> dict[str, Tensor]:

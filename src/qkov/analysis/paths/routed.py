@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
-from ...model.bus import route_coefficients
+from ...model.bus import attention_point, route_coefficients
 from ...progress import Progress, tick
 from ...weights.parts import WeightSource
 from ..forward.cache import Trace
@@ -76,7 +76,7 @@ def expand_routed(
     sources: list[dict[Any, Tensor]] = [{0: x0}]  # per source: its terms by bucket (order k, "bias", "mlp")
     head_outs: dict[tuple[int, int], tuple[int, Tensor]] = {}
     for l in range(L):
-        s = 2 * l if sequential else l
+        s = attention_point(cfg, l)
         att = source.attention(l)
         out: dict[Any, Tensor] = {"bias": torch.einsum("he,hed->d", att.b_V, att.W_O) + att.b_O + torch.zeros_like(x0)}
         for bucket in [k for k in range(l + 1)] + ["bias", "mlp"]:
@@ -115,7 +115,7 @@ def routed_runs(source: WeightSource, real: Trace, x0: Tensor) -> Iterator[Tenso
     for i in range(L + 1):
         live, outs = list(prev), [x0]
         for l in range(L):
-            s = 2 * l if sequential else l
+            s = attention_point(cfg, l)
             if l >= i:  # below, the layer reads what it read on run i: its output is prev[l]
                 live[l] = heads_write(source, real, l, _mix(C, s, outs))
             add = source.attention(l, expand_kv=False).b_O
