@@ -998,9 +998,34 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "path patching on a routed model: the sender's change reaches the receiver unscaled by its routing": (
         "analysis/causal/path_patch.py",
-        "            d = d * reach[..., None].to(d)",
-        "            d = d",
-        "tests/analysis/causal/test_patching.py::test_path_patching_through_a_routed_stream_equals_the_bus_with_everything_else_frozen",
+        "    return delta * reach[..., None].to(delta)",
+        "    return delta",
+        "tests/analysis/causal/test_path_patch_routed.py::test_path_patching_into_a_key_through_the_routes_equals_the_frozen_bus "
+        "tests/analysis/causal/test_path_patch_routed.py::test_path_patching_into_the_logits_through_the_routes_equals_the_frozen_bus",
+    ),
+    "path patching on a routed model: a sender read at the previous source (the embedding slot forgotten)": (
+        "analysis/causal/path_patch.py",
+        "reach = torch.stack([C[p, 1 + attention_point(cfg, s.layer)] for s in senders])",
+        "reach = torch.stack([C[p, attention_point(cfg, s.layer)] for s in senders])",
+        "tests/analysis/causal/test_path_patch_routed.py::test_path_patching_into_a_key_through_the_routes_equals_the_frozen_bus",
+    ),
+    "path patching into a routed model's logits: the change scaled as the last sublayer's input, not the final read's": (
+        "analysis/causal/path_patch.py",
+        "d = _reach(cfg, C, cfg.sublayers, chunk, delta)",
+        "d = _reach(cfg, C, cfg.sublayers - 1, chunk, delta)",
+        "tests/analysis/causal/test_path_patch_routed.py::test_path_patching_into_the_logits_through_the_routes_equals_the_frozen_bus",
+    ),
+    "one sender's paths into each input on a routed model: the change unscaled by its routing": (
+        "analysis/causal/path_patch.py",
+        "change = _reach(cfg, _routing(c), attention_point(cfg, l2), [s], change)[0]",
+        "change = change[0]",
+        "tests/analysis/causal/test_path_patch_routed.py::test_composition_paths_through_the_routes_equal_the_frozen_bus",
+    ),
+    "trace: a routed model started at an earlier layer than its final read": (
+        "analysis/forward/tracer.py",
+        'if cfg.residual != "sum" and layer != cfg.n_layers:',
+        'if cfg.residual != "sum" and layer > cfg.n_layers:',
+        "tests/analysis/causal/test_path_patch_routed.py::test_a_routed_model_starts_at_its_final_read_and_nowhere_else",
     ),
     "routed paths: the streams' coefficients carried through the transposed mixing": (
         "model/bus.py",

@@ -11,8 +11,6 @@ import pytest
 import torch
 
 from qkov import QkovError, Weights
-from qkov.analysis.causal.composition import composition_paths
-from qkov.analysis.causal.path_patch import path_patching
 from qkov.analysis.causal.patching import activation_patching
 from qkov.analysis.discovery.graph import graph_of
 from qkov.analysis.forward.tracer import trace
@@ -26,12 +24,10 @@ from model.test_bus import routed, tokens
 
 def test_analyses_of_the_additive_stream_refuse_in_one_line() -> None:
     m = routed("hyper", "ln-mlp")
-    w, a, b = Weights.from_model(m), tokens(0, 1), tokens(1, 1)
+    w, a = Weights.from_model(m), tokens(0, 1)
     calls = [
-        lambda: path_patching(w, a, b, receivers="logits"),
         lambda: graph_of(m.cfg),
         lambda: expand_qk(w, a, 2, 0),
-        lambda: composition_paths(w, "0.0", "2.1"),
         lambda: trace(w, a, cache=["attn_out", "embed"]).decompose_resid(),
         lambda: trace(w, a, cache=["head_out"]).stack_head_results(),
     ]

@@ -17,7 +17,8 @@ with the writer's output taken from a corrupted run, and measure what the reader
   (as :meth:`~qkov.analysis.causal.ablation.AblationStudy.icl_removed` measures an ablation's).
 
 A reader whose keys find the earlier occurrence through the writer loses most of its prefix
-matching on the K path and little on the Q and V paths.
+matching on the K path and little on the Q and V paths. On a routed model the writer's change reaches
+the reader scaled by its routing coefficient on the base run (:mod:`qkov.analysis.causal.path_patch`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...model.bus import require_sum_residual
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source
 from .metrics import Attention, ICLWindows
@@ -98,7 +98,6 @@ def composition_paths(
     :func:`~qkov.analysis.heads.probes.icl_left_out`); ``source``: a model, weights source or path;
     ``bos=None``: its start token; ``writer``, ``reader``: heads (``(layer, head)`` or ``"L.H"``)."""
     source = as_source(source, where="qkov.composition_paths")
-    require_sum_residual(source.cfg, "composition paths (path patching through the stream)")
     writer, reader = (as_head(h, source.cfg, "composition paths") for h in (writer, reader))
     clean, corrupted, L = _repeated(source, bos, seed, batch)
     m = Attention(layer=reader.layer, head=reader.head, queries=list(range(L + 1, 2 * L + 1)), offset=L - 1)

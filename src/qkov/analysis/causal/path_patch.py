@@ -24,7 +24,9 @@ A routed model (:mod:`qkov.model.bus`: Attention Residuals, hyper-connections, m
 a receiver's input is ``sum_j C[p, j] v_j`` over the embedding and earlier outputs, with the coefficients
 ``C`` of the base run (:func:`~qkov.model.bus.route_coefficients`). On the path sender -> receiver the receiver's
 input is the base input plus ``C[p, j] * change`` (the routing frozen at the base run's values, as the sum's
-coefficient 1 is), and the patched copies run from the start. Paths into the logits need the additive stream.
+coefficient 1 is; ``j = 1 +`` the sender's sublayer), and the patched copies run from the start. Into the
+logits: the final read is point ``S`` (the number of sublayers), so each copy's final stream is the base run's
+(``resid_final``) plus ``C[S, j] * change``, and only the final normalisation and the unembedding run on it.
 
 A path is an edge of the model's graph: ``0.1 -> 1.0<k>`` (:class:`~qkov.analysis.forward.address.Address`);
 senders and receivers are heads, given as ``(layer, head)``, ``"L.H"`` or addresses.
@@ -37,7 +39,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ...model.bus import attention_point, require_sum_residual, route_coefficients
+from ...model.bus import attention_point, route_coefficients
 from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.convert import SourceLike, as_source
@@ -67,7 +69,6 @@ def receivers_of(value: Any) -> list[Address] | str:
 
 def _check(source: WeightSource, receivers: Sequence[HeadLike] | str, kind: str) -> list[Address]:
     if isinstance(receivers, str) and receivers.strip() == "logits":
-        require_sum_residual(source.cfg, "path patching into the logits")
         return []
     if kind not in INPUTS:
         raise QkovError(f"{WHERE}: a receiver's input is q, k or v, got {kind!r}")
@@ -127,8 +128,8 @@ def path_sites(
     L, start = cfg.n_layers, min(first, c.reads_from)
     z = tuple(f"z.{l}" for l in sorted({s.layer for s in sent}))  # type: ignore[type-var]
     into = tuple(f"resid_pre.{l}" for l in sorted({h.layer for h in heads}))  # type: ignore[type-var]
-    if cfg.residual != "sum":  # no stream to start from; the base run's routing scales each change
-        return Needs(z, into + tuple(sites_of(c.weights, ROUTE_KINDS)))
+    if cfg.residual != "sum":  # no stream to start from but the final one; the base run's routing scales each change
+        return Needs(z, into + ("resid_final",) * (not heads) + tuple(sites_of(c.weights, ROUTE_KINDS)))
     stream = (f"resid_pre.{start}",) if start < L else ()
     return Needs(z, stream + (into if heads else (f"resid_post.{L - 1}",)))
 
@@ -193,24 +194,37 @@ def _run_chunk(
 ) -> Tensor:
     """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes, none
     before position ``since``."""
-    K = delta.shape[0]
+    K, cfg = delta.shape[0], c.weights.cfg
+    C = _routing(c)
     if not heads:  # -> logits: the final stream of each copy is the base one plus the sender's change
         final = final_stream(c.base_recording).detach()  # type: ignore[arg-type]
-        stream = (final[None] + delta).reshape(K * delta.shape[1], *delta.shape[2:])
-        return c.measure(K, start=c.weights.cfg.n_layers, stream=stream, since=since)
+        d = _reach(cfg, C, cfg.sublayers, chunk, delta)
+        stream = (final[None] + d).reshape(K * delta.shape[1], *delta.shape[2:])
+        return c.measure(K, start=cfg.n_layers, stream=stream, since=since)
     edits: dict[Any, Any] = {}
-    cfg = c.weights.cfg
-    C = None if cfg.residual == "sum" else route_coefficients(cfg, c.base_recording.cache)  # type: ignore[union-attr]
     for l2 in sorted({h.layer for h in heads}):
         slots = sorted({h._replace(input=kind).input_site(cfg).head for h in heads if h.layer == l2})
         before = torch.tensor([s.layer < l2 for s in chunk], device=delta.device)  # type: ignore[operator]
-        d = delta * before[:, None, None, None].to(delta)
-        if C is not None:  # how much of each sender's sublayer reaches the receivers' layer, per position
-            p = attention_point(cfg, l2)  # type: ignore[arg-type]
-            reach = torch.stack([C[p, 1 + attention_point(cfg, s.layer)] for s in chunk])  # type: ignore[arg-type]
-            d = d * reach[..., None].to(d)
+        d = _reach(cfg, C, attention_point(cfg, l2), chunk, delta * before[:, None, None, None].to(delta))  # type: ignore[arg-type]
         edits[Address(f"{kind}_input", l2)] = _receive(_base_stream(c, l2), slots, d)
     return c.measure(K, edits, start=start, since=since)
+
+
+def _routing(c: Contrast) -> Tensor | None:
+    """A routed model's coefficients ``C [P, J, B, T]`` with the routing of the base recording
+    (:func:`~qkov.model.bus.route_coefficients`); ``None`` for the sum, where every coefficient is 1."""
+    cfg = c.weights.cfg
+    return None if cfg.residual == "sum" else route_coefficients(cfg, c.base_recording.cache)  # type: ignore[union-attr]
+
+
+def _reach(cfg: Any, C: Tensor | None, p: int, senders: list[Address], delta: Tensor) -> Tensor:
+    """The senders' changes ``delta [K, B, T, D]`` as aggregation point ``p`` receives them (a receiver layer's
+    attention, or the final read ``S``): each scaled by ``C[p, 1 + s]``, how much of its sublayer ``s`` reaches
+    point ``p`` per position; unchanged for the sum (``C`` ``None``)."""
+    if C is None:
+        return delta
+    reach = torch.stack([C[p, 1 + attention_point(cfg, s.layer)] for s in senders])  # type: ignore[arg-type]
+    return delta * reach[..., None].to(delta)
 
 
 def _base_stream(c: Contrast, layer: int) -> Tensor:
@@ -247,20 +261,23 @@ def input_paths(
     """One sender's path into each of ``receiver``'s ``inputs``, each patched alone (the definition of
     :func:`path_patching`), from one base recording, one source recording and one pass of ``len(inputs)`` copies:
     ``({input: metric}, metric on clean, metric on corrupted)``."""
-    require_sum_residual(source.cfg, "one sender's paths into each input")
+    cfg = source.cfg
     (r,) = _check(source, [receiver], inputs[0])
-    s = as_head(sender, source.cfg, WHERE)
-    Address.edge(s, r).check(source.cfg, WHERE)
+    s = as_head(sender, cfg, WHERE)
+    Address.edge(s, r).check(cfg, WHERE)
     c = Contrast.of(source, clean, corrupted, metric=metric, direction=direction)
     l1, l2 = s.layer, r.layer
     start = min(l2, c.reads_from)  # type: ignore[type-var]
-    c.record([f"z.{l1}"], base_only=[f"resid_pre.{start}", f"resid_pre.{l2}"])
-    change = _change(c, s, source.attention(l1).W_O)  # type: ignore[arg-type]
+    # the sum starts the copies from the stream there; a routed model runs them from the start (its routing kept)
+    stream = sites_of(source, ROUTE_KINDS) if cfg.residual != "sum" else [f"resid_pre.{start}"]
+    c.record([f"z.{l1}"], base_only=[*stream, f"resid_pre.{l2}"])
+    change = _change(c, s, source.attention(l1).W_O)[None]  # type: ignore[arg-type]
+    change = _reach(cfg, _routing(c), attention_point(cfg, l2), [s], change)[0]  # type: ignore[arg-type]
     K, edits = len(inputs), {}
     for k, inp in enumerate(inputs):
         only = torch.zeros(K, 1, 1, 1, dtype=change.dtype, device=change.device)
         only[k] = 1  # copy k carries the change into this input; the others keep the base input
-        site = Address.edge(s, r, inp).input_site(source.cfg)
+        site = Address.edge(s, r, inp).input_site(cfg)
         edits[site._replace(head=None)] = _receive(_base_stream(c, l2), [site.head], change[None] * only)  # type: ignore[arg-type,list-item]
     got = c.measure(K, edits, start=start).tolist()
     return dict(zip(inputs, got)), c.clean_value, c.corrupted_value

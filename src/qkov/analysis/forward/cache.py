@@ -160,8 +160,10 @@ def _need(recording: "Trace", names: list[str], what: str) -> None:
 
 def final_stream(recording: "Trace") -> Tensor:
     """The recording's final residual stream (before the final normalisation): ``resid_post`` of the last
-    layer, or the embedding (plus standard positions) of a 0-layer model."""
-    require_sum_residual(recording.source.cfg, "the final stream as resid_post")
+    layer, or the embedding (plus standard positions) of a 0-layer model; a routed model's final read,
+    ``resid_final`` (:mod:`qkov.model.bus`)."""
+    if recording.source.cfg.residual != "sum":
+        return recording["resid_final"]
     L = recording.source.cfg.n_layers
     if L:
         return recording["resid_post", L - 1]

@@ -89,6 +89,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("mlp_out", "[B, T, D]", None, "blocks.{l}.hook_mlp_out", "what the MLP writes (b_out included)"),
     Kind("resid_post", "[B, T, D]", None, "blocks.{l}.hook_resid_post", "the residual stream leaving the block"),
     Kind("route_final", "[B, T, R]", None, "", "a routed model's read weights for the final stream", False),
+    Kind("resid_final", "[B, T, D]", None, "", "a routed model's final stream: the final read, before the final normalisation", False),
     Kind("final_scale", "[B, T, 1]", None, "ln_final.hook_scale", "the final normalisation's divisor", False),
     Kind("final", "[B, T, D]", None, "ln_final.hook_normalized", "the normalised final stream", False),
     Kind("logits", "[B, T, V]", None, "unembed.hook_out", "the logits", False),
@@ -141,6 +142,7 @@ class Sites:
             "route_attn": routed,
             "route_mlp": routed and sequential,
             "route_final": routed,
+            "resid_final": routed,  # the sum's final stream is resid_post of the last layer
             "mix_attn": streams,
             "write_attn": streams,
             "mix_mlp": streams and sequential,

@@ -227,7 +227,8 @@ def trace(
         positions: ``[P]`` positions: the logits, the final sites (``Trace.logits [B, P, V]``) and, when
             nothing reads the last layer, its queries are computed there only (scores at a few positions).
         start_at: ``(layer, stream [B, T, D])``: start at that layer's ``resid_pre`` (``n_layers``:
-            the final stream) with the given stream; earlier sites are not computed.
+            the final stream, the only start a routed model has: ``resid_final``) with the given stream;
+            earlier sites are not computed.
         stream: ``None`` (the source as given; a model or path in the default view) or ``"model"``:
             a model or path read with its writers uncentred (``Weights.from_model(m,
             center_writing=False)``); a weights view given must then be uncentred already.
@@ -272,7 +273,7 @@ def _run(state: _Pass, tokens: Tensor, positions: Tensor | None, start_at: tuple
         for l in range(first, L):  # the last layer at the positions alone when nothing reads it
             x = state.block(l, x, rows if l == L - 1 else None)
         if state.bus is not None:  # a routed model's final stream: the bus's final read
-            x = state.bus.final()
+            x = state.at("resid_final", None, state.bus.final())
         return state.logits(x, positions if rows is None else None)  # type: ignore[arg-type]
     except _Enough:  # every site asked for is there: nothing after it is read
         return none
@@ -291,9 +292,12 @@ def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
 def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, source: Any) -> None:
     if start_at is None:
         return
-    if cfg.residual != "sum":
-        raise QkovError(f"start_at: a model with residual {cfg.residual!r} has no single stream to start from")
     (layer, x), (B, T) = start_at, tokens.shape
+    if cfg.residual != "sum" and layer != cfg.n_layers:  # after the final read only the unembedding runs
+        raise QkovError(
+            f"start_at: a model with residual {cfg.residual!r} has no single stream to start from before its final "
+            f"read (layer {cfg.n_layers}, the final stream resid_final)"
+        )
     if not (isinstance(layer, int) and 0 <= layer <= cfg.n_layers):
         raise QkovError(f"start_at: layer must be in 0..{cfg.n_layers}, got {layer!r}")
     if tuple(x.shape) != (B, T, cfg.d_model):
