@@ -1021,6 +1021,25 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "change = change[0]",
         "tests/analysis/causal/test_path_patch_routed.py::test_composition_paths_through_the_routes_equal_the_frozen_bus",
     ),
+    "K path share: the loss read from the first copy's last token too (no induction can predict it)": (
+        "analysis/causal/composition.py",
+        "metric=Loss(tokens=clean, at=range(L + 1, 2 * L))",
+        "metric=Loss(tokens=clean, at=range(L, 2 * L))",
+        "tests/analysis/causal/test_k_path_share.py::test_each_loss_of_the_share_equals_a_plain_run_edited_by_hand",
+    ),
+    "K path share: the path into the reader's queries, not its keys": (
+        "analysis/causal/composition.py",
+        'patch_paths(c, receivers=[reader], input="k", senders=[writer])',
+        'patch_paths(c, receivers=[reader], input="q", senders=[writer])',
+        "tests/analysis/causal/test_k_path_share.py::test_the_hand_built_induction_heads_effect_runs_through_its_keys "
+        "tests/analysis/causal/test_k_path_share.py::test_each_loss_of_the_share_equals_a_plain_run_edited_by_hand",
+    ),
+    "architectures: the induction circuit's writer taken from the reader's own layer": (
+        "apps/architectures.py",
+        "for l in range(reader[0]) for h in range(len(prev[l]))",
+        "for l in range(reader[0] + 1) for h in range(len(prev[l]))",
+        "tests/apps/test_architectures.py::test_the_induction_circuit_is_the_best_induction_head_and_an_earlier_previous_token_head",
+    ),
     "trace: a routed model started at an earlier layer than its final read": (
         "analysis/forward/tracer.py",
         'if cfg.residual != "sum" and layer != cfg.n_layers:',

@@ -15,7 +15,8 @@ import torch
 
 import qkov
 from qkov.analysis.heads.gates import gate_stats
-from qkov.apps.architectures import paths_by_order, run_architectures, variant_config
+from qkov.analysis.causal.composition import k_path_share
+from qkov.apps.architectures import induction_circuit, paths_by_order, run_architectures, variant_config
 from qkov.apps.cli import main
 from qkov.errors import QkovError
 
@@ -48,8 +49,27 @@ def test_every_variant_is_trained_measured_and_written(study: tuple[Path, list[d
         assert (r["gate_mean"] is None) == (cfg.gate == "none")
         assert r["curves"]["tokens"] == sorted(r["curves"]["tokens"]) and len(r["curves"]["tokens"]) >= 2
         assert (out / r["dynamics"]).is_file()
+        _check_k_path_share(out, r)
     page = (out / "index.html").read_text()
     assert '"variant": "standard"' in page or '"variant":"standard"' in page
+
+
+def _check_k_path_share(out: Path, row: dict) -> None:
+    """The row's K path share is that of the heads its dynamics scored highest (the last snapshot), measured
+    on the final model (k_path_share itself is checked against runs edited by hand in its own tests)."""
+    heads = json.loads((out / row["variant"] / "dynamics" / "dynamics.json").read_text())["snapshots"][-1]["heads"]
+    writer, reader = induction_circuit(heads)  # type: ignore[misc]
+    k = row["k_path_share"]
+    assert (k["writer"], k["reader"]) == (f"{writer[0]}.{writer[1]}", f"{reader[0]}.{reader[1]}")
+    assert writer[0] < reader[0] and heads["induction"][reader[0]][reader[1]] == max(max(r) for r in heads["induction"][1:])
+    assert k == k_path_share(qkov.Weights.from_model(qkov.load(out / row["variant"])), writer, reader).to_dict()
+
+
+def test_the_induction_circuit_is_the_best_induction_head_and_an_earlier_previous_token_head() -> None:
+    heads = {"induction": [[0.9, 0.1], [0.2, 0.4], [0.6, 0.3]], "previous_token": [[0.1, 0.2], [0.8, 0.1], [0.9, 0.0]]}
+    assert induction_circuit(heads) == ((1, 0), (2, 0))  # not 2.0 (same layer) nor 0.0 (layer 0 reads no writer)
+    assert induction_circuit({**heads, "previous_token": None}) is None and induction_circuit(None) is None
+    assert induction_circuit({"induction": [[0.5]], "previous_token": [[0.5]]}) is None
 
 
 def test_a_second_run_reuses_every_finished_variant(study: tuple[Path, list[dict]], small_corpus: Path) -> None:

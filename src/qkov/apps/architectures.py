@@ -13,7 +13,10 @@ missing one trained) with its snapshots and its dynamics (``OUT/<variant>/dynami
   heads (the exact path expansion, with patterns, routing and gates frozen), ``k = 0 .. depth``;
 * the bus's width (streams x d_model) and each stream's write overlap
   (:func:`~qkov.analysis.circuits.bus_bandwidth.bus_bandwidth`); for a routed model the K-composition
-  the dynamics report is weighted by how much of the writer reaches the reader.
+  the dynamics report is weighted by how much of the writer reaches the reader;
+* the **induction circuit's path-patching share**: the share of the induction head's effect on the loss of
+  repeated random tokens carried by the path from the previous-token head into its keys
+  (:func:`~qkov.analysis.causal.composition.k_path_share`; the heads: :func:`induction_circuit`).
 
 The comparison page ``OUT/index.html`` and every number in ``OUT/architectures.json`` are written
 as one pair (:func:`~qkov.apps.outputs.replace_pair`).
@@ -27,6 +30,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ..analysis.causal.composition import k_path_share
 from ..analysis.circuits.bus_bandwidth import bus_bandwidth
 from ..analysis.heads.gates import gate_stats
 from ..analysis.paths.expansion import expand
@@ -48,6 +52,7 @@ from .dynamics.study import write_dynamics
 __all__ = [
     "ARCHITECTURE_FILES",
     "DEFAULT_VARIANTS",
+    "induction_circuit",
     "paths_by_order",
     "run_architectures",
     "SCHEMA_VERSION",
@@ -107,7 +112,19 @@ def paths_by_order(source: Any, tokens: torch.Tensor) -> list[float]:
     return out
 
 
-def _final_measures(ckpt: Path, dev: torch.device) -> dict[str, Any]:
+def induction_circuit(heads: dict[str, Any] | None) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """``(writer, reader)`` of a model's induction circuit from its head scores (the dynamics' ``heads`` of a
+    snapshot: ``[layer][head]`` grids): the reader the head above layer 0 with the highest induction score,
+    the writer the head of an earlier layer with the highest previous-token score; ``None`` without them."""
+    if not heads or heads.get("previous_token") is None or len(heads.get("induction") or []) < 2:
+        return None
+    ind, prev = heads["induction"], heads["previous_token"]
+    reader = max(((l, h) for l in range(1, len(ind)) for h in range(len(ind[l]))), key=lambda p: ind[p[0]][p[1]])
+    writer = max(((l, h) for l in range(reader[0]) for h in range(len(prev[l]))), key=lambda p: prev[p[0]][p[1]])
+    return writer, reader
+
+
+def _final_measures(ckpt: Path, dev: torch.device, heads: dict[str, Any] | None) -> dict[str, Any]:
     model = load(ckpt, device=dev)
     sample = sample_for(ckpt, model, text=None, tokens=None, seed=0)
     if sample.text is None:
@@ -115,6 +132,7 @@ def _final_measures(ckpt: Path, dev: torch.device) -> dict[str, Any]:
     text = sample.text[:SINK_SEQUENCES].to(dev)
     w = Weights.from_model(model)
     stats = gate_stats(w, text)
+    circuit = induction_circuit(heads)
 
     def grid(t: torch.Tensor | None) -> list[list[float]] | None:
         return None if t is None else [[round(float(v), 4) for v in row] for row in t]
@@ -127,6 +145,7 @@ def _final_measures(ckpt: Path, dev: torch.device) -> dict[str, Any]:
         "gate_sparsity": grid(stats.sparsity),
         "paths_by_order": paths_by_order(w, text),
         "bandwidth": bus_bandwidth(w, text).to_dict(),
+        "k_path_share": None if circuit is None else k_path_share(w, *circuit, seed=0).to_dict(),
     }
 
 
@@ -191,7 +210,7 @@ def _diverged_row(name: str, cfg: ModelConfig, ckpt: Path, exc: Diverged) -> dic
         "val_loss": None, "icl": None, "induction": None, "previous_token": None, "k_composition": None,
         "phase_change": None, "curves": {"tokens": []}, "loss_curve": _loss_curve(ckpt), "dynamics": None,
         "sink_mass": [], "max_sink": None, "gate_mean": None, "gate_sparsity": None, "paths_by_order": [],
-        "bandwidth": None,
+        "bandwidth": None, "k_path_share": None,
     }  # fmt: skip
 
 
@@ -250,7 +269,8 @@ def run_architectures(
             t1 = time.perf_counter()
             dyn = write_dynamics(ckpt / "dynamics", [ckpt], device=str(dev), overwrite=True).to_dict()
             say(f"{tag} dynamics -> {ckpt / 'dynamics' / 'index.html'} in {time.perf_counter() - t1:.0f} s")
-        rows.append(_row(name, cfg, ckpt, dyn, _final_measures(ckpt, dev)))
+        last = dyn["snapshots"][-1] if dyn.get("snapshots") else {}
+        rows.append(_row(name, cfg, ckpt, dyn, _final_measures(ckpt, dev, last.get("heads"))))
     meta = {"device": str(dev), "steps": steps, "seconds": round(time.perf_counter() - t0, 1),
             "corpus": _corpus_of([out / name for name in configs])}  # fmt: skip
     body = {"schema_version": SCHEMA_VERSION, "variants": rows, **meta}

@@ -34,7 +34,12 @@ ROUTED = {
 
 def routed_weights(variant: str) -> Weights:
     """A small routed model in float64, its biases, norms and bus parameters moved off their initialisation."""
-    m = Transformer(GPT2_LIKE.replace(**ROUTED[variant]), seed=3).double().eval()
+    return moved_weights(GPT2_LIKE.replace(**ROUTED[variant]))
+
+
+def moved_weights(cfg: Any) -> Weights:
+    """The model of ``cfg`` in float64, its biases, norms and bus parameters moved off their initialisation."""
+    m = Transformer(cfg, seed=3).double().eval()
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for name, p in m.named_parameters():

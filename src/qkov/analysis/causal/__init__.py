@@ -46,7 +46,7 @@ from .patching import (
     study_axes,
 )
 from .path_patch import input_paths, patch_paths, path_patching, path_sites, receivers_of
-from .composition import composition_paths, composition_paths_text, CompositionPaths, ICL_CHUNK
+from .composition import composition_paths, composition_paths_text, CompositionPaths, ICL_CHUNK, k_path_share, KPathShare
 from .studies import patch_study, PatchStudy, patch_study_text
 
 __all__ = [
@@ -113,6 +113,8 @@ __all__ = [
     "composition_paths_text",
     "CompositionPaths",
     "ICL_CHUNK",
+    "k_path_share",
+    "KPathShare",
     "patch_study",
     "PatchStudy",
     "patch_study_text",

@@ -19,6 +19,14 @@ with the writer's output taken from a corrupted run, and measure what the reader
 A reader whose keys find the earlier occurrence through the writer loses most of its prefix
 matching on the K path and little on the Q and V paths. On a routed model the writer's change reaches
 the reader scaled by its routing coefficient on the base run (:mod:`qkov.analysis.causal.path_patch`).
+
+**The K path's share of the induction head's effect** (:func:`k_path_share`): on the same repeated random
+tokens, noised (base = the repeated tokens, source = the non-repeating ones), the metric is the loss of the
+second copy's predictions that induction can make (positions ``L + 1 .. 2L - 1``, each predicting the next
+token of the repeat). The induction head's effect is the loss added by noising its whole output (its ``z``
+taken from the non-repeating run); the path's, the loss added by noising the path writer -> reader's key
+input alone. Share = ``(loss_path - loss_clean) / (loss_head - loss_clean)``: 1 when the reader's whole
+contribution to the repeat runs through the keys it reads from the writer.
 """
 
 from __future__ import annotations
@@ -31,14 +39,14 @@ from torch import Tensor
 
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source
-from .metrics import Attention, ICLWindows
-from .contrast import PATCH_BYTES, copy_bytes
-from .path_patch import input_paths
+from .metrics import Attention, ICLWindows, Loss
+from .contrast import PATCH_BYTES, Contrast, copy_bytes
+from .path_patch import input_paths, patch_paths, path_sites
 from ..heads.probes import icl_left_out, icl_windows, induction_probe_tokens
 from ..shown import TEXT, Shown, register
 from ..forward.address import INPUTS, Address, HeadLike, as_head
 
-__all__ = ["composition_paths", "composition_paths_text", "CompositionPaths", "ICL_CHUNK",]
+__all__ = ["composition_paths", "composition_paths_text", "CompositionPaths", "ICL_CHUNK", "k_path_share", "KPathShare"]
 
 ICL_CHUNK = 32  # ICL examples per path-patching pass at most (fewer where their activations exceed PATCH_BYTES)
 
@@ -133,6 +141,56 @@ def _icl_paths(source: WeightSource, writer: Address, reader: Address, text: Ten
     if clean >= 0:
         return clean, None
     return clean, {inp: (sums[inp] / N - clean) / -clean for inp in INPUTS}
+
+
+@dataclass
+class KPathShare:
+    """The share of the induction head ``reader``'s effect on the loss of repeated random tokens carried by the
+    path from ``writer`` into its keys (:func:`k_path_share`): the losses of the second copy's predictions on the
+    repeated tokens (``loss_clean``), on non-repeating ones (``loss_corrupted``), with the reader's output noised
+    (``loss_head``) and with the path alone noised (``loss_path``); ``share`` is ``None`` when noising the reader
+    changes nothing."""
+
+    writer: str
+    reader: str
+    loss_clean: float
+    loss_corrupted: float
+    loss_head: float
+    loss_path: float
+    share: float | None
+    repeat_length: int
+
+    def to_dict(self, digits: int = 5) -> dict[str, Any]:
+        """The numbers rounded to ``digits`` as a study stores them."""
+        return {k: round(v, digits) if isinstance(v, float) else v for k, v in vars(self).items()}
+
+
+def k_path_share(
+    source: SourceLike, writer: HeadLike, reader: HeadLike, *, bos: int | None = None, seed: int = 0, batch: int = 8
+) -> KPathShare:
+    """How much of induction head ``reader``'s effect runs through the path from previous-token head ``writer``
+    into its keys (see the module docstring): one base and one source run, one pass that noises the reader's
+    output and one that noises the path. ``source``: a model, weights source or path; ``bos=None``: its start
+    token; ``writer``, ``reader``: heads (``(layer, head)`` or ``"L.H"``), the writer in an earlier layer."""
+    source = as_source(source, where="qkov.k_path_share")
+    writer, reader = (as_head(h, source.cfg, "k path share") for h in (writer, reader))
+    Address.edge(writer, reader).check(source.cfg, "k path share")
+    clean, corrupted, L = _repeated(source, bos, seed, batch)
+    c = Contrast.of(source, clean, corrupted, metric=Loss(tokens=clean, at=range(L + 1, 2 * L)), direction="noise")
+    needs = path_sites(c, [reader], "k", [writer])
+    c.ensure([*needs.cache, f"z.{reader.layer}"], base_only=needs.base_only)
+    z = c.source_recording[("z", reader.layer)][:, :, reader.head].detach()  # type: ignore[index]
+
+    def noised(value: Tensor, site: Any) -> Tensor:
+        value = value.clone()
+        value[:, :, reader.head] = z
+        return value
+
+    head = float(c.measure(1, {f"z.{reader.layer}": noised})[0])
+    path = float(patch_paths(c, receivers=[reader], input="k", senders=[writer]).values[writer.layer, writer.head])
+    base = c.clean_value
+    share = None if head == base else (path - base) / (head - base)
+    return KPathShare(writer.name, reader.name, base, c.corrupted_value, head, path, share, L)
 
 
 @register(TEXT, CompositionPaths)

@@ -11,6 +11,8 @@
   const bus = (b) => (b ? `${b.streams} x ${b.d_model}` : "–");
   const overlap = (b) => (b ? b.overlap.map((o) => fmt(o, 2)).join(" ") : "–");
   const kc = (k) => (k ? `${k.writer} → ${k.reader}: ${fmt(k.adjusted, 2)}` : "–");
+  const pct = (v) => (v == null ? "–" : `${(100 * v).toFixed(0)}%`);
+  const kp = (k) => (k ? `${pct(k.share)} (${k.writer} → ${k.reader})` : "–");
 
   function variants(sec, D) {
     sec.append(el("p", { class: "note" },
@@ -18,16 +20,19 @@
       `(${D.device || "–"}); this run of the study took ${big(D.seconds)} s (finished runs in its directory are ` +
       "reused). Tokens/s is the training throughput of each variant on this machine, the cost of its extra. " +
       "Bus width: streams x d_model, with each stream's write overlap (the mean overlap of the writers' subspaces); " +
-      "a routed model's K-composition is weighted by how much of the writer reaches the reader."));
+      "a routed model's K-composition is weighted by how much of the writer reaches the reader. " +
+      "K path share: the share of the induction head's effect on the loss of repeated random tokens (its output " +
+      "noised with a non-repeating run's) that noising the path from the previous-token head into its keys alone " +
+      "carries (path patching; the routing frozen at the repeated run's values)."));
     const base = D.variants.find((r) => r.variant === "standard");
     if (base) sec.append(el("p", { class: "note" }, `The model: ${base.model}; each variant changes what its row says.`));
     table(sec, ["variant", "changes", "parameters", "tokens/s", "validation loss", "ICL score (nats)",
-      "induction score", "phase change (tokens)", "strongest K-composition", "max sink mass", "bus width",
-      "write overlap"],
+      "induction score", "phase change (tokens)", "strongest K-composition", "K path share", "max sink mass",
+      "bus width", "write overlap"],
     D.variants.map((r) => [r.dynamics ? el("a", { href: r.dynamics, text: r.variant }) : r.variant, change(r.config),
       big(r.parameters), big(r.tokens_per_s),
       r.diverged != null ? `diverged at step ${big(r.diverged)}` : fmt(r.val_loss, 4), signed(r.icl), fmt(r.induction), span(r.phase_change),
-      kc(r.k_composition), fmt(r.max_sink), bus(r.bandwidth), overlap(r.bandwidth)]), [0, 1], [1, 7]);
+      kc(r.k_composition), kp(r.k_path_share), fmt(r.max_sink), bus(r.bandwidth), overlap(r.bandwidth)]), [0, 1], [1, 7, 9]);
   }
 
   const done = (D) => D.variants.filter((r) => r.diverged == null);
