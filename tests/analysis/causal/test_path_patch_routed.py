@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from qkov import QkovError, Transformer, Weights, trace
+from qkov import ModelConfig, QkovError, Transformer, Weights, trace
 from qkov.analysis.causal.composition import composition_paths
 from qkov.analysis.causal.metrics import Attention, LogitDiff
 from qkov.analysis.causal.path_patch import path_patching
@@ -150,3 +150,13 @@ def test_a_routed_model_starts_at_its_final_read_and_nowhere_else() -> None:
         trace(w, ids, start_at=(1, whole["resid_final"]))
     with pytest.raises(QkovError, match="no one stream after a block"):
         trace(w, ids, cache=["resid_post.1"])
+
+
+def test_paths_into_the_logits_refuse_a_metric_read_inside_the_blocks() -> None:
+    """A path into the logits changes nothing a pattern metric reads: one line saying so, not a cache error."""
+    model = Transformer(ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, d_vocab=20, n_ctx=16), seed=0)
+    g = torch.Generator().manual_seed(0)
+    clean, corrupted = (torch.randint(0, 20, (2, 8), generator=g) for _ in range(2))
+    metric = Attention(layer=1, head=0, queries=[5, 6], offset=1)
+    with pytest.raises(QkovError, match="changes only the logits"):
+        path_patching(model, clean, corrupted, receivers="logits", metric=metric)

@@ -148,6 +148,11 @@ def patch_paths(
     heads, sent, first = _paths(c.weights, receivers, input, senders)
     cfg = c.weights.cfg
     L, H = cfg.n_layers, cfg.n_heads
+    if not heads and c.reads_from < L:  # a site inside the blocks: no path into the logits reaches it
+        raise QkovError(
+            f"{WHERE}: a path into the logits changes only the logits, and the metric reads "
+            f"{', '.join(c.metric.reads)}: choose a metric of the logits"
+        )
     needs = path_sites(c, receivers, input, senders)
     c.ensure(needs.cache, base_only=needs.base_only)
     start = min(first, c.reads_from)
