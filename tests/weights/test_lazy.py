@@ -167,6 +167,33 @@ def test_forward_and_paths_stream_the_same_model(saved: tuple[Weights, Path]) ->
     assert P.expand(ck, toks).reconstruction_error() < 1e-10
 
 
+@pytest.mark.parametrize("centre", [True, False])
+def test_the_streamed_forward_reads_the_tokens_rows_and_the_unembedding_in_blocks(
+    centre: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trace on a LazyCheckpoint reads W_E's rows of the tokens present only (a run of consecutive ids as one
+    read) and W_U a block of columns at a time, never either whole (with centring, the vocabulary mean is one
+    pass more, in the checkpoint's own blocks), and gives the in-memory view's logits and streams."""
+    from qkov.analysis.forward import tracer
+
+    model = _save(tmp_path / "ck", LN.replace(d_vocab=90))
+    monkeypatch.setattr(tracer, "VOCAB_BLOCK", 16)
+    ck = LazyCheckpoint(tmp_path / "ck", dtype=torch.float64, center_unembed=centre)
+    seen: list[tuple[str, object, object]] = []
+    real = ck.file.read
+    monkeypatch.setattr(ck.file, "read", lambda name, index=None, cols=None: seen.append((name, index, cols)) or real(name, index, cols))
+    toks = torch.tensor([[3, 4, 5, 9, 3, 80], [7, 8, 4, 4, 4, 81]])
+    got = trace(ck, toks, cache=["resid_pre"])
+    want = trace(Weights.from_model(model, dtype=torch.float64, center_unembed=centre), toks, cache=["resid_pre"])
+    assert _close(got.logits, want.logits) and _close(got.stack("resid_pre"), want.stack("resid_pre"))
+    rows = [i for name, i, _ in seen if name == "W_E"]
+    assert rows == [slice(3, 6), slice(7, 10), slice(80, 82)]
+    blocks = [c for name, _, c in seen if name == "W_U"]
+    whole = slice(0, 90)  # the vocabulary mean's pass (90 columns fit one of the checkpoint's blocks)
+    assert [c for c in blocks if c != whole] == [slice(lo, min(90, lo + 16)) for lo in range(0, 90, 16)]
+    assert blocks.count(whole) == int(centre)
+
+
 def test_a_view_read_from_the_memory_map_is_the_loaded_models(saved: tuple[Weights, Path]) -> None:
     """Weights.from_source(LazyCheckpoint(path)) (layer by layer, no model beside it) holds the same
     tensors, options and forward as Weights.from_model(load(path)); from_source of a view is itself."""

@@ -27,18 +27,38 @@ from torch import Tensor
 from ..errors import QkovError
 from ..expect import expect_path
 from ..io.checkpoint import MODEL_FILE, TOKENIZER_FILE, read_config, read_tokenizer
-from ..io.hf_families import prepends_start, start_token
+from ..io.hf_families import FAMILIES, prepends_start, start_token
 from ..io.hf_store import HFStore
 from ..io.plausible import check_shapes
+from ..io.sources import hf_model_type, source_kind
 from ..io.tensorfile import TensorFile
 from ..model.config import ModelConfig
 from ..model.ops import expand_kv as expand
 from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader, writer_centring
 
-__all__ = ["AUTO_LAZY_BYTES", "LazyCheckpoint"]
+__all__ = ["AUTO_LAZY_BYTES", "LazyCheckpoint", "streamable", "streams_by_default", "weights_bytes"]
 
 _BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
 AUTO_LAZY_BYTES = 1 << 30  # the CLI streams a checkpoint whose model.safetensors is larger than this
+
+
+def streamable(path: Path | str) -> bool:
+    """Whether :class:`LazyCheckpoint` reads ``path``: a qkov checkpoint, or a Hugging Face directory of one
+    of :data:`~qkov.io.hf_families.FAMILIES` (GPT-2's is loaded whole)."""
+    kind = source_kind(path)
+    return kind == "qkov" or (kind == "hf" and hf_model_type(path) in FAMILIES)
+
+
+def weights_bytes(path: Path | str) -> int:
+    """The size of a checkpoint directory's weights: its ``*.safetensors`` files (0 for anything else)."""
+    folder = Path(path)
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+
+
+def streams_by_default(path: Path | str) -> bool:
+    """Whether ``path`` is read layer by layer unless told otherwise: :func:`streamable` and its weights
+    larger than :data:`AUTO_LAZY_BYTES`."""
+    return streamable(path) and weights_bytes(path) > AUTO_LAZY_BYTES
 
 
 def _config_json(path: Path) -> dict:  # type: ignore[type-arg]
