@@ -303,7 +303,7 @@ def test_cli_lazy_matches_in_memory(
     assert len(eager["circuits"]["copying"]) == 12 and len(eager["trigrams"]["trigrams"]) == 20
     assert "one-layer (direct) view" in eager["trigrams"]["note"]  # head 1.2 is beyond layer 0
     opened = []
-    monkeypatch.setattr("qkov.apps.cli.common.AUTO_LAZY_BYTES", 0)  # every file is "big": the lazy path is automatic
+    monkeypatch.setattr("qkov.weights.lazy.AUTO_LAZY_BYTES", 0)  # every file is "big": the lazy path is automatic
     monkeypatch.setattr(weights_cmds, "LazyCheckpoint", lambda *a, **kw: opened.append(a) or LazyCheckpoint(*a, **kw))
     _assert_same(_json(["circuits", str(ck), "--json"], capsys), eager["circuits"])
     assert len(opened) == 1

@@ -148,7 +148,8 @@ class _Pass(BlockPass):
     def start(self, tokens: Tensor, start_at: tuple[int, Tensor] | None) -> tuple[int, Tensor | None]:
         """Embed ``tokens`` (or take the stream given by ``start_at``); set the positions."""
         B, T = tokens.shape
-        emb, pos = embedded(self.source, tokens)
+        W_pos = self.source.pos()
+        pos = None if W_pos is None else W_pos[:T]
         if pos is not None:
             pos = pos.expand(B, T, -1)
             if self.grad and not pos.requires_grad:
@@ -156,8 +157,9 @@ class _Pass(BlockPass):
             self.pos = pos = self.at("pos", None, pos)
         if self.cfg.positional == "rotary":
             self.turn = rotary.tables(self.cfg, T, self.source.device, self.source.dtype)
-        if start_at is not None:
+        if start_at is not None:  # the embedding is not read
             return start_at[0], start_at[1]
+        emb = embedded(self.source, tokens)
         if self.grad and not emb.requires_grad:
             emb = emb.requires_grad_()
         x = stream_start(self.at("embed", None, emb), pos, self.cfg.positional)
@@ -217,12 +219,12 @@ class _Pass(BlockPass):
         return positions.to(self.source.device).remainder(T)
 
 
-def embedded(source: WeightSource, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
-    """The token embedding ``[B, T, D]`` of ``tokens [B, T]`` and the positions ``[T, D]`` (``None``
-    without learned positions) (:func:`qkov.model.ops.embed`). A streamed source (not ``in_memory``) reads
-    only the rows of the ids present, each run of consecutive ids as one block: ``W_E`` is never held whole."""
+def embedded(source: WeightSource, tokens: Tensor) -> Tensor:
+    """The token embedding ``W_E[tokens]`` ``[B, T, D]`` of ``tokens [B, T]``. A streamed source (not
+    ``in_memory``) reads only the rows of the ids present, each run of consecutive ids as one block:
+    ``W_E`` is never held whole."""
     if getattr(source, "in_memory", True):
-        return embed(tokens, source.embed(), source.pos())
+        return embed(tokens, source.embed(), None)[0]
     ids, inverse = tokens.unique(return_inverse=True)  # sorted
     runs, start = [], 0
     values = ids.tolist()
@@ -230,7 +232,7 @@ def embedded(source: WeightSource, tokens: Tensor) -> tuple[Tensor, Tensor | Non
         if i == len(values) or values[i] != values[i - 1] + 1:
             runs.append(source.embed(slice(values[start], values[i - 1] + 1)))
             start = i
-    return embed(inverse, torch.cat(runs), source.pos())
+    return embed(inverse, torch.cat(runs), None)[0]
 
 
 def trace(

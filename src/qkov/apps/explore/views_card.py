@@ -38,14 +38,13 @@ from ...analysis.circuits.copying import eigen_copying_score
 from ...analysis.circuits.qk_ov import full_ov, full_qk, positional_qk
 from ...analysis.circuits.composition import KINDS, reader_matrix
 from ...analysis.circuits.factored import LowRank
-from ...analysis.forward.tracer import trace
 from ...progress import tick
 from ...analysis.circuits.rotary import offset_profile, offset_qk, rotations
 from ...analysis.circuits.trigrams import skip_trigrams
-from ...finite import rounded
 from ...model.tokens import left_out_tokens
 from ...progress import Progress
-from .context import BadRequest, Explorer
+from .context import BadRequest, Explorer, r6
+from .runs import pattern_of
 
 __all__ = ["card", "int_arg", "MAX_OFFSET", "MAX_TOP", "positional", "r6", "spectrum", "TOP"]
 
@@ -54,12 +53,6 @@ TOP = 20
 MAX_TOP = 200
 MAX_OFFSET = 64
 """The positional profile covers offsets ``0 .. min(n_ctx - 1, MAX_OFFSET)``."""
-
-
-def r6(x: float) -> float | None:
-    """``x`` to 6 significant digits, ``None`` when not finite (:func:`qkov.finite.rounded`): what the
-    explorer's pages show and its JSON carries."""
-    return rounded(x, 6)
 
 
 def int_arg(args: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -71,11 +64,9 @@ def int_arg(args: dict[str, Any], key: str, default: int, lo: int, hi: int) -> i
 
 
 def _pattern_result(ex: Explorer, ids: Tensor, layer: int, head: int) -> dict[str, Any]:
-    """Head ``layer.head``'s pattern on ``ids [1, seq]`` (:func:`qkov.trace`), as the ``attention`` view
-    gives it: ``{head, tokens, pattern (query rows, key columns, zeros above the diagonal), argmax}``."""
-    with torch.no_grad():
-        out = trace(ex.weights, ids.to(ex.weights.device), cache=[f"pattern.{layer}"])
-    pattern = out["pattern", layer][0, head].float().cpu()
+    """Head ``layer.head``'s pattern on ``ids [1, seq]`` (:func:`~qkov.apps.explore.runs.pattern_of`), as the
+    ``attention`` view gives it: ``{head, tokens, pattern (query rows, key columns, zeros above the diagonal), argmax}``."""
+    pattern = pattern_of(ex, ids, layer, head)
     return {
         "head": f"{layer}.{head}",
         "tokens": [ex.decode(i) for i in ids[0].tolist()],
@@ -131,24 +122,33 @@ def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> list[LowRank]:
 def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
     every later head composing with it) of raw composition scores.
-    Every earlier layer's writers (and every later layer's readers) go through one batched product."""
+    In memory every earlier layer's writers (and every later layer's readers) go through one batched product;
+    streamed from disk, one layer's at a time (the same scores: each pair's is its own)."""
     w, cfg = ex.weights, ex.cfg
     H = cfg.n_heads
     Rs = rotations(w, None)
     mine = w.attention(layer)
     me = lambda lr: LowRank(lr.A[head : head + 1], lr.B[head : head + 1])  # noqa: E731
     names = lambda layers: [f"{l}.{h}" for l in layers for h in range(H)]  # noqa: E731
+    blocks = lambda layers: [[l] for l in layers] if ex.streamed else [list(layers)]  # noqa: E731
     reads: list[dict[str, Any]] = []
     read_by: list[dict[str, Any]] = []
     if layer > 0:
-        atts = [w.attention(l) for l in range(layer)]
-        writer = LowRank(torch.cat([a.W_V for a in atts]), torch.cat([a.W_O for a in atts]))
-        s = {k: _scores(writer, [me(r) for r in _readers([mine], k, Rs)])[:, 0].tolist() for k in KINDS}
+        mine_k = {k: [me(r) for r in _readers([mine], k, Rs)] for k in KINDS}
+        s: dict[str, list[float]] = {k: [] for k in KINDS}
+        for block in blocks(range(layer)):
+            atts = [w.attention(l) for l in block]
+            writer = LowRank(torch.cat([a.W_V for a in atts]), torch.cat([a.W_O for a in atts]))
+            for k in KINDS:
+                s[k] += _scores(writer, mine_k[k])[:, 0].tolist()
         reads = [{"head": n, **{k: r6(s[k][i]) for k in KINDS}} for i, n in enumerate(names(range(layer)))]
     if layer + 1 < cfg.n_layers:
-        atts = [w.attention(l) for l in range(layer + 1, cfg.n_layers)]
         writer = me(LowRank(mine.W_V, mine.W_O))
-        s = {k: _scores(writer, _readers(atts, k, Rs))[0].tolist() for k in KINDS}
+        s = {k: [] for k in KINDS}
+        for block in blocks(range(layer + 1, cfg.n_layers)):
+            atts = [w.attention(l) for l in block]
+            for k in KINDS:
+                s[k] += _scores(writer, _readers(atts, k, Rs))[0].tolist()
         later = names(range(layer + 1, cfg.n_layers))
         read_by = [{"head": n, **{k: r6(s[k][i]) for k in KINDS}} for i, n in enumerate(later)]
     return {"reads": reads, "read_by": read_by}  # the baselines: the composition view (drawing them costs seconds)
