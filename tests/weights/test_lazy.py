@@ -238,6 +238,24 @@ def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path
         assert ck.file.bytes_read == (4 * 64 * 16 + (1 + reads) * 500 * 64 + (1 + reads) * 2 * 64) * 4
 
 
+def test_non_finite_values_are_refused_and_huge_finite_ones_are_not(tmp_path: Path) -> None:
+    """Each read is checked by its sum (finite: every value is), and value by value when the sum is not: an
+    infinity is refused, finite values whose sum overflows float32 are read as they are."""
+    ck = tmp_path / "ck"
+    _save(ck, ATTN_ONLY)
+    with safe_open(str(ck / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    huge = torch.full((4, 8, 32), 3e38)
+    save_file({**state, "blocks.2.attn.W_O": huge}, str(ck / "model.safetensors"))
+    got = LazyCheckpoint(ck, center_writing=False).attention(2).W_O
+    assert torch.equal(got, huge) and not got.sum().isfinite()
+    bad = huge.clone()
+    bad[1, 2, 3] = -math.inf
+    save_file({**state, "blocks.2.attn.W_O": bad}, str(ck / "model.safetensors"))
+    with pytest.raises(QkovError, match="blocks.2.attn.W_O holds NaN or infinite values"):
+        LazyCheckpoint(ck).attention(2)
+
+
 def test_bad_checkpoints_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ck = tmp_path / "ck"
     _save(ck, ATTN_ONLY)

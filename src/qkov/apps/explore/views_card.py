@@ -29,7 +29,7 @@ bfloat16 matrix units, a float32 scan elsewhere): ``"tables": false`` leaves ``t
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -95,7 +95,7 @@ def positional(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     return {"offsets": offsets, "values": [r6(v) for v in values], "kind": "learned"}
 
 
-def _scores(writer: LowRank, readers: list[LowRank]) -> Tensor:
+def _scores(writer: LowRank, readers: Iterable[LowRank]) -> Tensor:
     """Composition scores ``[n_writers, n_readers]``: ``||W_writer M_reader||_F / (||W_writer|| ||M_reader||)``
     through :meth:`LowRank.row_factor` / :meth:`LowRank.col_factor` (as :func:`qkov.composition_scores`),
     averaged over ``readers`` (one per rotary offset; else one)."""
@@ -108,33 +108,30 @@ def _scores(writer: LowRank, readers: list[LowRank]) -> Tensor:
     return torch.stack(out).mean(0)
 
 
-def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> list[LowRank]:
+def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> Iterator[LowRank]:
     """The reader side of ``kind``-composition of every head of ``atts`` (layers), stacked ``[heads, D, D]``:
-    one per rotary offset of ``Rs`` for Q and K, else one."""
+    one per rotary offset of ``Rs`` for Q and K, else one; each made as it is read (one offset's at a time)."""
     turns: list[Tensor | None] = [None] if kind == "v" or Rs is None else list(Rs)
-    out = []
     for R in turns:
         parts = [reader_matrix(att, kind, R) for att in atts]
-        out.append(LowRank(torch.cat([p.A for p in parts]), torch.cat([p.B for p in parts])))
-    return out
+        yield LowRank(torch.cat([p.A for p in parts]), torch.cat([p.B for p in parts]))
 
 
 def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
-    every later head composing with it) of raw composition scores.
-    In memory every earlier layer's writers (and every later layer's readers) go through one batched product;
-    streamed from disk, one layer's at a time (the same scores: each pair's is its own)."""
+    every later head composing with it) of raw composition scores, from this head's weights alone and the
+    other layers'. In memory every earlier layer's writers (and every later layer's readers) go through one
+    batched product; streamed from disk, one layer's at a time (the same scores: each pair's is its own)."""
     w, cfg = ex.weights, ex.cfg
     H = cfg.n_heads
     Rs = rotations(w, None)
-    mine = w.attention(layer)
-    me = lambda lr: LowRank(lr.A[head : head + 1], lr.B[head : head + 1])  # noqa: E731
+    mine = w.attention(layer, head)  # [1, ...]: this head
     names = lambda layers: [f"{l}.{h}" for l in layers for h in range(H)]  # noqa: E731
     blocks = lambda layers: [[l] for l in layers] if ex.streamed else [list(layers)]  # noqa: E731
     reads: list[dict[str, Any]] = []
     read_by: list[dict[str, Any]] = []
     if layer > 0:
-        mine_k = {k: [me(r) for r in _readers([mine], k, Rs)] for k in KINDS}
+        mine_k = {k: list(_readers([mine], k, Rs)) for k in KINDS}
         s: dict[str, list[float]] = {k: [] for k in KINDS}
         for block in blocks(range(layer)):
             atts = [w.attention(l) for l in block]
@@ -143,7 +140,7 @@ def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
                 s[k] += _scores(writer, mine_k[k])[:, 0].tolist()
         reads = [{"head": n, **{k: r6(s[k][i]) for k in KINDS}} for i, n in enumerate(names(range(layer)))]
     if layer + 1 < cfg.n_layers:
-        writer = me(LowRank(mine.W_V, mine.W_O))
+        writer = LowRank(mine.W_V, mine.W_O)
         s = {k: [] for k in KINDS}
         for block in blocks(range(layer + 1, cfg.n_layers)):
             atts = [w.attention(l) for l in block]
