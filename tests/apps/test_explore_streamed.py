@@ -36,9 +36,18 @@ def _save(path: Path, cfg: ModelConfig) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=[*sorted(CONFIGS), "hf-llama"])
 def sessions(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Explorer, Explorer]:
-    path = _save(tmp_path_factory.mktemp("streamed") / request.param, CONFIGS[request.param])
+    """The same model in memory and streamed: a qkov checkpoint of each of CONFIGS, and a Llama-family Hugging
+    Face directory in shards (grouped-query attention, biases, RMSNorm; read by qkov.io.hf_store)."""
+    folder = tmp_path_factory.mktemp("streamed") / request.param
+    if request.param == "hf-llama":
+        pytest.importorskip("transformers", reason="transformers is a test extra: pip install -e '.[dev]'")
+        from hf_models import save
+
+        path = save("llama-gqa-bias", folder, shard="40KB")
+    else:
+        path = _save(folder, CONFIGS[request.param])
     memory = open_explorer(path, cache_dir=None, lazy=False)
     memory.settle()  # type: ignore[attr-defined]
     return open_explorer(path, cache_dir=None, lazy=True), memory
@@ -113,7 +122,7 @@ def test_a_streamed_text_reports_each_layer_as_it_reads_it(sessions: tuple[Explo
     L = streamed.cfg.n_layers
     said: list[tuple[str, int, int]] = []
     VIEWS["text"](streamed, {"text": TEXT[:-1]}, lambda *a: said.append(a))
-    assert said == [(f"text: reading layer {l} of {L} from disk", l, L) for l in range(L)]
+    assert said == [(f"reading layer {l} of {L} from disk", l, L) for l in range(L)]
     said.clear()
     VIEWS["attention"](streamed, {"text": TEXT[:-2], "head": "1.0"}, lambda *a: said.append(a))  # layers 0 and 1
     assert [s[1:] for s in said] == [(0, 2), (1, 2)]

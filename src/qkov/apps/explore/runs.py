@@ -103,16 +103,16 @@ def kept_run(ex: Explorer, ids: Tensor) -> CleanRun | None:
     return _runs(ex).get(tuple(ids[0].tolist()))
 
 
-def layer_ticks(ex: Explorer, progress: Progress | None, what: str, upto: int | None = None) -> dict[str, Any]:
-    """Edits for :func:`qkov.trace` that report ``(what, layer, layers)`` to ``progress`` as each layer starts
-    (observers: they change nothing), in a streamed session only, where a pass reads each layer from disk
-    (seconds each); ``upto``: the pass stops at that layer. ``{}`` otherwise."""
+def layer_ticks(ex: Explorer, progress: Progress | None, upto: int | None = None) -> dict[str, Any]:
+    """Edits for :func:`qkov.trace` that report ``("reading layer l of L from disk", l, layers)`` to ``progress``
+    as each layer starts (observers: they change nothing), in a streamed session only, where a pass reads each
+    layer from disk (a second or more each); ``upto``: the pass stops at that layer. ``{}`` otherwise."""
     if progress is None or not ex.streamed or not ex.cfg.n_layers:
         return {}
     total = ex.cfg.n_layers if upto is None else upto + 1
 
     def tick(value: Tensor, site: Any) -> Tensor:
-        progress(f"{what}: reading layer {site.layer} of {ex.cfg.n_layers} from disk", site.layer, total)
+        progress(f"reading layer {site.layer} of {ex.cfg.n_layers} from disk", site.layer, total)
         return value
 
     return {f"resid_pre.{layer}": tick for layer in range(total)}
@@ -129,7 +129,7 @@ def clean_run(ex: Explorer, ids: Tensor, progress: Progress | None = None) -> Cl
     cfg, T = w.cfg, ids.shape[1]
     keep = cfg.residual == "sum" and cfg.n_layers * T * cfg.d_model * torch.empty(0, dtype=w.dtype).element_size() <= STREAM_BYTES
     ids = ids.to(w.device)
-    out = trace(w, ids, cache=["resid_pre.*"] if keep and cfg.n_layers else [], edits=layer_ticks(ex, progress, "text"))
+    out = trace(w, ids, cache=["resid_pre.*"] if keep and cfg.n_layers else [], edits=layer_ticks(ex, progress))
     nll, top = scored(ex, out.logits, ids)
     run = CleanRun(nll=nll, top=top, streams=out.stack("resid_pre") if keep and cfg.n_layers else None)
     _runs(ex).put(key, run)
@@ -144,7 +144,7 @@ def pattern_of(ex: Explorer, ids: Tensor, layer: int, head: int, progress: Progr
     w = ex.weights
     run = kept_run(ex, ids)
     start = None if run is None else run.stream(layer)
-    ticks = layer_ticks(ex, progress, "attention", upto=layer) if start is None else {}
+    ticks = layer_ticks(ex, progress, upto=layer) if start is None else {}
     with torch.no_grad():
         out = trace(w, ids.to(w.device), cache=[f"pattern.{layer}"], start_at=start, logits=False, edits=ticks)
     return out["pattern", layer][0, head].float().cpu()

@@ -29,7 +29,7 @@ bfloat16 matrix units, a float32 scan elsewhere): ``"tables": false`` leaves ``t
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -117,11 +117,12 @@ def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> Iterator[LowRank]
         yield LowRank(torch.cat([p.A for p in parts]), torch.cat([p.B for p in parts]))
 
 
-def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
+def _composition_of(ex: Explorer, layer: int, head: int, seen: Callable[[int], None] = lambda l: None) -> dict[str, Any]:
     """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
     every later head composing with it) of raw composition scores, from this head's weights alone and the
     other layers'. In memory every earlier layer's writers (and every later layer's readers) go through one
-    batched product; streamed from disk, one layer's at a time (the same scores: each pair's is its own)."""
+    batched product; streamed from disk, one layer's at a time (the same scores: each pair's is its own), each
+    layer told to ``seen`` as it is read."""
     w, cfg = ex.weights, ex.cfg
     H = cfg.n_heads
     Rs = rotations(w, None)
@@ -134,6 +135,7 @@ def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
         mine_k = {k: list(_readers([mine], k, Rs)) for k in KINDS}
         s: dict[str, list[float]] = {k: [] for k in KINDS}
         for block in blocks(range(layer)):
+            seen(block[0])
             atts = [w.attention(l) for l in block]
             writer = LowRank(torch.cat([a.W_V for a in atts]), torch.cat([a.W_O for a in atts]))
             for k in KINDS:
@@ -143,6 +145,7 @@ def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
         writer = LowRank(mine.W_V, mine.W_O)
         s = {k: [] for k in KINDS}
         for block in blocks(range(layer + 1, cfg.n_layers)):
+            seen(block[0])
             atts = [w.attention(l) for l in block]
             for k in KINDS:
                 s[k] += _scores(writer, _readers(atts, k, Rs))[0].tolist()
@@ -184,7 +187,8 @@ def card(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, An
         "positional": prof,
     }
     tick(progress, what, 1, steps)
-    out["composition"] = _composition_of(ex, layer, head)
+    seen = lambda l: tick(progress, f"{what}: composition, reading layer {l} from disk", 1, steps)  # noqa: E731
+    out["composition"] = _composition_of(ex, layer, head, seen if ex.streamed else lambda l: None)
     tick(progress, what, 2, steps)
     out["pattern"] = None if ids is None else _pattern_result(ex, ids, layer, head)
     tick(progress, what, 3, steps)
