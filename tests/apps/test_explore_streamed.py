@@ -69,7 +69,10 @@ def near(a: Any, b: Any, tol: float = 1e-5, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
-def test_the_views_give_the_in_memory_numbers(sessions: tuple[Explorer, Explorer]) -> None:
+def test_the_views_give_the_in_memory_numbers(sessions: tuple[Explorer, Explorer], monkeypatch: pytest.MonkeyPatch) -> None:
+    from qkov.analysis.forward import tracer
+
+    monkeypatch.setattr(tracer, "VOCAB_BLOCK", 7)  # the passes' unembedding in several blocks, as a real one's
     streamed, memory = sessions
     assert streamed.streamed and streamed.model is None and isinstance(streamed.weights, LazyCheckpoint)
     L = streamed.cfg.n_layers
