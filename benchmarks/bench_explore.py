@@ -52,7 +52,14 @@ HTTP: ``qkov explore CHECKPOINT --port 0 --no-cache`` in its own process: the se
 to the first page (``GET /``), then a head card and a 256-token attention through ``POST /api/views/...``,
 and the server's peak RSS. Timings on a shared machine are noisy: compare within one run.
 
+``--size llama3-8b``: the explorer on a Llama-3-8B-shape model it cannot hold (random bfloat16 weights of the
+real shape, ~15 GiB, built under /tmp by ``bench_modern.py``'s writer, or reused from ``--dir``), streamed from
+the memory map: the first page, the first text view through the job API (its progress lines), a last-layer
+pattern from the kept run, optionally a head card (``--card``), and the server's peak RSS; the model is deleted
+afterwards unless ``--keep`` (or it was there already).
+
     python benchmarks/bench_explore.py [--dir /tmp/qkov-explore-bench] [--skip heads,terms] [--only text,patch]
+    python benchmarks/bench_explore.py --size llama3-8b [--seq 64] [--card] [--keep] [--dir /tmp/qkov-llama8b]
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -324,9 +332,100 @@ def http(root: Path) -> dict:
             proc.kill()
 
 
+# ----------------------------------------------------------------------------- a Llama-3-8B shape, streamed
+def job(url: str, view: str, args: dict) -> tuple[float, list[str], dict]:
+    """Run one view through the job API as the page does (``POST /api/jobs``, then ``GET`` every 0.2 s):
+    ``(seconds, the distinct progress lines seen, the result)``."""
+    t0 = time.perf_counter()
+    _, j = post(url, "/api/jobs", {"view": view, "args": args})
+    lines: list[str] = []
+    while j["state"] in ("queued", "running"):
+        line = f"{view}: {j['what'] or j['state']}" + (f" {j['done']}/{j['total']}" if j["total"] else "")
+        if not lines or lines[-1] != line:
+            lines.append(line)
+        time.sleep(0.2)
+        with urllib.request.urlopen(f"{url}/api/jobs/{j['id']}", timeout=600) as r:
+            j = json.loads(r.read())
+    if j["state"] != "done":
+        raise RuntimeError(f"{view}: {j['state']}: {j.get('error')}")
+    return time.perf_counter() - t0, lines, j["result"]
+
+
+def llama8b(root: Path, seq: int, keep: bool, card: bool) -> int:
+    """``qkov explore`` on a Llama-3-8B-shape Hugging Face directory (random bfloat16 weights of the real shape,
+    ~15 GiB, written shard by shard by ``bench_modern.build_llama``; reused when ``root`` holds one): the seconds
+    from starting it to the first page, the first text view of ``seq`` token ids through the job API as the page
+    runs it (its progress lines counted), a pattern of the last layer from the kept run, optionally a head card
+    without its vocabulary tables, and the server's peak RSS (``VmHWM``) and the peak it printed on start."""
+    built_here = not (root / "model.safetensors.index.json").exists()
+    if built_here:
+        t = time.perf_counter()
+        code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_modern as b; b.build_llama(__import__('pathlib').Path({str(root)!r}))"
+        subprocess.run([sys.executable, "-c", code], check=True)  # in a child: this process never holds a shard
+        print(f"built {root} in {time.perf_counter() - t:.0f} s", flush=True)
+    size = sum(f.stat().st_size for f in root.glob("*.safetensors")) / 2**30
+    print(f"Llama-3-8B shape at {root}: {size:.1f} GiB of bfloat16 safetensors; text of {seq} token ids", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qkov", "explore", str(root), "--port", "0", "--no-cache"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        said = [proc.stdout.readline() for _ in range(4)]  # type: ignore[union-attr]
+        if "serving" not in said[0]:
+            raise RuntimeError(f"qkov explore failed: {said} {proc.stderr.read()[-2000:]}")  # type: ignore[union-attr]
+        url = said[0].split(" at ", 1)[1].split()[0].rstrip("/").split("?")[0]
+        with urllib.request.urlopen(url + "/", timeout=600) as r:
+            r.read()
+        first = time.perf_counter() - t0
+        for line in said[1:3]:
+            print("  " + line.strip())
+        text = [128000] + [int(i) for i in torch_ids(seq - 1)]
+        t_text, lines, out = job(url, "text", {"text": text})
+        print(f"first page {first:.1f} s after start; first text view {t_text:.1f} s ({len(lines)} progress lines, "
+              f"e.g. {lines[len(lines) // 2]!r}); mean loss {out['mean_loss']}", flush=True)  # fmt: skip
+        again = [128000] + [int(i) for i in torch_ids(seq, seed=2)[1:]]
+        t_again, _, _ = job(url, "text", {"text": again})
+        print(f"a second text of {seq} token ids: {t_again:.1f} s (no vocabulary-mean pass)", flush=True)
+        last = f"{json.loads((root / 'config.json').read_text())['num_hidden_layers'] - 1}.0"
+        t_att, _, _ = job(url, "attention", {"text": text, "head": last})
+        print(f"attention {last} on the same text (its layer alone, from the kept run): {t_att:.1f} s", flush=True)
+        if card:
+            t_card, _, _ = job(url, "card", {"head": last, "tables": False})
+            print(f"head card {last} without its vocabulary tables: {t_card:.1f} s", flush=True)
+        with open(f"/proc/{proc.pid}/status") as fh:
+            hwm = next(int(x.split()[1]) / 2**20 for x in fh if x.startswith("VmHWM"))
+        print(f"server peak RSS (VmHWM) {hwm:.2f} GiB; goals: <= 4 GiB, first text view <= 60 s")
+        print("(timings on a shared CPU are noisy)")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        if built_here and not keep:
+            shutil.rmtree(root)
+            print(f"removed {root} (--keep keeps it)")
+    return 0
+
+
+def torch_ids(n: int, seed: int = 1) -> list[int]:
+    """``n`` seeded random ids below the Llama-3 vocabulary's special tokens (128000)."""
+    import torch
+
+    return torch.randint(0, 128000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "qkov-explore-bench")
+    p.add_argument("--dir", type=Path, help="where the model is built (default: qkov-explore-bench, or with "
+                   "--size llama3-8b qkov-llama8b, under the temporary folder)")  # fmt: skip
+    p.add_argument("--size", choices=["gpt2", "llama3-8b"], default="gpt2",
+                   help="llama3-8b: the explorer streaming a Llama-3-8B-shape model from disk (see llama8b)")  # fmt: skip
+    p.add_argument("--seq", type=int, default=64, help="llama3-8b: token ids in the text (default 64)")
+    p.add_argument("--card", action="store_true", help="llama3-8b: also time a head card without its tables")
+    p.add_argument("--keep", action="store_true", help="llama3-8b: keep the model built here (~15 GiB)")
     p.add_argument("--skip", default="", help="comma-separated tasks to leave out (e.g. heads,terms,http,tl)")
     p.add_argument("--only", default="", help="comma-separated tasks to run alone (e.g. text,patch,patch-cli)")
     p.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
@@ -334,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.worker[0], args.worker[1], Path(args.worker[2]))
         return 0
+    if args.size == "llama3-8b":
+        return llama8b(args.dir or Path(tempfile.gettempdir()) / "qkov-llama8b", args.seq, args.keep, args.card)
+    args.dir = args.dir or Path(tempfile.gettempdir()) / "qkov-explore-bench"
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     only = {s.strip() for s in args.only.split(",") if s.strip()}
     args.dir.mkdir(parents=True, exist_ok=True)

@@ -49,6 +49,8 @@ BENCHES = (
     Bench("dynamics", ("bench_dynamics.py",), "qkov dynamics over the tour's 2-layer snapshots; core work vs TL",
           needs="runs/tour/qkov-2l/snapshots"),
     Bench("explore", ("bench_explore.py",), "qkov explore's views at GPT-2-small shape, through HTTP"),
+    Bench("explore-8b", ("bench_explore.py", "--size", "llama3-8b", "--card"),
+          "qkov explore streaming a Llama-3-8B shape (15 GiB bfloat16 under /tmp): first text, peak memory"),
     Bench("split", ("bench_split.py", "--layers", "8"), "Llama-3-8B-shape composition split over 2 torchrun ranks",
           needs="torchrun"),
     Bench("null-scores", ("null_scores.py",), "head scores of untrained models (behind the role thresholds)"),

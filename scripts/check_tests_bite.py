@@ -1052,6 +1052,72 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "g = [(M.transpose(-1, -2) @ gj[..., None])[..., 0] for gj in g] + [w]",
         "tests/analysis/paths/test_routed.py::test_terms_sum_to_the_logits",
     ),
+    "streamed forward: the embedding rows indexed by token id, not by their place among the rows read": (
+        "analysis/forward/tracer.py",
+        "    return embed(inverse, torch.cat(runs), None)[0]",
+        "    return embed(tokens.remainder(len(values)), torch.cat(runs), None)[0]",
+        "tests/weights/test_lazy.py::test_the_streamed_forward_reads_the_tokens_rows_and_the_unembedding_in_blocks",
+    ),
+    "streamed forward: each unembedding block's bias left out": (
+        "analysis/forward/tracer.py",
+        "            block = block if b_U is None else block + b_U",
+        "            block = block",
+        "tests/weights/test_lazy.py::test_the_streamed_forward_reads_the_tokens_rows_and_the_unembedding_in_blocks",
+    ),
+    "streamed forward: every unembedding block written to the first columns": (
+        "analysis/forward/tracer.py",
+        "                logits[..., cols] = block",
+        "                logits[..., : cols.stop - cols.start] = block",
+        "tests/apps/test_explore_streamed.py::test_the_views_give_the_in_memory_numbers",
+    ),
+    "lazy: a sum that overflows taken for a NaN (finite values refused)": (
+        "weights/lazy.py",
+        "        if not bool(t.sum().isfinite()) and not all(bool(part.isfinite().all()) for part in t.reshape(-1).split(_BLOCK)):",
+        "        if not bool(t.sum().isfinite()):",
+        "tests/weights/test_lazy.py::test_non_finite_values_are_refused_and_huge_finite_ones_are_not",
+    ),
+    "explorer streamed: the progress of a layer reported as the next one": (
+        "apps/explore/runs.py",
+        'progress(f"reading layer {site.layer} of {ex.cfg.n_layers} from disk", site.layer, total)',
+        'progress(f"reading layer {site.layer} of {ex.cfg.n_layers} from disk", site.layer + 1, total)',
+        "tests/apps/test_explore_streamed.py::test_a_streamed_text_reports_each_layer_as_it_reads_it",
+    ),
+    "explorer streamed: the views that read every layer many times run anyway": (
+        "apps/explore/views.py",
+        "        if ex.streamed:\n            raise BadRequest(",
+        "        if False:\n            raise BadRequest(",
+        "tests/apps/test_explore_streamed.py::test_views_that_would_read_every_layer_many_times_are_one_line",
+    ),
+    "explorer: the loaded model kept beside its folded view (two copies)": (
+        "apps/explore/session.py",
+        "                self.model = None\n",
+        "",
+        "tests/apps/test_explore_streamed.py::test_an_in_memory_session_keeps_one_copy",
+    ),
+    "explorer streamed: the text bounded by its logits' elements, not their bytes": (
+        "apps/explore/session.py",
+        "STREAMED_LOGITS_BYTES // (4 * cfg.d_vocab)",
+        "STREAMED_LOGITS_BYTES // cfg.d_vocab",
+        "tests/apps/test_explore_streamed.py::test_a_streamed_text_is_bounded_by_its_logits",
+    ),
+    "explorer card: its composition read from head 0's weights": (
+        "apps/explore/views_card.py",
+        "    mine = w.attention(layer, head)  # [1, ...]: this head",
+        "    mine = w.attention(layer, 0)  # [1, ...]: this head",
+        "tests/apps/test_explore_views.py::test_composition_graph_is_all_pairs_and_matches_the_cards",
+    ),
+    "explorer page, streamed: a card's vocabulary tables start without being asked": (
+        "apps/explore/static/explore.js",
+        "      if (!M.streamed) { tables(); return; }",
+        "      if (true) { tables(); return; }",
+        "tests/apps/test_explore_streamed_browser.py",
+    ),
+    "explorer page, streamed: the heads table started though it is not answered": (
+        "apps/explore/static/explore.js",
+        "  if (!OFF.heads) P.heads.run(\"heads\", {}, drawHeads);",
+        "  P.heads.run(\"heads\", {}, drawHeads);",
+        "tests/apps/test_explore_streamed_browser.py",
+    ),
 }
 
 

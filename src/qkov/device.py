@@ -17,6 +17,7 @@ __all__ = [
     "flush_denormals",
     "free_memory",
     "memory_budget",
+    "peak_resident",
     "pick_device",
     "reproducible_blas",
     "set_memory_budget",
@@ -59,6 +60,19 @@ def free_memory(device: torch.device) -> int | None:
         with open("/proc/meminfo") as fh:
             for line in fh:
                 if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def peak_resident() -> int | None:
+    """This process's peak resident memory in bytes since it started: the kernel's ``VmHWM`` (Linux; it counts
+    pages of memory-mapped files while they are mapped in); ``None`` where it cannot be read."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass

@@ -4,6 +4,7 @@ page it serves, a token for a non-loopback host, and Ctrl-C ending it with exit 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from explore_helpers import call, one_line_error, tokenized_checkpoint
+from explore_helpers import call, one_line_error, tokenized_checkpoint, view
 from helpers import ROOT, run_main
 from qkov.apps.cli import build_parser
 
@@ -94,13 +95,45 @@ def test_serves_the_page_and_ctrl_c_exits_0(ckpt: Path, tmp_path: Path) -> None:
     proc, url = start(ckpt, cache=tmp_path / "cache")
     try:
         assert url.startswith("http://127.0.0.1:") and "token" not in url
-        assert proc.stdout.readline().startswith(f"qkov explore: disk cache: {tmp_path / 'cache' / 'explore'}")
+        weights, peak, cache = (proc.stdout.readline() for _ in range(3))
+        assert weights.startswith("qkov explore: weights: in memory") and re.fullmatch(
+            r"qkov explore: peak memory so far: \d+\.\d\d GiB\n", peak
+        )
+        assert cache.startswith(f"qkov explore: disk cache: {tmp_path / 'cache' / 'explore'}")
         status, headers, body = call(url, "GET", "/")
         assert status == 200 and headers["content-type"].startswith("text/html") and b"ck3" in body
     finally:
         rc, out, err = stop(proc)
     assert rc == 0 and "Traceback" not in err, err
     assert "stopped" in out
+
+
+def test_lazy_serves_the_model_from_disk_and_says_so(ckpt: Path, tmp_path: Path) -> None:
+    """--lazy: the start lines say the weights stay on disk (with the peak memory), the model view says it is
+    streamed, a text runs, and a view that would read every layer many times is one line (400)."""
+    proc, url = start(ckpt, "--lazy", "--no-cache", cache=tmp_path / "cache")
+    try:
+        weights, peak = proc.stdout.readline(), proc.stdout.readline()
+        assert weights.startswith("qkov explore: weights: read from disk layer by layer") and "not available: " in weights
+        assert re.fullmatch(r"qkov explore: peak memory so far: \d+\.\d\d GiB \(nothing of the weights held\)\n", peak)
+        status, model = view(url, "model")
+        assert status == 200 and model["streamed"] is True and set(model["unavailable"]) >= {"heads", "patch"}
+        status, text = view(url, "text", {"text": "def f(self):"})
+        assert status == 200 and len(text["loss"]) == len(text["tokens"]) > 2
+        status, headers, body = call(url, "GET", "/api/views/heads")
+        assert status == 400 and "read from disk layer by layer" in one_line_error(status, headers, body)
+    finally:
+        rc, _, err = stop(proc)
+    assert rc == 0 and "Traceback" not in err, err
+
+
+def test_lazy_on_a_source_qkov_cannot_stream_is_one_line(tmp_path: Path, capsys) -> None:
+    from qkov import ModelConfig, Transformer
+    from qkov.io import save_tl
+
+    save_tl(Transformer(ModelConfig(n_layers=1, n_heads=2, d_model=16, d_head=8, d_vocab=20, n_ctx=8)), tmp_path / "m.pt")
+    rc, out, err = run_main(capsys, "explore", tmp_path / "m.pt", "--lazy", "--port", "0", "--no-cache")
+    assert rc == 2 and out == "" and err.startswith("qkov: error: --lazy reads qkov checkpoints") and err.count("\n") == 1
 
 
 def test_a_non_loopback_host_gets_a_token(ckpt: Path, tmp_path: Path) -> None:
@@ -113,7 +146,7 @@ def test_a_non_loopback_host_gets_a_token(ckpt: Path, tmp_path: Path) -> None:
         status, headers, body = call(local, "GET", "/api/views/model")
         assert status == 403 and "token" in one_line_error(status, headers, body)
         assert call(local, "GET", f"/?token={token}")[0] == 200
-        assert "disk cache: nowhere" in proc.stdout.readline()
+        assert "disk cache: nowhere" in [proc.stdout.readline() for _ in range(3)][-1]
     finally:
         rc, _, err = stop(proc)
     assert rc == 0 and "Traceback" not in err, err

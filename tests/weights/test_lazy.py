@@ -167,6 +167,33 @@ def test_forward_and_paths_stream_the_same_model(saved: tuple[Weights, Path]) ->
     assert P.expand(ck, toks).reconstruction_error() < 1e-10
 
 
+@pytest.mark.parametrize("centre", [True, False])
+def test_the_streamed_forward_reads_the_tokens_rows_and_the_unembedding_in_blocks(
+    centre: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trace on a LazyCheckpoint reads W_E's rows of the tokens present only (a run of consecutive ids as one
+    read) and W_U a block of columns at a time, never either whole (with centring, the vocabulary mean is one
+    pass more, in the checkpoint's own blocks), and gives the in-memory view's logits and streams."""
+    from qkov.analysis.forward import tracer
+
+    model = _save(tmp_path / "ck", LN.replace(d_vocab=90))
+    monkeypatch.setattr(tracer, "VOCAB_BLOCK", 16)
+    ck = LazyCheckpoint(tmp_path / "ck", dtype=torch.float64, center_unembed=centre)
+    seen: list[tuple[str, object, object]] = []
+    real = ck.file.read
+    monkeypatch.setattr(ck.file, "read", lambda name, index=None, cols=None: seen.append((name, index, cols)) or real(name, index, cols))
+    toks = torch.tensor([[3, 4, 5, 9, 3, 80], [7, 8, 4, 4, 4, 81]])
+    got = trace(ck, toks, cache=["resid_pre"])
+    want = trace(Weights.from_model(model, dtype=torch.float64, center_unembed=centre), toks, cache=["resid_pre"])
+    assert _close(got.logits, want.logits) and _close(got.stack("resid_pre"), want.stack("resid_pre"))
+    rows = [i for name, i, _ in seen if name == "W_E"]
+    assert rows == [slice(3, 6), slice(7, 10), slice(80, 82)]
+    blocks = [c for name, _, c in seen if name == "W_U"]
+    whole = slice(0, 90)  # the vocabulary mean's pass (90 columns fit one of the checkpoint's blocks)
+    assert [c for c in blocks if c != whole] == [slice(lo, min(90, lo + 16)) for lo in range(0, 90, 16)]
+    assert blocks.count(whole) == int(centre)
+
+
 def test_a_view_read_from_the_memory_map_is_the_loaded_models(saved: tuple[Weights, Path]) -> None:
     """Weights.from_source(LazyCheckpoint(path)) (layer by layer, no model beside it) holds the same
     tensors, options and forward as Weights.from_model(load(path)); from_source of a view is itself."""
@@ -209,6 +236,24 @@ def test_attention_analyses_never_read_mlps_and_one_head_reads_one_head(tmp_path
         assert ck.file.reads["W_E"] == 1 and ck.file.reads["W_U"] == reads
         # one head, W_E, W_U, ln1, ln_final
         assert ck.file.bytes_read == (4 * 64 * 16 + (1 + reads) * 500 * 64 + (1 + reads) * 2 * 64) * 4
+
+
+def test_non_finite_values_are_refused_and_huge_finite_ones_are_not(tmp_path: Path) -> None:
+    """Each read is checked by its sum (finite: every value is), and value by value when the sum is not: an
+    infinity is refused, finite values whose sum overflows float32 are read as they are."""
+    ck = tmp_path / "ck"
+    _save(ck, ATTN_ONLY)
+    with safe_open(str(ck / "model.safetensors"), framework="pt") as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    huge = torch.full((4, 8, 32), 3e38)
+    save_file({**state, "blocks.2.attn.W_O": huge}, str(ck / "model.safetensors"))
+    got = LazyCheckpoint(ck, center_writing=False).attention(2).W_O
+    assert torch.equal(got, huge) and not got.sum().isfinite()
+    bad = huge.clone()
+    bad[1, 2, 3] = -math.inf
+    save_file({**state, "blocks.2.attn.W_O": bad}, str(ck / "model.safetensors"))
+    with pytest.raises(QkovError, match="blocks.2.attn.W_O holds NaN or infinite values"):
+        LazyCheckpoint(ck).attention(2)
 
 
 def test_bad_checkpoints_are_one_line_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -276,7 +321,7 @@ def test_cli_lazy_matches_in_memory(
     assert len(eager["circuits"]["copying"]) == 12 and len(eager["trigrams"]["trigrams"]) == 20
     assert "one-layer (direct) view" in eager["trigrams"]["note"]  # head 1.2 is beyond layer 0
     opened = []
-    monkeypatch.setattr("qkov.apps.cli.common.AUTO_LAZY_BYTES", 0)  # every file is "big": the lazy path is automatic
+    monkeypatch.setattr("qkov.weights.lazy.AUTO_LAZY_BYTES", 0)  # every file is "big": the lazy path is automatic
     monkeypatch.setattr(weights_cmds, "LazyCheckpoint", lambda *a, **kw: opened.append(a) or LazyCheckpoint(*a, **kw))
     _assert_same(_json(["circuits", str(ck), "--json"], capsys), eager["circuits"])
     assert len(opened) == 1

@@ -198,7 +198,7 @@ def analysis_inputs(
         if model.tokenizer is None:
             raise QkovError("a text file needs a model with a tokenizer (give token ids instead)")
         try:
-            ids = model.codec.plain(text.read_text(encoding="utf-8", errors="replace"))
+            ids = source_codec(model).plain(text.read_text(encoding="utf-8", errors="replace"))
         except OSError as exc:
             raise QkovError(f"cannot read the text {str(text)!r} ({exc.strerror})") from None
         if not ids:

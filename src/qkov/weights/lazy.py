@@ -27,18 +27,38 @@ from torch import Tensor
 from ..errors import QkovError
 from ..expect import expect_path
 from ..io.checkpoint import MODEL_FILE, TOKENIZER_FILE, read_config, read_tokenizer
-from ..io.hf_families import prepends_start, start_token
+from ..io.hf_families import FAMILIES, prepends_start, start_token
 from ..io.hf_store import HFStore
 from ..io.plausible import check_shapes
+from ..io.sources import hf_model_type, source_kind
 from ..io.tensorfile import TensorFile
 from ..model.config import ModelConfig
 from ..model.ops import expand_kv as expand
 from .parts import AttentionWeights, MLPWeights, Unembedding, check_head, fold_reader, writer_centring
 
-__all__ = ["AUTO_LAZY_BYTES", "LazyCheckpoint"]
+__all__ = ["AUTO_LAZY_BYTES", "LazyCheckpoint", "streamable", "streams_by_default", "weights_bytes"]
 
 _BLOCK = 1 << 24  # values per block where a whole-tensor temporary would double the memory
 AUTO_LAZY_BYTES = 1 << 30  # the CLI streams a checkpoint whose model.safetensors is larger than this
+
+
+def streamable(path: Path | str) -> bool:
+    """Whether :class:`LazyCheckpoint` reads ``path``: a qkov checkpoint, or a Hugging Face directory of one
+    of :data:`~qkov.io.hf_families.FAMILIES` (GPT-2's is loaded whole)."""
+    kind = source_kind(path)
+    return kind == "qkov" or (kind == "hf" and hf_model_type(path) in FAMILIES)
+
+
+def weights_bytes(path: Path | str) -> int:
+    """The size of a checkpoint directory's weights: its ``*.safetensors`` files (0 for anything else)."""
+    folder = Path(path)
+    return sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+
+
+def streams_by_default(path: Path | str) -> bool:
+    """Whether ``path`` is read layer by layer unless told otherwise: :func:`streamable` and its weights
+    larger than :data:`AUTO_LAZY_BYTES`."""
+    return streamable(path) and weights_bytes(path) > AUTO_LAZY_BYTES
 
 
 def _config_json(path: Path) -> dict:  # type: ignore[type-arg]
@@ -129,10 +149,12 @@ class LazyCheckpoint:
         return self._get(name + ".w"), bias
 
     def _get(self, name: str, index: int | slice | None = None, cols: slice | None = None) -> Tensor:
-        t = self.file.read(name, index, cols)
-        if not all(bool(part.isfinite().all()) for part in t.reshape(-1).split(_BLOCK)):  # no full-size mask
+        t = self.file.read(name, index, cols).to(device=self.device, dtype=self.dtype)
+        # a finite sum means every value is finite (a NaN or an infinity makes it NaN or infinite): one pass,
+        # no mask; only a sum that is not (a NaN, or finite values overflowing it) is looked at value by value
+        if not bool(t.sum().isfinite()) and not all(bool(part.isfinite().all()) for part in t.reshape(-1).split(_BLOCK)):
             raise QkovError(f"{self.file.path}: {name} holds NaN or infinite values")
-        return t.to(device=self.device, dtype=self.dtype)
+        return t
 
     def _get_or_zeros(self, name: str, shape: tuple[int, ...]) -> Tensor:
         if name in self.file.entries:
@@ -187,7 +209,7 @@ class LazyCheckpoint:
         W = self._get("W_U", cols=cols)
         b = self._get("b_U", cols=cols) if "b_U" in self.file.entries else W.new_zeros(W.shape[1])
         if self.layernorm:
-            W, b = fold_reader(W, b, *self._ln("ln_final"), read_dim=0)
+            W, b = fold_reader(W, b, *self._ln("ln_final"), read_dim=0, inplace=True)  # freshly read: no copy
         return Unembedding(W, b)
 
     def attention(self, layer: int, head: int | None = None, *, expand_kv: bool = True) -> AttentionWeights:
@@ -221,7 +243,7 @@ class LazyCheckpoint:
         if self.layernorm:
             g, beta = self._ln(f"blocks.{block}.ln1")
             for n in ("Q", "K", "V", *gate):
-                W[n], b[n] = fold_reader(W[n], b[n], g, beta, read_dim=1)
+                W[n], b[n] = fold_reader(W[n], b[n], g, beta, read_dim=1, inplace=True)
         b_O = self._writer(self._get_or_zeros(pre + "b_O", (D,)))
         W_O = self._writer(get("W_O", (h, E, D)))
         extra = {"W_G": W["G"], "b_G": b["G"]} if G else {}
@@ -241,8 +263,8 @@ class LazyCheckpoint:
         b_gate = self._get_or_zeros(pre + "b_gate", (M,)) if gated else None
         if self.layernorm:
             g, beta = self._ln(f"blocks.{block}.ln2")
-            W_in, b_in = fold_reader(W_in, b_in, g, beta, read_dim=0)
+            W_in, b_in = fold_reader(W_in, b_in, g, beta, read_dim=0, inplace=True)
             if W_gate is not None:
-                W_gate, b_gate = fold_reader(W_gate, b_gate, g, beta, read_dim=0)  # type: ignore[arg-type]
+                W_gate, b_gate = fold_reader(W_gate, b_gate, g, beta, read_dim=0, inplace=True)  # type: ignore[arg-type]
         W_out, b_out = self._writer(self._get(pre + "W_out")), self._writer(self._get_or_zeros(pre + "b_out", (D,)))
         return MLPWeights(W_in, b_in, W_out, b_out, W_gate=W_gate, b_gate=b_gate)

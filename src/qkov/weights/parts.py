@@ -34,11 +34,14 @@ __all__ = [
     "MLPWeights",
     "NORMS",
     "Unembedding",
+    "VOCAB_BLOCK",
     "WeightSource",
     "writer_centring",
 ]
 
 NORMS: tuple[str, ...] = ("none", "layernorm", "rmsnorm", "folded", "scale")
+VOCAB_BLOCK = 4096
+"""Tokens per block when a streamed source's ``W_E`` rows or ``W_U`` columns are read in pieces."""
 """How a view's stream is normalised before each reader: ``none`` (no normalisation), ``layernorm``
 (the affine LayerNorm, gain and bias kept in the view), ``rmsnorm`` (RMSNorm with its gain kept in
 the view), ``folded`` (centre and divide by the standard deviation; gain and bias folded into the

@@ -13,11 +13,9 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from ...weights.parts import WeightSource
+from ...weights.parts import VOCAB_BLOCK, WeightSource
 
 __all__ = ["embed_product", "unembed_product", "VOCAB_BLOCK"]
-
-VOCAB_BLOCK = 4096  # tokens per block when a streamed source's W_E / W_U are read in pieces
 
 
 def embed_product(

@@ -23,7 +23,10 @@ With no logits asked (``logits=False``, or ``positions`` empty) the pass stops a
 cached or edited has been computed: a recording of layer 5's pattern runs layers 0-4 and layer 5's
 attention up to its pattern, no MLP after it, no final normalisation, no unembedding (the values are
 the full pass's; tested). A bias of zeros (what a weights view holds for a model without one) is not
-added (:func:`qkov.model.ops.live_bias`).
+added (:func:`qkov.model.ops.live_bias`). A streamed source (a memory-mapped
+:class:`~qkov.weights.LazyCheckpoint`) is read as the pass goes: one layer's weights at a time, the embedding
+rows of the tokens present only, the unembedding a block of columns at a time (:func:`embedded`), so the pass
+holds one layer and never ``W_E`` or ``W_U`` whole (the values are the in-memory view's; tested).
 
 Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head, ``V`` d_vocab.
 """
@@ -42,13 +45,13 @@ from ...model.block import BlockPass
 from ...model.bus import make_pass
 from ...model.ops import embed, live_bias, norm_scale, normalize, stream_start
 from ...model.tokens import check_tokens
-from ...weights.parts import WeightSource
+from ...weights.parts import VOCAB_BLOCK, WeightSource
 from ...weights.convert import SourceLike, as_source
 from .cache import Trace
 from .edits import PER_POSITION, Edit, Edits
 from .sites import Address, Sites
 
-__all__ = [ "flops_per_token", "trace"]
+__all__ = ["embedded", "flops_per_token", "trace"]
 
 
 def flops_per_token(cfg: Any) -> int:
@@ -145,7 +148,8 @@ class _Pass(BlockPass):
     def start(self, tokens: Tensor, start_at: tuple[int, Tensor] | None) -> tuple[int, Tensor | None]:
         """Embed ``tokens`` (or take the stream given by ``start_at``); set the positions."""
         B, T = tokens.shape
-        emb, pos = embed(tokens, self.source.embed(), self.source.pos())
+        W_pos = self.source.pos()
+        pos = None if W_pos is None else W_pos[:T]
         if pos is not None:
             pos = pos.expand(B, T, -1)
             if self.grad and not pos.requires_grad:
@@ -153,8 +157,9 @@ class _Pass(BlockPass):
             self.pos = pos = self.at("pos", None, pos)
         if self.cfg.positional == "rotary":
             self.turn = rotary.tables(self.cfg, T, self.source.device, self.source.dtype)
-        if start_at is not None:
+        if start_at is not None:  # the embedding is not read
             return start_at[0], start_at[1]
+        emb = embedded(self.source, tokens)
         if self.grad and not emb.requires_grad:
             emb = emb.requires_grad_()
         x = stream_start(self.at("embed", None, emb), pos, self.cfg.positional)
@@ -166,14 +171,35 @@ class _Pass(BlockPass):
     def logits(self, x: Tensor, positions: Tensor | None) -> Tensor:
         if positions is not None and len(positions) == 0:  # a metric that reads no logits: unembed nothing
             return x.new_zeros(x.shape[0], 0, self.cfg.d_vocab)
-        unemb = self.source.unembed()
+        V = self.cfg.d_vocab
+        streamed = not getattr(self.source, "in_memory", True)
+        unemb = self.source.unembed(cols=slice(0, min(V, VOCAB_BLOCK)) if streamed else None)
         x = x if positions is None else x[:, positions.to(x.device)]
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
+        if streamed:  # the unembedding a block of columns at a time: W_U is never held whole
+            return self.at("logits", None, self._streamed_logits(final, unemb))
         logits = final @ unemb.W_U
         b_U = live_bias(unemb.b_U)
         if b_U is not None:  # in place on the fresh product (the same bits): the logits are the largest tensor
             logits = logits + b_U if self.grad else logits.add_(b_U)
         return self.at("logits", None, logits)
+
+    def _streamed_logits(self, final: Tensor, first: Any) -> Tensor:
+        """``final [B, P, D] @ W_U + b_U`` read from a streamed source :data:`VOCAB_BLOCK` columns at a time
+        (``first``: the first block, already read), into one ``[B, P, V]`` tensor."""
+        V, parts = self.cfg.d_vocab, []
+        logits = None if self.grad else final.new_empty(*final.shape[:-1], V)
+        for lo in range(0, V, VOCAB_BLOCK):
+            cols = slice(lo, min(V, lo + VOCAB_BLOCK))
+            part = first if lo == 0 else self.source.unembed(cols=cols)
+            block = final @ part.W_U
+            b_U = live_bias(part.b_U)
+            block = block if b_U is None else block + b_U
+            if logits is None:
+                parts.append(block)
+            else:
+                logits[..., cols] = block
+        return torch.cat(parts, -1) if logits is None else logits
 
     def query_rows(self, positions: Tensor | None, T: int, *, start_at: Any) -> Tensor | None:
         """The positions ``[P]`` (in ``0 .. T-1``) where the last layer needs its queries, or ``None``
@@ -191,6 +217,22 @@ class _Pass(BlockPass):
             if kind != "z" or not all(getattr(e, PER_POSITION, False) for _, e in edits):
                 return None
         return positions.to(self.source.device).remainder(T)
+
+
+def embedded(source: WeightSource, tokens: Tensor) -> Tensor:
+    """The token embedding ``W_E[tokens]`` ``[B, T, D]`` of ``tokens [B, T]``. A streamed source (not
+    ``in_memory``) reads only the rows of the ids present, each run of consecutive ids as one block:
+    ``W_E`` is never held whole."""
+    if getattr(source, "in_memory", True):
+        return embed(tokens, source.embed(), None)[0]
+    ids, inverse = tokens.unique(return_inverse=True)  # sorted
+    runs, start = [], 0
+    values = ids.tolist()
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            runs.append(source.embed(slice(values[start], values[i - 1] + 1)))
+            start = i
+    return embed(inverse, torch.cat(runs), None)[0]
 
 
 def trace(

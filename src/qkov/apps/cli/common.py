@@ -20,10 +20,10 @@ from ...device import pick_device, set_memory_budget
 from ...finite import json_safe
 from ...errors import QkovError, QkovWarning
 from ...io.hf_families import FAMILIES
-from ...io.sources import hf_model_type, load_any, source_kind
+from ...io.sources import load_any, source_kind
 from ...model.config import ModelConfig
 from ...model.transformer import Transformer
-from ...weights.lazy import AUTO_LAZY_BYTES, LazyCheckpoint
+from ...weights.lazy import LazyCheckpoint, streamable, streams_by_default
 from ...weights.view import Weights
 
 __all__ = [
@@ -326,16 +326,10 @@ def add_lazy(p: argparse.ArgumentParser) -> None:
     )
 
 
-def streamable(path: Path) -> bool:
-    """Whether :class:`~qkov.weights.lazy.LazyCheckpoint` reads ``path``: a qkov checkpoint, or a Hugging Face
-    directory of one of :data:`~qkov.io.hf_families.FAMILIES` (GPT-2's is loaded whole)."""
-    kind = source_kind(path)
-    return kind == "qkov" or (kind == "hf" and hf_model_type(path) in FAMILIES)
-
-
 def lazy(args: argparse.Namespace) -> bool:
     """``--lazy``, or automatically when the weights (``model.safetensors``, or a Hugging Face
-    directory's shards) are larger than ``AUTO_LAZY_BYTES``."""
+    directory's shards) are larger than ``AUTO_LAZY_BYTES``
+    (:func:`~qkov.weights.lazy.streams_by_default`)."""
     if not streamable(args.ckpt):
         if args.lazy and source_kind(args.ckpt) == "hf":
             raise QkovError(
@@ -346,8 +340,7 @@ def lazy(args: argparse.Namespace) -> bool:
                 "--lazy reads qkov checkpoints and Hugging Face directories: convert the model first with qkov import"
             )
         return False
-    size = sum(f.stat().st_size for f in Path(args.ckpt).glob("*.safetensors"))
-    return bool(args.lazy) or size > AUTO_LAZY_BYTES
+    return bool(args.lazy) or streams_by_default(args.ckpt)
 
 
 def parse_head(text: str, cfg: ModelConfig, flag: str = "--head") -> tuple[int, int]:

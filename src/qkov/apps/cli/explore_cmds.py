@@ -11,13 +11,16 @@ import webbrowser
 from pathlib import Path
 from typing import Any
 
-from ...device import memory_budget
+from ...device import memory_budget, peak_resident
 from ...errors import QkovError
+from ...weights.lazy import weights_bytes
 from ..explore.server import MIN_TOKEN, bind, check_token, is_loopback, make_app, server, url_of
+from ..explore.context import Explorer
 from ..explore.session import DEFAULT, open_explorer
-from .common import add_device, add_source_args, device, int_at_least
+from ..explore.views import IN_MEMORY_VIEWS
+from .common import add_device, add_lazy, add_source_args, device, int_at_least, lazy
 
-__all__ = ["add_explore", "CACHE_SHARE", "cmd_explore", "DEFAULT_PORT", "serve"]
+__all__ = ["add_explore", "CACHE_SHARE", "cmd_explore", "DEFAULT_PORT", "serve", "start_lines"]
 
 DEFAULT_PORT = 8765
 CACHE_SHARE = 4
@@ -66,6 +69,7 @@ def add_explore(sub: Any) -> None:
     )
     g.add_argument("--no-cache", action="store_true", help="keep nothing on disk")
     p.add_argument("--access-log", action="store_true", help="print one line per HTTP request")
+    add_lazy(p)
     add_device(p)
     p.set_defaults(func=cmd_explore)
 
@@ -86,15 +90,15 @@ def cmd_explore(args: argparse.Namespace) -> int:
     cache_dir = None if args.no_cache else (args.cache_dir or DEFAULT)
     sock = bind(args.host, args.port)  # first: a port in use is refused before the model is read
     try:
-        ex = open_explorer(args.ckpt, device=dev, cache_dir=cache_dir, config=args.config, text=args.text)
+        ex = open_explorer(args.ckpt, device=dev, cache_dir=cache_dir, config=args.config, text=args.text, lazy=lazy(args))
         budget, _ = memory_budget(dev) if args.max_memory else (None, "")
         cache_bytes = 256 * 2**20 if budget is None else max(2**20, budget // CACHE_SHARE)
         hosts = (*args.allow_host, args.host)  # a --host given as a name is one of the server's names
         app = make_app(ex, token=token, hosts=hosts, cache_bytes=cache_bytes)
         url = url_of(sock, token)
         print(f"qkov explore: serving {ex.name} at {url}", flush=True)
-        where = "nowhere (--no-cache)" if ex.cache_dir is None else str(ex.cache_dir)
-        print(f"qkov explore: disk cache: {where}; Ctrl-C stops", flush=True)
+        for line in start_lines(ex):
+            print(f"qkov explore: {line}", flush=True)
         if args.open:
             webbrowser.open(url)
         try:
@@ -105,6 +109,24 @@ def cmd_explore(args: argparse.Namespace) -> int:
         sock.close()
     sys.stdout.write("qkov explore: stopped\n")
     return 0
+
+
+def start_lines(ex: Explorer) -> list[str]:
+    """What the command prints once the server is up: where the weights are, the peak memory so far, the disk cache."""
+    peak = peak_resident()
+    memory = "unknown" if peak is None else f"{peak / 2**30:.2f} GiB"
+    if ex.streamed:
+        size = weights_bytes(str(ex.extra["source"])) / 2**30
+        names = ", ".join(sorted(IN_MEMORY_VIEWS))
+        weights = (
+            f"weights: read from disk layer by layer as each view needs them (memory-mapped, {size:.1f} GiB); texts "
+            f"up to {ex.max_tokens:,} tokens; not available: {names}"
+        )
+        memory += " (nothing of the weights held)"
+    else:
+        weights = "weights: in memory (the folded view is built in the background; the loaded model is then dropped)"
+    where = "nowhere (--no-cache)" if ex.cache_dir is None else str(ex.cache_dir)
+    return [weights, f"peak memory so far: {memory}", f"disk cache: {where}; Ctrl-C stops"]
 
 
 def serve(app: Any, sock: Any, *, access_log: bool) -> None:

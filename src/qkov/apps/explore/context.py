@@ -17,12 +17,19 @@ import torch
 
 from ...analysis.forward.address import as_head
 from ...errors import QkovError
+from ...finite import rounded
 from ...model.tokens import TextCodec
 from ...model.transformer import Transformer
 from ...model.config import ModelConfig
-from ...weights.view import Weights
+from ...weights.parts import WeightSource
 
-__all__ = ["BadRequest", "Cancelled", "Explorer"]
+__all__ = ["BadRequest", "Cancelled", "Explorer", "r6"]
+
+
+def r6(x: float) -> float | None:
+    """``x`` to 6 significant digits, ``None`` when not finite (:func:`qkov.finite.rounded`): what the
+    explorer's pages show and its JSON carries."""
+    return rounded(x, 6)
 
 
 class BadRequest(QkovError):
@@ -42,14 +49,17 @@ class Cancelled(Exception):
 class Explorer:
     """The model being explored and what every view needs about it.
 
-    ``model`` is the model (its shape, its parameters' fingerprint); ``weights`` is its folded weights view,
-    which every view reads (texts run on it: :func:`qkov.trace`); ``decode(id) -> str`` is one token's string; ``codec`` the
+    ``model`` is the loaded model while its folded weights view is being built (its shape, for the first page;
+    ``None`` once the view is there, and for a model read from disk); ``weights`` is what every view reads (texts
+    run on it: :func:`qkov.trace`): the folded weights view in memory, or a memory-mapped
+    :class:`~qkov.weights.LazyCheckpoint` whose layers each view reads as it needs them (:attr:`streamed`);
+    ``decode(id) -> str`` is one token's string; ``codec`` the
     model's :class:`~qkov.model.tokens.TextCodec` (texts to ids with one start token, words to tokens;
     ``None``: the model has no tokenizer, only token ids are accepted); ``bos`` the start token; ``max_tokens`` the longest text accepted (the model's context);
     ``cache_dir`` where results computed once per model are kept on disk (``None``: nowhere)."""
 
-    model: Transformer
-    weights: Weights
+    model: Transformer | None
+    weights: WeightSource
     name: str
     decode: Callable[[int], str]
     codec: TextCodec | None
@@ -61,8 +71,16 @@ class Explorer:
     @property
     def cfg(self) -> ModelConfig:
         """The model's shape as every analysis (and the weights view) sees it: a looped model unrolled into
-        its effective layers. Read from the model, so it needs no weights view (built in the background)."""
-        return self.model.cfg.unrolled()
+        its effective layers. Read from the model while there is one, so it waits for no weights view (built in
+        the background)."""
+        model = self.model
+        return model.cfg.unrolled() if model is not None else self.weights.cfg
+
+    @property
+    def streamed(self) -> bool:
+        """Whether the weights stay on disk (a memory-mapped source read layer by layer as each view needs
+        it) rather than in memory. Never waits for a view being built."""
+        return self.model is None and not getattr(self.weights, "in_memory", True)
 
     def tokens(self, args: dict[str, Any], key: str = "text") -> torch.Tensor:
         """The request's text (``args[key]``: a string, encoded by :attr:`codec` with its one start

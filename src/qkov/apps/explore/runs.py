@@ -22,10 +22,12 @@ import torch
 from torch import Tensor
 
 from ...analysis.forward.tracer import trace
-from .context import Explorer
-from .views_card import r6
+from ...progress import Progress
+from .context import Explorer, r6
 
-__all__ = ["CleanRun", "clean_run", "KEEP", "kept_run", "Runs", "scored", "STREAM_BYTES", "TOP_K", "top_tokens"]
+__all__ = [
+    "CleanRun", "clean_run", "KEEP", "kept_run", "layer_ticks", "pattern_of", "Runs", "scored", "STREAM_BYTES", "TOP_K", "top_tokens",
+]  # fmt: skip
 
 TOP_K = 5
 """Next-token predictions listed per position."""
@@ -101,8 +103,24 @@ def kept_run(ex: Explorer, ids: Tensor) -> CleanRun | None:
     return _runs(ex).get(tuple(ids[0].tolist()))
 
 
-def clean_run(ex: Explorer, ids: Tensor) -> CleanRun:
-    """The clean run of ``ids [1, seq]`` (:class:`CleanRun`): the session's, or made now and kept."""
+def layer_ticks(ex: Explorer, progress: Progress | None, upto: int | None = None) -> dict[str, Any]:
+    """Edits for :func:`qkov.trace` that report ``("reading layer l of L from disk", l, layers)`` to ``progress``
+    as each layer starts (observers: they change nothing), in a streamed session only, where a pass reads each
+    layer from disk (a second or more each); ``upto``: the pass stops at that layer. ``{}`` otherwise."""
+    if progress is None or not ex.streamed or not ex.cfg.n_layers:
+        return {}
+    total = ex.cfg.n_layers if upto is None else upto + 1
+
+    def tick(value: Tensor, site: Any) -> Tensor:
+        progress(f"reading layer {site.layer} of {ex.cfg.n_layers} from disk", site.layer, total)
+        return value
+
+    return {f"resid_pre.{layer}": tick for layer in range(total)}
+
+
+def clean_run(ex: Explorer, ids: Tensor, progress: Progress | None = None) -> CleanRun:
+    """The clean run of ``ids [1, seq]`` (:class:`CleanRun`): the session's, or made now and kept
+    (``progress``: told of each layer in a streamed session, :func:`layer_ticks`)."""
     key = tuple(ids[0].tolist())
     run = _runs(ex).get(key)
     if run is not None:
@@ -111,8 +129,22 @@ def clean_run(ex: Explorer, ids: Tensor) -> CleanRun:
     cfg, T = w.cfg, ids.shape[1]
     keep = cfg.residual == "sum" and cfg.n_layers * T * cfg.d_model * torch.empty(0, dtype=w.dtype).element_size() <= STREAM_BYTES
     ids = ids.to(w.device)
-    out = trace(w, ids, cache=["resid_pre.*"] if keep and cfg.n_layers else [])
+    out = trace(w, ids, cache=["resid_pre.*"] if keep and cfg.n_layers else [], edits=layer_ticks(ex, progress))
     nll, top = scored(ex, out.logits, ids)
     run = CleanRun(nll=nll, top=top, streams=out.stack("resid_pre") if keep and cfg.n_layers else None)
     _runs(ex).put(key, run)
     return run
+
+
+def pattern_of(ex: Explorer, ids: Tensor, layer: int, head: int, progress: Progress | None = None) -> Tensor:
+    """Head ``layer.head``'s attention pattern ``[query, key]`` on ``ids [1, seq]`` (:func:`qkov.trace`): from
+    the stream entering ``layer`` when the session keeps the text's run (one layer read), else from the first
+    token; the pass stops at the pattern (no later layer, no unembedding). ``progress``: told of each layer
+    of a pass from the first token in a streamed session (:func:`layer_ticks`)."""
+    w = ex.weights
+    run = kept_run(ex, ids)
+    start = None if run is None else run.stream(layer)
+    ticks = layer_ticks(ex, progress, upto=layer) if start is None else {}
+    with torch.no_grad():
+        out = trace(w, ids.to(w.device), cache=[f"pattern.{layer}"], start_at=start, logits=False, edits=ticks)
+    return out["pattern", layer][0, head].float().cpu()

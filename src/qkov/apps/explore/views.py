@@ -13,9 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 
-from ...analysis.forward.tracer import trace
 from ...analysis.heads.report import SCORE_COLUMNS, head_report
 from ...analysis.paths.expansion import default_batch
 from ...analysis.heads.probes import default_icl_examples
@@ -23,14 +21,17 @@ from ...progress import Progress
 from ..inputs import analysis_inputs
 from .context import BadRequest, Explorer
 from .disk_cache import entry_key, entry_path, read_entry, write_entry
-from .runs import TOP_K, clean_run, kept_run
+from .runs import TOP_K, clean_run, pattern_of
 from .session import fingerprint
 from .views_card import card, r6
 from .views_causal import ablate, patch
 from .views_circuit import circuit, circuit_edge
 from .views_graph import composition, terms
 
-__all__ = ["QUICK_VIEWS", "TOP_K", "View", "view_attention", "view_heads", "view_model", "view_text", "VIEWS"]
+__all__ = [
+    "IN_MEMORY_VIEWS", "in_memory_only", "QUICK_VIEWS", "TOP_K", "View", "view_attention", "view_heads", "view_model",
+    "view_text", "VIEWS",
+]  # fmt: skip
 
 View = Callable[[Explorer, dict[str, Any], Progress], dict[str, Any]]
 
@@ -58,6 +59,8 @@ def view_model(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[s
         "rotary": cfg.positional == "rotary",
         "cache_dir": None if ex.cache_dir is None else str(ex.cache_dir),
         "has_tokenizer": ex.codec is not None,
+        "streamed": ex.streamed,
+        "unavailable": {name: why for name, why in IN_MEMORY_VIEWS.items()} if ex.streamed else {},
     }
 
 
@@ -65,7 +68,7 @@ def view_text(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[st
     """A text's tokens, loss per token, its mean and the top next-token predictions (its clean run,
     :func:`~qkov.apps.explore.runs.clean_run`, kept for the other views of the same text)."""
     ids = ex.tokens(args)
-    run = clean_run(ex, ids)
+    run = clean_run(ex, ids, progress)
     loss = [r6(v) for v in run.nll.tolist()] + [None]
     known = [v for v in loss if v is not None]
     return {
@@ -77,23 +80,11 @@ def view_text(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[st
     }
 
 
-def _pattern_of(ex: Explorer, ids: torch.Tensor, layer: int, head: int) -> torch.Tensor:
-    """Head ``layer.head``'s attention pattern ``[query, key]`` on ``ids [1, seq]`` (:func:`qkov.trace`): from
-    the stream entering ``layer`` when the session keeps the text's run, else from the first token; the
-    pass stops at the pattern (no later layer, no unembedding)."""
-    w = ex.weights
-    run = kept_run(ex, ids)
-    start = None if run is None else run.stream(layer)
-    with torch.no_grad():
-        out = trace(w, ids.to(w.device), cache=[f"pattern.{layer}"], start_at=start, logits=False)
-    return out["pattern", layer][0, head].float().cpu()
-
-
 def view_attention(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """One head's pattern on a text: query rows, key columns (lower triangular) and each row's argmax."""
     layer, head = ex.head(args)
     ids = ex.tokens(args)
-    pattern = _pattern_of(ex, ids, layer, head)
+    pattern = pattern_of(ex, ids, layer, head, progress)
     return {
         "head": f"{layer}.{head}",
         "tokens": [ex.decode(i) for i in ids[0].tolist()],
@@ -114,7 +105,7 @@ def _heads_inputs(ex: Explorer) -> tuple[Any, int, int]:
     source = Path(str(ex.extra.get("source", ex.name)))
     text = ex.extra.get("text")
     rows = max(batch, icl_examples)
-    inputs = analysis_inputs(source, ex.model, text=None if text is None else Path(text), batch=rows, want_corpus=True)
+    inputs = analysis_inputs(source, ex.weights, text=None if text is None else Path(text), batch=rows, want_corpus=True)
     ex.extra["heads_inputs"] = (inputs, batch, icl_examples)
     return inputs, batch, icl_examples
 
@@ -165,6 +156,33 @@ def view_heads(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[s
     return {**result, "cached": str(path), "from_cache": False}
 
 
+IN_MEMORY_VIEWS: dict[str, str] = {
+    "heads": "the heads table runs the model over several full-context texts",
+    "terms": "the path expansion holds every head's output at every position",
+    "patch": "patching runs the model once per patched site",
+    "circuit": "circuit discovery runs the model once per edge it scores",
+    "circuit_edge": "circuit discovery runs the model once per edge it scores",
+}
+"""The views a streamed session (weights read from disk layer by layer) does not answer, and why: each would
+read every layer from disk many times over. Asked, they answer one line (:func:`in_memory_only`)."""
+
+
+def in_memory_only(name: str, view: View) -> View:
+    """``view``, answering a streamed session with one line (400) saying why it is not available there."""
+
+    def guarded(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, Any]:
+        if ex.streamed:
+            raise BadRequest(
+                f"{name}: not available while the weights are read from disk layer by layer ({IN_MEMORY_VIEWS[name]}); "
+                "the text, attention, head card, composition and ablation views are; open a model that fits in memory "
+                "for this one"
+            )
+        return view(ex, args, progress)
+
+    guarded.__doc__ = view.__doc__
+    return guarded
+
+
 VIEWS: dict[str, View] = {
     "model": view_model,
     "text": view_text,
@@ -178,7 +196,9 @@ VIEWS: dict[str, View] = {
     "circuit": circuit,
     "circuit_edge": circuit_edge,
 }
-"""Every view the server answers, by name (the other view modules add theirs)."""
+"""Every view the server answers, by name (the other view modules add theirs); those of
+:data:`IN_MEMORY_VIEWS` answer a streamed session with one line."""
+VIEWS.update({name: in_memory_only(name, VIEWS[name]) for name in IN_MEMORY_VIEWS})
 
 QUICK_VIEWS: set[str] = {"model", "text", "attention"}
 """Views that run in the quick lane of the job runner (their own worker), so a long computation (the heads

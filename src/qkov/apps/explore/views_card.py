@@ -29,7 +29,7 @@ bfloat16 matrix units, a float32 scan elsewhere): ``"tables": false`` leaves ``t
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -38,14 +38,13 @@ from ...analysis.circuits.copying import eigen_copying_score
 from ...analysis.circuits.qk_ov import full_ov, full_qk, positional_qk
 from ...analysis.circuits.composition import KINDS, reader_matrix
 from ...analysis.circuits.factored import LowRank
-from ...analysis.forward.tracer import trace
 from ...progress import tick
 from ...analysis.circuits.rotary import offset_profile, offset_qk, rotations
 from ...analysis.circuits.trigrams import skip_trigrams
-from ...finite import rounded
 from ...model.tokens import left_out_tokens
 from ...progress import Progress
-from .context import BadRequest, Explorer
+from .context import BadRequest, Explorer, r6
+from .runs import pattern_of
 
 __all__ = ["card", "int_arg", "MAX_OFFSET", "MAX_TOP", "positional", "r6", "spectrum", "TOP"]
 
@@ -54,12 +53,6 @@ TOP = 20
 MAX_TOP = 200
 MAX_OFFSET = 64
 """The positional profile covers offsets ``0 .. min(n_ctx - 1, MAX_OFFSET)``."""
-
-
-def r6(x: float) -> float | None:
-    """``x`` to 6 significant digits, ``None`` when not finite (:func:`qkov.finite.rounded`): what the
-    explorer's pages show and its JSON carries."""
-    return rounded(x, 6)
 
 
 def int_arg(args: dict[str, Any], key: str, default: int, lo: int, hi: int) -> int:
@@ -71,11 +64,9 @@ def int_arg(args: dict[str, Any], key: str, default: int, lo: int, hi: int) -> i
 
 
 def _pattern_result(ex: Explorer, ids: Tensor, layer: int, head: int) -> dict[str, Any]:
-    """Head ``layer.head``'s pattern on ``ids [1, seq]`` (:func:`qkov.trace`), as the ``attention`` view
-    gives it: ``{head, tokens, pattern (query rows, key columns, zeros above the diagonal), argmax}``."""
-    with torch.no_grad():
-        out = trace(ex.weights, ids.to(ex.weights.device), cache=[f"pattern.{layer}"])
-    pattern = out["pattern", layer][0, head].float().cpu()
+    """Head ``layer.head``'s pattern on ``ids [1, seq]`` (:func:`~qkov.apps.explore.runs.pattern_of`), as the
+    ``attention`` view gives it: ``{head, tokens, pattern (query rows, key columns, zeros above the diagonal), argmax}``."""
+    pattern = pattern_of(ex, ids, layer, head)
     return {
         "head": f"{layer}.{head}",
         "tokens": [ex.decode(i) for i in ids[0].tolist()],
@@ -104,7 +95,7 @@ def positional(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
     return {"offsets": offsets, "values": [r6(v) for v in values], "kind": "learned"}
 
 
-def _scores(writer: LowRank, readers: list[LowRank]) -> Tensor:
+def _scores(writer: LowRank, readers: Iterable[LowRank]) -> Tensor:
     """Composition scores ``[n_writers, n_readers]``: ``||W_writer M_reader||_F / (||W_writer|| ||M_reader||)``
     through :meth:`LowRank.row_factor` / :meth:`LowRank.col_factor` (as :func:`qkov.composition_scores`),
     averaged over ``readers`` (one per rotary offset; else one)."""
@@ -117,38 +108,47 @@ def _scores(writer: LowRank, readers: list[LowRank]) -> Tensor:
     return torch.stack(out).mean(0)
 
 
-def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> list[LowRank]:
+def _readers(atts: list[Any], kind: str, Rs: Tensor | None) -> Iterator[LowRank]:
     """The reader side of ``kind``-composition of every head of ``atts`` (layers), stacked ``[heads, D, D]``:
-    one per rotary offset of ``Rs`` for Q and K, else one."""
+    one per rotary offset of ``Rs`` for Q and K, else one; each made as it is read (one offset's at a time)."""
     turns: list[Tensor | None] = [None] if kind == "v" or Rs is None else list(Rs)
-    out = []
     for R in turns:
         parts = [reader_matrix(att, kind, R) for att in atts]
-        out.append(LowRank(torch.cat([p.A for p in parts]), torch.cat([p.B for p in parts])))
-    return out
+        yield LowRank(torch.cat([p.A for p in parts]), torch.cat([p.B for p in parts]))
 
 
-def _composition_of(ex: Explorer, layer: int, head: int) -> dict[str, Any]:
+def _composition_of(ex: Explorer, layer: int, head: int, seen: Callable[[int], None] = lambda l: None) -> dict[str, Any]:
     """The head's column (``reads``: every earlier head it composes with, by Q/K/V) and row (``read_by``:
-    every later head composing with it) of raw composition scores.
-    Every earlier layer's writers (and every later layer's readers) go through one batched product."""
+    every later head composing with it) of raw composition scores, from this head's weights alone and the
+    other layers'. In memory every earlier layer's writers (and every later layer's readers) go through one
+    batched product; streamed from disk, one layer's at a time (the same scores: each pair's is its own), each
+    layer told to ``seen`` as it is read."""
     w, cfg = ex.weights, ex.cfg
     H = cfg.n_heads
     Rs = rotations(w, None)
-    mine = w.attention(layer)
-    me = lambda lr: LowRank(lr.A[head : head + 1], lr.B[head : head + 1])  # noqa: E731
+    mine = w.attention(layer, head)  # [1, ...]: this head
     names = lambda layers: [f"{l}.{h}" for l in layers for h in range(H)]  # noqa: E731
+    blocks = lambda layers: [[l] for l in layers] if ex.streamed else [list(layers)]  # noqa: E731
     reads: list[dict[str, Any]] = []
     read_by: list[dict[str, Any]] = []
     if layer > 0:
-        atts = [w.attention(l) for l in range(layer)]
-        writer = LowRank(torch.cat([a.W_V for a in atts]), torch.cat([a.W_O for a in atts]))
-        s = {k: _scores(writer, [me(r) for r in _readers([mine], k, Rs)])[:, 0].tolist() for k in KINDS}
+        mine_k = {k: list(_readers([mine], k, Rs)) for k in KINDS}
+        s: dict[str, list[float]] = {k: [] for k in KINDS}
+        for block in blocks(range(layer)):
+            seen(block[0])
+            atts = [w.attention(l) for l in block]
+            writer = LowRank(torch.cat([a.W_V for a in atts]), torch.cat([a.W_O for a in atts]))
+            for k in KINDS:
+                s[k] += _scores(writer, mine_k[k])[:, 0].tolist()
         reads = [{"head": n, **{k: r6(s[k][i]) for k in KINDS}} for i, n in enumerate(names(range(layer)))]
     if layer + 1 < cfg.n_layers:
-        atts = [w.attention(l) for l in range(layer + 1, cfg.n_layers)]
-        writer = me(LowRank(mine.W_V, mine.W_O))
-        s = {k: _scores(writer, _readers(atts, k, Rs))[0].tolist() for k in KINDS}
+        writer = LowRank(mine.W_V, mine.W_O)
+        s = {k: [] for k in KINDS}
+        for block in blocks(range(layer + 1, cfg.n_layers)):
+            seen(block[0])
+            atts = [w.attention(l) for l in block]
+            for k in KINDS:
+                s[k] += _scores(writer, _readers(atts, k, Rs))[0].tolist()
         later = names(range(layer + 1, cfg.n_layers))
         read_by = [{"head": n, **{k: r6(s[k][i]) for k in KINDS}} for i, n in enumerate(later)]
     return {"reads": reads, "read_by": read_by}  # the baselines: the composition view (drawing them costs seconds)
@@ -187,7 +187,8 @@ def card(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, An
         "positional": prof,
     }
     tick(progress, what, 1, steps)
-    out["composition"] = _composition_of(ex, layer, head)
+    seen = lambda l: tick(progress, f"{what}: composition, reading layer {l} from disk", 1, steps)  # noqa: E731
+    out["composition"] = _composition_of(ex, layer, head, seen if ex.streamed else lambda l: None)
     tick(progress, what, 2, steps)
     out["pattern"] = None if ids is None else _pattern_result(ex, ids, layer, head)
     tick(progress, what, 3, steps)

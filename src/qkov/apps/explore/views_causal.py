@@ -66,7 +66,7 @@ def ablate(ex: Explorer, args: dict[str, Any], progress: Progress) -> dict[str, 
     if ids.shape[1] < 2:
         raise BadRequest("'text' needs at least 2 tokens to have a loss")
     progress("ablate", 0, 2)
-    run = clean_run(ex, ids)
+    run = clean_run(ex, ids, progress)
     progress("ablate", 1, 2)
     means = z_means(ex.weights, ids, heads) if mode == "mean" else None
     start = run.stream(min(h.layer for h in heads))  # type: ignore[type-var]

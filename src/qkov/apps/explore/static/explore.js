@@ -14,6 +14,7 @@
   window.addEventListener("unhandledrejection", (e) => pageError("page error: " + (e.reason && e.reason.message || e.reason)));
   let M;
   try { M = JSON.parse($("#qkov-explore-data").textContent); } catch (e) { pageError("could not read the page's data: " + e); return; }
+  const OFF = M.unavailable || {};  // views this session does not answer (weights read from disk), and why
   const S = { text: null, textResult: null, head: M.heads[0] || null, cardHead: null, ablate: new Set(), comp: null };
 
   // ------------------------------------------------------------------ server
@@ -160,6 +161,8 @@
         `vocab ${M.d_vocab.toLocaleString("en-US")}, context ${M.n_ctx}${M.rotary ? ", rotary positions" : ""}`],
       ["texts", M.has_tokenizer ? `up to ${M.max_tokens} tokens, the start token first` :
         "no tokenizer: type token ids separated by spaces"],
+      ["weights", M.streamed ? "read from disk layer by layer as each view needs them (memory-mapped): nothing of " +
+        "them is held in memory" : "in memory (the folded view)"],
       ["disk cache", M.cache_dir || "none (results are kept in memory only)"],
     ], [0, 1], [1]);
   }
@@ -257,7 +260,13 @@
     P.card.run("card", args, drawCard).then((c) => {
       if (!c || S.cardHead !== h || S.cardTables) return;
       S.cardTables = new Panel(P.card.out.querySelector(".card-tables"));
-      S.cardTables.run("card", { head: h }, drawTables, "card tables");  // no text: the pattern is drawn already
+      const tables = () => S.cardTables.run("card", { head: h }, drawTables, "card tables");  // no text: the pattern is drawn
+      if (!M.streamed) { tables(); return; }
+      // weights read from disk: each table reads the whole vocabulary from disk (minutes): only when asked
+      const b = el("button", { type: "button", id: "card-tables-run", text: "Compute the vocabulary tables" });
+      b.addEventListener("click", tables);
+      S.cardTables.out.replaceChildren(el("p", { class: "note" }, b, " top full-OV and full-QK entries and " +
+        `skip-trigrams: each reads the ${M.d_vocab.toLocaleString("en-US")}-token vocabulary from disk (minutes on a large model)`));
     });
     P.card.sec.scrollIntoView({ block: "start" });
   }
@@ -400,6 +409,7 @@
 
   // ------------------------------------------------------------------ terms, ablation, patching
   function runTerms() {
+    if (OFF.terms) return;  // said in the panel
     if (S.text == null) { P.terms.fail("type a text first (the Text box above)"); return; }
     P.terms.run("terms", { text: S.text, position: +$("#terms-position").value }, (out, r) => {
       note(out, `Loss change (nats) at position ${r.position} (token ${tok(r.token)}, predicting ${tok(r.next)}, ` +
@@ -481,6 +491,7 @@
   ablateChips();
   $("#text-form").addEventListener("submit", (e) => { e.preventDefault(); runText(); });
   $("#attention-head").addEventListener("change", runAttention);
+  $("#attention-card").addEventListener("click", () => openCard($("#attention-head").value));
   $("#composition-run").addEventListener("click", () => P.composition.run("composition", {}, drawComposition));
   $("#composition-threshold").addEventListener("input", redrawGraph);
   for (const c of document.querySelectorAll(".composition-kind")) c.addEventListener("change", redrawGraph);
@@ -497,6 +508,15 @@
     P.patch.run("patch", args, drawPatch);
   });
   $("#circuit-run").addEventListener("click", () => P.circuit.run("circuit", {}, drawCircuit));
-  P.heads.run("heads", {}, drawHeads);
+  // weights read from disk: the views that would read every layer many times say why instead of running
+  for (const [view, why] of Object.entries(OFF)) {
+    const panel = P[view];
+    if (!panel) continue;
+    for (const b of panel.sec.querySelectorAll("button")) b.disabled = true;
+    panel.sec.dataset.rendered = "off";
+    panel.out.replaceChildren(el("p", { class: "note", text: "Not available while the weights are read from disk " +
+      `layer by layer: ${why}. Open a model that fits in memory for it.` }));
+  }
+  if (!OFF.heads) P.heads.run("heads", {}, drawHeads);
   document.documentElement.dataset.ready = "1";
 })();
