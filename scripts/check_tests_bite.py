@@ -707,8 +707,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: exact patching recomputes a query or key without its bias": (
         "analysis/discovery/head_inputs.py",
-        '    out = torch.einsum(f"{shared},nde->nbte", normed, W[idx]) + bias[idx][:, None, None]',
-        '    out = torch.einsum(f"{shared},nde->nbte", normed, W[idx])',
+        "            out = out + self.bias.view(n, *[1] * len(lead), E)",
+        "            out = out",
         "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[gpt2-like]",
     ),
     "block: the MLP's input copy is made but its edit never reaches the MLP": (
@@ -718,21 +718,21 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[gpt2-like]",
     ),
     "discovery: an ablated edge carries the current value minus its replacement (sign)": (
-        "analysis/discovery/evaluate.py",
-        "                torch.sub(self.rep[lo + idx].unsqueeze(0), v, out=self.diff[:, rows[0] : rows[-1] + 1])",
-        "                torch.sub(v, self.rep[lo + idx].unsqueeze(0), out=self.diff[:, rows[0] : rows[-1] + 1])",
+        "analysis/discovery/senders.py",
+        "        dz = (zr if pos is None else zr.index_select(2, pos)) - z",
+        "        dz = z - (zr if pos is None else zr.index_select(2, pos))",
         "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
     ),
     "discovery: a head with every edge in ablated reads the stream as it is, not its ablated input": (
-        "analysis/discovery/evaluate.py",
-        "                    out[kind].append((k, f, self.ablated[l, kind][:, :, f].permute(2, 0, 1, 3)))",
+        "analysis/discovery/masked.py",
+        "                    view[k][:, :, f] = ablated[:, :, f]",
         "                    pass",
         "tests/analysis/discovery/test_circuit_evaluation.py::test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them[gpt2-like]",
     ),
     "forward: the last layer's few-positions block skips an edit of its keys": (
         "model/block.py",
-        '        k = self.at_heads("k", l, k)',
-        "        k = k",
+        '        q, k = self.at_heads("q", l, q), self.at_heads("k", l, k)  # the queries at those positions only',
+        '        q, k = self.at_heads("q", l, q), k',
         "tests/analysis/forward/test_forward.py::test_positions_with_the_last_layer_read_run_it_whole[llama-like]",
     ),
     "discovery: an integrated-gradient step's backward under the caller's no_grad (no graph)": (
@@ -742,15 +742,15 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "tests/analysis/discovery/test_attribution.py::test_scores_are_the_same_inside_torch_no_grad",
     ),
     "discovery: a receiver read from its fully ablated input weighs its senders by W, not W - 1": (
-        "analysis/discovery/evaluate.py",
-        "        C = torch.where(ii[:, None] if self.pos else ii, C - 1, C)",
-        "        C = torch.where(ii[:, None] if self.pos else ii, C, C)",
+        "analysis/discovery/masked.py",
+        "        return torch.where(ii[:, None] if self.pos else ii, C - 1, C)",
+        "        return torch.where(ii[:, None] if self.pos else ii, C, C)",
         "tests/analysis/discovery/test_circuit_evaluation.py::test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them[llama-like]",
     ),
     "discovery: a per-position circuit's coefficients ignore the position": (
-        "analysis/discovery/evaluate.py",
-        '                    out[lo:hi] = torch.einsum("ubtd,urt->rbtd", D, C[:, lo:hi]) + base[mode]',
-        '                    out[lo:hi] = torch.einsum("ubtd,urt->rbd", D, C[:, lo:hi])[:, :, None] / D.shape[2] + base[mode]',
+        "analysis/discovery/masked.py",
+        '                X = torch.einsum("umd,ucm->cmd", Dc, C[..., where[t0:t1] - f])',
+        '                X = torch.einsum("umd,ucm->cmd", Dc, C[..., :1].expand(-1, -1, t1 - t0))',
         "tests/analysis/discovery/test_circuit_evaluation.py::test_nearly_empty_nearly_full_and_per_position_circuits_run_as_the_reference_runs_them[gpt2-like]",
     ),
     "discovery: dead-end pruning forgets that the input needs no edge in": (
