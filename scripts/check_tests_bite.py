@@ -796,6 +796,80 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "        hit = next((j for j, v in enumerate(got) if kl - v > tau), None)",
         "tests/analysis/discovery/test_known_circuits.py::test_acdc_prunes_the_relay_model_down_to_its_path",
     ),
+    "forward: a suffix's queries placed at the sequence's start, not after its past": (
+        "model/block.py",
+        "        z = self.offset_attention(q, expand_kv(k, self.group, dim=1), expand_kv(v, self.group, dim=1), rows + f)",
+        "        z = self.offset_attention(q, expand_kv(k, self.group, dim=1), expand_kv(v, self.group, dim=1), rows)",
+        "tests/analysis/forward/test_partial_passes.py::test_a_suffix_after_its_past_is_the_whole_pass_there[llama-like]",
+    ),
+    "forward: a suffix's rotary positions start at 0": (
+        "analysis/forward/tracer.py",
+        "            self.turn = (cos[f:], sin[f:])",
+        "            self.turn = (cos[:T], sin[:T])",
+        "tests/analysis/forward/test_partial_passes.py::test_a_suffix_after_its_past_is_the_whole_pass_there[llama-like]",
+    ),
+    "forward: a suffix's learned positions start at 0": (
+        "model/ops.py",
+        "W_pos[offset : offset + tokens.shape[-1]]",
+        "W_pos[: tokens.shape[-1]]",
+        "tests/analysis/forward/test_partial_passes.py::test_a_suffix_after_its_past_is_the_whole_pass_there[standard]",
+    ),
+    "forward: the last layer at a few positions passes its queries by their site": (
+        "model/block.py",
+        '        q, k = self.at_heads("q", l, q), self.at_heads("k", l, k)  # the queries at those positions only',
+        '        q, k = q, self.at_heads("k", l, k)',
+        "tests/analysis/forward/test_partial_passes.py::test_edits_that_take_the_rows_keep_the_last_layer_at_them[llama-like] "
+        "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[gpt2-like]",
+    ),
+    "forward: the last layer at a few positions skips its output stream's site": (
+        "model/block.py",
+        '        return self.at("resid_post", l, x)  # with rows: at those positions only',
+        '        return x if rows is not None else self.at("resid_post", l, x)',
+        "tests/analysis/forward/test_partial_passes.py::test_edits_that_take_the_rows_keep_the_last_layer_at_them[llama-like] "
+        "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[gpt2-like]",
+    ),
+    "discovery: a masked pass projects its receivers at the suffix's positions counted from 0 (rotary)": (
+        "analysis/discovery/masked.py",
+        "        where = (torch.arange(M, device=D.device) % P if pos is None else pos.repeat(self.B)) + f",
+        "        where = torch.arange(M, device=D.device) % P if pos is None else pos.repeat(self.B)",
+        "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[llama-like]",
+    ),
+    "discovery: the shared prefix takes in the first position where the prompts differ": (
+        "analysis/discovery/evaluate.py",
+        "    first = int(differs[0]) if len(differs) else T",
+        "    first = int(differs[0]) + 1 if len(differs) else T",
+        "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[gpt2-like]",
+    ),
+    "discovery: a masked pass starts one layer after the first its circuits change": (
+        "analysis/discovery/masked.py",
+        "    return at.amin(-1) if at.shape[-1] else torch.full(at.shape[:1], L, device=flat.device)",
+        "    return (at.amin(-1) + 1).clamp(max=L) if at.shape[-1] else torch.full(at.shape[:1], L, device=flat.device)",
+        "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[gpt2-like]",
+    ),
+    "discovery: an MLP's input misses the part the senders before its layer give": (
+        "analysis/discovery/masked.py",
+        "                        view[k] += self.acc[k] if pos is None else self.acc[k].index_select(1, pos)",
+        "                        pass",
+        "tests/analysis/discovery/test_circuit_evaluation.py::test_circuits_run_as_the_reference_runs_them[corrupted-gpt2-like]",
+    ),
+    "discovery: a circuit with every edge from the source run taken as the base run": (
+        "analysis/discovery/evaluate.py",
+        "            total[firsts == L + 1] += weight * source",
+        "            total[firsts == L + 1] += weight * p.contrast.base_value",
+        "tests/analysis/discovery/test_masked_pass.py::test_every_edge_ablated_is_the_corrupted_run_without_a_pass_and_with_one[gpt2-like]",
+    ),
+    "discovery: a chunk of gathered changes reads the first ones, not those picked": (
+        "analysis/discovery/masked.py",
+        "            Dc = D[:, t0:t1] if pick is None else D[:, t0:t1].index_select(0, pick)",
+        "            Dc = D[:, t0:t1] if pick is None else D[:, t0:t1][: len(pick)]",
+        "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[gpt2-like]",
+    ),
+    "discovery: a head's change from its mean misses the mean": (
+        "analysis/discovery/senders.py",
+        "        got += s if pos is None or s.shape[2] == 1 else s.index_select(2, pos)",
+        "        got = got",
+        "tests/analysis/discovery/test_masked_pass.py::test_the_means_and_zero_run_from_the_first_position_as_the_reference[mean]",
+    ),
     "entries: an attention entry divided by its key's log-sum-exp, not its query's": (
         "analysis/heads/entries.py",
         "    out = (scores.transpose(1, 2) - _at(lse, 2, queries)).exp()  # [B, H, N]",

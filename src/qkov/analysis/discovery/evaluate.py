@@ -23,7 +23,9 @@ for ``zero`` and the means (not the corrupted run: :func:`circuit_metrics` compu
 Each pass runs ``K`` circuits as ``K`` copies of a batch of prompts (:mod:`.masked`): the senders'
 changes are recorded as the pass makes them and each layer's receivers read theirs through one matrix
 product per copy. A pass starts at the first layer one of its circuits changes; a circuit that changes
-nothing is not run (its metric is the base run's).
+nothing is not run (its metric is the base run's), nor, under the ``corrupted`` ablation, one that
+gives every edge its source run's value (its metric is the source run's: the corrupted run, or the clean
+one for ``patch-in``).
 """
 
 from __future__ import annotations
@@ -139,14 +141,18 @@ class Evaluator:
         keep = circuits.to(torch.float64)
         flat = keep if self.variant != "ablate-complement" else 1.0 - keep
         total = torch.zeros(circuits.shape[0], dtype=torch.float64)
+        L = self.graph.cfg.n_layers
         firsts = first_layers(self.graph, flat)  # the first layer each circuit changes (L: none)
+        if self.ablation.kind == "corrupted":  # every edge from the source run: the source run itself
+            firsts[(flat == 1).flatten(1).all(1)] = L + 1
         done, work = 0, len(self.parts) * circuits.shape[0]
         for weight, p in self.parts:
             B, T = p.contrast.base.shape
             room = self.max_bytes - gather_bytes(self.source, self.graph, B, T)
             K_max = max(1, room // copy_bytes(self.source, self.graph, B, T))
-            L = self.graph.cfg.n_layers
             total[firsts == L] += weight * p.contrast.base_value  # nothing changed: the base run
+            source = p.contrast.swap(p.contrast.clean_value, p.contrast.corrupted_value)[1]
+            total[firsts == L + 1] += weight * source
             order = sorted((i for i in range(len(firsts)) if firsts[i] < L), key=lambda i: (int(firsts[i]), i))
             for lo in range(0, len(order), K_max):
                 pick = torch.tensor(order[lo : lo + K_max])
@@ -162,7 +168,8 @@ class Evaluator:
         return self.clean
 
     def nothing_kept(self) -> float:
-        """The metric with every edge ablated (``m(empty)``): one more pass (the corrupted run for patch-in)."""
+        """The metric with every edge ablated (``m(empty)``): the corrupted run under the ``corrupted``
+        ablation (and for patch-in), else one more pass."""
         E = self.graph.n_edges
         if self.variant == "patch-in":
             return self.corrupted

@@ -1,7 +1,9 @@
-"""A pass over a suffix (``trace(..., past=...)``): the keys and values of the positions before it from a
-run of the whole sequences, the suffix's sites and logits equal to the whole pass's at those positions,
-for every family of model (learned, shortformer and rotary positions, grouped-query attention, parallel
-blocks), with the last layer at a few positions, with a start inside the pass and with edits."""
+"""Passes over part of the positions. A pass over a suffix (``trace(..., past=...)``: the keys and values
+of the positions before it from a run of the whole sequences) has the suffix's sites and logits of the
+whole pass, for every family of model (learned, shortformer and rotary positions, grouped-query attention,
+parallel blocks), with the last layer at a few positions, with a start inside the pass and with edits.
+Edits marked ``at_rows`` of the last layer's queries, ``z``, MLP input and output and output stream take
+those sites at the logits' positions and keep the last layer there, with the whole pass's values."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ import pytest
 import torch
 
 from qkov import QkovError, Weights, trace
+from qkov.analysis.forward.edits import at_rows
 
-from test_forward import CONFIGS, _model, _tokens
+from test_forward import CONFIGS, _counting_last_block, _model, _tokens
 
 
 def _past(w: Weights, toks: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,3 +56,30 @@ def test_a_past_of_the_wrong_shape_or_with_patterns_is_refused() -> None:
         trace(w, toks, past=(k, v))
     with pytest.raises(QkovError, match="no scores, pattern or lse"):
         trace(w, toks[:, 4:], past=(k, v), cache=["pattern.0"])
+
+
+@pytest.mark.parametrize("name", ["ln-mlp-shortformer", "llama-like", "neox-like"])
+def test_edits_that_take_the_rows_keep_the_last_layer_at_them(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = CONFIGS[name]
+    w = Weights.from_model(_model(cfg), dtype=torch.float64)
+    toks, at, last = _tokens(cfg), torch.tensor([2, 7, cfg.n_ctx - 1]), cfg.n_layers - 1
+    seen: dict[str, int] = {}
+
+    def scaled(kind: str, c: float):  # type: ignore[no-untyped-def]
+        def fn(x: torch.Tensor, site) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            seen[kind] = x.shape[1]
+            return c * x
+
+        return fn
+
+    kinds = {"q": 1.5, "z": -0.5, "mlp_input": 2.0, "mlp_out": 0.7, "resid_post": 1.3}
+    calls = _counting_last_block(monkeypatch)
+    marked = trace(w, toks, positions=at, edits={f"{k}.{last}": at_rows(scaled(k, c)) for k, c in kinds.items()})
+    assert calls == [last] and seen == {k: len(at) for k in kinds}  # the rows alone, the few-positions block
+    full = trace(w, toks, edits={f"{k}.{last}": scaled(k, c) for k, c in kinds.items()})
+    plain = trace(w, toks, positions=at)
+    assert (marked.logits - full.logits[:, at]).abs().max() < 1e-12
+    assert (marked.logits - plain.logits).abs().max() > 1e-6  # the edits did change the logits
+    calls.clear()
+    trace(w, toks, positions=at, edits={f"q.{last}": scaled("q", 1.5)})  # unmarked: the whole last layer
+    assert calls == []
