@@ -835,7 +835,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[llama-like]",
     ),
     "discovery: the shared prefix takes in the first position where the prompts differ": (
-        "analysis/discovery/evaluate.py",
+        "analysis/discovery/ablations.py",
         "    first = int(differs[0]) if len(differs) else T",
         "    first = int(differs[0]) + 1 if len(differs) else T",
         "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[gpt2-like]",
@@ -863,6 +863,24 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "            Dc = D[:, t0:t1] if pick is None else D[:, t0:t1].index_select(0, pick)",
         "            Dc = D[:, t0:t1] if pick is None else D[:, t0:t1][: len(pick)]",
         "tests/analysis/discovery/test_masked_pass.py::test_the_masked_pass_with_its_savings_equals_it_run_plainly_and_the_reference[gpt2-like]",
+    ),
+    "discovery: exact patching of one position patches the position as counted before the shared prefix": (
+        "analysis/discovery/exact.py",
+        "            keep[t - f] = 1",
+        "            keep[min(t, d.shape[2] - 1)] = 1",
+        "tests/analysis/discovery/test_masked_pass.py::test_exact_patching_with_its_savings_equals_it_run_plainly[llama-like]",
+    ),
+    "discovery: exact patching writes a last-layer query at the first positions, not the metric's": (
+        "analysis/discovery/exact.py",
+        "        got = new if value.shape[1] == new.shape[2] else new.index_select(2, rows)  # type: ignore[arg-type]",
+        "        got = new if value.shape[1] == new.shape[2] else new[:, :, : value.shape[1]]",
+        "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[gpt2-like]",
+    ),
+    "discovery: exact patching rotates a suffix's queries and keys from position 0": (
+        "analysis/discovery/exact.py",
+        "positions=torch.arange(f, T))",
+        "positions=torch.arange(0, T - f))",
+        "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[llama-like]",
     ),
     "discovery: a head's change from its mean misses the mean": (
         "analysis/discovery/senders.py",

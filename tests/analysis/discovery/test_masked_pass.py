@@ -1,8 +1,9 @@
-"""The masked pass's savings change no value: circuits run with the prefix the clean and corrupted prompts
+"""The patched passes' savings change no value: circuits run with the prefix the clean and corrupted prompts
 share computed once, the last layer at the metric's positions, each pass started at the first layer its
 circuits change, a layer's receivers formed a chunk of tokens at a time from gathered changes, equal the
 same pass run plainly (every position, from the first layer, one product a layer) and the independent
-edge-coefficient forward, on every family of model."""
+edge-coefficient forward, on every family of model; so does exact edge patching with the shared prefix
+and the last layer's rows."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 import qkov.analysis.discovery.evaluate as evaluate
+import qkov.analysis.discovery.exact as exact
 import qkov.analysis.discovery.masked as masked
-from qkov.analysis.discovery import Evaluator, graph_of, make_ablation
+from qkov.analysis.discovery import edge_scores, Evaluator, graph_of, make_ablation
 from qkov.analysis.discovery.evaluate import edge_weights
 from qkov.analysis.forward.tracer import _Pass
 from qkov.model.block import BlockPass
@@ -109,3 +111,22 @@ def test_the_means_and_zero_run_from_the_first_position_as_the_reference(ablatio
     for k in range(len(circuits)):
         ablated = set(names) - {names[i] for i in circuits[k].nonzero()[:, 0].tolist()}
         assert abs(float(got[k]) - reference_circuit(w, task.clean, patch, task.answers, task.wrong, ablated)) < 1e-10
+
+
+@pytest.mark.parametrize("name", ["llama-like", "ln-mlp-shortformer"])
+def test_exact_patching_with_its_savings_equals_it_run_plainly(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    w, task = random_case(name, n=3, T=6)
+    g = graph_of(w.cfg)
+    last = [i for i, n in enumerate(g.names) if f"-> {w.cfg.n_layers - 1}." in n or "-> mlp." in n][::7]
+    calls: list[int] = []
+    real = BlockPass.attention_at
+    monkeypatch.setattr(BlockPass, "attention_at", lambda self, l, x, rows: calls.append(l) or real(self, l, x, rows))
+    fast = edge_scores(w, task, method="exact", max_bytes=1 << 20)
+    per = edge_scores(w, task, method="exact", per_position=True, edges=last)
+    assert calls and (per.scores[:2, last] == 0).all() and (per.scores[2:, last] != 0).any()
+    monkeypatch.setattr(exact, "shared_prefix", lambda c, ablation: 0)
+    monkeypatch.setattr(_Pass, "query_rows", lambda self, *a, **k: None)
+    calls.clear()
+    assert (edge_scores(w, task, method="exact", max_bytes=1 << 20).scores - fast.scores).abs().max() < 1e-12
+    plain = edge_scores(w, task, method="exact", per_position=True, edges=last)
+    assert not calls and (plain.scores[:, last] - per.scores[:, last]).abs().max() < 1e-12

@@ -39,15 +39,14 @@ from ...progress import Progress, tick
 from ...weights.parts import WeightSource
 from ..causal.contrast import Contrast
 from ..forward.tracer import trace
-from .ablations import Ablation, sender_sites, stream_sites
+from .ablations import Ablation, sender_sites, shared_prefix, stream_sites
 from .graph import Graph
 from .masked import first_layers, MaskedPass, Prepared
 from .senders import ablated_heads, ablated_streams, replacement_of, run_senders, SenderSet
 from .task import AnswerMetric, Task, TaskBatch
 
 __all__ = [
-    "circuit_metrics", "copy_bytes", "edge_weights", "Evaluator", "gather_bytes", "prepare", "ready_metric", "shared_prefix",
-    "VARIANTS",
+    "circuit_metrics", "copy_bytes", "edge_weights", "Evaluator", "gather_bytes", "prepare", "ready_metric", "VARIANTS",
 ]  # fmt: skip
 
 VARIANTS = ("ablate-complement", "ablate-circuit", "patch-in")
@@ -222,16 +221,3 @@ def prepare(c: Contrast, graph: Graph, ablation: Ablation) -> Prepared:
         c, SenderSet(cut(rep.io, 2), cut(rep.z, 3), cut(rep.shift, 3)), SenderSet(cut(before.io, 2), cut(before.z, 3)),
         cut(resid, 2), {n: cut(x, 1) for n, x in streams.items()}, {n: cut(x, 1) for n, x in heads.items()}, f, past,
     )  # fmt: skip
-
-
-def shared_prefix(c: Contrast, ablation: Ablation) -> int:
-    """How many first positions no masked pass on the contrast can change: under the ``corrupted``
-    ablation, the positions before the first where a clean and its corrupted prompt differ (there every
-    sender's replacement is its value: the model is causal), up to the first position the metric reads;
-    0 under the other ablations (or when the metric reads sites)."""
-    T = c.base.shape[1]
-    if ablation.kind != "corrupted" or c.positions is None or c.metric.reads or T < 2:
-        return 0
-    differs = (c.clean != c.corrupted).any(0).nonzero()[:, 0]
-    first = int(differs[0]) if len(differs) else T
-    return max(0, min(first, int(c.positions.min())))
