@@ -71,7 +71,7 @@ class BlockPass:
         self.pos: Tensor | None = None
         self.turn: tuple[Tensor, Tensor] | None = None
         self.bus: Any = None  # a routed model's residual bus (qkov.model.bus.BusPass); None: the sum
-        self.past: tuple[Tensor, Tensor] | None = None  # keys, values [L, B, f, K, E] of f positions before x
+        self.past: tuple[Tensor, Tensor] | None = None  # keys, values [L, B', f, K, E] of f positions before x
 
     # ------------------------------------------------------------------ hook points (none here)
     def at(self, kind: str, layer: int | None, value: Tensor) -> Tensor:
@@ -148,11 +148,20 @@ class BlockPass:
 
     def with_past(self, l: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
         """Layer ``l``'s keys and values ``[B, K, T, E]`` after those of the positions before the sequence
-        (:attr:`past`, when the pass runs a suffix), and how many positions come before."""
+        (:attr:`past`, when the pass runs a suffix; given for ``B / r`` sequences, each batch's ``r``
+        copies read them), and how many positions come before."""
         if self.past is None:
             return k, v, 0
-        pk, pv = self.past[0][l].transpose(1, 2), self.past[1][l].transpose(1, 2)
-        return torch.cat([pk.to(k), k], 2), torch.cat([pv.to(v), v], 2), pk.shape[2]
+        f = self.past[0].shape[2]
+
+        def joined(before: Tensor, now: Tensor) -> Tensor:
+            B, n, T, E = now.shape
+            out = now.new_empty(B, n, f + T, E)
+            out[:, :, f:] = now
+            out.view(B // before.shape[0], before.shape[0], n, f + T, E)[:, :, :, :f] = before.transpose(1, 2)
+            return out
+
+        return joined(self.past[0][l], k), joined(self.past[1][l], v), f
 
     def offset_attention(self, q: Tensor, k: Tensor, v: Tensor, at: Tensor) -> Tensor:
         """``z [B, H, P, E]`` of queries at key positions ``at [P]`` (each sees the keys at or before it;

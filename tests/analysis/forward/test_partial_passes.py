@@ -36,6 +36,8 @@ def test_a_suffix_after_its_past_is_the_whole_pass_there(name: str) -> None:
     at = torch.tensor([0, 3, cfg.n_ctx - f - 1])  # the last layer at a few positions of the suffix
     few = trace(w, toks[:, f:], past=past, positions=at)
     assert (few.logits - full.logits[:, f + at]).abs().max() < 1e-12
+    copies = trace(w, toks.repeat(2, 1)[:, f:], past=past, positions=at)  # two copies of the batch read one past
+    assert (copies.logits - full.logits[:, f + at].repeat(2, 1, 1)).abs().max() < 1e-12
     start = L - 1  # from a layer's input, the suffix of the whole pass's stream
     mid = trace(w, toks[:, f:], past=past, positions=at, start_at=(start, full["resid_pre", start][:, f:].contiguous()))
     assert (mid.logits - full.logits[:, f + at]).abs().max() < 1e-12

@@ -212,8 +212,7 @@ class Contrast:
         f = 0 if past is None else past[0].shape[2]
         if past is not None:  # the suffix alone, after the base run's keys and values
             assert f == since and later is not None and not self.metric.reads, "a past needs since= and logits only"
-            past = (past[0].repeat(1, K, 1, 1, 1), past[1].repeat(1, K, 1, 1, 1))
-            tokens = tokens[:, f:]
+            tokens = tokens[:, f:]  # (every copy reads the base run's past)
         out = trace(
             self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads,
             positions=None if later is None else later - f, past=past,

@@ -42,7 +42,7 @@ from ..forward.tracer import trace
 from .ablations import Ablation, sender_sites, shared_prefix, stream_sites
 from .graph import Graph
 from .masked import first_layers, MaskedPass, Prepared
-from .senders import ablated_heads, ablated_streams, replacement_of, run_senders, SenderSet
+from .senders import ablated_heads, ablated_streams, from_position, replacement_of, run_senders
 from .task import AnswerMetric, Task, TaskBatch
 
 __all__ = [
@@ -216,8 +216,8 @@ def prepare(c: Contrast, graph: Graph, ablation: Ablation) -> Prepared:
     resid = torch.stack([base["resid_pre", l] for l in range(graph.cfg.n_layers)])
     past = (base.stack("k")[:, :, :f].contiguous(), base.stack("v")[:, :, :f].contiguous()) if f else None
     c.base_recording = c.source_recording = None  # what a masked pass reads of them is kept
-    cut = lambda x, dim: x if x is None or x.shape[dim] == 1 else x.narrow(dim, f, x.shape[dim] - f).contiguous()  # noqa: E731
+    cut = lambda x: x[:, f:].contiguous()  # noqa: E731
     return Prepared(
-        c, SenderSet(cut(rep.io, 2), cut(rep.z, 3), cut(rep.shift, 3)), SenderSet(cut(before.io, 2), cut(before.z, 3)),
-        cut(resid, 2), {n: cut(x, 1) for n, x in streams.items()}, {n: cut(x, 1) for n, x in heads.items()}, f, past,
+        c, from_position(rep, f), from_position(before, f), resid[:, :, f:].contiguous(),
+        {n: cut(x) for n, x in streams.items()}, {n: cut(x) for n, x in heads.items()}, f, past,
     )  # fmt: skip

@@ -22,7 +22,7 @@ positions only (its edits take those positions: :func:`~qkov.analysis.forward.ed
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -33,9 +33,10 @@ from ..causal.contrast import Contrast
 from ..forward.address import HEAD, MLP, Address
 from ..forward.cache import final_stream
 from ..forward.edits import at_rows
-from .ablations import Ablation, sender_deltas, sender_sites, shared_prefix
+from .ablations import Ablation, sender_sites, shared_prefix
 from .graph import Graph
 from .head_inputs import project_heads_of
+from .senders import change_of, from_position, replacement_of, run_senders
 from .task import AnswerMetric, TaskBatch
 
 __all__ = ["exact_batch"]
@@ -63,9 +64,11 @@ def exact_batch(
     f = shared_prefix(c, ablation)  # no patch changes the positions before f: the passes run from f on
     kv = ["k.*", "v.*"] if f else []
     c.record(sender_sites(graph), base_only=[f"resid_pre.{l}" for l in range(L)] + [f"resid_post.{L - 1}", *kv])
-    delta = sender_deltas(ablation, c.base_recording, c.source_recording, source, graph)[:, :, f:]  # type: ignore[arg-type]
     base = c.base_recording
     assert base is not None
+    before = from_position(run_senders(base, graph), f)  # each sender's change formed when a pass needs it
+    rep = from_position(replacement_of(ablation, c.source_recording, source, graph), f)
+    change = lambda s: change_of(source, graph, s, before, rep)  # noqa: E731
     past = (base.stack("k")[:, :, :f].contiguous(), base.stack("v")[:, :, :f].contiguous()) if f else None
     T = b.clean.shape[1]
     units = [(int(e), t) for e in edges.tolist() for t in (range(f, T) if scores.ndim == 2 else [None])]
@@ -76,7 +79,7 @@ def exact_batch(
         mine = [u for u, ul in zip(units, layer_of) if ul == l]
         for lo in range(0, len(mine), K_max):
             chunk = mine[lo : lo + K_max]
-            got = _measure(c, graph, delta, chunk, l, past) - c.clean_value
+            got = _measure(c, graph, change, chunk, l, past) - c.clean_value
             for (e, t), v in zip(chunk, got.tolist()):
                 if t is None:
                     scores[e] += weight * v
@@ -93,9 +96,9 @@ def _layer(graph: Graph, r: int) -> int:
     return graph.cfg.n_layers if a.kind == "logits" else a.layer  # type: ignore[return-value]
 
 
-def _change(graph: Graph, delta: Tensor, chunk: list[tuple[int, int | None]], f: int) -> Tensor:
+def _change(graph: Graph, change: Callable[[int], Tensor], chunk: list[tuple[int, int | None]], f: int) -> Tensor:
     """``[K, B, T - f, D]``: each unit's sender change (at its position only, per position) from position ``f`` on."""
-    d = delta[graph.src[[e for e, _ in chunk]]]
+    d = torch.stack([change(int(graph.src[e])) for e, _ in chunk])
     for k, (_, t) in enumerate(chunk):
         if t is not None:
             keep = torch.zeros(d.shape[2], 1, dtype=d.dtype, device=d.device)
@@ -105,14 +108,14 @@ def _change(graph: Graph, delta: Tensor, chunk: list[tuple[int, int | None]], f:
 
 
 def _measure(
-    c: Contrast, graph: Graph, delta: Tensor, chunk: list[tuple[int, int | None]], l: int,
+    c: Contrast, graph: Graph, change: Callable[[int], Tensor], chunk: list[tuple[int, int | None]], l: int,
     past: tuple[Tensor, Tensor] | None,
 ) -> Tensor:  # fmt: skip
     """The metric of each unit of ``chunk`` (all into receivers of layer ``l``) in one pass over the positions
     from ``f`` on (``past``: the base run's keys and values before them; ``None``: ``f`` = 0); the last
     layer at the metric's positions."""
     K, L, f = len(chunk), graph.cfg.n_layers, 0 if past is None else past[0].shape[2]
-    d = _change(graph, delta, chunk, f)
+    d = _change(graph, change, chunk, f)
     base = c.base_recording
     assert base is not None
     B, T = c.base.shape

@@ -26,7 +26,10 @@ from .ablations import Ablation
 from .graph import Graph
 from .head_inputs import project_heads_of
 
-__all__ = ["ablated_heads", "ablated_streams", "head_changes", "io_index", "run_senders", "SenderSet", "replacement_of"]
+__all__ = [
+    "ablated_heads", "ablated_streams", "change_of", "from_position", "head_changes", "io_index", "replacement_of",
+    "run_senders", "SenderSet",
+]  # fmt: skip
 
 
 @dataclass
@@ -39,6 +42,23 @@ class SenderSet:
     io: Tensor
     z: Tensor | None = None
     shift: Tensor | None = None
+
+
+def from_position(senders: SenderSet, f: int) -> SenderSet:
+    """``senders`` at positions ``f ..`` only (tensors without a position axis, of length 1, as they are)."""
+    cut = lambda x, dim: x if x is None or x.shape[dim] == 1 else x.narrow(dim, f, x.shape[dim] - f).contiguous()  # noqa: E731
+    return SenderSet(cut(senders.io, 2), cut(senders.z, 3), cut(senders.shift, 3))
+
+
+def change_of(w: WeightSource, graph: Graph, sender: int, before: SenderSet, rep: SenderSet) -> Tensor:
+    """``[B, T, D]``: sender ``sender``'s change ``a~_s - a_s`` from the run ``before`` to ``rep``."""
+    if sender == 0 or (graph.mlp and (sender - 1) % graph.per_layer == graph.cfg.n_heads):
+        i = io_index(graph, sender)
+        return (rep.io[i] - before.io[i]).expand_as(before.io[i])
+    l, h = divmod(sender - 1, graph.per_layer)
+    assert before.z is not None
+    heads = torch.tensor([h], device=before.z.device)
+    return head_changes(w, l, heads, before.z[l].index_select(0, heads), rep)[0]
 
 
 def io_index(graph: Graph, sender: int) -> int:

@@ -247,7 +247,8 @@ def trace(
         past: ``(keys, values)``, each ``[L, B, f, K, E]`` (as the ``k`` and ``v`` sites hold them, rotated):
             every layer's keys and values of ``f`` positions before ``tokens``, which then stand at positions
             ``f ..`` (a pass over a suffix of sequences whose first ``f`` positions a run has computed;
-            every site holds the suffix; no scores, pattern or ``lse`` are asked).
+            every site holds the suffix; no scores, pattern or ``lse`` are asked). Given for ``B / r``
+            sequences (``r`` dividing ``B``), the batch's ``r`` blocks of sequences all read them.
     Returns:
         :class:`~qkov.analysis.forward.cache.Trace`.
     """
@@ -310,7 +311,8 @@ def _check_past(past: tuple[Tensor, Tensor] | None, tokens: Tensor, cfg: Any, as
     if cfg.residual != "sum":
         raise QkovError(f"past: a model with residual {cfg.residual!r} runs whole sequences")
     (B, T), (keys, values) = tokens.shape, past
-    want = (cfg.n_layers, B, keys.shape[2] if keys.ndim == 5 else -1, cfg.kv_heads, cfg.d_head)
+    n = keys.shape[1] if keys.ndim == 5 and keys.shape[1] and B % keys.shape[1] == 0 else B
+    want = (cfg.n_layers, n, keys.shape[2] if keys.ndim == 5 else -1, cfg.kv_heads, cfg.d_head)
     if tuple(keys.shape) != want or tuple(values.shape) != want:
         raise QkovError(f"past: expected keys and values of shape {list(want)}, got {list(keys.shape)}, {list(values.shape)}")
     if keys.shape[2] + T > cfg.n_ctx:
