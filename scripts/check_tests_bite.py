@@ -689,8 +689,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: integrated edge gradients divided by m instead of m + 1 points": (
         "analysis/discovery/attribution.py",
-        "        accumulate(scores, delta, split_grads(recording, graph), graph, weight / (steps + 1))",
-        "        accumulate(scores, delta, split_grads(recording, graph), graph, weight / steps)",
+        "        accumulate(_from(scores, runs.f), delta, split_grads(recording, graph), graph, weight / (steps + 1))",
+        "        accumulate(_from(scores, runs.f), delta, split_grads(recording, graph), graph, weight / steps)",
         "tests/analysis/discovery/test_attribution.py::test_integrated_edge_gradients_equal_the_reference_at_every_point[gpt2-like]",
     ),
     "discovery: EAP-IG's input points include the clean end instead of the corrupted one": (
@@ -737,8 +737,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "discovery: an integrated-gradient step's backward under the caller's no_grad (no graph)": (
         "analysis/discovery/attribution.py",
-        "    with torch.enable_grad():  # whatever the caller's mode: the recording kept its graph\n        metric(recording).backward()",
-        "    if True:\n        metric(recording).backward()",
+        "            with torch.enable_grad():  # whatever the caller's mode: the recording kept its graph\n                self.metric(rec).backward()",
+        "            if True:\n                self.metric(rec).backward()",
         "tests/analysis/discovery/test_attribution.py::test_scores_are_the_same_inside_torch_no_grad",
     ),
     "discovery: a receiver read from its fully ablated input weighs its senders by W, not W - 1": (
@@ -881,6 +881,18 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "positions=torch.arange(f, T))",
         "positions=torch.arange(0, T - f))",
         "tests/analysis/discovery/test_attribution.py::test_exact_patching_equals_the_reference_edge_by_edge[llama-like]",
+    ),
+    "discovery: a suffix's receiver gradients un-rotated from position 0": (
+        "analysis/discovery/grads.py",
+        "            turn = (cos[offset:], sin[offset:])",
+        "            turn = (cos[:T], sin[:T])",
+        "tests/analysis/discovery/test_masked_pass.py::test_attribution_from_the_shared_prefix_equals_it_from_the_first_position[llama-like]",
+    ),
+    "discovery: per-position attribution from the shared prefix lands on the first positions": (
+        "analysis/discovery/attribution.py",
+        "    return scores[f:] if scores.ndim == 3 else scores",
+        "    return scores[: scores.shape[0] - f] if scores.ndim == 3 else scores",
+        "tests/analysis/discovery/test_masked_pass.py::test_attribution_from_the_shared_prefix_equals_it_from_the_first_position[llama-like]",
     ),
     "discovery: a head's change from its mean misses the mean": (
         "analysis/discovery/senders.py",

@@ -2,14 +2,15 @@
 share computed once, the last layer at the metric's positions, each pass started at the first layer its
 circuits change, a layer's receivers formed a chunk of tokens at a time from gathered changes, equal the
 same pass run plainly (every position, from the first layer, one product a layer) and the independent
-edge-coefficient forward, on every family of model; so does exact edge patching with the shared prefix
-and the last layer's rows."""
+edge-coefficient forward, on every family of model; so do exact edge patching with the shared prefix
+and the last layer's rows, and every attribution method run from the shared prefix on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import qkov.analysis.discovery.attribution as attribution
 import qkov.analysis.discovery.evaluate as evaluate
 import qkov.analysis.discovery.exact as exact
 import qkov.analysis.discovery.masked as masked
@@ -130,3 +131,19 @@ def test_exact_patching_with_its_savings_equals_it_run_plainly(name: str, monkey
     assert (edge_scores(w, task, method="exact", max_bytes=1 << 20).scores - fast.scores).abs().max() < 1e-12
     plain = edge_scores(w, task, method="exact", per_position=True, edges=last)
     assert not calls and (plain.scores[:, last] - per.scores[:, last]).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("name", ["llama-like", "ln-mlp-shortformer"])
+def test_attribution_from_the_shared_prefix_equals_it_from_the_first_position(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w, task = random_case(name, n=3, T=6)
+    runs = {}
+    for shared in (True, False):
+        if not shared:
+            monkeypatch.setattr(attribution, "shared_prefix", lambda c, ablation: 0)
+        runs[shared] = [edge_scores(w, task, method=m, steps=2) for m in attribution.ATTRIBUTION]
+        runs[shared].append(edge_scores(w, task, method="eap", per_position=True))
+    for fast, plain in zip(runs[True], runs[False]):
+        assert (fast.scores - plain.scores).abs().max() < 1e-12, fast.method
+    assert (runs[True][-1].scores[:2] == 0).all() and runs[True][0].scores.abs().max() > 1e-3
