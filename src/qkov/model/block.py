@@ -71,6 +71,7 @@ class BlockPass:
         self.pos: Tensor | None = None
         self.turn: tuple[Tensor, Tensor] | None = None
         self.bus: Any = None  # a routed model's residual bus (qkov.model.bus.BusPass); None: the sum
+        self.past: tuple[Tensor, Tensor] | None = None  # keys, values [L, B', f, K, E] of f positions before x
 
     # ------------------------------------------------------------------ hook points (none here)
     def at(self, kind: str, layer: int | None, value: Tensor) -> Tensor:
@@ -145,10 +146,40 @@ class BlockPass:
             q, k = rotary.rotate(q, *self.turn), rotary.rotate(k, *self.turn)
         return self.at_heads("q", l, q), self.at_heads("k", l, k)
 
+    def with_past(self, l: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Layer ``l``'s keys and values ``[B, K, T, E]`` after those of the positions before the sequence
+        (:attr:`past`, when the pass runs a suffix; given for ``B / r`` sequences, each batch's ``r``
+        copies read them), and how many positions come before."""
+        if self.past is None:
+            return k, v, 0
+        f = self.past[0].shape[2]
+
+        def joined(before: Tensor, now: Tensor) -> Tensor:
+            B, n, T, E = now.shape
+            out = now.new_empty(B, n, f + T, E)
+            out[:, :, f:] = now
+            out.view(B // before.shape[0], before.shape[0], n, f + T, E)[:, :, :, :f] = before.transpose(1, 2)
+            return out
+
+        return joined(self.past[0][l], k), joined(self.past[1][l], v), f
+
+    def offset_attention(self, q: Tensor, k: Tensor, v: Tensor, at: Tensor) -> Tensor:
+        """``z [B, H, P, E]`` of queries at key positions ``at [P]`` (each sees the keys at or before it;
+        ``k`` and ``v`` expanded to the query heads)."""
+        sees = torch.arange(k.shape[2], device=q.device)[None, :] <= at[:, None]  # [P, T]
+        scale = 1.0 / ops.score_divisor(q.shape[-1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=sees, scale=scale)
+
     def attend(self, l: int, q: Tensor | None, k: Tensor | None, v: Tensor) -> Tensor:
         """``z [B, H, T, E]``: fused attention, unless a hook point asks for the scores or the pattern.
         The hook point ``lse`` (each query's log-sum-exp of its scores) is the fused kernel's own when
-        the attention runs fused, else the log-sum-exp of the scores; nothing reads it back."""
+        the attention runs fused, else the log-sum-exp of the scores; nothing reads it back. After a past
+        (:attr:`past`; the forward asks no scores, pattern or ``lse`` then) the queries follow it."""
+        if self.past is not None:
+            T = v.shape[2]
+            k, v, f = self.with_past(l, k, v)  # type: ignore[arg-type]
+            at = torch.arange(f, f + T, device=v.device)
+            return self.offset_attention(q, expand_kv(k, self.group, dim=1), expand_kv(v, self.group, dim=1), at)  # type: ignore[arg-type]
         v = expand_kv(v, self.group, dim=1)
         if not (self.active("scores", l) or self.active("pattern", l)):
             z, lse = causal_attention(q, expand_kv(k, self.group, dim=1), v, lse=self.active("lse", l))  # type: ignore[arg-type]
@@ -199,7 +230,8 @@ class BlockPass:
     def attention_at(self, l: int, x: Tensor, rows: Tensor) -> Tensor:
         """Layer ``l``'s attention output at the query positions ``rows [P]`` only, ``[B, P, D]``: keys
         and values at every position (through their sites: they may be edited), queries, scores and outputs
-        at those (the same values as :meth:`attention`'s rows). ``z`` may be read there by per-position edits."""
+        at those (the same values as :meth:`attention`'s rows); the queries and ``z`` pass their sites at those
+        positions only (what the forward allows there: edits that act on each position alone or take the rows)."""
         att = self.attention_weights(l)
         v_in = self.normed("attn", l, x, att.ln_w, att.ln_b)[0]
         qk_src = query_key_stream(x, self.pos, self.cfg.positional)
@@ -209,11 +241,10 @@ class BlockPass:
         if self.turn is not None:
             cos, sin = self.turn
             q, k = rotary.rotate(q, cos[rows], sin[rows]), rotary.rotate(k, cos, sin)
-        k = self.at_heads("k", l, k)
-        v = expand_kv(self.at_heads("v", l, project_heads(v_in, att.W_V, live_bias(att.b_V))), self.group, dim=1)
-        sees = torch.arange(x.shape[1], device=x.device)[None, :] <= rows[:, None]  # [P, T]: keys at or before
-        scale = 1.0 / ops.score_divisor(q.shape[-1])
-        z = F.scaled_dot_product_attention(q, expand_kv(k, self.group, dim=1), v, attn_mask=sees, scale=scale)
+        q, k = self.at_heads("q", l, q), self.at_heads("k", l, k)  # the queries at those positions only
+        v = self.at_heads("v", l, project_heads(v_in, att.W_V, live_bias(att.b_V)))
+        k, v, f = self.with_past(l, k, v)  # keys at or before each query: those before the sequence too
+        z = self.offset_attention(q, expand_kv(k, self.group, dim=1), expand_kv(v, self.group, dim=1), rows + f)
         z = self.gated(l, att, qk_in[:, rows], z, site=False)  # nothing reads the last layer's gate here
         return write_heads(self.at_heads("z", l, z), att.W_O, live_bias(att.b_O))
 
@@ -238,13 +269,14 @@ class BlockPass:
 
     def block(self, l: int, x: Tensor, rows: Tensor | None = None) -> Tensor:
         """Block ``l`` on the stream ``x [B, T, D]`` -> ``[B, T, D]``; with ``rows [P]``, its output at
-        those positions only, ``[B, P, D]`` (the last layer, when nothing reads it). A routed model
+        those positions only, ``[B, P, D]`` (the last layer, when nothing reads it: its input passes
+        ``resid_pre`` whole, its MLP and output stream pass their sites at the rows). A routed model
         (``self.bus`` set) reads and writes through its bus instead: ``x`` and ``rows`` are unused and
         the result is the bus's latest sublayer input (:meth:`routed`)."""
         if self.bus is not None:
             return self.routed(l)
+        x = self.at("resid_pre", l, x)
         if rows is None:
-            x = self.at("resid_pre", l, x)
             a = self.attention(l, x)
         else:
             a, x = self.attention_at(l, x, rows), x[:, rows]
@@ -256,7 +288,7 @@ class BlockPass:
             if self.cfg.d_mlp is not None:
                 x = x if rows is not None else self.at("resid_mid", l, x)
                 x = x + self.mlp(l, x)  # type: ignore[operator]
-        return x if rows is not None else self.at("resid_post", l, x)
+        return self.at("resid_post", l, x)  # with rows: at those positions only
 
     def routed(self, l: int) -> Tensor:
         """Block ``l`` of a routed model: each sublayer reads its input from the bus (through ``resid_pre``,

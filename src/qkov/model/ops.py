@@ -42,10 +42,11 @@ __all__ = [
 
 
 # ------------------------------------------------------------------ the block's pieces
-def embed(tokens: Tensor, W_E: Tensor, W_pos: Tensor | None) -> tuple[Tensor, Tensor | None]:
-    """The token embedding ``W_E[tokens]`` and the positions ``W_pos[:seq]`` (``None`` without
-    learned positions) of ``tokens [batch, seq]``: ``[batch, seq, d_model]`` and ``[seq, d_model]``."""
-    return F.embedding(tokens, W_E), None if W_pos is None else W_pos[: tokens.shape[-1]]
+def embed(tokens: Tensor, W_E: Tensor, W_pos: Tensor | None, offset: int = 0) -> tuple[Tensor, Tensor | None]:
+    """The token embedding ``W_E[tokens]`` and the positions ``W_pos[offset : offset + seq]`` (``None``
+    without learned positions) of ``tokens [batch, seq]`` standing at positions ``offset ..``:
+    ``[batch, seq, d_model]`` and ``[seq, d_model]``."""
+    return F.embedding(tokens, W_E), None if W_pos is None else W_pos[offset : offset + tokens.shape[-1]]
 
 
 def stream_start(embedded: Tensor, pos: Tensor | None, positional: str) -> Tensor:

@@ -98,7 +98,7 @@ def test_eap_ig_over_the_inputs_equals_the_reference(name: str) -> None:
     close(by_name(ours), reference_eap(w, task.clean, change, task.answers, task.wrong, mode="fixed", embeds=embeds))
 
 
-@pytest.mark.parametrize("name", ["gpt2-like", "neox-parallel"])
+@pytest.mark.parametrize("name", ["gpt2-like", "neox-parallel", "llama-like"])
 def test_exact_patching_equals_the_reference_edge_by_edge(name: str) -> None:
     w, task = setup(name, n=3, T=5)
     ours = by_name(edge_scores(w, task, method="exact", max_bytes=1 << 20))  # small copies: several passes per layer

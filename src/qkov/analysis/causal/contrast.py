@@ -181,6 +181,7 @@ class Contrast:
         stream: Tensor | None = None,
         tokens: Tensor | None = None,
         since: int = 0,
+        past: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """The metric on ``K`` copies of the base tokens in one forward pass: ``[K]``. ``edits``
         patch each copy its own way (copy ``k`` is rows ``k*B .. (k+1)*B`` of the batch); ``start``:
@@ -188,9 +189,12 @@ class Contrast:
         ``stream [K*B, T, D]``; ``tokens [K*B, T]``: run these instead of the copies (from the start).
         ``since``: no copy differs from the base run before this position (attention is causal: a patch
         changes nothing before the first position it writes), so the logits there are the base
-        recording's and only the later positions are unembedded."""
+        recording's and only the later positions are unembedded. ``past``: the base run's keys and values of
+        those positions (``[L, B, since, K, E]`` each): the pass then runs the positions from ``since`` on only
+        (every site and ``stream`` hold those; :func:`~qkov.analysis.forward.tracer.trace`'s ``past``)."""
         B, T = self.base.shape
         tokens = self.base.repeat(K, 1) if tokens is None else tokens
+        whole = tokens
         start_at = None
         if stream is not None and start is None:
             raise QkovError("Contrast.measure: a stream needs the layer it enters at (start=)")
@@ -205,7 +209,16 @@ class Contrast:
             start_at = (start, stream)
         every = self.positions if self.positions is not None or since <= 0 else torch.arange(T)
         later = every if every is None else every[every >= since]
-        out = trace(self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads, positions=later)
+        f = 0 if past is None else past[0].shape[2]
+        if past is not None:  # the suffix alone, after the base run's keys and values
+            assert f == since and later is not None and not self.metric.reads, "a past needs since= and logits only"
+            tokens = tokens[:, f:]  # (every copy reads the base run's past)
+        out = trace(
+            self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads,
+            positions=None if later is None else later - f, past=past,
+        )  # fmt: skip
+        if past is not None:
+            out = Trace(whole, out.logits, out.cache, out.source, later)
         early = None
         if every is not None and len(later) < len(every):  # the earlier logits: the base recording's
             early = self.base_recording.logits[:, : len(every) - len(later)].detach()  # type: ignore[union-attr]

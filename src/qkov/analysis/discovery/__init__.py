@@ -3,10 +3,11 @@
 :mod:`.graph` the model's graph (senders, receivers, edges; the count rule) and :mod:`.names` the
 spellings other tools use; :mod:`.task` prompt pairs, answers and metrics, :mod:`.builtin` and
 :mod:`.ioi_words` the tasks that need no download, :mod:`.formats` task, ground-truth and MIB files;
-:mod:`.ablations` what an ablated edge carries; :mod:`.grads` receiver gradients and their products with
-sender changes; :mod:`.attribution` EAP, EAP-IG and integrated edge gradients; :mod:`.exact` exact edge
-patching; :mod:`.score` every edge's score by one method and :mod:`.scores` the result; :mod:`.circuit`
-circuits and how to choose them; :mod:`.evaluate` circuits run with the rest ablated;
+:mod:`.ablations` what an ablated edge carries; :mod:`.senders` every sender's output and replacement,
+kept compactly; :mod:`.grads` receiver gradients and their products with sender changes; :mod:`.attribution`
+EAP, EAP-IG and integrated edge gradients; :mod:`.exact` exact edge patching; :mod:`.score` every edge's
+score by one method and :mod:`.scores` the result; :mod:`.circuit` circuits and how to choose them;
+:mod:`.evaluate` circuits run with the rest ablated, :mod:`.masked` the pass that runs them;
 :mod:`.faithfulness` faithfulness and its curve (CPR, CMD); :mod:`.layout` where a circuit's nodes and edges sit
 when drawn; :mod:`.roc` ROC AUC against a known circuit;
 :mod:`.acdc` an ACDC-style pruning pass; :mod:`.discover` all of it in one call; :mod:`.sweep` edge

@@ -27,6 +27,7 @@ from torch import Tensor
 from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.parts import WeightSource
+from ..causal.contrast import Contrast
 from ..forward.cache import Trace
 from ..forward.tracer import trace
 from .graph import Graph
@@ -43,6 +44,7 @@ __all__ = [
     "sender_deltas",
     "sender_sites",
     "sender_values",
+    "shared_prefix",
     "stream_sites",
 ]
 
@@ -192,3 +194,17 @@ def make_ablation(
 def as_ablation(source: WeightSource, graph: Graph, task: Task, ablation: Any, **kw: Any) -> Ablation:
     """``ablation`` (a name or an :class:`Ablation`) made ready for ``task``."""
     return ablation if isinstance(ablation, Ablation) else make_ablation(source, graph, task, ablation, **kw)
+
+
+def shared_prefix(c: Contrast, ablation: Ablation) -> int:
+    """How many first positions no ablation of edges can change on the contrast (a circuit's masked pass,
+    an edge's exact patching): under the ``corrupted`` ablation, the positions before the first where a
+    clean and its corrupted prompt differ (there every sender's replacement is its value: the model is
+    causal), up to the first position the metric reads; 0 under the other ablations (or when the metric
+    reads sites)."""
+    T = c.base.shape[1]
+    if ablation.kind != "corrupted" or c.positions is None or c.metric.reads or T < 2:
+        return 0
+    differs = (c.clean != c.corrupted).any(0).nonzero()[:, 0]
+    first = int(differs[0]) if len(differs) else T
+    return max(0, min(first, int(c.positions.min())))

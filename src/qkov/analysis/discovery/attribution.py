@@ -39,8 +39,9 @@ from torch import Tensor
 from ...errors import QkovError
 from ...weights.parts import WeightSource
 from ..causal.contrast import Contrast
+from ..forward.cache import Trace
 from ..forward.tracer import trace
-from .ablations import Ablation, ablated_inputs, sender_deltas, sender_sites, sender_values, stream_sites
+from .ablations import Ablation, ablated_inputs, sender_deltas, sender_sites, sender_values, shared_prefix, stream_sites
 from .grads import accumulate, fast_grads, fast_sites, split_grads, split_sites
 from .graph import Graph
 from .task import AnswerMetric, TaskBatch
@@ -79,35 +80,57 @@ def attribution_batch(
     return score(source, graph, b, metric, ablation, scores, weight=weight, steps=steps)
 
 
-def _contrast(source: WeightSource, b: TaskBatch, metric: AnswerMetric) -> Contrast:
-    return Contrast.of(source, b.clean, b.corrupted, metric=metric, direction="noise", where=WHERE)
+class _Runs:
+    """A batch's runs, from the first position an ablation can change on (:func:`~.ablations.shared_prefix`;
+    the clean run's keys and values before it): no edge's change, and no point between the clean and
+    the corrupted run, differs from the clean run there, so no score reads those positions. The metric
+    reads each run's logits at their positions; :attr:`f` the first position run."""
 
+    def __init__(self, source: WeightSource, b: TaskBatch, metric: AnswerMetric, ablation: Ablation) -> None:
+        self.source, self.metric = source, metric
+        c = Contrast.of(source, b.clean, b.corrupted, metric=metric, direction="noise", where=WHERE)
+        self.f = shared_prefix(c, ablation)
+        self.past = None
+        if self.f:
+            before = trace(source, b.clean[:, : self.f], cache=["k.*", "v.*"], logits=False)
+            self.past = (before.stack("k"), before.stack("v"))
 
-def _grad_recording(
-    source: WeightSource, tokens: Tensor, metric: AnswerMetric, cache: list[str], edits: dict[str, Any]
-) -> Any:
-    """A differentiable run of ``tokens`` with ``edits``, after the backward pass of its metric."""
-    recording = trace(source, tokens, cache=cache, edits=edits, grad=True, positions=metric.logit_positions(tokens.shape[1]))
-    with torch.enable_grad():  # whatever the caller's mode: the recording kept its graph
-        metric(recording).backward()
-    return recording
+    def run(self, tokens: Tensor, cache: list[str], edits: dict[str, Any] | None = None, grad: bool = False) -> Trace:
+        """``tokens`` run from :attr:`f` on (their sites hold those positions), caching ``cache``; with
+        ``grad``, differentiable and after the backward pass of the metric."""
+        at = self.metric.logit_positions(tokens.shape[1])
+        rec = trace(
+            self.source, tokens[:, self.f :], cache=cache, edits=edits, grad=grad,
+            positions=None if at is None else at - self.f, past=self.past,
+        )  # fmt: skip
+        if self.f:  # the metric reads the logits at their positions in the whole prompts
+            rec = Trace(tokens, rec.logits, rec.cache, rec.source, at, rec.stacks)
+        if grad:
+            with torch.enable_grad():  # whatever the caller's mode: the recording kept its graph
+                self.metric(rec).backward()
+        return rec
+
+    def value(self, rec: Trace) -> float:
+        return float(self.metric(rec).detach())
+
+    def plain(self, b: TaskBatch, graph: Graph, cache: list[str] | None = None) -> tuple[Trace, Trace]:
+        """Both runs, no gradient, caching the senders (and ``cache``)."""
+        sites = [*sender_sites(graph), *(cache or [])]
+        return self.run(b.clean, sites), self.run(b.corrupted, sites)
 
 
 def _eap(source, graph, b, metric, ablation, scores, *, weight, steps) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    c = _contrast(source, b, metric)
-    c.record(sender_sites(graph), base_only=fast_sites(graph, source.norm), grad=True)  # base: the clean prompts
-    c.backward()
-    delta = sender_deltas(ablation, c.base_recording, c.source_recording, source, graph)  # type: ignore[arg-type]
-    accumulate(scores, delta, fast_grads(c.base_recording, source, graph), graph, weight)  # type: ignore[arg-type]
-    return c.clean_value, c.corrupted_value
+    runs = _Runs(source, b, metric, ablation)
+    clean = runs.run(b.clean, [*sender_sites(graph), *fast_sites(graph, source.norm)], grad=True)
+    corrupted = runs.run(b.corrupted, sender_sites(graph))
+    delta = sender_deltas(ablation, clean, corrupted, source, graph)
+    accumulate(_from(scores, runs.f), delta, fast_grads(clean, source, graph, runs.f), graph, weight)
+    return runs.value(clean), runs.value(corrupted)
 
 
-def _plain(
-    source: WeightSource, graph: Graph, b: TaskBatch, metric: AnswerMetric, cache: list[str] | None = None
-) -> Contrast:
-    """Both runs of a batch, no gradient, caching the senders (and ``cache``)."""
-    c = _contrast(source, b, metric)
-    return c.record([*sender_sites(graph), *(cache or [])])
+def _from(scores: Tensor, f: int) -> Tensor:
+    """The scores of the positions from ``f`` on (per-position scores ``[T, S, R]``; else all of them)."""
+    return scores[f:] if scores.ndim == 3 else scores
 
 
 def _input_edit(x: Tensor) -> Callable[[Tensor, Any], Tensor]:
@@ -121,49 +144,51 @@ def _eap_ig_inputs(source, graph, b, metric, ablation, scores, *, weight, steps)
             f"{WHERE}: eap-ig moves the input from the corrupted prompt to the clean one; "
             "it needs the corrupted ablation"
         )
-    c = _plain(source, graph, b, metric)
-    e_clean, e_corr = c.base_recording["resid_pre", 0], c.source_recording["resid_pre", 0]  # type: ignore[index]
-    delta = sender_deltas(ablation, c.base_recording, c.source_recording, source, graph)  # type: ignore[arg-type]
+    runs = _Runs(source, b, metric, ablation)
+    clean, corrupted = runs.plain(b, graph)
+    e_clean, e_corr = clean["resid_pre", 0], corrupted["resid_pre", 0]
+    delta = sender_deltas(ablation, clean, corrupted, source, graph)
     for k in range(steps):
         x = e_corr + (k / steps) * (e_clean - e_corr)
-        recording = _grad_recording(source, b.clean, metric, fast_sites(graph, source.norm), {"resid_pre.0": _input_edit(x)})
-        accumulate(scores, delta, fast_grads(recording, source, graph), graph, weight / steps)
-    return c.clean_value, c.corrupted_value
+        recording = runs.run(b.clean, fast_sites(graph, source.norm), {"resid_pre.0": _input_edit(x)}, grad=True)
+        accumulate(_from(scores, runs.f), delta, fast_grads(recording, source, graph, runs.f), graph, weight / steps)
+    return runs.value(clean), runs.value(corrupted)
 
 
 def _eap_ig_activations(source, graph, b, metric, ablation, scores, *, weight, steps) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     L = graph.cfg.n_layers
-    c = _plain(source, graph, b, metric, ["attn_out.*"])
-    delta = sender_deltas(ablation, c.base_recording, c.source_recording, source, graph)  # type: ignore[arg-type]
-    clean = c.base_recording
-    groups: list[tuple[str, Tensor, Tensor]] = [("resid_pre.0", clean["resid_pre", 0], delta[0])]  # type: ignore[index]
+    runs = _Runs(source, b, metric, ablation)
+    clean, corrupted = runs.plain(b, graph, ["attn_out.*"])
+    delta = sender_deltas(ablation, clean, corrupted, source, graph)
+    groups: list[tuple[str, Tensor, Tensor]] = [("resid_pre.0", clean["resid_pre", 0], delta[0])]
     for l in range(L):
         h0 = graph.head_sender(l)
-        groups.append((f"attn_out.{l}", clean["attn_out", l], delta[h0 : h0 + graph.cfg.n_heads].sum(0)))  # type: ignore[index]
+        groups.append((f"attn_out.{l}", clean["attn_out", l], delta[h0 : h0 + graph.cfg.n_heads].sum(0)))
         if graph.mlp:
-            groups.append((f"mlp_out.{l}", clean["mlp_out", l], delta[graph.mlp_sender(l)]))  # type: ignore[index]
+            groups.append((f"mlp_out.{l}", clean["mlp_out", l], delta[graph.mlp_sender(l)]))
     total = len(groups) * steps
-    for site, clean, change in groups:
+    for site, out, change in groups:
         for k in range(1, steps + 1):
-            x = clean + (1 - k / steps) * change  # a clean + (1 - a) ablated
+            x = out + (1 - k / steps) * change  # a clean + (1 - a) ablated
             edit = _input_edit(x) if site == "resid_pre.0" else (lambda v, s, x=x: x)
-            recording = _grad_recording(source, b.clean, metric, fast_sites(graph, source.norm), {site: edit})
-            accumulate(scores, delta, fast_grads(recording, source, graph), graph, weight / total)
-    return c.clean_value, c.corrupted_value
+            recording = runs.run(b.clean, fast_sites(graph, source.norm), {site: edit}, grad=True)
+            accumulate(_from(scores, runs.f), delta, fast_grads(recording, source, graph, runs.f), graph, weight / total)
+    return runs.value(clean), runs.value(corrupted)
 
 
 def _ieg(source, graph, b, metric, ablation, scores, *, weight, steps) -> tuple[float, float]:  # type: ignore[no-untyped-def]
-    c = _plain(source, graph, b, metric, stream_sites(graph))
-    clean = sender_values(c.base_recording, source, graph)  # type: ignore[arg-type]
-    ablated = ablation.values(clean, sender_values(c.source_recording, source, graph) if ablation.needs_corrupted else None)  # type: ignore[arg-type]
-    target = ablated_inputs(c.base_recording, graph, ablated - clean)  # type: ignore[arg-type]
+    runs = _Runs(source, b, metric, ablation)
+    c_run, k_run = runs.plain(b, graph, stream_sites(graph))
+    clean = sender_values(c_run, source, graph)
+    ablated = ablation.values(clean, sender_values(k_run, source, graph) if ablation.needs_corrupted else None)
+    target = ablated_inputs(c_run, graph, ablated - clean)
     for k in range(steps + 1):
         a = k / steps if steps else 0.0
         edits = _interpolate(graph, target, a)
-        recording = _grad_recording(source, b.clean, metric, [*sender_sites(graph), *split_sites(graph)], edits)
+        recording = runs.run(b.clean, [*sender_sites(graph), *split_sites(graph)], edits, grad=True)
         delta = ablated - sender_values(recording, source, graph)
-        accumulate(scores, delta, split_grads(recording, graph), graph, weight / (steps + 1))
-    return c.clean_value, c.corrupted_value
+        accumulate(_from(scores, runs.f), delta, split_grads(recording, graph), graph, weight / (steps + 1))
+    return runs.value(c_run), runs.value(k_run)
 
 
 def _interpolate(graph: Graph, target: dict[str, Tensor], a: float) -> dict[str, Any]:

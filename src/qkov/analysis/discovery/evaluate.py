@@ -20,13 +20,15 @@ al.): ``f(C) = (m(C) - m(empty)) / (m(full) - m(empty))``, with ``m(full)`` the 
 ``m(empty)`` every edge ablated: the corrupted run for the ``corrupted`` ablation, the fully ablated run
 for ``zero`` and the means (not the corrupted run: :func:`circuit_metrics` computes it).
 
-Each pass runs ``K`` circuits as ``K`` copies of a batch of prompts; the observers record every sender's
-output in the pass and each receiver's edit adds its masked sum, one matrix product per receiver layer.
+Each pass runs ``K`` circuits as ``K`` copies of a batch of prompts (:mod:`.masked`): the senders'
+changes are recorded as the pass makes them and each layer's receivers read theirs through one matrix
+product per copy. A pass starts at the first layer one of its circuits changes; a circuit that changes
+nothing is not run (its metric is the base run's), nor, under the ``corrupted`` ablation, one that
+gives every edge its source run's value (its metric is the source run's: the corrupted run, or the clean
+one for ``patch-in``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -36,16 +38,15 @@ from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.parts import WeightSource
 from ..causal.contrast import Contrast
-from ..forward.address import Address
 from ..forward.tracer import trace
-from .ablations import Ablation, ablated_inputs, sender_sites, sender_values, stream_sites
+from .ablations import Ablation, sender_sites, shared_prefix, stream_sites
 from .graph import Graph
-from .head_inputs import project_heads_of
+from .masked import first_layers, MaskedPass, Prepared
+from .senders import ablated_heads, ablated_streams, from_position, replacement_of, run_senders
 from .task import AnswerMetric, Task, TaskBatch
 
 __all__ = [
-    "circuit_metrics", "copy_bytes", "edge_weights", "Evaluator", "fully_ablated", "gather_bytes", "masked_pass",
-    "ready_metric", "VARIANTS",
+    "circuit_metrics", "copy_bytes", "edge_weights", "Evaluator", "gather_bytes", "prepare", "ready_metric", "VARIANTS",
 ]  # fmt: skip
 
 VARIANTS = ("ablate-complement", "ablate-circuit", "patch-in")
@@ -71,220 +72,6 @@ def edge_weights(graph: Graph, flat: Tensor) -> Tensor:
     W = flat.new_zeros(K, S, R, T)
     W[:, graph.src, graph.dst] = flat.transpose(1, 2)  # [K, E, T]
     return W
-
-
-def fully_ablated(
-    contrast: Contrast, graph: Graph, replacement: Tensor
-) -> tuple[dict[str, Tensor], dict[tuple[int, str], Tensor]]:
-    """What a receiver with every edge into it ablated reads, whatever the circuit, computed once from
-    the base run (which cached the senders and the streams): each receiver group's input ``x_base + sum_{s
-    -> r} (replacement_s - a_s(base))`` (``{"attn.l", "mlp.l", "logits"}: [B, T, D]``; it is ``sum_s
-    replacement_s`` plus the biases no edge carries, the same in every pass) and every head's query, key
-    and value from it (``{(layer, kind): [B, T, n, E]}``)."""
-    w, recording = contrast.weights, contrast.base_recording
-    rep = replacement.to(device=w.device, dtype=w.dtype)
-    streams = ablated_inputs(recording, graph, rep - sender_values(recording, w, graph))  # type: ignore[arg-type]
-    heads: dict[tuple[int, str], Tensor] = {}
-    for l in range(graph.cfg.n_layers):
-        for kind in "qkv":
-            n = graph.cfg.n_heads if kind == "q" else graph.cfg.kv_heads
-            heads[l, kind] = project_heads_of(w, l, kind, range(n), streams[f"attn.{l}"]).permute(1, 2, 0, 3)
-    return streams, heads
-
-
-class _MaskedPass:
-    """One masked pass (see :func:`masked_pass`): the edits, and what they read as the pass runs.
-
-    A receiver ``r`` of copy ``k`` reads ``x_r + sum_s W[s, r] (rep_s - a_s)``, which is also
-    ``x_r(all ablated) + sum_s (W[s, r] - 1) (rep_s - a_s)`` (the first term the same in every pass):
-    each receiver takes whichever form has fewer senders with a non-zero coefficient, so a receiver
-    with almost every edge kept or almost every edge ablated costs little, and one with no coefficient
-    left is the stream as it is or its precomputed fully ablated input. The senders some receiver reads
-    write ``rep_s - a_s`` into one buffer as the pass makes them (``[K, N, B, T, D]``, in sender order);
-    a layer's query, key and value inputs are then one matrix product per copy over it."""
-
-    def __init__(self, contrast: Contrast, graph: Graph, replacement: Tensor, W: Tensor, ablated: tuple) -> None:
-        w = contrast.weights
-        self.c, self.g = contrast, graph
-        self.streams, self.ablated = ablated
-        self.K, (self.B, self.T) = W.shape[0], contrast.base.shape
-        self.W = W.to(device=w.device, dtype=w.dtype)
-        self.rep = replacement.to(device=w.device, dtype=w.dtype)
-        self.pos = W.ndim == 4
-        S, R, dev = len(graph.senders), len(graph.receivers), self.W.device
-        self.fan = torch.tensor([graph.before(r) for r in range(R)], device=dev)  # senders into each receiver
-        nz, no = self.W != 0, self.W != 1
-        if self.pos:  # a sender counts when its coefficient is non-zero at any position
-            nz, no = nz.any(-1), no.any(-1)
-        no &= torch.arange(S, device=dev)[:, None] < self.fan  # [S, R]: only real edges
-        self.ii = no.sum(1) < nz.sum(1)  # [K, R]: read from the fully ablated input
-        self.active = torch.where(self.ii[:, None], no, nz)  # [K, S, R]: the senders each receiver reads
-        self.some = self.active.any(1)  # [K, R]: computed from the senders' changes
-        self.full = self.ii & ~self.some  # [K, R]: the fully ablated input
-        needed = self.active.any(2).any(0)  # [S]
-        self.order = needed.nonzero()[:, 0]  # the senders in the buffer, in sender order
-        self.slot = torch.cumsum(needed, 0) - 1  # [S]: each needed sender's row
-        self.diff = torch.empty(
-            self.K, len(self.order), self.B, self.T, graph.cfg.d_model, dtype=w.dtype, device=w.device
-        )
-        self.cur: dict[int, Tensor] = {}
-        self.done: dict[int, dict[str, list]] = {}
-
-    def needed(self, lo: int, n: int) -> list[int]:
-        """Which of senders ``lo .. lo+n`` some receiver reads (offsets from ``lo``)."""
-        return [int(s) - lo for s in self.order.tolist() if lo <= s < lo + n]
-
-    # ------------------------------------------------------------------ what receivers read
-    def inputs(self, k: int, rs: Tensor, base: dict[bool, Tensor]) -> tuple[Tensor, Tensor]:
-        """The inputs of copy ``k``'s receivers ``rs`` (all with the same senders, each computed: ``some``),
-        each from its base (``base[False]`` the stream as it is, ``base[True]`` the fully ablated input):
-        ``(receivers [r], inputs [r, B, T, D])``, the receivers reordered (those from the stream first)."""
-        n = int(self.fan[rs[0]])
-        rows = int(self.slot[n - 1]) + 1 if n else 0  # the buffer's rows of senders before the receivers
-        senders = self.order[:rows]
-        use = self.active[k][senders][:, rs].any(1)  # [rows]
-        if 2 * int(use.sum()) < rows:  # few senders: gather them
-            pick = use.nonzero()[:, 0]
-            D, senders = self.diff[k, pick], senders[pick]
-        else:
-            D = self.diff[k, :rows]
-        ii = self.ii[k, rs]
-        rs = torch.cat([rs[~ii], rs[ii]])
-        ii = self.ii[k, rs]
-        C = self.W[k][senders][:, rs]
-        C = torch.where(ii[:, None] if self.pos else ii, C - 1, C)
-        out = D.new_empty(len(rs), *D.shape[1:])
-        flat, lo = D.reshape(len(senders), -1), 0
-        for mode in (False, True):
-            hi = lo + int((ii == mode).sum())
-            if hi > lo:
-                if self.pos:
-                    out[lo:hi] = torch.einsum("ubtd,urt->rbtd", D, C[:, lo:hi]) + base[mode]
-                else:
-                    torch.addmm(base[mode].reshape(1, -1), C[:, lo:hi].T, flat, out=out[lo:hi].view(hi - lo, -1))
-            lo = hi
-        return rs, out
-
-    def layer_heads(self, l: int) -> dict[str, list]:
-        """Per kind, ``(k, heads [n], new [n, B, T, E])`` for every copy: the heads of layer ``l`` whose
-        input is not the stream as it is. Computed at the layer's first edited kind, kept for the others."""
-        if l in self.done:
-            return self.done[l]
-        cfg, r0 = self.g.cfg, self.g.attention_receivers(l).start
-        H, kv = cfg.n_heads, cfg.kv_heads
-        kinds = (("q", 0, H), ("k", H, kv), ("v", H + kv, kv))
-        out: dict[str, list] = {kind: [] for kind, _, _ in kinds}
-        R = H + 2 * kv
-        for k in range(self.K):
-            some = self.some[k, r0 : r0 + R].nonzero()[:, 0]
-            full = self.full[k, r0 : r0 + R]
-            x = None
-            if len(some):
-                base = {False: self.cur[l].view(self.K, self.B, self.T, -1)[k], True: self.streams[f"attn.{l}"]}
-                some, x = self.inputs(k, some + r0, base)
-                some = some - r0
-            for kind, off, n in kinds:
-                f = full[off : off + n].nonzero()[:, 0]
-                if len(f):
-                    out[kind].append((k, f, self.ablated[l, kind][:, :, f].permute(2, 0, 1, 3)))
-                mine = ((some >= off) & (some < off + n)).nonzero()[:, 0]
-                if len(mine):
-                    slots = some[mine] - off
-                    new = project_heads_of(self.c.weights, l, kind, slots.tolist(), x[mine], fused=True)  # type: ignore[index]
-                    out[kind].append((k, slots, new))
-        self.done = {l: out}
-        return out
-
-    # ------------------------------------------------------------------ the edits
-    def observe(self, lo: int, n: int):  # type: ignore[no-untyped-def]
-        """Senders ``lo .. lo+n`` (the input, a layer's heads or an MLP): write the change of those some
-        receiver reads into the buffer; keep the streams (``resid_pre``) the receivers start from."""
-        mine = self.needed(lo, n)
-        rows = self.slot[[lo + i for i in mine]].tolist()
-        idx = torch.tensor(mine, device=self.W.device)
-
-        def fn(value: Tensor, site: Address) -> Tensor:
-            if site.kind == "resid_pre":
-                self.cur[site.layer] = value  # type: ignore[index]
-                if site.layer != 0:
-                    return value
-            if mine:
-                v = value.view(self.K, self.B, self.T, n, -1)[:, :, :, idx].permute(0, 3, 1, 2, 4)
-                torch.sub(self.rep[lo + idx].unsqueeze(0), v, out=self.diff[:, rows[0] : rows[-1] + 1])
-            return value
-
-        return fn
-
-    def head_kind(self, l: int, kind: str, start: int, n: int):  # type: ignore[no-untyped-def]
-        """The edit of ``kind.l`` (``[K*B, T, n, E]``): heads with every edge in ablated read their fully
-        ablated value, heads with some computed from their own input, the rest untouched."""
-        if not bool((self.some | self.full)[:, start : start + n].any()):
-            return None
-
-        def fn(value: Tensor, site: Address) -> Tensor:
-            out = value.clone(memory_format=torch.contiguous_format)
-            view = out.view(self.K, self.B, self.T, n, -1)
-            for k, heads, new in self.layer_heads(l)[kind]:
-                view[k][:, :, heads] = new.permute(1, 2, 0, 3).to(view)
-            return out
-
-        return fn
-
-    def stream(self, r: int, name: str):  # type: ignore[no-untyped-def]
-        """The edit of an MLP's input copy or of the final stream (receiver ``r``, its fully ablated input
-        ``streams[name]``), or ``None``."""
-        if not bool((self.some | self.full)[:, r].any()):
-            return None
-        rs = torch.tensor([r], device=self.W.device)
-
-        def fn(value: Tensor, site: Address) -> Tensor:
-            out = value.clone()
-            view = out.view(self.K, self.B, self.T, -1)
-            for k in range(self.K):
-                if self.full[k, r]:
-                    view[k] = self.streams[name]
-                elif self.some[k, r]:
-                    view[k] = self.inputs(k, rs, {False: view[k], True: self.streams[name]})[1][0]
-            return out
-
-        return fn
-
-    def edits(self) -> dict[str, Any]:
-        g, cfg, H = self.g, self.g.cfg, self.g.cfg.n_heads
-        edits: dict[str, Any] = {"resid_pre.0": self.observe(0, 1)}
-        for l in range(cfg.n_layers):
-            if l:
-                edits[f"resid_pre.{l}"] = self.observe(0, 0)
-            if self.needed(g.head_sender(l), H):
-                edits[f"head_out.{l}"] = self.observe(g.head_sender(l), H)
-            r0 = g.attention_receivers(l).start
-            for kind, off, n in (("q", 0, H), ("k", H, cfg.kv_heads), ("v", H + cfg.kv_heads, cfg.kv_heads)):
-                fn = self.head_kind(l, kind, r0 + off, n)
-                if fn is not None:
-                    edits[f"{kind}.{l}"] = fn
-            if g.mlp:
-                if self.needed(g.mlp_sender(l), 1):
-                    edits[f"mlp_out.{l}"] = self.observe(g.mlp_sender(l), 1)
-                fn = self.stream(g.mlp_receiver(l), f"mlp.{l}")
-                if fn is not None:
-                    edits[f"mlp_input.{l}"] = fn
-        fn = self.stream(g.logits_receiver, "logits")
-        if fn is not None:
-            edits[f"resid_post.{cfg.n_layers - 1}"] = fn
-        return edits
-
-
-def masked_pass(
-    contrast: Contrast, graph: Graph, replacement: Tensor, W: Tensor, ablated: tuple | None = None
-) -> Tensor:
-    """The metric ``[K]`` of ``K`` copies of the contrast's base prompts, in copy ``k`` every edge ``e``
-    carrying ``W[k, e]`` of the way from its sender's current output to ``replacement`` (``[S, B, T, D]``,
-    or broadcasting to it): ``x_r -> x_r + sum_s W[k, s, r] (replacement_s - a_s(current))``. ``W`` is
-    dense (:func:`edge_weights`). ``ablated``: :func:`fully_ablated` of the contrast (computed when not
-    given; its base recording must then still be there)."""
-    if ablated is None:
-        ablated = fully_ablated(contrast, graph, replacement)
-    return contrast.measure(W.shape[0], _MaskedPass(contrast, graph, replacement, W, ablated).edits())
 
 
 def copy_bytes(source: WeightSource, graph: Graph, B: int, T: int) -> int:
@@ -330,7 +117,7 @@ class Evaluator:
         self.source, self.graph, self.task, self.ablation, self.variant = source, graph, task, ablation, variant
         tune_cpu_allocator()  # each pass's buffers reused, not faulted in afresh
         self.max_bytes = max_bytes
-        self.parts: list[tuple[float, Contrast, Tensor, dict]] = []
+        self.parts: list[tuple[float, Prepared]] = []
         self.clean = self.corrupted = 0.0
         for b in task.batches(batch):
             weight = len(b.rows) / len(task)
@@ -338,12 +125,9 @@ class Evaluator:
             c = Contrast.of(
                 source, b.clean, b.corrupted, metric=ready_metric(source, b), direction=direction, where=WHERE
             )
-            c.record([*sender_sites(graph), *stream_sites(graph)])
+            self.parts.append((weight, prepare(c, graph, ablation)))
             self.clean += weight * c.clean_value
             self.corrupted += weight * c.corrupted_value
-            rep = _replacement(c, graph, ablation)
-            self.parts.append((weight, c, rep, fully_ablated(c, graph, rep)))
-            c.base_recording = c.source_recording = None  # what a masked pass reads of them is kept
 
     def metrics(self, circuits: Tensor, progress: Progress | None = None) -> Tensor:
         """``[K]`` the metric (prompt mean) with each circuit of ``circuits`` (``[K, E]`` booleans, or
@@ -356,15 +140,24 @@ class Evaluator:
         keep = circuits.to(torch.float64)
         flat = keep if self.variant != "ablate-complement" else 1.0 - keep
         total = torch.zeros(circuits.shape[0], dtype=torch.float64)
+        L = self.graph.cfg.n_layers
+        firsts = first_layers(self.graph, flat)  # the first layer each circuit changes (L: none)
+        if self.ablation.kind == "corrupted":  # every edge from the source run: the source run itself
+            firsts[(flat == 1).flatten(1).all(1)] = L + 1
         done, work = 0, len(self.parts) * circuits.shape[0]
-        for weight, c, rep, ablated in self.parts:
-            B, T = c.base.shape
+        for weight, p in self.parts:
+            B, T = p.contrast.base.shape
             room = self.max_bytes - gather_bytes(self.source, self.graph, B, T)
             K_max = max(1, room // copy_bytes(self.source, self.graph, B, T))
-            for lo in range(0, circuits.shape[0], K_max):
-                W = edge_weights(self.graph, flat[lo : lo + K_max])
-                total[lo : lo + K_max] += weight * masked_pass(c, self.graph, rep, W, ablated).double().cpu()
-                done += W.shape[0]
+            total[firsts == L] += weight * p.contrast.base_value  # nothing changed: the base run
+            source = p.contrast.swap(p.contrast.clean_value, p.contrast.corrupted_value)[1]
+            total[firsts == L + 1] += weight * source
+            order = sorted((i for i in range(len(firsts)) if firsts[i] < L), key=lambda i: (int(firsts[i]), i))
+            for lo in range(0, len(order), K_max):
+                pick = torch.tensor(order[lo : lo + K_max])
+                W = edge_weights(self.graph, flat[pick])
+                total[pick] += weight * MaskedPass(p, self.graph, W, int(firsts[pick[0]])).run().double().cpu()
+                done += len(pick)
                 tick(progress, WHERE, done, work)
         return total
 
@@ -374,7 +167,8 @@ class Evaluator:
         return self.clean
 
     def nothing_kept(self) -> float:
-        """The metric with every edge ablated (``m(empty)``): one more pass (the corrupted run for patch-in)."""
+        """The metric with every edge ablated (``m(empty)``): the corrupted run under the ``corrupted``
+        ablation (and for patch-in), else one more pass."""
         E = self.graph.n_edges
         if self.variant == "patch-in":
             return self.corrupted
@@ -405,13 +199,25 @@ def circuit_metrics(
     return ev.metrics(circuits, progress), ev.clean, ev.corrupted
 
 
-def _replacement(c: Contrast, graph: Graph, ablation: Ablation) -> Tensor:
-    """What an ablated edge carries, ``[S, B, T, D]`` or broadcasting to it: the source run's senders
-    (the corrupted run, or the clean one for patch-in), zeros or the means."""
-    if ablation.kind == "corrupted":
-        return sender_values(c.source_recording, c.weights, graph)  # type: ignore[arg-type]
-    D = c.weights.cfg.d_model
-    if ablation.kind == "zero":
-        return torch.zeros(len(graph.senders), 1, 1, D, dtype=c.weights.dtype, device=c.weights.device)
-    m = ablation.means.to(device=c.weights.device, dtype=c.weights.dtype)  # type: ignore[union-attr]
-    return m[:, None, None] if m.ndim == 2 else m[:, None]
+def prepare(c: Contrast, graph: Graph, ablation: Ablation) -> Prepared:
+    """Record the contrast's two runs and keep what masked passes on it read (:class:`~.masked.Prepared`):
+    the senders of the base run and their replacements, the base run's layer inputs, and what a receiver
+    with every edge ablated reads, from the first position a pass can change on (:func:`shared_prefix`;
+    the base run's keys and values before it). The recordings themselves are let go."""
+    f = shared_prefix(c, ablation)
+    c.record([*sender_sites(graph), *stream_sites(graph)], base_only=["k.*", "v.*"] if f else [])
+    base, src = c.base_recording, c.source_recording
+    assert base is not None
+    w = c.weights
+    before = run_senders(base, graph)
+    rep = replacement_of(ablation, src if ablation.kind == "corrupted" else None, w, graph)
+    streams = ablated_streams(base, before, rep, w, graph)
+    heads = ablated_heads(w, graph, streams)
+    resid = torch.stack([base["resid_pre", l] for l in range(graph.cfg.n_layers)])
+    past = (base.stack("k")[:, :, :f].contiguous(), base.stack("v")[:, :, :f].contiguous()) if f else None
+    c.base_recording = c.source_recording = None  # what a masked pass reads of them is kept
+    cut = lambda x: x[:, f:].contiguous()  # noqa: E731
+    return Prepared(
+        c, from_position(rep, f), from_position(before, f), resid[:, :, f:].contiguous(),
+        {n: cut(x) for n, x in streams.items()}, {n: cut(x) for n, x in heads.items()}, f, past,
+    )  # fmt: skip

@@ -13,11 +13,16 @@ and one pass carries many edges into the same layer, one patched copy of the pro
 * into the logits: the final stream gets ``delta_s``, and only the unembedding runs.
 
 Per-position edges (``s -> r`` at position ``t``) patch ``delta_s`` at ``t`` only.
+
+Under the ``corrupted`` ablation no patch changes the positions before the first where a clean and its
+corrupted prompt differ (:func:`~.ablations.shared_prefix`): the passes run the positions from there on,
+after the clean run's keys and values. The last layer runs its queries, output and MLP at the metric's
+positions only (its edits take those positions: :func:`~qkov.analysis.forward.edits.at_rows`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -27,9 +32,11 @@ from ...weights.parts import WeightSource
 from ..causal.contrast import Contrast
 from ..forward.address import HEAD, MLP, Address
 from ..forward.cache import final_stream
-from .ablations import Ablation, sender_deltas, sender_sites
+from ..forward.edits import at_rows
+from .ablations import Ablation, sender_sites, shared_prefix
 from .graph import Graph
 from .head_inputs import project_heads_of
+from .senders import change_of, from_position, replacement_of, run_senders
 from .task import AnswerMetric, TaskBatch
 
 __all__ = ["exact_batch"]
@@ -54,10 +61,17 @@ def exact_batch(
     position) for every edge in ``edges`` (edge numbers); returns the batch's clean and corrupted metric."""
     L = graph.cfg.n_layers
     c = Contrast.of(source, b.clean, b.corrupted, metric=metric, direction="noise", where=WHERE)
-    c.record(sender_sites(graph), base_only=[f"resid_pre.{l}" for l in range(L)] + [f"resid_post.{L - 1}"])
-    delta = sender_deltas(ablation, c.base_recording, c.source_recording, source, graph)  # type: ignore[arg-type]
+    f = shared_prefix(c, ablation)  # no patch changes the positions before f: the passes run from f on
+    kv = ["k.*", "v.*"] if f else []
+    c.record(sender_sites(graph), base_only=[f"resid_pre.{l}" for l in range(L)] + [f"resid_post.{L - 1}", *kv])
+    base = c.base_recording
+    assert base is not None
+    before = from_position(run_senders(base, graph), f)  # each sender's change formed when a pass needs it
+    rep = from_position(replacement_of(ablation, c.source_recording, source, graph), f)
+    change = lambda s: change_of(source, graph, s, before, rep)  # noqa: E731
+    past = (base.stack("k")[:, :, :f].contiguous(), base.stack("v")[:, :, :f].contiguous()) if f else None
     T = b.clean.shape[1]
-    units = [(int(e), t) for e in edges.tolist() for t in (range(T) if scores.ndim == 2 else [None])]
+    units = [(int(e), t) for e in edges.tolist() for t in (range(f, T) if scores.ndim == 2 else [None])]
     layer_of = [_layer(graph, int(graph.dst[e])) for e, _ in units]
     K_max = c.copies(max_bytes, extra=graph.cfg.d_model * T * b.clean.shape[0] * 4)
     done = 0
@@ -65,7 +79,7 @@ def exact_batch(
         mine = [u for u, ul in zip(units, layer_of) if ul == l]
         for lo in range(0, len(mine), K_max):
             chunk = mine[lo : lo + K_max]
-            got = _measure(c, graph, delta, chunk, l) - c.clean_value
+            got = _measure(c, graph, change, chunk, l, past) - c.clean_value
             for (e, t), v in zip(chunk, got.tolist()):
                 if t is None:
                     scores[e] += weight * v
@@ -82,59 +96,73 @@ def _layer(graph: Graph, r: int) -> int:
     return graph.cfg.n_layers if a.kind == "logits" else a.layer  # type: ignore[return-value]
 
 
-def _change(graph: Graph, delta: Tensor, chunk: list[tuple[int, int | None]]) -> Tensor:
-    """``[K, B, T, D]``: each unit's sender change (at its position only, per position)."""
-    d = delta[graph.src[[e for e, _ in chunk]]]
+def _change(graph: Graph, change: Callable[[int], Tensor], chunk: list[tuple[int, int | None]], f: int) -> Tensor:
+    """``[K, B, T - f, D]``: each unit's sender change (at its position only, per position) from position ``f`` on."""
+    d = torch.stack([change(int(graph.src[e])) for e, _ in chunk])
     for k, (_, t) in enumerate(chunk):
         if t is not None:
             keep = torch.zeros(d.shape[2], 1, dtype=d.dtype, device=d.device)
-            keep[t] = 1
+            keep[t - f] = 1
             d[k] *= keep
     return d
 
 
-def _measure(c: Contrast, graph: Graph, delta: Tensor, chunk: list[tuple[int, int | None]], l: int) -> Tensor:
-    """The metric of each unit of ``chunk`` (all into receivers of layer ``l``) in one pass."""
-    K, L = len(chunk), graph.cfg.n_layers
-    d = _change(graph, delta, chunk)
-    B = c.base.shape[0]
+def _measure(
+    c: Contrast, graph: Graph, change: Callable[[int], Tensor], chunk: list[tuple[int, int | None]], l: int,
+    past: tuple[Tensor, Tensor] | None,
+) -> Tensor:  # fmt: skip
+    """The metric of each unit of ``chunk`` (all into receivers of layer ``l``) in one pass over the positions
+    from ``f`` on (``past``: the base run's keys and values before them; ``None``: ``f`` = 0); the last
+    layer at the metric's positions."""
+    K, L, f = len(chunk), graph.cfg.n_layers, 0 if past is None else past[0].shape[2]
+    d = _change(graph, change, chunk, f)
+    base = c.base_recording
+    assert base is not None
+    B, T = c.base.shape
+    rows = None if c.positions is None else c.positions.to(d.device) - f
     if l == L:  # into the logits: the final stream plus the change, then the unembedding
-        stream = (final_stream(c.base_recording)[None] + d).reshape(K * B, *d.shape[2:])  # type: ignore[arg-type]
-        return c.measure(K, start=L, stream=stream)
-    x = c.base_recording["resid_pre", l]  # type: ignore[index]
+        stream = (final_stream(base)[:, f:][None] + d).reshape(K * B, *d.shape[2:])
+        return c.measure(K, start=L, stream=stream, since=f, past=past)
+    x = base["resid_pre", l][:, f:]
     receivers = [graph.receivers[int(graph.dst[e])] for e, _ in chunk]
     edits: dict[Any, Any] = {}
     for kind in "qkv":
         ks = [k for k, r in enumerate(receivers) if r.kind == HEAD and r.input == kind]
         if ks:
             slots = [r.input_site(graph.cfg).head for r in (receivers[k] for k in ks)]
-            new = project_heads_of(c.weights, l, kind, slots, x[None] + d[ks])
-            edits[f"{kind}.{l}"] = _write(K, B, ks, slots, new)
+            new = project_heads_of(c.weights, l, kind, slots, x[None] + d[ks], positions=torch.arange(f, T))
+            edits[f"{kind}.{l}"] = _write(K, B, ks, slots, new, rows)
     ms = [k for k, r in enumerate(receivers) if r.kind == MLP]
     if ms:
-        edits[f"mlp_input.{l}"] = _add(K, B, ms, d[ms])
-    return c.measure(K, edits, start=min(l, c.reads_from))
+        edits[f"mlp_input.{l}"] = _add(K, B, ms, d[ms], rows)
+    start = min(l, c.reads_from)
+    stream = base["resid_pre", start][:, f:].repeat(K, 1, 1) if f else None
+    return c.measure(K, edits, start=start, stream=stream, since=f, past=past)
 
 
-def _write(K: int, B: int, ks: list[int], slots: list[int], new: Tensor):  # type: ignore[no-untyped-def]
-    """An edit of a ``q``/``k``/``v`` site ``[K*B, T, n, E]``: copy ``ks[i]``'s head ``slots[i]`` becomes ``new[i]``."""
+def _write(K: int, B: int, ks: list[int], slots: list[int], new: Tensor, rows: Tensor | None):  # type: ignore[no-untyped-def]
+    """An edit of a ``q``/``k``/``v`` site ``[K*B, T, n, E]``: copy ``ks[i]``'s head ``slots[i]`` becomes
+    ``new[i]`` (``[n, B, T, E]``; at ``rows`` only when the site holds the last layer's positions)."""
     kt, st = torch.tensor(ks), torch.tensor(slots)
 
     def write(value: Tensor, site: Address) -> Tensor:
+        got = new if value.shape[1] == new.shape[2] else new.index_select(2, rows)  # type: ignore[arg-type]
         out = value.clone(memory_format=torch.contiguous_format)
-        out.view(K, B, *value.shape[1:])[kt, :, :, st] = new.to(value)
+        out.view(K, B, *value.shape[1:])[kt, :, :, st] = got.to(value)
         return out
 
-    return write
+    return at_rows(write)
 
 
-def _add(K: int, B: int, ks: list[int], d: Tensor):  # type: ignore[no-untyped-def]
-    """An edit of ``mlp_input`` ``[K*B, T, D]``: copy ``ks[i]`` gets ``d[i]`` added."""
+def _add(K: int, B: int, ks: list[int], d: Tensor, rows: Tensor | None):  # type: ignore[no-untyped-def]
+    """An edit of ``mlp_input`` ``[K*B, T, D]``: copy ``ks[i]`` gets ``d[i]`` added (at ``rows`` only when the
+    site holds the last layer's positions)."""
     kt = torch.tensor(ks)
 
     def add(value: Tensor, site: Address) -> Tensor:
+        got = d if value.shape[1] == d.shape[2] else d.index_select(2, rows)  # type: ignore[arg-type]
         out = value.clone()
-        out.view(K, B, *value.shape[1:])[kt] += d.to(value)
+        out.view(K, B, *value.shape[1:])[kt] += got.to(value)
         return out
 
-    return add
+    return at_rows(add)

@@ -87,7 +87,7 @@ def evaluate(ev: Evaluator, circuits: Sequence[Circuit], progress: Progress | No
     if not circuits:
         raise QkovError("circuit evaluation: no circuits given")
     values = ev.metrics(torch.stack([c.edges for c in circuits]), progress).tolist()
-    name = ev.parts[0][1].metric.name if ev.parts else ""
+    name = ev.parts[0][1].contrast.metric.name if ev.parts else ""
     return CircuitFaithfulness(
         [c.n_edges for c in circuits], values, ev.full, ev.nothing_kept(), ev.variant, ev.ablation.kind, name
     )

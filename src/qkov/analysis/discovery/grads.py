@@ -73,9 +73,10 @@ def norm_vjp(x: Tensor, s: Tensor | None, g: Tensor, kind: str, w: Tensor | None
     return (out if rms else out - g.mean(-1, keepdim=True)) / s
 
 
-def fast_grads(recording: Trace, source: WeightSource, graph: Graph) -> Grads:
+def fast_grads(recording: Trace, source: WeightSource, graph: Graph, offset: int = 0) -> Grads:
     """``grads(l)``: the metric's gradient ``[r, B, T, D]`` at layer ``l``'s receivers (its query, key,
-    value inputs and MLP; ``l = n_layers``: the logits), from a run that cached :func:`fast_sites`.
+    value inputs and MLP; ``l = n_layers``: the logits), from a run that cached :func:`fast_sites` (of
+    positions ``offset ..``: a pass over a suffix).
 
     A head's input gradient is ``J^T (g W^T)`` (:func:`norm_vjp`), written without forming ``J``: with
     ``g`` divided by the divisor ``s`` and the gain folded into ``W``, it is ``g W^T - (g . mean_d W) 1 -
@@ -94,9 +95,12 @@ def fast_grads(recording: Trace, source: WeightSource, graph: Graph) -> Grads:
         s_v = recording["attn_scale", l].detach() if normed else None
         x_qk, s_qk = x, s_v
         if cfg.positional == "shortformer":
-            x_qk = x + source.pos()[:T]  # type: ignore[index]
+            x_qk = x + source.pos()[offset : offset + T]  # type: ignore[index]
             s_qk = recording["qk_scale", l].detach() if normed else None
-        turn = rotary.tables(cfg, T, x.device, x.dtype) if cfg.positional == "rotary" else None
+        turn = None
+        if cfg.positional == "rotary":
+            cos, sin = rotary.tables(cfg, offset + T, x.device, x.dtype)
+            turn = (cos[offset:], sin[offset:])
         off = 0
         qk, v_in = (x_qk, s_qk), (x, s_v)
         kinds = (("q", att.W_Q, att.b_Q, *qk), ("k", att.W_K, att.b_K, *qk), ("v", att.W_V, att.b_V, *v_in))

@@ -20,31 +20,76 @@ from ...model import rotary
 from ...model.ops import normalize, query_key_stream
 from ...weights.parts import WeightSource
 
-__all__ = ["project_heads_of"]
+__all__ = ["HeadProjector", "project_heads_of"]
+
+
+class HeadProjector:
+    """Queries, keys or values of heads of ``layer``, each from an input of its own: row ``i`` is the
+    ``kinds[i]`` (``q``, ``k`` or ``v``; one kind for every row) of head ``slots[i]`` (a key/value head for
+    ``k``, ``v``), queries and keys before values. The weights are picked once and applied to any number of
+    inputs (a pass's chunks of tokens). ``fused``: normalise with torch's fused kernels."""
+
+    def __init__(
+        self, source: WeightSource, layer: int, kinds: str | Sequence[str], slots: Sequence[int] | Tensor,
+        *, fused: bool = False,
+    ) -> None:  # fmt: skip
+        cfg, att = source.cfg, source.attention(layer, expand_kv=False)
+        slots = slots.tolist() if isinstance(slots, Tensor) else list(slots)
+        kinds = [kinds] * len(slots) if isinstance(kinds, str) else list(kinds)
+        self.source, self.cfg, self.fused, self.ln = source, cfg, fused, (att.ln_w, att.ln_b)
+        self.n_qk = sum(k != "v" for k in kinds)  # the rows that read the positions
+        assert "v" not in kinds[: self.n_qk], "queries and keys come before values"
+        by = {"q": (att.W_Q, att.b_Q), "k": (att.W_K, att.b_K), "v": (att.W_V, att.b_V)}
+        self.W = torch.stack([by[k][0][h] for k, h in zip(kinds, slots)]) if slots else att.W_Q[:0]
+        live = all(by[k][1] is not None for k in set(kinds))
+        self.bias = torch.stack([by[k][1][h] for k, h in zip(kinds, slots)]) if live and slots else None  # type: ignore[index]
+
+    def __call__(self, xs: Tensor, positions: Tensor | None = None, *, shared: bool = False) -> Tensor:
+        """``[n, ..., P, E]`` from inputs ``xs [n, ..., P, D]`` (``shared``: one input ``[..., P, D]`` every
+        head reads, normalised once; one kind) at ``positions [P]`` (default ``0 .. P-1``)."""
+        cfg, P, n, k = self.cfg, xs.shape[-2], self.W.shape[0], self.n_qk
+        pos = self.source.pos() if k else None
+        if pos is not None:
+            pos = pos[:P] if positions is None else pos[positions]
+            qk = query_key_stream(xs if shared or k == n else xs[:k], pos, cfg.positional)
+            xs = qk if shared or k == n else torch.cat([qk, xs[k:]])
+        w, b = self.ln
+        normed = _fused(xs, self.source.norm, cfg.ln_eps, w, b) if self.fused else normalize(
+            xs, self.source.norm, cfg.ln_eps, w=w, b=b
+        )[0]
+        D, E = self.W.shape[1:]
+        lead = normed.shape[:-1] if shared else normed.shape[1:-1]
+        if shared:
+            out = (normed.reshape(-1, D) @ self.W.permute(1, 0, 2).reshape(D, n * E)).view(-1, n, E).transpose(0, 1)
+        else:
+            out = torch.bmm(normed.reshape(n, -1, D), self.W)
+        out = out.reshape(n, *lead, E)
+        if self.bias is not None:
+            out = out + self.bias.view(n, *[1] * len(lead), E)
+        if k and cfg.positional == "rotary":
+            last = P if positions is None else int(positions.max()) + 1
+            cos, sin = rotary.tables(cfg, last, xs.device, xs.dtype)
+            if positions is not None:
+                cos, sin = cos[positions], sin[positions]
+            out = rotary.rotate(out, cos, sin) if k == n else torch.cat([rotary.rotate(out[:k], cos, sin), out[k:]])
+        return out
 
 
 def project_heads_of(
-    source: WeightSource, layer: int, kind: str, slots: Sequence[int], xs: Tensor, *, fused: bool = False
+    source: WeightSource,
+    layer: int,
+    kind: str,
+    slots: Sequence[int] | Tensor,
+    xs: Tensor,
+    *,
+    fused: bool = False,
+    positions: Tensor | None = None,
 ) -> Tensor:
     """``[n, B, T, E]``: the ``kind`` (``q``, ``k`` or ``v``) of head ``slots[i]`` of ``layer`` (a key/value
     head for ``k``, ``v``) computed from its own input ``xs[i]`` (``xs [n, B, T, D]``), or from one input
-    ``xs [B, T, D]`` they all read (normalised once). ``fused``: normalise with torch's fused kernels."""
-    cfg, att = source.cfg, source.attention(layer, expand_kv=False)
-    T = xs.shape[-2]
-    if kind != "v":
-        pos = source.pos()
-        xs = query_key_stream(xs, None if pos is None else pos[:T], cfg.positional)
-    normed = _fused(xs, source.norm, cfg.ln_eps, att.ln_w, att.ln_b) if fused else normalize(
-        xs, source.norm, cfg.ln_eps, w=att.ln_w, b=att.ln_b
-    )[0]
-    idx = torch.as_tensor(list(slots), device=xs.device, dtype=torch.long)
-    W, bias = {"q": (att.W_Q, att.b_Q), "k": (att.W_K, att.b_K), "v": (att.W_V, att.b_V)}[kind]
-    shared = "btd" if normed.ndim == 3 else "nbtd"
-    out = torch.einsum(f"{shared},nde->nbte", normed, W[idx]) + bias[idx][:, None, None]
-    if kind != "v" and cfg.positional == "rotary":
-        cos, sin = rotary.tables(cfg, T, xs.device, xs.dtype)
-        out = rotary.rotate(out, cos, sin)
-    return out
+    ``xs [B, T, D]`` they all read (normalised once). ``fused``: normalise with torch's fused kernels.
+    ``positions [T]``: the positions ``xs`` holds (default ``0 .. T-1``), for the positional terms."""
+    return HeadProjector(source, layer, kind, slots, fused=fused)(xs, positions, shared=xs.ndim == 3)
 
 
 def _fused(x: Tensor, kind: str, eps: float, w: Tensor | None, b: Tensor | None) -> Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .address import Address, as_head, HEAD, HeadLike, INPUTS, no_head, not_a_head, parse_heads
 from .sites import BY_NAME, COPIES, Kind, KINDS, Sites, HEAD_INPUTS
-from .edits import Edit, EditFn, Edits, PER_POSITION, per_position, Site
+from .edits import AT_ROWS, at_rows, Edit, EditFn, Edits, PER_POSITION, per_position, Site
 from .cache import accumulated, by_component, by_head, final_stream, Stack, Trace
 from .tracer import flops_per_token, trace
 from .frozen import check_linear, frozen_edits, frozen_gate, frozen_sites, frozen_values, gated, head_terms, head_writes, read, sites_of
@@ -49,6 +49,8 @@ __all__ = [
     "EditFn",
     "Edits",
     "PER_POSITION",
+    "AT_ROWS",
+    "at_rows",
     "per_position",
     "Site",
     "accumulated",

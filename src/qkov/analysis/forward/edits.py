@@ -20,11 +20,12 @@ from torch import Tensor
 from ...errors import QkovError
 from .sites import BY_NAME, Address, Sites
 
-__all__ = ["Edit", "EditFn", "Edits", "PER_POSITION", "per_position", "Site"]
+__all__ = ["AT_ROWS", "at_rows", "Edit", "EditFn", "Edits", "PER_POSITION", "per_position", "Site"]
 
 EditFn = Callable[[Tensor, Address], Union[Tensor, None]]
 
 PER_POSITION = "qkov_per_position"  # the attribute that marks an edit function as acting on each position alone
+AT_ROWS = "qkov_at_rows"  # the attribute that marks an edit function as taking a last-layer site at the pass's positions
 
 
 def per_position(edit: Callable[[Tensor, Any], Tensor]) -> Callable[[Tensor, Any], Tensor]:
@@ -35,6 +36,18 @@ def per_position(edit: Callable[[Tensor, Any], Tensor]) -> Callable[[Tensor, Any
     (:func:`~qkov.analysis.causal.ablation.ablation_edits`) are marked."""
     setattr(edit, PER_POSITION, True)
     return edit
+
+
+def at_rows(edit: Callable[[Tensor, Any], Tensor]) -> Callable[[Tensor, Any], Tensor]:
+    """Mark the function ``edit`` (of a last-layer ``q``, ``z``, ``mlp_input``, ``mlp_out`` or ``resid_post``
+    site) as taking that site at the pass's logit ``positions`` alone: in a pass asked for a few positions
+    its value then holds those positions only, in the order given and taken modulo the sequence length
+    (``[B, P, ...]`` instead of ``[B, T, ...]``), and the last layer still runs at those positions only
+    (:func:`~qkov.analysis.forward.tracer.trace`). The function tells the two apart by the value's length."""
+    setattr(edit, AT_ROWS, True)
+    return edit
+
+
 Edit = Union[Tensor, EditFn]
 Site = tuple[str, Union[int, None]]
 

@@ -15,10 +15,12 @@ two passes against each other and against an independent reference). What a site
 computed: with nothing asked of a layer's scores, patterns or per-head outputs, attention runs fused; a
 pattern replaced by a tensor skips the queries and keys; an MLP output replaced by a tensor skips the
 MLP. With logits asked at a few ``positions`` and nothing reading the last layer (no cached site there,
-no gradient, no start at the final stream, and no edit there but of its keys and values and of ``z`` by
-functions marked :func:`~qkov.analysis.forward.edits.per_position`), that layer's keys and values still
-run at every position but its queries, attention, output, MLP and stream only at those positions; the
-scores that read a few positions (the ICL score) then skip most of it, with the same values (tested).
+no gradient, no start at the final stream, and no edit there but of its input stream, its keys and values,
+of ``z`` by functions marked :func:`~qkov.analysis.forward.edits.per_position`, and of its queries, ``z``, MLP
+input and output and output stream by functions marked :func:`~qkov.analysis.forward.edits.at_rows`, which
+take those sites at the positions alone), that layer's keys and values still run at every position but its
+queries, attention, output, MLP and stream only at those positions; the scores that read a few positions
+(the ICL score) and circuit evaluation then skip most of it, with the same values (tested).
 With no logits asked (``logits=False``, or ``positions`` empty) the pass stops as soon as every site
 cached or edited has been computed: a recording of layer 5's pattern runs layers 0-4 and layer 5's
 attention up to its pattern, no MLP after it, no final normalisation, no unembedding (the values are
@@ -48,10 +50,12 @@ from ...model.tokens import check_tokens
 from ...weights.parts import VOCAB_BLOCK, WeightSource
 from ...weights.convert import SourceLike, as_source
 from .cache import Trace
-from .edits import PER_POSITION, Edit, Edits
+from .edits import AT_ROWS, PER_POSITION, Edit, Edits
 from .sites import Address, Sites
 
-__all__ = ["embedded", "flops_per_token", "trace"]
+__all__ = ["embedded", "flops_per_token", "ROW_SITES", "trace"]
+
+ROW_SITES = ("q", "z", "mlp_input", "mlp_out", "resid_post")  # last-layer sites an at_rows edit may take at the positions
 
 
 def flops_per_token(cfg: Any) -> int:
@@ -146,17 +150,20 @@ class _Pass(BlockPass):
 
     # ------------------------------------------------------------------ the ends
     def start(self, tokens: Tensor, start_at: tuple[int, Tensor] | None) -> tuple[int, Tensor | None]:
-        """Embed ``tokens`` (or take the stream given by ``start_at``); set the positions."""
+        """Embed ``tokens`` (or take the stream given by ``start_at``); set the positions (after the
+        :attr:`past`'s, when there is one)."""
         B, T = tokens.shape
+        f = 0 if self.past is None else self.past[0].shape[2]  # positions after the past's
         W_pos = self.source.pos()
-        pos = None if W_pos is None else W_pos[:T]
+        pos = None if W_pos is None else W_pos[f : f + T]
         if pos is not None:
             pos = pos.expand(B, T, -1)
             if self.grad and not pos.requires_grad:
                 pos = pos.clone().requires_grad_()
             self.pos = pos = self.at("pos", None, pos)
         if self.cfg.positional == "rotary":
-            self.turn = rotary.tables(self.cfg, T, self.source.device, self.source.dtype)
+            cos, sin = rotary.tables(self.cfg, f + T, self.source.device, self.source.dtype)
+            self.turn = (cos[f:], sin[f:])
         if start_at is not None:  # the embedding is not read
             return start_at[0], start_at[1]
         emb = embedded(self.source, tokens)
@@ -211,10 +218,12 @@ class _Pass(BlockPass):
             return None
         if any(layer == L - 1 for _, layer in self.store.wanted):
             return None
-        for (kind, layer), edits in self.edits.by_site.items():  # at the last layer: keys, values, per-position z
-            if layer != L - 1 or kind in ("k", "v"):
+        for (kind, layer), edits in self.edits.by_site.items():  # at the last layer: its input, keys, values, ...
+            if layer != L - 1 or kind in ("resid_pre", "k", "v"):
                 continue
-            if kind != "z" or not all(getattr(e, PER_POSITION, False) for _, e in edits):
+            if all(getattr(e, AT_ROWS, False) for _, e in edits) and kind in ROW_SITES:
+                continue  # ... functions that take the site at the positions
+            if kind != "z" or not all(getattr(e, PER_POSITION, False) for _, e in edits):  # ... per-position z
                 return None
         return positions.to(self.source.device).remainder(T)
 
@@ -246,6 +255,7 @@ def trace(
     start_at: tuple[int, Tensor] | None = None,
     stream: str | None = None,
     logits: bool = True,
+    past: tuple[Tensor, Tensor] | None = None,
 ) -> Trace:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
 
@@ -277,6 +287,11 @@ def trace(
         logits: ``False``: compute no logits (``Trace.logits`` is ``[B, 0, V]``; ``positions`` empty
             means the same) and stop the pass as soon as every site cached or edited has been
             computed (nothing after the last of them runs).
+        past: ``(keys, values)``, each ``[L, B, f, K, E]`` (as the ``k`` and ``v`` sites hold them, rotated):
+            every layer's keys and values of ``f`` positions before ``tokens``, which then stand at positions
+            ``f ..`` (a pass over a suffix of sequences whose first ``f`` positions a run has computed;
+            every site holds the suffix; no scores, pattern or ``lse`` are asked). Given for ``B / r``
+            sequences (``r`` dividing ``B``), the batch's ``r`` blocks of sequences all read them.
     Returns:
         :class:`~qkov.analysis.forward.cache.Trace`.
     """
@@ -293,8 +308,10 @@ def trace(
         raise QkovError(f"positions: every position must be in -{tokens.shape[1]}..{tokens.shape[1] - 1}")
     if not logits or (positions is not None and len(positions) == 0):
         positions = torch.zeros(0, dtype=torch.long)
+    _check_past(past, tokens, cfg, asked, ed)
     store = _Store({a.site for a in asked}, _whole_kinds(asked, cfg.n_layers), cfg.n_layers, grad)
     state = _Pass(source, ed, store, grad)
+    state.past = past
     with torch.enable_grad() if grad else torch.no_grad():  # grad=True whatever the caller's mode
         out = _run(state, tokens, positions, start_at)
     return Trace(tokens, out, store.items, source, positions, dict(store.buffers))
@@ -329,6 +346,23 @@ def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
             by_kind.setdefault(a.kind, set()).add(a.layer)
     varying = ("route_attn", "route_mlp")  # AttnRes: one more source per layer, no common buffer shape
     return {k for k, ls in by_kind.items() if len(ls) == n_layers and k not in varying}
+
+
+def _check_past(past: tuple[Tensor, Tensor] | None, tokens: Tensor, cfg: Any, asked: list[Address], ed: Edits) -> None:
+    if past is None:
+        return
+    if cfg.residual != "sum":
+        raise QkovError(f"past: a model with residual {cfg.residual!r} runs whole sequences")
+    (B, T), (keys, values) = tokens.shape, past
+    n = keys.shape[1] if keys.ndim == 5 and keys.shape[1] and B % keys.shape[1] == 0 else B
+    want = (cfg.n_layers, n, keys.shape[2] if keys.ndim == 5 else -1, cfg.kv_heads, cfg.d_head)
+    if tuple(keys.shape) != want or tuple(values.shape) != want:
+        raise QkovError(f"past: expected keys and values of shape {list(want)}, got {list(keys.shape)}, {list(values.shape)}")
+    if keys.shape[2] + T > cfg.n_ctx:
+        raise QkovError(f"past: {keys.shape[2]} positions before {T} tokens exceed the context of {cfg.n_ctx}")
+    whole = ("scores", "pattern", "lse")
+    if any(a.kind in whole for a in asked) or any(k in whole for k, _ in ed.by_site):
+        raise QkovError("past: a pass over a suffix forms no scores, pattern or lse")
 
 
 def _check_start(start_at: tuple[int, Tensor] | None, tokens: Tensor, cfg: Any, source: Any) -> None:
