@@ -18,7 +18,7 @@ from qkov import ModelConfig, QkovError, Transformer, Weights
 from qkov.analysis.forward.tracer import trace
 from qkov.model.bus import sinkhorn
 
-from helpers import run_main, tiny_train, torchrun, train_flags
+from helpers import TINY, run_main, tiny_train, torchrun, train_flags
 
 VARIANTS = {
     "attnres": dict(residual="attnres"),
@@ -225,28 +225,78 @@ def test_train_flags(tmp_path: Path, small_corpus: Path, capsys: pytest.CaptureF
     assert rc == 2 and "n_streams > 1 needs" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        ["--residual", "attnres-block", "--attnres-block", "2", "--mlp", "32"],
-        ["--residual", "mhc", "--streams", "2", "--gate", "elementwise", "--loop", "2"],  # every option at once
-    ],
-    ids=["attnres-block", "mhc-gate-loop"],
-)
-def test_a_routed_model_trains_the_same_under_torchrun(extra: list[str], tmp_path: Path, small_corpus: Path) -> None:
-    """Two ranks (gloo on CPU) reach the single process's weights with the bus's (and the gates') parameters in
-    the gradient reduction (a parameter the ranks did not share would make them drift)."""
+def test_a_routed_gated_looped_model_trains_the_same_under_torchrun(tmp_path: Path, small_corpus: Path) -> None:
+    """Two ranks (gloo on CPU) of ``qkov train`` with every option at once reach the single process's weights:
+    the bus's and the gates' parameters are in the gradient reduction (a parameter the ranks did not share
+    would make them drift)."""
     env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
+    extra = ["--residual", "mhc", "--streams", "2", "--gate", "elementwise", "--loop", "2"]
     flags = [*train_flags(steps=10, ckpt_interval=5, eval_interval=5), "--corpus", str(small_corpus), *extra]
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     subprocess.run([sys.executable, "-m", "qkov", "train", *flags, "--out", str(single)], env=env, check=True, capture_output=True)
     res = torchrun(["train", *flags, "--out", str(ddp)], env)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = qkov.load(single), qkov.load(ddp)
-    assert b.cfg == a.cfg and b.cfg.residual == extra[1]
+    assert b.cfg == a.cfg and (b.cfg.residual, b.cfg.gate, b.cfg.loop) == ("mhc", "elementwise", 2)
+    _same_trained_weights(a, b)
+
+
+# every other variant, each on its own: one torchrun launch trains them all (one process group)
+DDP_VARIANTS: dict[str, dict[str, object]] = {
+    "attnres": dict(residual="attnres", d_mlp=32),
+    "attnres-block": dict(residual="attnres-block", attnres_block=2, d_mlp=32),
+    "hyper": dict(residual="hyper", n_streams=3),
+    "hyper-dynamic": dict(residual="hyper", n_streams=2, hyper_dynamic=True),
+    "gate-headwise": dict(gate="headwise"),
+}
+SEVERAL_RUNS = """
+import json, os, sys
+from pathlib import Path
+import torch.distributed as dist
+import qkov
+corpus, out, variants = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+ranked = "RANK" in os.environ  # under torchrun: the script joins the group; every run uses it and leaves it joined
+if ranked:
+    dist.init_process_group("gloo")
+base = qkov.ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
+tc = qkov.TrainConfig(steps=10, batch=4, corpus=corpus, ckpt_interval=5, eval_interval=5)
+for name, change in variants.items():
+    qkov.train(out / name, base.replace(**change), tc, device="cpu")
+    assert dist.is_initialized() == ranked, "qkov.train left a process group it did not join"
+if ranked:
+    dist.destroy_process_group()
+"""
+
+
+def test_every_other_variant_trains_the_same_under_torchrun(tmp_path: Path, small_corpus: Path) -> None:
+    """AttnRes (full and in blocks, with MLPs), static and dynamic hyper-connections and headwise gates: two
+    ranks reach one process's weights, every bus and gate parameter trained; ``qkov.train`` called several
+    times in a script that joined the process group itself leaves the group joined."""
+    env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
+    script = tmp_path / "several_runs.py"
+    script.write_text(SEVERAL_RUNS)
+    args = [str(script), str(small_corpus), "", json.dumps(DDP_VARIANTS)]
+    args[2] = str(tmp_path / "single")
+    one = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    args[2] = str(tmp_path / "ddp")
+    res = torchrun(args, env, script=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name, change in DDP_VARIANTS.items():
+        a, b = qkov.load(tmp_path / "single" / name), qkov.load(tmp_path / "ddp" / name)
+        assert b.cfg == a.cfg == TINY.replace(**change), name  # type: ignore[arg-type]
+        _same_trained_weights(a, b)
+
+
+def _same_trained_weights(a: Transformer, b: Transformer) -> None:
+    """``b`` (two ranks) holds ``a``'s (one process) weights to float noise, and every bus and gate
+    parameter left its initialisation."""
     sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys() and any(k.startswith("bus.") for k in sb)
+    assert sa.keys() == sb.keys()
     for k in sa:
-        assert torch.allclose(sa[k], sb[k], atol=1e-4), k
-    moved = b.bus.query.abs().max() > 0 if extra[1] == "attnres-block" else (b.bus.alpha - 0.01).abs().max() > 0  # type: ignore[union-attr]
-    assert moved  # the bus trained: its parameters left their initialisation
+        assert torch.allclose(sa[k], sb[k], atol=1e-4), (b.cfg.describe(), k)
+    init = Transformer(b.cfg, seed=0).state_dict()
+    extras = [k for k in sb if k.startswith("bus.") or k.endswith(("W_G", "b_G"))]
+    assert extras, b.cfg.describe()
+    for k in extras:  # the routing and the gates trained
+        assert not torch.equal(sb[k], init[k]), (b.cfg.describe(), k)
