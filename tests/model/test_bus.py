@@ -79,7 +79,9 @@ def test_analysis_forward_matches_the_training_model(variant: str, shape: str) -
     want = torch.log_softmax(m(ids), -1)
     for view in (Weights.from_model(m), Weights.from_model(m, fold_ln=False)):
         got = torch.log_softmax(trace(view, ids).logits, -1)
-        assert (got - want).abs().max() < 1e-5
+        # float32 noise: these perturbed buses amplify it to ~2e-5 (the float32 model against itself in float64,
+        # seeds 0-11, before and after the bus's faster forms), so 1e-5 was at the edge
+        assert (got - want).abs().max() < 3e-5
 
 
 def _copy_into(std: Transformer, cfg: ModelConfig) -> Transformer:
@@ -164,6 +166,42 @@ def test_sinkhorn_is_doubly_stochastic_and_keeps_what_already_is() -> None:
     assert torch.allclose(one, e / e.sum(1, keepdim=True))
     P = torch.tensor([[0.7, 0.3], [0.3, 0.7]])
     assert torch.allclose(sinkhorn(P.log(), 3), P, atol=1e-6)
+
+
+@pytest.mark.parametrize("site", ["route_attn.0", "mix_attn.1", "write_attn.2", "route_final"])
+@pytest.mark.parametrize("shape", ["ln-mlp", "parallel-rms"])
+def test_static_streams_held_either_way_agree(site: str, shape: str) -> None:
+    """Static hyper-connections hold the streams stream-major (one product over the streams per read and
+    write) until a coefficient differs by position; freezing one site at its own value written out per
+    position turns them token-major from there on, and nothing else changes."""
+    m, ids = routed("hyper", shape), tokens(4)
+    want = trace(m, ids, cache=[site, "resid_pre", "resid_mid" if shape == "ln-mlp" else "attn_out"])
+    kind, _, layer = site.partition(".")
+    value = want[kind, int(layer)] if layer else want[kind]
+    assert value.stride(0) == 0  # the static value, broadcast: the stream-major form ran
+    got = trace(m, ids, edits={site: value.contiguous()}, cache=["resid_pre"])
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)
+    assert all(torch.allclose(got["resid_pre", l], want["resid_pre", l], atol=1e-5) for l in range(3))
+
+
+def test_sinkhorn_gradient_is_the_gradient_of_its_rounds() -> None:
+    """The Sinkhorn rounds' written-out gradient: against finite differences (float64) and against autograd
+    through the rounds written plainly."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: sinkhorn(t, 5), (x,))
+
+    def plain(logits: torch.Tensor, iters: int) -> torch.Tensor:
+        m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+        for _ in range(iters):
+            m = m / m.sum(dim=-2, keepdim=True)
+            m = m / m.sum(dim=-1, keepdim=True)
+        return m
+
+    y, w = torch.randn(6, 5, 3, 3, generator=g, requires_grad=True), torch.randn(6, 5, 3, 3, generator=g)
+    (got,) = torch.autograd.grad((sinkhorn(y, 20) * w).sum(), y)
+    (want,) = torch.autograd.grad((plain(y, 20) * w).sum(), y)
+    assert torch.allclose(sinkhorn(y, 20), plain(y, 20), atol=1e-6) and torch.allclose(got, want, atol=1e-5)
 
 
 def test_routing_sites_are_edits_and_a_frozen_route_is_used() -> None:
