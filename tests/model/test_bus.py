@@ -168,18 +168,24 @@ def test_sinkhorn_is_doubly_stochastic_and_keeps_what_already_is() -> None:
     assert torch.allclose(sinkhorn(P.log(), 3), P, atol=1e-6)
 
 
-@pytest.mark.parametrize("site", ["route_attn.0", "mix_attn.1", "write_attn.2", "route_final"])
+@pytest.mark.parametrize("site", [None, "route_attn.0", "mix_attn.1", "write_attn.2", "route_final"])
 @pytest.mark.parametrize("shape", ["ln-mlp", "parallel-rms"])
-def test_static_streams_held_either_way_agree(site: str, shape: str) -> None:
-    """Static hyper-connections hold the streams stream-major (one product over the streams per read and
-    write) until a coefficient differs by position; freezing one site at its own value written out per
-    position turns them token-major from there on, and nothing else changes."""
+@pytest.mark.parametrize("built", [False, True], ids=["sources", "rows"])
+def test_static_streams_held_any_way_agree(site: str | None, shape: str, built: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Static hyper-connections keep their sources and each stream's coefficients over them, or (``rows``:
+    past a number of sources; here from the first write) the built streams; freezing a site at its own value
+    written out per position turns them token-major from there on. Every way gives the same inputs and logits."""
     m, ids = routed("hyper", shape), tokens(4)
-    want = trace(m, ids, cache=[site, "resid_pre", "resid_mid" if shape == "ln-mlp" else "attn_out"])
-    kind, _, layer = site.partition(".")
-    value = want[kind, int(layer)] if layer else want[kind]
-    assert value.stride(0) == 0  # the static value, broadcast: the stream-major form ran
-    got = trace(m, ids, edits={site: value.contiguous()}, cache=["resid_pre"])
+    want = trace(m, ids, cache=["resid_pre", *([site] if site else [])])  # the sources throughout
+    if built:
+        monkeypatch.setattr(qkov.model.bus, "SOURCES_PER_STREAM", 0)
+    edits = {}
+    if site is not None:
+        kind, _, layer = site.partition(".")
+        value = want[kind, int(layer)] if layer else want[kind]
+        assert value.stride(0) == 0  # the static value, broadcast
+        edits = {site: value.contiguous()}
+    got = trace(m, ids, edits=edits, cache=["resid_pre"])
     assert torch.allclose(got.logits, want.logits, atol=1e-5)
     assert all(torch.allclose(got["resid_pre", l], want["resid_pre", l], atol=1e-5) for l in range(3))
 

@@ -192,6 +192,20 @@ def inverse_rms(x: Tensor, eps: float) -> Tensor:
     return torch.rsqrt(x.pow(2).mean(-1) + eps)
 
 
+SOURCES_PER_STREAM = 4
+"""Static hyper-connections read their sources one by one while there are at most this many per stream
+(:class:`StreamsPass`); a read of ``J`` sources costs about ``J`` passes over ``[B, T, D]``, a write and a
+read of ``n`` built streams about ``6 n``."""
+
+
+def _weighted(c: Tensor, sources: list[Tensor]) -> Tensor:
+    """``sum_j c[j] sources[j]``, in source order (``c [J]``; sources ``[B, T, D]``)."""
+    out = c[0] * sources[0]
+    for j in range(1, len(sources)):
+        out = torch.addcmul(out, c[j], sources[j])
+    return out
+
+
 def _shared(value: Tensor) -> Tensor | None:
     """``value [B, T, ...]``'s one entry when it is the same tensor broadcast over batch and position (static
     coefficients, unedited: stride 0 there), else ``None``."""
@@ -275,16 +289,27 @@ class AttnResPass(BusPass):
 class StreamsPass(BusPass):
     """Hyper-connections and mHC: ``n`` streams, read by weights, mixed, written.
 
-    While every coefficient is shared by all positions (static hyper-connections, unedited) the streams are
-    held stream-major, ``[n, B*T*D]``, and each read, mix and write is one matrix product over the streams;
-    otherwise (per-position coefficients) token-major, ``H [B, T, n, D]``, each position's ``n x n``
-    products batched. The write ``H <- M H + w out`` is one product ``[M | w] @ [H ; out]``."""
+    The streams are held in one of three forms (the same numbers, to float rounding; ``form``):
+
+    * ``"sources"``, while every coefficient is shared by all positions (static hyper-connections, unedited):
+      the sources ``v_j`` (the embedding stream, then each sublayer's output) and each stream's coefficients
+      over them, ``G [n, J]``, so ``H = G V``. A read sums the sources with ``r G``, a write appends its output
+      and sets ``G <- [M G | w]``: nothing of width ``n x d_model`` is ever built. A read costs one pass per
+      source, so past :data:`SOURCES_PER_STREAM` sources per stream the streams are built once and held
+    * ``"rows"``: stream-major ``[n, B*T*D]``, each read, mix and write one matrix product over the streams;
+    * ``"tokens"`` (per-position coefficients, from the first that differs by position on): token-major
+      ``H [B, T, n, D]``, each position's products batched; the write ``H <- M H + w out`` is one product
+      ``[M | w] @ [H ; out]``.
+
+    The outputs of a parallel block (attention, then MLP) are added one after the other, as the sum adds
+    them, so that one identity stream is the standard model bit for bit."""
 
     def start(self, x0: Tensor) -> None:
         n, (B, T, D) = self.cfg.n_streams, x0.shape
         self.size = (B, T, D)
-        self.rows = self.static  # stream-major while the coefficients are shared
-        self.H = x0.reshape(1, -1).repeat(n, 1) if self.rows else x0[:, :, None, :].repeat(1, 1, n, 1)
+        self.form = "sources" if self.static else "tokens"
+        self.sources, self.G = [x0], x0.new_ones(n, 1)
+        self.H = x0[:, :, None, :].repeat(1, 1, n, 1) if self.form == "tokens" else x0
         self.pending: tuple[Tensor, Tensor] | None = None
 
     @property
@@ -292,12 +317,18 @@ class StreamsPass(BusPass):
         """Whether the coefficients are the same at every position (before any edit)."""
         return False
 
-    def tokens_major(self) -> None:
-        """Hold the streams token-major from now on (a coefficient turned out to differ by position)."""
-        if self.rows:
-            B, T, D = self.size
+    def hold(self, form: str) -> None:
+        """Hold the streams as ``form`` from now on: ``"rows"`` (too many sources) or ``"tokens"`` (a coefficient
+        differs by position); never back."""
+        if self.form == form or self.form == "tokens":
+            return
+        B, T, D = self.size
+        if self.form == "sources":  # each stream summed in source order, as the reads sum them
+            self.H = torch.stack([_weighted(g, self.sources) for g in self.G]).view(-1, B * T * D)
+            self.sources, self.G = [], self.G[:, :0]
+        if form == "tokens":
             self.H = self.H.view(-1, B, T, D).permute(1, 2, 0, 3).contiguous()
-            self.rows = False
+        self.form = form
 
     def coefficients(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
         """Read weights ``[B, T, n]``, mixing ``M [B, T, n, n]`` (``H_new = M H``) and write weights ``[B, T, n]``."""
@@ -305,11 +336,12 @@ class StreamsPass(BusPass):
 
     def gather(self, r: Tensor) -> Tensor:
         """The streams read with weights ``r [B, T, n]``: ``[B, T, D]``."""
-        if self.rows:
-            shared = _shared(r)
-            if shared is not None:
-                return (shared @ self.H).view(self.size)
-            self.tokens_major()
+        shared = _shared(r) if self.form != "tokens" else None
+        if shared is not None and self.form == "sources":
+            return _weighted(shared @ self.G, self.sources)
+        if shared is not None:
+            return (shared @ self.H).view(self.size)
+        self.hold("tokens")
         return (r.contiguous()[..., None, :] @ self.H).squeeze(-2)
 
     def read(self, s: int) -> Tensor:
@@ -321,15 +353,21 @@ class StreamsPass(BusPass):
     def write(self, s: int, outs: list[Tensor]) -> None:
         M, w = self.pending  # type: ignore[misc]
         self.pending = None
-        if self.rows:
-            Ms, ws = _shared(M), _shared(w)
-            if Ms is not None and ws is not None:
-                H = torch.cat([Ms, ws[:, None]], 1) @ torch.cat([self.H, outs[0].reshape(1, -1)], 0)
-                for o in outs[1:]:  # a parallel block's MLP: added after, as the sum adds it
-                    H = H + ws[:, None] * o.reshape(1, -1)
-                self.H = H
-                return
-            self.tokens_major()
+        Ms, ws = (_shared(M), _shared(w)) if self.form != "tokens" else (None, None)
+        if Ms is None or ws is None:
+            self.hold("tokens")
+        elif len(self.sources) + len(outs) > SOURCES_PER_STREAM * self.cfg.n_streams:
+            self.hold("rows")
+        if self.form == "sources":
+            self.G = torch.cat([Ms @ self.G, ws[:, None].expand(-1, len(outs))], 1)  # type: ignore[operator, index]
+            self.sources += outs
+            return
+        if self.form == "rows":
+            H = torch.cat([Ms, ws[:, None]], 1) @ torch.cat([self.H, outs[0].reshape(1, -1)], 0)  # type: ignore[list-item, index]
+            for o in outs[1:]:
+                H = H + ws[:, None] * o.reshape(1, -1)  # type: ignore[index]
+            self.H = H
+            return
         H = torch.cat([M, w[..., None]], -1) @ torch.cat([self.H, outs[0][:, :, None, :]], -2)
         for o in outs[1:]:
             H = H + w[..., None] * o[:, :, None, :]
@@ -337,7 +375,7 @@ class StreamsPass(BusPass):
 
     def final(self) -> Tensor:
         B, T, _ = self.size
-        ones = self.H.new_ones(self.cfg.n_streams).expand(B, T, -1)
+        ones = self.G.new_ones(self.cfg.n_streams).expand(B, T, -1)
         return self.gather(self.hook("route_final", None, ones))
 
 
@@ -353,7 +391,7 @@ class HyperPass(StreamsPass):
         A_m, A_r, Bw = p["A_m"][s], p["A_r"][s], p["B"][s]
         if not self.cfg.hyper_dynamic:
             return A_m.expand(B, T, n), A_r.transpose(0, 1).expand(B, T, n, n), Bw.expand(B, T, n)
-        self.tokens_major()
+        self.hold("tokens")
         # RMSNorm(H) @ [W_m | W_r | W_beta], as one product of the unnormalised streams, then scaled
         W = torch.cat([p["W_m"][s][:, None], p["W_r"][s], p["W_beta"][s][:, None]], dim=1)  # [D, n + 2]
         t = torch.tanh((self.H @ W) * inverse_rms(self.H, self.cfg.ln_eps)[..., None])  # [B, T, n, n + 2]
@@ -368,7 +406,7 @@ class MHCPass(StreamsPass):
 
     def coefficients(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
         p, n, (B, T, D) = self.p, self.cfg.n_streams, self.size
-        self.tokens_major()
+        self.hold("tokens")
         flat = self.H.view(B, T, n * D)
         # RMSNorm(vec H; norm_w) @ [phi_pre | phi_post | phi_res], as one product of vec H, then scaled
         phi = torch.cat([p["phi_pre"][s], p["phi_post"][s], p["phi_res"][s]], dim=1) * p["norm_w"][s][:, None]
