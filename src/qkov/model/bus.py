@@ -57,6 +57,7 @@ __all__ = [
     "static_routes",
     "sinkhorn",
     "inverse_rms",
+    "SOURCES_PER_STREAM",
     "source_count",
 ]
 
@@ -199,7 +200,8 @@ read of ``n`` built streams about ``6 n``."""
 
 
 def _weighted(c: Tensor, sources: list[Tensor]) -> Tensor:
-    """``sum_j c[j] sources[j]``, in source order (``c [J]``; sources ``[B, T, D]``)."""
+    """``sum_j c[j] sources[j]``, in source order (sources ``[B, T, D]``; ``c [J, ...]``, each ``c[j]``
+    broadcasting against them: ``[J]`` or ``[J, B, T, 1]``)."""
     out = c[0] * sources[0]
     for j in range(1, len(sources)):
         out = torch.addcmul(out, c[j], sources[j])
@@ -265,10 +267,7 @@ class AttnResPass(BusPass):
     def read(self, s: int) -> Tensor:
         sources, scales = self.current()
         alpha = self.at("route", s, self.weights(s, sources, scales))
-        out = alpha[..., 0, None] * sources[0]  # the weighted sum, source by source: no stacked copy
-        for i in range(1, len(sources)):
-            out = torch.addcmul(out, alpha[..., i, None], sources[i])
-        return out
+        return _weighted(alpha.movedim(-1, 0)[..., None], sources)  # source by source: no stacked copy
 
     def write(self, s: int, outs: list[Tensor]) -> None:
         out = outs[0]
