@@ -18,7 +18,7 @@ from qkov import ModelConfig, QkovError, Transformer, Weights
 from qkov.analysis.forward.tracer import trace
 from qkov.model.bus import sinkhorn
 
-from helpers import run_main, tiny_train, torchrun, train_flags
+from helpers import TINY, run_main, tiny_train, torchrun, train_flags
 
 VARIANTS = {
     "attnres": dict(residual="attnres"),
@@ -79,7 +79,9 @@ def test_analysis_forward_matches_the_training_model(variant: str, shape: str) -
     want = torch.log_softmax(m(ids), -1)
     for view in (Weights.from_model(m), Weights.from_model(m, fold_ln=False)):
         got = torch.log_softmax(trace(view, ids).logits, -1)
-        assert (got - want).abs().max() < 1e-5
+        # float32 noise: these perturbed buses amplify it to ~2e-5 (the float32 model against itself in float64,
+        # seeds 0-11, before and after the bus's faster forms), so 1e-5 was at the edge
+        assert (got - want).abs().max() < 3e-5
 
 
 def _copy_into(std: Transformer, cfg: ModelConfig) -> Transformer:
@@ -166,6 +168,48 @@ def test_sinkhorn_is_doubly_stochastic_and_keeps_what_already_is() -> None:
     assert torch.allclose(sinkhorn(P.log(), 3), P, atol=1e-6)
 
 
+@pytest.mark.parametrize("site", [None, "route_attn.0", "mix_attn.1", "write_attn.2", "route_final"])
+@pytest.mark.parametrize("shape", ["ln-mlp", "parallel-rms"])
+@pytest.mark.parametrize("built", [False, True], ids=["sources", "rows"])
+def test_static_streams_held_any_way_agree(site: str | None, shape: str, built: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Static hyper-connections keep their sources and each stream's coefficients over them, or (``rows``:
+    past a number of sources; here from the first write) the built streams; freezing a site at its own value
+    written out per position turns them token-major from there on. Every way gives the same inputs and logits."""
+    m, ids = routed("hyper", shape), tokens(4)
+    want = trace(m, ids, cache=["resid_pre", *([site] if site else [])])  # the sources throughout
+    if built:
+        monkeypatch.setattr(qkov.model.bus, "SOURCES_PER_STREAM", 0)
+    edits = {}
+    if site is not None:
+        kind, _, layer = site.partition(".")
+        value = want[kind, int(layer)] if layer else want[kind]
+        assert value.stride(0) == 0  # the static value, broadcast
+        edits = {site: value.contiguous()}
+    got = trace(m, ids, edits=edits, cache=["resid_pre"])
+    assert torch.allclose(got.logits, want.logits, atol=1e-5)
+    assert all(torch.allclose(got["resid_pre", l], want["resid_pre", l], atol=1e-5) for l in range(3))
+
+
+def test_sinkhorn_gradient_is_the_gradient_of_its_rounds() -> None:
+    """The Sinkhorn rounds' written-out gradient: against finite differences (float64) and against autograd
+    through the rounds written plainly."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 4, 4, generator=g, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: sinkhorn(t, 5), (x,))
+
+    def plain(logits: torch.Tensor, iters: int) -> torch.Tensor:
+        m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
+        for _ in range(iters):
+            m = m / m.sum(dim=-2, keepdim=True)
+            m = m / m.sum(dim=-1, keepdim=True)
+        return m
+
+    y, w = torch.randn(6, 5, 3, 3, generator=g, requires_grad=True), torch.randn(6, 5, 3, 3, generator=g)
+    (got,) = torch.autograd.grad((sinkhorn(y, 20) * w).sum(), y)
+    (want,) = torch.autograd.grad((plain(y, 20) * w).sum(), y)
+    assert torch.allclose(sinkhorn(y, 20), plain(y, 20), atol=1e-6) and torch.allclose(got, want, atol=1e-5)
+
+
 def test_routing_sites_are_edits_and_a_frozen_route_is_used() -> None:
     m, ids = routed("attnres", "attn-only"), tokens()
     r = trace(m, ids, cache=["embed", "attn_out"])
@@ -225,28 +269,78 @@ def test_train_flags(tmp_path: Path, small_corpus: Path, capsys: pytest.CaptureF
     assert rc == 2 and "n_streams > 1 needs" in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize(
-    "extra",
-    [
-        ["--residual", "attnres-block", "--attnres-block", "2", "--mlp", "32"],
-        ["--residual", "mhc", "--streams", "2", "--gate", "elementwise", "--loop", "2"],  # every option at once
-    ],
-    ids=["attnres-block", "mhc-gate-loop"],
-)
-def test_a_routed_model_trains_the_same_under_torchrun(extra: list[str], tmp_path: Path, small_corpus: Path) -> None:
-    """Two ranks (gloo on CPU) reach the single process's weights with the bus's (and the gates') parameters in
-    the gradient reduction (a parameter the ranks did not share would make them drift)."""
+def test_a_routed_gated_looped_model_trains_the_same_under_torchrun(tmp_path: Path, small_corpus: Path) -> None:
+    """Two ranks (gloo on CPU) of ``qkov train`` with every option at once reach the single process's weights:
+    the bus's and the gates' parameters are in the gradient reduction (a parameter the ranks did not share
+    would make them drift)."""
     env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
+    extra = ["--residual", "mhc", "--streams", "2", "--gate", "elementwise", "--loop", "2"]
     flags = [*train_flags(steps=10, ckpt_interval=5, eval_interval=5), "--corpus", str(small_corpus), *extra]
     single, ddp = tmp_path / "single", tmp_path / "ddp"
     subprocess.run([sys.executable, "-m", "qkov", "train", *flags, "--out", str(single)], env=env, check=True, capture_output=True)
     res = torchrun(["train", *flags, "--out", str(ddp)], env)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = qkov.load(single), qkov.load(ddp)
-    assert b.cfg == a.cfg and b.cfg.residual == extra[1]
+    assert b.cfg == a.cfg and (b.cfg.residual, b.cfg.gate, b.cfg.loop) == ("mhc", "elementwise", 2)
+    _same_trained_weights(a, b)
+
+
+# every other variant, each on its own: one torchrun launch trains them all (one process group)
+DDP_VARIANTS: dict[str, dict[str, object]] = {
+    "attnres": dict(residual="attnres", d_mlp=32),
+    "attnres-block": dict(residual="attnres-block", attnres_block=2, d_mlp=32),
+    "hyper": dict(residual="hyper", n_streams=3),
+    "hyper-dynamic": dict(residual="hyper", n_streams=2, hyper_dynamic=True),
+    "gate-headwise": dict(gate="headwise"),
+}
+SEVERAL_RUNS = """
+import json, os, sys
+from pathlib import Path
+import torch.distributed as dist
+import qkov
+corpus, out, variants = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+ranked = "RANK" in os.environ  # under torchrun: the script joins the group; every run uses it and leaves it joined
+if ranked:
+    dist.init_process_group("gloo")
+base = qkov.ModelConfig(n_layers=2, n_heads=2, d_model=32, d_head=16, d_vocab=300, n_ctx=32)
+tc = qkov.TrainConfig(steps=10, batch=4, corpus=corpus, ckpt_interval=5, eval_interval=5)
+for name, change in variants.items():
+    qkov.train(out / name, base.replace(**change), tc, device="cpu")
+    assert dist.is_initialized() == ranked, "qkov.train left a process group it did not join"
+if ranked:
+    dist.destroy_process_group()
+"""
+
+
+def test_every_other_variant_trains_the_same_under_torchrun(tmp_path: Path, small_corpus: Path) -> None:
+    """AttnRes (full and in blocks, with MLPs), static and dynamic hyper-connections and headwise gates: two
+    ranks reach one process's weights, every bus and gate parameter trained; ``qkov.train`` called several
+    times in a script that joined the process group itself leaves the group joined."""
+    env = {**os.environ, "QKOV_CACHE": str(tmp_path / "cache")}
+    script = tmp_path / "several_runs.py"
+    script.write_text(SEVERAL_RUNS)
+    args = [str(script), str(small_corpus), "", json.dumps(DDP_VARIANTS)]
+    args[2] = str(tmp_path / "single")
+    one = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    args[2] = str(tmp_path / "ddp")
+    res = torchrun(args, env, script=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for name, change in DDP_VARIANTS.items():
+        a, b = qkov.load(tmp_path / "single" / name), qkov.load(tmp_path / "ddp" / name)
+        assert b.cfg == a.cfg == TINY.replace(**change), name  # type: ignore[arg-type]
+        _same_trained_weights(a, b)
+
+
+def _same_trained_weights(a: Transformer, b: Transformer) -> None:
+    """``b`` (two ranks) holds ``a``'s (one process) weights to float noise, and every bus and gate
+    parameter left its initialisation."""
     sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys() and any(k.startswith("bus.") for k in sb)
+    assert sa.keys() == sb.keys()
     for k in sa:
-        assert torch.allclose(sa[k], sb[k], atol=1e-4), k
-    moved = b.bus.query.abs().max() > 0 if extra[1] == "attnres-block" else (b.bus.alpha - 0.01).abs().max() > 0  # type: ignore[union-attr]
-    assert moved  # the bus trained: its parameters left their initialisation
+        assert torch.allclose(sa[k], sb[k], atol=1e-4), (b.cfg.describe(), k)
+    init = Transformer(b.cfg, seed=0).state_dict()
+    extras = [k for k in sb if k.startswith("bus.") or k.endswith(("W_G", "b_G"))]
+    assert extras, b.cfg.describe()
+    for k in extras:  # the routing and the gates trained
+        assert not torch.equal(sb[k], init[k]), (b.cfg.describe(), k)

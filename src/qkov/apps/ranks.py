@@ -15,7 +15,6 @@ import contextlib
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from ..ranks import Ranks, over
 from ..training import distributed
@@ -36,7 +35,7 @@ def ranks(device: torch.device) -> Iterator[tuple[Ranks, torch.device]]:
     if not Ranks.from_env().enabled:
         yield Ranks(), device
         return
-    joined = not dist.is_initialized()  # a script that joined the group itself keeps it
+    joined = distributed.joining()  # a script that joined the group itself keeps it
     env, device = distributed.setup(device)
     torch.set_num_threads(env.threads)
     try:

@@ -33,11 +33,12 @@ aggregation points ``P = S + 1`` (attnres) or sublayers ``S`` (hyper, mhc):
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from ..errors import QkovError
 from .config import ModelConfig
@@ -55,6 +56,8 @@ __all__ = [
     "source_slot",
     "static_routes",
     "sinkhorn",
+    "inverse_rms",
+    "SOURCES_PER_STREAM",
     "source_count",
 ]
 
@@ -148,12 +151,67 @@ class BusParameters(nn.Module):
 def sinkhorn(logits: Tensor, iters: int) -> Tensor:
     """Sinkhorn-Knopp of ``exp(logits)`` over the last two dimensions ``[..., n, n]`` as mHC writes it
     (``M_t = T_r(T_c(M_{t-1}))``): ``iters`` rounds of normalising the columns, then the rows (so the rows sum
-    to 1 exactly, the columns nearly). The shift by the largest logit changes nothing but the overflow."""
+    to 1 exactly, the columns nearly). The shift by the largest logit changes nothing but the overflow. The
+    rounds run on the matrices laid out ``[n, n, ...]``, so each sum adds whole rows of the batch (a sum over
+    a last dimension of 4 is many times slower), with their gradient written out (:class:`_Normalise`);
+    the result is a view in the input's layout."""
     m = torch.exp(logits - logits.amax(dim=(-2, -1), keepdim=True))
-    for _ in range(iters):
-        m = m / m.sum(dim=-2, keepdim=True)
-        m = m / m.sum(dim=-1, keepdim=True)
-    return m
+    m = m.movedim((-2, -1), (0, 1)).contiguous()
+    return _Normalise.apply(m, iters).movedim((0, 1), (-2, -1))
+
+
+class _Normalise(torch.autograd.Function):
+    """The Sinkhorn rounds on positive ``m [n, n, ...]``: ``iters`` times the columns (``dim 0``), then the rows
+    (``dim 1``) divided by their sums. Each step ``y = x / c``, ``c = sum x``, has the gradient
+    ``dx = (dy - sum(dy * y)) / c``: four operations a step instead of autograd's eight."""
+
+    @staticmethod
+    def forward(ctx: Any, m: Tensor, iters: int) -> Tensor:
+        kept = []
+        for _ in range(iters):
+            for dim in (0, 1):
+                c = m.sum(dim=dim, keepdim=True)
+                m = m / c
+                kept += [m, c]
+        ctx.save_for_backward(*kept)
+        return m
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        kept, grad = ctx.saved_tensors, grad.contiguous()  # it comes in the caller's layout
+        for k in range(len(kept) // 2 - 1, -1, -1):
+            y, c = kept[2 * k], kept[2 * k + 1]
+            grad = (grad - (grad * y).sum(dim=k % 2, keepdim=True)) / c
+        return grad, None
+
+
+def inverse_rms(x: Tensor, eps: float) -> Tensor:
+    """``1 / sqrt(mean(x^2) + eps)`` over the last dimension ``[...]``: RMSNorm's divisor. The bus applies it
+    to a projection instead of to the stream, ``RMSNorm(x; g) @ W = (x @ (g W)) * inverse_rms(x)``, so the
+    normalised stream (as wide as all the streams) is never built."""
+    return torch.rsqrt(x.pow(2).mean(-1) + eps)
+
+
+SOURCES_PER_STREAM = 4
+"""Static hyper-connections read their sources one by one while there are at most this many per stream
+(:class:`StreamsPass`); a read of ``J`` sources costs about ``J`` passes over ``[B, T, D]``, a write and a
+read of ``n`` built streams about ``6 n``."""
+
+
+def _weighted(c: Tensor, sources: list[Tensor]) -> Tensor:
+    """``sum_j c[j] sources[j]``, in source order (sources ``[B, T, D]``; ``c [J, ...]``, each ``c[j]``
+    broadcasting against them: ``[J]`` or ``[J, B, T, 1]``)."""
+    out = c[0] * sources[0]
+    for j in range(1, len(sources)):
+        out = torch.addcmul(out, c[j], sources[j])
+    return out
+
+
+def _shared(value: Tensor) -> Tensor | None:
+    """``value [B, T, ...]``'s one entry when it is the same tensor broadcast over batch and position (static
+    coefficients, unedited: stride 0 there), else ``None``."""
+    return value[0, 0] if value.stride(0) == 0 and value.stride(1) == 0 else None
 
 
 class BusPass:
@@ -188,21 +246,28 @@ class AttnResPass(BusPass):
 
     def start(self, x0: Tensor) -> None:
         self.sources: list[Tensor] = [x0]
+        self.scales: list[Tensor] = []  # each finished source's RMS divisor [B, T], computed when first read
         self.partial: Tensor | None = None
 
-    def current(self) -> list[Tensor]:
-        """The sources the next aggregation point reads."""
-        return self.sources if self.partial is None else [*self.sources, self.partial]
+    def current(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The sources the next aggregation point reads and their RMS divisors ``[B, T]``."""
+        eps = self.cfg.ln_eps
+        self.scales += [inverse_rms(v, eps) for v in self.sources[len(self.scales) :]]
+        if self.partial is None:
+            return self.sources, self.scales
+        return [*self.sources, self.partial], [*self.scales, inverse_rms(self.partial, eps)]
 
-    def weights(self, s: int, sources: list[Tensor]) -> Tensor:
-        """``alpha [B, T, R]``: the softmax over sources of ``w_s . RMSNorm_s(v_i)``."""
-        keys = F.rms_norm(torch.stack(sources, -2), (self.cfg.d_model,), self.p["key_w"][s], self.cfg.ln_eps)
-        return torch.softmax(keys @ self.p["query"][s], dim=-1)
+    def weights(self, s: int, sources: list[Tensor], scales: list[Tensor]) -> Tensor:
+        """``alpha [B, T, R]``: the softmax over sources of ``w_s . RMSNorm_s(v_i)``, computed as
+        ``(v_i @ (g_s * w_s)) / rms(v_i)`` (the same number; no normalised copy of the sources)."""
+        u = self.p["key_w"][s] * self.p["query"][s]
+        logits = torch.stack([(v @ u) * r for v, r in zip(sources, scales)], dim=-1)
+        return torch.softmax(logits, dim=-1)
 
     def read(self, s: int) -> Tensor:
-        sources = self.current()
-        alpha = self.at("route", s, self.weights(s, sources))
-        return torch.einsum("btr,btrd->btd", alpha, torch.stack(sources, -2))
+        sources, scales = self.current()
+        alpha = self.at("route", s, self.weights(s, sources, scales))
+        return _weighted(alpha.movedim(-1, 0)[..., None], sources)  # source by source: no stacked copy
 
     def write(self, s: int, outs: list[Tensor]) -> None:
         out = outs[0]
@@ -221,47 +286,117 @@ class AttnResPass(BusPass):
 
 
 class StreamsPass(BusPass):
-    """Hyper-connections and mHC: ``n`` streams ``H [B, T, n, D]``, read by weights, mixed, written."""
+    """Hyper-connections and mHC: ``n`` streams, read by weights, mixed, written.
+
+    The streams are held in one of three forms (the same numbers, to float rounding; ``form``):
+
+    * ``"sources"``, while every coefficient is shared by all positions (static hyper-connections, unedited):
+      the sources ``v_j`` (the embedding stream, then each sublayer's output) and each stream's coefficients
+      over them, ``G [n, J]``, so ``H = G V``. A read sums the sources with ``r G``, a write appends its output
+      and sets ``G <- [M G | w]``: nothing of width ``n x d_model`` is ever built. A read costs one pass per
+      source, so past :data:`SOURCES_PER_STREAM` sources per stream the streams are built once and held
+    * ``"rows"``: stream-major ``[n, B*T*D]``, each read, mix and write one matrix product over the streams;
+    * ``"tokens"`` (per-position coefficients, from the first that differs by position on): token-major
+      ``H [B, T, n, D]``, each position's products batched; the write ``H <- M H + w out`` is one product
+      ``[M | w] @ [H ; out]``.
+
+    The outputs of a parallel block (attention, then MLP) are added one after the other, as the sum adds
+    them, so that one identity stream is the standard model bit for bit."""
 
     def start(self, x0: Tensor) -> None:
-        self.H = x0[:, :, None, :].expand(*x0.shape[:2], self.cfg.n_streams, x0.shape[-1])
+        n, (B, T, D) = self.cfg.n_streams, x0.shape
+        self.size = (B, T, D)
+        self.form = "sources" if self.static else "tokens"
+        self.sources, self.G = [x0], x0.new_ones(n, 1)
+        self.H = x0[:, :, None, :].repeat(1, 1, n, 1) if self.form == "tokens" else x0
         self.pending: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def static(self) -> bool:
+        """Whether the coefficients are the same at every position (before any edit)."""
+        return False
+
+    def hold(self, form: str) -> None:
+        """Hold the streams as ``form`` from now on: ``"rows"`` (too many sources) or ``"tokens"`` (a coefficient
+        differs by position); never back."""
+        if self.form == form or self.form == "tokens":
+            return
+        B, T, D = self.size
+        if self.form == "sources":  # each stream summed in source order, as the reads sum them
+            self.H = torch.stack([_weighted(g, self.sources) for g in self.G]).view(-1, B * T * D)
+            self.sources, self.G = [], self.G[:, :0]
+        if form == "tokens":
+            self.H = self.H.view(-1, B, T, D).permute(1, 2, 0, 3).contiguous()
+        self.form = form
 
     def coefficients(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
         """Read weights ``[B, T, n]``, mixing ``M [B, T, n, n]`` (``H_new = M H``) and write weights ``[B, T, n]``."""
         raise NotImplementedError
 
+    def gather(self, r: Tensor) -> Tensor:
+        """The streams read with weights ``r [B, T, n]``: ``[B, T, D]``."""
+        shared = _shared(r) if self.form != "tokens" else None
+        if shared is not None and self.form == "sources":
+            return _weighted(shared @ self.G, self.sources)
+        if shared is not None:
+            return (shared @ self.H).view(self.size)
+        self.hold("tokens")
+        return (r.contiguous()[..., None, :] @ self.H).squeeze(-2)
+
     def read(self, s: int) -> Tensor:
         r, M, w = self.coefficients(s)
         r = self.at("route", s, r)
         self.pending = (self.at("mix", s, M), self.at("write", s, w))
-        return torch.einsum("btn,btnd->btd", r, self.H)
+        return self.gather(r)
 
     def write(self, s: int, outs: list[Tensor]) -> None:
         M, w = self.pending  # type: ignore[misc]
-        H = torch.einsum("btij,btjd->btid", M, self.H)
-        for o in outs:
+        self.pending = None
+        Ms, ws = (_shared(M), _shared(w)) if self.form != "tokens" else (None, None)
+        if Ms is None or ws is None:
+            self.hold("tokens")
+        elif len(self.sources) + len(outs) > SOURCES_PER_STREAM * self.cfg.n_streams:
+            self.hold("rows")
+        if self.form == "sources":
+            self.G = torch.cat([Ms @ self.G, ws[:, None].expand(-1, len(outs))], 1)  # type: ignore[operator, index]
+            self.sources += outs
+            return
+        if self.form == "rows":
+            H = torch.cat([Ms, ws[:, None]], 1) @ torch.cat([self.H, outs[0].reshape(1, -1)], 0)  # type: ignore[list-item, index]
+            for o in outs[1:]:
+                H = H + ws[:, None] * o.reshape(1, -1)  # type: ignore[index]
+            self.H = H
+            return
+        H = torch.cat([M, w[..., None]], -1) @ torch.cat([self.H, outs[0][:, :, None, :]], -2)
+        for o in outs[1:]:
             H = H + w[..., None] * o[:, :, None, :]
-        self.H, self.pending = H, None
+        self.H = H
 
     def final(self) -> Tensor:
-        B, T, n, _ = self.H.shape
-        ones = self.H.new_ones(B, T, n)
-        return torch.einsum("btn,btnd->btd", self.hook("route_final", None, ones), self.H)
+        B, T, _ = self.size
+        ones = self.G.new_ones(self.cfg.n_streams).expand(B, T, -1)
+        return self.gather(self.hook("route_final", None, ones))
 
 
 class HyperPass(StreamsPass):
     """Hyper-connections (static, or with the dynamic terms)."""
 
+    @property
+    def static(self) -> bool:
+        return not self.cfg.hyper_dynamic
+
     def coefficients(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
-        p, (B, T, n, D) = self.p, self.H.shape
+        p, n, (B, T, _) = self.p, self.cfg.n_streams, self.size
         A_m, A_r, Bw = p["A_m"][s], p["A_r"][s], p["B"][s]
         if not self.cfg.hyper_dynamic:
             return A_m.expand(B, T, n), A_r.transpose(0, 1).expand(B, T, n, n), Bw.expand(B, T, n)
-        Hn = F.rms_norm(self.H, (D,), None, self.cfg.ln_eps)
-        A_m = A_m + p["s_alpha"][s] * torch.tanh(Hn @ p["W_m"][s])
-        A_r = A_r + p["s_alpha"][s] * torch.tanh(Hn @ p["W_r"][s])  # [B, T, n (from), n (to)]
-        Bw = Bw + p["s_beta"][s] * torch.tanh(Hn @ p["W_beta"][s])
+        self.hold("tokens")
+        # RMSNorm(H) @ [W_m | W_r | W_beta], as one product of the unnormalised streams, then scaled
+        W = torch.cat([p["W_m"][s][:, None], p["W_r"][s], p["W_beta"][s][:, None]], dim=1)  # [D, n + 2]
+        t = torch.tanh((self.H @ W) * inverse_rms(self.H, self.cfg.ln_eps)[..., None])  # [B, T, n, n + 2]
+        A_m = A_m + p["s_alpha"][s] * t[..., 0]
+        A_r = A_r + p["s_alpha"][s] * t[..., 1 : n + 1]  # [B, T, n (from), n (to)]
+        Bw = Bw + p["s_beta"][s] * t[..., n + 1]
         return A_m, A_r.transpose(-1, -2), Bw
 
 
@@ -269,12 +404,16 @@ class MHCPass(StreamsPass):
     """Manifold-constrained hyper-connections."""
 
     def coefficients(self, s: int) -> tuple[Tensor, Tensor, Tensor]:
-        p, (B, T, n, D) = self.p, self.H.shape
-        flat = F.rms_norm(self.H.reshape(B, T, n * D), (n * D,), p["norm_w"][s], self.cfg.ln_eps)
+        p, n, (B, T, D) = self.p, self.cfg.n_streams, self.size
+        self.hold("tokens")
+        flat = self.H.view(B, T, n * D)
+        # RMSNorm(vec H; norm_w) @ [phi_pre | phi_post | phi_res], as one product of vec H, then scaled
+        phi = torch.cat([p["phi_pre"][s], p["phi_post"][s], p["phi_res"][s]], dim=1) * p["norm_w"][s][:, None]
+        proj = (flat @ phi) * inverse_rms(flat, self.cfg.ln_eps)[..., None]  # [B, T, 2n + n^2]
         a = p["alpha"][s]
-        pre = torch.sigmoid(a[0] * (flat @ p["phi_pre"][s]) + p["b_pre"][s])
-        post = 2 * torch.sigmoid(a[1] * (flat @ p["phi_post"][s]) + p["b_post"][s])
-        res = a[2] * (flat @ p["phi_res"][s]).view(B, T, n, n) + p["b_res"][s]
+        pre = torch.sigmoid(a[0] * proj[..., :n] + p["b_pre"][s])
+        post = 2 * torch.sigmoid(a[1] * proj[..., n : 2 * n] + p["b_post"][s])
+        res = a[2] * proj[..., 2 * n :].reshape(B, T, n, n) + p["b_res"][s]
         return pre, sinkhorn(res, self.cfg.sinkhorn_iters), post
 
 

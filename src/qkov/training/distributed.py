@@ -5,6 +5,11 @@
 :func:`setup` reads them (:meth:`qkov.ranks.Ranks.from_env`), joins the process group (NCCL on
 GPUs, gloo on CPUs) and picks each rank's device. Without those variables everything here is a
 no-op for one process.
+
+Whoever joins the group leaves it (:func:`joining` before :func:`setup`, :func:`teardown` at the
+end): a script launched by torchrun that joined the group itself (``dist.init_process_group``) may
+call :func:`qkov.train` and the analyses several times, and the group stays joined (gloo cannot join
+again under torchrun's store once it has been left).
 """
 
 from __future__ import annotations
@@ -14,7 +19,13 @@ import torch.distributed as dist
 
 from ..ranks import Ranks
 
-__all__ = ["barrier", "mean_across", "setup", "teardown"]
+__all__ = ["barrier", "joining", "mean_across", "setup", "teardown"]
+
+
+def joining() -> bool:
+    """Whether :func:`setup` will join the process group here: launched by torchrun and no group joined
+    yet. The caller for which it is true leaves the group when done (:func:`teardown`); otherwise not."""
+    return Ranks.from_env().enabled and not dist.is_initialized()
 
 
 def setup(device: torch.device) -> tuple[Ranks, torch.device]:

@@ -98,6 +98,7 @@ class Plan:
     corpus: Corpus
     emit: Callback
     progress: Progress | None = None  # rank 0's: the steps as ("train", step, steps)
+    joined: bool = False  # this run joined the process group (and leaves it at the end)
 
 
 def saved_configs(out: Path) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -164,6 +165,7 @@ def prepare(
     emit: Callback = (callback if dist_info.main else None) or (lambda _e: None)
     progress = progress if dist_info.main else None
     model_cfg, tc = _configs(out, model_cfg, train_cfg, resume)
+    joined = distributed.joining()  # a group a script joined itself stays joined after the run
     dist_info, dev = distributed.setup(pick_device(device))
     if tc.batch % dist_info.world:
         raise QkovError(f"train: the global batch ({tc.batch}) must divide evenly over {dist_info.world} ranks")
@@ -190,7 +192,7 @@ def prepare(
     if sync_cache and dist_info.main:
         distributed.barrier(dist_info)
     check_examples(corpus, model_cfg.n_ctx)  # one example of each split, before any output exists (every rank)
-    return Plan(out, model_cfg, tc, resume, dist_info, dev, corpus, emit, progress)
+    return Plan(out, model_cfg, tc, resume, dist_info, dev, corpus, emit, progress, joined)
 
 
 # --------------------------------------------------------------- build and run
@@ -440,5 +442,6 @@ def _train(plan: Plan, stop_after: int | None) -> Transformer:
     session.train(stop_after)
     plan.emit({"event": "done", **session.summary()})
     distributed.barrier(plan.dist)
-    distributed.teardown(plan.dist)
+    if plan.joined:
+        distributed.teardown(plan.dist)
     return session.model.eval()

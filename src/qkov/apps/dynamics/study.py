@@ -208,6 +208,7 @@ def dynamics(
         raise QkovError(f"dynamics: mode must be one of {', '.join(Ab.MODES)}, got {mode!r}")
     t0 = time.perf_counter()
     s = series(sources, revisions=revisions, tokens_per_step=tokens_per_step)
+    joined = distributed.joining()  # a group a script joined itself stays joined
     info, dev = distributed.setup(pick_device(device))
     try:
         # the result travels over its own CPU group, whose timeout allows for rank 0's ablation
@@ -228,7 +229,8 @@ def dynamics(
             dist.broadcast_object_list(box, src=0, group=share)
             result = box[0]
     finally:
-        distributed.teardown(info)
+        if joined:
+            distributed.teardown(info)
     assert result is not None
     return result
 
