@@ -54,25 +54,21 @@ def free_memory(device: torch.device) -> int | None:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)  # the driver's view: torch's cached blocks count as used
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
-    if device.type != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return _proc_kib("/proc/meminfo", "MemAvailable:") if device.type == "cpu" else None
 
 
 def peak_resident() -> int | None:
     """This process's peak resident memory in bytes since it started: the kernel's ``VmHWM`` (Linux; it counts
     pages of memory-mapped files while they are mapped in); ``None`` where it cannot be read."""
+    return _proc_kib("/proc/self/status", "VmHWM:")
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    """The kB figure of the line starting ``key`` in a ``/proc`` file, in bytes; ``None`` where it cannot be read."""
     try:
-        with open("/proc/self/status") as fh:
+        with open(path) as fh:
             for line in fh:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
