@@ -52,6 +52,32 @@ def test_the_command_finds_what_the_library_finds(ckpt: Path, tmp_path: Path, ca
     assert "faithfulness curve" in text and "ACDC pass (KL threshold 0.01)" in text and "29 edges: every sender" in text
 
 
+def test_a_streamed_model_finds_the_same_circuit(tmp_path: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--lazy`` (a model read layer by layer, its gradients included): the same scores, circuit, curve and
+    checks as the model loaded whole, on a model with MLPs, rotary positions and grouped-query heads."""
+    from helpers import MODERN
+    from qkov.apps.cli import circuit_cmds
+
+    path = tmp_path / "modern"
+    qkov.save_checkpoint(qkov.Transformer(MODERN.replace(n_layers=3), seed=3), path)
+    opened: list[Any] = []
+    real = circuit_cmds.LazyCheckpoint
+    monkeypatch.setattr(circuit_cmds, "LazyCheckpoint", lambda *a, **k: opened.append(real(*a, **k)) or opened[-1])
+    got = []
+    for extra in ([], ["--lazy"]):
+        rc, text, err = run_main(capsys, "circuit", path, "--task", "induction", "--prompts", 6, "--method", "eap-ig", "--json", *extra)
+        assert rc == 0, err
+        assert len(opened) == len(extra)  # the memory map with --lazy only (this model is under the automatic size)
+        got.append(json.loads(text))
+    whole, lazy = got
+    assert lazy["circuit"]["edges"] == whole["circuit"]["edges"] and len(whole["circuit"]["edges"]) > 0
+    a, b = lazy["scores"]["edges"], whole["scores"]["edges"]
+    assert list(a) == list(b) and len(a) > 100
+    assert [a[k] for k in a] == pytest.approx([b[k] for k in a], rel=1e-5, abs=1e-8)
+    assert lazy["curve"]["cpr"] == pytest.approx(whole["curve"]["cpr"], abs=1e-6)
+    assert lazy["circuit"]["faithfulness"] == pytest.approx(whole["circuit"]["faithfulness"], abs=1e-6)
+
+
 @pytest.mark.parametrize(
     "argv, says",
     [

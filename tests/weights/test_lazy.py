@@ -167,6 +167,46 @@ def test_forward_and_paths_stream_the_same_model(saved: tuple[Weights, Path]) ->
     assert P.expand(ck, toks).reconstruction_error() < 1e-10
 
 
+def test_a_gradient_through_the_streamed_forward_is_the_in_memory_views_and_holds_no_layer(
+    saved: tuple[Weights, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """trace(grad=True) on a LazyCheckpoint: every cached site's gradient, the input's and the logits are the
+    in-memory view's, with an edit inside a block (applied again when the backward replays it); after the
+    forward no layer's weights and no block of W_U is alive (each block recomputed in the backward pass)."""
+    import gc
+    import weakref
+
+    from qkov.analysis.forward import tracer
+
+    monkeypatch.setattr(tracer, "VOCAB_BLOCK", 16)
+    w, path = saved
+    ck = LazyCheckpoint(path, dtype=torch.float64)
+    alive: list[weakref.ref] = []
+    for name in ("attention", "mlp", "unembed"):
+        real = getattr(ck, name)
+
+        def reading(*a, real=real, **k):  # type: ignore[no-untyped-def]
+            got = real(*a, **k)
+            alive.extend(weakref.ref(t) for t in vars(got).values() if isinstance(t, torch.Tensor))
+            return got
+
+        monkeypatch.setattr(ck, name, reading)
+    toks = torch.randint(0, w.cfg.d_vocab, (2, 9), generator=torch.Generator().manual_seed(6))
+    sites = ["resid_pre", "q", "v", "z"] + (["mlp_input"] if w.cfg.d_mlp else [])
+    edits = {"z.1": lambda value, site: value * 1.5}
+    grads = []
+    for source in (ck, w):
+        out = trace(source, toks, cache=sites, edits=edits, grad=True)
+        if source is ck:
+            gc.collect()
+            assert alive and not [r for r in alive if r() is not None]
+        (out.logits[:, -3:].logsumexp(-1).sum() + out.logits[:, 2, 7].sum()).backward()
+        grads.append((out.logits.detach(), [out[k, l].grad for k in sites for l in range(w.cfg.n_layers)]))
+    (la, ga), (lb, gb) = grads
+    assert _close(la, lb)
+    assert all(a is not None and _close(a, b) for a, b in zip(ga, gb))
+
+
 @pytest.mark.parametrize("centre", [True, False])
 def test_the_streamed_forward_reads_the_tokens_rows_and_the_unembedding_in_blocks(
     centre: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

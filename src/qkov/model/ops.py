@@ -33,6 +33,7 @@ __all__ = [
     "next_token_nll",
     "norm_scale",
     "normalize",
+    "positions",
     "project_heads",
     "query_key_stream",
     "score_divisor",
@@ -46,7 +47,13 @@ def embed(tokens: Tensor, W_E: Tensor, W_pos: Tensor | None, offset: int = 0) ->
     """The token embedding ``W_E[tokens]`` and the positions ``W_pos[offset : offset + seq]`` (``None``
     without learned positions) of ``tokens [batch, seq]`` standing at positions ``offset ..``:
     ``[batch, seq, d_model]`` and ``[seq, d_model]``."""
-    return F.embedding(tokens, W_E), None if W_pos is None else W_pos[offset : offset + tokens.shape[-1]]
+    return F.embedding(tokens, W_E), positions(W_pos, offset, tokens.shape[-1])
+
+
+def positions(W_pos: Tensor | None, offset: int, seq: int) -> Tensor | None:
+    """The learned positions ``W_pos[offset : offset + seq]`` of ``seq`` tokens standing after
+    ``offset`` earlier ones: ``[seq, d_model]`` (``None`` without learned positions)."""
+    return None if W_pos is None else W_pos[offset : offset + seq]
 
 
 def stream_start(embedded: Tensor, pos: Tensor | None, positional: str) -> Tensor:

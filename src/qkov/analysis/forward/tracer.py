@@ -28,7 +28,13 @@ the full pass's; tested). A bias of zeros (what a weights view holds for a model
 added (:func:`qkov.model.ops.live_bias`). A streamed source (a memory-mapped
 :class:`~qkov.weights.LazyCheckpoint`) is read as the pass goes: one layer's weights at a time, the embedding
 rows of the tokens present only, the unembedding a block of columns at a time (:func:`embedded`), so the pass
-holds one layer and never ``W_E`` or ``W_U`` whole (the values are the in-memory view's; tested).
+holds one layer and never ``W_E`` or ``W_U`` whole (the values are the in-memory view's; tested). Differentiably
+(``grad=True``) too: each block then runs under activation checkpointing (:func:`torch.utils.checkpoint.checkpoint`),
+so the backward pass re-reads the block's weights and replays it (its sites are neither cached nor counted
+again, its edits are applied again: an edit function must give the same value for the same input), and the
+unembedding's backward reads ``W_U`` a block of columns at a time again (:class:`_StreamedUnembed`): a
+gradient through a model larger than memory holds one layer's weights at a time, not the model (the
+gradients are the in-memory view's; tested).
 
 Shapes: ``B`` batch, ``T`` positions, ``L`` layers, ``H`` heads, ``D`` d_model, ``E`` d_head, ``V`` d_vocab.
 """
@@ -39,13 +45,14 @@ from typing import Any, Iterable, Mapping
 
 import torch
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from ...errors import QkovError
 from ...expect import expect_tokens
 from ...model import rotary
 from ...model.block import BlockPass
 from ...model.bus import make_pass
-from ...model.ops import embed, live_bias, norm_scale, normalize, stream_start
+from ...model.ops import embed, live_bias, norm_scale, normalize, positions, stream_start
 from ...model.tokens import check_tokens
 from ...weights.parts import VOCAB_BLOCK, WeightSource
 from ...weights.convert import SourceLike, as_source
@@ -100,6 +107,7 @@ class _Pass(BlockPass):
         super().__init__(source.cfg, source.norm)
         self.source, self.edits, self.store, self.grad = source, edits, store, grad
         self.pending: set[tuple[str, int | None]] | None = None  # with no logits: the sites still to compute
+        self.replaying = False  # a checkpointed block recomputed in the backward pass: its sites are not kept again
 
     def stop_when_done(self, start_at: tuple[int, Tensor] | None) -> None:
         """Stop the pass (:class:`_Enough`) once every site cached or edited has been computed (none: after
@@ -123,6 +131,8 @@ class _Pass(BlockPass):
         site = (kind, layer)
         if site in self.edits:
             value = self.edits.apply(site, value)
+        if self.replaying:
+            return value
         if site in self.store.wanted:
             self.store.put(kind, layer, value)
         if self.pending is not None:
@@ -154,8 +164,7 @@ class _Pass(BlockPass):
         :attr:`past`'s, when there is one)."""
         B, T = tokens.shape
         f = 0 if self.past is None else self.past[0].shape[2]  # positions after the past's
-        W_pos = self.source.pos()
-        pos = None if W_pos is None else W_pos[f : f + T]
+        pos = positions(self.source.pos(), f, T)
         if pos is not None:
             pos = pos.expand(B, T, -1)
             if self.grad and not pos.requires_grad:
@@ -183,6 +192,8 @@ class _Pass(BlockPass):
         unemb = self.source.unembed(cols=slice(0, min(V, VOCAB_BLOCK)) if streamed else None)
         x = x if positions is None else x[:, positions.to(x.device)]
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
+        if streamed and self.grad and final.requires_grad:  # its backward reads W_U by blocks again
+            return self.at("logits", None, _StreamedUnembed.apply(final, self, unemb))
         if streamed:  # the unembedding a block of columns at a time: W_U is never held whole
             return self.at("logits", None, self._streamed_logits(final, unemb))
         logits = final @ unemb.W_U
@@ -208,6 +219,23 @@ class _Pass(BlockPass):
                 logits[..., cols] = block
         return torch.cat(parts, -1) if logits is None else logits
 
+    def block_held(self, l: int, x: Tensor, rows: Tensor | None) -> Tensor:
+        """:meth:`block`; on a streamed source with gradients, checkpointed: the backward pass recomputes the
+        block from ``x`` (re-reading its weights) instead of keeping what it saved, its weights among them."""
+        streamed = not getattr(self.source, "in_memory", True)
+        if not (self.grad and streamed and self.bus is None and self.pending is None and torch.is_grad_enabled()):
+            return self.block(l, x, rows)
+        calls = [0]
+
+        def run(x: Tensor) -> Tensor:
+            self.replaying, calls[0] = calls[0] > 0, calls[0] + 1
+            try:
+                return self.block(l, x, rows)
+            finally:
+                self.replaying = False
+
+        return checkpoint(run, x, use_reentrant=False)
+
     def query_rows(self, positions: Tensor | None, T: int, *, start_at: Any) -> Tensor | None:
         """The positions ``[P]`` (in ``0 .. T-1``) where the last layer needs its queries, or ``None``
         when the whole last layer must run (see the module docstring)."""
@@ -226,6 +254,28 @@ class _Pass(BlockPass):
             if kind != "z" or not all(getattr(e, PER_POSITION, False) for _, e in edits):  # ... per-position z
                 return None
         return positions.to(self.source.device).remainder(T)
+
+
+class _StreamedUnembed(torch.autograd.Function):
+    """``final [B, P, D] @ W_U + b_U`` of a streamed source, differentiable in ``final`` only, saving no
+    weights: the forward and the backward each read ``W_U`` a block of columns at a time."""
+
+    @staticmethod
+    def forward(ctx: Any, final: Tensor, state: _Pass, first: Any) -> Tensor:  # type: ignore[override]
+        ctx.state = state
+        with torch.no_grad():
+            return state._streamed_logits(final, first)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+        state = ctx.state
+        V = state.cfg.d_vocab
+        out = None
+        for lo in range(0, V, VOCAB_BLOCK):
+            cols = slice(lo, min(V, lo + VOCAB_BLOCK))
+            part = grad[..., cols] @ state.source.unembed(cols=cols).W_U.T
+            out = part if out is None else out.add_(part)
+        return out, None, None
 
 
 def embedded(source: WeightSource, tokens: Tensor) -> Tensor:
@@ -330,7 +380,7 @@ def _run(state: _Pass, tokens: Tensor, positions: Tensor | None, start_at: tuple
         first, x = state.start(tokens, start_at)
         rows = state.query_rows(positions, tokens.shape[1], start_at=start_at)
         for l in range(first, L):  # the last layer at the positions alone when nothing reads it
-            x = state.block(l, x, rows if l == L - 1 else None)
+            x = state.block_held(l, x, rows if l == L - 1 else None)
         if state.bus is not None:  # a routed model's final stream: the bus's final read
             x = state.at("resid_final", None, state.bus.final())
         return state.logits(x, positions if rows is None else None)  # type: ignore[arg-type]

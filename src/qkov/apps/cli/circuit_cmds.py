@@ -16,9 +16,12 @@ from ...analysis.discovery import (
     read_ground_truth,
 )  # fmt: skip
 from ...io.atomic import atomic_write_text
+from ...weights.lazy import LazyCheckpoint
 from ...weights.view import Weights
 from ..progress import StageProgress
-from .common import add_device, add_source_args, console, device, dump_json, int_at_least, load_source, positive_float
+from .common import (
+    add_device, add_lazy, add_source_args, console, device, dump_json, int_at_least, lazy, load_source, positive_float,
+)  # fmt: skip
 
 __all__ = ["add_circuit", "cmd_circuit"]
 
@@ -38,6 +41,7 @@ def add_circuit(sub: Any) -> None:
         ),
     )
     add_source_args(p)
+    add_lazy(p, "gradients too: the backward pass reads each layer again, one at a time")
     p.add_argument("--task", required=True, metavar="FILE|" + "|".join(BUILT_IN_TASKS),
                    help="the task: AutoCircuit's JSON, EAP-IG's CSV, or induction (repeated random tokens, any "
                    "model) or ioi (Wang et al.'s templates, a GPT-2-style tokenizer)")  # fmt: skip
@@ -100,11 +104,15 @@ def add_circuit(sub: Any) -> None:
 
 def cmd_circuit(args: argparse.Namespace) -> int:
     dev = device(args)
-    model = load_source(args, "circuit", ": no heads to find a circuit among")
-    w = Weights.from_model(model.to(dev))
+    if lazy(args):  # a model larger than memory: read layer by layer, gradients included
+        w: Any = LazyCheckpoint(args.ckpt, device=dev)
+        if w.cfg.n_layers == 0:
+            load_source(args, "circuit", ": no heads to find a circuit among")
+    else:
+        w = Weights.from_model(load_source(args, "circuit", ": no heads to find a circuit among").to(dev))
     task = load_task(
         args.task if args.task in BUILT_IN_TASKS else Path(args.task),
-        model,
+        w,
         metric=args.metric,
         n=args.prompts,
         seed=args.seed,

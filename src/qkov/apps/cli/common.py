@@ -316,13 +316,13 @@ def device(args: argparse.Namespace) -> torch.device:
     return pick_device(args.device)
 
 
-def add_lazy(p: argparse.ArgumentParser) -> None:
+def add_lazy(p: argparse.ArgumentParser, note: str = "MLP weights are never read") -> None:
+    """``--lazy``; ``note`` ends its help (what the command reads of the model, or how)."""
     p.add_argument(
         "--lazy",
         action="store_true",
         help="read the weights layer by layer from a memory map instead of loading the model: a qkov "
-        "checkpoint or a Pythia/Llama/Mistral/Qwen2 directory (automatic when the weights are over 1 GiB; "
-        "MLP weights are never read)",
+        f"checkpoint or a Pythia/Llama/Mistral/Qwen2 directory (automatic when the weights are over 1 GiB; {note})",
     )
 
 
