@@ -66,6 +66,30 @@ def test_fused_unembed_loss_matches_reference_gradients(bias: bool) -> None:
     assert all((p - q).abs().max() < 1e-12 for p, q in zip(a, b))
 
 
+@pytest.mark.parametrize("loss", ["fused", "one-pass"])
+def test_a_confidently_wrong_prediction_has_a_finite_loss(loss: str) -> None:
+    """A target whose logit lies far below the largest (its exp underflows in float32: ~104 nats) costs that
+    many nats, not inf: the loss is torch's cross-entropy, its gradient too (a training run once stopped as
+    "diverged" on such a step while its model was fine)."""
+    t = torch.tensor([3, 0, 1])
+    base = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    base[0, 3] -= 150.0  # the target 150 nats below the rest
+    base[2, 1] -= 300.0
+    want_x = base.clone().requires_grad_()
+    want = torch.nn.functional.cross_entropy(want_x, t)
+    (gw,) = torch.autograd.grad(want, want_x)
+    if loss == "fused":  # x @ W with W the identity: the logits themselves
+        x = base.clone().requires_grad_()
+        got = _UnembedCrossEntropy.apply(x, torch.eye(6), None, t, 2)
+    else:
+        x = base.clone().requires_grad_()
+        got = _CrossEntropy.apply(x, t)
+    (g,) = torch.autograd.grad(got, x)
+    assert torch.isfinite(got) and float(got) > 140 / 3
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    assert torch.allclose(g, gw, atol=1e-7)
+
+
 def test_schedules() -> None:
     tc = TrainConfig(steps=100, lr=1.0, warmup=10, schedule="wsd", decay_frac=0.2, min_lr_frac=0.1)
     assert lr_at(0, tc) == pytest.approx(0.1) and lr_at(9, tc) == pytest.approx(1.0)

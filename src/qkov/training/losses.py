@@ -64,10 +64,10 @@ class _UnembedCrossEntropy(torch.autograd.Function):
             lg = xc @ W
             if b is not None:
                 lg += b
-            lg.sub_(lg.amax(-1, keepdim=True)).exp_()  # exp(l - max)
-            total_c = lg.sum(-1, keepdim=True)
-            picked = lg.gather(-1, tc[:, None])
-            total += (total_c.log() - picked.log()).sum(dtype=torch.float64)  # -log softmax at the target
+            lg.sub_(lg.amax(-1, keepdim=True))  # l - max
+            picked = lg.gather(-1, tc[:, None])  # the target's, before exp: its exp underflows 100 nats below the max
+            total_c = lg.exp_().sum(-1, keepdim=True)
+            total += (total_c.log() - picked).sum(dtype=torch.float64)  # -log softmax at the target
             lg.div_(total_c)  # softmax
             lg.scatter_add_(-1, tc[:, None], torch.full_like(picked, -1.0)).div_(n)  # d loss / d logits
             torch.matmul(lg, W.T, out=dx[lo : lo + chunk])

@@ -7,7 +7,10 @@
   const big = (v) => (v == null ? "–" : Number(v).toLocaleString("en-US", { maximumFractionDigits: 0 }));
   const mega = (v) => `${(v / 1e6).toFixed(1)}M`;
   const span = (w) => (w ? `${mega(w.start)} – ${mega(w.end)} (fastest ${mega(w.peak)})` : "no window");
-  const change = (c) => Object.entries(c).map(([k, v]) => `${k}=${v}`).join(", ") || "–";
+  const change = (c) => {  // one line per changed field: "residual hyper", "n_streams 4" (never broken inside)
+    const pairs = Object.entries(c);
+    return pairs.length ? el("span", {}, ...pairs.map(([k, v]) => el("div", { text: `${k} ${v}` }))) : "–";
+  };
   const bus = (b) => (b ? `${b.streams} x ${b.d_model}` : "–");
   const overlap = (b) => (b ? b.overlap.map((o) => fmt(o, 2)).join(" ") : "–");
   const kc = (k) => (k ? `${k.writer} → ${k.reader}: ${fmt(k.adjusted, 2)}` : "–");
@@ -32,7 +35,7 @@
     D.variants.map((r) => [r.dynamics ? el("a", { href: r.dynamics, text: r.variant }) : r.variant, change(r.config),
       big(r.parameters), big(r.tokens_per_s),
       r.diverged != null ? `diverged at step ${big(r.diverged)}` : fmt(r.val_loss, 4), signed(r.icl), fmt(r.induction), span(r.phase_change),
-      kc(r.k_composition), kp(r.k_path_share), fmt(r.max_sink), bus(r.bandwidth), overlap(r.bandwidth)]), [0, 1], [1, 7, 9]);
+      kc(r.k_composition), kp(r.k_path_share), fmt(r.max_sink), bus(r.bandwidth), overlap(r.bandwidth)]), [0, 1], [7, 9]);
   }
 
   const done = (D) => D.variants.filter((r) => r.diverged == null);
