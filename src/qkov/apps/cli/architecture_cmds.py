@@ -27,7 +27,7 @@ def add_architectures(sub: Any) -> None:
             "hyper-connections, mHC, gated attention, looped depth; docs/architectures.md) on the same corpus and "
             "token budget (runs already finished in --out are reused, interrupted ones resume), run qkov dynamics on "
             "each, measure attention sinks and the loss by path order, and write a comparison page (OUT/index.html, "
-            "every number in OUT/architectures.json). About 20-26 minutes on a 2-core CPU with the defaults."
+            "every number in OUT/architectures.json). About 26 minutes on a 2-core CPU with the defaults."
         ),
     )
     p.add_argument("--out", type=Path, default=Path("runs/architectures"), help="output directory (default runs/architectures)")

@@ -15,7 +15,15 @@
   const overlap = (b) => (b ? b.overlap.map((o) => fmt(o, 2)).join(" ") : "–");
   const kc = (k) => (k ? `${k.writer} → ${k.reader}: ${fmt(k.adjusted, 2)}` : "–");
   const pct = (v) => (v == null ? "–" : `${(100 * v).toFixed(0)}%`);
-  const kp = (k) => (k ? `${pct(k.share)} (${k.writer} → ${k.reader})` : "–");
+  // the share means something only where noising the head matters: at least a tenth of the repeat's advantage
+  const kp = (k) => {
+    if (!k) return "–";
+    const effect = k.loss_head - k.loss_clean, gap = k.loss_corrupted - k.loss_clean;
+    if (k.share == null || !(gap > 0) || effect < 0.1 * gap) {
+      return `none (${k.reader}: ${signed(effect)} nats)`;
+    }
+    return `${pct(k.share)} (${k.writer} → ${k.reader})`;
+  };
 
   function variants(sec, D) {
     sec.append(el("p", { class: "note" },
@@ -26,7 +34,8 @@
       "a routed model's K-composition is weighted by how much of the writer reaches the reader. " +
       "K path share: the share of the induction head's effect on the loss of repeated random tokens (its output " +
       "noised with a non-repeating run's) that noising the path from the previous-token head into its keys alone " +
-      "carries (path patching; the routing frozen at the repeated run's values)."));
+      "carries (path patching; the routing frozen at the repeated run's values); \"none\" where noising that head " +
+      "costs less than a tenth of what the repeat saves (no induction head to speak of; beside it, the loss that noising the head adds)."));
     const base = D.variants.find((r) => r.variant === "standard");
     if (base) sec.append(el("p", { class: "note" }, `The model: ${base.model}; each variant changes what its row says.`));
     table(sec, ["variant", "changes", "parameters", "tokens/s", "validation loss", "ICL score (nats)",
