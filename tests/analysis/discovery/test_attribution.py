@@ -228,3 +228,29 @@ def test_scores_are_the_same_inside_torch_no_grad() -> None:
         for m, v in want.items():
             assert torch.equal(edge_scores(w, task, method=m, steps=2).values, v), m
         assert torch.equal(contrast_edge_scores(w, task.clean[:1], task.corrupted[:1]).values, want_c)
+
+
+def test_the_allocator_keeps_freed_memory_for_a_model_in_memory_only(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """edge_scores and the circuit evaluator keep freed buffers in the process (glibc's thresholds raised) for a
+    model in memory; not for a streamed one, whose weights, read anew each pass in many sizes, grew the kept
+    heap by a layer's attention weights per layer (11 GB at Llama-3-8B shape, against 2.8 GB now)."""
+    import qkov
+    from qkov.analysis.discovery import Evaluator, Task, make_ablation as ablation_of
+    from qkov.analysis.discovery import evaluate, score
+    from qkov.weights import LazyCheckpoint
+
+    model = Transformer(ModelConfig(n_layers=2, n_heads=2, d_model=16, d_head=8, d_vocab=30, n_ctx=12), seed=2)
+    qkov.save_checkpoint(model, tmp_path / "ck")
+    g = torch.Generator().manual_seed(0)
+    clean = torch.randint(0, 30, (3, 6), generator=g)
+    corrupted = clean.clone()
+    corrupted[:, 2] = (clean[:, 2] + 1) % 30
+    task = Task("t", clean, corrupted, torch.randint(0, 30, (3, 1), generator=g), torch.randint(0, 30, (3, 1), generator=g))
+    for source, tuned in ((LazyCheckpoint(tmp_path / "ck"), False), (Weights.from_model(model), True)):
+        calls: list[str] = []
+        monkeypatch.setattr(score, "tune_cpu_allocator", lambda: calls.append("score"))
+        monkeypatch.setattr(evaluate, "tune_cpu_allocator", lambda: calls.append("evaluate"))
+        edge_scores(source, task)
+        graph = graph_of(source.cfg)
+        Evaluator(source, graph, task, ablation_of(source, graph, task, "corrupted"))
+        assert calls == (["score", "evaluate"] if tuned else [])
