@@ -15,6 +15,7 @@ from ...analysis.discovery import (
     ABLATIONS, BUILT_IN_TASKS, METHODS, METRICS, TARGET, VARIANTS, find_circuit, load_task, mib_graph,
     read_ground_truth,
 )  # fmt: skip
+from ...errors import QkovError
 from ...io.atomic import atomic_write_text
 from ...weights.lazy import LazyCheckpoint
 from ...weights.view import Weights
@@ -107,7 +108,7 @@ def cmd_circuit(args: argparse.Namespace) -> int:
     if lazy(args):  # a model larger than memory: read layer by layer, gradients included
         w: Any = LazyCheckpoint(args.ckpt, device=dev)
         if w.cfg.n_layers == 0:
-            load_source(args, "circuit", ": no heads to find a circuit among")
+            raise QkovError("circuit: the model has no attention layers: no heads to find a circuit among")
     else:
         w = Weights.from_model(load_source(args, "circuit", ": no heads to find a circuit among").to(dev))
     task = load_task(
