@@ -1260,13 +1260,13 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "streamed gradient: the blocks not checkpointed (every layer's weights held until the backward)": (
         "analysis/forward/tracer.py",
-        "        if not (self.grad and streamed and self.bus is None and self.pending is None and torch.is_grad_enabled()):",
+        "        if not (self.grad and self.streamed and self.bus is None and self.pending is None and torch.is_grad_enabled()):",
         "        if True:",
         "tests/weights/test_lazy.py::test_a_gradient_through_the_streamed_forward_is_the_in_memory_views_and_holds_no_layer",
     ),
     "streamed gradient: the unembedding's backward keeps W_U's blocks": (
         "analysis/forward/tracer.py",
-        "        if streamed and self.grad and final.requires_grad:",
+        "        if self.streamed and self.grad and final.requires_grad:",
         "        if False:",
         "tests/weights/test_lazy.py::test_a_gradient_through_the_streamed_forward_is_the_in_memory_views_and_holds_no_layer",
     ),
@@ -1284,13 +1284,13 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "streamed circuit: edge scoring tunes the allocator for a streamed model (its heap grows a layer per layer)": (
         "analysis/discovery/score.py",
-        '    if getattr(w, "in_memory", True):  # its large buffers reused',
+        '    if w.in_memory:  # its large buffers reused',
         '    if True:  # its large buffers reused',
         "tests/analysis/discovery/test_attribution.py::test_the_allocator_keeps_freed_memory_for_a_model_in_memory_only",
     ),
     "streamed circuit: the evaluator tunes the allocator for a streamed model": (
         "analysis/discovery/evaluate.py",
-        '        if getattr(source, "in_memory", True):  # each pass',
+        '        if source.in_memory:  # each pass',
         '        if True:  # each pass',
         "tests/analysis/discovery/test_attribution.py::test_the_allocator_keeps_freed_memory_for_a_model_in_memory_only",
     ),

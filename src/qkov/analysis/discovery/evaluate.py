@@ -115,7 +115,7 @@ class Evaluator:
                 f"{WHERE}: patch-in restores the circuit on the corrupted run; it needs the corrupted ablation"
             )
         self.source, self.graph, self.task, self.ablation, self.variant = source, graph, task, ablation, variant
-        if getattr(source, "in_memory", True):  # each pass's buffers reused, not faulted in afresh (not for a
+        if source.in_memory:  # each pass's buffers reused, not faulted in afresh (not for a
             tune_cpu_allocator()  # streamed model: its weights, read in many sizes, would grow the kept heap)
         self.max_bytes = max_bytes
         self.parts: list[tuple[float, Prepared]] = []

@@ -54,7 +54,7 @@ def edge_scores(
     to patch (numbers or written forms; the others are NaN). ``batch``: prompt pairs per pass (default:
     what fits ``max_bytes``)."""
     w = as_source(source, where="qkov.edge_scores")
-    if getattr(w, "in_memory", True):  # its large buffers reused, not faulted in afresh each pass; a streamed
+    if w.in_memory:  # its large buffers reused, not faulted in afresh each pass; a streamed
         tune_cpu_allocator()  # model's weights, read anew in many sizes each pass, would grow the kept heap
     graph = graph_of(w.cfg)
     if not isinstance(task, Task):

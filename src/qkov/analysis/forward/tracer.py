@@ -108,6 +108,7 @@ class _Pass(BlockPass):
         self.source, self.edits, self.store, self.grad = source, edits, store, grad
         self.pending: set[tuple[str, int | None]] | None = None  # with no logits: the sites still to compute
         self.replaying = False  # a checkpointed block recomputed in the backward pass: its sites are not kept again
+        self.streamed = not source.in_memory  # each read copies from disk: read once, never held whole
 
     def stop_when_done(self, start_at: tuple[int, Tensor] | None) -> None:
         """Stop the pass (:class:`_Enough`) once every site cached or edited has been computed (none: after
@@ -188,13 +189,12 @@ class _Pass(BlockPass):
         if positions is not None and len(positions) == 0:  # a metric that reads no logits: unembed nothing
             return x.new_zeros(x.shape[0], 0, self.cfg.d_vocab)
         V = self.cfg.d_vocab
-        streamed = not getattr(self.source, "in_memory", True)
-        unemb = self.source.unembed(cols=slice(0, min(V, VOCAB_BLOCK)) if streamed else None)
+        unemb = self.source.unembed(cols=slice(0, min(V, VOCAB_BLOCK)) if self.streamed else None)
         x = x if positions is None else x[:, positions.to(x.device)]
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
-        if streamed and self.grad and final.requires_grad:  # its backward reads W_U by blocks again
+        if self.streamed and self.grad and final.requires_grad:  # its backward reads W_U by blocks again
             return self.at("logits", None, _StreamedUnembed.apply(final, self, unemb))
-        if streamed:  # the unembedding a block of columns at a time: W_U is never held whole
+        if self.streamed:  # the unembedding a block of columns at a time: W_U is never held whole
             return self.at("logits", None, self._streamed_logits(final, unemb))
         logits = final @ unemb.W_U
         b_U = live_bias(unemb.b_U)
@@ -207,9 +207,8 @@ class _Pass(BlockPass):
         (``first``: the first block, already read), into one ``[B, P, V]`` tensor."""
         V, parts = self.cfg.d_vocab, []
         logits = None if self.grad else final.new_empty(*final.shape[:-1], V)
-        for lo in range(0, V, VOCAB_BLOCK):
-            cols = slice(lo, min(V, lo + VOCAB_BLOCK))
-            part = first if lo == 0 else self.source.unembed(cols=cols)
+        for cols in _vocab_blocks(V):
+            part = first if cols.start == 0 else self.source.unembed(cols=cols)
             block = final @ part.W_U
             b_U = live_bias(part.b_U)
             block = block if b_U is None else block + b_U
@@ -222,8 +221,7 @@ class _Pass(BlockPass):
     def block_held(self, l: int, x: Tensor, rows: Tensor | None) -> Tensor:
         """:meth:`block`; on a streamed source with gradients, checkpointed: the backward pass recomputes the
         block from ``x`` (re-reading its weights) instead of keeping what it saved, its weights among them."""
-        streamed = not getattr(self.source, "in_memory", True)
-        if not (self.grad and streamed and self.bus is None and self.pending is None and torch.is_grad_enabled()):
+        if not (self.grad and self.streamed and self.bus is None and self.pending is None and torch.is_grad_enabled()):
             return self.block(l, x, rows)
         calls = [0]
 
@@ -269,13 +267,16 @@ class _StreamedUnembed(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         state = ctx.state
-        V = state.cfg.d_vocab
         out = None
-        for lo in range(0, V, VOCAB_BLOCK):
-            cols = slice(lo, min(V, lo + VOCAB_BLOCK))
+        for cols in _vocab_blocks(state.cfg.d_vocab):
             part = grad[..., cols] @ state.source.unembed(cols=cols).W_U.T
             out = part if out is None else out.add_(part)
         return out, None, None
+
+
+def _vocab_blocks(V: int) -> Iterable[slice]:
+    """The vocabulary's columns, :data:`VOCAB_BLOCK` at a time: how a streamed source's ``W_U`` is read."""
+    return (slice(lo, min(V, lo + VOCAB_BLOCK)) for lo in range(0, V, VOCAB_BLOCK))
 
 
 def embedded(source: WeightSource, tokens: Tensor) -> Tensor:
