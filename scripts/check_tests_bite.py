@@ -979,6 +979,37 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "    first = torch.where(by_cell.any(-1), by_cell.int().argmax(-1) + 1, T)",
         "tests/analysis/causal/test_patching_since.py::test_sweeps_with_a_metric_over_every_position_equal_one_patch_at_a_time",
     ),
+    "patching: a suffix pass's patch written one position late (the cells not moved to the suffix)": (
+        "analysis/causal/patching.py",
+        "[(*x[:at], x[at] - since, *x[at + 1 :]) for x in chunk]",
+        "[(*x[:at], x[at] - since + 1, *x[at + 1 :]) for x in chunk]",
+        "tests/analysis/causal/test_patching_since.py::test_suffix_passes_run_the_positions_from_the_first_change_only_and_change_no_number",
+    ),
+    "patching: a suffix pass starts from the whole base stream, not the suffix's": (
+        "analysis/causal/patching.py",
+        "                stream = base[(\"resid_pre\", start)][:, since:].detach()",
+        "                stream = base[(\"resid_pre\", start)][:, :-since].detach()",
+        "tests/analysis/causal/test_patching_since.py::test_suffix_passes_run_the_positions_from_the_first_change_only_and_change_no_number",
+    ),
+    "patching: a copy unembedded from its own first change counts one base position too few": (
+        "analysis/causal/contrast.py",
+        "            n = len(every) - len(m)  # positions before",
+        "            n = len(every) - len(m) - 1  # positions before",
+        "tests/analysis/causal/test_patching_since.py::test_each_copy_is_unembedded_from_its_own_first_change",
+    ),
+    "loss terms: the last position's term kept (it predicts no token)": (
+        "analysis/causal/metrics.py",
+        "        read = torch.arange(T - 1) if self.at is None",
+        "        read = torch.arange(T) if self.at is None",
+        "tests/analysis/causal/test_patching_since.py::test_the_loss_is_the_sum_of_its_position_terms",
+    ),
+    "loss terms: each position weighed by the positions of the pass, not of the loss": (
+        "analysis/causal/metrics.py",
+        "        weight[read] = 1.0 / len(read)",
+        "        weight[read] = 1.0 / len(positions)",
+        "tests/analysis/causal/test_patching_since.py::test_the_loss_is_the_sum_of_its_position_terms "
+        "tests/analysis/causal/test_patching_since.py::test_sweeps_with_a_metric_over_every_position_equal_one_patch_at_a_time",
+    ),
     "patching: a sender's path taken to begin one position late": (
         "analysis/causal/path_patch.py",
         "    return int(differs.int().argmax()) if bool(differs.any()) else len(differs)",

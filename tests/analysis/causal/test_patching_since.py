@@ -89,3 +89,86 @@ def test_the_work_saved_changes_no_number(receivers: str, monkeypatch: pytest.Mo
     assert sum(rows) == T * (L * T + L * H + senders)  # the plain procedure: every copy, every position
     # resid_pre: positions 0-3 equal in both runs at every layer (never run), the others from their own position
     assert sum(saved) < 0.6 * sum(rows)
+
+
+@pytest.mark.parametrize("kind", ["resid_pre", "head_out", "z", "mlp_out"])
+def test_suffix_passes_run_the_positions_from_the_first_change_only_and_change_no_number(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A patched pass whose copies change nothing before position ``since`` runs the blocks on the positions from
+    there on only, after the base run's keys and values (as a generation cache would): the same metric as the
+    pass over every position, to 1e-10, with fewer positions through the blocks."""
+    w, clean, corrupted = _setup()
+    from qkov.analysis.forward import tracer
+
+    seen: list[tuple[int, int]] = []  # (positions run, positions in the past) per patched pass
+    real = tracer.trace
+
+    def counted(source, tokens, *a, **k):  # type: ignore[no-untyped-def]
+        past = k.get("past")
+        seen.append((tokens.shape[1], 0 if past is None else past[0].shape[2]))
+        return real(source, tokens, *a, **k)
+
+    monkeypatch.setattr("qkov.analysis.causal.contrast.trace", counted)
+    budget = 3 * copy_bytes(w, clean, None)
+    fast = Pt.activation_patching(w, clean, corrupted, site=kind, max_bytes=budget).values
+    suffixes = [s for s in seen if s[1] > 0]
+    assert suffixes and all(t + f == clean.shape[1] for t, f in suffixes)  # positions 0-3 never changed: from 4 on
+    seen.clear()
+    monkeypatch.setattr(Pt, "_suffix_passes", lambda c, kind: False)
+    whole = Pt.activation_patching(w, clean, corrupted, site=kind, max_bytes=budget).values
+    assert all(f == 0 for _, f in seen)
+    assert torch.allclose(fast, whole, atol=1e-10, equal_nan=True)
+    assert (fast - fast[0, 0]).abs().max() > 1e-6  # the sweep measured something
+
+
+def test_each_copy_is_unembedded_from_its_own_first_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A metric over every position: a pass of copies changing from different positions unembeds each from its
+    own first change (the rows counted: one per copy, sequence and position from its patch on, the last position
+    predicting nothing kept), and gives the values of a pass that unembeds every copy from the pass's start."""
+    w, clean, corrupted = _setup()
+    B, T = clean.shape
+    from qkov.analysis.forward import tracer
+
+    unembedded: list[int] = []  # logit rows of the patched passes (the two recordings not counted)
+    real = tracer.trace
+
+    def counted(source, tokens, *a, **k):  # type: ignore[no-untyped-def]
+        out = real(source, tokens, *a, **k)
+        if k.get("start_at") is not None:
+            unembedded.append(out.logits.shape[0] * out.logits.shape[1])
+        return out
+
+    monkeypatch.setattr("qkov.analysis.causal.contrast.trace", counted)
+    budget = 5 * copy_bytes(w, clean, None)
+    fast = Pt.activation_patching(w, clean, corrupted, site="resid_pre", max_bytes=budget).values
+    L = w.cfg.n_layers
+    # positions 0-3 never change; at layer 0 the tokens differ at 4 and 5; later every position from 4 on
+    firsts = [4, 5] + [p for l in range(1, L) for p in range(4, T)]
+    assert sum(unembedded) == B * sum(T - p for p in firsts)
+    monkeypatch.setattr(Contrast, "_ragged", lambda self, firsts, since, tokens: False)
+    unembedded.clear()
+    whole = Pt.activation_patching(w, clean, corrupted, site="resid_pre", max_bytes=budget).values
+    assert sum(unembedded) > B * sum(T - p for p in firsts)
+    assert torch.allclose(fast, whole, atol=1e-10)
+
+
+@pytest.mark.parametrize("at", [None, [1, 3, -2]])
+@pytest.mark.parametrize("given", [True, False])
+def test_the_loss_is_the_sum_of_its_position_terms(at, given: bool) -> None:  # type: ignore[no-untyped-def]
+    """Loss.position_terms over every position, summed and averaged over the batch, is the loss (float64); a
+    batch of copies reads the metric's tokens repeated; the last position and those the loss skips add 0."""
+    w, clean, corrupted = _setup()
+    from qkov.analysis.forward.tracer import trace
+
+    metric = Loss(tokens=clean if given else None, at=at)
+    run = trace(w, clean.repeat(3, 1))
+    T = clean.shape[1]
+    terms = metric.position_terms(run.logits, torch.arange(T), clean.repeat(3, 1))
+    assert terms.shape == (3 * clean.shape[0], T) and terms.dtype == torch.float64
+    rel = 1e-12 if at is None else 1e-6  # the loss at chosen positions is taken in float32, as the metric takes it
+    assert float(terms.sum(1).mean()) == pytest.approx(float(metric(run)), rel=rel)
+    skipped = [p for p in range(T) if p not in ({q % T for q in at} if at else set(range(T - 1)))]
+    assert bool((terms[:, skipped] == 0).all()) and bool((terms[:, [p for p in range(T) if p not in skipped]] > 0).all())
+    part = metric.position_terms(run.logits[:, 5:], torch.arange(5, T), clean.repeat(3, 1))  # a suffix's terms
+    assert torch.equal(part, terms[:, 5:])

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
+from ...device import tune_cpu_allocator
 from ...errors import QkovError
 from ...model.tokens import check_tokens
 from ...weights.convert import SourceLike, as_source
@@ -67,6 +68,7 @@ class Contrast:
     corrupted_value: float = math.nan
     held: tuple[frozenset[Any], frozenset[Any], bool] | None = field(default=None, repr=False)  # what record() kept
     backed: bool = field(default=False, repr=False)  # the metric's gradient is in the base recording
+    kept_terms: tuple[Trace, Tensor | None] | None = field(default=None, repr=False)  # the base run's metric terms
 
     @classmethod
     def of(
@@ -182,6 +184,7 @@ class Contrast:
         tokens: Tensor | None = None,
         since: int = 0,
         past: tuple[Tensor, Tensor] | None = None,
+        firsts: Sequence[int] | None = None,
     ) -> Tensor:
         """The metric on ``K`` copies of the base tokens in one forward pass: ``[K]``. ``edits``
         patch each copy its own way (copy ``k`` is rows ``k*B .. (k+1)*B`` of the batch); ``start``:
@@ -191,8 +194,13 @@ class Contrast:
         changes nothing before the first position it writes), so the logits there are the base
         recording's and only the later positions are unembedded. ``past``: the base run's keys and values of
         those positions (``[L, B, since, K, E]`` each): the pass then runs the positions from ``since`` on only
-        (every site and ``stream`` hold those; :func:`~qkov.analysis.forward.tracer.trace`'s ``past``)."""
+        (every site and ``stream`` hold those; :func:`~qkov.analysis.forward.tracer.trace`'s ``past``).
+        ``firsts``: each copy's own first change (``>= since``); for a metric that is a sum over positions
+        (:meth:`~qkov.analysis.causal.metrics.Metric.position_terms`) each copy is then unembedded from its own
+        first change on, the base run's terms before it."""
         B, T = self.base.shape
+        if self.weights.in_memory:  # each pass's large buffers reused, not faulted in afresh (a streamed
+            tune_cpu_allocator()  # model's weights, read in many sizes, would grow the kept heap)
         tokens = self.base.repeat(K, 1) if tokens is None else tokens
         whole = tokens
         start_at = None
@@ -213,6 +221,8 @@ class Contrast:
         if past is not None:  # the suffix alone, after the base run's keys and values
             assert f == since and later is not None and not self.metric.reads, "a past needs since= and logits only"
             tokens = tokens[:, f:]  # (every copy reads the base run's past)
+        if firsts is not None and self._ragged(firsts, since, whole[:B]):
+            return self._by_copy(K, firsts, tokens, whole, start_at, edits, past)
         out = trace(
             self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads,
             positions=None if later is None else later - f, past=past,
@@ -221,7 +231,11 @@ class Contrast:
             out = Trace(whole, out.logits, out.cache, out.source, later)
         early = None
         if every is not None and len(later) < len(every):  # the earlier logits: the base recording's
-            early = self.base_recording.logits[:, : len(every) - len(later)].detach()  # type: ignore[union-attr]
+            n = len(every) - len(later)
+            head = self._base_terms(every, whole[:B])
+            if head is not None:  # a sum over positions: the earlier positions' terms are the base run's
+                return self._summed(out.logits, later, whole, head[:, :n].sum(1), K)
+            early = self.base_recording.logits[:, :n].detach()  # type: ignore[union-attr]
         values = []
         for k in range(K):  # one copy at a time: its logits whole only while its metric is read
             copy = out.select(slice(k * B, (k + 1) * B))
@@ -229,6 +243,77 @@ class Contrast:
                 copy = Trace(copy.tokens, torch.cat([early, copy.logits], 1), copy.cache, copy.source, self.positions)
             values.append(self.metric(copy).detach())
         return torch.stack(values)
+
+    def _every(self) -> Tensor:
+        """The positions the metric reads (every one when it names none)."""
+        return self.positions if self.positions is not None else torch.arange(self.base.shape[1])
+
+    def _ragged(self, firsts: Sequence[int], since: int, tokens: Tensor) -> bool:
+        """Whether a pass whose copies first change at ``firsts`` unembeds each copy from its own first change:
+        some copy changes later than the pass starts, the metric is a sum over positions of the logits alone, and
+        the stream is one sum (its last ``resid_post`` is the final stream)."""
+        cfg = self.weights.cfg
+        if not firsts or max(firsts) <= since or self.metric.reads or cfg.residual != "sum" or not cfg.n_layers:
+            return False
+        return self._base_terms(self._every(), tokens) is not None
+
+    def _by_copy(
+        self, K: int, firsts: Sequence[int], tokens: Tensor, whole: Tensor, start_at: Any, edits: Any,
+        past: tuple[Tensor, Tensor] | None,
+    ) -> Tensor:  # fmt: skip
+        """:meth:`measure` of ``K`` copies, each unembedded at the metric's positions from its own first change
+        ``firsts[k]`` on (the earlier positions' terms: the base run's): the blocks in one pass, then the rows kept
+        in one unembedding."""
+        B, L, every = self.base.shape[0], self.weights.cfg.n_layers, self._every()
+        f = 0 if past is None else past[0].shape[2]
+        out = trace(
+            self.weights, tokens, start_at=start_at, edits=edits, cache=[f"resid_post.{L - 1}"],
+            positions=every[:0], past=past,
+        )  # fmt: skip
+        x = out[("resid_post", L - 1)]  # [K*B, T - f, D]
+        mine = [every[every >= max(first, f)] for first in firsts]
+        D = x.shape[-1]
+        rows = torch.cat([x[k * B : (k + 1) * B, (m - f).to(x.device)].reshape(-1, D) for k, m in enumerate(mine)])
+        logits = None
+        if len(rows):  # every copy's kept rows in one unembedding
+            logits = trace(self.weights, whole.new_zeros(len(rows), 1), start_at=(L, rows[:, None])).logits[:, 0]
+        head = self._base_terms(every, whole[:B])
+        assert head is not None
+        values, at = [], 0
+        for k, m in enumerate(mine):
+            n = len(every) - len(m)  # positions before this copy's first change: the base run's terms
+            own = head[:, :n].sum(1)
+            if logits is not None and len(m):
+                part = logits[at : at + B * len(m)].view(B, len(m), -1)
+                terms = self.metric.position_terms(part, m, whole[k * B : (k + 1) * B])
+                assert terms is not None
+                own = own + terms.sum(1)
+                at += B * len(m)
+            values.append(own.mean())
+        return torch.stack(values)
+
+    def _base_terms(self, every: Tensor, tokens: Tensor) -> Tensor | None:
+        """The metric's terms at ``every`` position of the base recording (``[B, P]``; None when the metric is
+        not a sum over positions), computed once per recording."""
+        base = self.base_recording
+        assert base is not None
+        if self.kept_terms is None or self.kept_terms[0] is not base:
+            logits = base.logits.detach()
+            self.kept_terms = (base, self.metric.position_terms(logits, every, tokens))
+        return self.kept_terms[1]
+
+    def _summed(self, logits: Tensor, later: Tensor, tokens: Tensor, head: Tensor, K: int) -> Tensor:
+        """``[K]``: each copy's metric as the base run's terms before its pass (``head [B]``) plus its own terms at
+        ``later`` positions (``logits [K*B, P, V]``), a few copies' log-softmax at a time."""
+        B = head.shape[0]
+        step = max(1, (16 * 2**20) // max(1, B * logits[0].numel() * logits.element_size()))  # copies at a time
+        sums = []
+        for k in range(0, K, step):
+            rows = slice(k * B, (k + step) * B)
+            terms = self.metric.position_terms(logits[rows], later, tokens[rows])
+            assert terms is not None
+            sums.append(terms.sum(1))
+        return (torch.cat(sums).view(K, B) + head.to(logits.device)).mean(1)
 
     def passes(self, firsts: Sequence[int], K: int) -> list[tuple[int, list[int]]]:
         """The patched passes of copies whose changes begin at positions ``firsts`` (the sequence length: the

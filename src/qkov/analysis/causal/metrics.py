@@ -38,6 +38,15 @@ class Metric:
     def __call__(self, out: Trace) -> Tensor:  # pragma: no cover - subclasses
         raise NotImplementedError
 
+    def position_terms(self, logits: Tensor, positions: Tensor, tokens: Tensor) -> Tensor | None:
+        """For a metric that is a sum over positions (mean over the batch): each position's term, ``[N, P]``,
+        from the logits ``[N, P, V]`` at ``positions [P]`` of runs of ``tokens [N, T]``, so that the metric of
+        a run is its terms over every position it reads summed, then averaged over the batch. ``None``: the metric
+        is not such a sum (the default). A patched pass then takes the terms of the positions before its first
+        change from the base run instead of unembedding them again
+        (:meth:`~qkov.analysis.causal.contrast.Contrast.measure`)."""
+        return None
+
     def logit_positions(self, seq: int) -> Tensor | None:
         """The positions to unembed in a sequence of ``seq`` tokens (``None``: every one)."""
         if self.positions is None:
@@ -117,6 +126,29 @@ class Loss(Metric):
             raise QkovError("loss: the last position predicts no token; choose earlier positions")
         logp = out.logits_at(at).float().log_softmax(-1)
         return -logp.gather(-1, toks[:, at + 1, None])[..., 0].mean()
+
+    def position_terms(self, logits: Tensor, positions: Tensor, tokens: Tensor) -> Tensor:
+        """Each position's next-token loss divided by the number of positions the loss averages (0 at the
+        positions it does not read): ``[N, P]``, in float64 (each loss computed in the dtype :meth:`__call__` uses)."""
+        N, T = tokens.shape
+        toks = (tokens if self.tokens is None else self.tokens).to(logits.device)
+        toks = toks.repeat(N // toks.shape[0], 1) if toks.shape[0] != N else toks
+        read = torch.arange(T - 1) if self.at is None else torch.tensor(sorted({p % T for p in self.at}))
+        weight = torch.zeros(T, dtype=torch.float64)
+        weight[read] = 1.0 / len(read)
+        pos = positions.cpu()
+        out = torch.zeros(N, len(pos), dtype=torch.float64, device=logits.device)
+        keep = (weight[pos] > 0).nonzero()[:, 0]  # the positions the loss reads (never the last)
+        if len(keep):
+            lo, hi = int(keep[0]), int(keep[-1]) + 1
+            where = slice(lo, hi) if hi - lo == len(keep) else keep.to(logits.device)  # a slice copies nothing
+            at = pos[keep]
+            wide = logits.dtype == torch.float64 and self.at is None  # as __call__ (chosen positions: float32)
+            dtype = torch.float64 if wide else torch.float32
+            logp = logits[:, where].to(dtype).log_softmax(-1)
+            nll = -logp.gather(-1, toks[:, at.to(logits.device) + 1, None])[..., 0]
+            out[:, where] = nll.double() * weight[at].to(logits.device)
+        return out
 
 
 @dataclass

@@ -127,10 +127,25 @@ def activation_patching(
     return patch_activations(c, site=site, axes=axes, max_bytes=max_bytes, progress=progress)
 
 
+WHOLE = ("scores", "pattern")  # sites that hold every query's row: a pass over a suffix forms neither
+
+
 def activation_sites(kind: str) -> list[str]:
-    """What activation patching of ``kind`` reads from the two recordings: the site at every layer, and the
-    base stream where each patched pass starts."""
-    return [f"{kind}.*", "resid_pre.*"]
+    """What activation patching of ``kind`` reads from the two recordings: the site at every layer, the
+    base stream where each patched pass starts, and the keys and values of the positions before a pass's
+    first change (:func:`patch_activations` runs the positions from there on only)."""
+    return [f"{kind}.*", "resid_pre.*", *([] if kind in WHOLE else ["k.*", "v.*"])]
+
+
+def _suffix_passes(c: Contrast, kind: str) -> bool:
+    """Whether a patched pass of ``kind`` can run the positions from its first change on only, after the base
+    run's keys and values of the earlier ones: the metric reads only logits, the stream is one sum, the site
+    holds no whole pattern, and the base recording cached the keys and values."""
+    base = c.base_recording
+    return (
+        kind not in WHOLE and not c.metric.reads and c.weights.cfg.residual == "sum"
+        and base is not None and ("k", 0) in base and ("v", 0) in base
+    )  # fmt: skip
 
 
 def patch_activations(
@@ -149,14 +164,27 @@ def patch_activations(
     K_max = c.copies(max_bytes)
     cells = list(itertools.product(*(range(sizes[a]) for a in axes[1:])))
     total, done = L * len(cells), 0
+    base = c.base_recording
+    assert base is not None
+    suffix = _suffix_passes(c, kind)
+    at = list(dims).index("pos") if "pos" in dims else None
     for l in range(L):
         start = min(l, c.reads_from)
         patched = c.source_recording[(kind, l)].detach()  # type: ignore[index]
-        firsts = _first_changes(patched != c.base_recording[(kind, l)].detach(), kind, dims, cells)  # type: ignore[index]
+        firsts = _first_changes(patched != base[(kind, l)].detach(), kind, dims, cells)
         for since, picked in c.passes(firsts, K_max):
-            chunk = [cells[i] for i in picked]
-            edit = _setter(patched, dims, chunk, len(chunk))
-            got = c.measure(len(chunk), {(kind, l): edit}, start=start, since=since)
+            chunk, own = [cells[i] for i in picked], [firsts[i] for i in picked]
+            if suffix and since > 0:  # nothing changes before `since`: run the positions from there on only
+                past = (base.stack("k")[:, :, :since].detach(), base.stack("v")[:, :, :since].detach())
+                moved = chunk if at is None else [(*x[:at], x[at] - since, *x[at + 1 :]) for x in chunk]
+                edit = _setter(patched[:, since:], dims, moved, len(chunk))
+                stream = base[("resid_pre", start)][:, since:].detach().repeat(len(chunk), 1, 1)
+                got = c.measure(
+                    len(chunk), {(kind, l): edit}, start=start, stream=stream, since=since, past=past, firsts=own
+                )
+            else:
+                edit = _setter(patched, dims, chunk, len(chunk))
+                got = c.measure(len(chunk), {(kind, l): edit}, start=start, since=since, firsts=own)
             for cell, v in zip(chunk, got.tolist()):
                 values[(l, *cell)] = v
             done += len(chunk)
