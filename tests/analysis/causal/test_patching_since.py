@@ -172,3 +172,30 @@ def test_the_loss_is_the_sum_of_its_position_terms(at, given: bool) -> None:  # 
     assert bool((terms[:, skipped] == 0).all()) and bool((terms[:, [p for p in range(T) if p not in skipped]] > 0).all())
     part = metric.position_terms(run.logits[:, 5:], torch.arange(5, T), clean.repeat(3, 1))  # a suffix's terms
     assert torch.equal(part, terms[:, 5:])
+
+
+@pytest.mark.parametrize("start", ["logits", "layer 1"])
+def test_copies_changing_from_their_own_positions_measure_as_a_whole_pass(start: str) -> None:
+    """Contrast.measure with ``firsts``: copies whose streams change from different positions (into the logits:
+    the final stream given; into a layer: an edit of its input), each unembedded from its own first change, give
+    the metric of the same pass unembedded whole."""
+    w, clean, corrupted = _setup()
+    c = Contrast.of(w, clean, corrupted, metric=Loss(tokens=clean))
+    L, (B, T) = w.cfg.n_layers, clean.shape
+    c.record([f"resid_pre.{l}" for l in range(L)] + [f"resid_post.{L - 1}"])
+    firsts = [4, 6, 8, T - 1]  # the last: a change at the last position, which predicts nothing
+    g = torch.Generator().manual_seed(3)
+    delta = torch.zeros(len(firsts), B, T, w.cfg.d_model, dtype=torch.float64)
+    for k, p in enumerate(firsts):
+        delta[k, :, p:] = torch.randn(B, T - p, w.cfg.d_model, generator=g, dtype=torch.float64)
+    K = len(firsts)
+    if start == "logits":
+        final = c.base_recording[("resid_post", L - 1)]  # type: ignore[index]
+        stream = (final[None] + delta).reshape(K * B, T, -1)
+        run = lambda f: c.measure(K, start=L, stream=stream, since=4, firsts=f)  # noqa: E731
+    else:
+        edit = {"resid_pre.1": lambda v, site: v + delta.reshape(K * B, T, -1)}
+        run = lambda f: c.measure(K, edit, start=1, since=4, firsts=f)  # noqa: E731
+    ragged, whole = run(firsts), run(None)
+    assert torch.allclose(ragged, whole, atol=1e-10, rtol=0)
+    assert len(set(whole[:3].tolist())) == 3 and float(whole[3]) == pytest.approx(c.base_value, abs=1e-12)

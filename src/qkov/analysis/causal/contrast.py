@@ -221,7 +221,8 @@ class Contrast:
         if past is not None:  # the suffix alone, after the base run's keys and values
             assert f == since and later is not None and not self.metric.reads, "a past needs since= and logits only"
             tokens = tokens[:, f:]  # (every copy reads the base run's past)
-        if firsts is not None and self._ragged(firsts, since, whole[:B]):
+        into_logits = start_at is not None and start_at[0] >= self.weights.cfg.n_layers
+        if firsts is not None and not (into_logits and edits) and self._ragged(firsts, since, whole[:B]):
             return self._by_copy(K, firsts, tokens, whole, start_at, edits, past)
         out = trace(
             self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads,
@@ -266,11 +267,14 @@ class Contrast:
         in one unembedding."""
         B, L, every = self.base.shape[0], self.weights.cfg.n_layers, self._every()
         f = 0 if past is None else past[0].shape[2]
-        out = trace(
-            self.weights, tokens, start_at=start_at, edits=edits, cache=[f"resid_post.{L - 1}"],
-            positions=every[:0], past=past,
-        )  # fmt: skip
-        x = out[("resid_post", L - 1)]  # [K*B, T - f, D]
+        if start_at is not None and start_at[0] >= L:  # a pass into the logits (no edits): its stream is the final one
+            x = start_at[1]
+        else:
+            out = trace(
+                self.weights, tokens, start_at=start_at, edits=edits, cache=[f"resid_post.{L - 1}"],
+                positions=every[:0], past=past,
+            )  # fmt: skip
+            x = out[("resid_post", L - 1)]  # [K*B, T - f, D]
         mine = [every[every >= max(first, f)] for first in firsts]
         D = x.shape[-1]
         rows = torch.cat([x[k * B : (k + 1) * B, (m - f).to(x.device)].reshape(-1, D) for k, m in enumerate(mine)])

@@ -164,12 +164,13 @@ def patch_paths(
     values = torch.full((L, H), float("nan"), dtype=torch.float64)
     for s in sent:
         values[s.layer, s.head] = c.base_value  # a sender whose output does not change: the base run's metric
-    passes = c.passes([_first_change(c, s) for s in sent], K_max)
+    firsts = [_first_change(c, s) for s in sent]
+    passes = c.passes(firsts, K_max)
     done = len(sent) - sum(len(picked) for _, picked in passes)
     for since, picked in passes:
         chunk = [sent[i] for i in picked]
         delta = torch.stack([_change(c, s, W_O[s.layer]) for s in chunk])  # type: ignore[index]
-        got = _run_chunk(c, heads, input, chunk, delta, start, since)
+        got = _run_chunk(c, heads, input, chunk, delta, start, since, [firsts[i] for i in picked])
         for s, v in zip(chunk, got.tolist()):
             values[s.layer, s.head] = v
         done += len(chunk)
@@ -195,24 +196,25 @@ def _first_change(c: Contrast, sender: Address) -> int:
 
 
 def _run_chunk(
-    c: Contrast, heads: list[Address], kind: str, chunk: list[Address], delta: Tensor, start: int, since: int = 0
-) -> Tensor:
+    c: Contrast, heads: list[Address], kind: str, chunk: list[Address], delta: Tensor, start: int, since: int = 0,
+    firsts: list[int] | None = None,
+) -> Tensor:  # fmt: skip
     """The metric for ``len(chunk)`` senders in one batched pass; ``delta [K, B, T, D]`` their changes, none
-    before position ``since``."""
+    before position ``since`` (nor, for each sender, before its ``firsts`` entry)."""
     K, cfg = delta.shape[0], c.weights.cfg
     C = _routing(c)
     if not heads:  # -> logits: the final stream of each copy is the base one plus the sender's change
         final = final_stream(c.base_recording).detach()  # type: ignore[arg-type]
         d = _reach(cfg, C, cfg.sublayers, chunk, delta)
         stream = (final[None] + d).reshape(K * delta.shape[1], *delta.shape[2:])
-        return c.measure(K, start=cfg.n_layers, stream=stream, since=since)
+        return c.measure(K, start=cfg.n_layers, stream=stream, since=since, firsts=firsts)
     edits: dict[Any, Any] = {}
     for l2 in sorted({h.layer for h in heads}):
         slots = sorted({h._replace(input=kind).input_site(cfg).head for h in heads if h.layer == l2})
         before = torch.tensor([s.layer < l2 for s in chunk], device=delta.device)  # type: ignore[operator]
         d = _reach(cfg, C, attention_point(cfg, l2), chunk, delta * before[:, None, None, None].to(delta))  # type: ignore[arg-type]
         edits[Address(f"{kind}_input", l2)] = _receive(_base_stream(c, l2), slots, d)
-    return c.measure(K, edits, start=start, since=since)
+    return c.measure(K, edits, start=start, since=since, firsts=firsts)
 
 
 def _routing(c: Contrast) -> Tensor | None:
