@@ -41,8 +41,8 @@ def test_the_hand_built_induction_heads_effect_runs_through_its_keys() -> None:
 
 def _loss(logits: torch.Tensor, tokens: torch.Tensor, L: int) -> float:
     at = torch.arange(L + 1, 2 * L)
-    lp = logits.float().log_softmax(-1)[:, at]  # as the loss metric reads it (float32)
-    return float(-lp.gather(-1, tokens[:, at + 1, None]).mean())
+    lp = logits.float().log_softmax(-1)[:, at]  # as the loss metric reads it: each position's loss in float32,
+    return float(-lp.gather(-1, tokens[:, at + 1, None]).double().mean())  # their mean in float64
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -34,12 +34,16 @@ def _setup():  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def every_copy_whole(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    """A switch: run every copy, alone, from the first position (the plain procedure)."""
+    """A switch: run every copy, alone, from the first position, unembedded whole (the plain procedure)."""
 
     def plain(self, firsts, K):  # type: ignore[no-untyped-def]
         return [(0, [i]) for i in range(len(firsts))]
 
-    return lambda: monkeypatch.setattr(Contrast, "passes", plain)
+    def whole() -> None:
+        monkeypatch.setattr(Contrast, "passes", plain)
+        monkeypatch.setattr(Contrast, "_ragged", lambda self, firsts, since, tokens: False)
+
+    return whole
 
 
 @pytest.mark.parametrize("direction", ["denoise", "noise"])

@@ -132,10 +132,19 @@ class Contrast:
             self.weights, self.base, cache=[*cache, *base_only, *reads], positions=self.positions, grad=grad
         )
         self.source_recording = trace(self.weights, self.source, cache=[*cache, *reads], positions=self.positions)
-        base, src = (float(self.metric(r).detach()) for r in (self.base_recording, self.source_recording))
+        base, src = (self._value(r) for r in (self.base_recording, self.source_recording))
         self.clean_value, self.corrupted_value = self.swap(base, src)
         self.held, self.backed = (self._names([*cache, *reads]), self._names(base_only), grad), False
         return self
+
+    def _value(self, recording: Trace) -> float:
+        """The metric on a recording: for a sum over positions, its terms summed in float64, as the patched
+        passes sum them (:meth:`measure`), so a patch that changes nothing gives the base value exactly."""
+        if not self.metric.reads:
+            terms = self.metric.position_terms(recording.logits.detach(), self._every(), recording.tokens)
+            if terms is not None:
+                return float(terms.sum(1).mean())
+        return float(self.metric(recording).detach())
 
     def _names(self, keys: Sequence[Any]) -> frozenset[Any]:
         """The sites ``(kind, layer)`` that ``keys`` name."""
@@ -230,13 +239,13 @@ class Contrast:
         )  # fmt: skip
         if past is not None:
             out = Trace(whole, out.logits, out.cache, out.source, later)
+        head = None if self.metric.reads else self._base_terms(self._every(), whole[:B])
+        if head is not None:  # a sum over positions: the positions before `since` add the base run's terms
+            at = self._every() if later is None else later
+            return self._summed(out.logits, at, whole, head[:, : head.shape[1] - len(at)].sum(1), K)
         early = None
         if every is not None and len(later) < len(every):  # the earlier logits: the base recording's
-            n = len(every) - len(later)
-            head = self._base_terms(every, whole[:B])
-            if head is not None:  # a sum over positions: the earlier positions' terms are the base run's
-                return self._summed(out.logits, later, whole, head[:, :n].sum(1), K)
-            early = self.base_recording.logits[:, :n].detach()  # type: ignore[union-attr]
+            early = self.base_recording.logits[:, : len(every) - len(later)].detach()  # type: ignore[union-attr]
         values = []
         for k in range(K):  # one copy at a time: its logits whole only while its metric is read
             copy = out.select(slice(k * B, (k + 1) * B))
@@ -298,9 +307,10 @@ class Contrast:
 
     def _base_terms(self, every: Tensor, tokens: Tensor) -> Tensor | None:
         """The metric's terms at ``every`` position of the base recording (``[B, P]``; None when the metric is
-        not a sum over positions), computed once per recording."""
+        not a sum over positions, or nothing is recorded), computed once per recording."""
         base = self.base_recording
-        assert base is not None
+        if base is None:
+            return None
         if self.kept_terms is None or self.kept_terms[0] is not base:
             logits = base.logits.detach()
             self.kept_terms = (base, self.metric.position_terms(logits, every, tokens))
