@@ -5,6 +5,7 @@ settings that make CPU results reproducible: :func:`reproducible_blas` and :func
 from __future__ import annotations
 
 import ctypes
+import functools
 from pathlib import Path
 from typing import Callable
 
@@ -118,6 +119,7 @@ def _size(n: int) -> str:
     return f"{n / 2**20:.2f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
+@functools.cache  # the settings are the process's: once is enough, and a hot loop may call it freely
 def tune_cpu_allocator() -> None:
     """Keep freed memory in the process (glibc) instead of returning it to the OS.
 

@@ -41,7 +41,7 @@ def every_copy_whole(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untype
 
     def whole() -> None:
         monkeypatch.setattr(Contrast, "passes", plain)
-        monkeypatch.setattr(Contrast, "_ragged", lambda self, firsts, since, tokens: False)
+        monkeypatch.setattr(Contrast, "_ragged", lambda self, firsts, since: False)
 
     return whole
 
@@ -150,7 +150,7 @@ def test_each_copy_is_unembedded_from_its_own_first_change(monkeypatch: pytest.M
     # positions 0-3 never change; at layer 0 the tokens differ at 4 and 5; later every position from 4 on
     firsts = [4, 5] + [p for l in range(1, L) for p in range(4, T)]
     assert sum(unembedded) == B * sum(T - p for p in firsts)
-    monkeypatch.setattr(Contrast, "_ragged", lambda self, firsts, since, tokens: False)
+    monkeypatch.setattr(Contrast, "_ragged", lambda self, firsts, since: False)
     unembedded.clear()
     whole = Pt.activation_patching(w, clean, corrupted, site="resid_pre", max_bytes=budget).values
     assert sum(unembedded) > B * sum(T - p for p in firsts)

@@ -141,7 +141,10 @@ class Contrast:
         """The metric on a recording: for a sum over positions, its terms summed in float64, as the patched
         passes sum them (:meth:`measure`), so a patch that changes nothing gives the base value exactly."""
         if not self.metric.reads:
-            terms = self.metric.position_terms(recording.logits.detach(), self._every(), recording.tokens)
+            terms = (
+                self._base_terms() if recording is self.base_recording
+                else self.metric.position_terms(recording.logits.detach(), self._every(), recording.tokens)
+            )  # fmt: skip
             if terms is not None:
                 return float(terms.sum(1).mean())
         return float(self.metric(recording).detach())
@@ -231,7 +234,7 @@ class Contrast:
             assert f == since and later is not None and not self.metric.reads, "a past needs since= and logits only"
             tokens = tokens[:, f:]  # (every copy reads the base run's past)
         into_logits = start_at is not None and start_at[0] >= self.weights.cfg.n_layers
-        if firsts is not None and not (into_logits and edits) and self._ragged(firsts, since, whole[:B]):
+        if firsts is not None and not (into_logits and edits) and self._ragged(firsts, since):
             return self._by_copy(K, firsts, tokens, whole, start_at, edits, past)
         out = trace(
             self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads,
@@ -239,7 +242,7 @@ class Contrast:
         )  # fmt: skip
         if past is not None:
             out = Trace(whole, out.logits, out.cache, out.source, later)
-        head = None if self.metric.reads else self._base_terms(self._every(), whole[:B])
+        head = None if self.metric.reads else self._base_terms()
         if head is not None:  # a sum over positions: the positions before `since` add the base run's terms
             at = self._every() if later is None else later
             return self._summed(out.logits, at, whole, head[:, : head.shape[1] - len(at)].sum(1), K)
@@ -258,14 +261,14 @@ class Contrast:
         """The positions the metric reads (every one when it names none)."""
         return self.positions if self.positions is not None else torch.arange(self.base.shape[1])
 
-    def _ragged(self, firsts: Sequence[int], since: int, tokens: Tensor) -> bool:
+    def _ragged(self, firsts: Sequence[int], since: int) -> bool:
         """Whether a pass whose copies first change at ``firsts`` unembeds each copy from its own first change:
         some copy changes later than the pass starts, the metric is a sum over positions of the logits alone, and
         the stream is one sum (its last ``resid_post`` is the final stream)."""
         cfg = self.weights.cfg
         if not firsts or max(firsts) <= since or self.metric.reads or cfg.residual != "sum" or not cfg.n_layers:
             return False
-        return self._base_terms(self._every(), tokens) is not None
+        return self._base_terms() is not None
 
     def _by_copy(
         self, K: int, firsts: Sequence[int], tokens: Tensor, whole: Tensor, start_at: Any, edits: Any,
@@ -290,7 +293,7 @@ class Contrast:
         logits = None
         if len(rows):  # every copy's kept rows in one unembedding
             logits = trace(self.weights, whole.new_zeros(len(rows), 1), start_at=(L, rows[:, None])).logits[:, 0]
-        head = self._base_terms(every, whole[:B])
+        head = self._base_terms()
         assert head is not None
         values, at = [], 0
         for k, m in enumerate(mine):
@@ -305,15 +308,14 @@ class Contrast:
             values.append(own.mean())
         return torch.stack(values)
 
-    def _base_terms(self, every: Tensor, tokens: Tensor) -> Tensor | None:
-        """The metric's terms at ``every`` position of the base recording (``[B, P]``; None when the metric is
-        not a sum over positions, or nothing is recorded), computed once per recording."""
+    def _base_terms(self) -> Tensor | None:
+        """The metric's terms at every position it reads (:meth:`_every`) of the base recording (``[B, P]``; None
+        when the metric is not a sum over positions, or nothing is recorded), computed once per recording."""
         base = self.base_recording
         if base is None:
             return None
         if self.kept_terms is None or self.kept_terms[0] is not base:
-            logits = base.logits.detach()
-            self.kept_terms = (base, self.metric.position_terms(logits, every, tokens))
+            self.kept_terms = (base, self.metric.position_terms(base.logits.detach(), self._every(), self.base))
         return self.kept_terms[1]
 
     def _summed(self, logits: Tensor, later: Tensor, tokens: Tensor, head: Tensor, K: int) -> Tensor:

@@ -167,6 +167,7 @@ def patch_activations(
     base = c.base_recording
     assert base is not None
     suffix = _suffix_passes(c, kind)
+    keys, vals = (base.stack("k").detach(), base.stack("v").detach()) if suffix else (None, None)
     at = list(dims).index("pos") if "pos" in dims else None
     for l in range(L):
         start = min(l, c.reads_from)
@@ -175,7 +176,7 @@ def patch_activations(
         for since, picked in c.passes(firsts, K_max):
             chunk, own = [cells[i] for i in picked], [firsts[i] for i in picked]
             if suffix and since > 0:  # nothing changes before `since`: run the positions from there on only
-                past = (base.stack("k")[:, :, :since].detach(), base.stack("v")[:, :, :since].detach())
+                past = (keys[:, :, :since], vals[:, :, :since])  # type: ignore[index]
                 moved = chunk if at is None else [(*x[:at], x[at] - since, *x[at + 1 :]) for x in chunk]
                 edit = _setter(patched[:, since:], dims, moved, len(chunk))
                 stream = base[("resid_pre", start)][:, since:].detach().repeat(len(chunk), 1, 1)
