@@ -151,6 +151,24 @@ def test_diagonal_topk_rate_against_materialised() -> None:
     assert C.diagonal_topk_rate(w, 1, 2, k=10, max_bytes=1000) == pytest.approx(float((ranks < 10).float().mean()))
 
 
+def test_copying_scores_read_heads_out_in_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """copying_scores reads a layer's heads out by the unembedding a group at a time (here groups of 3 for
+    4 heads, so one group is short): each head's own-logit rate equals diagonal_topk_rate (its full OV
+    circuit read alone) and each ``on_head`` product is that head's ``W_O[h] @ W_U``."""
+    from qkov.analysis.circuits import copying as Cp
+
+    _, w = weights()
+    monkeypatch.setattr(Cp, "READ_OUT_BYTES", 3 * CFG.d_head * CFG.d_vocab * 8)
+    seen: dict[tuple[int, int], torch.Tensor] = {}
+    got = C.copying_scores(w, diag_k=10, on_head=lambda l, h, OU: seen.__setitem__((l, h), OU.clone()))
+    rates = [c.diag_topk_rate for c in got]
+    assert rates == [pytest.approx(C.diagonal_topk_rate(w, c.layer, c.head, k=10)) for c in got]
+    assert len(set(rates)) > 3  # the heads' rates differ: a head read out as another would show
+    for (l, h), OU in seen.items():
+        assert torch.allclose(OU, w.attention(l).W_O[h] @ w.W_U, atol=1e-12)
+    assert len(seen) == CFG.n_layers * CFG.n_heads
+
+
 # ------------------------------------------------------------ TransformerLens parity
 tl = pytest.importorskip("transformer_lens", reason="transformer-lens is a test extra: pip install -e '.[dev]'")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import Tensor
 
 from qkov import QkovError
 from qkov.analysis.circuits.factored import LowRank
@@ -109,6 +110,71 @@ def test_diag_rank() -> None:
     want3 = (full3 >= full3[torch.arange(40), rows3][:, None]).sum(-1) - 1
     got3 = LowRank(A, B).diag_rank(cols=rows3, max_bytes=5000 * 4 * 7)
     assert torch.equal(got3, want3) and got3.dtype == torch.long and int(want3.max()) > 1000
+
+
+def _in_top_dense(A: Tensor, B: Tensor, k: int, cols: Tensor | None = None) -> Tensor:
+    """The dense answer of ``diag_in_top``: float64 products, ties counting against the diagonal."""
+    full = A.double() @ B.double()
+    cols = torch.arange(full.shape[-2]) if cols is None else cols
+    d = full[..., torch.arange(full.shape[-2]), cols]
+    return (full >= d[..., None]).sum(-1) - 1 < k
+
+
+@pytest.mark.parametrize("V", [300, 8192])
+def test_diag_in_top_equals_the_dense_answer(V: int) -> None:
+    """Whether each row's diagonal entry is in its top k, against the dense float64 answer: on vocabularies up
+    to 8192, sampled rows (``cols``), rows that copy (the diagonal at or near the top) among rows that do not,
+    screens of every size (none, a few columns, all), small chunks, and a batch."""
+    g = torch.Generator().manual_seed(V)
+    r, m = 16, 256
+    B = torch.randn(r, V, generator=g)
+    cols = torch.randperm(V, generator=g)[:m]
+    A = torch.randn(m, r, generator=g)
+    A[: m // 4] = 4 * B[:, cols[: m // 4]].t() + 0.5 * torch.randn(m // 4, r, generator=g)  # copying rows
+    f = LowRank(A, B)
+    for k in (1, 5, 40):
+        want = _in_top_dense(A, B, k, cols)
+        assert 0 < int(want.sum()) < m  # both answers occur
+        for screen in (1, 64, V):
+            for max_bytes in (V * 4 * 3, 2**28):
+                assert torch.equal(f.diag_in_top(k, cols=cols, screen=screen, max_bytes=max_bytes), want)
+        assert torch.equal(f.diag_in_top(k, cols=cols), f.diag_rank(cols=cols) < k)
+    sq = LowRank(torch.randn(2, V, r, generator=g), B)  # a batch of square ones
+    assert torch.equal(sq.diag_in_top(3, screen=32), _in_top_dense(sq.A, B, 3))
+
+
+def test_diag_in_top_ties_and_near_ties() -> None:
+    """Exact ties count against the diagonal (a zero matrix, the identity, duplicated columns); entries
+    within float32 rounding of the diagonal are decided in float64 (each computed value may fall on either
+    side, the answer may not); k at least the row length holds every row."""
+    zero = LowRank(torch.zeros(5, 3), torch.zeros(3, 5))
+    assert zero.diag_in_top(4).tolist() == [False] * 5 and zero.diag_in_top(5).tolist() == [True] * 5
+    eye = LowRank(torch.eye(6), torch.eye(6))
+    assert eye.diag_in_top(1).all()
+    tied = LowRank(torch.eye(3), torch.tensor([[2.0, 2.0, 0.0], [0, 1, 5], [1, 1, 1]]))
+    assert tied.diag_in_top(1).tolist() == [False, False, False] and tied.diag_in_top(2).tolist() == [True, True, False]
+    # near ties: the diagonal's column copied into k others, each moved by one float32 step up or down in one
+    # coordinate, so its entry differs from the diagonal's by far less than float32 rounding of a 64-term sum
+    g = torch.Generator().manual_seed(3)
+    r, n, k = 64, 3000, 3
+    A, B = torch.randn(40, r, generator=g), torch.randn(r, n, generator=g)
+    cols = torch.arange(40)
+    A[:] = B[:, :40].t() * 3  # every row copies: its diagonal near the top
+    for i in range(40):
+        for j, step in enumerate((1, -1, 1, -1, 1)):
+            c = 100 + 5 * i + j
+            B[:, c] = B[:, i]
+            B[j, c] = torch.nextafter(B[j, i], torch.tensor(step * float("inf")))
+    f = LowRank(A, B)
+    want = _in_top_dense(A, B, k, cols)
+    for kk in (1, 2, k, 5, 6):
+        want = _in_top_dense(A, B, kk, cols)
+        assert torch.equal(f.diag_in_top(kk, cols=cols), want)
+    assert 0 < int(_in_top_dense(A, B, k, cols).sum()) < 40
+    with pytest.raises(QkovError, match="k must be a positive"):
+        f.diag_in_top(0, cols=cols)
+    with pytest.raises(QkovError, match="square"):
+        f.diag_in_top(1)
 
 
 def test_bad_k_and_materialise_bound() -> None:

@@ -349,18 +349,21 @@ def test_report_trigram_tables_of_a_few_heads_at_large_vocabularies(monkeypatch)
 
 
 def test_the_fast_copying_scores_equal_their_definition_with_repeated_attended_tokens() -> None:
-    """_copying_in (buffers, a gather at each attended token once, the rank from one sign sum) gives
-    _copying's numbers where several attended keys hold the same token and attention ties."""
+    """_copying_in (logits made a block of rows at a time, a gather at each attended token once, the rank
+    from one sign sum) gives _copying's numbers where several attended keys hold the same token and
+    attention ties, whatever the block size."""
     from qkov.analysis.heads import repeated
 
     g = torch.Generator().manual_seed(0)
-    B, Q, T, V = 3, 5, 12, 7  # few token ids: many keys share one
+    B, Q, T, V, E = 3, 5, 12, 7, 4  # few token ids: many keys share one
     tokens = torch.randint(0, V, (B, T), generator=g)
     A = torch.rand(B, Q, T, generator=g).round(decimals=1)  # ties: several keys at the row's top half
-    logits = torch.randn(B, Q, V, generator=g, dtype=torch.float64)
-    logits[0, 0] = 0.5  # a constant row: every rank a tie (the definition rounds its rank in float32)
-    want = repeated._copying(A, logits, tokens)
-    bufs = torch.empty(2, B, Q, V, dtype=torch.float64)
-    assert repeated._copying_in(A, logits, tokens, bufs[0], bufs[1]) == pytest.approx(want, abs=1e-6)
+    z, OU = torch.randn(B, Q, E, generator=g, dtype=torch.float64), torch.randn(E, V, generator=g, dtype=torch.float64)
+    OU[:, 2] = OU[:, 5]  # two tokens with the same logit in every row: a tie in each rank
+    z[0, 0] = 0.0  # a constant row: every rank a tie (the definition rounds its rank in float32)
+    want = repeated._copying(A, z @ OU, tokens)
+    assert repeated._copying_in(A, z, OU, tokens) == pytest.approx(want, abs=1e-6)
     shared = repeated.earlier_same(tokens, torch.float64)
-    assert repeated._copying_in(A, logits, tokens, bufs[0], bufs[1], shared) == pytest.approx(want, abs=1e-6)
+    for rows in (1, 2, 4, 15, 16):  # a block of one row, blocks that leave a remainder, one block for all 15
+        work = torch.empty(2, rows, V, dtype=torch.float64)
+        assert repeated._copying_in(A, z, OU, tokens, work, shared) == pytest.approx(want, abs=1e-6)

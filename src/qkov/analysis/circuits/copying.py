@@ -49,6 +49,7 @@ __all__ = [
 
 
 DIAG_EXACT_MAX = 8192  # vocabularies up to this size get the exact own-logit-in-top-k rate
+READ_OUT_BYTES = 256 * 2**20  # copying_scores reads out (W_O[h] @ W_U) this many bytes of heads at once
 DIAG_SAMPLE = 1024  # tokens the rate is estimated on above it (standard error <= 0.016)
 
 
@@ -141,7 +142,7 @@ def diagonal_topk_rate(
     f = full_ov(source, layer, head)
     if tokens is not None:
         f = LowRank(f.A[tokens], f.B)
-    return float((f.diag_rank(max_bytes=max_bytes, cols=tokens) < k).float().mean())
+    return float(f.diag_in_top(k, max_bytes=max_bytes, cols=tokens).float().mean())
 
 
 @dataclass
@@ -205,22 +206,31 @@ def copying_scores(
     n = V if rows is None else len(rows)
     L, H = source.cfg.n_layers, source.cfg.n_heads
     sp = ranks.current()  # a unit: one head, number layer * H + head
+    reads_out = bool(diag_k) or on_head is not None
+    group = max(1, READ_OUT_BYTES // (source.cfg.d_head * V * item(source)))  # heads read out at once
     twins, rates, mine = [], [], []
     for layer in range(L):
         heads = [h for h in range(H) if sp.mine(layer * H + h, L * H)]
         att = source.attention(layer) if heads else None  # a rank reads only the layers it has heads in
-        for head in heads:
+        # the layer's heads read by the unembedding a group at a time (READ_OUT_BYTES), in one product
+        # ([g E, D] @ [D, V]): a head alone has d_head rows, too few to run it near the CPU's peak
+        OUs: Tensor | None = None
+        for i, head in enumerate(heads):
             A, B = att.W_V[head], att.W_O[head]  # type: ignore[union-attr]
             twins += [LowRank(A, B @ G).twin(), LowRank(A, B).twin()]  # full OV, then residual
-            OU = B @ W_U if diag_k or on_head is not None else None  # type: ignore[operator]  # [E, V]
+            if reads_out and i % group == 0:
+                OUs = None
+                OUs = _read_out(att.W_O[heads[i : i + group]], W_U)  # type: ignore[union-attr, arg-type]
+            OU = OUs[i % group] if reads_out else None  # type: ignore[index]  # [E, V]
             if diag_k:
                 f = LowRank(E_rows @ A, OU)  # type: ignore[arg-type]
                 cols = None if rows is None else rows.to(W_E.device)
-                rates.append(float((f.diag_rank(max_bytes=max_bytes, cols=cols) < diag_k).float().mean()))
+                rates.append(float(f.diag_in_top(diag_k, max_bytes=max_bytes, cols=cols).float().mean()))
             if on_head is not None:
                 on_head(layer, head, OU)  # type: ignore[arg-type]
             del OU
             mine.append(layer * H + head)
+        del OUs
         tick(progress, "copying", layer + 1, L)
     scores = eigen_copying_score(eigenvalues(torch.stack(twins))).tolist() if twins else []  # one solve
     parts = {u: (scores[2 * i], scores[2 * i + 1], rates[i] if diag_k else None) for i, u in enumerate(mine)}
@@ -232,6 +242,12 @@ def copying_scores(
         return HeadCopying(l, h, eig, rate, res, n if diag_k else None, err)
 
     return CopyingScores([head(l, h) for l in range(L) for h in range(H)], diag_k or None)
+
+
+def _read_out(W_O: Tensor, W_U: Tensor) -> Tensor:
+    """``W_O[h] @ W_U`` of each head: ``W_O [H, E, D]``, ``W_U [D, V]`` -> ``[H, E, V]``, as one product."""
+    H, E, D = W_O.shape
+    return (W_O.reshape(H * E, D) @ W_U).view(H, E, -1)
 
 
 @dataclass(repr=False, eq=False)
@@ -270,7 +286,8 @@ def copying_bytes(source: WeightSource, *, diag: bool, rows: int | None, chunk_r
     if diag:
         n = V if rows is None else rows
         elems += (0 if source.in_memory else 2 * V * D) + (0 if rows is None else n * D)
-        elems += n * E + E * V + chunk_rows * V
+        group = min(H, max(1, READ_OUT_BYTES // (E * V * it)))  # heads read by W_U at once
+        elems += n * E + group * E * V + chunk_rows * V
         extra = chunk_rows * V  # the comparison with the diagonal (bool)
     elif not source.in_memory:
         elems += 2 * VOCAB_BLOCK * D  # W_U W_E summed over blocks of the vocabulary

@@ -31,6 +31,7 @@ from ..shown import TEXT, decoder, num, register, table, token
 
 __all__ = [
     "CACHE_BYTES",
+    "SCREEN_COLS",
     "DEFAULT_MAX_BYTES",
     "eigenvalues",
     "gram_sqrt",
@@ -42,6 +43,7 @@ __all__ = [
 
 DEFAULT_MAX_BYTES = 256 * 2**20  # working memory of one chunk
 CACHE_BYTES = 8 * 2**20  # a row chunk this small stays in cache: scans over it run several times faster
+SCREEN_COLS = 4096  # columns :meth:`LowRank.diag_in_top` reads every row against before the rest
 
 
 @contextlib.contextmanager
@@ -299,12 +301,7 @@ class LowRank:
         faster to compare against its diagonal).
         """
         m, n = self.shape[-2], self.shape[-1]
-        if cols is None:
-            if m != n:
-                raise QkovError(f"diag_rank needs a square matrix, got {tuple(self.shape[-2:])}")
-            cols = torch.arange(m, device=self.A.device)
-        elif cols.shape != (m,) or (m and not 0 <= int(cols.min()) <= int(cols.max()) < n):
-            raise QkovError(f"diag_rank: cols must be {m} column indices below {n}")
+        cols = self._diag_cols(cols, "diag_rank")
         chunks = list(self._row_chunks(min(max_bytes, CACHE_BYTES)))
         if self.A.dim() != 2 or self.B.dim() != 2 or not chunks:
             out = []
@@ -326,6 +323,78 @@ class LowRank:
             torch.ge(block, d[:, None], out=above[: hi - lo])
             torch.sum(above[: hi - lo], -1, out=out_[lo:hi])
         return out_.long().sub_(1)  # the diagonal itself is not counted
+
+    def _diag_cols(self, cols: Tensor | None, where: str) -> Tensor:
+        """The column of each row's diagonal entry ``[m]``: ``0..m-1`` for a square matrix, else ``cols`` checked."""
+        m, n = self.shape[-2], self.shape[-1]
+        if cols is None:
+            if m != n:
+                raise QkovError(f"{where} needs a square matrix, got {tuple(self.shape[-2:])}")
+            return torch.arange(m, device=self.A.device)
+        if cols.shape != (m,) or (m and not 0 <= int(cols.min()) <= int(cols.max()) < n):
+            raise QkovError(f"{where}: cols must be {m} column indices below {n}")
+        return cols.to(self.A.device)
+
+    def diag_in_top(
+        self, k: int, *, cols: Tensor | None = None, max_bytes: int = DEFAULT_MAX_BYTES, screen: int = SCREEN_COLS
+    ) -> Tensor:
+        """For each row ``i``: whether its diagonal entry is among the row's ``k`` largest, ties counting
+        against it: ``diag_rank() < k`` (``[..., m]`` bools; ``cols`` as in :meth:`diag_rank`), decided
+        exactly for the factors as given, whatever order a product sums in.
+
+        Each entry is computed in the factors' precision, whose rounding error is at most
+        ``r u ||A_i|| max_j ||B_:j||`` (``u`` the unit roundoff, ``r`` the inner size, any summation
+        order); an entry that far from the diagonal one (held in float64) is decided by its computed value,
+        and a row whose decision rests on an entry within that margin is recomputed in float64 (a near tie).
+        Rows are first read against the ``screen`` leading columns only: a row with ``k`` entries there
+        surely above its diagonal is out of its top ``k`` without the rest (for a head that does not copy,
+        most rows), the others read every column. Memory: row chunks as :meth:`diag_rank`.
+        """
+        m, n = self.shape[-2], self.shape[-1]
+        cols = self._diag_cols(cols, "diag_in_top")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise QkovError(f"diag_in_top: k must be a positive integer, got {k!r}")
+        if self.A.dim() != 2 or self.B.dim() != 2:
+            flat_A = self.A.expand(*self.batch_shape, m, self.rdim).reshape(-1, m, self.rdim)
+            flat_B = self.B.expand(*self.batch_shape, self.rdim, n).reshape(-1, self.rdim, n)
+            out = [LowRank(a, b).diag_in_top(k, cols=cols, max_bytes=max_bytes, screen=screen) for a, b in zip(flat_A, flat_B)]
+            return torch.stack(out).reshape(*self.batch_shape, m) if out else torch.zeros(self.shape[:-1], dtype=torch.bool)
+        A, B = self.A, self.B
+        inside = torch.zeros(m, dtype=torch.bool, device=A.device)
+        if m == 0 or k >= n:  # every entry of a row is in its top n
+            return inside.fill_(True)
+        # the diagonal entry in float64, and each row's margin: the bound on an entry's rounding error,
+        # doubled (and the float64 diagonal's own rounding into the factors' dtype on top)
+        d = (A.double() * B[:, cols].t().double()).sum(-1)
+        u = torch.finfo(A.dtype).eps / 2
+        # the longest column (its float32 sum of squares raised by its own rounding bound; a strided norm is slower)
+        col_max = ((B * B).sum(0).max().double() * (1 + 2 * self.rdim * u)).sqrt()
+        margin = 2 * (self.rdim * u * A.double().norm(dim=-1) * col_max + u * d.abs())
+        above, maybe = (d + margin).to(A.dtype), (d - margin).to(A.dtype)  # v > above: surely above d
+        count = torch.float32 if n < 2**24 else torch.float64  # float sums of 0/1 vectorise, bool sums do not
+        step = max(1, min(m, min(max_bytes, CACHE_BYTES) // max(1, n * A.element_size())))
+        buf, flags = A.new_empty(step, n), torch.empty(step, n, dtype=count, device=A.device)
+        s = min(n, max(1, screen))
+        sure = torch.zeros(m, dtype=count, device=A.device)
+        if s < n:  # the screen: rows with k entries surely above their diagonal among the leading columns
+            sbuf, sflags = buf.view(-1)[: step * s].view(step, s), flags.view(-1)[: step * s].view(step, s)
+            for lo in range(0, m, step):
+                hi = min(m, lo + step)
+                v = torch.matmul(A[lo:hi], B[:, :s], out=sbuf[: hi - lo])
+                torch.gt(v, above[lo:hi, None], out=sflags[: hi - lo])
+                torch.sum(sflags[: hi - lo], -1, out=sure[lo:hi])
+        rest = torch.nonzero(sure < k).flatten() if s < n else torch.arange(m, device=A.device)
+        for lo in range(0, len(rest), step):
+            idx = rest[lo : lo + step]
+            v = torch.matmul(A[idx], B, out=buf[: len(idx)])
+            f = flags[: len(idx)]
+            surely = torch.gt(v, above[idx, None], out=f).sum(-1)
+            possibly = torch.ge(v, maybe[idx, None], out=f).sum(-1) - 1  # the diagonal itself is not counted
+            inside[idx] = possibly < k
+            for i in idx[(surely < k) & (possibly >= k)].tolist():  # a near tie decides it: float64
+                row = A[i].double() @ B.double()
+                inside[i] = int((row >= row[cols[i]]).sum()) - 1 < k
+        return inside
 
 
 def eigenvalues(small: Tensor) -> Tensor:

@@ -22,6 +22,7 @@ from ..budget import item, pass_bytes
 __all__ = ["COPYING_LOGITS", "copying_queries", "earlier_same", "repeat_bytes", "repeat_scores", "RepeatPass", "RepeatScores"]
 
 COPYING_LOGITS = 2**24  # logits per head the copying scores read at most (beyond: sampled queries)
+COPYING_CHUNK_BYTES = 4 * 2**20  # the copying scores' logits are made and read this many bytes of rows at a time
 
 
 @dataclass
@@ -113,13 +114,11 @@ class RepeatPass:
     def copying(self, l: int, h: int, OU: Tensor) -> None:
         """Head ``l.h``'s copying scores from ``OU = W_O[h] @ W_U`` (``[d_head, d_vocab]``)."""
         A, z = self.P[l, :, h][:, self.read_q], self.recording["z", l][:, self.read_q]  # [B, Q, T], [B, Q, H, E]
-        if self.work is None:  # the [B, Q, V] logits and two more, reused by every head (no page faults per head)
-            self.work = torch.empty(3, *A.shape[:2], OU.shape[-1], dtype=OU.dtype, device=OU.device)
-        # the head's output z_h @ W_O[h] read by W_U, as z_h @ (W_O[h] @ W_U): d_head wide, not d_model
-        logits = torch.matmul(z[:, :, h], OU, out=self.work[0])  # [B, Q, V]
+        if self.work is None:  # two blocks of logit rows, reused by every head (no page faults per head)
+            self.work = copying_work(OU)
         if self.earlier is None:
             self.earlier = earlier_same(self.recording.tokens, OU.dtype)
-        parts = _copying_in(A, logits, self.recording.tokens, self.work[1], self.work[2], self.earlier)
+        parts = _copying_in(A, z[:, :, h], OU, self.recording.tokens, self.work, self.earlier)
         self.parts[l * self.shape[1] + h] = parts
 
     def scores(self) -> RepeatScores:
@@ -173,36 +172,58 @@ def earlier_same(tokens: Tensor, dtype: torch.dtype) -> Tensor:
     return (same & before).to(dtype)
 
 
+def copying_work(OU: Tensor) -> Tensor:
+    """Scratch for :func:`_copying_in`: two blocks ``[2, rows, d_vocab]`` of :data:`COPYING_CHUNK_BYTES` each."""
+    V = OU.shape[-1]
+    rows = max(1, COPYING_CHUNK_BYTES // (V * OU.element_size()))
+    return torch.empty(2, rows, V, dtype=OU.dtype, device=OU.device)
+
+
 def _copying_in(
-    A: Tensor, logits: Tensor, tokens: Tensor, raise_: Tensor, sign: Tensor, earlier: Tensor | None = None
+    A: Tensor, z: Tensor, OU: Tensor, tokens: Tensor, work: Tensor | None = None, earlier: Tensor | None = None
 ) -> tuple[float, float]:
-    """:func:`_copying` (the definition) computed in two given ``[B, Q, V]`` buffers, with two
-    passes fewer over the vocabulary: the share sums the raise at each attended token once (a
-    gather, not a vocabulary-wide mask), and the rank reads ``sum sign(own - logits) = below - above``
-    (exact: integers), so ``below + tied / 2 = (V + sum) / 2`` with the token itself among the ties.
+    """:func:`_copying` (the definition) of the logits ``z @ OU`` (``z [B, Q, E]`` the head's outputs at
+    the queries before ``W_O``, ``OU = W_O[h] @ W_U [E, V]``: the product d_head wide, not d_model),
+    made a block of query rows at a time in ``work`` (:func:`copying_work`) and read there while the
+    block is in cache (the whole ``[B, Q, V]`` would be read from memory six times over), with passes
+    fewer than the definition: the share sums the raise at each attended token once (a gather, not a
+    vocabulary-wide mask), and the rank reads ``sum sign(own - logits) = below - above`` (exact:
+    integers), so ``below + tied / 2 = (V + sum) / 2`` with the token itself among the ties.
     ``earlier``: :func:`earlier_same` of ``tokens`` in the logits' dtype (made here when not given)."""
-    V = logits.shape[-1]
-    torch.sub(logits, logits.mean(-1, keepdim=True), out=raise_).relu_()
+    B, Q, T = A.shape
+    V = OU.shape[-1]
+    work = copying_work(OU) if work is None else work
     attended = A >= 0.5 * A.amax(-1, keepdim=True)  # [B, Q, T] positions
-    earlier = earlier_same(tokens, logits.dtype) if earlier is None else earlier
+    earlier = earlier_same(tokens, OU.dtype) if earlier is None else earlier
     # an earlier attended key holds j's token: a count of 0/1 products, exact in floating point
     seen = torch.bmm(attended.to(earlier.dtype), earlier) > 0
-    first = attended & ~seen  # each attended token once
-    num = (raise_.gather(-1, tokens[:, None, :].expand(-1, A.shape[1], -1)) * first).sum()
-    share = float(num / raise_.sum().clamp_min(1e-30))
-    chance = float(first.sum(-1).to(raise_.dtype).mean()) / V
+    first = (attended & ~seen).reshape(B * Q, T)  # each attended token once
+    at = tokens[:, None, :].expand(-1, Q, -1).reshape(B * Q, T)  # the token at each key
+    top = tokens.gather(-1, A.argmax(-1)).reshape(B * Q, 1)  # the token at the most-attended key
+    rows = z.reshape(B * Q, -1)
+    num = torch.zeros((), dtype=torch.float64, device=OU.device)
+    total = torch.zeros_like(num)
+    balance = OU.new_empty(B * Q)  # below - above, per query
+    for lo in range(0, B * Q, work.shape[1]):
+        hi = min(B * Q, lo + work.shape[1])
+        logits = torch.matmul(rows[lo:hi], OU, out=work[0, : hi - lo])
+        raise_ = torch.sub(logits, logits.mean(-1, keepdim=True), out=work[1, : hi - lo]).relu_()
+        total += raise_.sum()
+        num += (raise_.gather(-1, at[lo:hi]) * first[lo:hi]).sum()
+        own = logits.gather(-1, top[lo:hi])
+        torch.sum(torch.sub(own, logits, out=work[1, : hi - lo]).sign_(), -1, out=balance[lo:hi])
+    share = float(num / total.clamp_min(1e-30))
+    chance = float(first.sum(-1).to(OU.dtype).mean()) / V
     share_score = (share - chance) / (1 - chance) if share >= chance else (share - chance) / chance
-    own = logits.gather(-1, tokens.gather(-1, A.argmax(-1))[..., None])  # [B, Q, 1]
-    balance = torch.sub(own, logits, out=sign).sign_().sum(-1)  # below - above
     percentile = (0.5 * (V + balance) - 0.5) / (V - 1)
     return share_score, float(2 * percentile.double().mean() - 1)
 
 
 def repeat_bytes(source: WeightSource, batch: int, seq: int) -> int:
     """Peak of :func:`~qkov.analysis.heads.repeated.repeat_scores` on ``[batch, seq]`` repeated tokens: the
-    pass with every layer's pattern and per-head output, and one head's copying logits (at most
-    :data:`COPYING_LOGITS`) with their rectified copy and mask."""
+    pass with every layer's pattern and per-head output, and the copying scores' two blocks of logit
+    rows (:func:`copying_work`)."""
     c, it = source.cfg, item(source)
     outputs = c.n_layers * batch * c.n_heads * seq * c.d_model * it
-    logits = min(COPYING_LOGITS, batch * seq * c.d_vocab) * it * 3
+    logits = 2 * max(COPYING_CHUNK_BYTES, c.d_vocab * it)
     return pass_bytes(source, batch, seq, cached_patterns=True) + outputs + logits
