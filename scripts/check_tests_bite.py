@@ -137,6 +137,12 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "out.append((block > d[..., None]).sum(-1))",
         "tests/analysis/circuits/test_circuits.py::test_diag_rank_counts_ties_against_the_diagonal_in_both_paths",
     ),
+    "positional fraction: the variance over keys in one pass (mean of squares less the squared mean)": (
+        "analysis/heads/pattern_scores.py",
+        "        s -= s.sum(-1, keepdim=True) / counts[:, None]\n        return (s.masked_fill_(~allowed, 0.0).pow_(2).sum(-1) / counts)[..., 1:]",
+        "        return (s.pow(2).sum(-1) / counts - (s.sum(-1) / counts).pow(2)).clamp_min(0)[..., 1:]",
+        "tests/analysis/heads/test_heads.py::test_positional_fraction_keeps_its_digits_when_scores_share_a_large_offset",
+    ),
     "own logit in the top k: a near tie decided as out": (
         "analysis/circuits/factored.py",
         "                inside[i] = int((row >= row[cols[i]]).sum()) - 1 < k",

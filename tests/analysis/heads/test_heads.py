@@ -126,6 +126,27 @@ def test_positional_fraction_is_unchanged_by_a_rotation_of_the_stream() -> None:
     assert fractions[0].max() > 0.05  # positions do matter in this model
 
 
+def test_positional_fraction_keeps_its_digits_when_scores_share_a_large_offset() -> None:
+    """A large key bias adds ``q . b_K`` to every score of a query: the variance over keys is unchanged, and the
+    float32 fraction equals the float64 one (a one-pass variance, mean(s^2) - mean(s)^2, loses its digits)."""
+    from helpers import LN_MLP, perturb_non_matrices
+
+    cfg = LN_MLP.replace(n_ctx=24)
+    m = perturb_non_matrices(Transformer(cfg, seed=4).double(), 0.3)
+    with torch.no_grad():
+        for block in m.blocks:
+            block.attn.b_K.normal_(0.0, 300.0, generator=torch.Generator().manual_seed(7))
+    text = torch.randint(1, cfg.d_vocab, (3, 24), generator=torch.Generator().manual_seed(2))
+    got = {}
+    for dtype in (torch.float32, torch.float64):
+        w = Weights.from_model(m, dtype=dtype)
+        got[dtype] = Hd.positional_fraction(w, trace(w, text, cache=["qk_in", "*_scale*"])).double()
+    want = got[torch.float64]
+    assert float(want.min()) > 1e-4  # every head's score varies with position
+    err = ((got[torch.float32] - want).abs() / want).max()
+    assert err < 1e-3, err
+
+
 def test_induction_needs_attention_and_copying() -> None:
     """[I]: an induction head attends to the token after the earlier occurrence AND copies it.
     Head 1.0 of the hand-built model with its copying OV replaced by a random one keeps its

@@ -79,9 +79,12 @@ def _positional_layer(source: WeightSource, layer: int, x: Tensor, scale: Tensor
     counts = allowed.sum(-1)
 
     def var_k(s: Tensor) -> Tensor:  # [..., T, T] -> variance over allowed keys, for queries >= 1
+        # centred first: a query's scores often share a large offset (a key bias, a common direction of
+        # the keys), and the one-pass mean(s^2) - mean(s)^2 then loses every digit of the variance in
+        # float32 (measured: fractions 20% to 70x off on a trained 2-layer model)
         s = s.masked_fill(~allowed, 0.0)
-        mean = s.sum(-1) / counts
-        return (s.pow(2).sum(-1) / counts - mean.pow(2)).clamp_min(0)[..., 1:]
+        s -= s.sum(-1, keepdim=True) / counts[:, None]
+        return (s.masked_fill_(~allowed, 0.0).pow_(2).sum(-1) / counts)[..., 1:]
 
     pos = source.pos()
     p = read(pos[:T].expand(B, T, -1), source.norm, scale)  # type: ignore[index]  # [B, T, D]
