@@ -407,6 +407,15 @@ def test_stage_progress_draws_on_a_terminal() -> None:
     assert len(lines) == 4
 
 
+def test_composition_baseline_refuses_a_generator_that_skips_unlike_its_normals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first pass moves the generator on by uniforms; if that ever stops matching torch's normals, the
+    sample raises at its end instead of handing on values drawn from the wrong place."""
+    shapes = [(10, 32, 8), (10, 8, 32)]
+    monkeypatch.setattr(Cm, "_skip_normals", lambda g, numel: torch.empty(numel // 2, dtype=torch.float64).uniform_(generator=g))
+    with pytest.raises(QkovError, match="draws normals unlike uniforms"):
+        list(Cm._seeded_normals(torch.Generator().manual_seed(3), shapes, max_bytes=8 * 4 * 256 * 3))
+
+
 def test_composition_baseline_draws_in_blocks_with_the_same_values() -> None:
     def whole(seed: int, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
