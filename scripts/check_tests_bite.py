@@ -155,6 +155,18 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "    if False:",
         "tests/weights/test_lazy.py::test_composition_baseline_refuses_a_generator_that_skips_unlike_its_normals",
     ),
+    "screens: bfloat16 wherever the CPU has it, faster or not": (
+        "analysis/circuits/bounded.py",
+        "device.type == \"cpu\" and _bf16_faster() else dtype",
+        "device.type == \"cpu\" and _bf16_cpu() else dtype",
+        "tests/analysis/circuits/test_bounded.py::test_the_screen_is_bfloat16_only_where_it_runs_faster",
+    ),
+    "screens: a CPU without native bfloat16 timed anyway": (
+        "analysis/circuits/bounded.py",
+        "    if not _bf16_cpu():\n        return False\n    g = torch.Generator()",
+        "    g = torch.Generator()",
+        "tests/analysis/circuits/test_bounded.py::test_the_screen_is_bfloat16_only_where_it_runs_faster",
+    ),
     "own logit in the top k: a near tie decided as out": (
         "analysis/circuits/factored.py",
         "                inside[i] = int((row >= row[cols[i]]).sum()) - 1 < k",

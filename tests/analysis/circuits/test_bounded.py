@@ -160,3 +160,19 @@ def test_topk_ties_smallest_subsets_and_batches() -> None:
         rv, ri = dense_top(sub, 33, largest)
         assert torch.equal(top.values, rv)
         assert torch.equal(top.rows, rows[ri // 90]) and torch.equal(top.cols, cols[ri % 90])
+
+
+def test_the_screen_is_bfloat16_only_where_it_runs_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 screens float32 factors on a CPU only where its bfloat16 products are faster (some CPUs with
+    AVX-512 BF16 and no AMX run them at half the float32 rate); float64 factors and other devices screen in
+    their own dtype; a CPU without native bfloat16 is not timed at all."""
+    cpu = torch.device("cpu")
+    for faster, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(Bd, "_bf16_faster", lambda faster=faster: faster)
+        assert Bd.screen_dtype(cpu, torch.float32) == want
+        assert Bd.screen_dtype(cpu, torch.float64) == torch.float64
+        assert Bd.screen_dtype(torch.device("meta"), torch.float32) == torch.float32
+    monkeypatch.undo()
+    monkeypatch.setattr(Bd, "_bf16_cpu", lambda: False)
+    monkeypatch.setattr(Bd.torch, "matmul", None)  # nothing is timed
+    assert Bd._bf16_faster.__wrapped__() is False

@@ -9,11 +9,12 @@ two steps:
   own dtype can lie from the screened one: ``|C_ij - S_ij| <= delta ||a_i|| ||b_j||`` (``a_i`` row
   ``i`` of ``A``, ``b_j`` column ``j`` of ``B``; ``delta`` from the error model below). So
   ``U_i = max_j S_ij + delta ||a_i|| max_j ||b_j||`` is at least row ``i``'s largest entry however
-  that entry is computed. On a CPU with bfloat16 matrix units (AMX, AVX-512 BF16) the screen runs in
-  bfloat16 with float32 accumulation, with the large factor on the left (measured at GPT-2 shape on a
-  shared 2-core Sapphire Rapids VM, best runs: 0.6 s for the whole 50257 x 50257 screen against 1.5 s
-  for a float32 scan); elsewhere it is the product in the factors' dtype itself (no faster than a
-  scan, and still exact: the search then costs about what a plain scan costs).
+  that entry is computed. On a CPU with bfloat16 matrix units (AMX, AVX-512 BF16) that run faster than
+  its float32 ones (timed once per process: :func:`screen_dtype`) the screen runs in bfloat16 with float32
+  accumulation, with the large factor on the left (measured at GPT-2 shape on a shared 2-core Sapphire
+  Rapids VM, best runs: 0.6 s for the whole 50257 x 50257 screen against 1.5 s for a float32 scan);
+  elsewhere it is the product in the factors' dtype itself (no faster than a scan, and still exact: the
+  search then costs about what a plain scan costs).
 * **refine** (:func:`top_entries`): rows in order of their bound, largest first, in small chunks,
   computed exactly; once ``k`` values are known, a row whose bound is below the k-th of them cannot
   hold one of the ``k`` largest entries and is never computed. At GPT-2 shape with random weights
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import torch
 from torch import Tensor
@@ -60,10 +62,36 @@ def _bf16_cpu() -> bool:
     return any(p is not None and bool(p()) for p in probes)
 
 
+@functools.cache
+def _bf16_faster() -> bool:
+    """Whether bfloat16 products run faster than float32 ones here: the CPU multiplies bfloat16 natively
+    (:func:`_bf16_cpu`) and a screen-shaped product, timed once per process (a few milliseconds), bears it
+    out. A CPU with AVX-512 BF16 but no AMX tiles may run bfloat16 at half the float32 rate (measured on a
+    2-core Intel Xeon: 146 against 285 GFLOP/s at ``[50257, 64] @ [64, 256]``), where AMX or a Zen 4 core
+    runs it 2-3x faster. Only the time depends on the answer: the bound holds for either screen."""
+    if not _bf16_cpu():
+        return False
+    g = torch.Generator().manual_seed(0)
+    left, right = torch.randn(16384, 64, generator=g), torch.randn(64, 256, generator=g)
+
+    def best(dtype: torch.dtype) -> float:
+        a, b = left.to(dtype), right.to(dtype)
+        out = torch.empty(len(a), b.shape[1], dtype=dtype)
+        torch.matmul(a, b, out=out)  # the first call sets its kernel up
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            torch.matmul(a, b, out=out)
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    return best(torch.bfloat16) < 0.8 * best(torch.float32)
+
+
 def screen_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The dtype :func:`row_bounds` screens float32 factors of ``dtype`` on ``device`` in: bfloat16 on
-    a CPU that multiplies it natively, else ``dtype`` itself."""
-    return torch.bfloat16 if dtype == torch.float32 and device.type == "cpu" and _bf16_cpu() else dtype
+    a CPU that multiplies it natively and faster than float32 (:func:`_bf16_faster`), else ``dtype`` itself."""
+    return torch.bfloat16 if dtype == torch.float32 and device.type == "cpu" and _bf16_faster() else dtype
 
 
 def _unit(dtype: torch.dtype) -> float:
