@@ -181,7 +181,7 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "own logit in the top k: no rounding margin (float32 values decide near ties)": (
         "analysis/circuits/factored.py",
-        "        margin = 2 * (self.rdim * u * A.double().norm(dim=-1) * col_max + u * d.abs())",
+        "        margin = 2 * (gamma * A.double().norm(dim=-1) * col_max + u * d.abs())",
         "        margin = 0 * d",
         "tests/analysis/circuits/test_factored.py::test_diag_in_top_ties_and_near_ties",
     ),

@@ -369,7 +369,8 @@ class LowRank:
         u = torch.finfo(A.dtype).eps / 2
         # the longest column (its float32 sum of squares raised by its own rounding bound; a strided norm is slower)
         col_max = ((B * B).sum(0).max().double() * (1 + 2 * self.rdim * u)).sqrt()
-        margin = 2 * (self.rdim * u * A.double().norm(dim=-1) * col_max + u * d.abs())
+        gamma = self.rdim * u / (1 - self.rdim * u)  # a sum of r products, in any order
+        margin = 2 * (gamma * A.double().norm(dim=-1) * col_max + u * d.abs())
         above, maybe = (d + margin).to(A.dtype), (d - margin).to(A.dtype)  # v > above: surely above d
         count = torch.float32 if n < 2**24 else torch.float64  # float sums of 0/1 vectorise, bool sums do not
         step = max(1, min(m, min(max_bytes, CACHE_BYTES) // max(1, n * A.element_size())))
