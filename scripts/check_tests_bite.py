@@ -167,6 +167,18 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "    g = torch.Generator()",
         "tests/analysis/circuits/test_bounded.py::test_the_screen_is_bfloat16_only_where_it_runs_faster",
     ),
+    "term sizes: W_U W_U^T without its last block of columns": (
+        "analysis/paths/effects.py",
+        "    for lo in range(0, V, GRAM_COLUMNS):\n        block = W_U[:, lo : lo + GRAM_COLUMNS].double()",
+        "    for lo in range(0, V - GRAM_COLUMNS, GRAM_COLUMNS):\n        block = W_U[:, lo : lo + GRAM_COLUMNS].double()",
+        "tests/analysis/paths/test_paths_fast.py::test_gram_in_column_blocks_equals_the_float64_product",
+    ),
+    "term sizes: the Gram matrices of the layer before the term's": (
+        "analysis/paths/effects.py",
+        "            self.gram, self.layer = _gram(R, self.UU), key[-2]",
+        "            self.gram, self.layer = _gram(head_read(self.source, max(0, key[-2] - 1)), self.UU), key[-2]",
+        "tests/analysis/paths/test_paths_fast.py::test_shared_head_unembedding_gives_each_terms_own_logits",
+    ),
     "own logit in the top k: a near tie decided as out": (
         "analysis/circuits/factored.py",
         "                inside[i] = int((row >= row[cols[i]]).sum()) - 1 < k",

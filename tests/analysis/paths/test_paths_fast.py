@@ -169,9 +169,14 @@ def test_heads_write_without_value_bias_equals_the_sum_of_head_terms(kw: dict) -
 
 
 def test_gram_in_column_blocks_equals_the_float64_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each head's ``P P^T`` (``P = R W_U``) as ``R (W_U W_U^T) R^T``, the vocabulary summed in column blocks:
+    the float64 product of the factors."""
     from qkov.analysis.paths import effects as head_logits
 
     monkeypatch.setattr(head_logits, "GRAM_COLUMNS", 7)  # 50 columns: 7 full blocks and a short one
-    Pm = torch.randn(3, 5, 50, generator=torch.Generator().manual_seed(2))
-    want = Pm.double() @ Pm.double().transpose(1, 2)
-    torch.testing.assert_close(head_logits._gram(Pm), want, rtol=1e-13, atol=1e-13)
+    g = torch.Generator().manual_seed(2)
+    R, W_U = torch.randn(3, 5, 8, generator=g), torch.randn(8, 50, generator=g)
+    UU = head_logits.unembed_gram(W_U)
+    torch.testing.assert_close(UU, W_U.double() @ W_U.double().T, rtol=1e-13, atol=1e-13)
+    Pm = R.double() @ W_U.double()
+    torch.testing.assert_close(head_logits._gram(R, UU), Pm @ Pm.transpose(1, 2), rtol=1e-12, atol=1e-12)

@@ -27,6 +27,7 @@ from .effects import (
     EFFECT_LOGITS,
     effect_positions,
     GRAM_COLUMNS,
+    head_read,
     head_unembed,
     head_values,
     SampledTerms,
@@ -35,6 +36,7 @@ from .effects import (
     term_logits,
     TermEffect,
     TermEffects,
+    unembed_gram,
 )
 from .summary import expansion_bytes, paths_text, PathSummary, summarize
 from .qk_side import expand_qk, QKExpansion
@@ -63,6 +65,7 @@ __all__ = [
     "EFFECT_LOGITS",
     "effect_positions",
     "GRAM_COLUMNS",
+    "head_read",
     "head_unembed",
     "head_values",
     "SampledTerms",
@@ -71,6 +74,7 @@ __all__ = [
     "term_logits",
     "TermEffect",
     "TermEffects",
+    "unembed_gram",
     "expansion_bytes",
     "paths_text",
     "PathSummary",
