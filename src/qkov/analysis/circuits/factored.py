@@ -210,6 +210,16 @@ class LowRank:
         """Chosen columns ``[..., m, len(index)]`` (materialised)."""
         return self.A @ self.B[..., :, index]
 
+    def _cache_rows(self, max_bytes: int) -> int:
+        """Rows of one matrix per chunk: at most ``max_bytes`` and :data:`CACHE_BYTES` of them (at least one)."""
+        m, n = self.shape[-2], self.shape[-1]
+        return max(1, min(m, min(max_bytes, CACHE_BYTES) // max(1, n * self.A.element_size())))
+
+    def _flat(self) -> tuple[Tensor, Tensor]:
+        """The factors of each matrix of the batch in one leading dim (the constructor broadcast them):
+        ``[N, m, r]``, ``[N, r, n]``."""
+        return self.A.reshape(-1, *self.A.shape[-2:]), self.B.reshape(-1, *self.B.shape[-2:])
+
     def _row_chunks(self, max_bytes: int) -> Iterator[tuple[int, int]]:
         m, n = self.shape[-2], self.shape[-1]
         per_row = max(1, n * self.A.element_size() * max(1, self.batch_shape.numel()))
@@ -245,11 +255,10 @@ class LowRank:
             return TopK(sub.values, r[sub.rows], c[sub.cols])
         m, n = self.shape[-2], self.shape[-1]
         k = _check_k(k, m * n)
-        flat_A = self.A.reshape(-1, m, self.rdim)
-        flat_B = self.B.reshape(-1, self.rdim, n)
+        flat_A, flat_B = self._flat()
         if not largest:  # smallest entries of AB are the largest of (-A)B, exactly (rounding is symmetric)
             flat_A = -flat_A
-        chunk = max(1, min(m, min(max_bytes, CACHE_BYTES) // max(1, n * self.A.element_size())))
+        chunk = self._cache_rows(max_bytes)
         found = [top_entries(a, b, k, max_bytes=max_bytes, chunk_rows=chunk) for a, b in zip(flat_A, flat_B)]
         values = torch.stack([v if largest else -v for v, _ in found]).reshape(*self.batch_shape, k)
         flat = torch.stack([i for _, i in found]).reshape(*self.batch_shape, k)
@@ -268,7 +277,7 @@ class LowRank:
     def row_max(self, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Tensor:
         """Largest entry of every row ``[..., m]``, in cache-sized row chunks (one pass, no top-k)."""
         m, n = self.shape[-2], self.shape[-1]
-        chunk = max(1, min(m, min(max_bytes, CACHE_BYTES) // max(1, n * self.A.element_size())))
+        chunk = self._cache_rows(max_bytes)
         if self.A.dim() != 2 or self.B.dim() != 2:
             return torch.cat([(self.A[..., lo : lo + chunk, :] @ self.B).amax(dim=-1) for lo in range(0, m, chunk)], -1)
         # one reused block: a fresh one per chunk fragments glibc's per-thread heaps (measured: a
@@ -284,8 +293,7 @@ class LowRank:
         low-precision screen (:func:`~qkov.analysis.circuits.bounded.row_bounds`): at least the
         row's largest entry however it is computed, above it by at most about 1.2 % of
         ``||A_i|| max_j ||B_:j||``. For a search that needs a bound, not the maximum itself."""
-        m = self.shape[-2]
-        flat_A, flat_B = self.A.reshape(-1, m, self.rdim), self.B.reshape(-1, self.rdim, self.shape[-1])
+        flat_A, flat_B = self._flat()
         out = [row_bounds(a, b, max_bytes=max_bytes) for a, b in zip(flat_A, flat_B)]
         return torch.stack(out).reshape(self.shape[:-1])
 
@@ -355,9 +363,7 @@ class LowRank:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise QkovError(f"diag_in_top: k must be a positive integer, got {k!r}")
         if self.A.dim() != 2 or self.B.dim() != 2:
-            flat_A = self.A.expand(*self.batch_shape, m, self.rdim).reshape(-1, m, self.rdim)
-            flat_B = self.B.expand(*self.batch_shape, self.rdim, n).reshape(-1, self.rdim, n)
-            out = [LowRank(a, b).diag_in_top(k, cols=cols, max_bytes=max_bytes, screen=screen) for a, b in zip(flat_A, flat_B)]
+            out = [LowRank(a, b).diag_in_top(k, cols=cols, max_bytes=max_bytes, screen=screen) for a, b in zip(*self._flat())]
             return torch.stack(out).reshape(*self.batch_shape, m) if out else torch.zeros(self.shape[:-1], dtype=torch.bool)
         A, B = self.A, self.B
         inside = torch.zeros(m, dtype=torch.bool, device=A.device)
@@ -373,7 +379,7 @@ class LowRank:
         margin = 2 * (gamma * A.double().norm(dim=-1) * col_max + u * d.abs())
         above, maybe = (d + margin).to(A.dtype), (d - margin).to(A.dtype)  # v > above: surely above d
         count = torch.float32 if n < 2**24 else torch.float64  # float sums of 0/1 vectorise, bool sums do not
-        step = max(1, min(m, min(max_bytes, CACHE_BYTES) // max(1, n * A.element_size())))
+        step = self._cache_rows(max_bytes)
         buf, flags = A.new_empty(step, n), torch.empty(step, n, dtype=count, device=A.device)
         s = min(n, max(1, screen))
         sure = torch.zeros(m, dtype=count, device=A.device)
