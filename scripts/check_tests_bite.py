@@ -121,9 +121,33 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "positional fraction: positions centred in a rotated view": (
         "analysis/heads/pattern_scores.py",
-        "p = read(pos[:T].expand(B, T, -1), source.norm, scale)",
-        'p = read(pos[:T].expand(B, T, -1), "folded", scale)',
+        "p = read(source.pos()[:T].expand(B, T, -1), source.norm, scale)",
+        'p = read(source.pos()[:T].expand(B, T, -1), "folded", scale)',
         "tests/analysis/heads/test_heads.py::test_positional_fraction_is_unchanged_by_a_rotation_of_the_stream",
+    ),
+    "positional fraction: the forward's scores read without their divisor": (
+        "analysis/heads/pattern_scores.py",
+        "divisor = score_divisor(att.W_Q.shape[-1]) ** 2",
+        "divisor = score_divisor(att.W_Q.shape[-1])",
+        "tests/analysis/heads/test_heads.py::test_positional_fraction_is_its_definition_on_a_recording_and_on_a_live_pass",
+    ),
+    "positional fraction: the centred scores keep the keys after the query": (
+        "analysis/heads/pattern_scores.py",
+        "vector_norm(s.tril_(), dim=-1)",
+        "vector_norm(s, dim=-1)",
+        "tests/analysis/heads/test_heads.py::test_positional_fraction_is_its_definition_on_a_recording_and_on_a_live_pass",
+    ),
+    "value-weighted sink: the column sums include query 0": (
+        "analysis/heads/pattern_scores.py",
+        "(P[..., 1:, :].sum(-2).double() * norms)",
+        "(P.sum(-2).double() * norms)",
+        "tests/analysis/heads/test_scale.py::test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definitions",
+    ),
+    "value-weighted sink: value norms through W_O^T W_O instead of W_O W_O^T": (
+        "analysis/heads/pattern_scores.py",
+        "(lambda W: W @ W.transpose(-1, -2))(source.attention(l).W_O.double())",
+        "(lambda W: (W.transpose(-1, -2) @ W)[..., : W.shape[1], : W.shape[1]])(source.attention(l).W_O.double())",
+        "tests/analysis/heads/test_scale.py::test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definitions",
     ),
     "virtual weights: shortformer positions allowed to reach the values": (
         "analysis/circuits/qk_ov.py",
@@ -139,8 +163,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "positional fraction: the variance over keys in one pass (mean of squares less the squared mean)": (
         "analysis/heads/pattern_scores.py",
-        "        s -= s.sum(-1, keepdim=True) / counts[:, None]\n        return (s.masked_fill_(~allowed, 0.0).pow_(2).sum(-1) / counts)[..., 1:]",
-        "        return (s.pow(2).sum(-1) / counts - (s.sum(-1) / counts).pow(2)).clamp_min(0)[..., 1:]",
+        "        s -= s.sum(-1, keepdim=True) / counts[:, None]\n        return (torch.linalg.vector_norm(s.tril_(), dim=-1).square_() / counts)[1:]",
+        "        return (s.pow(2).sum(-1) / counts - (s.sum(-1) / counts).pow(2)).clamp_min(0)[1:]",
         "tests/analysis/heads/test_heads.py::test_positional_fraction_keeps_its_digits_when_scores_share_a_large_offset",
     ),
     "composition baseline: the first pass skips one uniform too many per tensor": (

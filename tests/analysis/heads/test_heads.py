@@ -126,6 +126,37 @@ def test_positional_fraction_is_unchanged_by_a_rotation_of_the_stream() -> None:
     assert fractions[0].max() > 0.05  # positions do matter in this model
 
 
+def test_positional_fraction_is_its_definition_on_a_recording_and_on_a_live_pass() -> None:
+    """Var_k(pos-pos term) / Var_k(real score), each query's variance over the keys it sees, clipped and averaged
+    over queries >= 1 and sequences, written out per head, sequence and query with ``torch.var``: the recording's
+    route (scores formed from ``qk_in``) and the streamed text scores (the forward's own scores) both equal it."""
+    from helpers import LN_MLP, perturb_non_matrices
+    from qkov.analysis.heads.pattern_scores import text_scores
+
+    cfg = LN_MLP.replace(n_ctx=10)
+    w = Weights.from_model(perturb_non_matrices(Transformer(cfg, seed=6).double(), 0.3), dtype=torch.float64)
+    text = torch.randint(1, cfg.d_vocab, (3, 10), generator=torch.Generator().manual_seed(5))
+    r = trace(w, text, cache=["qk_in", "*_scale*"])
+    want = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=torch.float64)
+    pos = w.pos()[:10]
+    for l in range(cfg.n_layers):
+        att, x, scale = w.attention(l), r["qk_in", l], r.divisor("attn_qk", l)
+        assert w.norm == "folded" and scale is not None  # positions read as the run reads them: centred, divided
+        for b in range(3):
+            p = (pos - pos.mean(-1, keepdim=True)) / scale[b]
+            for h in range(cfg.n_heads):
+                real = (x[b] @ att.W_Q[h] + att.b_Q[h]) @ (x[b] @ att.W_K[h] + att.b_K[h]).T
+                pp = (p @ att.W_Q[h]) @ (p @ att.W_K[h]).T
+                ratios = [
+                    (pp[i, : i + 1].var(correction=0) / real[i, : i + 1].var(correction=0)).clamp(0, 1)
+                    for i in range(1, 10)
+                ]
+                want[l, h] += torch.stack(ratios).mean() / 3
+    assert float(want.min()) > 0.01
+    assert torch.allclose(Hd.positional_fraction(w, r), want, atol=1e-12, rtol=0)
+    assert torch.allclose(text_scores(w, text, chunk=2)["positional_fraction"], want, atol=1e-12, rtol=0)
+
+
 def test_positional_fraction_keeps_its_digits_when_scores_share_a_large_offset() -> None:
     """A large key bias adds ``q . b_K`` to every score of a query: the variance over keys is unchanged, and the
     float32 fraction equals the float64 one (a one-pass variance, mean(s^2) - mean(s)^2, loses its digits)."""

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ...errors import QkovError
 from ...expect import token_ids
-from ...model.ops import causal_mask, expand_kv
+from ...model.ops import expand_kv, score_divisor
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source
 from ... import ranks
@@ -72,29 +72,38 @@ def value_weighted_sink_scores(patterns: Tensor, value_norms: Tensor) -> Tensor:
     return weighted[..., 0].sum(dim=(1, 3)) / weighted.sum(dim=(1, 3, 4)).clamp_min(1e-30)
 
 
-def _positional_layer(source: WeightSource, layer: int, x: Tensor, scale: Tensor | None) -> Tensor:
-    """:func:`positional_fraction` of one layer's heads, summed (not averaged) over the batch: ``[H]``."""
-    B, T, _ = x.shape
-    allowed = ~causal_mask(T, source.device)
-    counts = allowed.sum(-1)
+def _positional_layer(
+    source: WeightSource, layer: int, x: Tensor, scale: Tensor | None, scores: Tensor | None = None
+) -> Tensor:
+    """:func:`positional_fraction` of one layer's heads, summed (not averaged) over the batch: ``[H]``.
 
-    def var_k(s: Tensor) -> Tensor:  # [..., T, T] -> variance over allowed keys, for queries >= 1
+    ``x [B, T, D]``: the layer's query/key input, ``scale [B, T, 1]`` its divisor. ``scores [B, H, T, T]``:
+    the layer's attention scores as the forward made them (``q k^T / sqrt(d_head)``, any values after
+    each query), which this overwrites (the pass that made them has read them); made here from ``x`` when
+    not given."""
+    B, T, _ = x.shape
+    counts = torch.arange(1, T + 1, device=source.device, dtype=x.dtype)  # keys a query sees
+
+    def var_k(s: Tensor) -> Tensor:  # [T, T] (overwritten) -> variance over allowed keys, queries >= 1
         # centred first: a query's scores often share a large offset (a key bias, a common direction of
         # the keys), and the one-pass mean(s^2) - mean(s)^2 then loses every digit of the variance in
         # float32 (measured: fractions 20% to 70x off on a trained 2-layer model)
-        s = s.masked_fill(~allowed, 0.0)
+        s = s.tril_()  # the keys after each query: 0 (tril_ is ~12x faster than masked_fill_ here)
         s -= s.sum(-1, keepdim=True) / counts[:, None]
-        return (s.masked_fill_(~allowed, 0.0).pow_(2).sum(-1) / counts)[..., 1:]
+        return (torch.linalg.vector_norm(s.tril_(), dim=-1).square_() / counts)[1:]
 
-    pos = source.pos()
-    p = read(pos[:T].expand(B, T, -1), source.norm, scale)  # type: ignore[index]  # [B, T, D]
     att = source.attention(layer)
+    p = read(source.pos()[:T].expand(B, T, -1), source.norm, scale)  # type: ignore[index]  # [B, T, D]
+    divisor = score_divisor(att.W_Q.shape[-1]) ** 2  # var(q . k) = var(score) * divisor
     out = torch.zeros(source.cfg.n_heads, dtype=source.dtype, device=source.device)
-    for h in range(source.cfg.n_heads):
-        Q, K = att.W_Q[h], att.W_K[h]
-        real = (x @ Q + att.b_Q[h]) @ (x @ K + att.b_K[h]).transpose(-1, -2)
-        pp = (p @ Q) @ (p @ K).transpose(-1, -2)
-        out[h] = (var_k(pp) / var_k(real).clamp_min(1e-30)).clamp(0, 1).mean(-1).sum()
+    for b in range(B):  # a head at a time: its [T, T] passes stay in cache (all heads at once ran slower)
+        pq, pk = torch.matmul(p[b], att.W_Q), torch.matmul(p[b], att.W_K)  # [H, T, E]
+        if scores is None:
+            q = torch.matmul(x[b], att.W_Q) + att.b_Q[:, None]
+            k = torch.matmul(x[b], att.W_K) + att.b_K[:, None]
+        for h in range(len(out)):
+            real = var_k(q[h] @ k[h].T) if scores is None else var_k(scores[b, h]) * divisor
+            out[h] += (var_k(pq[h] @ pk[h].T) / real.clamp_min(1e-30)).clamp(0, 1).mean()
     return out
 
 
@@ -123,32 +132,39 @@ def positional_fraction(source: WeightSource, r: Trace) -> Tensor:
 class LayerView:
     """One layer's attention on a pass, as :class:`LayerWatch` hands it on: ``pattern [B, H, T, T]``,
     ``values [B, H, T, E]`` (``b_V`` included, per query head), ``qk_input [B, T, D]`` (normalised) and its
-    divisor ``qk_scale [B, T, 1]`` (``None`` without normalisation)."""
+    divisor ``qk_scale [B, T, 1]`` (``None`` without normalisation), and, on a live pass of a model with
+    positions, its ``scores [B, H, T, T]`` (``q k^T / sqrt(d_head)``; the callback may overwrite them: the
+    pass has read them)."""
 
     layer: int
     pattern: Tensor
     values: Tensor | None
     qk_input: Tensor | None
     qk_scale: Tensor | None
+    scores: Tensor | None = None
 
 
 class LayerWatch:
     """Edits that watch each layer's attention as the forward computes it and change nothing: at
     ``pattern.l`` the callback gets that layer's :class:`LayerView` (with the ``v``, ``qk_in`` and divisor
-    sites of the layer when ``full``), and nothing is kept after it returns."""
+    sites of the layer when ``full``, and on a live pass of a model with positions its scores, which the
+    positional fraction reads instead of forming them again), and nothing is kept after it returns."""
 
     def __init__(self, source: WeightSource, callback: Callable[[LayerView], None], *, full: bool = True) -> None:
         self.callback, self.full, self.seen = callback, full, {}
         self.group = source.cfg.n_heads // source.cfg.kv_heads
         kinds = {k.name for k in Sites(source.cfg, source.norm).kinds}
         self.scale = "qk_scale" if "qk_scale" in kinds else ("attn_scale" if "attn_scale" in kinds else None)
+        self.scores = full and source.pos() is not None  # the positional fraction reads the real scores
 
     def keep(self, value: Tensor, site: Address) -> None:
         self.seen[site.kind] = value
 
     def pattern(self, value: Tensor, site: Address) -> None:
         seen, layer = self.seen, int(site.layer)  # type: ignore[arg-type]
-        self.callback(self.view(layer, value, seen.pop("v", None), seen.pop("qk_in", None), seen.pop(self.scale, None)))
+        view = self.view(layer, value, seen.pop("v", None), seen.pop("qk_in", None), seen.pop(self.scale, None))
+        view.scores = seen.pop("scores", None)
+        self.callback(view)
 
     def view(
         self, layer: int, pattern: Tensor, v: Tensor | None, qk_in: Tensor | None, scale: Tensor | None
@@ -158,8 +174,10 @@ class LayerWatch:
         return LayerView(layer, pattern, values, qk_in, scale)
 
     def sites(self) -> list[str]:
-        """What a recording must cache for :meth:`replay` (``cache=`` names): the sites :meth:`edits` watches."""
-        return [f"{kind}.*" for kind in self.edits()]
+        """What a recording must cache for :meth:`replay` (``cache=`` names): the sites :meth:`edits` watches
+        but the scores (the positional fraction forms them from ``qk_in`` then: a recording keeps no second
+        ``[B, H, T, T]`` per layer)."""
+        return [f"{kind}.*" for kind in self.edits() if kind != "scores"]
 
     def replay(self, recording: Trace) -> None:
         """Hand on each layer of a recording that cached :meth:`sites`, as the pass would have."""
@@ -173,13 +191,15 @@ class LayerWatch:
             out |= {"v": self.keep, "qk_in": self.keep}
             if self.scale is not None:
                 out[self.scale] = self.keep
+            if self.scores:
+                out["scores"] = self.keep
         return out
 
 
 def sequence_bytes(source: WeightSource, seq: int) -> int:
-    """Memory one sequence of ``seq`` tokens takes at the peak of one layer's scoring: scores, their
-    masked copy and the pattern (three ``[heads, seq, seq]``), the value-weighted pattern, and its
-    ``[seq, d_vocab]`` logits at the end of the pass."""
+    """Memory one sequence of ``seq`` tokens takes at the peak of one layer's scoring, an upper bound: four
+    ``[heads, seq, seq]`` (the scores, the pattern, room for the softmax's and the column sums' temporaries;
+    the positional fraction adds two ``[seq, seq]``), and its ``[seq, d_vocab]`` logits at the end of the pass."""
     c = source.cfg
     return (c.n_heads * seq * (4 * seq + c.d_model) + seq * c.d_vocab) * (torch.finfo(source.dtype).bits // 8)
 
@@ -200,7 +220,8 @@ class _Sums:
         self.sums = {k: z() for k in ("previous_token", "self_attention", "sink", "vw_num", "vw_den", "positional")}
         self.queries = 0  # sequences x (T - 1) queries seen
         self.sequences = 0
-        self.W_O = [source.attention(l).W_O for l in range(c.n_layers)]
+        # ||v W_O|| as sqrt(v (W_O W_O^T) v^T), in float64: d_head-wide products, not [b, H, T, d_model] outputs
+        self.gram = [(lambda W: W @ W.transpose(-1, -2))(source.attention(l).W_O.double()) for l in range(c.n_layers)]
 
     def __call__(self, view: LayerView) -> None:
         l, P = view.layer, view.pattern  # [b, H, T, T]
@@ -208,12 +229,14 @@ class _Sums:
         s["previous_token"][l] += P.diagonal(offset=-1, dim1=-2, dim2=-1).sum((0, 2)).double()
         s["self_attention"][l] += P.diagonal(dim1=-2, dim2=-1)[..., 1:].sum((0, 2)).double()
         s["sink"][l] += P[..., 1:, 0].sum((0, 2)).double()
-        norms = torch.einsum("bhte,hed->bhtd", view.values, self.W_O[l]).norm(dim=-1)  # [b, H, T]
-        weighted = P[..., 1:, :] * norms[..., None, :]
-        s["vw_num"][l] += weighted[..., 0].sum((0, 2)).double()
-        s["vw_den"][l] += weighted.sum((0, 2, 3)).double()
+        v = view.values.double()  # [b, H, T, E]
+        norms = ((v @ self.gram[l]) * v).sum(-1).clamp_min_(0.0).sqrt_()  # [b, H, T]: ||v_j W_O||
+        # sum_i>=1 sum_j A[i, j] ||v_j W_O|| = sum_j (sum_i>=1 A[i, j]) ||v_j W_O||: no [T, T] product formed
+        s["vw_num"][l] += (P[..., 1:, 0].sum(-1).double() * norms[..., 0]).sum(0)
+        s["vw_den"][l] += (P[..., 1:, :].sum(-2).double() * norms).sum((0, 2))
         if self.source.pos() is not None:
-            s["positional"][l] += _positional_layer(self.source, l, view.qk_input, view.qk_scale).double()
+            got = _positional_layer(self.source, l, view.qk_input, view.qk_scale, view.scores)
+            s["positional"][l] += got.double()
 
     def scores(self) -> dict[str, Tensor]:
         s, q, n = self.sums, self.queries, self.sequences
