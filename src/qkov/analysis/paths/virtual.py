@@ -64,7 +64,8 @@ def virtual_bounds(source: WeightSource, recording: Trace, first_order: dict[tup
     each head's order-1 term ``[B, T, D]``.
     """
     cfg = source.cfg
-    y2 = {key: term.double().pow(2).sum(-1) for key, term in first_order.items()}  # [B, T] squared norms
+    # [B, T] squared norms, summed in float64 without a float64 copy of each term
+    y2 = {key: torch.linalg.vector_norm(y, dim=-1, dtype=torch.float64).square() for key, y in first_order.items()}
     bounds: dict[Key, float] = {}
     for l2 in range(1, cfg.n_layers):
         att = source.attention(l2)
