@@ -39,6 +39,38 @@ def test_json_safe_reaches_every_float_and_keeps_the_rest() -> None:
         strict(json.dumps({"a": math.nan}))  # what a plain json.dumps would have written
 
 
+def test_rounded_array_is_rounded_entry_for_entry() -> None:
+    """The array form gives every entry the float :func:`rounded` gives (ties of the decimal, tiny, huge, zero
+    with its sign, values whose scaling by 10^d is inexact, float32 probabilities), and NaN where it gives None."""
+    import numpy as np
+
+    from qkov.finite import rounded_array
+
+    rng = np.random.default_rng(0)
+    values = np.concatenate([
+        rng.standard_normal(20000) * 10.0 ** rng.integers(-40, 40, 20000),
+        rng.random(20000).astype(np.float32).astype(np.float64),
+        np.round(rng.random(20000), 4),  # decimal ties at 3 digits, most not exact in binary
+        np.array([0.0, -0.0, 0.1235, 0.1245, 2.5, 0.125, 999.5, 0.9995, 0.09999999999999999, 5e-324, 1e308, -1e23]),
+        np.array([math.nan, math.inf, -math.inf]),
+    ])  # fmt: skip
+    for digits in (1, 3, 4):
+        got = rounded_array(values.reshape(-1, 3), digits).ravel().tolist()
+        for g, v in zip(got, values.tolist()):
+            want = rounded(v, digits)
+            if want is None:
+                assert math.isnan(g), v
+            else:
+                assert g == want and math.copysign(1, g) == math.copysign(1, want), (v, digits, g, want)
+
+
+def test_indented_json_reads_back_the_same_with_flat_lists_on_one_line() -> None:
+    data = {"a": {"b": [1, 2.5, math.nan], "c": [], "d": {}, "e": [{"x": "é"}, [1, [2]]]}, 3: (1.5, None), "s": "x"}
+    text = to_json(data, indent=1)
+    assert strict(text) == json.loads(json.dumps(json_safe(data), indent=1))
+    assert '\n  "b": [1, 2.5, null],\n' in text and "é" in text and text.startswith('{\n "a": {\n')
+
+
 def test_every_json_output_goes_through_it(capsys: pytest.CaptureFixture[str]) -> None:
     from qkov.apps.cli.common import dump_json
     from qkov.apps.explore.jobs import encode_result

@@ -31,7 +31,7 @@ from ...analysis.paths.effects import TermEffect
 from ...analysis.heads.probes import NOT_TEXT, InductionProbe, default_icl_examples, icl_left_out, icl_score, induction_probe
 from ...device import pick_device
 from ...errors import QkovError
-from ...finite import rounded
+from ...finite import rounded, rounded_array
 from ...io.checkpoint import checkpoint_info, read_metrics
 from ...io.sources import load_any, source_kind
 from ...model.tokens import token_decoder
@@ -233,7 +233,8 @@ def attention_section(w: Weights, tokens: torch.Tensor, decode: Decode) -> Atten
     pat = trace(w, tokens[None], cache="pattern.*", logits=False).stack("pattern")[:, 0].float().cpu()  # [L, H, T, T]
     T, (L, H) = tokens.shape[0], pat.shape[:2]
     # lower triangle only, row by row: row q has q+1 entries
-    rows = [[[_rl(pat[l, h, q, : q + 1].tolist(), 3) for q in range(T)] for h in range(H)] for l in range(L)]
+    r = rounded_array(pat.numpy(), 3)  # 3 significant digits (JSON writes a NaN as null)
+    rows = [[[r[l, h, q, : q + 1].tolist() for q in range(T)] for h in range(H)] for l in range(L)]
     return AttentionSection(tokens.tolist(), [decode(int(t)) for t in tokens], rows)
 
 
