@@ -20,6 +20,13 @@ ICL score, each head's OV copying scores over the vocabulary).
     python benchmarks/bench_real_size.py                 # builds /tmp/qkov-gpt2s once, then measures
     python benchmarks/bench_real_size.py --only circuits --dir /tmp/qkov-gpt2s
     python benchmarks/bench_real_size.py --only heads paths report --floor
+    python benchmarks/bench_real_size.py --only heads report --repeat 2 --baseline /tmp/old/src
+
+``--repeat N`` runs each command N times and prints every wall time and their median (the goal is checked
+on the median, the memory on the largest peak). ``--baseline SRC`` also runs each qkov command on another
+build (``SRC``: its ``src`` folder, e.g. from ``git worktree add /tmp/old REF``), alternating with this one
+run by run, and prints the ratio of their medians: on a shared 2-core machine a command's time moves by 10-15%
+from hour to hour, more than most changes, so a change is measured against its baseline in the same minutes.
 
 ``--floor`` also counts, in a second run of each command (under ``torch.utils.flop_counter``, which
 sees every matrix product the command's torch calls make), its floating-point operations, and
@@ -35,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import sysconfig
@@ -202,8 +210,11 @@ def qkov_detect_worker(path: Path, text: Path) -> dict[str, object]:
     }
 
 
-def measure(kind: str, args: list[str]) -> dict[str, object]:
+def measure(kind: str, args: list[str], src: Path | None = None) -> dict[str, object]:
+    """One worker process of ``kind`` on ``args``; ``src``: import qkov from that source folder instead."""
     env = dict(os.environ, MALLOC_ARENA_MAX="2")
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), *filter(None, [os.environ.get("PYTHONPATH")])])
     cmd = [sys.executable, __file__, "--worker", kind, "--", *args]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith('{"rc"')]
@@ -215,6 +226,20 @@ def measure(kind: str, args: list[str]) -> dict[str, object]:
     return out
 
 
+def walls(runs: list[dict[str, object]]) -> str:
+    """The wall times of runs, as printed."""
+    return " ".join(f"{float(r['wall_s']):.1f}" for r in runs)  # type: ignore[arg-type]
+
+
+def summary(runs: list[dict[str, object]]) -> dict[str, object]:
+    """Runs of one command as one: the median wall time, the largest peak, the first failure's exit and error."""
+    walls = sorted(float(r["wall_s"]) for r in runs)  # type: ignore[arg-type]
+    out = dict(next((r for r in runs if r["rc"]), runs[0]))
+    out["wall_s"] = statistics.median(walls)
+    out["peak_gib"] = max(float(r["peak_gib"]) for r in runs)  # type: ignore[arg-type]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()) / "qkov-gpt2s")
@@ -222,7 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     ap.add_argument("--floor", action="store_true", help="also count each command's FLOPs: its floor at the matmul peak")
+    ap.add_argument("--repeat", type=int, default=1, help="run each command this many times (median shown)")
+    ap.add_argument("--baseline", type=Path, help="another build's src folder, run alternately with this one")
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    if a.baseline is not None and not (a.baseline / "qkov" / "__init__.py").is_file():
+        ap.error(f"--baseline {a.baseline}: not a source folder holding qkov/__init__.py")
     if a.worker == "qkov":
         print(json.dumps(worker(a.rest)))
         return 0
@@ -256,12 +287,25 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 args = [s.format(dir=a.dir, text=text, out=Path(tmp) / "report") for s in COMMANDS[name]]
                 args += ["--json"] if name in ("circuits", "heads", "paths", "trigrams") else ["--quiet"]
-                r = measure("qkov", args)
+                runs, base = [], []
+                for _ in range(a.repeat):  # this build and the baseline in turn: the same minutes for both
+                    runs.append(measure("qkov", args))
+                    if a.baseline is not None:
+                        base.append(measure("qkov", args, a.baseline))
+                r = summary(runs)
                 label = f"qkov {name}"
             results[name] = r
             goal = GOALS_S.get(name, GOAL_S)
             ok = "" if name in PEER else ("ok" if r["wall_s"] <= goal and r["peak_gib"] <= GOAL_GIB else "MISSED")
             print(f"{label:<34} {r['rc']:>4} {r['wall_s']:>8.1f} {r['peak_gib']:>9.2f}  {ok} {r.get('err', '')}")
+            if name not in PEER and a.repeat > 1:
+                print(f"{'':<34}      runs {walls(runs)} s (median above)")
+            if name not in PEER and base:
+                b = summary(base)
+                print(
+                    f"{'  baseline ' + str(a.baseline):<34} {b['rc']:>4} {b['wall_s']:>8.1f} {b['peak_gib']:>9.2f}  "
+                    f"runs {walls(base)} s; this build / baseline {r['wall_s'] / b['wall_s']:.3f}"
+                )
             if peak is not None and name not in PEER:
                 f = measure("flops", args)
                 if f["rc"] == 0:
