@@ -161,6 +161,18 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "ok = np.abs(np.abs(m - r) - 0.5) > 1e-6",
         "tests/test_finite.py::test_rounded_array_is_rounded_entry_for_entry",
     ),
+    "heads: the table's run unembeds every position for an ICL curve it does not show": (
+        "apps/cli/behaviour_cmds.py",
+        "            icl_curve=args.json,",
+        "            icl_curve=True,",
+        "tests/analysis/heads/test_icl.py::test_the_heads_table_asks_no_curve_and_prints_the_jsons_score",
+    ),
+    "heads: icl_curve not handed to the ICL score": (
+        "analysis/heads/report.py",
+        "icl_score(source, icl_on, progress=progress, curve=icl_curve)",
+        "icl_score(source, icl_on, progress=progress, curve=True)",
+        "tests/analysis/heads/test_icl.py::test_the_heads_table_asks_no_curve_and_prints_the_jsons_score",
+    ),
     "virtual weights: shortformer positions allowed to reach the values": (
         "analysis/circuits/qk_ov.py",
         'if wk == "pos" and rk not in ("q", "k") and source.cfg.positional == "shortformer":',

@@ -190,6 +190,7 @@ def cmd_heads(args: argparse.Namespace) -> int:
             diag_sample=args.diag_sample,
             icl_text=text[:icl_examples],
             icl=inputs.natural,
+            icl_curve=args.json,  # the table shows the score alone: no logits at every position for a curve
             progress=progress if split.main else None,
         )
     if not split.main:
