@@ -198,26 +198,22 @@ def head_report(
 ) -> HeadReport:
     """Every detector on one model: ``text [B, T]`` is natural (validation) text.
 
-    Natural text gives previous-token, self-attention, sink (and value-weighted sink)
-    and positional scores and the ICL curve (on ``icl_text`` when given: the score compares
-    two windows of 10 positions, so it wants hundreds of examples); [I]'s repeated random tokens (seeded,
-    start token ``bos``, drawn away from the most and least frequent ids when ``frequencies``
-    are given) give prefix matching, induction, duplicate-token and copying; the weights give
-    the eigenvalue copying scores and the diagonal top-k rate (exact up to 8192 tokens, else
-    estimated on ``diag_sample`` tokens: :func:`~qkov.analysis.circuits.copying.copying_scores`).
-    ``icl=False`` leaves the ICL score out (for text without structure, such as random tokens), and
-    so does text shorter than the score reads (:func:`~qkov.analysis.heads.probes.icl_left_out`); the
-    report's ``left_out`` says why (``{"icl": reason}``). The other scores take any length.
-    ``icl_curve=False``: the ICL score without its per-position curve (``icl.loss_by_position`` empty): the
-    same score to float32 rounding, the unembedding only at the score's 20 positions instead of every one
-    (at GPT-2-small shape ~3 s of ~25; the command line's table shows no curve, its ``--json`` does).
-    The text scores are streamed (:func:`~qkov.analysis.heads.pattern_scores.text_scores`); ``progress``
-    is ticked through the text, the ICL examples and the copying scores. ``source``: a model,
-    weights source or path (:func:`~qkov.weights.as_source`); ``bos=None``: its start token.
-    ``recording``: a pass already made over the leading sequences of ``text`` that cached
-    :func:`~qkov.analysis.heads.pattern_scores.text_sites` (the report shares its one recorded run of the
-    text with the path expansion): the text scores read those sequences from it instead of running them.
-    """
+    Natural text gives previous-token, self-attention, sink (and value-weighted sink) and positional scores
+    and the ICL score and curve (on ``icl_text`` when given: the score compares two windows of 10 positions,
+    so it wants hundreds of examples); [I]'s repeated random tokens (seeded, start token ``bos``, drawn away
+    from the most and least frequent ids when ``frequencies`` are given) give prefix matching, induction,
+    duplicate-token and copying; the weights give the eigenvalue copying scores and the diagonal top-k rate
+    (exact up to 8192 tokens, else estimated on ``diag_sample`` tokens:
+    :func:`~qkov.analysis.circuits.copying.copying_scores`). ``icl=False`` leaves the ICL score out (for text
+    without structure, such as random tokens), and so does text shorter than the score reads
+    (:func:`~qkov.analysis.heads.probes.icl_left_out`); the report's ``left_out`` says why (``{"icl": reason}``).
+    ``icl_curve=False``: no per-position curve (``icl.loss_by_position`` empty), the same score to float32
+    rounding, unembedding only its 20 positions (GPT-2-small shape: ~3 s of ~25; the CLI's table mode).
+    The text scores are streamed (:func:`~qkov.analysis.heads.pattern_scores.text_scores`); ``progress`` is
+    ticked through the text, the ICL examples and the copying scores. ``source``: a model, weights source or
+    path (:func:`~qkov.weights.as_source`); ``bos=None``: its start token. ``recording``: a pass already made
+    over the leading sequences of ``text`` that cached :func:`~qkov.analysis.heads.pattern_scores.text_sites`
+    (the report's one recorded run of the text): the text scores read those sequences from it."""
     source = as_source(source, where="qkov.head_report")
     bos = source_bos("qkov.head_report", source, bos)
     cfg = source.cfg
