@@ -145,8 +145,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "value-weighted sink: value norms through W_O^T W_O instead of W_O W_O^T": (
         "analysis/heads/pattern_scores.py",
-        "(lambda W: W @ W.transpose(-1, -2))(source.attention(l).W_O.double())",
-        "(lambda W: (W.transpose(-1, -2) @ W)[..., : W.shape[1], : W.shape[1]])(source.attention(l).W_O.double())",
+        "self.grams[layer] = W_O @ W_O.transpose(-1, -2)",
+        "self.grams[layer] = (W_O.transpose(-1, -2) @ W_O)[..., : W_O.shape[1], : W_O.shape[1]]",
         "tests/analysis/heads/test_scale.py::test_text_scores_streamed_by_layer_and_chunk_equal_the_whole_pattern_definitions",
     ),
     "rounded_array: a near-tie of the scaled value trusted to np.rint": (

@@ -155,23 +155,28 @@ class LayerWatch:
         self.group = source.cfg.n_heads // source.cfg.kv_heads
         kinds = {k.name for k in Sites(source.cfg, source.norm).kinds}
         self.scale = "qk_scale" if "qk_scale" in kinds else ("attn_scale" if "attn_scale" in kinds else None)
-        self.scores = full and source.pos() is not None  # the positional fraction reads the real scores
+        self.watch_scores = full and source.pos() is not None  # the positional fraction reads the real scores
 
     def keep(self, value: Tensor, site: Address) -> None:
         self.seen[site.kind] = value
 
     def pattern(self, value: Tensor, site: Address) -> None:
         seen, layer = self.seen, int(site.layer)  # type: ignore[arg-type]
-        view = self.view(layer, value, seen.pop("v", None), seen.pop("qk_in", None), seen.pop(self.scale, None))
-        view.scores = seen.pop("scores", None)
-        self.callback(view)
+        got = (seen.pop(k, None) for k in ("v", "qk_in", self.scale, "scores"))
+        self.callback(self.view(layer, value, *got))
 
     def view(
-        self, layer: int, pattern: Tensor, v: Tensor | None, qk_in: Tensor | None, scale: Tensor | None
+        self,
+        layer: int,
+        pattern: Tensor,
+        v: Tensor | None,
+        qk_in: Tensor | None,
+        scale: Tensor | None,
+        scores: Tensor | None = None,
     ) -> LayerView:
         """The :class:`LayerView` of one layer from its sites (``v [B, T, kv_heads, E]`` as the pass writes it)."""
         values = None if v is None else expand_kv(v.transpose(1, 2), self.group, dim=1)
-        return LayerView(layer, pattern, values, qk_in, scale)
+        return LayerView(layer, pattern, values, qk_in, scale, scores)
 
     def sites(self) -> list[str]:
         """What a recording must cache for :meth:`replay` (``cache=`` names): the sites :meth:`edits` watches
@@ -191,7 +196,7 @@ class LayerWatch:
             out |= {"v": self.keep, "qk_in": self.keep}
             if self.scale is not None:
                 out[self.scale] = self.keep
-            if self.scores:
+            if self.watch_scores:
                 out["scores"] = self.keep
         return out
 
@@ -220,8 +225,7 @@ class _Sums:
         self.sums = {k: z() for k in ("previous_token", "self_attention", "sink", "vw_num", "vw_den", "positional")}
         self.queries = 0  # sequences x (T - 1) queries seen
         self.sequences = 0
-        # ||v W_O|| as sqrt(v (W_O W_O^T) v^T), in float64: d_head-wide products, not [b, H, T, d_model] outputs
-        self.gram = [(lambda W: W @ W.transpose(-1, -2))(source.attention(l).W_O.double()) for l in range(c.n_layers)]
+        self.grams: dict[int, Tensor] = {}  # per layer, made when its attention is first seen (see gram)
 
     def __call__(self, view: LayerView) -> None:
         l, P = view.layer, view.pattern  # [b, H, T, T]
@@ -230,13 +234,21 @@ class _Sums:
         s["self_attention"][l] += P.diagonal(dim1=-2, dim2=-1)[..., 1:].sum((0, 2)).double()
         s["sink"][l] += P[..., 1:, 0].sum((0, 2)).double()
         v = view.values.double()  # [b, H, T, E]
-        norms = ((v @ self.gram[l]) * v).sum(-1).clamp_min_(0.0).sqrt_()  # [b, H, T]: ||v_j W_O||
+        norms = ((v @ self.gram(l)) * v).sum(-1).clamp_min_(0.0).sqrt_()  # [b, H, T]: ||v_j W_O||
         # sum_i>=1 sum_j A[i, j] ||v_j W_O|| = sum_j (sum_i>=1 A[i, j]) ||v_j W_O||: no [T, T] product formed
         s["vw_num"][l] += (P[..., 1:, 0].sum(-1).double() * norms[..., 0]).sum(0)
         s["vw_den"][l] += (P[..., 1:, :].sum(-2).double() * norms).sum((0, 2))
         if self.source.pos() is not None:
             got = _positional_layer(self.source, l, view.qk_input, view.qk_scale, view.scores)
             s["positional"][l] += got.double()
+
+    def gram(self, layer: int) -> Tensor:
+        """``W_O W_O^T`` ``[H, E, E]`` of the layer in float64: ``||v W_O||^2 = v (W_O W_O^T) v^T``, so the value
+        norms are ``d_head``-wide products instead of ``[b, H, T, d_model]`` head outputs."""
+        if layer not in self.grams:
+            W_O = self.source.attention(layer).W_O.double()
+            self.grams[layer] = W_O @ W_O.transpose(-1, -2)
+        return self.grams[layer]
 
     def scores(self) -> dict[str, Tensor]:
         s, q, n = self.sums, self.queries, self.sequences
