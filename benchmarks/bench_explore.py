@@ -351,12 +351,24 @@ def job(url: str, view: str, args: dict) -> tuple[float, list[str], dict]:
     return time.perf_counter() - t0, lines, j["result"]
 
 
-def llama8b(root: Path, seq: int, keep: bool, card: bool) -> int:
+def drop_page_cache() -> str:
+    """Empty the kernel's page cache (``/proc/sys/vm/drop_caches``; needs root), so the first view reads the
+    weights from the disk rather than from the copy the build left in memory: how the cache stood, in words."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "page cache emptied before start (weights read from disk)"
+    except OSError as e:
+        return f"page cache NOT emptied ({e.strerror}): the weights may be read from memory"
+
+
+def llama8b(root: Path, seq: int, keep: bool, card: bool, cold: bool = False) -> int:
     """``qkov explore`` on a Llama-3-8B-shape Hugging Face directory (random bfloat16 weights of the real shape,
     ~15 GiB, written shard by shard by ``bench_modern.build_llama``; reused when ``root`` holds one): the seconds
     from starting it to the first page, the first text view of ``seq`` token ids through the job API as the page
     runs it (its progress lines counted), a pattern of the last layer from the kept run, optionally a head card
-    without its vocabulary tables, and the server's peak RSS (``VmHWM``) and the peak it printed on start."""
+    without its vocabulary tables, and the server's peak RSS (``VmHWM``) and the peak it printed on start.
+    ``cold``: the page cache emptied first (:func:`drop_page_cache`)."""
     built_here = not (root / "model.safetensors.index.json").exists()
     if built_here:
         t = time.perf_counter()
@@ -366,6 +378,7 @@ def llama8b(root: Path, seq: int, keep: bool, card: bool) -> int:
     size = sum(f.stat().st_size for f in root.glob("*.safetensors")) / 2**30
     print(f"Llama-3-8B shape at {root}: {size:.1f} GiB of bfloat16 safetensors; text of {seq} token ids", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    print("  " + (drop_page_cache() if cold else "page cache as the build or an earlier run left it (--cold empties it)"))
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "qkov", "explore", str(root), "--port", "0", "--no-cache"],
@@ -425,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="llama3-8b: the explorer streaming a Llama-3-8B-shape model from disk (see llama8b)")  # fmt: skip
     p.add_argument("--seq", type=int, default=64, help="llama3-8b: token ids in the text (default 64)")
     p.add_argument("--card", action="store_true", help="llama3-8b: also time a head card without its tables")
+    p.add_argument("--cold", action="store_true",
+                   help="llama3-8b: empty the page cache before the explorer starts (root only), so it reads the disk")
     p.add_argument("--keep", action="store_true", help="llama3-8b: keep the model built here (~15 GiB)")
     p.add_argument("--skip", default="", help="comma-separated tasks to leave out (e.g. heads,terms,http,tl)")
     p.add_argument("--only", default="", help="comma-separated tasks to run alone (e.g. text,patch,patch-cli)")
@@ -434,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(args.worker[0], args.worker[1], Path(args.worker[2]))
         return 0
     if args.size == "llama3-8b":
-        return llama8b(args.dir or Path(tempfile.gettempdir()) / "qkov-llama8b", args.seq, args.keep, args.card)
+        return llama8b(args.dir or Path(tempfile.gettempdir()) / "qkov-llama8b", args.seq, args.keep, args.card, args.cold)
     args.dir = args.dir or Path(tempfile.gettempdir()) / "qkov-explore-bench"
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     only = {s.strip() for s in args.only.split(",") if s.strip()}

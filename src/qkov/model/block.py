@@ -51,7 +51,13 @@ from .ops import (
     write_heads,
 )
 
-__all__ = ["BlockPass"]
+__all__ = ["ATTENTION_INSIDE", "BlockPass"]
+
+# the hook points inside a layer's attention, between its input stream and its output
+ATTENTION_INSIDE = (
+    "attn_scale", "attn_in", "qk_scale", "qk_in", "q_input", "k_input", "v_input", "q", "k", "v", "scores", "lse",
+    "pattern", "gate", "z", "head_out",
+)  # fmt: skip
 
 
 class BlockPass:
@@ -209,7 +215,11 @@ class BlockPass:
         return z * (self.at_heads("gate", l, gate) if site else gate)
 
     def attention(self, l: int, x: Tensor) -> Tensor:
-        """Layer ``l``'s attention output ``[B, T, D]`` (``b_O`` included) for the stream ``x``."""
+        """Layer ``l``'s attention output ``[B, T, D]`` (``b_O`` included) for the stream ``x``; not computed when
+        an edit gives ``attn_out`` outright and nothing reads or writes a site inside the attention."""
+        out = self.fixed("attn_out", l)
+        if out is not None and not any(self.active(k, l) for k in ATTENTION_INSIDE):
+            return self.at("attn_out", l, out)
         att = self.attention_weights(l)
         v_in, _ = self.normed("attn", l, x, att.ln_w, att.ln_b)
         qk_src = query_key_stream(x, self.pos, self.cfg.positional)

@@ -2,8 +2,9 @@
 share computed once, the last layer at the metric's positions, each pass started at the first layer its
 circuits change, a layer's receivers formed a chunk of tokens at a time from gathered changes, equal the
 same pass run plainly (every position, from the first layer, one product a layer) and the independent
-edge-coefficient forward, on every family of model; so do exact edge patching with the shared prefix
-and the last layer's rows, and every attribution method run from the shared prefix on."""
+edge-coefficient forward, on every family of model; so do exact edge patching with the shared prefix,
+the last layer's rows, the receivers' layer's attention taken from the base run and the logits unembedded at
+the metric's entries alone, and every attribution method run from the shared prefix on."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import qkov.analysis.discovery.evaluate as evaluate
 import qkov.analysis.discovery.exact as exact
 import qkov.analysis.discovery.masked as masked
 from qkov.analysis.discovery import edge_scores, Evaluator, graph_of, make_ablation
+from qkov.analysis.causal.contrast import Contrast
 from qkov.analysis.discovery.evaluate import edge_weights
 from qkov.analysis.forward.tracer import _Pass
 from qkov.model.block import BlockPass
@@ -122,11 +124,17 @@ def test_exact_patching_with_its_savings_equals_it_run_plainly(name: str, monkey
     calls: list[int] = []
     real = BlockPass.attention_at
     monkeypatch.setattr(BlockPass, "attention_at", lambda self, l, x, rows: calls.append(l) or real(self, l, x, rows))
+    skipped: list[int] = []
+    real_out = exact._attention_out
+    monkeypatch.setattr(exact, "_attention_out", lambda c, l, *a: skipped.append(l) or real_out(c, l, *a))
     fast = edge_scores(w, task, method="exact", max_bytes=1 << 20)
     per = edge_scores(w, task, method="exact", per_position=True, edges=last)
     assert calls and (per.scores[:2, last] == 0).all() and (per.scores[2:, last] != 0).any()
+    assert set(skipped) == set(range(w.cfg.n_layers - 1))  # the attention of the receivers' layer not run again
     monkeypatch.setattr(exact, "shared_prefix", lambda c, ablation: 0)
     monkeypatch.setattr(_Pass, "query_rows", lambda self, *a, **k: None)
+    monkeypatch.setattr(exact, "skips_attention", lambda c, l: False)
+    monkeypatch.setattr(Contrast, "_narrowed", lambda self: None)  # the logits unembedded whole
     calls.clear()
     assert (edge_scores(w, task, method="exact", max_bytes=1 << 20).scores - fast.scores).abs().max() < 1e-12
     plain = edge_scores(w, task, method="exact", per_position=True, edges=last)

@@ -69,6 +69,7 @@ class Contrast:
     held: tuple[frozenset[Any], frozenset[Any], bool] | None = field(default=None, repr=False)  # what record() kept
     backed: bool = field(default=False, repr=False)  # the metric's gradient is in the base recording
     kept_terms: tuple[Trace, Tensor | None] | None = field(default=None, repr=False)  # the base run's metric terms
+    narrow: tuple[Metric, tuple[Tensor, Metric] | None] | None = field(default=None, repr=False)  # _narrowed's
 
     @classmethod
     def of(
@@ -236,26 +237,39 @@ class Contrast:
         into_logits = start_at is not None and start_at[0] >= self.weights.cfg.n_layers
         if firsts is not None and not (into_logits and edits) and self._ragged(firsts, since):
             return self._by_copy(K, firsts, tokens, whole, start_at, edits, past)
+        head = None if self.metric.reads else self._base_terms()
+        narrow = None if head is not None else self._narrowed()  # (vocab, metric): a few logits read alone
         out = trace(
             self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads,
-            positions=None if later is None else later - f, past=past,
+            positions=None if later is None else later - f, past=past, vocab=None if narrow is None else narrow[0],
         )  # fmt: skip
         if past is not None:
             out = Trace(whole, out.logits, out.cache, out.source, later)
-        head = None if self.metric.reads else self._base_terms()
         if head is not None:  # a sum over positions: the positions before `since` add the base run's terms
             at = self._every() if later is None else later
             return self._summed(out.logits, at, whole, head[:, : head.shape[1] - len(at)].sum(1), K)
+        metric = self.metric if narrow is None else narrow[1]
         early = None
         if every is not None and len(later) < len(every):  # the earlier logits: the base recording's
             early = self.base_recording.logits[:, : len(every) - len(later)].detach()  # type: ignore[union-attr]
+            early = early if narrow is None else early.index_select(-1, narrow[0].to(early.device))
         values = []
         for k in range(K):  # one copy at a time: its logits whole only while its metric is read
             copy = out.select(slice(k * B, (k + 1) * B))
             if early is not None:
                 copy = Trace(copy.tokens, torch.cat([early, copy.logits], 1), copy.cache, copy.source, self.positions)
-            values.append(self.metric(copy).detach())
+            values.append(metric(copy).detach())
         return torch.stack(values)
+
+    def _narrowed(self) -> tuple[Tensor, Metric] | None:
+        """The metric's own narrowing (:meth:`~qkov.analysis.causal.metrics.Metric.narrowed`) once the base run
+        has checked its ids against the vocabulary, when it reads no site and fewer entries than the vocabulary."""
+        if self.metric.reads or self.base_recording is None:
+            return None
+        if self.narrow is None or self.narrow[0] is not self.metric:
+            got = self.metric.narrowed()
+            self.narrow = (self.metric, None if got is None or len(got[0]) >= self.weights.cfg.d_vocab else got)
+        return self.narrow[1]
 
     def _every(self) -> Tensor:
         """The positions the metric reads (every one when it names none)."""

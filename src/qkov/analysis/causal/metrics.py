@@ -11,7 +11,7 @@ patching can take its gradient.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -45,6 +45,14 @@ class Metric:
         is not such a sum (the default). A patched pass then takes the terms of the positions before its first
         change from the base run instead of unembedding them again
         (:meth:`~qkov.analysis.causal.contrast.Contrast.measure`)."""
+        return None
+
+    def narrowed(self) -> tuple[Tensor, Metric] | None:
+        """``(vocab [C], metric)`` when the metric reads the logits of a few vocabulary entries alone (no
+        softmax over them, no site): those entries, sorted, and the same metric on logits that hold only them in
+        that order (``[..., C]``: a patched pass then unembeds ``C`` columns, :func:`~qkov.analysis.forward.tracer.trace`'s
+        ``vocab``). ``None`` (the default): it reads the whole vocabulary. The ids must have been checked against
+        the vocabulary (the metric once evaluated on whole logits)."""
         return None
 
     def logit_positions(self, seq: int) -> Tensor | None:
@@ -83,6 +91,11 @@ class LogitDiff(Metric):
         logits = out.logits_at(self.position)  # [B, V]
         pick = lambda t: logits.gather(-1, _column(t, logits))[:, 0]  # noqa: E731
         return (pick(self.correct) - pick(self.incorrect)).mean()
+
+    def narrowed(self) -> tuple[Tensor, Metric] | None:
+        """The correct and incorrect ids, and this difference on logits holding those alone."""
+        vocab, (correct, incorrect) = narrow_ids(self.correct, self.incorrect)
+        return vocab, replace(self, correct=correct, incorrect=incorrect)
 
 
 @dataclass
@@ -219,6 +232,14 @@ def _column(t: Any, logits: Tensor) -> Tensor:
     if bool(((ids < 0) | (ids >= logits.shape[-1])).any()):
         raise QkovError(f"metric: token ids must be in 0..{logits.shape[-1] - 1}")
     return ids.expand(logits.shape[0], 1)
+
+
+def narrow_ids(*ids: Any) -> tuple[Tensor, list[Tensor]]:
+    """The distinct token ids among ``ids`` (each an id or a tensor of ids), sorted, ``[C]``, and each of ``ids``
+    as positions in them (the same shape): how a metric reads logits that hold only those entries."""
+    given = [torch.as_tensor(t, dtype=torch.long) for t in ids]
+    vocab = torch.unique(torch.cat([t.reshape(-1).cpu() for t in given]))
+    return vocab, [torch.searchsorted(vocab.to(t.device), t) for t in given]
 
 
 def _check_ids(what: str, **given: Any) -> None:

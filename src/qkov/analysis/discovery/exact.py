@@ -7,8 +7,11 @@ Nothing before ``r``'s layer changes, so each patched pass starts there from the
 and one pass carries many edges into the same layer, one patched copy of the prompts each:
 
 * into a head's query, key or value input: that head's query (key, value) is recomputed from its own
-  patched input, ``normalise(x + delta_s) W + b`` (rotated; shortformer positions added), and written
-  into the copy's ``q`` / ``k`` / ``v`` (the other heads read the stream as it is);
+  patched input, ``normalise(x + delta_s) W + b`` (rotated; shortformer positions added); the layer's
+  attention output is the base run's plus ``(z' - z) W_O`` of the heads that read it, ``z'`` their
+  attention with it (:func:`skips_attention`: the rest of the attention is not run again; the last layer,
+  and a model with gated heads or a routed stream, write it into the copy's ``q`` / ``k`` / ``v`` instead,
+  the other heads reading the stream as it is);
 * into an MLP: its own input copy ``mlp_input`` gets ``delta_s``;
 * into the logits: the final stream gets ``delta_s``, and only the unembedding runs.
 
@@ -17,7 +20,9 @@ Per-position edges (``s -> r`` at position ``t``) patch ``delta_s`` at ``t`` onl
 Under the ``corrupted`` ablation no patch changes the positions before the first where a clean and its
 corrupted prompt differ (:func:`~.ablations.shared_prefix`): the passes run the positions from there on,
 after the clean run's keys and values. The last layer runs its queries, output and MLP at the metric's
-positions only (its edits take those positions: :func:`~qkov.analysis.forward.edits.at_rows`).
+positions only (its edits take those positions: :func:`~qkov.analysis.forward.edits.at_rows`). A metric that
+reads a few logits (a logit difference) has them unembedded alone
+(:meth:`~qkov.analysis.causal.metrics.Metric.narrowed`).
 """
 
 from __future__ import annotations
@@ -25,8 +30,10 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from ...model.ops import score_divisor
 from ...progress import Progress, tick
 from ...weights.parts import WeightSource
 from ..causal.contrast import Contrast
@@ -35,7 +42,7 @@ from ..forward.cache import final_stream
 from ..forward.edits import at_rows
 from .ablations import Ablation, sender_sites, shared_prefix
 from .graph import Graph
-from .head_inputs import project_heads_of
+from .head_inputs import HeadProjector, project_heads_of
 from .senders import change_of, from_position, replacement_of, run_senders
 from .task import AnswerMetric, TaskBatch
 
@@ -62,17 +69,18 @@ def exact_batch(
     L = graph.cfg.n_layers
     c = Contrast.of(source, b.clean, b.corrupted, metric=metric, direction="noise", where=WHERE)
     f = shared_prefix(c, ablation)  # no patch changes the positions before f: the passes run from f on
+    T = b.clean.shape[1]
+    units = [(int(e), t) for e in edges.tolist() for t in (range(f, T) if scores.ndim == 2 else [None])]
+    layer_of = [_layer(graph, int(graph.dst[e])) for e, _ in units]
     kv = ["k.*", "v.*"] if f else []
-    c.record(sender_sites(graph), base_only=[f"resid_pre.{l}" for l in range(L)] + [f"resid_post.{L - 1}", *kv])
+    attn = [f"attn_out.{l}" for l in sorted(set(layer_of)) if skips_attention(c, l)]  # those passes read the base's
+    c.record(sender_sites(graph), base_only=[f"resid_pre.{l}" for l in range(L)] + [f"resid_post.{L - 1}", *kv, *attn])
     base = c.base_recording
     assert base is not None
     before = from_position(run_senders(base, graph), f)  # each sender's change formed when a pass needs it
     rep = from_position(replacement_of(ablation, c.source_recording, source, graph), f)
     change = lambda s: change_of(source, graph, s, before, rep)  # noqa: E731
     past = (base.stack("k")[:, :, :f].contiguous(), base.stack("v")[:, :, :f].contiguous()) if f else None
-    T = b.clean.shape[1]
-    units = [(int(e), t) for e in edges.tolist() for t in (range(f, T) if scores.ndim == 2 else [None])]
-    layer_of = [_layer(graph, int(graph.dst[e])) for e, _ in units]
     K_max = c.copies(max_bytes, extra=graph.cfg.d_model * T * b.clean.shape[0] * 4)
     done = 0
     for l in sorted(set(layer_of)):
@@ -126,11 +134,17 @@ def _measure(
     x = base["resid_pre", l][:, f:]
     receivers = [graph.receivers[int(graph.dst[e])] for e, _ in chunk]
     edits: dict[Any, Any] = {}
+    made: list[tuple[list[int], list[int], str, Tensor]] = []
     for kind in "qkv":
         ks = [k for k, r in enumerate(receivers) if r.kind == HEAD and r.input == kind]
         if ks:
             slots = [r.input_site(graph.cfg).head for r in (receivers[k] for k in ks)]
             new = project_heads_of(c.weights, l, kind, slots, x[None] + d[ks], positions=torch.arange(f, T))
+            made.append((ks, slots, kind, new))
+    if skips_attention(c, l):  # the layer's attention: the base run's, plus the patched heads' change
+        edits[f"attn_out.{l}"] = _attention_out(c, l, x, made, K, past).view(K * B, T - f, -1)
+    else:
+        for ks, slots, kind, new in made:
             edits[f"{kind}.{l}"] = _write(K, B, ks, slots, new, rows)
     ms = [k for k, r in enumerate(receivers) if r.kind == MLP]
     if ms:
@@ -138,6 +152,60 @@ def _measure(
     start = min(l, c.reads_from)
     stream = base["resid_pre", start][:, f:].repeat(K, 1, 1) if f else None
     return c.measure(K, edits, start=start, stream=stream, since=f, past=past)
+
+
+def skips_attention(c: Contrast, l: int) -> bool:
+    """Whether a pass into receivers of layer ``l`` takes that layer's attention output from the base run
+    (recorded as ``attn_out``) plus the change of the heads a patch reaches, instead of running the attention
+    again on every copy: a layer before the last (which runs at the metric's positions) of a model whose heads
+    are plain attention (one residual stream, no gate)."""
+    cfg = c.weights.cfg
+    return l < cfg.n_layers - 1 and cfg.residual == "sum" and cfg.gate == "none"
+
+
+def _attention_out(
+    c: Contrast, l: int, x: Tensor, made: list[tuple[list[int], list[int], str, Tensor]], K: int,
+    past: tuple[Tensor, Tensor] | None,
+) -> Tensor:  # fmt: skip
+    """``[K, B, P, D]``: layer ``l``'s attention output in each copy, for the base stream ``x [B, P, D]`` (positions
+    ``f ..``, after ``past``'s): the base run's, plus ``(z' - z) W_O`` of the query heads that read a patched head
+    input, ``z'`` their attention with the patched queries, keys or values (``made``: per kind the copies, their
+    slots and the patched ``[n, B, P, E]``), the other two as in the base run and ``z`` with all three as there
+    (the same kernel: a patch that changes nothing adds exactly zero)."""
+    cfg, base = c.weights.cfg, c.base_recording
+    assert base is not None
+    B, P, _ = x.shape
+    f = 0 if past is None else past[0].shape[2]
+    at, group = torch.arange(f, f + P), cfg.n_heads // cfg.kv_heads
+    out = base["attn_out", l][:, f:].repeat(K, 1, 1).view(K, B, P, -1)
+    if not made:
+        return out
+    heads_of = lambda kind, slot: [slot] if kind == "q" else list(range(slot * group, (slot + 1) * group))  # noqa: E731
+    qs = sorted({h for _, slots, kind, _ in made for s in slots for h in heads_of(kind, s)})
+    kvs = sorted({h // group for h in qs})
+    q0 = dict(zip(qs, HeadProjector(c.weights, l, "q", qs)(x, at, shared=True)))  # each [B, P, E]
+    kv0 = {}
+    for i, kind in ((0, "k"), (1, "v")):
+        got = HeadProjector(c.weights, l, kind, kvs)(x, at, shared=True)
+        kv0[kind] = {g: got[j] if past is None else torch.cat([past[i][l][:, :, g], got[j]], 1) for j, g in enumerate(kvs)}
+    W_O = c.weights.attention(l).W_O  # [H, E, D]
+    sees = torch.arange(f + P)[None, :] <= at[:, None]  # [P, f + P]: each query's keys
+    scale = 1.0 / score_divisor(cfg.d_head)
+    for ks, slots, kind, new in made:
+        for k, slot, patched in zip(ks, slots, new):
+            hs = heads_of(kind, slot)
+            q = torch.stack([patched if kind == "q" else q0[h] for h in hs], 1)  # [B, n, P, E]
+            g = hs[0] // group
+            key = kv0["k"][g] if kind != "k" else (patched if past is None else torch.cat([past[0][l][:, :, g], patched], 1))
+            val = kv0["v"][g] if kind != "v" else (patched if past is None else torch.cat([past[1][l][:, :, g], patched], 1))
+            both = F.scaled_dot_product_attention(
+                torch.stack([q, torch.stack([q0[h] for h in hs], 1)]).flatten(0, 1),
+                torch.stack([key, kv0["k"][g]])[:, :, None].expand(-1, -1, len(hs), -1, -1).flatten(0, 1),
+                torch.stack([val, kv0["v"][g]])[:, :, None].expand(-1, -1, len(hs), -1, -1).flatten(0, 1),
+                attn_mask=sees, scale=scale,
+            ).unflatten(0, (2, B))  # [2, B, n, P, E]: patched, base
+            out[k] += torch.einsum("bnpe,ned->bpd", both[0] - both[1], W_O[hs])
+    return out
 
 
 def _write(K: int, B: int, ks: list[int], slots: list[int], new: Tensor, rows: Tensor | None):  # type: ignore[no-untyped-def]

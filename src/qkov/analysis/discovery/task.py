@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
-from ..causal.metrics import Metric
+from ..causal.metrics import Metric, narrow_ids
 from ..forward.cache import Trace
 
 __all__ = ["AnswerMetric", "METRICS", "Task", "TaskBatch"]
@@ -83,6 +83,15 @@ class AnswerMetric(Metric):
 
     def __call__(self, out: Trace) -> Tensor:
         return self.per_prompt(out).mean()
+
+    def narrowed(self) -> tuple[Tensor, AnswerMetric] | None:
+        """A logit difference reads its answers' and wrong answers' logits alone: those ids, and this metric on
+        logits holding only them (:meth:`~qkov.analysis.causal.metrics.Metric.narrowed`); the other kinds take a
+        softmax over the vocabulary (``None``)."""
+        if self.kind != "logit-diff":
+            return None
+        vocab, (answers, wrong) = narrow_ids(self.answers, self.wrong)
+        return vocab, replace(self, answers=answers, wrong=wrong)
 
     def with_reference(self, clean: Trace) -> AnswerMetric:
         """This metric with the clean run ``clean``'s next-token log-probabilities as the reference of ``kl``."""

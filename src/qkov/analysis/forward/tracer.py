@@ -109,6 +109,7 @@ class _Pass(BlockPass):
         self.pending: set[tuple[str, int | None]] | None = None  # with no logits: the sites still to compute
         self.replaying = False  # a checkpointed block recomputed in the backward pass: its sites are not kept again
         self.streamed = not source.in_memory  # each read copies from disk: read once, never held whole
+        self.vocab: Tensor | None = None  # the vocabulary entries the logits hold (None: every one)
 
     def stop_when_done(self, start_at: tuple[int, Tensor] | None) -> None:
         """Stop the pass (:class:`_Enough`) once every site cached or edited has been computed (none: after
@@ -192,6 +193,8 @@ class _Pass(BlockPass):
         unemb = self.source.unembed(cols=slice(0, min(V, VOCAB_BLOCK)) if self.streamed else None)
         x = x if positions is None else x[:, positions.to(x.device)]
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]
+        if self.vocab is not None:
+            return self._vocab_logits(final, unemb, self.vocab)
         if self.streamed and self.grad and final.requires_grad:  # its backward reads W_U by blocks again
             return self.at("logits", None, _StreamedUnembed.apply(final, self, unemb))
         if self.streamed:  # the unembedding a block of columns at a time: W_U is never held whole
@@ -217,6 +220,31 @@ class _Pass(BlockPass):
             else:
                 logits[..., cols] = block
         return torch.cat(parts, -1) if logits is None else logits
+
+    def _vocab_logits(self, final: Tensor, first: Any, vocab: Tensor) -> Tensor:
+        """``final [B, P, D] @ W_U[:, vocab] + b_U[vocab]``, ``[B, P, C]``: the columns ``vocab`` alone (``first``:
+        the whole unembedding of a source in memory, else its first block of columns, already read; a streamed
+        source reads only the blocks that hold an entry asked)."""
+        if not self.streamed:
+            blocks = [(torch.arange(len(vocab), device=vocab.device), first, vocab)]
+        else:
+            blocks = []
+            for cols in _vocab_blocks(self.cfg.d_vocab):
+                inside = ((vocab >= cols.start) & (vocab < cols.stop)).nonzero()[:, 0]
+                if len(inside):
+                    part = first if cols.start == 0 else self.source.unembed(cols=cols)
+                    blocks.append((inside, part, vocab[inside] - cols.start))
+        parts = []
+        for _, part, idx in blocks:
+            idx = idx.to(part.W_U.device)
+            out = final @ part.W_U.index_select(1, idx)
+            b_U = live_bias(part.b_U)
+            parts.append(out if b_U is None else out + b_U.index_select(0, idx))
+        logits = torch.cat(parts, -1)
+        if self.streamed:  # the blocks' entries back in the order asked
+            order = torch.cat([inside for inside, _, _ in blocks]).to(logits.device)
+            logits = logits.index_select(-1, torch.argsort(order))
+        return logits
 
     def block_held(self, l: int, x: Tensor, rows: Tensor | None) -> Tensor:
         """:meth:`block`; on a streamed source with gradients, checkpointed: the backward pass recomputes the
@@ -307,6 +335,7 @@ def trace(
     stream: str | None = None,
     logits: bool = True,
     past: tuple[Tensor, Tensor] | None = None,
+    vocab: Tensor | None = None,
 ) -> Trace:
     """Run the model of ``source`` on ``tokens [B, T]`` (or ``[T]``); see the module docstring.
 
@@ -343,6 +372,10 @@ def trace(
             ``f ..`` (a pass over a suffix of sequences whose first ``f`` positions a run has computed;
             every site holds the suffix; no scores, pattern or ``lse`` are asked). Given for ``B / r``
             sequences (``r`` dividing ``B``), the batch's ``r`` blocks of sequences all read them.
+        vocab: ``[C]`` vocabulary ids: the logits at those entries alone, ``Trace.logits [B, P, C]`` in that
+            order (a metric that reads a few logits, :meth:`~qkov.analysis.causal.metrics.Metric.narrowed`,
+            unembeds ``C`` columns instead of the vocabulary); the ``logits`` site is then neither cached nor
+            edited.
     Returns:
         :class:`~qkov.analysis.forward.cache.Trace`.
     """
@@ -360,9 +393,10 @@ def trace(
     if not logits or (positions is not None and len(positions) == 0):
         positions = torch.zeros(0, dtype=torch.long)
     _check_past(past, tokens, cfg, asked, ed)
+    vocab = _check_vocab(vocab, cfg, asked, ed, source.device)
     store = _Store({a.site for a in asked}, _whole_kinds(asked, cfg.n_layers), cfg.n_layers, grad)
     state = _Pass(source, ed, store, grad)
-    state.past = past
+    state.past, state.vocab = past, vocab
     with torch.enable_grad() if grad else torch.no_grad():  # grad=True whatever the caller's mode
         out = _run(state, tokens, positions, start_at)
     return Trace(tokens, out, store.items, source, positions, dict(store.buffers))
@@ -397,6 +431,19 @@ def _whole_kinds(asked: list[Address], n_layers: int) -> set[str]:
             by_kind.setdefault(a.kind, set()).add(a.layer)
     varying = ("route_attn", "route_mlp")  # AttnRes: one more source per layer, no common buffer shape
     return {k for k, ls in by_kind.items() if len(ls) == n_layers and k not in varying}
+
+
+def _check_vocab(vocab: Tensor | None, cfg: Any, asked: list[Address], ed: Edits, device: Any) -> Tensor | None:
+    if vocab is None:
+        return None
+    ids = torch.as_tensor(vocab)
+    if ids.ndim != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise QkovError(f"vocab: expected a 1-D tensor of vocabulary ids, got {ids.dtype} of shape {list(ids.shape)}")
+    if len(ids) and not bool(((ids >= 0) & (ids < cfg.d_vocab)).all()):
+        raise QkovError(f"vocab: every id must be in 0..{cfg.d_vocab - 1}")
+    if any(a.kind == "logits" for a in asked) or any(k == "logits" for k, _ in ed.by_site):
+        raise QkovError("vocab: the logits site holds the whole vocabulary; cache or edit it without vocab=")
+    return ids.to(device=device, dtype=torch.long)
 
 
 def _check_past(past: tuple[Tensor, Tensor] | None, tokens: Tensor, cfg: Any, asked: list[Address], ed: Edits) -> None:
