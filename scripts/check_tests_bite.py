@@ -64,6 +64,24 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "            early = early if narrow is None else early[..., : len(narrow[0])]",
         "tests/analysis/causal/test_narrowed_metrics.py",
     ),
+    "narrow passes: a given attention output cached as given, not at the site's shape": (
+        "model/block.py",
+        'return self.at("attn_out", l, out.expand(*x.shape[:-1], out.shape[-1]))',
+        'return self.at("attn_out", l, out)',
+        "tests/analysis/forward/test_narrow_passes.py::test_an_attention_output_given_outright_is_not_computed",
+    ),
+    "narrowed metric: a pass that edits the logits narrowed all the same": (
+        "analysis/causal/contrast.py",
+        '        if edits and any(a.kind == "logits" for a in Sites(',
+        '        if False and edits and any(a.kind == "logits" for a in Sites(',
+        "tests/analysis/causal/test_narrowed_metrics.py::test_a_pass_that_edits_the_logits_unembeds_them_whole",
+    ),
+    "narrowed metric: a subclass's own value narrowed as its parent's": (
+        "analysis/causal/metrics.py",
+        "        if type(self).__call__ is not LogitDiff.__call__ or type(self).narrowed is not LogitDiff.narrowed:",
+        "        if False:",
+        "tests/analysis/causal/test_narrowed_metrics.py::test_a_subclass_that_computes_its_own_value_does_not_narrow",
+    ),
     "exact patching: the receivers' layer's attention without the patched heads' change": (
         "analysis/discovery/exact.py",
         '            out[k] += torch.einsum("bnpe,ned->bpd", both[0] - both[1], W_O[hs])',

@@ -219,7 +219,7 @@ class BlockPass:
         an edit gives ``attn_out`` outright and nothing reads or writes a site inside the attention."""
         out = self.fixed("attn_out", l)
         if out is not None and not any(self.active(k, l) for k in ATTENTION_INSIDE):
-            return self.at("attn_out", l, out)
+            return self.at("attn_out", l, out.expand(*x.shape[:-1], out.shape[-1]))  # as a computed one is cached
         att = self.attention_weights(l)
         v_in, _ = self.normed("attn", l, x, att.ln_w, att.ln_b)
         qk_src = query_key_stream(x, self.pos, self.cfg.positional)

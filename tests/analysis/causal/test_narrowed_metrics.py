@@ -49,6 +49,19 @@ def test_a_logit_difference_on_its_entries_alone_is_the_same_value(metric) -> No
     assert float((_narrow(metric, out) - metric(out)).abs()) < 1e-15
 
 
+def test_a_subclass_that_computes_its_own_value_does_not_narrow() -> None:
+    class Doubled(LogitDiff):
+        def __call__(self, out: Trace) -> torch.Tensor:
+            return 2 * super().__call__(out)
+
+    class Renamed(AnswerMetric):
+        def per_prompt(self, out: Trace) -> torch.Tensor:
+            return -super().per_prompt(out)
+
+    assert Doubled(7, 3).narrowed() is None
+    assert Renamed(kind="logit-diff", answers=torch.tensor([[4]]), wrong=torch.tensor([[1]])).narrowed() is None
+
+
 def test_a_metric_over_a_softmax_does_not_narrow() -> None:
     toks = torch.zeros(3, 5, dtype=torch.long)
     answers, wrong = torch.tensor([[4], [9], [30]]), torch.tensor([[1], [2], [4]])
@@ -100,8 +113,17 @@ def test_patched_passes_unembed_the_metric_entries_alone_and_measure_the_same(
     narrowed = sweep()
     vocabs = [v for v in asked if v is not None]
     assert vocabs and all(v.tolist() == [1, 3, 8] for v in vocabs)  # type: ignore[attr-defined]
-    monkeypatch.setattr(Contrast, "_narrowed", lambda self: None)
+    monkeypatch.setattr(Contrast, "_narrowed", lambda self, edits=None: None)
     asked.clear()
     whole = sweep()
     assert not any(v is not None for v in asked)
     assert (narrowed - whole).abs().max() < 1e-12 and narrowed.abs().max() > 1e-3
+
+
+def test_a_pass_that_edits_the_logits_unembeds_them_whole() -> None:
+    cfg = LN_MLP
+    w = Weights.from_model(perturb_non_matrices(Transformer(cfg, seed=2).double().eval(), 0.2), dtype=torch.float64)
+    toks = torch.randint(1, cfg.d_vocab, (2, 8), generator=torch.Generator().manual_seed(3))
+    c = Contrast.of(w, toks, toks.flip(0), metric=LogitDiff(3, 8)).record()
+    doubled = c.measure(1, {"logits": lambda v, site: 2 * v})
+    assert abs(float(doubled[0]) - 2 * c.base_value) < 1e-12 and abs(c.base_value) > 1e-3

@@ -116,11 +116,12 @@ def test_the_means_and_zero_run_from_the_first_position_as_the_reference(ablatio
         assert abs(float(got[k]) - reference_circuit(w, task.clean, patch, task.answers, task.wrong, ablated)) < 1e-10
 
 
-@pytest.mark.parametrize("name", ["llama-like", "ln-mlp-shortformer"])
+@pytest.mark.parametrize("name", ["llama-like", "ln-mlp-shortformer", "neox-parallel"])
 def test_exact_patching_with_its_savings_equals_it_run_plainly(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     w, task = random_case(name, n=3, T=6)
     g = graph_of(w.cfg)
     last = [i for i, n in enumerate(g.names) if f"-> {w.cfg.n_layers - 1}." in n or "-> mlp." in n][::7]
+    last += [i for i, n in enumerate(g.names) if "-> 0." in n and "<q>" not in n][::3]  # keys, values: layer 0
     calls: list[int] = []
     real = BlockPass.attention_at
     monkeypatch.setattr(BlockPass, "attention_at", lambda self, l, x, rows: calls.append(l) or real(self, l, x, rows))
@@ -134,7 +135,7 @@ def test_exact_patching_with_its_savings_equals_it_run_plainly(name: str, monkey
     monkeypatch.setattr(exact, "shared_prefix", lambda c, ablation: 0)
     monkeypatch.setattr(_Pass, "query_rows", lambda self, *a, **k: None)
     monkeypatch.setattr(exact, "skips_attention", lambda c, l: False)
-    monkeypatch.setattr(Contrast, "_narrowed", lambda self: None)  # the logits unembedded whole
+    monkeypatch.setattr(Contrast, "_narrowed", lambda self, edits=None: None)  # the logits unembedded whole
     calls.clear()
     assert (edge_scores(w, task, method="exact", max_bytes=1 << 20).scores - fast.scores).abs().max() < 1e-12
     plain = edge_scores(w, task, method="exact", per_position=True, edges=last)

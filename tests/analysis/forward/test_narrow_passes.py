@@ -31,6 +31,8 @@ def test_logits_at_a_few_vocabulary_entries_are_those_of_the_whole_logits(name: 
     few = trace(w, toks, vocab=vocab, positions=at).logits
     assert (few - full[:, at][..., vocab]).abs().max() < 1e-13
     assert trace(w, toks, vocab=vocab[:0]).logits.shape == (*toks.shape, 0)
+    assert trace(w, toks, vocab=vocab, positions=at[:0]).logits.shape == (toks.shape[0], 0, len(vocab))
+    assert trace(w, toks, vocab=vocab, logits=False, cache=["z.0"]).logits.shape == (toks.shape[0], 0, len(vocab))
 
 
 def test_a_streamed_source_reads_the_blocks_that_hold_the_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,6 +50,7 @@ def test_a_streamed_source_reads_the_blocks_that_hold_the_entries(tmp_path: Path
     got = trace(lazy, toks, vocab=vocab).logits
     assert (got - full[..., vocab]).abs().max() < 1e-5
     assert [c.start for c in read] == [0, 2 * VOCAB_BLOCK]  # type: ignore[attr-defined]
+    assert trace(lazy, toks, vocab=vocab[:0]).logits.shape == (*toks.shape, 0)
 
 
 def test_vocabulary_entries_out_of_range_or_with_the_logits_site_are_refused() -> None:
@@ -81,6 +84,9 @@ def test_an_attention_output_given_outright_is_not_computed(name: str, monkeypat
     monkeypatch.setattr(Weights, "attention", unreadable)
     got = trace(w, toks, edits={"attn_out.0": given})
     assert (got.logits - replaced).abs().max() < 1e-12
+    bias = given[0, 0]  # a value that broadcasts: cached at the site's shape, as a computed one
+    held = trace(w, toks, edits={"attn_out.0": bias}, cache=["attn_out.0"])["attn_out", 0]
+    assert held.shape == (*toks.shape, cfg.d_model) and torch.equal(held, bias.expand_as(held))
     with pytest.raises(RuntimeError, match="was computed"):
         trace(w, toks, edits={"attn_out.0": given}, cache=["z.0"])
     with pytest.raises(RuntimeError, match="was computed"):

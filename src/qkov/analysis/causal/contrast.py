@@ -69,7 +69,6 @@ class Contrast:
     held: tuple[frozenset[Any], frozenset[Any], bool] | None = field(default=None, repr=False)  # what record() kept
     backed: bool = field(default=False, repr=False)  # the metric's gradient is in the base recording
     kept_terms: tuple[Trace, Tensor | None] | None = field(default=None, repr=False)  # the base run's metric terms
-    narrow: tuple[Metric, tuple[Tensor, Metric] | None] | None = field(default=None, repr=False)  # _narrowed's
 
     @classmethod
     def of(
@@ -238,7 +237,7 @@ class Contrast:
         if firsts is not None and not (into_logits and edits) and self._ragged(firsts, since):
             return self._by_copy(K, firsts, tokens, whole, start_at, edits, past)
         head = None if self.metric.reads else self._base_terms()
-        narrow = None if head is not None else self._narrowed()  # (vocab, metric): a few logits read alone
+        narrow = None if head is not None else self._narrowed(edits)  # (vocab, metric): a few logits read alone
         out = trace(
             self.weights, tokens, start_at=start_at, edits=edits, cache=self.metric.reads,
             positions=None if later is None else later - f, past=past, vocab=None if narrow is None else narrow[0],
@@ -261,15 +260,16 @@ class Contrast:
             values.append(metric(copy).detach())
         return torch.stack(values)
 
-    def _narrowed(self) -> tuple[Tensor, Metric] | None:
-        """The metric's own narrowing (:meth:`~qkov.analysis.causal.metrics.Metric.narrowed`) once the base run
-        has checked its ids against the vocabulary, when it reads no site and fewer entries than the vocabulary."""
+    def _narrowed(self, edits: dict[Any, Any] | None = None) -> tuple[Tensor, Metric] | None:
+        """The metric's own narrowing (:meth:`~qkov.analysis.causal.metrics.Metric.narrowed`, asked each pass: a
+        metric changed in place is read as it is now) once the base run has checked its ids against the
+        vocabulary, when it reads no site, fewer entries than the vocabulary, and no edit writes the logits."""
         if self.metric.reads or self.base_recording is None:
             return None
-        if self.narrow is None or self.narrow[0] is not self.metric:
-            got = self.metric.narrowed()
-            self.narrow = (self.metric, None if got is None or len(got[0]) >= self.weights.cfg.d_vocab else got)
-        return self.narrow[1]
+        if edits and any(a.kind == "logits" for a in Sites(self.weights.cfg, self.weights.norm).resolve_all(list(edits))):
+            return None
+        got = self.metric.narrowed()
+        return None if got is None or len(got[0]) >= self.weights.cfg.d_vocab else got
 
     def _every(self) -> Tensor:
         """The positions the metric reads (every one when it names none)."""

@@ -158,9 +158,10 @@ def skips_attention(c: Contrast, l: int) -> bool:
     """Whether a pass into receivers of layer ``l`` takes that layer's attention output from the base run
     (recorded as ``attn_out``) plus the change of the heads a patch reaches, instead of running the attention
     again on every copy: a layer before the last (which runs at the metric's positions) of a model whose heads
-    are plain attention (one residual stream, no gate)."""
+    are plain attention (one residual stream, no gate), for a metric that reads no site (one inside that
+    attention would be left as the base run's)."""
     cfg = c.weights.cfg
-    return l < cfg.n_layers - 1 and cfg.residual == "sum" and cfg.gate == "none"
+    return l < cfg.n_layers - 1 and cfg.residual == "sum" and cfg.gate == "none" and not c.metric.reads
 
 
 def _attention_out(
@@ -171,12 +172,12 @@ def _attention_out(
     ``f ..``, after ``past``'s): the base run's, plus ``(z' - z) W_O`` of the query heads that read a patched head
     input, ``z'`` their attention with the patched queries, keys or values (``made``: per kind the copies, their
     slots and the patched ``[n, B, P, E]``), the other two as in the base run and ``z`` with all three as there
-    (the same kernel: a patch that changes nothing adds exactly zero)."""
+    (one kernel call for both, so the two differ by the patch and the projections' rounding alone)."""
     cfg, base = c.weights.cfg, c.base_recording
     assert base is not None
     B, P, _ = x.shape
     f = 0 if past is None else past[0].shape[2]
-    at, group = torch.arange(f, f + P), cfg.n_heads // cfg.kv_heads
+    at, group = torch.arange(f, f + P, device=x.device), cfg.n_heads // cfg.kv_heads
     out = base["attn_out", l][:, f:].repeat(K, 1, 1).view(K, B, P, -1)
     if not made:
         return out
@@ -188,8 +189,8 @@ def _attention_out(
     for i, kind in ((0, "k"), (1, "v")):
         got = HeadProjector(c.weights, l, kind, kvs)(x, at, shared=True)
         kv0[kind] = {g: got[j] if past is None else torch.cat([past[i][l][:, :, g], got[j]], 1) for j, g in enumerate(kvs)}
-    W_O = c.weights.attention(l).W_O  # [H, E, D]
-    sees = torch.arange(f + P)[None, :] <= at[:, None]  # [P, f + P]: each query's keys
+    W_O = c.weights.attention(l, expand_kv=False).W_O  # [H, E, D]
+    sees = torch.arange(f + P, device=x.device)[None, :] <= at[:, None]  # [P, f + P]: each query's keys
     scale = 1.0 / score_divisor(cfg.d_head)
     for ks, slots, kind, new in made:
         for k, slot, patched in zip(ks, slots, new):

@@ -188,7 +188,7 @@ class _Pass(BlockPass):
 
     def logits(self, x: Tensor, positions: Tensor | None) -> Tensor:
         if positions is not None and len(positions) == 0:  # a metric that reads no logits: unembed nothing
-            return x.new_zeros(x.shape[0], 0, self.cfg.d_vocab)
+            return x.new_zeros(x.shape[0], 0, self.cfg.d_vocab if self.vocab is None else len(self.vocab))
         V = self.cfg.d_vocab
         unemb = self.source.unembed(cols=slice(0, min(V, VOCAB_BLOCK)) if self.streamed else None)
         x = x if positions is None else x[:, positions.to(x.device)]
@@ -225,6 +225,8 @@ class _Pass(BlockPass):
         """``final [B, P, D] @ W_U[:, vocab] + b_U[vocab]``, ``[B, P, C]``: the columns ``vocab`` alone (``first``:
         the whole unembedding of a source in memory, else its first block of columns, already read; a streamed
         source reads only the blocks that hold an entry asked)."""
+        if not len(vocab):
+            return final.new_zeros(*final.shape[:-1], 0)
         if not self.streamed:
             blocks = [(torch.arange(len(vocab), device=vocab.device), first, vocab)]
         else:
@@ -406,7 +408,8 @@ def _run(state: _Pass, tokens: Tensor, positions: Tensor | None, start_at: tuple
     """The pass itself: the logits ``[B, P, V]`` (``[B, 0, V]`` when ``positions`` is empty: then it stops
     once every site cached or edited is computed)."""
     L = state.cfg.n_layers
-    none = torch.zeros(tokens.shape[0], 0, state.cfg.d_vocab, dtype=state.source.dtype, device=state.source.device)
+    C = state.cfg.d_vocab if state.vocab is None else len(state.vocab)
+    none = torch.zeros(tokens.shape[0], 0, C, dtype=state.source.dtype, device=state.source.device)
     if positions is not None and len(positions) == 0:
         state.stop_when_done(start_at)
         if not state.pending:
