@@ -10,8 +10,8 @@ and one pass carries many edges into the same layer, one patched copy of the pro
   patched input, ``normalise(x + delta_s) W + b`` (rotated; shortformer positions added); the layer's
   attention output is the base run's plus ``(z' - z) W_O`` of the heads that read it, ``z'`` their
   attention with it (:func:`skips_attention`: the rest of the attention is not run again; the last layer,
-  and a model with gated heads or a routed stream, write it into the copy's ``q`` / ``k`` / ``v`` instead,
-  the other heads reading the stream as it is);
+  a model with gated heads or a routed stream, and one streamed from disk write it into the copy's ``q`` /
+  ``k`` / ``v`` instead, the other heads reading the stream as it is);
 * into an MLP: its own input copy ``mlp_input`` gets ``delta_s``;
 * into the logits: the final stream gets ``delta_s``, and only the unembedding runs.
 
@@ -159,9 +159,11 @@ def skips_attention(c: Contrast, l: int) -> bool:
     (recorded as ``attn_out``) plus the change of the heads a patch reaches, instead of running the attention
     again on every copy: a layer before the last (which runs at the metric's positions) of a model whose heads
     are plain attention (one residual stream, no gate), for a metric that reads no site (one inside that
-    attention would be left as the base run's)."""
+    attention would be left as the base run's), held in memory (a streamed model would read the layer's attention
+    weights from disk four times a pass instead of once: about what the skip saves)."""
     cfg = c.weights.cfg
-    return l < cfg.n_layers - 1 and cfg.residual == "sum" and cfg.gate == "none" and not c.metric.reads
+    plain = cfg.residual == "sum" and cfg.gate == "none" and not c.metric.reads
+    return l < cfg.n_layers - 1 and plain and c.weights.in_memory
 
 
 def _attention_out(
