@@ -169,7 +169,8 @@ class BlockPass:
 
         return joined(self.past[0][l], k), joined(self.past[1][l], v), f
 
-    def offset_attention(self, q: Tensor, k: Tensor, v: Tensor, at: Tensor) -> Tensor:
+    @staticmethod
+    def offset_attention(q: Tensor, k: Tensor, v: Tensor, at: Tensor) -> Tensor:
         """``z [B, H, P, E]`` of queries at key positions ``at [P]`` (each sees the keys at or before it;
         ``k`` and ``v`` expanded to the query heads)."""
         sees = torch.arange(k.shape[2], device=q.device)[None, :] <= at[:, None]  # [P, T]

@@ -266,7 +266,7 @@ class Contrast:
         vocabulary, when it reads no site, fewer entries than the vocabulary, and no edit writes the logits."""
         if self.metric.reads or self.base_recording is None:
             return None
-        if edits and any(a.kind == "logits" for a in Sites(self.weights.cfg, self.weights.norm).resolve_all(list(edits))):
+        if edits and any(kind == "logits" for kind, _ in self._names(list(edits))):
             return None
         got = self.metric.narrowed()
         return None if got is None or len(got[0]) >= self.weights.cfg.d_vocab else got

@@ -95,7 +95,7 @@ class LogitDiff(Metric):
     def narrowed(self) -> tuple[Tensor, Metric] | None:
         """The correct and incorrect ids, and this difference on logits holding those alone (not for a subclass
         that computes its value another way: it says for itself)."""
-        if type(self).__call__ is not LogitDiff.__call__ or type(self).narrowed is not LogitDiff.narrowed:
+        if type(self).__call__ is not LogitDiff.__call__:
             return None
         vocab, (correct, incorrect) = narrow_ids(self.correct, self.incorrect)
         return vocab, replace(self, correct=correct, incorrect=incorrect)

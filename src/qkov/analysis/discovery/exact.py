@@ -30,10 +30,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from ...model.ops import score_divisor
+from ...model.block import BlockPass
 from ...progress import Progress, tick
 from ...weights.parts import WeightSource
 from ..causal.contrast import Contrast
@@ -184,28 +183,24 @@ def _attention_out(
     if not made:
         return out
     heads_of = lambda kind, slot: [slot] if kind == "q" else list(range(slot * group, (slot + 1) * group))  # noqa: E731
+    # key (i = 0) or value (1) head g at every position: [B, f + P, E], the past's before the pass's own
+    whole = lambda i, g, now: now if past is None else torch.cat([past[i][l][:, :, g], now], 1)  # noqa: E731
     qs = sorted({h for _, slots, kind, _ in made for s in slots for h in heads_of(kind, s)})
     kvs = sorted({h // group for h in qs})
     q0 = dict(zip(qs, HeadProjector(c.weights, l, "q", qs)(x, at, shared=True)))  # each [B, P, E]
-    kv0 = {}
-    for i, kind in ((0, "k"), (1, "v")):
-        got = HeadProjector(c.weights, l, kind, kvs)(x, at, shared=True)
-        kv0[kind] = {g: got[j] if past is None else torch.cat([past[i][l][:, :, g], got[j]], 1) for j, g in enumerate(kvs)}
+    kv0 = {kind: dict(zip(kvs, HeadProjector(c.weights, l, kind, kvs)(x, at, shared=True))) for kind in "kv"}
     W_O = c.weights.attention(l, expand_kv=False).W_O  # [H, E, D]
-    sees = torch.arange(f + P, device=x.device)[None, :] <= at[:, None]  # [P, f + P]: each query's keys
-    scale = 1.0 / score_divisor(cfg.d_head)
     for ks, slots, kind, new in made:
         for k, slot, patched in zip(ks, slots, new):
             hs = heads_of(kind, slot)
-            q = torch.stack([patched if kind == "q" else q0[h] for h in hs], 1)  # [B, n, P, E]
             g = hs[0] // group
-            key = kv0["k"][g] if kind != "k" else (patched if past is None else torch.cat([past[0][l][:, :, g], patched], 1))
-            val = kv0["v"][g] if kind != "v" else (patched if past is None else torch.cat([past[1][l][:, :, g], patched], 1))
-            both = F.scaled_dot_product_attention(
+            q = torch.stack([patched if kind == "q" else q0[h] for h in hs], 1)  # [B, n, P, E]
+            key, val = (whole(i, g, patched if kind == s else kv0[s][g]) for i, s in enumerate("kv"))
+            base_kv = [whole(i, g, kv0[s][g]) for i, s in enumerate("kv")]
+            n_heads = lambda t: t[:, :, None].expand(-1, -1, len(hs), -1, -1).flatten(0, 1)  # noqa: E731
+            both = BlockPass.offset_attention(
                 torch.stack([q, torch.stack([q0[h] for h in hs], 1)]).flatten(0, 1),
-                torch.stack([key, kv0["k"][g]])[:, :, None].expand(-1, -1, len(hs), -1, -1).flatten(0, 1),
-                torch.stack([val, kv0["v"][g]])[:, :, None].expand(-1, -1, len(hs), -1, -1).flatten(0, 1),
-                attn_mask=sees, scale=scale,
+                n_heads(torch.stack([key, base_kv[0]])), n_heads(torch.stack([val, base_kv[1]])), at,
             ).unflatten(0, (2, B))  # [2, B, n, P, E]: patched, base
             out[k] += torch.einsum("bnpe,ned->bpd", both[0] - both[1], W_O[hs])
     return out

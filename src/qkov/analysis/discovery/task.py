@@ -88,7 +88,7 @@ class AnswerMetric(Metric):
         """A logit difference reads its answers' and wrong answers' logits alone: those ids, and this metric on
         logits holding only them (:meth:`~qkov.analysis.causal.metrics.Metric.narrowed`); the other kinds take a
         softmax over the vocabulary (``None``)."""
-        own = all(getattr(type(self), n) is getattr(AnswerMetric, n) for n in ("__call__", "per_prompt", "narrowed"))
+        own = all(getattr(type(self), n) is getattr(AnswerMetric, n) for n in ("__call__", "per_prompt"))
         if self.kind != "logit-diff" or not own:  # a subclass computing its value another way says for itself
             return None
         vocab, (answers, wrong) = narrow_ids(self.answers, self.wrong)
