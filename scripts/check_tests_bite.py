@@ -34,6 +34,54 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "    return math.sqrt(d_head) * 1.25",
         "tests/analysis/forward/test_forward.py::test_run_equals_training_model_and_reference tests/model/test_model.py::test_multihead_equals_sum_of_heads",
     ),
+    "ablation study: every random set mean-ablated with the study's own heads' means": (
+        "analysis/causal/ablation.py",
+        "        means = torch.stack([mean_of[a] for a in hs]) if mode == \"mean\" else None",
+        "        means = torch.stack([mean_of[a] for a in heads]) if mode == \"mean\" else None",
+        "tests/analysis/causal/test_ablation.py::test_each_random_set_of_a_mean_ablation_study_is_measured_with_its_own_means",
+    ),
+    "tiled loss: the blocks' log-sum-exps combined by their largest, not their log-sum-exp": (
+        "analysis/forward/tiled_nll.py",
+        "        nll += torch.logsumexp(lse, dim=-1)",
+        "        nll += lse.amax(-1)",
+        "tests/analysis/forward/test_tiled_nll.py::test_several_blocks_of_vocabulary_in_memory_and_streamed",
+    ),
+    "tiled loss: the unembedding's bias left out of each tile": (
+        "analysis/forward/tiled_nll.py",
+        "            if b_U is not None:\n                tile.add_(b_U)",
+        "            if False:\n                tile.add_(b_U)",
+        "tests/analysis/forward/test_tiled_nll.py::test_one_block_of_vocabulary_in_tiles_of_a_few_rows",
+    ),
+    "tiled loss: a tile's rows read from the first tile's targets": (
+        "analysis/forward/tiled_nll.py",
+        "                nll[lo : lo + rows] = logp.gather(-1, target[lo : lo + rows, None])[:, 0].neg_()",
+        "                nll[lo : lo + rows] = logp.gather(-1, target[: len(logp), None])[:, 0].neg_()",
+        "tests/analysis/forward/test_tiled_nll.py::test_one_block_of_vocabulary_in_tiles_of_a_few_rows",
+    ),
+    "tiled loss: a target's block found off by one column": (
+        "analysis/forward/tiled_nll.py",
+        "        here = (target >= block.start) & (target < block.stop)",
+        "        here = (target > block.start) & (target <= block.stop)",
+        "tests/analysis/forward/test_tiled_nll.py::test_several_blocks_of_vocabulary_in_memory_and_streamed",
+    ),
+    "tiled loss: an edit of the logits ignored (the final stream unembedded instead)": (
+        "analysis/forward/tiled_nll.py",
+        '    if any(a.kind == "logits" for a in',
+        '    if any(a.kind == "no-such-kind" for a in',
+        "tests/analysis/forward/test_tiled_nll.py::test_an_edit_of_the_logits_is_honoured",
+    ),
+    "tiled loss: the final stream asked without logits never computed": (
+        "analysis/forward/tracer.py",
+        "                self.normed(\"final\", None, x, unemb.ln_w, unemb.ln_b)  # the last site asked: the pass ends here",
+        "                pass  # the last site asked: the pass ends here",
+        "tests/analysis/forward/test_tiled_nll.py::test_the_final_stream_asked_without_logits_is_computed_and_the_pass_stops_there",
+    ),
+    "tiled loss: the plan still counts the logits": (
+        "analysis/budget.py",
+        "    if tiled:  # the final stream and its rows",
+        "    if False:  # the final stream and its rows",
+        "tests/analysis/forward/test_tiled_nll.py::test_the_tiled_loss_is_planned_without_the_logits",
+    ),
     "narrow passes: a streamed source's entries left in the order of its blocks": (
         "analysis/forward/tracer.py",
         "        if self.streamed:  # the blocks' entries back in the order asked",
@@ -683,14 +731,14 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "ablation mean: the last, shorter chunk of the sample left out": (
         "analysis/causal/ablation.py",
-        "    for lo in range(0, tokens.shape[0], chunk):\n        r = trace(source, tokens[lo : lo + chunk]",
-        "    for lo in range(0, tokens.shape[0] - chunk + 1, chunk):\n        r = trace(source, tokens[lo : lo + chunk]",
+        "    for lo in range(0, tokens.shape[0], chunk):\n        trace(source, tokens[lo : lo + chunk]",
+        "    for lo in range(0, tokens.shape[0] - chunk + 1, chunk):\n        trace(source, tokens[lo : lo + chunk]",
         "tests/analysis/causal/test_ablation.py::test_mean_ablation_equals_independent_forwards",
     ),
     "ablation mean: every head's mean z is its layer's first head's": (
         "analysis/causal/ablation.py",
-        'return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])',
-        'return torch.stack([r["z", l][:, :, 0].mean(dim=(0, 1)) for l, h in heads])',
+        "            total[rows] += z.index_select(2, cols).double().sum(dim=(0, 1))",
+        "            total[rows] += z[:, :, :1].double().sum(dim=(0, 1))",
         "tests/analysis/causal/test_ablation.py::test_mean_ablation_equals_independent_forwards",
     ),
     "ICL score: the late window ends one position before the late token": (

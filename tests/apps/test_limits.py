@@ -375,7 +375,9 @@ def test_a_tight_budget_splits_the_ablation_passes_and_measures_the_same(
         tight = plan()
     finally:
         D.set_memory_budget(None)
-    assert tight.text is not None and tight.text < sample.text.shape[0] and tight.mean is not None, tight
+    # the text's passes split; the mean's pass holds no logits (z summed as it goes, nothing unembedded): at
+    # this budget its sequences all fit at once (its chunks are tested in test_ablation.py)
+    assert tight.text is not None and tight.text < sample.text.shape[0], tight
     assert plan() == Ab.Chunks()  # without a budget (and memory free) every pass is whole
     rc, plain, _ = run_main(capsys, "ablate", trained, "--heads", "1.0", "--json")
     rc2, split, err = run_main(capsys, "ablate", trained, "--heads", "1.0", "--json", "--max-memory", least)

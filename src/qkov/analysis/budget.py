@@ -16,9 +16,9 @@ import torch
 
 from ..device import check_fits, memory_budget
 from ..model.config import ModelConfig
-from ..weights.parts import WeightSource
+from ..weights.parts import VOCAB_BLOCK, WeightSource
 
-__all__ = ["fit_chunk", "item", "layer_read_bytes", "Planned", "rows_per_chunk", "pass_bytes"]
+__all__ = ["fit_chunk", "item", "layer_read_bytes", "Planned", "rows_per_chunk", "pass_bytes", "TILE_BYTES"]
 
 
 def item(source: WeightSource) -> int:
@@ -35,6 +35,11 @@ def layer_read_bytes(source: WeightSource) -> int:
     return (4 * c.n_heads + 2 * c.kv_heads) * c.d_model * c.d_head * item(source)
 
 
+TILE_BYTES = 4 * 2**20
+"""The most float32 logits one tile of :func:`~qkov.analysis.forward.tiled_nll.tiled_nll` holds (a core's
+share of the second-level cache, about)."""
+
+
 def pass_bytes(
     source: WeightSource,
     batch: int,
@@ -44,13 +49,16 @@ def pass_bytes(
     patterns: bool = False,
     cached_patterns: bool = False,
     loss: bool = False,
+    tiled: bool = False,
 ) -> int:
     """Peak memory of one analysis forward pass (:func:`~qkov.analysis.forward.tracer.trace`) of ``batch``
     sequences of ``seq`` tokens: the stream and its normalised copies, queries, keys and values,
     one layer's attention (scores, masked scores and pattern when ``patterns`` are computed; fused
     attention otherwise), the MLP's hidden activations, the logits at ``logits`` positions (default:
     every position; the product and its sum with ``b_U``; with ``loss``, their float32 log-softmax
-    too), and every layer's pattern when ``cached_patterns``. Measured against the peak resident
+    too), and every layer's pattern when ``cached_patterns``. ``tiled``: the loss is read from the final
+    stream a tile of logits at a time (:func:`~qkov.analysis.forward.tiled_nll.pass_nll`): the kept final
+    stream and one tile with its log-softmax instead of the logits. Measured against the peak resident
     memory of a 4-layer, d_model-256, 8192-token model: 16 x 256 tokens with their loss 350 to
     430 MiB over runs (estimated 452), the repeated-token probe 59 MiB (estimated 107)."""
     c, it = source.cfg, item(source)
@@ -58,8 +66,12 @@ def pass_bytes(
     P = T if logits is None else logits
     M = (c.d_mlp or 0) * (3 if c.gated_mlp else 2)
     attn = B * H * T * T * (3 if patterns or cached_patterns else 0)
-    elems = 6 * B * T * D + 3 * B * H * T * E + attn + B * T * M + 2 * B * P * V  # the logits, and with b_U added
+    elems = 6 * B * T * D + 3 * B * H * T * E + attn + B * T * M
     elems += c.n_layers * B * H * T * T if cached_patterns else 0
+    if tiled:  # the final stream and its rows; a tile of float32 logits and its log-softmax
+        cols = min(V, VOCAB_BLOCK)
+        return (elems + 2 * B * T * D) * it + 2 * 4 * cols * min(B * T, max(1, TILE_BYTES // (4 * cols)))
+    elems += 2 * B * P * V  # the logits, and with b_U added
     return elems * it + (B * P * V * 4 if loss else 0)
 
 

@@ -162,6 +162,18 @@ def test_ablating_the_induction_head_removes_its_advantage_and_a_distractor_does
         assert "4 validation sequences" in (study.mean_sample or "")
 
 
+def test_each_random_set_of_a_mean_ablation_study_is_measured_with_its_own_means() -> None:
+    """The study takes every head's mean from one pass over the sample: each random set's measures are
+    those of a study of that set alone (which takes the means of its own heads)."""
+    w = Weights.from_model(hand_built())
+    text = natural_text(4)
+    study = Ab.ablation_study(w, text, [(1, 0)], mode="mean", draws=3)
+    assert len(study.random) == 3
+    for heads, got in zip(study.random_heads, study.random):
+        alone = Ab.ablation_study(w, text, heads, mode="mean", draws=0).ablated
+        assert got == alone, heads
+
+
 def test_icl_removed_is_the_share_of_the_intact_improvement() -> None:
     m = lambda icl: Ab.Measures(1.0, icl, 5.0, 1.0)  # noqa: E731
     s = Ab.AblationStudy(["1.0"], "mean", None, m(-0.2), m(-0.05), [["0.1"], ["1.1"]], [m(-0.2), m(-0.1)])

@@ -25,13 +25,13 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...device import check_fits
+from ...device import check_fits, tune_cpu_allocator
 from ...errors import QkovError
-from ...model.ops import next_token_nll
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source, source_bos
 from ..budget import fit_chunk, item, pass_bytes
 from ..forward.edits import per_position
+from ..forward.tiled_nll import pass_nll
 from ..forward.tracer import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
 from ...progress import Progress, tick
@@ -66,20 +66,27 @@ PROBE_LENGTH = 50  # tokens per copy of the repeated-token probe the measures ru
 
 def z_means(source: SourceLike, tokens: Tensor, heads: Sequence[HeadLike], *, chunk: int | None = None) -> Tensor:
     """Each head's ``z`` averaged over every position of ``tokens [B, T]``: ``[len(heads), d_head]``
-    (its mean output is this times its ``W_O``); ``chunk`` sequences per forward pass (default all)."""
+    (its mean output is this times its ``W_O``); ``chunk`` sequences per forward pass (default all). The sums
+    are taken in float64 as each layer's ``z`` is computed (nothing is kept), and the pass stops after the
+    last layer read."""
     source = as_source(source, where="qkov.z_means")
     heads = [(a.layer, a.head) for a in parse_heads(heads, source.cfg, "ablate")]
-    layers = sorted({l for l, _ in heads})
+    total = torch.zeros(len(heads), source.cfg.d_head, dtype=torch.float64, device=source.device)
+
+    def summed(layer: int) -> Callable[[Tensor, Any], Tensor]:
+        rows = [i for i, (l, _) in enumerate(heads) if l == layer]
+        cols = torch.tensor([heads[i][1] for i in rows], device=source.device)
+
+        def add(z: Tensor, site: Any) -> Tensor:  # z [B, T, H, E]: observed, unchanged
+            total[rows] += z.index_select(2, cols).double().sum(dim=(0, 1))
+            return z
+
+        return add
+
+    edits = {("z", layer): summed(layer) for layer in sorted({l for l, _ in heads})}
     chunk = chunk or tokens.shape[0]
-    if chunk >= tokens.shape[0]:
-        r = trace(source, tokens, cache=[("z", l) for l in layers], logits=False)
-        return torch.stack([r["z", l][:, :, h].mean(dim=(0, 1)) for l, h in heads])
-    total = None
     for lo in range(0, tokens.shape[0], chunk):
-        r = trace(source, tokens[lo : lo + chunk], cache=[("z", l) for l in layers], logits=False)
-        part = torch.stack([r["z", l][:, :, h].double().sum(dim=(0, 1)) for l, h in heads])
-        total = part if total is None else total + part
-    assert total is not None
+        trace(source, tokens[lo : lo + chunk], edits=edits, logits=False)
     return (total / (tokens.shape[0] * tokens.shape[1])).to(source.dtype)
 
 
@@ -92,7 +99,7 @@ def sequence_losses(
     parts = []
     for lo in range(0, text.shape[0], chunk):
         part = text[lo : lo + chunk]
-        parts.append(next_token_nll(trace(source, part, edits=edits).logits, part))
+        parts.append(pass_nll(source, part, edits=edits))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -132,21 +139,20 @@ def ablation_budget(
 
     own = getattr(source, "bos_token_id", None)  # a planned source may carry none: only the probe's shape counts here
     probe = _probe_tokens(source, bos if bos is not None else (0 if own is None else own), seed, probe_length)
-    need = pass_bytes(source, *probe.shape, cached_patterns=True, loss=True)
+    need = pass_bytes(source, *probe.shape, loss=True)  # its induction attention read at its entries: no pattern kept
     if probe_length is not None:
         check_fits(need, source.device, f"{what} the repeated-token probe", advice, hint="memory")
     mean = text_chunk = icl = None
     if mode == "mean":
         on = text if text is not None else probe
         T = on.shape[1]
-        z = c.n_layers * T * c.n_heads * c.d_head * it  # the cached z of one sequence
-        mean = split(on, pass_bytes(source, 1, T) + z, f"one {T}-token sequence (the mean)")
+        mean = split(on, pass_bytes(source, 1, T, logits=0), f"one {T}-token sequence (the mean)")  # z summed, no logits
     if text is not None and mode == "resample":  # its sequences swap outputs: the batch is one pass
-        need = pass_bytes(source, *text.shape, loss=True)
+        need = pass_bytes(source, *text.shape, tiled=True)
         check_fits(need, source.device, f"{what} {text.shape[0]} x {text.shape[1]} tokens", advice, hint="memory")
     elif text is not None:
         T = text.shape[1]
-        text_chunk = split(text, pass_bytes(source, 1, T, loss=True), f"one {T}-token sequence")
+        text_chunk = split(text, pass_bytes(source, 1, T, tiled=True), f"one {T}-token sequence")
     if icl_text is not None and icl_left_out(icl_text.shape[1], c.n_ctx) is None:
         T = min(icl_text.shape[1], ICL_LATE + 2)
         width = len(torch.cat(icl_windows(T)[2:]).unique())  # the positions the score unembeds
@@ -352,6 +358,8 @@ def ablation_study(
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
     length, why = probe_plan(w.cfg.n_ctx, positions)
     chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed, probe_length=length)  # before any work
+    if w.in_memory:  # each pass's large buffers reused, not faulted in afresh (a streamed model's
+        tune_cpu_allocator()  # weights, read in many sizes, would grow the kept heap)
     mean_on = text if text is not None else _probe_tokens(w, bos, seed, length)
     sample = None
     if mode == "mean":
@@ -361,8 +369,15 @@ def ablation_study(
             else f"every position of {mean_on.shape[0]} sequences of repeated random tokens"
         )
 
+    every = [Address.of_head(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads)]
+    picks = random_sets([a for a in every if a not in heads], len(heads), draws, seed)
+    mean_of: dict[Address, Tensor] = {}
+    if mode == "mean":  # every head's mean from one pass over the sample (the numbers of a pass per set)
+        union = list(dict.fromkeys([*heads, *(a for pick in picks for a in pick)]))
+        mean_of = dict(zip(union, z_means(w, mean_on, union, chunk=chunks.mean)))
+
     def measure(hs: list[Address]) -> Measures:
-        means = z_means(w, mean_on, hs, chunk=chunks.mean) if mode == "mean" else None
+        means = torch.stack([mean_of[a] for a in hs]) if mode == "mean" else None
         edits = ablation_edits(hs, mode, positions=positions, means=means, seed=seed)
         return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits, chunks=chunks, probe_length=length)
 
@@ -370,8 +385,7 @@ def ablation_study(
     study = AblationStudy([a.name for a in heads], mode, sample, intact, measure(heads))
     study.positions, study.probe_length = describe_positions(positions), length
     study.left_out = measures_left_out(w.cfg.n_ctx, text, icl_text) | ({} if why is None else {"repeated": why})
-    every = [Address.of_head(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads)]
-    for pick in random_sets([a for a in every if a not in heads], len(heads), draws, seed):
+    for pick in picks:
         study.random_heads.append([a.name for a in pick])
         study.random.append(measure(pick))
     return study
@@ -494,7 +508,7 @@ def _sweep_group(
     loss = icl = first = second = [None] * G  # type: ignore[list-item]
     if text is not None:
         tiled = text.repeat(G, 1)
-        loss = _by_block(next_token_nll(trace(w, tiled, edits=edits_of(text.shape[0])).logits, tiled), G).tolist()
+        loss = _by_block(pass_nll(w, tiled, edits=edits_of(text.shape[0])), G).tolist()
     if icl_text is not None and icl_left_out(icl_text.shape[1], w.cfg.n_ctx) is None:
         ex = icl_text[:, : ICL_LATE + 2].repeat(G, 1)
         _, _, early_at, late_at = icl_windows(ex.shape[1])
@@ -505,7 +519,7 @@ def _sweep_group(
         icl = (_by_block(nll[:, late], G) - _by_block(nll[:, early], G)).tolist()
     if probe is not None:
         tiled = probe.repeat(G, 1)
-        nll = next_token_nll(trace(w, tiled, edits=edits_of(probe.shape[0])).logits, tiled)
+        nll = pass_nll(w, tiled, edits=edits_of(probe.shape[0]))
         L = (probe.shape[1] - 1) // 2
         first = _by_block(nll[:, 1:L], G).tolist()
         second = _by_block(nll[:, L + 1 : 2 * L], G).tolist()
@@ -541,12 +555,14 @@ def ablation_sweep(
     heads = parse_heads(heads, c, "ablate")
     length, why = probe_plan(c.n_ctx, positions)
     chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed, probe_length=length)
+    if w.in_memory:  # as ablation_study
+        tune_cpu_allocator()
     probe = None if length is None else _probe_tokens(w, bos, seed, length).to(w.device)
     mean_on = text if text is not None else _probe_tokens(w, bos, seed, length or PROBE_LENGTH).to(w.device)
     means = z_means(w, mean_on, heads, chunk=chunks.mean) if mode == "mean" else None
     inputs = [t for t in (text, icl_text, probe) if t is not None]
     B, T = max(t.shape[0] for t in inputs), max(t.shape[1] for t in inputs)  # the largest pass, per head
-    sequences = fit_chunk(w, len(heads) * B, pass_bytes(w, 1, T, loss=True), 0, "ablate: one head's pass", "ablate fewer heads")
+    sequences = fit_chunk(w, len(heads) * B, pass_bytes(w, 1, T, tiled=True), 0, "ablate: one head's pass", "ablate fewer heads")
     G = max(1, sequences // B)  # heads per forward pass
     intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length)
     out: list[Measures] = []

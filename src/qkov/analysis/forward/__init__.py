@@ -4,7 +4,8 @@ source, every activation through a named site that can be read or written.
 Order inside: :mod:`.address` (:class:`Address`: a site, a head, an edge; the one head parser) <
 :mod:`.sites` (the declarative table of site kinds) < :mod:`.edits`
 (what a pass writes) < :mod:`.cache` (:class:`Trace`, what it recorded, and the residual stream
-taken apart on it) < :mod:`.tracer` (:func:`trace`, the pass) < :mod:`.frozen` (a pass held at
+taken apart on it) < :mod:`.tracer` (:func:`trace`, the pass) < :mod:`.tiled_nll` (the next-token loss from
+the final stream a tile of logits at a time, :func:`pass_nll`) and :mod:`.frozen` (a pass held at
 another's patterns, divisors and MLP outputs: what the path expansion freezes) and :mod:`.lens`
 (TransformerLens' ``run_with_cache`` / ``run_with_hooks`` on it).
 """
@@ -16,6 +17,7 @@ from .sites import BY_NAME, COPIES, Kind, KINDS, Sites, HEAD_INPUTS
 from .edits import AT_ROWS, at_rows, Edit, EditFn, Edits, PER_POSITION, per_position, Site
 from .cache import accumulated, by_component, by_head, final_stream, Stack, Trace
 from .tracer import flops_per_token, trace
+from .tiled_nll import pass_nll, tiled_nll
 from .frozen import check_linear, frozen_edits, frozen_gate, frozen_sites, frozen_values, gated, head_terms, head_writes, read, sites_of
 from .lens import (
     cached_sites,
@@ -61,6 +63,8 @@ __all__ = [
     "Trace",
     "flops_per_token",
     "trace",
+    "pass_nll",
+    "tiled_nll",
     "check_linear",
     "frozen_edits",
     "frozen_gate",

@@ -24,8 +24,10 @@ queries, attention, output, MLP and stream only at those positions; the scores t
 With no logits asked (``logits=False``, or ``positions`` empty) the pass stops as soon as every site
 cached or edited has been computed: a recording of layer 5's pattern runs layers 0-4 and layer 5's
 attention up to its pattern, no MLP after it, no final normalisation, no unembedding (the values are
-the full pass's; tested). A bias of zeros (what a weights view holds for a model without one) is not
-added (:func:`qkov.model.ops.live_bias`). A streamed source (a memory-mapped
+the full pass's; tested); the ``final`` site asked without logits is the final normalisation's output, and
+nothing is unembedded (:func:`~qkov.analysis.forward.tiled_nll.pass_nll` reads the loss from it a tile at a
+time). A bias of zeros (what a weights view holds for a model without one) is not added
+(:func:`qkov.model.ops.live_bias`). A streamed source (a memory-mapped
 :class:`~qkov.weights.LazyCheckpoint`) is read as the pass goes: one layer's weights at a time, the embedding
 rows of the tokens present only, the unembedding a block of columns at a time (:func:`embedded`), so the pass
 holds one layer and never ``W_E`` or ``W_U`` whole (the values are the in-memory view's; tested). Differentiably
@@ -187,9 +189,12 @@ class _Pass(BlockPass):
         return 0, x
 
     def logits(self, x: Tensor, positions: Tensor | None) -> Tensor:
-        if positions is not None and len(positions) == 0:  # a metric that reads no logits: unembed nothing
-            return x.new_zeros(x.shape[0], 0, self.cfg.d_vocab if self.vocab is None else len(self.vocab))
         V = self.cfg.d_vocab
+        if positions is not None and len(positions) == 0:  # a metric that reads no logits: unembed nothing
+            if self.pending and ("final", None) in self.pending:  # but the final stream is asked: normalise
+                unemb = self.source.unembed(cols=slice(0, min(V, 1)))
+                self.normed("final", None, x, unemb.ln_w, unemb.ln_b)  # the last site asked: the pass ends here
+            return x.new_zeros(x.shape[0], 0, V if self.vocab is None else len(self.vocab))
         unemb = self.source.unembed(cols=slice(0, min(V, VOCAB_BLOCK)) if self.streamed else None)
         x = x if positions is None else x[:, positions.to(x.device)]
         final = self.normed("final", None, x, unemb.ln_w, unemb.ln_b)[0]

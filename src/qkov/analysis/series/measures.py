@@ -31,12 +31,12 @@ from ..circuits.copying import copying_bytes
 from ..heads.repeated import repeat_bytes
 from ..circuits.copying import copying_scores
 from ..circuits.composition import DEFAULT_WRITER_BYTES, composition_scores
+from ..forward.tiled_nll import tiled_nll
 from ..forward.tracer import trace
 from ..heads.entries import EntryWatch
 from ..heads.repeated import repeat_scores
 from ..heads.probes import icl_left_out, icl_score, induction_probe, prefix_matching_tokens
 from ..circuits.rotary import resolve_offsets
-from ...model.ops import next_token_nll
 
 __all__ = [
     "measure",
@@ -149,7 +149,9 @@ def text_pass(
     w: WeightSource, text: Tensor, *, scored: int | None = None, chunk: int | None = None, losses: bool = True
 ) -> tuple[Tensor | None, Tensor]:
     """One forward over ``text [B, T]``, ``chunk`` sequences at a time (default all): the next-token
-    losses ``[B, T-1]`` (``None`` with ``losses=False``: nothing is unembedded) and each head's
+    losses ``[B, T-1]`` (from the final stream, a tile of logits at a time:
+    :func:`~qkov.analysis.forward.tiled_nll.tiled_nll`; ``None`` with ``losses=False``: nothing is unembedded)
+    and each head's
     previous-token score on the first ``scored`` sequences (default all), ``[n_layers, n_heads]``
     (float64): the mean over those sequences and queries ``i >= 1`` of ``A[i, i-1]``, read at those
     entries alone from the attention kernel's log-sum-exp
@@ -166,7 +168,7 @@ def text_pass(
         total[layer] += entries[:rows].double().sum((0, 2))
 
     watch = EntryWatch(w.cfg.n_layers, queries, queries - 1, diagonal).edits()
-    none = torch.zeros(0, dtype=torch.long)  # no logits read: nothing is unembedded
+    none = torch.zeros(0, dtype=torch.long)  # no logits asked of the pass
     parts = []
     for start in range(0, B, chunk):
         part = text[start : start + chunk]
@@ -174,9 +176,9 @@ def text_pass(
         edits = watch if rows else None
         if not losses and not rows:
             continue
-        r = trace(w, part, edits=edits, positions=None if losses else none)
-        if losses:
-            parts.append(next_token_nll(r.logits, part))
+        r = trace(w, part, cache=["final"] if losses else [], edits=edits, positions=none)
+        if losses:  # from the final stream a tile of logits at a time: the [b, T, V] logits are never formed
+            parts.append(tiled_nll(w, r["final"], part))
     nll = (parts[0] if len(parts) == 1 else torch.cat(parts)) if losses else None
     return nll, total / (scored * (T - 1))
 
