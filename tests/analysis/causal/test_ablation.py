@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qkov import QkovError, trace
+from qkov.analysis import budget
 from qkov.analysis.causal import ablation as Ab
 from qkov.weights import Weights
 
@@ -172,6 +173,28 @@ def test_each_random_set_of_a_mean_ablation_study_is_measured_with_its_own_means
     for heads, got in zip(study.random_heads, study.random):
         alone = Ab.ablation_study(w, text, heads, mode="mean", draws=0).ablated
         assert got == alone, heads
+
+
+@pytest.mark.parametrize("mode,positions", [("zero", None), ("mean", "3:"), ("resample", None)])
+def test_the_ablated_passes_start_from_the_intact_streams_and_measure_the_same(
+    mode: str, positions: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each ablated text pass starts at its first ablated layer from the intact run's stream there: the
+    study's measures are those of passes from the first token (the streams not kept)."""
+    w = Weights.from_model(hand_built())
+    text = natural_text(4)
+    starts: list[object] = []
+    real = Ab.pass_nll
+    monkeypatch.setattr(Ab, "pass_nll", lambda *a, **k: starts.append(k.get("start_at")) or real(*a, **k))
+    got = Ab.ablation_study(w, text, [(1, 0)], mode=mode, draws=3, positions=positions)
+    assert [s[0] for s in starts if s is not None] == [1] * (1 + sum(h[0].startswith("1.") for h in got.random_heads))
+    monkeypatch.setattr(budget, "KEEP_STREAMS_BYTES", 0)
+    starts.clear()
+    want = Ab.ablation_study(w, text, [(1, 0)], mode=mode, draws=3, positions=positions)
+    assert starts == [None] * 5 and got.random_heads == want.random_heads
+    for a, b in zip([got.intact, got.ablated, *got.random], [want.intact, want.ablated, *want.random]):
+        assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=1e-7)
+        assert (a.icl, a.repeat_first, a.repeat_second) == (b.icl, b.repeat_first, b.repeat_second)
 
 
 def test_icl_removed_is_the_share_of_the_intact_improvement() -> None:

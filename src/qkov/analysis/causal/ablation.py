@@ -29,9 +29,9 @@ from ...device import check_fits, tune_cpu_allocator
 from ...errors import QkovError
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source, source_bos
-from ..budget import fit_chunk, item, pass_bytes
+from ..budget import fit_chunk, item, keeps_streams, pass_bytes
 from ..forward.edits import per_position
-from ..forward.tiled_nll import pass_nll
+from ..forward.tiled_nll import pass_nll, tiled_nll
 from ..forward.tracer import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
 from ...progress import Progress, tick
@@ -91,15 +91,28 @@ def z_means(source: SourceLike, tokens: Tensor, heads: Sequence[HeadLike], *, ch
 
 
 def sequence_losses(
-    source: WeightSource, text: Tensor, *, chunk: int | None = None, edits: dict[Any, Any] | None = None
+    source: WeightSource,
+    text: Tensor,
+    *,
+    chunk: int | None = None,
+    edits: dict[Any, Any] | None = None,
+    keep: list[Tensor] | None = None,
+    start: tuple[int, list[Tensor]] | None = None,
 ) -> Tensor:
-    """Next-token losses ``[B, T - 1]`` of ``text [B, T]`` (with ``edits``), ``chunk`` sequences
-    per forward pass (default all: one pass)."""
+    """Next-token losses ``[B, T - 1]`` of ``text [B, T]`` (with ``edits``), ``chunk`` sequences per forward
+    pass (default all: one pass). ``keep``: a list that receives each pass's stream entering every layer
+    (``[n_layers, chunk, T, d_model]``). ``start``: ``(layer, streams)``, each pass from ``layer`` on, from its
+    stream there in ``streams`` (so kept, same ``chunk``; for edits of that layer and later: the same losses)."""
     chunk = chunk or text.shape[0]
     parts = []
-    for lo in range(0, text.shape[0], chunk):
-        part = text[lo : lo + chunk]
-        parts.append(pass_nll(source, part, edits=edits))
+    for i, lo in enumerate(range(0, text.shape[0], chunk)):
+        part, at = text[lo : lo + chunk], None if start is None or not start[0] else (start[0], start[1][i][start[0]])
+        if keep is None:
+            parts.append(pass_nll(source, part, edits=edits, start_at=at))
+            continue
+        out = trace(source, part, cache=["final", "resid_pre.*"], edits=edits, logits=False, start_at=at)
+        keep.append(out.stack("resid_pre"))
+        parts.append(tiled_nll(source, out["final"], out.tokens))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
@@ -236,13 +249,17 @@ def measures(
     edits: dict[Any, Any] | None = None,
     chunks: Chunks = Chunks(),
     probe_length: int | None = PROBE_LENGTH,
+    keep: list[Tensor] | None = None,
+    start: tuple[int, list[Tensor]] | None = None,
 ) -> Measures:
     """Loss on ``text [B, T]``, ICL score on ``icl_text [N, T]`` (``None``: not measured) and the
     repeated-token losses (:func:`~qkov.analysis.heads.probes.induction_probe`, seeded), every forward
     pass with ``edits``, the text and ICL examples ``chunks`` sequences at a time; ``bos=None``: the
-    source's start token; ``probe_length`` tokens per copy of the probe (``None``: no probe)."""
+    source's start token; ``probe_length`` tokens per copy of the probe (``None``: no probe). ``keep``, ``start``:
+    the text's passes keep their streams, or start from kept ones (:func:`sequence_losses`)."""
     source = as_source(source, where="qkov.analysis.causal.ablation.measures")
-    loss = None if text is None else float(sequence_losses(source, text, chunk=chunks.text, edits=edits).mean())
+    nll = None if text is None else sequence_losses(source, text, chunk=chunks.text, edits=edits, keep=keep, start=start)
+    loss = None if nll is None else float(nll.mean())
     icl = None
     if icl_text is not None and icl_left_out(icl_text.shape[1], source.cfg.n_ctx) is None:
         icl = icl_score(source, icl_text, curve=False, edits=edits, chunk=chunks.icl).score
@@ -376,12 +393,15 @@ def ablation_study(
         union = list(dict.fromkeys([*heads, *(a for pick in picks for a in pick)]))
         mean_of = dict(zip(union, z_means(w, mean_on, union, chunk=chunks.mean)))
 
+    kept: list[Tensor] | None = [] if keeps_streams(w, text) else None  # the intact run's, to start from
+
     def measure(hs: list[Address]) -> Measures:
         means = torch.stack([mean_of[a] for a in hs]) if mode == "mean" else None
         edits = ablation_edits(hs, mode, positions=positions, means=means, seed=seed)
-        return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits, chunks=chunks, probe_length=length)
+        start = None if kept is None else (min(a.layer for a in hs), kept)  # type: ignore[type-var]
+        return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits, chunks=chunks, probe_length=length, start=start)
 
-    intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length)
+    intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length, keep=kept)
     study = AblationStudy([a.name for a in heads], mode, sample, intact, measure(heads))
     study.positions, study.probe_length = describe_positions(positions), length
     study.left_out = measures_left_out(w.cfg.n_ctx, text, icl_text) | ({} if why is None else {"repeated": why})

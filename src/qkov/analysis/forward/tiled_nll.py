@@ -12,7 +12,7 @@ float rounding with several (their log-sum-exps are combined; tested). :func:`pa
 loss, the way every whole-text loss of the ablations and of ``dynamics`` is computed.
 
 Measured on this project's 2-core CPU: the tour model's 16 x 256-token text (vocabulary 1024), pass and loss
-29 -> 18 ms; ``qkov ablate`` at GPT-2-small shape, 7.7 -> 2.7 GiB peak.
+29 -> 18 ms; ``qkov ablate`` at GPT-2-small shape, 368 -> 306 s and 7.7 -> 2.3 GiB (this alone).
 """
 
 from __future__ import annotations
@@ -66,12 +66,19 @@ def tiled_nll(source: WeightSource, final: Tensor, tokens: Tensor) -> Tensor:
     return nll.reshape(B, T - 1)
 
 
-def pass_nll(source: WeightSource, tokens: Tensor, *, edits: Mapping[Any, Any] | None = None) -> Tensor:
+def pass_nll(
+    source: WeightSource,
+    tokens: Tensor,
+    *,
+    edits: Mapping[Any, Any] | None = None,
+    start_at: tuple[int, Tensor] | None = None,
+) -> Tensor:
     """The next-token losses ``[B, T - 1]`` of one pass of :func:`~qkov.analysis.forward.tracer.trace` over
-    ``tokens [B, T]`` with ``edits``: :func:`tiled_nll` on the pass's final stream, or, when an edit writes
-    (or watches) the ``logits`` site, :func:`~qkov.model.ops.next_token_nll` on the whole logits."""
+    ``tokens [B, T]`` with ``edits`` (from ``start_at``, as ``trace`` takes it): :func:`tiled_nll` on the pass's
+    final stream, or, when an edit writes (or watches) the ``logits`` site,
+    :func:`~qkov.model.ops.next_token_nll` on the whole logits."""
     keys = list(edits or ())
     if any(a.kind == "logits" for a in Sites(source.cfg, source.norm).resolve_all(keys)):
-        return next_token_nll(trace(source, tokens, edits=edits).logits, tokens)
-    out = trace(source, tokens, cache=["final"], edits=edits, logits=False)
+        return next_token_nll(trace(source, tokens, edits=edits, start_at=start_at).logits, tokens)
+    out = trace(source, tokens, cache=["final"], edits=edits, logits=False, start_at=start_at)
     return tiled_nll(source, out["final"], out.tokens)
