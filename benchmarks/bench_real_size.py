@@ -9,8 +9,8 @@ one standard-library module (``argparse.py``, ~26k tokens with that tokenizer).
 Each command runs with its default flags in its own process (``qkov circuits DIR``,
 ``heads DIR --text F``, ``paths DIR --text F``, ``trigrams DIR --head 5.1``, ``report DIR -o OUT
 --text F``, ``ablate DIR --heads 5.1,9.4 --text F``: intact, ablated and five random draws, each on the
-text's 16 x 1024 tokens, the ICL score and the repeated-token probe); the process reports its wall time and its peak RSS (``ru_maxrss``: resident pages,
-the memory-mapped weights included). Beside them, in its own process, TransformerLens 3.9 on the
+text's 16 x 1024 tokens, the ICL score and the repeated-token probe); the process reports its wall time and
+its peak RSS (``ru_maxrss``: resident pages, the memory-mapped weights included). Beside them, in its own process, TransformerLens 3.9 on the
 same weights: load (``convert_gpt2_weights`` + ``load_and_process_state_dict``), ``run_with_cache``
 on the same two 1024-token rows ``qkov heads`` scores, and ``detect_head`` for its three built-in
 patterns (previous-token, duplicate-token, induction) on the first row; and qkov doing that same

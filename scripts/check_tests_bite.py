@@ -72,8 +72,8 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
     ),
     "tiled loss: an edit of the logits ignored (the final stream unembedded instead)": (
         "analysis/forward/tiled_nll.py",
-        '    if any(a.kind == "logits" for a in',
-        '    if any(a.kind == "no-such-kind" for a in',
+        '    whole = any(a.kind == "logits" for a in',
+        '    whole = any(a.kind == "no-such-kind" for a in',
         "tests/analysis/forward/test_tiled_nll.py::test_an_edit_of_the_logits_is_honoured",
     ),
     "tiled loss: the final stream asked without logits never computed": (

@@ -20,7 +20,7 @@ from ..model.config import ModelConfig
 from ..weights.parts import VOCAB_BLOCK, WeightSource
 
 __all__ = [
-    "fit_chunk", "item", "keeps_streams", "KEEP_STREAMS_BYTES", "layer_read_bytes", "Planned", "rows_per_chunk", "pass_bytes",
+    "fit_chunk", "item", "keeps_streams", "KEEP_STREAMS_BYTES", "layer_read_bytes", "nll_tile", "Planned", "rows_per_chunk", "pass_bytes",
     "TILE_BYTES",
 ]  # fmt: skip
 
@@ -42,6 +42,14 @@ def layer_read_bytes(source: WeightSource) -> int:
 TILE_BYTES = 4 * 2**20
 """The most float32 logits one tile of :func:`~qkov.analysis.forward.tiled_nll.tiled_nll` holds (a core's
 share of the second-level cache, about)."""
+
+
+def nll_tile(d_vocab: int, item_bytes: int = 4) -> tuple[int, int]:
+    """``(rows, columns)`` of one tile of :func:`~qkov.analysis.forward.tiled_nll.tiled_nll`'s logits: a block of
+    :data:`~qkov.weights.parts.VOCAB_BLOCK` vocabulary columns (or the whole vocabulary) and the rows that fill
+    :data:`TILE_BYTES` at ``item_bytes`` per logit."""
+    cols = min(d_vocab, VOCAB_BLOCK)
+    return max(1, TILE_BYTES // (item_bytes * cols)), cols
 
 
 def pass_bytes(
@@ -73,8 +81,8 @@ def pass_bytes(
     elems = 6 * B * T * D + 3 * B * H * T * E + attn + B * T * M
     elems += c.n_layers * B * H * T * T if cached_patterns else 0
     if tiled:  # the final stream and its rows; a tile of float32 logits and its log-softmax
-        cols = min(V, VOCAB_BLOCK)
-        return (elems + 2 * B * T * D) * it + 2 * 4 * cols * min(B * T, max(1, TILE_BYTES // (4 * cols)))
+        rows, cols = nll_tile(V)
+        return (elems + 2 * B * T * D) * it + 2 * 4 * cols * min(B * T, rows)
     elems += 2 * B * P * V  # the logits, and with b_U added
     return elems * it + (B * P * V * 4 if loss else 0)
 

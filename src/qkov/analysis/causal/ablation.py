@@ -31,7 +31,7 @@ from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source, source_bos
 from ..budget import fit_chunk, item, keeps_streams, pass_bytes
 from ..forward.edits import per_position
-from ..forward.tiled_nll import pass_nll, tiled_nll
+from ..forward.tiled_nll import pass_nll
 from ..forward.tracer import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
 from ...progress import Progress, tick
@@ -106,13 +106,8 @@ def sequence_losses(
     chunk = chunk or text.shape[0]
     parts = []
     for i, lo in enumerate(range(0, text.shape[0], chunk)):
-        part, at = text[lo : lo + chunk], None if start is None or not start[0] else (start[0], start[1][i][start[0]])
-        if keep is None:
-            parts.append(pass_nll(source, part, edits=edits, start_at=at))
-            continue
-        out = trace(source, part, cache=["final", "resid_pre.*"], edits=edits, logits=False, start_at=at)
-        keep.append(out.stack("resid_pre"))
-        parts.append(tiled_nll(source, out["final"], out.tokens))
+        at = None if start is None or not start[0] else (start[0], start[1][i][start[0]])
+        parts.append(pass_nll(source, text[lo : lo + chunk], edits=edits, start_at=at, keep=keep))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 

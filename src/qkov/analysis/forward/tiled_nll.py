@@ -24,11 +24,12 @@ from torch import Tensor
 
 from ...model.ops import live_bias, next_token_nll
 from .. import budget
-from ...weights.parts import VOCAB_BLOCK, WeightSource
+from ...weights.parts import WeightSource
 from .sites import Sites
-from .tracer import trace
+from .tracer import trace, vocab_blocks
 
 __all__ = ["pass_nll", "tiled_nll"]
+
 
 def tiled_nll(source: WeightSource, final: Tensor, tokens: Tensor) -> Tensor:
     """Position ``i``'s loss predicting token ``i + 1``, ``[B, T - 1]``, from the final stream ``final [B, T, D]``
@@ -40,9 +41,8 @@ def tiled_nll(source: WeightSource, final: Tensor, tokens: Tensor) -> Tensor:
     target = tokens[:, 1:].reshape(-1).to(final.device)
     N = x.shape[0]
     dtype = torch.float64 if final.dtype == torch.float64 else torch.float32
-    cols = min(V, VOCAB_BLOCK)
-    rows = max(1, budget.TILE_BYTES // (torch.finfo(dtype).bits // 8 * cols))
-    blocks = [slice(lo, min(V, lo + cols)) for lo in range(0, V, cols)]
+    rows, _ = budget.nll_tile(V, torch.finfo(dtype).bits // 8)
+    blocks = list(vocab_blocks(V))
     lse = torch.empty(N, len(blocks), dtype=dtype, device=final.device)  # each block's log-sum-exp
     nll = torch.empty(N, dtype=dtype, device=final.device)  # minus the target's log-probability
     for j, block in enumerate(blocks):
@@ -72,13 +72,17 @@ def pass_nll(
     *,
     edits: Mapping[Any, Any] | None = None,
     start_at: tuple[int, Tensor] | None = None,
+    keep: list[Tensor] | None = None,
 ) -> Tensor:
     """The next-token losses ``[B, T - 1]`` of one pass of :func:`~qkov.analysis.forward.tracer.trace` over
     ``tokens [B, T]`` with ``edits`` (from ``start_at``, as ``trace`` takes it): :func:`tiled_nll` on the pass's
     final stream, or, when an edit writes (or watches) the ``logits`` site,
-    :func:`~qkov.model.ops.next_token_nll` on the whole logits."""
+    :func:`~qkov.model.ops.next_token_nll` on the whole logits. ``keep``: a list that receives the pass's stream
+    entering every layer, ``[n_layers, B, T, d_model]``."""
     keys = list(edits or ())
-    if any(a.kind == "logits" for a in Sites(source.cfg, source.norm).resolve_all(keys)):
-        return next_token_nll(trace(source, tokens, edits=edits, start_at=start_at).logits, tokens)
-    out = trace(source, tokens, cache=["final"], edits=edits, logits=False, start_at=start_at)
-    return tiled_nll(source, out["final"], out.tokens)
+    whole = any(a.kind == "logits" for a in Sites(source.cfg, source.norm).resolve_all(keys))
+    streams = [] if keep is None else ["resid_pre.*"]
+    out = trace(source, tokens, cache=streams + ([] if whole else ["final"]), edits=edits, logits=whole, start_at=start_at)
+    if keep is not None:
+        keep.append(out.stack("resid_pre"))
+    return next_token_nll(out.logits, out.tokens) if whole else tiled_nll(source, out["final"], out.tokens)

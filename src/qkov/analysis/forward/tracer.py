@@ -62,7 +62,7 @@ from .cache import Trace
 from .edits import AT_ROWS, PER_POSITION, Edit, Edits
 from .sites import Address, Sites
 
-__all__ = ["embedded", "flops_per_token", "ROW_SITES", "trace"]
+__all__ = ["embedded", "flops_per_token", "ROW_SITES", "trace", "vocab_blocks"]
 
 ROW_SITES = ("q", "z", "mlp_input", "mlp_out", "resid_post")  # last-layer sites an at_rows edit may take at the positions
 
@@ -215,7 +215,7 @@ class _Pass(BlockPass):
         (``first``: the first block, already read), into one ``[B, P, V]`` tensor."""
         V, parts = self.cfg.d_vocab, []
         logits = None if self.grad else final.new_empty(*final.shape[:-1], V)
-        for cols in _vocab_blocks(V):
+        for cols in vocab_blocks(V):
             part = first if cols.start == 0 else self.source.unembed(cols=cols)
             block = final @ part.W_U
             b_U = live_bias(part.b_U)
@@ -236,7 +236,7 @@ class _Pass(BlockPass):
             blocks = [(torch.arange(len(vocab), device=vocab.device), first, vocab)]
         else:
             blocks = []
-            for cols in _vocab_blocks(self.cfg.d_vocab):
+            for cols in vocab_blocks(self.cfg.d_vocab):
                 inside = ((vocab >= cols.start) & (vocab < cols.stop)).nonzero()[:, 0]
                 if len(inside):
                     part = first if cols.start == 0 else self.source.unembed(cols=cols)
@@ -303,13 +303,13 @@ class _StreamedUnembed(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
         state = ctx.state
         out = None
-        for cols in _vocab_blocks(state.cfg.d_vocab):
+        for cols in vocab_blocks(state.cfg.d_vocab):
             part = grad[..., cols] @ state.source.unembed(cols=cols).W_U.T
             out = part if out is None else out.add_(part)
         return out, None, None
 
 
-def _vocab_blocks(V: int) -> Iterable[slice]:
+def vocab_blocks(V: int) -> Iterable[slice]:
     """The vocabulary's columns, :data:`VOCAB_BLOCK` at a time: how a streamed source's ``W_U`` is read."""
     return (slice(lo, min(V, lo + VOCAB_BLOCK)) for lo in range(0, V, VOCAB_BLOCK))
 

@@ -31,7 +31,7 @@ from ..circuits.copying import copying_bytes
 from ..heads.repeated import repeat_bytes
 from ..circuits.copying import copying_scores
 from ..circuits.composition import DEFAULT_WRITER_BYTES, composition_scores
-from ..forward.tiled_nll import tiled_nll
+from ..forward.tiled_nll import pass_nll
 from ..forward.tracer import trace
 from ..heads.entries import EntryWatch
 from ..heads.repeated import repeat_scores
@@ -168,7 +168,6 @@ def text_pass(
         total[layer] += entries[:rows].double().sum((0, 2))
 
     watch = EntryWatch(w.cfg.n_layers, queries, queries - 1, diagonal).edits()
-    none = torch.zeros(0, dtype=torch.long)  # no logits asked of the pass
     parts = []
     for start in range(0, B, chunk):
         part = text[start : start + chunk]
@@ -176,9 +175,10 @@ def text_pass(
         edits = watch if rows else None
         if not losses and not rows:
             continue
-        r = trace(w, part, cache=["final"] if losses else [], edits=edits, positions=none)
         if losses:  # from the final stream a tile of logits at a time: the [b, T, V] logits are never formed
-            parts.append(tiled_nll(w, r["final"], part))
+            parts.append(pass_nll(w, part, edits=edits))
+        else:
+            trace(w, part, edits=edits, logits=False)
     nll = (parts[0] if len(parts) == 1 else torch.cat(parts)) if losses else None
     return nll, total / (scored * (T - 1))
 
