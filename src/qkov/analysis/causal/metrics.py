@@ -95,7 +95,7 @@ class LogitDiff(Metric):
     def narrowed(self) -> tuple[Tensor, Metric] | None:
         """The correct and incorrect ids, and this difference on logits holding those alone (not for a subclass
         that computes its value another way: it says for itself)."""
-        if type(self).__call__ is not LogitDiff.__call__:
+        if not computes_as(self, LogitDiff, "__call__"):
             return None
         vocab, (correct, incorrect) = narrow_ids(self.correct, self.incorrect)
         return vocab, replace(self, correct=correct, incorrect=incorrect)
@@ -235,6 +235,13 @@ def _column(t: Any, logits: Tensor) -> Tensor:
     if bool(((ids < 0) | (ids >= logits.shape[-1])).any()):
         raise QkovError(f"metric: token ids must be in 0..{logits.shape[-1] - 1}")
     return ids.expand(logits.shape[0], 1)
+
+
+def computes_as(metric: Metric, cls: type, *methods: str) -> bool:
+    """Whether ``metric`` computes its value with ``cls``'s own ``methods`` (none overridden by a subclass): what
+    a class's :meth:`Metric.narrowed` asks before narrowing, since a subclass computing its value another way
+    says for itself."""
+    return all(getattr(type(metric), m) is getattr(cls, m) for m in methods)
 
 
 def narrow_ids(*ids: Any) -> tuple[Tensor, list[Tensor]]:

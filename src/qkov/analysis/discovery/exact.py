@@ -189,18 +189,18 @@ def _attention_out(
     kvs = sorted({h // group for h in qs})
     q0 = dict(zip(qs, HeadProjector(c.weights, l, "q", qs)(x, at, shared=True)))  # each [B, P, E]
     kv0 = {kind: dict(zip(kvs, HeadProjector(c.weights, l, kind, kvs)(x, at, shared=True))) for kind in "kv"}
+    base_kv = {g: [whole(i, g, kv0[s][g]) for i, s in enumerate("kv")] for g in kvs}  # after the past, once each
     W_O = c.weights.attention(l, expand_kv=False).W_O  # [H, E, D]
     for ks, slots, kind, new in made:
         for k, slot, patched in zip(ks, slots, new):
             hs = heads_of(kind, slot)
             g = hs[0] // group
             q = torch.stack([patched if kind == "q" else q0[h] for h in hs], 1)  # [B, n, P, E]
-            key, val = (whole(i, g, patched if kind == s else kv0[s][g]) for i, s in enumerate("kv"))
-            base_kv = [whole(i, g, kv0[s][g]) for i, s in enumerate("kv")]
+            key, val = (whole(i, g, patched) if kind == s else base_kv[g][i] for i, s in enumerate("kv"))
             n_heads = lambda t: t[:, :, None].expand(-1, -1, len(hs), -1, -1).flatten(0, 1)  # noqa: E731
             both = BlockPass.offset_attention(
                 torch.stack([q, torch.stack([q0[h] for h in hs], 1)]).flatten(0, 1),
-                n_heads(torch.stack([key, base_kv[0]])), n_heads(torch.stack([val, base_kv[1]])), at,
+                n_heads(torch.stack([key, base_kv[g][0]])), n_heads(torch.stack([val, base_kv[g][1]])), at,
             ).unflatten(0, (2, B))  # [2, B, n, P, E]: patched, base
             out[k] += torch.einsum("bnpe,ned->bpd", both[0] - both[1], W_O[hs])
     return out

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from ...errors import QkovError
-from ..causal.metrics import Metric, narrow_ids
+from ..causal.metrics import computes_as, Metric, narrow_ids
 from ..forward.cache import Trace
 
 __all__ = ["AnswerMetric", "METRICS", "Task", "TaskBatch"]
@@ -88,8 +88,7 @@ class AnswerMetric(Metric):
         """A logit difference reads its answers' and wrong answers' logits alone: those ids, and this metric on
         logits holding only them (:meth:`~qkov.analysis.causal.metrics.Metric.narrowed`); the other kinds take a
         softmax over the vocabulary (``None``)."""
-        own = all(getattr(type(self), n) is getattr(AnswerMetric, n) for n in ("__call__", "per_prompt"))
-        if self.kind != "logit-diff" or not own:  # a subclass computing its value another way says for itself
+        if self.kind != "logit-diff" or not computes_as(self, AnswerMetric, "__call__", "per_prompt"):
             return None
         vocab, (answers, wrong) = narrow_ids(self.answers, self.wrong)
         return vocab, replace(self, answers=answers, wrong=wrong)
