@@ -236,6 +236,7 @@ def test_the_allocator_keeps_freed_memory_for_a_model_in_memory_only(tmp_path, m
     heap by a layer's attention weights per layer (11 GB at Llama-3-8B shape, against 2.8 GB now)."""
     import qkov
     from qkov.analysis.discovery import Evaluator, Task, make_ablation as ablation_of
+    from qkov import device
     from qkov.analysis.discovery import evaluate, score
     from qkov.weights import LazyCheckpoint
 
@@ -248,9 +249,11 @@ def test_the_allocator_keeps_freed_memory_for_a_model_in_memory_only(tmp_path, m
     task = Task("t", clean, corrupted, torch.randint(0, 30, (3, 1), generator=g), torch.randint(0, 30, (3, 1), generator=g))
     for source, tuned in ((LazyCheckpoint(tmp_path / "ck"), False), (Weights.from_model(model), True)):
         calls: list[str] = []
-        monkeypatch.setattr(score, "tune_cpu_allocator", lambda: calls.append("score"))
-        monkeypatch.setattr(evaluate, "tune_cpu_allocator", lambda: calls.append("evaluate"))
+        monkeypatch.setattr(device, "tune_cpu_allocator", lambda: calls.append("tuned"))
+        for module in (score, evaluate):
+            asked = lambda s, name=module.__name__.rsplit(".", 1)[1]: (calls.append(name), device.tune_allocator_for(s))  # noqa: E731
+            monkeypatch.setattr(module, "tune_allocator_for", asked)
         edge_scores(source, task)
         graph = graph_of(source.cfg)
         Evaluator(source, graph, task, ablation_of(source, graph, task, "corrupted"))
-        assert calls == (["score", "evaluate"] if tuned else [])
+        assert calls == (["score", "tuned", "evaluate", "tuned"] if tuned else ["score", "evaluate"])

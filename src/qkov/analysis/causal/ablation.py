@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from ...device import check_fits, tune_cpu_allocator
+from ...device import check_fits, tune_allocator_for
 from ...errors import QkovError
 from ...weights.parts import WeightSource
 from ...weights.convert import SourceLike, as_source, source_bos
@@ -370,8 +370,7 @@ def ablation_study(
         raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
     length, why = probe_plan(w.cfg.n_ctx, positions)
     chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed, probe_length=length)  # before any work
-    if w.in_memory:  # each pass's large buffers reused, not faulted in afresh (a streamed model's
-        tune_cpu_allocator()  # weights, read in many sizes, would grow the kept heap)
+    tune_allocator_for(w)
     mean_on = text if text is not None else _probe_tokens(w, bos, seed, length)
     sample = None
     if mode == "mean":
@@ -570,8 +569,7 @@ def ablation_sweep(
     heads = parse_heads(heads, c, "ablate")
     length, why = probe_plan(c.n_ctx, positions)
     chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed, probe_length=length)
-    if w.in_memory:  # as ablation_study
-        tune_cpu_allocator()
+    tune_allocator_for(w)
     probe = None if length is None else _probe_tokens(w, bos, seed, length).to(w.device)
     mean_on = text if text is not None else _probe_tokens(w, bos, seed, length or PROBE_LENGTH).to(w.device)
     means = z_means(w, mean_on, heads, chunk=chunks.mean) if mode == "mean" else None

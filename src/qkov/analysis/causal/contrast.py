@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ...device import tune_cpu_allocator
+from ...device import tune_allocator_for
 from ...errors import QkovError
 from ...model.tokens import check_tokens
 from ...weights.convert import SourceLike, as_source
@@ -211,8 +211,7 @@ class Contrast:
         (:meth:`~qkov.analysis.causal.metrics.Metric.position_terms`) each copy is then unembedded from its own
         first change on, the base run's terms before it."""
         B, T = self.base.shape
-        if self.weights.in_memory:  # each pass's large buffers reused, not faulted in afresh (a streamed
-            tune_cpu_allocator()  # model's weights, read in many sizes, would grow the kept heap)
+        tune_allocator_for(self.weights)
         tokens = self.base.repeat(K, 1) if tokens is None else tokens
         whole = tokens
         start_at = None

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...device import tune_cpu_allocator
+from ...device import tune_allocator_for
 from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.parts import WeightSource
@@ -115,8 +115,7 @@ class Evaluator:
                 f"{WHERE}: patch-in restores the circuit on the corrupted run; it needs the corrupted ablation"
             )
         self.source, self.graph, self.task, self.ablation, self.variant = source, graph, task, ablation, variant
-        if source.in_memory:  # each pass's buffers reused, not faulted in afresh (not for a
-            tune_cpu_allocator()  # streamed model: its weights, read in many sizes, would grow the kept heap)
+        tune_allocator_for(source)
         self.max_bytes = max_bytes
         self.parts: list[tuple[float, Prepared]] = []
         self.clean = self.corrupted = 0.0

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from ...device import tune_cpu_allocator
+from ...device import tune_allocator_for
 from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.convert import SourceLike, as_source
@@ -54,8 +54,7 @@ def edge_scores(
     to patch (numbers or written forms; the others are NaN). ``batch``: prompt pairs per pass (default:
     what fits ``max_bytes``)."""
     w = as_source(source, where="qkov.edge_scores")
-    if w.in_memory:  # its large buffers reused, not faulted in afresh each pass; a streamed
-        tune_cpu_allocator()  # model's weights, read anew in many sizes each pass, would grow the kept heap
+    tune_allocator_for(w)
     graph = graph_of(w.cfg)
     if not isinstance(task, Task):
         raise QkovError(f"edge scores: expected a qkov Task, got {type(task).__name__} (load one with load_task)")

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ...device import check_fits, memory_budget
+from ...device import check_fits, memory_budget, tune_allocator_for
 from ...errors import QkovError
 from ...expect import token_ids
 from ...finite import finite
@@ -228,11 +228,11 @@ def head_report(
     chunk = chunk_size(source, text.shape[1], TEXT_CHUNK_BYTES if have is None else min(TEXT_CHUNK_BYTES, have))
     what = f"heads: scoring one layer's attention on {text.shape[1]}-token text"
     check_fits(chunk * sequence_bytes(source, text.shape[1]), source.device, what, "analyse shorter sequences")
+    tune_allocator_for(source)  # the passes below make the same large buffers again and again
     on_text = text_scores(source, text, chunk=chunk, progress=progress, recording=recording)
     length = min(25, (cfg.n_ctx - 1) // 4)
     rep = prefix_matching_tokens(source, length=length, seed=seed, bos=bos, frequencies=frequencies)
-    repeat = RepeatPass(source, rep, length)  # its copying reads each head's W_O W_U, which the
-    # copying scores below form anyway: handed over, not formed twice (GPT-2 small: 0.7 TFLOP)
+    repeat = RepeatPass(source, rep, length)  # reads the W_O W_U the copying scores form: handed over
     copying = copying_scores(
         source, diag_k=diag_k, diag_sample=diag_sample, seed=seed, progress=progress, on_head=repeat.copying
     ).heads
