@@ -32,6 +32,7 @@ from ... import ranks
 from ...progress import Progress, tick
 from ..forward.cache import Trace
 from ..forward.sites import Sites
+from ..forward.tiled_nll import pass_nll
 from ..forward.tracer import flops_per_token, trace
 from .entries import EntryWatch, edits_attention
 from ..shown import Shown
@@ -294,7 +295,7 @@ class ICLScore:
 ICL_TOKENS = 65536  # tokens the default ICL examples hold at most (256 of 256)
 ICL_FLOPS = 2 * 10**12  # ... and what their forward passes cost at most (16 examples for GPT-2 small)
 ICL_LATE = 500  # [I]'s late position: an example is read up to it, no further
-LOGIT_BYTES = 256 * 2**20  # logits held at once while the ICL curve is computed
+LOGIT_BYTES = 256 * 2**20  # logits held at once while the ICL score's windows are unembedded
 PASS_BYTES = 4 * 2**20
 """What one activation of a default ICL chunk takes at most (``[chunk, T, widest]``): blocks this small
 are reused by the C allocator from one pass to the next, where larger ones (above its 32 MiB ceiling)
@@ -304,12 +305,13 @@ examples of 256 tokens of a 2-layer model, the same numbers either way)."""
 
 def icl_chunk(cfg: Any, T: int, width: int, item: int) -> int:
     """Examples of ``T`` tokens one ICL pass runs by default when it unembeds ``width`` positions each
-    with ``item``-byte numbers: as many as keep their ``[chunk, width, d_vocab]`` logits within
-    :data:`LOGIT_BYTES` and their widest activation (``d_model``, ``n_heads x d_head`` or ``d_mlp`` per
-    position) within :data:`PASS_BYTES`; at least one. Chunking changes no number: every example's
-    losses are its own."""
+    with ``item``-byte numbers (``0``: it holds no logits, its losses tiled): as many as keep their
+    ``[chunk, width, d_vocab]`` logits within :data:`LOGIT_BYTES` and their widest activation (``d_model``,
+    ``n_heads x d_head`` or ``d_mlp`` per position) within :data:`PASS_BYTES`; at least one. Chunking
+    changes no number: every example's losses are its own."""
     widest = max(cfg.d_model, cfg.n_heads * cfg.d_head, cfg.d_mlp or 0)
-    return max(1, min(LOGIT_BYTES // (width * cfg.d_vocab * item), PASS_BYTES // (T * widest * item)))
+    passes = PASS_BYTES // (T * widest * item)
+    return max(1, passes if width == 0 else min(LOGIT_BYTES // (width * cfg.d_vocab * item), passes))
 
 
 def default_icl_examples(cfg: Any, most: int = 256) -> int:
@@ -376,10 +378,10 @@ def icl_score(
     uses its last predicted position (``T - 2``); positions after ``late`` are not run, and the
     returned curve ends there. Negative = later tokens are predicted
     better (the model learns in context). Examples run ``chunk`` at a time (default
-    :func:`icl_chunk`: their logits within :data:`LOGIT_BYTES`, each activation within
-    :data:`PASS_BYTES`). ``curve=False``
+    :func:`icl_chunk`: each activation within :data:`PASS_BYTES`; the curve's losses come from
+    :func:`~qkov.analysis.forward.tiled_nll.pass_nll`, a few MiB of logits at a time). ``curve=False``
     unembeds only the positions of the two windows (the same score, ~T/20 times less unembedding;
-    ``loss_by_position`` is then empty). ``edits`` apply to every forward pass
+    ``loss_by_position`` is then empty; their logits within :data:`LOGIT_BYTES`). ``edits`` apply to every forward pass
     (:func:`~qkov.analysis.forward.tracer.trace`); chunks are as even as they can be, so no chunk of a
     resample ablation holds a single sequence.
     """
@@ -394,7 +396,7 @@ def icl_score(
             f"late position, here both {late}"
         )
     at = None if curve else torch.cat([early_at, late_at]).unique()  # sorted
-    width = T if at is None else len(at)
+    width = 0 if at is None else len(at)  # the curve's losses are tiled: no [T, d_vocab] logits held
     if chunk is None:
         chunk = icl_chunk(source.cfg, T, width, torch.finfo(source.dtype).bits // 8)
     parts: dict[int, Tensor] = {}
@@ -405,10 +407,10 @@ def icl_score(
         if not sp.mine(u, len(bounds) - 1):
             continue
         ex = examples[i:stop]
-        logits = trace(source, ex, positions=at, edits=edits).logits
         if at is None:
-            parts[u] = next_token_nll(logits, ex)
+            parts[u] = pass_nll(source, ex, edits=edits)
         else:  # position p predicts token p + 1
+            logits = trace(source, ex, positions=at, edits=edits).logits
             logp = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).log_softmax(-1)
             parts[u] = -logp.gather(-1, ex[:, at.to(ex.device) + 1, None])[..., 0]
         tick(progress, "heads: in-context learning", stop, N)
