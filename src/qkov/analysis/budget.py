@@ -92,14 +92,15 @@ KEEP_STREAMS_BYTES = 2**30
 ablated passes at their first ablated layer); GPT-2-small at 16 x 1024 tokens keeps 0.6 GB."""
 
 
-def keeps_streams(source: WeightSource, tokens: Tensor | None) -> bool:
-    """Whether a run over ``tokens [B, T]`` may keep its stream entering every layer: an additive stream (a routed
-    model starts only at its final read), a model in memory (a streamed one would hold what it streams), and
-    at most :data:`KEEP_STREAMS_BYTES` and a quarter of the memory budget."""
+def keeps_streams(source: WeightSource, *tokens: Tensor | None) -> bool:
+    """Whether runs over ``tokens`` (each ``[B, T]``; ``None`` ones left out) may keep their streams entering every
+    layer: an additive stream (a routed model starts only at its final read), a model in memory (a streamed one
+    would hold what it streams), and at most :data:`KEEP_STREAMS_BYTES` and a quarter of the memory budget in all."""
     c = source.cfg
-    if tokens is None or c.residual != "sum" or not source.in_memory or not c.n_layers:
+    given = [t for t in tokens if t is not None]
+    if not given or c.residual != "sum" or not source.in_memory or not c.n_layers:
         return False
-    need = c.n_layers * tokens.numel() * c.d_model * item(source)
+    need = c.n_layers * sum(t.numel() for t in given) * c.d_model * item(source)
     have, _ = memory_budget(source.device)
     return need <= KEEP_STREAMS_BYTES and (have is None or 4 * need <= have)
 

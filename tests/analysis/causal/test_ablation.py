@@ -11,6 +11,7 @@ import torch
 from qkov import QkovError, trace
 from qkov.analysis import budget
 from qkov.analysis.causal import ablation as Ab
+from qkov.analysis.causal.sweep import ablation_sweep
 from qkov.weights import Weights
 
 from hand_built import hand_built, natural_text
@@ -307,7 +308,7 @@ def test_the_sweep_equals_one_study_per_head(mode: str, positions: str | None) -
     text = natural_text(4)
     icl = natural_text(4)
     assert icl.shape[1] >= 61  # long enough for the ICL score
-    sweep = Ab.ablation_sweep(w, text, icl_text=icl, mode=mode, positions=positions, seed=3)
+    sweep = ablation_sweep(w, text, icl_text=icl, mode=mode, positions=positions, seed=3)
     heads = [(l, h) for l in range(w.cfg.n_layers) for h in range(w.cfg.n_heads)]
     assert sweep.heads == [f"{l}.{h}" for l, h in heads] and len(sweep.ablated) == len(heads)
     for (l, h), got in zip(heads, sweep.ablated):
@@ -316,6 +317,35 @@ def test_the_sweep_equals_one_study_per_head(mode: str, positions: str | None) -
             assert getattr(got, name) == pytest.approx(getattr(want.ablated, name), abs=2e-5), (l, h, name)
         assert sweep.intact == want.intact
     assert any(abs(m.repeat_second - sweep.intact.repeat_second) > 0.1 for m in sweep.ablated)  # something moved
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_a_sweep_of_deeper_layers_starts_each_input_at_the_layer_and_measures_the_same(mode: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With the intact streams kept, the sweep's groups hold one layer's heads and every input's pass (text, ICL
+    examples, repeated tokens) starts at that layer from the intact stream there: each head's measures are
+    still one ablation_study's, and no pass of a layer-2 group runs layers 0 or 1."""
+    from qkov import ModelConfig, Transformer
+    from qkov.analysis.causal import sweep as S
+
+    cfg = ModelConfig(n_layers=3, n_heads=3, d_model=32, d_head=8, d_vocab=40, n_ctx=64)
+    w = Weights.from_model(Transformer(cfg, seed=4))
+    text, icl = natural_text(3, seed=1), natural_text(4, seed=2)
+    started: list[int | None] = []
+    for name in ("pass_nll", "trace"):
+        real = getattr(S, name)
+
+        def noted(*a, start_at=None, real=real, **k):  # type: ignore[no-untyped-def]
+            started.append(None if start_at is None else start_at[0])
+            return real(*a, start_at=start_at, **k)
+
+        monkeypatch.setattr(S, name, noted)
+    heads = [(l, h) for l in (1, 2) for h in range(3)]
+    sweep = ablation_sweep(w, text, heads=heads, icl_text=icl, mode=mode, seed=5)
+    assert sorted(set(started) - {None}) == [1, 2] and started.count(2) == 3  # text, ICL, probe of layer 2's group
+    for (l, h), got in zip(heads, sweep.ablated):
+        want = Ab.ablation_study(w, text, [(l, h)], icl_text=icl, mode=mode, draws=0, seed=5)
+        for name in ("loss", "icl", "repeat_first", "repeat_second"):
+            assert getattr(got, name) == pytest.approx(getattr(want.ablated, name), abs=2e-5), (l, h, name)
 
 
 def test_the_probe_follows_the_ablated_positions() -> None:

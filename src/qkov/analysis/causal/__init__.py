@@ -1,7 +1,7 @@
 """Interventions: what changes when activations are removed, replaced or patched.
 
 :mod:`.metrics` what an experiment measures; :mod:`.positions` where it intervenes; :mod:`.ablation`
-head ablation. The causal toolkit every patching method is built on: :mod:`.result` (a result with
+head ablation, :mod:`.sweep` every head ablated alone. The causal toolkit every patching method is built on: :mod:`.result` (a result with
 named axes), :mod:`.contrast` (a clean/corrupted pair, its two runs and the batched patched passes),
 :mod:`.registry` (the sweeps a study runs and every surface shows). The methods: :mod:`.patching`
 activation and attribution patching; :mod:`.path_patch` path patching; :mod:`.composition` [F]'s
@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from .metrics import as_metric, Attention, ICLWindows, LogitDiff, Loss, Metric, OfLogits, parse_metric, Prob
 from .positions import describe_positions, parse_positions, PositionSpec, resolve_positions
+from .sweep import ablation_sweep, AblationSweep
 from .ablation import (
     ablation_budget,
     ablation_edits,
     ablation_study,
-    ablation_sweep,
     AblationStudy,
-    AblationSweep,
     Chunks,
     derangement,
     Measures,

@@ -34,7 +34,6 @@ from ..forward.edits import per_position
 from ..forward.tiled_nll import pass_nll
 from ..forward.tracer import trace
 from .positions import PositionSpec, describe_positions, resolve_positions
-from ...progress import Progress, tick
 from ..heads.probes import ICL_LATE, icl_chunk, icl_left_out, icl_score, icl_windows, induction_probe, induction_probe_tokens
 from ..shown import TEXT, Shown, register
 from ..forward.address import Address, HeadLike, parse_heads
@@ -43,9 +42,7 @@ __all__ = [
     "ablation_budget",
     "ablation_edits",
     "ablation_study",
-    "ablation_sweep",
     "AblationStudy",
-    "AblationSweep",
     "Chunks",
     "derangement",
     "Measures",
@@ -466,125 +463,3 @@ def _probe_tokens(w: WeightSource, bos: int, seed: int, length: int | None = Non
     length = min(PROBE_LENGTH if length is None else length, (cfg.n_ctx - 1) // 2)  # as induction_probe caps it
     vocab = w if getattr(w, "tokenizer", None) is not None else cfg.d_vocab  # its ordinary tokens, where it has them
     return induction_probe_tokens(vocab, length=length, repeats=2, batch=8, seed=seed, bos=bos)
-
-
-# --------------------------------------------------------------------------- every head in turn
-@dataclass(repr=False)
-class AblationSweep(Shown):
-    """Each head ablated alone (``qkov ablate --heads all``): ``intact`` and one :class:`Measures` per
-    head of ``heads``, in the same order; ``probe_length`` the repeated-token probe's tokens per copy."""
-
-    mode: str
-    positions: str
-    intact: Measures
-    heads: list[str]
-    ablated: list[Measures]
-    probe_length: int | None
-    mean_sample: str | None = None
-    left_out: dict[str, str] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode, "positions": self.positions, "probe_length": self.probe_length,
-            "mean_sample": self.mean_sample, "intact": asdict(self.intact),
-            "heads": [{"head": h, **asdict(m)} for h, m in zip(self.heads, self.ablated)],
-            "left_out": dict(self.left_out),
-        }  # fmt: skip
-
-
-def _block_edits(group: list[Address], mode: str, positions: PositionSpec, means: Tensor | None, B: int, seed: int) -> dict:
-    """Edits of a batch made of ``len(group)`` copies of ``B`` sequences: copy ``g`` has head
-    ``group[g]`` ablated (``mode`` at ``positions``), the other copies leave it alone."""
-    edits: dict[Any, Any] = {}
-    for g, a in enumerate(group):
-        one = _ablate(mode, positions, None if means is None else means[g], seed)
-
-        def edit(z: Tensor, site: Address, lo: int = g * B, one: Callable = one) -> Tensor:
-            out = z.clone()
-            out[lo : lo + B] = one(z[lo : lo + B], site)
-            return out
-
-        edits[Address("z", a.layer, a.head)] = per_position(edit) if positions is None else edit
-    return edits
-
-
-def _by_block(nll: Tensor, G: int) -> Tensor:
-    """``[G * B, P]`` losses -> the mean of each block of ``B`` sequences ``[G]``."""
-    return nll.reshape(G, -1).mean(-1)
-
-
-def _sweep_group(
-    w: WeightSource, group: list[Address], text: Tensor | None, icl_text: Tensor | None, probe: Tensor | None,
-    edits_of: Callable[[int], dict],
-) -> list[Measures]:  # fmt: skip
-    """Measures of each head of ``group`` ablated alone, every input tiled ``len(group)`` times in one pass."""
-    G = len(group)
-    loss = icl = first = second = [None] * G  # type: ignore[list-item]
-    if text is not None:
-        tiled = text.repeat(G, 1)
-        loss = _by_block(pass_nll(w, tiled, edits=edits_of(text.shape[0])), G).tolist()
-    if icl_text is not None and icl_left_out(icl_text.shape[1], w.cfg.n_ctx) is None:
-        ex = icl_text[:, : ICL_LATE + 2].repeat(G, 1)
-        _, _, early_at, late_at = icl_windows(ex.shape[1])
-        at = torch.cat([early_at, late_at]).unique()
-        logp = trace(w, ex, positions=at, edits=edits_of(icl_text.shape[0])).logits.float().log_softmax(-1)
-        nll = -logp.gather(-1, ex[:, at + 1, None])[..., 0]  # [G * N, len(at)]
-        late, early = torch.isin(at, late_at), torch.isin(at, early_at)
-        icl = (_by_block(nll[:, late], G) - _by_block(nll[:, early], G)).tolist()
-    if probe is not None:
-        tiled = probe.repeat(G, 1)
-        nll = pass_nll(w, tiled, edits=edits_of(probe.shape[0]))
-        L = (probe.shape[1] - 1) // 2
-        first = _by_block(nll[:, 1:L], G).tolist()
-        second = _by_block(nll[:, L + 1 : 2 * L], G).tolist()
-    return [Measures(*m) for m in zip(loss, icl, first, second)]
-
-
-def ablation_sweep(
-    source: SourceLike,
-    text: Tensor | None = None,
-    *,
-    heads: Sequence[HeadLike] | str | None = None,
-    icl_text: Tensor | None = None,
-    mode: str = "mean",
-    bos: int | None = None,
-    seed: int = 0,
-    positions: PositionSpec = None,
-    progress: Progress | None = None,
-) -> AblationSweep:
-    """Ablate each head of ``heads`` (default every head) alone and measure it as
-    :func:`ablation_study` does (loss on ``text``, ICL score on ``icl_text``, repeated-token losses):
-    batched, several heads per forward pass (each input tiled once per head, the copies ablating
-    different heads), as many as fit the memory budget. Equal to one :func:`ablation_study` per head
-    (tested)."""
-    w = as_source(source, where="qkov.ablation_sweep")
-    bos = source_bos("qkov.ablation_sweep", w, bos)
-    if mode not in MODES:
-        raise QkovError(f"ablate: mode must be one of {', '.join(MODES)}, got {mode!r}")
-    c = w.cfg
-    if heads is None:
-        heads = [(l, h) for l in range(c.n_layers) for h in range(c.n_heads)]
-        if not heads:
-            raise QkovError("ablate: the model has no heads to sweep")
-    heads = parse_heads(heads, c, "ablate")
-    length, why = probe_plan(c.n_ctx, positions)
-    chunks = ablation_budget(w, text, icl_text, mode, bos=bos, seed=seed, probe_length=length)
-    tune_allocator_for(w)
-    probe = None if length is None else _probe_tokens(w, bos, seed, length).to(w.device)
-    mean_on = text if text is not None else _probe_tokens(w, bos, seed, length or PROBE_LENGTH).to(w.device)
-    means = z_means(w, mean_on, heads, chunk=chunks.mean) if mode == "mean" else None
-    inputs = [t for t in (text, icl_text, probe) if t is not None]
-    B, T = max(t.shape[0] for t in inputs), max(t.shape[1] for t in inputs)  # the largest pass, per head
-    sequences = fit_chunk(w, len(heads) * B, pass_bytes(w, 1, T, tiled=True), 0, "ablate: one head's pass", "ablate fewer heads")
-    G = max(1, sequences // B)  # heads per forward pass
-    intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length)
-    out: list[Measures] = []
-    for lo in range(0, len(heads), G):
-        group = heads[lo : lo + G]
-        m = None if means is None else means[lo : lo + G]
-        out += _sweep_group(w, group, text, icl_text, probe, lambda B: _block_edits(group, mode, positions, m, B, seed))
-        tick(progress, "ablate: each head in turn", len(out), len(heads))
-    sample = None if mode != "mean" else f"every position of {mean_on.shape[0]} sequences of {mean_on.shape[1]} tokens"
-    left = measures_left_out(c.n_ctx, text, icl_text) | ({} if why is None else {"repeated": why})
-    names = [a.name for a in heads]
-    return AblationSweep(mode, describe_positions(positions), intact, names, out, length, sample, left)

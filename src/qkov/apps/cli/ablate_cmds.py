@@ -8,6 +8,7 @@ from typing import Any
 from rich.table import Table
 
 from ...analysis.causal import ablation as Ab
+from ...analysis.causal.sweep import ablation_sweep
 from ...analysis.causal.positions import parse_positions
 from ...analysis.forward.address import parse_heads
 from ...weights.view import Weights
@@ -112,7 +113,7 @@ def _notes(study: Any) -> None:
 def _sweep(args: argparse.Namespace, w: Weights, sample: Any, positions: Any, dev: Any) -> int:
     """``qkov ablate --heads all``: each head alone, one table."""
     with StageProgress() as bar:
-        study = Ab.ablation_sweep(
+        study = ablation_sweep(
             w,
             None if sample.text is None else sample.text.to(dev),
             icl_text=None if sample.icl_text is None else sample.icl_text.to(dev),
