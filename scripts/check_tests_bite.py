@@ -40,17 +40,23 @@ BUGS: dict[str, tuple[str, str, str, str]] = {
         "(start[0], start[1][i][0])",
         "tests/analysis/causal/test_ablation.py::test_the_ablated_passes_start_from_the_intact_streams_and_measure_the_same",
     ),
-    "ablation sweep: a group's text pass started from the intact stream entering the layer before": (
+    "ablation sweep: a group's text and ICL passes started from the intact stream entering the layer before": (
         "analysis/causal/sweep.py",
-        "torch.cat([k[layer] for k in kept])",
-        "torch.cat([k[layer - 1] for k in kept])",
+        "torch.cat([k[layer] for k in parts])",
+        "torch.cat([k[layer - 1] for k in parts])",
         "tests/analysis/causal/test_ablation.py::test_the_sweep_equals_one_study_per_head",
     ),
-    "ablation sweep: the ICL and probe passes started from the intact stream entering the layer before": (
+    "ablation sweep: the probe's passes started from the intact stream entering the layer before": (
         "analysis/causal/sweep.py",
         "    return lambda layer: streams[layer]",
         "    return lambda layer: streams[layer - 1]",
         "tests/analysis/causal/test_ablation.py::test_a_sweep_of_deeper_layers_starts_each_input_at_the_layer_and_measures_the_same",
+    ),
+    "ablation study: an ablated ICL pass started at its first layer from the stream entering the model": (
+        "analysis/heads/probes.py",
+        "(start[0], start[1][ran][start[0]])",
+        "(start[0], start[1][ran][0])",
+        "tests/analysis/causal/test_ablation.py::test_the_ablated_passes_start_from_the_intact_streams_and_measure_the_same",
     ),
     "ablation study: every random set mean-ablated with the study's own heads' means": (
         "analysis/causal/ablation.py",

@@ -180,22 +180,30 @@ def test_each_random_set_of_a_mean_ablation_study_is_measured_with_its_own_means
 def test_the_ablated_passes_start_from_the_intact_streams_and_measure_the_same(
     mode: str, positions: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Each ablated text pass starts at its first ablated layer from the intact run's stream there: the
-    study's measures are those of passes from the first token (the streams not kept)."""
+    """Each ablated text pass and ICL pass starts at its first ablated layer from the intact run's stream there:
+    the study's measures are those of passes from the first token (the streams not kept)."""
+    from qkov.analysis.heads import probes
+
     w = Weights.from_model(hand_built())
-    text = natural_text(4)
+    text, icl = natural_text(4), natural_text(3, seed=7)
     starts: list[object] = []
-    real = Ab.pass_nll
+    icl_starts: list[object] = []
+    real, real_trace = Ab.pass_nll, probes.trace
     monkeypatch.setattr(Ab, "pass_nll", lambda *a, **k: starts.append(k.get("start_at")) or real(*a, **k))
-    got = Ab.ablation_study(w, text, [(1, 0)], mode=mode, draws=3, positions=positions)
-    assert [s[0] for s in starts if s is not None] == [1] * (1 + sum(h[0].startswith("1.") for h in got.random_heads))
+    monkeypatch.setattr(probes, "trace", lambda *a, **k: icl_starts.append(k.get("start_at")) or real_trace(*a, **k))
+    got = Ab.ablation_study(w, text, [(1, 0)], icl_text=icl, mode=mode, draws=3, positions=positions)
+    started = [1] * (1 + sum(h[0].startswith("1.") for h in got.random_heads))
+    assert [s[0] for s in starts if s is not None] == started
+    assert [s[0] for s in icl_starts if s is not None] == started  # the ICL passes (the probe's run from token 0)
     monkeypatch.setattr(budget, "KEEP_STREAMS_BYTES", 0)
     starts.clear()
-    want = Ab.ablation_study(w, text, [(1, 0)], mode=mode, draws=3, positions=positions)
+    want = Ab.ablation_study(w, text, [(1, 0)], icl_text=icl, mode=mode, draws=3, positions=positions)
     assert starts == [None] * 5 and got.random_heads == want.random_heads
     for a, b in zip([got.intact, got.ablated, *got.random], [want.intact, want.ablated, *want.random]):
         assert a.loss == pytest.approx(b.loss, rel=1e-6, abs=1e-7)
-        assert (a.icl, a.repeat_first, a.repeat_second) == (b.icl, b.repeat_first, b.repeat_second)
+        assert a.icl == pytest.approx(b.icl, rel=1e-6, abs=1e-7)
+        assert (a.repeat_first, a.repeat_second) == (b.repeat_first, b.repeat_second)
+    assert len({m.icl for m in [got.intact, got.ablated, *got.random]}) > 1  # the ablations move the ICL score
 
 
 def test_icl_removed_is_the_share_of_the_intact_improvement() -> None:

@@ -20,7 +20,7 @@ import itertools
 import math
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -241,20 +241,27 @@ def measures(
     edits: dict[Any, Any] | None = None,
     chunks: Chunks = Chunks(),
     probe_length: int | None = PROBE_LENGTH,
-    keep: list[Tensor] | None = None,
-    start: tuple[int, list[Tensor]] | None = None,
+    keep: Mapping[str, list[Tensor]] | None = None,
+    start: tuple[int, Mapping[str, list[Tensor]]] | None = None,
 ) -> Measures:
     """Loss on ``text [B, T]``, ICL score on ``icl_text [N, T]`` (``None``: not measured) and the
     repeated-token losses (:func:`~qkov.analysis.heads.probes.induction_probe`, seeded), every forward
     pass with ``edits``, the text and ICL examples ``chunks`` sequences at a time; ``bos=None``: the
     source's start token; ``probe_length`` tokens per copy of the probe (``None``: no probe). ``keep``, ``start``:
-    the text's passes keep their streams, or start from kept ones (:func:`sequence_losses`)."""
+    the passes over an input named there (``"text"``, ``"icl"``) keep their streams in its list, or start from
+    the kept ones (:func:`sequence_losses`, :func:`~qkov.analysis.heads.probes.icl_score`)."""
     source = as_source(source, where="qkov.analysis.causal.ablation.measures")
-    nll = None if text is None else sequence_losses(source, text, chunk=chunks.text, edits=edits, keep=keep, start=start)
+    kept = dict(keep or {})
+    at = {name: (start[0], streams) for name, streams in start[1].items()} if start is not None else {}
+    nll = None if text is None else sequence_losses(
+        source, text, chunk=chunks.text, edits=edits, keep=kept.get("text"), start=at.get("text")
+    )  # fmt: skip
     loss = None if nll is None else float(nll.mean())
     icl = None
     if icl_text is not None and icl_left_out(icl_text.shape[1], source.cfg.n_ctx) is None:
-        icl = icl_score(source, icl_text, curve=False, edits=edits, chunk=chunks.icl).score
+        icl = icl_score(
+            source, icl_text, curve=False, edits=edits, chunk=chunks.icl, keep=kept.get("icl"), start=at.get("icl")
+        ).score
     if probe_length is None:
         return Measures(loss, icl, None, None)
     probe = induction_probe(source, bos=bos, seed=seed, edits=edits, length=probe_length)
@@ -384,12 +391,12 @@ def ablation_study(
         union = list(dict.fromkeys([*heads, *(a for pick in picks for a in pick)]))
         mean_of = dict(zip(union, z_means(w, mean_on, union, chunk=chunks.mean)))
 
-    kept: list[Tensor] | None = [] if keeps_streams(w, text) else None  # the intact run's, to start from
+    kept = kept_streams(w, text, icl_text)  # the intact runs' streams, to start from
 
     def measure(hs: list[Address]) -> Measures:
         means = torch.stack([mean_of[a] for a in hs]) if mode == "mean" else None
         edits = ablation_edits(hs, mode, positions=positions, means=means, seed=seed)
-        start = None if kept is None else (min(a.layer for a in hs), kept)  # type: ignore[type-var]
+        start = (min(a.layer for a in hs), kept) if kept else None  # type: ignore[type-var]
         return measures(w, text, icl_text, bos=bos, seed=seed, edits=edits, chunks=chunks, probe_length=length, start=start)
 
     intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length, keep=kept)
@@ -400,6 +407,21 @@ def ablation_study(
         study.random_heads.append([a.name for a in pick])
         study.random.append(measure(pick))
     return study
+
+
+def kept_streams(source: WeightSource, text: Tensor | None, icl_text: Tensor | None) -> dict[str, list[Tensor]]:
+    """Empty lists for the inputs of :func:`measures` whose intact runs keep their streams (``"text"``, then the
+    ICL examples as the score reads them, ``"icl"``), as many as :func:`~qkov.analysis.budget.keeps_streams`
+    allows together."""
+    icl_ex = None
+    if icl_text is not None and icl_left_out(icl_text.shape[1], source.cfg.n_ctx) is None:
+        icl_ex = icl_text[:, : ICL_LATE + 2]
+    kept: dict[str, list[Tensor]] = {}
+    tokens: list[Tensor] = []
+    for name, t in (("text", text), ("icl", icl_ex)):
+        if t is not None and keeps_streams(source, *tokens, t):
+            kept[name], tokens = [], [*tokens, t]
+    return kept
 
 
 def measures_left_out(n_ctx: int, text: Tensor | None, icl_text: Tensor | None) -> dict[str, str]:

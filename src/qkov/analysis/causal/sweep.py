@@ -139,7 +139,8 @@ def _sweep_group(
 
 
 def _streams(w: WeightSource, tokens: Tensor) -> Callable[[int], Tensor]:
-    """The stream entering each layer of an intact run over ``tokens``, by layer (no logits made)."""
+    """The stream entering each layer of an intact run over ``tokens``, by layer (no logits made; the probe's:
+    :func:`~qkov.analysis.heads.probes.induction_probe` keeps none)."""
     streams = trace(w, tokens, cache=["resid_pre.*"], logits=False).stack("resid_pre")
     return lambda layer: streams[layer]
 
@@ -188,13 +189,13 @@ def ablation_sweep(
     sequences = fit_chunk(w, len(heads) * B, one, 0, "ablate: one head's pass", "ablate fewer heads")
     G = max(1, sequences // B)  # heads per forward pass
     groups = _groups(heads, means, G, by_layer=bool(keep))
-    kept: list[Tensor] | None = [] if "text" in keep else None
+    kept: dict[str, list[Tensor]] = {name: [] for name in ("text", "icl") if name in keep}  # chunk by chunk
     intact = measures(w, text, icl_text, bos=bos, seed=seed, chunks=chunks, probe_length=length, keep=kept)
-    starts: dict[str, Callable[[int], Tensor]] = {}
-    if kept is not None:
-        starts["text"] = lambda layer: torch.cat([k[layer] for k in kept])  # type: ignore[union-attr]
-    if sum(min(a.layer for a in g) * len(g) for g, _ in groups) > c.n_layers:  # layers skipped > one more pass
-        starts |= {name: _streams(w, keep[name]) for name in ("icl", "probe") if name in keep}
+    starts: dict[str, Callable[[int], Tensor]] = {
+        name: lambda layer, parts=parts: torch.cat([k[layer] for k in parts]) for name, parts in kept.items()
+    }
+    if "probe" in keep and sum(min(a.layer for a in g) * len(g) for g, _ in groups) > c.n_layers:
+        starts["probe"] = _streams(w, probe)  # type: ignore[arg-type]  # its layers skipped > one more pass
     out: list[Measures] = []
     for group, m in groups:
         edits_of = lambda B, group=group, m=m: _block_edits(group, mode, positions, m, B, seed)  # noqa: E731

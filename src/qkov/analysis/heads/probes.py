@@ -368,6 +368,8 @@ def icl_score(
     progress: Progress | None = None,
     curve: bool = True,
     edits: Mapping[Any, Any] | None = None,
+    keep: list[Tensor] | None = None,
+    start: tuple[int, list[Tensor]] | None = None,
 ) -> ICLScore:
     """Loss at token ``late`` minus loss at token ``early``, over ``examples [B, T]`` of validation text.
 
@@ -383,7 +385,9 @@ def icl_score(
     unembeds only the positions of the two windows (the same score, ~T/20 times less unembedding;
     ``loss_by_position`` is then empty; their logits within :data:`LOGIT_BYTES`). ``edits`` apply to every forward pass
     (:func:`~qkov.analysis.forward.tracer.trace`); chunks are as even as they can be, so no chunk of a
-    resample ablation holds a single sequence.
+    resample ablation holds a single sequence. ``keep``: a list that receives each chunk's stream entering every
+    layer (``[n_layers, chunk, T, d_model]``); ``start``: ``(layer, streams)``, each chunk's pass from ``layer`` on,
+    from its stream there in ``streams`` (kept by a run with the same ``chunk``; for edits of that layer and later).
     """
     source = as_source(source, where="qkov.icl_score")
     # nothing after the late position enters the score
@@ -403,14 +407,20 @@ def icl_score(
     N = examples.shape[0]
     bounds = torch.linspace(0, N, -(-N // chunk) + 1).round().long().tolist()
     sp = ranks.current()  # a unit: one chunk of examples
+    ran = 0  # chunks this rank has run: the index of their kept streams
     for u, (i, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
         if not sp.mine(u, len(bounds) - 1):
             continue
         ex = examples[i:stop]
+        start_at = None if start is None or not start[0] else (start[0], start[1][ran][start[0]])
+        ran += 1
         if at is None:
-            parts[u] = pass_nll(source, ex, edits=edits)
+            parts[u] = pass_nll(source, ex, edits=edits, start_at=start_at, keep=keep)
         else:  # position p predicts token p + 1
-            logits = trace(source, ex, positions=at, edits=edits).logits
+            run = trace(source, ex, positions=at, edits=edits, start_at=start_at, cache=[] if keep is None else ["resid_pre.*"])
+            if keep is not None:
+                keep.append(run.stack("resid_pre"))
+            logits = run.logits
             logp = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32).log_softmax(-1)
             parts[u] = -logp.gather(-1, ex[:, at.to(ex.device) + 1, None])[..., 0]
         tick(progress, "heads: in-context learning", stop, N)
