@@ -45,6 +45,8 @@ __all__ = [
     "AblationStudy",
     "Chunks",
     "derangement",
+    "icl_examples",
+    "kept_streams",
     "Measures",
     "measures",
     "measures_left_out",
@@ -158,13 +160,14 @@ def ablation_budget(
     elif text is not None:
         T = text.shape[1]
         text_chunk = split(text, pass_bytes(source, 1, T, tiled=True), f"one {T}-token sequence")
-    if icl_text is not None and icl_left_out(icl_text.shape[1], c.n_ctx) is None:
-        T = min(icl_text.shape[1], ICL_LATE + 2)
+    ex = icl_examples(icl_text, c.n_ctx)
+    if ex is not None:
+        T = ex.shape[1]
         width = len(torch.cat(icl_windows(T)[2:]).unique())  # the positions the score unembeds
         own = icl_chunk(c, T, width, it)  # icl_score's own chunk
         least = 2 if mode == "resample" else 1
         one = pass_bytes(source, 1, T, logits=width, loss=True)
-        icl = split(icl_text[:own], one, f"{least} {T}-token ICL example(s)", least)
+        icl = split(ex[:own], one, f"{least} {T}-token ICL example(s)", least)
     return Chunks(text_chunk, icl, mean)
 
 
@@ -391,7 +394,9 @@ def ablation_study(
         union = list(dict.fromkeys([*heads, *(a for pick in picks for a in pick)]))
         mean_of = dict(zip(union, z_means(w, mean_on, union, chunk=chunks.mean)))
 
-    kept = kept_streams(w, text, icl_text)  # the intact runs' streams, to start from
+    kept: dict[str, list[Tensor]] = {  # the intact runs' streams, chunk by chunk, to start from
+        name: [] for name in kept_streams(w, text=text, icl=icl_examples(icl_text, w.cfg.n_ctx))
+    }
 
     def measure(hs: list[Address]) -> Measures:
         means = torch.stack([mean_of[a] for a in hs]) if mode == "mean" else None
@@ -409,18 +414,21 @@ def ablation_study(
     return study
 
 
-def kept_streams(source: WeightSource, text: Tensor | None, icl_text: Tensor | None) -> dict[str, list[Tensor]]:
-    """Empty lists for the inputs of :func:`measures` whose intact runs keep their streams (``"text"``, then the
-    ICL examples as the score reads them, ``"icl"``), as many as :func:`~qkov.analysis.budget.keeps_streams`
-    allows together."""
-    icl_ex = None
-    if icl_text is not None and icl_left_out(icl_text.shape[1], source.cfg.n_ctx) is None:
-        icl_ex = icl_text[:, : ICL_LATE + 2]
-    kept: dict[str, list[Tensor]] = {}
-    tokens: list[Tensor] = []
-    for name, t in (("text", text), ("icl", icl_ex)):
-        if t is not None and keeps_streams(source, *tokens, t):
-            kept[name], tokens = [], [*tokens, t]
+def icl_examples(icl_text: Tensor | None, n_ctx: int) -> Tensor | None:
+    """The ICL examples as :func:`measures` reads them (up to position :data:`ICL_LATE` + 1), or ``None`` where
+    the score is left out (:func:`~qkov.analysis.heads.probes.icl_left_out`)."""
+    if icl_text is None or icl_left_out(icl_text.shape[1], n_ctx) is not None:
+        return None
+    return icl_text[:, : ICL_LATE + 2]
+
+
+def kept_streams(source: WeightSource, **inputs: Tensor | None) -> dict[str, Tensor]:
+    """The ``inputs`` (by name, in order; ``None`` ones left out) whose intact runs keep their streams entering
+    every layer, as many as :func:`~qkov.analysis.budget.keeps_streams` allows together."""
+    kept: dict[str, Tensor] = {}
+    for name, tokens in inputs.items():
+        if tokens is not None and keeps_streams(source, *kept.values(), tokens):
+            kept[name] = tokens
     return kept
 
 

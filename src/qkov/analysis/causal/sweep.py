@@ -19,12 +19,12 @@ from ...errors import QkovError
 from ...progress import Progress, tick
 from ...weights.convert import SourceLike, as_source, source_bos
 from ...weights.parts import WeightSource
-from ..budget import fit_chunk, item, keeps_streams, pass_bytes
+from ..budget import fit_chunk, item, pass_bytes
 from ..forward.address import Address, HeadLike, parse_heads
 from ..forward.edits import per_position
 from ..forward.tiled_nll import pass_nll
 from ..forward.tracer import trace
-from ..heads.probes import ICL_LATE, icl_left_out, icl_windows
+from ..heads.probes import icl_windows
 from ..shown import Shown
 from .ablation import (
     MODES,
@@ -33,6 +33,8 @@ from .ablation import (
     _ablate,
     _probe_tokens,
     ablation_budget,
+    icl_examples,
+    kept_streams,
     measures,
     measures_left_out,
     probe_plan,
@@ -105,10 +107,11 @@ def _by_block(nll: Tensor, G: int) -> Tensor:
 
 
 def _sweep_group(
-    w: WeightSource, group: list[Address], text: Tensor | None, icl_text: Tensor | None, probe: Tensor | None,
+    w: WeightSource, group: list[Address], text: Tensor | None, icl_ex: Tensor | None, probe: Tensor | None,
     edits_of: Callable[[int], dict], starts: Mapping[str, Callable[[int], Tensor]] | None = None,
 ) -> list[Measures]:  # fmt: skip
-    """Measures of each head of ``group`` ablated alone, every input tiled ``len(group)`` times in one pass;
+    """Measures of each head of ``group`` ablated alone, every input tiled ``len(group)`` times in one pass
+    (``icl_ex``: the ICL examples as the score reads them, :func:`~qkov.analysis.causal.ablation.icl_examples`);
     ``starts``: for an input (``"text"``, ``"icl"``, ``"probe"``), its intact run's stream entering a layer,
     its pass then starting at the group's first layer from that stream."""
     G, layer = len(group), min(a.layer for a in group)  # type: ignore[type-var]
@@ -121,11 +124,11 @@ def _sweep_group(
     if text is not None:
         tiled = text.repeat(G, 1)
         loss = _by_block(pass_nll(w, tiled, edits=edits_of(text.shape[0]), start_at=start("text")), G).tolist()
-    if icl_text is not None and icl_left_out(icl_text.shape[1], w.cfg.n_ctx) is None:
-        ex = icl_text[:, : ICL_LATE + 2].repeat(G, 1)
+    if icl_ex is not None:
+        ex = icl_ex.repeat(G, 1)
         _, _, early_at, late_at = icl_windows(ex.shape[1])
         at = torch.cat([early_at, late_at]).unique()
-        run = trace(w, ex, positions=at, edits=edits_of(icl_text.shape[0]), start_at=start("icl"))
+        run = trace(w, ex, positions=at, edits=edits_of(icl_ex.shape[0]), start_at=start("icl"))
         nll = -run.logits.float().log_softmax(-1).gather(-1, ex[:, at + 1, None])[..., 0]  # [G * N, len(at)]
         late, early = torch.isin(at, late_at), torch.isin(at, early_at)
         icl = (_by_block(nll[:, late], G) - _by_block(nll[:, early], G)).tolist()
@@ -180,11 +183,8 @@ def ablation_sweep(
     means = z_means(w, mean_on, heads, chunk=chunks.mean) if mode == "mean" else None
     inputs = [t for t in (text, icl_text, probe) if t is not None]
     B, T = max(t.shape[0] for t in inputs), max(t.shape[1] for t in inputs)  # the largest pass, per head
-    icl_ex = None if icl_text is None or icl_left_out(icl_text.shape[1], c.n_ctx) else icl_text[:, : ICL_LATE + 2]
-    keep: dict[str, Tensor] = {}  # the inputs whose intact streams are kept, to start each group's pass from
-    for name, tokens in (("text", text), ("icl", icl_ex), ("probe", probe)):
-        if tokens is not None and keeps_streams(w, *keep.values(), tokens):
-            keep[name] = tokens
+    icl_ex = icl_examples(icl_text, c.n_ctx)
+    keep = kept_streams(w, text=text, icl=icl_ex, probe=probe)  # to start each group's passes from
     one = pass_bytes(w, 1, T, tiled=True) + (T * c.d_model * item(w) if keep else 0)  # + its start stream
     sequences = fit_chunk(w, len(heads) * B, one, 0, "ablate: one head's pass", "ablate fewer heads")
     G = max(1, sequences // B)  # heads per forward pass
@@ -199,7 +199,7 @@ def ablation_sweep(
     out: list[Measures] = []
     for group, m in groups:
         edits_of = lambda B, group=group, m=m: _block_edits(group, mode, positions, m, B, seed)  # noqa: E731
-        out += _sweep_group(w, group, text, icl_text, probe, edits_of, starts)
+        out += _sweep_group(w, group, text, icl_ex, probe, edits_of, starts)
         tick(progress, "ablate: each head in turn", len(out), len(heads))
     sample = None if mode != "mean" else f"every position of {mean_on.shape[0]} sequences of {mean_on.shape[1]} tokens"
     left = measures_left_out(c.n_ctx, text, icl_text) | ({} if why is None else {"repeated": why})
